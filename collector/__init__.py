@@ -1,0 +1,1 @@
+"""Collectors: OpenTelemetry setup and exporters, the OTLP receiver, the proxy, vLLM hooks, GPU sampler."""

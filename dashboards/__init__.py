@@ -1,0 +1,1 @@
+"""Dashboards: the Dash app, the static HTML report and shared figure builders."""

@@ -1,0 +1,12 @@
+"""kvscope: was the KV of earlier turns reused — and if not, why, what did keeping it cost?"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("kvscope")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__"]

@@ -1,0 +1,43 @@
+"""kvscope's exception hierarchy.
+
+    KvscopeError                 base of everything kvscope raises on purpose
+    ├── SettingError             a bad explicit setting value (option or argument)
+    ├── StoreError               a DuckDB store cannot be used
+    │   ├── NotAKvscopeStore     the file is not DuckDB, or a DuckDB file of something else
+    │   ├── NewerSchemaError     written by a newer kvscope; refused, never rewritten
+    │   └── StoreLockedError     another process holds the file for writing
+    └── PayloadError             an OTLP payload that cannot be decoded (receiver → HTTP 400)
+
+Third-party errors (duckdb, protobuf) are translated into these at one boundary each; the CLI
+turns them into one-line messages.
+"""
+
+from __future__ import annotations
+
+
+class KvscopeError(Exception):
+    """Base class of every error kvscope raises on purpose."""
+
+
+class SettingError(KvscopeError, ValueError):
+    """An explicit setting value is invalid."""
+
+
+class StoreError(KvscopeError):
+    """A DuckDB store cannot be opened or used."""
+
+
+class NotAKvscopeStore(StoreError):
+    """The file is not a DuckDB database, or is one that kvscope did not create."""
+
+
+class NewerSchemaError(StoreError):
+    """The store was written by a newer kvscope schema version."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the store open for writing."""
+
+
+class PayloadError(KvscopeError, ValueError):
+    """An OTLP request body is malformed."""

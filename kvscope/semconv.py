@@ -1,0 +1,233 @@
+"""Semantic conventions: every span name, attribute key, metric name and enumerated value kvscope emits.
+
+This is the only module that spells a ``kvscope.*`` or ``gen_ai.*`` key as a string literal
+(``tests/test_semconv.py`` enforces it). Where the OpenTelemetry GenAI conventions have a name we
+use it; kvscope's own keys start with ``kvscope.``. Units are part of the key (``_tokens``,
+``_bytes``, ``_s``, ``_ms``).
+
+Each name is declared once through :func:`_attr`, :func:`_span` or :func:`_metric`, which also
+records its unit and one-line description in :data:`REGISTRY` so docs and tests can iterate them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["span", "attribute", "metric", "event"]
+
+
+@dataclass(frozen=True)
+class Convention:
+    """One declared name with its unit and meaning."""
+
+    name: str
+    kind: Kind
+    unit: str
+    description: str
+
+
+REGISTRY: dict[str, Convention] = {}
+
+
+def _declare(name: str, kind: Kind, unit: str, description: str) -> str:
+    if name in REGISTRY:
+        raise ValueError(f"semantic convention {name!r} declared twice")
+    REGISTRY[name] = Convention(name, kind, unit, description)
+    return name
+
+
+def _attr(name: str, unit: str, description: str) -> str:
+    return _declare(name, "attribute", unit, description)
+
+
+def _span(name: str, description: str) -> str:
+    return _declare(name, "span", "", description)
+
+
+def _metric(name: str, unit: str, description: str) -> str:
+    return _declare(name, "metric", unit, description)
+
+
+def _event(name: str, description: str) -> str:
+    return _declare(name, "event", "", description)
+
+
+# --- services -----------------------------------------------------------------------------------
+SERVICE_PROXY = "kvscope-proxy"
+SERVICE_PREFILL = "vllm-prefill"
+SERVICE_DECODE = "vllm-decode"
+SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
+
+# Instrumentation scope name used by every kvscope tracer and meter.
+SCOPE_NAME = "kvscope"
+
+# --- spans --------------------------------------------------------------------------------------
+SPAN_TURN = _span("kvscope.turn", "One client turn at the proxy: request arrival to last byte sent.")
+SPAN_INPUT_PROCESSING = _span(
+    "kvscope.input_processing",
+    "The prefill leg: P queue, D->P pull, prefill compute and the first token.",
+)
+SPAN_GENERATION = _span("kvscope.generation", "The decode leg: P->D pull and decode.")
+SPAN_TOOL_WAIT = _span(
+    "kvscope.tool_wait", "End of turn k-1's response to arrival of turn k of one conversation."
+)
+SPAN_REUSE_DECISION = _span(
+    "kvscope.reuse_decision",
+    "The moment prefill decides local hit, remote pull or recompute for a request.",
+)
+SPAN_KV_TRANSFER = _span("kvscope.kv_transfer", "One NIXL READ between engines.")
+SPAN_KV_RETENTION = _span(
+    "kvscope.kv_retention", "Decode pins a finished turn's blocks until it releases them."
+)
+# vLLM's own request span, emitted when --otlp-traces-endpoint points at kvscope.
+SPAN_VLLM_REQUEST = "llm_request"
+
+# --- events -------------------------------------------------------------------------------------
+EVENT_FIRST_TOKEN = _event("first_token", "The first generated token reached the proxy.")
+
+# --- GenAI semantic-convention attributes ---------------------------------------------------------
+GEN_AI_CONVERSATION_ID = _attr("gen_ai.conversation.id", "", "Conversation (agent session) id.")
+GEN_AI_REQUEST_MODEL = _attr("gen_ai.request.model", "", "Model name the client asked for.")
+GEN_AI_USAGE_INPUT_TOKENS = _attr("gen_ai.usage.input_tokens", "tokens", "Prompt tokens.")
+GEN_AI_USAGE_OUTPUT_TOKENS = _attr("gen_ai.usage.output_tokens", "tokens", "Generated tokens.")
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = _attr(
+    "gen_ai.usage.cache_read.input_tokens", "tokens", "Prompt tokens served from a cache."
+)
+
+# --- turn (proxy) -------------------------------------------------------------------------------
+TURN_INDEX = _attr("kvscope.turn.index", "", "1-based turn number within its conversation.")
+CONVERSATION_ID_SOURCE = _attr(
+    "kvscope.conversation.id_source", "", "Where the id came from: body, header or none."
+)
+ROUTER_LOOKUP = _attr(
+    "kvscope.router.lookup", "", "Router cache lookup result: hit, miss, stale, consumed, ..."
+)
+ROUTER_ENTRY_AGE_S = _attr("kvscope.router.entry_age_s", "s", "Age of the router entry looked up.")
+ROUTER_TTL_S = _attr("kvscope.router.ttl_s", "s", "The proxy's router-cache TTL.")
+PREFILL_INSTANCE = _attr("kvscope.prefill.instance", "", "host:port of the prefill server used.")
+DECODE_INSTANCE = _attr("kvscope.decode.instance", "", "host:port of the decode server used.")
+TTFT_MS = _attr("kvscope.ttft_ms", "ms", "Time to first token as seen by the proxy.")
+X_REQUEST_ID = _attr("kvscope.x_request_id", "", "X-Request-Id the proxy sent to both legs.")
+MESSAGE_BOUNDARY_HASHES = _attr(
+    "kvscope.prompt.boundary_hashes",
+    "",
+    "Chained hashes of the prompt's message boundaries (never text), comma separated.",
+)
+PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
+CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
+D_METADATA_ATTACHED = _attr(
+    "kvscope.d_metadata_attached", "", "Whether decode's retained-KV metadata went to prefill."
+)
+RETENTION_METADATA_RETURNED = _attr(
+    "kvscope.retention.metadata_returned", "", "Whether decode returned retention metadata."
+)
+REMOTE_NUM_TOKENS = _attr(
+    "kvscope.remote_num_tokens", "tokens", "Tokens decode offers for the next turn."
+)
+WAIT_SOURCE = _attr("kvscope.wait.source", "", "How a tool wait is known: inferred or reported.")
+ERROR_KIND = _attr("kvscope.error.kind", "", "Short error class of a failed turn or leg.")
+CLIENT_DISCONNECTED = _attr(
+    "kvscope.client_disconnected", "", "The client went away before the response ended."
+)
+
+# --- engine hooks -------------------------------------------------------------------------------
+VLLM_REQUEST_ID = _attr("kvscope.vllm.request_id", "", "vLLM's internal request id.")
+ENGINE_ID = _attr("kvscope.engine.id", "", "vLLM engine id of the emitting engine.")
+ENGINE_ROLE = _attr("kvscope.engine.role", "", "prefill or decode.")
+REMOTE_ENGINE_ID = _attr("kvscope.remote.engine_id", "", "Engine id on the other side.")
+LOCAL_HIT_TOKENS = _attr("kvscope.local_hit_tokens", "tokens", "Prefix-cache hit on prefill.")
+REMOTE_OFFERED_TOKENS = _attr(
+    "kvscope.remote_offered_tokens", "tokens", "Tokens decode offered (remote_num_tokens)."
+)
+TOKENS_TO_PULL = _attr("kvscope.tokens_to_pull", "tokens", "Tokens prefill decided to read.")
+THRESHOLD_TOKENS = _attr(
+    "kvscope.kv_recompute_threshold_tokens", "tokens", "kv_recompute_threshold in force."
+)
+DECISION = _attr("kvscope.decision", "", "Reuse decision (see DECISION_* values).")
+BIDIR_ENABLED = _attr("kvscope.bidirectional_kv_xfer", "", "bidirectional_kv_xfer on this node.")
+TRANSFER_DIRECTION = _attr("kvscope.transfer.direction", "", "d_to_p or p_to_d.")
+TRANSFER_BYTES = _attr("kvscope.transfer.bytes", "bytes", "Bytes one transfer moved.")
+TRANSFER_BLOCKS = _attr("kvscope.transfer.blocks", "", "KV blocks one transfer moved.")
+TRANSFER_STATUS = _attr("kvscope.transfer.status", "", "ok, failed, declined_expired, ...")
+RETENTION_BLOCKS = _attr("kvscope.retention.blocks", "", "Blocks decode pinned.")
+RETENTION_BYTES = _attr("kvscope.retention.bytes", "bytes", "Bytes decode pinned.")
+RETENTION_TTL_S = _attr("kvscope.retention.ttl_s", "s", "decoder_kv_blocks_ttl in force.")
+RETENTION_RELEASE_REASON = _attr(
+    "kvscope.retention.release_reason", "", "read, notified, expired or open."
+)
+REQUEST_OUTCOME = _attr(
+    "kvscope.request.outcome", "", "How the engine finished the request (e.g. error after load)."
+)
+GPU_HOST = _attr("kvscope.gpu.host", "", "Host a GPU sample came from.")
+GPU_INDEX = _attr("kvscope.gpu.index", "", "GPU index on its host.")
+RUN_ID = _attr("kvscope.run.id", "", "kvscope run id (resource attribute).")
+
+# --- metrics ------------------------------------------------------------------------------------
+METRIC_GPU_MEMORY_USED = _metric("kvscope.gpu.memory.used_bytes", "By", "GPU memory in use.")
+METRIC_GPU_MEMORY_TOTAL = _metric("kvscope.gpu.memory.total_bytes", "By", "GPU memory in total.")
+METRIC_KV_RETAINED = _metric(
+    "kvscope.kv.retained_bytes", "By", "KV bytes decode holds for later turns."
+)
+
+# --- enumerated values --------------------------------------------------------------------------
+ROUTER_HIT = "hit"
+ROUTER_MISS = "miss"
+ROUTER_STALE = "stale"
+ROUTER_CONSUMED = "consumed"
+ROUTER_NO_CONVERSATION_ID = "no_conversation_id"
+ROUTER_RESULTS = (ROUTER_HIT, ROUTER_MISS, ROUTER_STALE, ROUTER_CONSUMED, ROUTER_NO_CONVERSATION_ID)
+
+DECISION_PULL = "pull"
+DECISION_BELOW_THRESHOLD = "below_threshold"
+DECISION_LOCAL_COVERS = "local_covers"
+DECISION_NO_OFFER = "no_offer"
+DECISION_INVALID_PARAMS = "invalid_params"
+DECISIONS = (
+    DECISION_PULL,
+    DECISION_BELOW_THRESHOLD,
+    DECISION_LOCAL_COVERS,
+    DECISION_NO_OFFER,
+    DECISION_INVALID_PARAMS,
+)
+
+DIRECTION_D_TO_P = "d_to_p"
+DIRECTION_P_TO_D = "p_to_d"
+
+TRANSFER_OK = "ok"
+TRANSFER_FAILED = "failed"
+TRANSFER_DECLINED_EXPIRED = "declined_expired"
+TRANSFER_HANDSHAKE_FAILED = "handshake_failed"
+TRANSFER_STATUSES = (
+    TRANSFER_OK,
+    TRANSFER_FAILED,
+    TRANSFER_DECLINED_EXPIRED,
+    TRANSFER_HANDSHAKE_FAILED,
+)
+
+RELEASE_READ = "read"
+RELEASE_NOTIFIED = "notified"
+RELEASE_EXPIRED = "expired"
+RELEASE_OPEN = "open"
+RELEASE_REASONS = (RELEASE_READ, RELEASE_NOTIFIED, RELEASE_EXPIRED, RELEASE_OPEN)
+
+WAIT_INFERRED = "inferred"
+WAIT_REPORTED = "reported"
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+
+
+def spans() -> list[Convention]:
+    """Every declared span name."""
+    return [c for c in REGISTRY.values() if c.kind == "span"]
+
+
+def attributes() -> list[Convention]:
+    """Every declared attribute key."""
+    return [c for c in REGISTRY.values() if c.kind == "attribute"]
+
+
+def metrics() -> list[Convention]:
+    """Every declared metric name."""
+    return [c for c in REGISTRY.values() if c.kind == "metric"]

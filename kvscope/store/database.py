@@ -1,0 +1,171 @@
+"""Opening a kvscope DuckDB store: create, check, migrate, or refuse — never rewrite a foreign file.
+
+``open_store(path)`` is the one place a writable connection is made and
+``open_readonly(path)`` the one place a read-only one is; both translate DuckDB's errors into
+:mod:`kvscope.errors`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from kvscope.errors import NewerSchemaError, NotAKvscopeStore, StoreError, StoreLockedError
+from kvscope.store import migrations
+from kvscope.store.schema import (
+    KVSCOPE_TABLES,
+    META_TABLE,
+    RUNS_TABLE,
+    SCHEMA_VERSION,
+    ddl,
+    quote,
+)
+
+_LOCK_MARKERS = ("Could not set lock", "Conflicting lock", "lock on file")
+_NOT_DUCKDB_MARKERS = ("not a valid DuckDB database", "database file", "Invalid Input Error")
+
+
+def _connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
+    if path != ":memory:" and read_only and not Path(path).exists():
+        raise StoreError(f"{path}: no such store file")
+    if path != ":memory:" and Path(path).is_dir():
+        raise StoreError(f"{path}: is a directory, expected a DuckDB file")
+    try:
+        return duckdb.connect(path, read_only=read_only)
+    except duckdb.IOException as exc:
+        message = str(exc)
+        if any(marker in message for marker in _LOCK_MARKERS):
+            raise StoreLockedError(
+                f"{path}: another process holds this store for writing "
+                "(send telemetry to that process over OTLP, or stop it first)"
+            ) from None
+        if any(marker in message for marker in _NOT_DUCKDB_MARKERS):
+            raise NotAKvscopeStore(f"{path}: not a DuckDB database; refusing to touch it") from None
+        raise StoreError(f"{path}: cannot open: {message.splitlines()[0]}") from None
+    except duckdb.Error as exc:
+        first = str(exc).splitlines()[0]
+        if "not a valid DuckDB" in first or "Invalid Input" in first or "Serialization" in first:
+            raise NotAKvscopeStore(f"{path}: not a DuckDB database; refusing to touch it") from None
+        raise StoreError(f"{path}: cannot open: {first}") from None
+
+
+def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    rows = con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'"
+    ).fetchall()
+    return {row[0] for row in rows}
+
+
+def schema_version(con: duckdb.DuckDBPyConnection, path: str) -> int | None:
+    """The store's schema version; None for an empty database; refuse anything foreign."""
+    tables = _tables(con)
+    if not tables:
+        return None
+    if META_TABLE not in tables:
+        raise NotAKvscopeStore(
+            f"{path}: a DuckDB file with tables {sorted(tables)[:5]} but no {META_TABLE}; "
+            "not a kvscope store, refusing to touch it"
+        )
+    row = con.execute(
+        f"SELECT value FROM {quote(META_TABLE)} WHERE key = 'schema_version'"
+    ).fetchone()
+    if row is None or not str(row[0]).isdigit():
+        raise NotAKvscopeStore(f"{path}: {META_TABLE} has no valid schema_version; refusing")
+    version = int(row[0])
+    if version > SCHEMA_VERSION:
+        raise NewerSchemaError(
+            f"{path}: schema version {version} is newer than this kvscope understands "
+            f"({SCHEMA_VERSION}); upgrade kvscope to read it"
+        )
+    return version
+
+
+def _initialise(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for statement in ddl():
+            con.execute(statement)
+        con.execute(
+            f"INSERT INTO {quote(META_TABLE)} VALUES ('schema_version', ?), ('created_by', ?)",
+            [str(SCHEMA_VERSION), "kvscope"],
+        )
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+
+
+def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
+    """Open (creating if new) a store for writing; refuse foreign, newer or locked files."""
+    path = str(path)
+    if path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    con = _connect(path, read_only=False)
+    try:
+        version = schema_version(con, path)
+        if version is None:
+            _initialise(con)
+        elif version < SCHEMA_VERSION:
+            migrations.upgrade(con, version)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
+    """Open an existing store read-only; refuse anything that is not a kvscope store."""
+    path = str(path)
+    con = _connect(path, read_only=True)
+    try:
+        version = schema_version(con, path)
+        if version is None:
+            raise NotAKvscopeStore(f"{path}: empty DuckDB file, not a kvscope store")
+        if version < SCHEMA_VERSION:
+            raise StoreError(
+                f"{path}: schema version {version} is older than {SCHEMA_VERSION}; "
+                "open it once for writing (e.g. `kvscope serve --db`) to upgrade it"
+            )
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def begin_run(
+    con: duckdb.DuckDBPyConnection,
+    label: str,
+    settings: Mapping[str, Any],
+    run_id: str | None = None,
+) -> str:
+    """Record a new run and return its id."""
+    run_id = run_id or uuid.uuid4().hex[:16]
+    con.execute(
+        f"INSERT INTO {quote(RUNS_TABLE)} (run_id, label, settings, started_at) VALUES (?, ?, ?, ?)",
+        [run_id, label, json.dumps(dict(settings), sort_keys=True, default=str),
+         datetime.now(UTC)],
+    )
+    return run_id
+
+
+def end_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """Mark a run finished."""
+    con.execute(
+        f"UPDATE {quote(RUNS_TABLE)} SET ended_at = ? WHERE run_id = ?",
+        [datetime.now(UTC), run_id],
+    )
+
+
+def table_counts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Row count of every kvscope table."""
+    counts: dict[str, int] = {}
+    for table in KVSCOPE_TABLES:
+        row = con.execute(f"SELECT count(*) FROM {quote(table)}").fetchone()
+        counts[table] = int(row[0]) if row else 0
+    return counts

@@ -1,0 +1,160 @@
+"""The store writer: one thread owns the writable connection and appends Arrow batches.
+
+Producers (exporters, the receiver) call :meth:`StoreWriter.submit`, which never blocks and never
+raises: it enqueues the batch when the bounded queue has room and otherwise drops it and counts
+the rows. The writer thread concatenates what is queued and inserts it with one
+``INSERT ... SELECT`` over the Arrow table per target table (DuckDB's zero-copy Arrow scan, not
+row-by-row INSERT). :meth:`flush` waits until everything submitted so far is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from kvscope.store.database import open_store
+from kvscope.store.schema import GAUGE_TABLE, RAW_TABLES, TRACES_TABLE, quote
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    """Counters a writer keeps; read them for drop and failure reporting."""
+
+    submitted_rows: int = 0
+    written_rows: int = 0
+    dropped_rows: int = 0
+    failed_rows: int = 0
+    batches_written: int = 0
+
+
+def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+    """Insert an Arrow table into one raw table in a single statement."""
+    if table not in RAW_TABLES:
+        raise ValueError(f"not a raw table: {table}")
+    con.register("_kvscope_batch", rows)
+    try:
+        con.execute(f"INSERT INTO {quote(table)} SELECT * FROM _kvscope_batch")
+    finally:
+        con.unregister("_kvscope_batch")
+
+
+class StoreWriter:
+    """Batches Arrow rows into a store from any thread, through one bounded queue."""
+
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        *,
+        max_queue_rows: int = 65536,
+        name: str = "kvscope-store-writer",
+    ) -> None:
+        self._con = con
+        self._max_queue_rows = max_queue_rows
+        self._queue: deque[tuple[str, pa.Table]] = deque()
+        self._queued_rows = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._seq_submitted = 0
+        self._seq_done = 0
+        self.stats = WriterStats()
+        self._warned_drop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(cls, path: str | Path, *, max_queue_rows: int = 65536) -> StoreWriter:
+        """Open (or create) the store at ``path`` and start a writer on it."""
+        return cls(open_store(path), max_queue_rows=max_queue_rows)
+
+    @property
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        """The writable connection (use ``.cursor()`` for reads from other threads)."""
+        return self._con
+
+    def submit(self, table: str, rows: pa.Table) -> bool:
+        """Queue rows for ``table``; False (and counted as dropped) when the queue is full."""
+        n = rows.num_rows
+        if n == 0:
+            return True
+        with self._cond:
+            if self._closed or self._queued_rows + n > self._max_queue_rows:
+                self.stats.dropped_rows += n
+                if not self._warned_drop:
+                    self._warned_drop = True
+                    logger.warning(
+                        "kvscope store writer queue full or closed; dropping rows "
+                        "(further drops are counted, not logged)"
+                    )
+                return False
+            self._queue.append((table, rows))
+            self._queued_rows += n
+            self._seq_submitted += 1
+            self.stats.submitted_rows += n
+            self._cond.notify_all()
+            return True
+
+    def submit_traces(self, rows: pa.Table) -> bool:
+        """Queue rows for ``otel_traces``."""
+        return self.submit(TRACES_TABLE, rows)
+
+    def submit_gauge(self, rows: pa.Table) -> bool:
+        """Queue rows for ``otel_metrics_gauge``."""
+        return self.submit(GAUGE_TABLE, rows)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every batch submitted before this call is written (or failed)."""
+        with self._cond:
+            target = self._seq_submitted
+            return self._cond.wait_for(lambda: self._seq_done >= target, timeout=timeout)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued, stop the thread and close the connection."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        try:
+            self._con.close()
+        except duckdb.Error:
+            logger.exception("closing the store connection failed")
+
+    def _take(self) -> list[tuple[str, pa.Table]] | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self._closed)
+            if not self._queue:
+                return None
+            batch = list(self._queue)
+            self._queue.clear()
+            self._queued_rows = 0
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            by_table: dict[str, list[pa.Table]] = {}
+            for table, rows in batch:
+                by_table.setdefault(table, []).append(rows)
+            for table, parts in by_table.items():
+                rows = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+                try:
+                    insert_arrow(self._con, table, rows)
+                    self.stats.written_rows += rows.num_rows
+                    self.stats.batches_written += 1
+                except Exception:
+                    self.stats.failed_rows += rows.num_rows
+                    logger.exception("kvscope store writer failed to write %d rows", rows.num_rows)
+            with self._cond:
+                self._seq_done += len(batch)
+                self._cond.notify_all()
