@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from opentelemetry import context as otel_context
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY
 from opentelemetry.metrics import Meter
@@ -28,7 +29,6 @@ from opentelemetry.trace import Tracer
 
 from kvscope import __version__, semconv, settings
 from kvscope.errors import SettingError
-from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Semantic conventions: every span name, attribute key, metric name and enumerated value kvscope emits.
+"""Semantic conventions: every span name, attribute key, metric name and value kvscope emits.
 
 This is the only module that spells a ``kvscope.*`` or ``gen_ai.*`` key as a string literal
 (``tests/test_semconv.py`` enforces it). Where the OpenTelemetry GenAI conventions have a name we
@@ -63,7 +63,9 @@ SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
 SCOPE_NAME = "kvscope"
 
 # --- spans --------------------------------------------------------------------------------------
-SPAN_TURN = _span("kvscope.turn", "One client turn at the proxy: request arrival to last byte sent.")
+SPAN_TURN = _span(
+    "kvscope.turn", "One client turn at the proxy: request arrival to last byte sent."
+)
 SPAN_INPUT_PROCESSING = _span(
     "kvscope.input_processing",
     "The prefill leg: P queue, D->P pull, prefill compute and the first token.",
@@ -140,18 +142,18 @@ LOCAL_HIT_TOKENS = _attr("kvscope.local_hit_tokens", "tokens", "Prefix-cache hit
 REMOTE_OFFERED_TOKENS = _attr(
     "kvscope.remote_offered_tokens", "tokens", "Tokens decode offered (remote_num_tokens)."
 )
-TOKENS_TO_PULL = _attr("kvscope.tokens_to_pull", "tokens", "Tokens prefill decided to read.")
+TOKENS_TO_PULL = _attr("kvscope.to_pull_tokens", "tokens", "Tokens prefill decided to read.")
 THRESHOLD_TOKENS = _attr(
     "kvscope.kv_recompute_threshold_tokens", "tokens", "kv_recompute_threshold in force."
 )
 DECISION = _attr("kvscope.decision", "", "Reuse decision (see DECISION_* values).")
 BIDIR_ENABLED = _attr("kvscope.bidirectional_kv_xfer", "", "bidirectional_kv_xfer on this node.")
 TRANSFER_DIRECTION = _attr("kvscope.transfer.direction", "", "d_to_p or p_to_d.")
-TRANSFER_BYTES = _attr("kvscope.transfer.bytes", "bytes", "Bytes one transfer moved.")
+TRANSFER_BYTES = _attr("kvscope.transfer.size_bytes", "bytes", "Bytes one transfer moved.")
 TRANSFER_BLOCKS = _attr("kvscope.transfer.blocks", "", "KV blocks one transfer moved.")
 TRANSFER_STATUS = _attr("kvscope.transfer.status", "", "ok, failed, declined_expired, ...")
 RETENTION_BLOCKS = _attr("kvscope.retention.blocks", "", "Blocks decode pinned.")
-RETENTION_BYTES = _attr("kvscope.retention.bytes", "bytes", "Bytes decode pinned.")
+RETENTION_BYTES = _attr("kvscope.retention.size_bytes", "bytes", "Bytes decode pinned.")
 RETENTION_TTL_S = _attr("kvscope.retention.ttl_s", "s", "decoder_kv_blocks_ttl in force.")
 RETENTION_RELEASE_REASON = _attr(
     "kvscope.retention.release_reason", "", "read, notified, expired or open."
@@ -168,6 +170,48 @@ METRIC_GPU_MEMORY_USED = _metric("kvscope.gpu.memory.used_bytes", "By", "GPU mem
 METRIC_GPU_MEMORY_TOTAL = _metric("kvscope.gpu.memory.total_bytes", "By", "GPU memory in total.")
 METRIC_KV_RETAINED = _metric(
     "kvscope.kv.retained_bytes", "By", "KV bytes decode holds for later turns."
+)
+
+# --- proxy (kvscope proxy) ----------------------------------------------------------------------
+CONVERSATION_ID_REJECTED = _attr(
+    "kvscope.conversation.id_rejected", "", "Why a supplied conversation id was not used."
+)
+OFFERED_REQUEST_ID = _attr(
+    "kvscope.router.offered_request_id", "", "Decode's remote_request_id the proxy sent to prefill."
+)
+STREAM_REQUESTED = _attr("kvscope.stream", "", "Whether the client asked for a streamed response.")
+STREAM_CHUNKS = _attr("kvscope.stream.chunks", "", "SSE data events decode sent for one turn.")
+GEN_AI_RESPONSE_FINISH_REASONS = _attr(
+    "gen_ai.response.finish_reasons", "", "Finish reason(s) of the generated choices."
+)
+HTTP_ROUTE = _attr("http.route", "", "Route the client called (OpenTelemetry HTTP convention).")
+HTTP_RESPONSE_STATUS_CODE = _attr(
+    "http.response.status_code", "", "HTTP status of a response (OpenTelemetry HTTP convention)."
+)
+METRIC_PROXY_TURNS = _metric("kvscope.proxy.turns", "1", "Turns the proxy finished, by outcome.")
+METRIC_PROXY_ROUTER_LOOKUPS = _metric(
+    "kvscope.proxy.router.lookups", "1", "Router cache lookups, by result."
+)
+METRIC_PROXY_ROUTER_ENTRIES = _metric(
+    "kvscope.proxy.router.entries", "1", "Conversations with decode metadata cached now."
+)
+METRIC_PROXY_UPSTREAM_ERRORS = _metric(
+    "kvscope.proxy.upstream.errors", "1", "Failed prefill or decode calls, by leg and kind."
+)
+METRIC_PROXY_CLIENT_DISCONNECTS = _metric(
+    "kvscope.proxy.client.disconnects", "1", "Clients that left before their response ended."
+)
+METRIC_PROXY_TTFT = _metric(
+    "kvscope.proxy.ttft_seconds", "s", "Request arrival to the first decode event sent."
+)
+METRIC_PROXY_LEG_DURATION = _metric(
+    "kvscope.proxy.leg.duration_seconds", "s", "Duration of the prefill and decode legs."
+)
+METRIC_PROXY_TURN_DURATION = _metric(
+    "kvscope.proxy.turn.duration_seconds", "s", "Request arrival to the last byte sent."
+)
+METRIC_PROXY_TELEMETRY_DROPPED = _metric(
+    "kvscope.proxy.telemetry.dropped_spans", "1", "Spans lost: queue full or export failed."
 )
 
 # --- enumerated values --------------------------------------------------------------------------
@@ -213,6 +257,24 @@ RELEASE_REASONS = (RELEASE_READ, RELEASE_NOTIFIED, RELEASE_EXPIRED, RELEASE_OPEN
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"
+
+ID_SOURCE_BODY = "body"
+ID_SOURCE_HEADER = "header"
+ID_SOURCE_NONE = "none"
+
+ID_REJECTED_TOO_LONG = "too_long"
+ID_REJECTED_NON_PRINTABLE = "non_printable"
+ID_REJECTED_WRONG_TYPE = "wrong_type"
+
+LEG_PREFILL = "prefill"
+LEG_DECODE = "decode"
+
+ERROR_CONNECT = "connect"
+ERROR_TIMEOUT = "timeout"
+ERROR_UPSTREAM_STATUS = "upstream_status"
+ERROR_PROTOCOL = "protocol"
+ERROR_BAD_REQUEST = "bad_request"
+ERROR_CLIENT_DISCONNECTED = "client_disconnected"
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"

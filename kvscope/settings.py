@@ -42,6 +42,11 @@ def _url(value: str) -> None:
         raise ValueError("must start with http:// or https://")
 
 
+def _log_level(value: str) -> None:
+    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+
+
 def _parse_bool(raw: str) -> bool:
     lowered = raw.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -159,7 +164,9 @@ _DECLARED = [
         "Seconds between GPU memory samples.",
         _positive,
     ),
-    Setting("log_level", str, "WARNING", "Python log level for kvscope's own loggers."),
+    Setting(
+        "log_level", str, "WARNING", "Python log level for kvscope's own loggers.", _log_level
+    ),
 ]
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _DECLARED}
@@ -174,7 +181,7 @@ def resolve(
         try:
             return setting.parse(explicit)
         except (ValueError, TypeError) as exc:
-            raise SettingError(f"{setting.cli_flag}={explicit!r}: {exc}") from None
+            raise SettingError(f"{setting.cli_flag}={explicit}: {exc}") from None
     env = os.environ if environ is None else environ
     raw = env.get(setting.env_var)
     if raw is not None and raw != "":

@@ -72,9 +72,10 @@ def schema_version(con: duckdb.DuckDBPyConnection, path: str) -> int | None:
             f"{path}: a DuckDB file with tables {sorted(tables)[:5]} but no {META_TABLE}; "
             "not a kvscope store, refusing to touch it"
         )
-    row = con.execute(
+    rows = con.execute(
         f"SELECT value FROM {quote(META_TABLE)} WHERE key = 'schema_version'"
-    ).fetchone()
+    ).fetchall()
+    row = rows[0] if rows else None
     if row is None or not str(row[0]).isdigit():
         raise NotAKvscopeStore(f"{path}: {META_TABLE} has no valid schema_version; refusing")
     version = int(row[0])
@@ -124,6 +125,9 @@ def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
     path = str(path)
     con = _connect(path, read_only=True)
     try:
+        # Readers only read this file: no COPY TO, ATTACH or extension loads from user SQL.
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
         version = schema_version(con, path)
         if version is None:
             raise NotAKvscopeStore(f"{path}: empty DuckDB file, not a kvscope store")
@@ -147,7 +151,8 @@ def begin_run(
     """Record a new run and return its id."""
     run_id = run_id or uuid.uuid4().hex[:16]
     con.execute(
-        f"INSERT INTO {quote(RUNS_TABLE)} (run_id, label, settings, started_at) VALUES (?, ?, ?, ?)",
+        f"INSERT INTO {quote(RUNS_TABLE)} (run_id, label, settings, started_at) "
+        "VALUES (?, ?, ?, ?)",
         [run_id, label, json.dumps(dict(settings), sort_keys=True, default=str),
          datetime.now(UTC)],
     )
@@ -166,6 +171,6 @@ def table_counts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
     """Row count of every kvscope table."""
     counts: dict[str, int] = {}
     for table in KVSCOPE_TABLES:
-        row = con.execute(f"SELECT count(*) FROM {quote(table)}").fetchone()
-        counts[table] = int(row[0]) if row else 0
+        rows = con.execute(f"SELECT count(*) FROM {quote(table)}").fetchall()
+        counts[table] = int(rows[0][0])
     return counts

@@ -46,7 +46,7 @@ class StoreReader:
     def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run one query and return its result as a polars DataFrame."""
         result = self.execute(sql, params)
-        return pl.from_arrow(result.fetch_arrow_table())  # type: ignore[return-value]
+        return pl.DataFrame(result.to_arrow_table())
 
     def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
         """Run one query and return (column names, rows)."""

@@ -6,9 +6,9 @@ from. Attribute values arrive already stringified, as the ClickHouse exporter st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import base64
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa

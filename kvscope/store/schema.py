@@ -10,8 +10,8 @@ SQL also runs against ClickHouse. Type mapping:
     Nested(Timestamp, Name, Attributes) LIST of STRUCT with the same field names
     UInt64 Duration (ns)                UBIGINT
     SpanKind / StatusCode strings       the exporter's (traceutil.SpanKindStr/StatusCodeStr):
-                                        'SPAN_KIND_SERVER', ... / 'STATUS_CODE_UNSET', 'STATUS_CODE_OK',
-                                        'STATUS_CODE_ERROR'
+                                        'SPAN_KIND_SERVER', ... /
+                                        'STATUS_CODE_UNSET', 'STATUS_CODE_OK', 'STATUS_CODE_ERROR'
 
 The column lists below are the single definition: DDL and Arrow schemas are derived from them.
 """
@@ -63,7 +63,9 @@ _EXEMPLAR_ARROW = pa.struct(
     ]
 )
 
-_EVENT_SQL = 'STRUCT("Timestamp" TIMESTAMP_NS, "Name" VARCHAR, "Attributes" MAP(VARCHAR, VARCHAR))[]'
+_EVENT_SQL = (
+    'STRUCT("Timestamp" TIMESTAMP_NS, "Name" VARCHAR, "Attributes" MAP(VARCHAR, VARCHAR))[]'
+)
 _LINK_SQL = (
     'STRUCT("TraceId" VARCHAR, "SpanId" VARCHAR, "TraceState" VARCHAR, '
     '"Attributes" MAP(VARCHAR, VARCHAR))[]'

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,12 @@ class StoreWriter:
         *,
         max_queue_rows: int = 65536,
         name: str = "kvscope-store-writer",
+        insert: Callable[[duckdb.DuckDBPyConnection, str, pa.Table], None] = insert_arrow,
     ) -> None:
         self._con = con
+        # Inserts run on their own cursor so readers sharing ``con`` never collide with them.
+        self._insert_con = con.cursor()
+        self._insert = insert
         self._max_queue_rows = max_queue_rows
         self._queue: deque[tuple[str, pa.Table]] = deque()
         self._queued_rows = 0
@@ -124,6 +129,7 @@ class StoreWriter:
             self._cond.notify_all()
         self._thread.join(timeout)
         try:
+            self._insert_con.close()
             self._con.close()
         except duckdb.Error:
             logger.exception("closing the store connection failed")
@@ -149,7 +155,7 @@ class StoreWriter:
             for table, parts in by_table.items():
                 rows = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
                 try:
-                    insert_arrow(self._con, table, rows)
+                    self._insert(self._insert_con, table, rows)
                     self.stats.written_rows += rows.num_rows
                     self.stats.batches_written += 1
                 except Exception:

@@ -1,0 +1,246 @@
+"""The ``kvscope`` command line.
+
+Each sub-command is one small function registered in :data:`COMMANDS`; options that are settings
+are built from :mod:`kvscope.settings`. Library errors (:class:`kvscope.errors.KvscopeError`)
+become one-line messages here and nowhere else; exit status 2 for user mistakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any
+
+from kvscope import __version__, settings
+from kvscope.errors import KvscopeError, SettingError
+
+EXIT_USER_ERROR = 2
+
+
+def add_setting(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:
+    """Add the option for one declared setting (flag, type and help come from settings.py)."""
+    setting = settings.SETTINGS[name]
+    kwargs: dict[str, Any] = {
+        "dest": name,
+        "default": None,
+        "help": f"{setting.help} (env {setting.env_var}; default {setting.default!r})",
+        "metavar": name.upper(),
+    }
+    if setting.type is bool:
+        kwargs.pop("metavar")
+        kwargs["action"] = "store_const"
+        kwargs["const"] = True
+    kwargs.update(overrides)
+    parser.add_argument(setting.cli_flag, **kwargs)
+
+
+def resolved(args: argparse.Namespace, name: str) -> Any:
+    """The value of a setting option after explicit → environment → default resolution."""
+    return settings.resolve(name, getattr(args, name, None))
+
+
+# --- output formatting ----------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=str, separators=(",", ":"))
+    return str(value)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
+    """Render a result as an aligned text table, CSV or JSON (a list of objects)."""
+    if fmt == "json":
+        records = [
+            {c: _jsonable(v) for c, v in zip(columns, row, strict=True)} for row in rows
+        ]
+        return json.dumps(records, indent=2, default=str) + "\n"
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow([_cell(v) for v in row])
+        return buffer.getvalue()
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [len(c) for c in columns]
+    for row in cells:
+        widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines) + "\n"
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: its name, one-line help, how it adds options and how it runs."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _configure_version(parser: argparse.ArgumentParser) -> None:
+    return None
+
+
+def _run_version(args: argparse.Namespace) -> int:
+    from kvscope.store.schema import SCHEMA_VERSION
+
+    print(f"kvscope {__version__} (store schema {SCHEMA_VERSION})")
+    return 0
+
+
+def _configure_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the reference table (docs/settings.md)"
+    )
+
+
+def _run_settings(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(settings.markdown_table())
+        return 0
+    values = settings.resolve_all()
+    rows = [(name, values[name], s.env_var) for name, s in settings.SETTINGS.items()]
+    sys.stdout.write(format_rows(["setting", "value", "environment"], rows, "table"))
+    return 0
+
+
+def _configure_sql(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument(
+        "query", help="one SQL statement, e.g. 'SELECT count(*) FROM otel_traces'"
+    )
+    parser.add_argument(
+        "--format", choices=["table", "csv", "json"], default="table", help="output format"
+    )
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="VALUE",
+        help="bind a value to the next ? placeholder (repeatable)",
+    )
+
+
+def _run_sql(args: argparse.Namespace) -> int:
+    from kvscope.store.reader import StoreReader
+
+    reader = StoreReader.open(args.file)
+    try:
+        columns, rows = reader.rows(args.query, args.param)
+    finally:
+        reader.close()
+    sys.stdout.write(format_rows(columns, rows, args.format))
+    return 0
+
+
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    add_setting(parser, "db")
+    add_setting(parser, "host")
+    add_setting(parser, "port")
+
+
+def _required(args: argparse.Namespace, name: str) -> Any:
+    value = resolved(args, name)
+    if value in ("", None):
+        setting = settings.SETTINGS[name]
+        raise SettingError(f"{setting.cli_flag} is required (or set {setting.env_var})")
+    return value
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    db, host, port = _required(args, "db"), resolved(args, "host"), resolved(args, "port")
+    from kvscope.collector.receiver import main_serve
+
+    return main_serve(db, host, port)
+
+
+def _configure_demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="out", help="folder for kvscope.duckdb (default: out)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvscope.demo import run_demo
+
+    return run_demo(Path(args.out))
+
+
+COMMANDS: list[Command] = [
+    Command("version", "print kvscope's version and store schema version",
+            _configure_version, _run_version),
+    Command("settings", "show every setting with its resolved value (or the docs table)",
+            _configure_settings, _run_settings),
+    Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
+    Command("serve", "receive OTLP/HTTP traces and metrics into a store",
+            _configure_serve, _run_serve),
+    Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (tests iterate it to check every command has help)."""
+    parser = argparse.ArgumentParser(
+        prog="kvscope",
+        description="Observe KV reuse in vLLM P/D deployments with bidirectional NIXL transfer.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        child = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(child)
+        child.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvscope`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=str(settings.resolve("log_level")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._run(args))
+    except KvscopeError as exc:
+        print(f"kvscope {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

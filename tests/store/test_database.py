@@ -1,0 +1,136 @@
+"""Opening stores: create, reopen; refuse foreign, newer or locked files without touching them."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from kvscope.errors import NewerSchemaError, NotAKvscopeStore, StoreError, StoreLockedError
+from kvscope.store import SCHEMA_VERSION, StoreReader, begin_run, end_run, open_store, table_counts
+from kvscope.store.schema import GAUGE_COLUMNS, TRACES_COLUMNS
+
+# The OpenTelemetry Collector ClickHouse exporter's column names, in its order.
+CLICKHOUSE_TRACES = [
+    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind",
+    "ServiceName", "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes",
+    "Duration", "StatusCode", "StatusMessage", "Events", "Links",
+]
+CLICKHOUSE_GAUGE = [
+    "ResourceAttributes", "ResourceSchemaUrl", "ScopeName", "ScopeVersion", "ScopeAttributes",
+    "ScopeDroppedAttrCount", "ScopeSchemaUrl", "ServiceName", "MetricName", "MetricDescription",
+    "MetricUnit", "Attributes", "StartTimeUnix", "TimeUnix", "Value", "Flags", "Exemplars",
+]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_new_store_has_the_clickhouse_shaped_tables(store_path: Path) -> None:
+    con = open_store(store_path)
+    cols = [r[0] for r in con.execute("DESCRIBE otel_traces").fetchall()]
+    assert cols == CLICKHOUSE_TRACES == [c[0] for c in TRACES_COLUMNS]
+    gauge = [r[0] for r in con.execute("DESCRIBE otel_metrics_gauge").fetchall()]
+    assert gauge == CLICKHOUSE_GAUGE == [c[0] for c in GAUGE_COLUMNS]
+    types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                             "WHERE table_name = 'otel_traces'").fetchall())
+    assert types["SpanAttributes"] == "MAP(VARCHAR, VARCHAR)"
+    assert types["Duration"] == "UBIGINT"
+    assert types["Timestamp"] == "TIMESTAMP_NS"
+    assert types["Events"].startswith("STRUCT(") and types["Events"].endswith("[]")
+    version = con.execute("SELECT value FROM kvscope_meta WHERE key = 'schema_version'").fetchone()
+    assert version == (str(SCHEMA_VERSION),)
+    con.close()
+
+
+def test_reopening_keeps_data_and_runs(store_path: Path) -> None:
+    con = open_store(store_path)
+    run = begin_run(con, "feature ON", {"decoder_kv_blocks_ttl": 480, "bidir": True})
+    end_run(con, run)
+    con.close()
+    con = open_store(store_path)
+    label, settings, ended = con.execute(
+        "SELECT label, settings->>'decoder_kv_blocks_ttl', ended_at IS NOT NULL FROM kvscope_runs"
+    ).fetchone()
+    assert (label, settings, ended) == ("feature ON", "480", True)
+    assert table_counts(con)["kvscope_runs"] == 1
+    con.close()
+
+
+def test_a_foreign_duckdb_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE orders (id INTEGER)")
+    con.close()
+    before = _digest(path)
+    with pytest.raises(NotAKvscopeStore, match="not a kvscope store"):
+        open_store(path)
+    with pytest.raises(NotAKvscopeStore):
+        StoreReader.open(path)
+    assert _digest(path) == before
+
+
+def test_a_file_that_is_not_duckdb_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "notes.duckdb"
+    path.write_text("these are my notes, not a database\n" * 100)
+    before = _digest(path)
+    with pytest.raises(NotAKvscopeStore, match="not a DuckDB database"):
+        open_store(path)
+    assert _digest(path) == before
+
+
+def test_a_newer_schema_is_refused_and_left_alone(store_path: Path) -> None:
+    con = open_store(store_path)
+    con.execute("UPDATE kvscope_meta SET value = ? WHERE key = 'schema_version'",
+                [str(SCHEMA_VERSION + 1)])
+    con.close()
+    before = _digest(store_path)
+    with pytest.raises(NewerSchemaError, match="newer"):
+        open_store(store_path)
+    with pytest.raises(NewerSchemaError):
+        StoreReader.open(store_path)
+    assert _digest(store_path) == before
+
+
+def test_missing_file_for_reading_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no such store file"):
+        StoreReader.open(tmp_path / "absent.duckdb")
+
+
+def test_a_store_held_by_another_process_gives_a_clear_error(store_path: Path) -> None:
+    open_store(store_path).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from kvscope.store import open_store
+            con = open_store({str(store_path)!r})
+            print("ready", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(StoreLockedError, match="another process"):
+            open_store(store_path)
+    finally:
+        holder.communicate("", timeout=20)
+
+
+def test_readers_cannot_write_or_reach_files(store_path: Path, tmp_path: Path) -> None:
+    open_store(store_path).close()
+    reader = StoreReader.open(store_path)
+    with pytest.raises(StoreError):
+        reader.execute("DELETE FROM otel_traces")
+    with pytest.raises(StoreError):
+        reader.execute(f"COPY otel_traces TO '{tmp_path / 'leak.csv'}'")
+    assert not (tmp_path / "leak.csv").exists()
+    names, rows = reader.rows("SELECT count(*) AS n FROM otel_traces WHERE SpanName = ?", ["x"])
+    assert (names, rows) == (["n"], [(0,)])
+    reader.close()

@@ -1,0 +1,105 @@
+"""The command line: exact output, one-line errors, every command documented."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvscope import __version__, cli
+from kvscope.store import open_store
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvscope.cli", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    path = tmp_path / "cli.duckdb"
+    con = open_store(path)
+    con.execute("INSERT INTO kvscope_runs VALUES ('r1', 'ON', '{}', now(), NULL), "
+                "('r2', 'OFF, \"quoted\"', '{}', now(), NULL)")
+    con.close()
+    return path
+
+
+def test_every_command_has_help() -> None:
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == {c.name for c in cli.COMMANDS}
+    for name, sub in subparsers.choices.items():
+        assert sub.description, name
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.dest} lacks help"
+
+
+def test_version() -> None:
+    result = run("version")
+    assert result.returncode == 0
+    assert result.stdout == f"kvscope {__version__} (store schema 1)\n"
+
+
+def test_sql_table_output_is_exact(store: Path) -> None:
+    result = run("sql", str(store), "SELECT run_id, label FROM kvscope_runs ORDER BY run_id")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "run_id  label\n"
+        "------  -------------\n"
+        "r1      ON\n"
+        "r2      OFF, \"quoted\"\n"
+        "(2 rows)\n"
+    )
+
+
+def test_sql_csv_and_json_output(store: Path) -> None:
+    query = "SELECT run_id, label FROM kvscope_runs WHERE run_id = ?"
+    csv_out = run("sql", str(store), query, "--param", "r2", "--format", "csv")
+    assert csv_out.stdout == 'run_id,label\nr2,"OFF, ""quoted"""\n'
+    json_out = run("sql", str(store), query, "--param", "r1", "--format", "json")
+    assert json.loads(json_out.stdout) == [{"run_id": "r1", "label": "ON"}]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["sql", "{missing}", "SELECT 1"], "no such store file"),
+        (["sql", "{store}", "SELECT * FROM nope"], "query failed: Catalog Error"),
+        (["sql", "{store}", "DELETE FROM kvscope_runs"], "query failed"),
+        (["sql", "{text}", "SELECT 1"], "not a DuckDB database"),
+        (["serve"], "--db is required"),
+        (["serve", "--db", "{store}", "--port", "99999"], "--port=99999"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(argv: list[str], message: str, store: Path,
+                                           tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database\n")
+    paths = {"store": str(store), "missing": str(tmp_path / "absent.duckdb"), "text": str(text)}
+    result = run(*[a.format(**paths) for a in argv])
+    assert result.returncode == cli.EXIT_USER_ERROR
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"kvscope {argv[0]}: error: ")
+    assert message in result.stderr
+
+
+def test_settings_markdown_is_the_docs_file() -> None:
+    result = run("settings", "--markdown")
+    doc = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
+    assert result.stdout == doc.read_text()
+
+
+def test_demo_writes_a_store(tmp_path: Path) -> None:
+    result = run("demo", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "kvscope.duckdb").exists()
+    assert "otel_traces" in result.stdout
+    count = run("sql", str(tmp_path / "out" / "kvscope.duckdb"),
+                "SELECT count(*) > 0 AS ok FROM otel_traces", "--format", "csv")
+    assert count.stdout == "ok\nTrue\n"
