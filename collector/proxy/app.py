@@ -1,0 +1,691 @@
+"""The proxy's HTTP server: vLLM's multi-turn P/D proxy protocol, instrumented.
+
+Behaviour matches vLLM's ``disagg_proxy_multiturn.py`` (see ``shared/reference`` §6): round robin
+over prefill and decode instances; prefill called non-streaming with ``max_tokens=1`` and
+``max_completion_tokens``/``min_tokens``/``stream_options`` dropped; decode always streamed; the
+client's stream is decode's bytes, written as they arrive; non-streaming clients get the body
+vLLM's proxy rebuilds (``usage: None``). kvscope adds: errors as OpenAI-style JSON with 400/502/504
+instead of hangs or bare 500s, one ``X-Request-Id`` and a W3C ``traceparent`` per leg, the
+``X-Session-ID`` header as a fallback conversation id, ``GET /metrics``, and telemetry drops in
+``GET /health``.
+
+One shared :class:`aiohttp.ClientSession` pools upstream connections. Telemetry on the request
+path is a plain record (:class:`~kvscope.collector.proxy.telemetry.TurnRecord`); no store or
+network I/O happens while a client waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.proxy.router import (
+    ConversationRouter,
+    blocks_in,
+    conversation_id_from,
+    prefill_params,
+)
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+
+from kvscope import semconv, settings
+from kvscope.errors import SettingError
+
+logger = logging.getLogger(__name__)
+
+# Fields vLLM's proxy removes from the prefill request (prefill produces one token only).
+PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options")
+# Header the vLLM multi-turn benchmark sends with --send-conversation-id (vLLM's proxy ignores it).
+SESSION_HEADER = "X-Session-ID"
+# Agent prompts with long histories exceed aiohttp's 1 MiB default request size.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+_ROUTER_KEY = web.AppKey("router", ConversationRouter)
+_TELEMETRY_KEY = web.AppKey("telemetry", ProxyTelemetry)
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """One prefill or decode server."""
+
+    host: str
+    port: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def url(self, api_path: str) -> str:
+        return f"http://{self.host}:{self.port}/v1{api_path}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """What the proxy routes to and how long it waits."""
+
+    prefillers: Sequence[Upstream]
+    decoders: Sequence[Upstream]
+    router_ttl_s: float = 450.0
+    api_key: str | None = None
+    connect_timeout_s: float = 10.0
+    # Whole prefill call: queue + D->P pull + prefill of a long prompt.
+    prefill_timeout_s: float = 600.0
+    # Longest silence between two reads from decode's stream.
+    decode_idle_timeout_s: float = 600.0
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.prefillers or not self.decoders:
+            raise ValueError("the proxy needs at least one prefill and one decode instance")
+
+
+class UpstreamFailure(Exception):
+    """A leg failed before anything was sent to the client; becomes an error response."""
+
+    def __init__(self, leg: str, kind: str, status: int, message: str, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.leg, self.kind, self.status, self.message = leg, kind, status, message
+        # An upstream 4xx is the client's mistake: its body goes back unchanged.
+        self.body = body
+
+
+def error_body(status: int, message: str, error_type: str) -> dict[str, Any]:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+def _error_response(status: int, message: str, error_type: str) -> web.Response:
+    return web.json_response(error_body(status, message, error_type), status=status)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class DecodeStream:
+    """Reads decode's SSE bytes on the side: events, kv_transfer_params, usage, text.
+
+    The bytes themselves go to the client untouched; this only looks. JSON is parsed only for
+    events that can carry something the proxy needs, unless the text must be collected for a
+    non-streaming client.
+    """
+
+    def __init__(self, collect_text: bool) -> None:
+        self.collect_text = collect_text
+        self._pending = b""
+        self.events = 0
+        self.first_event_ns: int | None = None
+        self.kv_params: list[dict[str, Any]] = []
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.response_id: str | None = None
+        self.model: str | None = None
+        self.created: int | None = None
+        self.completion_tokens: int | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """Consume bytes; return the kv_transfer_params dicts completed in them."""
+        data = self._pending + chunk
+        lines = data.split(b"\n")
+        self._pending = lines.pop()
+        found: list[dict[str, Any]] = []
+        for line in lines:
+            params = self._line(line.rstrip(b"\r"))
+            if params:
+                found.append(params)
+        return found
+
+    def close(self) -> list[dict[str, Any]]:
+        """Consume what is left when the stream ends without a final newline."""
+        rest, self._pending = self._pending, b""
+        params = self._line(rest.rstrip(b"\r")) if rest else None
+        return [params] if params else []
+
+    def _line(self, line: bytes) -> dict[str, Any] | None:
+        if not line.startswith(b"data:"):
+            return None
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        self.events += 1
+        if self.first_event_ns is None:
+            self.first_event_ns = time.time_ns()
+        if not (
+            self.collect_text
+            or self.response_id is None
+            or b"kv_transfer_params" in payload
+            or b'"usage"' in payload
+            or b'"finish_reason":"' in payload
+            or b'"finish_reason": "' in payload
+        ):
+            return None
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(event, dict):
+            return None
+        if self.response_id is None:
+            self.response_id = event.get("id")
+            self.model = event.get("model")
+            self.created = _int(event.get("created"))
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if self.collect_text:
+                text = choice.get("text")
+                if isinstance(text, str):
+                    self.text.append(text)
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                    self.text.append(delta["content"])
+            if choice.get("finish_reason"):
+                self.finish_reason = str(choice["finish_reason"])
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.completion_tokens = _int(usage.get("completion_tokens"))
+        params = event.get("kv_transfer_params")
+        return params if isinstance(params, dict) and params else None
+
+
+class Proxy:
+    """Request handlers and shared state of one proxy process."""
+
+    def __init__(self, config: ProxyConfig, telemetry: ProxyTelemetry) -> None:
+        self.config = config
+        self.telemetry = telemetry
+        self.router = ConversationRouter(config.router_ttl_s)
+        self._prefill_cycle: Iterator[Upstream] = itertools.cycle(config.prefillers)
+        self._decode_cycle: Iterator[Upstream] = itertools.cycle(config.decoders)
+        self._session: aiohttp.ClientSession | None = None
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
+        )
+        self._decode_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s,
+            sock_read=config.decode_idle_timeout_s,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def _client_session(self, app: web.Application) -> AsyncIterator[None]:
+        # No pool limit: a cap here would queue turns invisibly behind one another.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        self._session = aiohttp.ClientSession(connector=connector)
+        try:
+            yield
+        finally:
+            await self._session.close()
+            self._session = None
+
+    def application(self) -> web.Application:
+        """The aiohttp application serving the proxy routes."""
+        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app[_ROUTER_KEY] = self.router
+        app[_TELEMETRY_KEY] = self.telemetry
+        app.cleanup_ctx.append(self._client_session)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/completions")
+
+    async def health(self, request: web.Request) -> web.Response:
+        evicted = self.router.evict_stale()
+        return web.json_response(
+            {
+                "status": "ok",
+                "cached_conversations": self.router.size,
+                "evicted_stale": evicted,
+                "telemetry": self.telemetry.telemetry_counts(),
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = self.telemetry.render_metrics(self.router.size)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    # -- one turn --------------------------------------------------------------------------------
+    async def _handle(self, request: web.Request, api_path: str) -> web.StreamResponse:
+        record = self.telemetry.begin_turn(
+            request.path,
+            str(uuid.uuid4()),
+            request.headers.get("traceparent"),
+            request.headers.get("tracestate"),
+        )
+        try:
+            return await self._turn(request, api_path, record)
+        except asyncio.CancelledError:
+            record.client_disconnected = True
+            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, "client disconnected")
+            raise
+        finally:
+            record.end_ns = time.time_ns()
+            self.telemetry.finish_turn(record)
+
+    async def _turn(
+        self, request: web.Request, api_path: str, record: TurnRecord
+    ) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge:
+            record.fail(None, semconv.ERROR_BAD_REQUEST, 413, "request body too large")
+            return _error_response(413, "request body too large", "BadRequestError")
+        except (ValueError, UnicodeDecodeError) as exc:
+            record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "malformed JSON")
+            return _error_response(400, f"request body is not valid JSON: {exc}",
+                                   "BadRequestError")
+        if not isinstance(body, dict):
+            record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "body is not a JSON object")
+            return _error_response(400, "request body must be a JSON object", "BadRequestError")
+
+        conversation = conversation_id_from(body, request.headers.get(SESSION_HEADER))
+        self.telemetry.conversation_started(record, conversation)
+        client_wants_stream = bool(body.get("stream", False))
+        record.stream = client_wants_stream
+        model = body.get("model")
+        record.model = model if isinstance(model, str) else None
+        if self.telemetry.enabled:
+            record.boundary_hashes = boundary_hashes(body)
+
+        lookup = self.router.lookup(conversation.value)
+        record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+        body["kv_transfer_params"] = prefill_params(lookup)
+        if lookup.params is not None:
+            record.d_metadata_attached = True
+            offered = lookup.params.get("remote_request_id")
+            record.offered_request_id = offered if isinstance(offered, str) else None
+            record.offered_tokens = _int(lookup.params.get("remote_num_tokens"))
+
+        try:
+            await self._prefill(api_path, body, record)
+            upstream = await self._open_decode(api_path, body, record)
+        except UpstreamFailure as failure:
+            record.fail(failure.leg, failure.kind, failure.status, failure.message)
+            if failure.body:
+                return web.Response(body=failure.body, status=failure.status,
+                                    content_type="application/json")
+            error_type = "GatewayTimeoutError" if failure.status == 504 else "BadGatewayError"
+            return _error_response(failure.status, failure.message, error_type)
+
+        response, decode = upstream
+        stream = DecodeStream(collect_text=not client_wants_stream)
+        if client_wants_stream:
+            return await self._relay_stream(
+                request, response, decode, stream, conversation.value, record
+            )
+        return await self._collect(response, decode, stream, conversation.value, body, record)
+
+    def _headers(self, record: TurnRecord, traceparent: str) -> dict[str, str]:
+        headers = {
+            "X-Request-Id": record.x_request_id,
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            "traceparent": traceparent,
+        }
+        if record.tracestate:
+            headers["tracestate"] = record.tracestate
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
+    def _session_or_fail(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("proxy application is not running (no client session)")
+        return self._session
+
+    async def _prefill(self, api_path: str, body: dict[str, Any], record: TurnRecord) -> None:
+        """Call prefill (non-streaming, one token) and attach its params to ``body`` for decode."""
+        payload = dict(body)
+        payload["stream"] = False
+        payload["max_tokens"] = 1
+        for name in PREFILL_DROPPED_FIELDS:
+            payload.pop(name, None)
+        prefill = next(self._prefill_cycle)
+        record.prefill_instance = prefill.name
+        record.prefill_start_ns = time.time_ns()
+        leg = semconv.LEG_PREFILL
+        try:
+            async with self._session_or_fail().post(
+                prefill.url(api_path),
+                data=json.dumps(payload).encode(),
+                headers=self._headers(record, record.prefill_traceparent()),
+                timeout=self._prefill_timeout,
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TimeoutError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
+                                  f"prefill {prefill.name} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
+                                  f"prefill {prefill.name} unreachable: {exc}") from exc
+        finally:
+            record.prefill_end_ns = time.time_ns()
+        _check_status(leg, prefill, status, raw)
+        try:
+            answer = json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                                  f"prefill {prefill.name} returned invalid JSON") from exc
+        if not isinstance(answer, dict):
+            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                                  f"prefill {prefill.name} returned a non-object")
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            record.prompt_tokens = _int(usage.get("prompt_tokens"))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                record.cached_tokens = _int(details.get("cached_tokens"))
+        p_params = answer.get("kv_transfer_params")
+        if isinstance(p_params, dict) and p_params:
+            p_params["remote_host"] = prefill.host
+            request_id = p_params.get("remote_request_id")
+            record.prefill_request_id = request_id if isinstance(request_id, str) else None
+            body["kv_transfer_params"] = p_params
+
+    async def _open_decode(
+        self, api_path: str, body: dict[str, Any], record: TurnRecord
+    ) -> tuple[aiohttp.ClientResponse, Upstream]:
+        """Start decode's stream; fail before the client sees anything when it cannot start."""
+        payload = dict(body)
+        payload["stream"] = True
+        decode = next(self._decode_cycle)
+        record.decode_instance = decode.name
+        record.decode_start_ns = time.time_ns()
+        leg = semconv.LEG_DECODE
+        try:
+            resp = await self._session_or_fail().post(
+                decode.url(api_path),
+                data=json.dumps(payload).encode(),
+                headers=self._headers(record, record.decode_traceparent()),
+                timeout=self._decode_timeout,
+            )
+        except TimeoutError as exc:
+            record.decode_end_ns = time.time_ns()
+            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
+                                  f"decode {decode.name} timed out") from exc
+        except aiohttp.ClientError as exc:
+            record.decode_end_ns = time.time_ns()
+            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
+                                  f"decode {decode.name} unreachable: {exc}") from exc
+        if resp.status >= 400:
+            try:
+                raw = await resp.read()
+            except (TimeoutError, aiohttp.ClientError):
+                raw = b""
+            finally:
+                resp.release()
+                record.decode_end_ns = time.time_ns()
+            _check_status(leg, decode, resp.status, raw)
+        return resp, decode
+
+    def _keep_params(
+        self, found: list[dict[str, Any]], conversation_id: str | None, decode: Upstream,
+        record: TurnRecord,
+    ) -> None:
+        for params in found:
+            record.retention_returned = True
+            record.remote_num_tokens = _int(params.get("remote_num_tokens"))
+            record.retention_blocks = blocks_in(params)
+            request_id = params.get("remote_request_id")
+            record.decode_request_id = request_id if isinstance(request_id, str) else None
+            if conversation_id is not None:
+                self.router.put(conversation_id, params, decode.host)
+
+    def _stream_ended(self, stream: DecodeStream, record: TurnRecord) -> None:
+        record.decode_end_ns = time.time_ns()
+        record.first_token_ns = stream.first_event_ns
+        record.chunks = stream.events
+        record.output_tokens = stream.completion_tokens
+        if stream.finish_reason is not None:
+            record.finish_reasons = [stream.finish_reason]
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        decode: Upstream,
+        stream: DecodeStream,
+        conversation_id: str | None,
+        record: TurnRecord,
+    ) -> web.StreamResponse:
+        """Write decode's bytes to the client as they arrive, looking at them on the side."""
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        try:
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                found = stream.feed(chunk)
+                if found:
+                    self._keep_params(found, conversation_id, decode, record)
+            self._keep_params(stream.close(), conversation_id, decode, record)
+            await response.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            # The client left: closing (not releasing) drops the upstream connection, which is
+            # how vLLM learns to abort the request.
+            record.client_disconnected = True
+            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, str(exc) or "client left")
+        except TimeoutError:
+            record.fail(semconv.LEG_DECODE, semconv.ERROR_TIMEOUT, 200,
+                        f"decode {decode.name} went silent mid-stream")
+        except aiohttp.ClientError as exc:
+            record.fail(semconv.LEG_DECODE, semconv.ERROR_CONNECT, 200,
+                        f"decode {decode.name} failed mid-stream: {exc}")
+        finally:
+            upstream.close()
+            self._stream_ended(stream, record)
+        return response
+
+    async def _collect(
+        self,
+        upstream: aiohttp.ClientResponse,
+        decode: Upstream,
+        stream: DecodeStream,
+        conversation_id: str | None,
+        body: dict[str, Any],
+        record: TurnRecord,
+    ) -> web.StreamResponse:
+        """Read decode's whole stream and answer with the body vLLM's proxy builds."""
+        try:
+            async for chunk in upstream.content.iter_any():
+                found = stream.feed(chunk)
+                if found:
+                    self._keep_params(found, conversation_id, decode, record)
+                if stream.done:
+                    break
+            self._keep_params(stream.close(), conversation_id, decode, record)
+        except TimeoutError:
+            record.fail(semconv.LEG_DECODE, semconv.ERROR_TIMEOUT, 504,
+                        f"decode {decode.name} went silent mid-stream")
+            return _error_response(504, record.error_message, "GatewayTimeoutError")
+        except aiohttp.ClientError as exc:
+            record.fail(semconv.LEG_DECODE, semconv.ERROR_CONNECT, 502,
+                        f"decode {decode.name} failed mid-stream: {exc}")
+            return _error_response(502, record.error_message, "BadGatewayError")
+        finally:
+            upstream.close()
+            self._stream_ended(stream, record)
+        text = "".join(stream.text)
+        model = stream.model or body.get("model", "")
+        created = stream.created or int(time.time())
+        response_id = stream.response_id or record.x_request_id
+        if "messages" in body:
+            answer: dict[str, Any] = {
+                "id": response_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": stream.finish_reason,
+                    }
+                ],
+                "usage": None,
+            }
+        else:
+            answer = {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": stream.finish_reason,
+                    }
+                ],
+                "usage": None,
+            }
+        return web.json_response(answer)
+
+
+def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None:
+    if status < 400:
+        return
+    if status < 500:
+        # The upstream refused the request itself (validation): pass its answer through.
+        raise UpstreamFailure(leg, semconv.ERROR_UPSTREAM_STATUS, status,
+                              f"{leg} {upstream.name} answered {status}", body=raw)
+    raise UpstreamFailure(leg, semconv.ERROR_UPSTREAM_STATUS, 502,
+                          f"{leg} {upstream.name} answered {status}")
+
+
+def build_app(config: ProxyConfig, telemetry: ProxyTelemetry | None = None) -> web.Application:
+    """The proxy as an aiohttp application (telemetry disabled when None)."""
+    proxy = Proxy(config, telemetry or ProxyTelemetry(None, router_ttl_s=config.router_ttl_s))
+    return proxy.application()
+
+
+def api_key_from_env() -> str | None:
+    """``OPENAI_API_KEY``, forwarded to upstream as a Bearer token (as vLLM's proxy does)."""
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+# --- command line ---------------------------------------------------------------------------------
+def _setting_help(name: str) -> str:
+    setting = settings.SETTINGS[name]
+    return f"{setting.help} (env {setting.env_var}; default {setting.default!r})"
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add vLLM's proxy flags plus kvscope's (router TTL, telemetry destination, timeouts)."""
+    vllm = parser.add_argument_group("vLLM disagg_proxy_multiturn.py flags")
+    vllm.add_argument("--host", default=None,
+                      help=f"address to bind (vLLM's proxy: 0.0.0.0; here {_setting_help('host')})")
+    vllm.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    vllm.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+",
+                      default=["localhost"], help="prefill server host(s)")
+    vllm.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_ports", type=int,
+                      nargs="+", default=[8100], help="prefill server port(s), one per host")
+    vllm.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_hosts", nargs="+",
+                      default=["localhost"], help="decode server host(s)")
+    vllm.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", type=int,
+                      nargs="+", default=[8200], help="decode server port(s), one per host")
+    own = parser.add_argument_group("kvscope")
+    own.add_argument("--router-ttl", dest="router_ttl", type=float, default=None,
+                     help=_setting_help("router_ttl"))
+    own.add_argument("--decoder-kv-blocks-ttl", dest="decoder_kv_blocks_ttl", type=float,
+                     default=None,
+                     help=_setting_help("decoder_kv_blocks_ttl") + "; only checked against "
+                     "--router-ttl")
+    own.add_argument("--db", default=None, help=_setting_help("db"))
+    own.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None,
+                     help=_setting_help("otlp_endpoint"))
+    own.add_argument("--service-name", dest="service_name", default=None,
+                     help=f"{_setting_help('service_name')}; {semconv.SERVICE_PROXY!r} when empty")
+    own.add_argument("--no-telemetry", action="store_true",
+                     help="serve without spans (Prometheus /metrics stays on)")
+    own.add_argument("--connect-timeout", type=float, default=10.0,
+                     help="seconds to connect to an upstream server (10)")
+    own.add_argument("--prefill-timeout", type=float, default=600.0,
+                     help="seconds a whole prefill call may take before 504 (600)")
+    own.add_argument("--decode-idle-timeout", type=float, default=600.0,
+                     help="seconds decode's stream may stay silent before the turn fails (600)")
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """A :class:`ProxyConfig` from parsed flags; SettingError for mismatched lists or values."""
+    if len(args.prefiller_hosts) != len(args.prefiller_ports):
+        raise SettingError("--prefiller-host and --prefiller-port need the same number of values")
+    if len(args.decoder_hosts) != len(args.decoder_ports):
+        raise SettingError("--decoder-host and --decoder-port need the same number of values")
+    for flag in ("connect_timeout", "prefill_timeout", "decode_idle_timeout"):
+        if getattr(args, flag) <= 0:
+            raise SettingError(f"--{flag.replace('_', '-')} must be > 0")
+    router_ttl = settings.resolve("router_ttl", args.router_ttl)
+    decoder_ttl = settings.resolve("decoder_kv_blocks_ttl", args.decoder_kv_blocks_ttl)
+    if router_ttl >= decoder_ttl:
+        logger.warning(
+            "--router-ttl %.0fs is not below decode's decoder_kv_blocks_ttl %.0fs: the proxy will "
+            "offer blocks decode has already released (late turns fail or recompute)",
+            router_ttl, decoder_ttl,
+        )
+    return ProxyConfig(
+        prefillers=[Upstream(h, p) for h, p in zip(args.prefiller_hosts, args.prefiller_ports,
+                                                    strict=True)],
+        decoders=[Upstream(h, p) for h, p in zip(args.decoder_hosts, args.decoder_ports,
+                                                  strict=True)],
+        router_ttl_s=router_ttl,
+        api_key=api_key_from_env(),
+        connect_timeout_s=args.connect_timeout,
+        prefill_timeout_s=args.prefill_timeout,
+        decode_idle_timeout_s=args.decode_idle_timeout,
+    )
+
+
+def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyTelemetry:
+    """Span telemetry to ``--db`` or ``--otlp-endpoint`` (or none, with a warning)."""
+    if args.no_telemetry:
+        return ProxyTelemetry(None, router_ttl_s=router_ttl_s)
+    db = settings.resolve("db", args.db) or None
+    endpoint = settings.resolve("otlp_endpoint", args.otlp_endpoint) or None
+    if db is None and endpoint is None:
+        logger.warning("no --db or --otlp-endpoint given: serving without spans")
+        return ProxyTelemetry(None, router_ttl_s=router_ttl_s)
+    service = settings.resolve("service_name", args.service_name) or semconv.SERVICE_PROXY
+    return ProxyTelemetry(setup_telemetry(service, db=db, otlp_endpoint=endpoint),
+                          router_ttl_s=router_ttl_s)
+
+
+def main_proxy(args: argparse.Namespace) -> int:
+    """Run the proxy until interrupted; flush telemetry on the way out. Returns the exit code."""
+    config = config_from_args(args)
+    telemetry = telemetry_from_args(args, config.router_ttl_s)
+    app = build_app(config, telemetry)
+
+    async def _close_telemetry(app: web.Application) -> None:
+        if telemetry.telemetry is not None:
+            # Flushing waits on the exporter thread; keep the loop free while it does.
+            await asyncio.get_running_loop().run_in_executor(None, telemetry.telemetry.shutdown)
+
+    app.on_cleanup.append(_close_telemetry)
+    host = settings.resolve("host", args.host)
+    logger.warning("kvscope proxy on http://%s:%d: %d prefill, %d decode instances", host,
+                   args.port, len(config.prefillers), len(config.decoders))
+    web.run_app(app, host=host, port=args.port, print=None, access_log=None)
+    return 0

@@ -1,0 +1,646 @@
+"""Turn telemetry for the proxy: per-turn records, their OTel spans, and Prometheus metrics.
+
+The request path only fills a plain :class:`TurnRecord` (ids, wall-clock nanoseconds, counts).
+When the turn ends, :meth:`ProxyTelemetry.finish_turn` turns the record into finished SDK
+``ReadableSpan`` objects and hands them to the process's :class:`QueueSpanProcessor`, which only
+appends to a bounded deque; conversion to rows and the DuckDB or OTLP write happen on the
+exporter's thread. Building ``ReadableSpan`` directly (instead of ``tracer.start_span``) costs a
+tenth as much and lets the proxy choose span ids *before* the legs are sent, so the
+``traceparent`` each leg carries names the span that will be stored for it. The spans are real
+OTel spans (trace id, span id, parent, kind, events, status) and go through the same exporters.
+
+Spans per turn: ``kvscope.turn`` (SERVER; child of the agent's span when a ``traceparent``
+arrived) with children ``kvscope.input_processing`` and ``kvscope.generation`` (CLIENT) and,
+from the second turn of a conversation, ``kvscope.tool_wait`` (INTERNAL, previous turn's last
+byte → this arrival).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvscope.collector.otel import Telemetry
+from kvscope.collector.proxy.router import ConversationId
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from kvscope import __version__, semconv
+
+logger = logging.getLogger(__name__)
+
+# Conversations whose previous-turn end time and turn index are remembered (least recent evicted).
+MAX_TRACKED_CONVERSATIONS = 100_000
+# Hex characters kept of each message-boundary hash: 64 bits, plenty to detect edited history.
+BOUNDARY_HASH_HEX = 16
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+# --- message boundaries ---------------------------------------------------------------------------
+def boundary_hashes(body: Mapping[str, Any]) -> str:
+    """Chained blake2b hashes of each message (role, content), comma separated; never the text.
+
+    Hash i covers messages 0..i, so two prompts share exactly as many leading hashes as they share
+    leading messages: the ledger can detect edited or truncated history without seeing it. A
+    completions ``prompt`` counts as one user message.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        prompt = body.get("prompt")
+        if prompt is None:
+            return ""
+        messages = [{"role": "user", "content": prompt}]
+    out: list[str] = []
+    chain = b""
+    for message in messages:
+        if isinstance(message, Mapping):
+            role, content = message.get("role", ""), message.get("content", "")
+        else:
+            role, content = "", message
+        text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+        h = hashlib.blake2b(chain, digest_size=BOUNDARY_HASH_HEX // 2)
+        h.update(str(role).encode())
+        h.update(b"\x00")
+        h.update(text.encode("utf-8", "surrogatepass"))
+        chain = h.digest()
+        out.append(chain.hex())
+    return ",".join(out)
+
+
+# --- W3C trace context ----------------------------------------------------------------------------
+def parse_traceparent(header: str | None) -> tuple[int, int] | None:
+    """(trace id, parent span id) from a W3C ``traceparent``; None when absent or invalid."""
+    if not header:
+        return None
+    match = _TRACEPARENT.match(header.strip().lower())
+    if match is None or match.group(1) == "ff":
+        return None
+    trace_id, span_id = int(match.group(2), 16), int(match.group(3), 16)
+    if trace_id == 0 or span_id == 0:
+        return None
+    return trace_id, span_id
+
+
+def format_traceparent(trace_id: int, span_id: int) -> str:
+    """A W3C ``traceparent`` naming ``span_id`` as the parent, sampled."""
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+# --- Prometheus text exposition -------------------------------------------------------------------
+def _prom_name(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Counter:
+    """A monotonic counter with fixed label names (Prometheus ``counter``)."""
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> None:
+        self.name = _prom_name(name) + "_total"
+        self.help = help_text
+        self.labels = labels
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *label_values: str, by: float = 1.0) -> None:
+        self.values[label_values] = self.values.get(label_values, 0.0) + by
+
+    def get(self, *label_values: str) -> float:
+        return self.values.get(label_values, 0.0)
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} counter"
+        for key, value in sorted(self.values.items()):
+            yield f"{self.name}{_labels(self.labels, key)} {_number(value)}"
+
+
+class Histogram:
+    """A cumulative histogram with fixed buckets (Prometheus ``histogram``)."""
+
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        buckets: tuple[float, ...],
+        labels: tuple[str, ...] = (),
+    ) -> None:
+        self.name = _prom_name(name)
+        self.help = help_text
+        self.buckets = tuple(sorted(buckets))
+        self.labels = labels
+        # per label set: per-bucket (non-cumulative) counts + the +Inf overflow, sum, count
+        self.series: dict[tuple[str, ...], list[Any]] = {}
+
+    def observe(self, value: float, *label_values: str) -> None:
+        series = self.series.get(label_values)
+        if series is None:
+            series = self.series[label_values] = [[0] * (len(self.buckets) + 1), 0.0, 0]
+        counts = series[0]
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                counts[i] += 1
+                break
+        else:
+            counts[-1] += 1
+        series[1] += value
+        series[2] += 1
+
+    def count(self, *label_values: str) -> int:
+        series = self.series.get(label_values)
+        return 0 if series is None else int(series[2])
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        for key, (counts, total, n) in sorted(self.series.items()):
+            cumulative = 0
+            for bound, c in zip((*self.buckets, float("inf")), counts, strict=True):
+                cumulative += c
+                le = f'le="{_number(bound)}"'
+                yield f"{self.name}_bucket{_labels(self.labels, key, le)} {cumulative}"
+            yield f"{self.name}_sum{_labels(self.labels, key)} {_number(total)}"
+            yield f"{self.name}_count{_labels(self.labels, key)} {n}"
+
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus metrics (served on ``GET /metrics``), updated on the event loop."""
+
+    def __init__(self) -> None:
+        self.turns = Counter(
+            semconv.METRIC_PROXY_TURNS, "Turns the proxy finished, by route and outcome.",
+            ("route", "outcome"),
+        )
+        self.router_lookups = Counter(
+            semconv.METRIC_PROXY_ROUTER_LOOKUPS, "Router cache lookups, by result.", ("result",)
+        )
+        self.upstream_errors = Counter(
+            semconv.METRIC_PROXY_UPSTREAM_ERRORS,
+            "Failed prefill or decode calls, by leg and kind.",
+            ("leg", "kind"),
+        )
+        self.client_disconnects = Counter(
+            semconv.METRIC_PROXY_CLIENT_DISCONNECTS,
+            "Clients that went away before their response ended.",
+        )
+        self.ttft = Histogram(
+            semconv.METRIC_PROXY_TTFT,
+            "Request arrival to the first decode event sent to the client, seconds.",
+            _LATENCY_BUCKETS_S,
+        )
+        self.leg_duration = Histogram(
+            semconv.METRIC_PROXY_LEG_DURATION,
+            "Duration of the prefill and decode legs, seconds.",
+            _LATENCY_BUCKETS_S,
+            ("leg",),
+        )
+        self.turn_duration = Histogram(
+            semconv.METRIC_PROXY_TURN_DURATION,
+            "Request arrival to the last byte sent, seconds.",
+            _LATENCY_BUCKETS_S,
+        )
+
+    def render(
+        self,
+        gauges: Mapping[str, tuple[str, float]],
+        totals: Mapping[str, tuple[str, float]],
+    ) -> str:
+        """The exposition text; ``gauges`` and ``totals`` (counters kept elsewhere) map a metric
+        name to (help, value)."""
+        lines: list[str] = []
+        for metric in (
+            self.turns,
+            self.router_lookups,
+            self.upstream_errors,
+            self.client_disconnects,
+            self.ttft,
+            self.leg_duration,
+            self.turn_duration,
+        ):
+            lines.extend(metric.render())
+        for kind, points, suffix in (("gauge", gauges, ""), ("counter", totals, "_total")):
+            for name, (help_text, value) in points.items():
+                prom = _prom_name(name) + suffix
+                lines.append(f"# HELP {prom} {help_text}")
+                lines.append(f"# TYPE {prom} {kind}")
+                lines.append(f"{prom} {_number(value)}")
+        return "\n".join(lines) + "\n"
+
+
+# --- per-turn record ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TurnRecord:
+    """Everything the proxy learns about one turn; plain data, filled on the request path."""
+
+    x_request_id: str
+    route: str
+    arrival_ns: int
+    trace_id: int
+    turn_span_id: int
+    prefill_span_id: int
+    decode_span_id: int
+    remote_parent_span_id: int | None = None
+    tracestate: str | None = None
+    conversation: ConversationId | None = None
+    turn_index: int = 1
+    previous_end_ns: int | None = None
+    model: str | None = None
+    stream: bool = False
+    boundary_hashes: str = ""
+    lookup: str | None = None
+    lookup_age_s: float | None = None
+    offered_request_id: str | None = None
+    offered_tokens: int | None = None
+    d_metadata_attached: bool = False
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    prefill_start_ns: int | None = None
+    prefill_end_ns: int | None = None
+    prefill_request_id: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    decode_start_ns: int | None = None
+    first_token_ns: int | None = None
+    decode_end_ns: int | None = None
+    decode_request_id: str | None = None
+    output_tokens: int | None = None
+    chunks: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    retention_returned: bool = False
+    remote_num_tokens: int | None = None
+    retention_blocks: int | None = None
+    status_code: int = 200
+    error_kind: str | None = None
+    error_leg: str | None = None
+    error_message: str = ""
+    client_disconnected: bool = False
+    end_ns: int = 0
+
+    def prefill_traceparent(self) -> str:
+        return format_traceparent(self.trace_id, self.prefill_span_id)
+
+    def decode_traceparent(self) -> str:
+        return format_traceparent(self.trace_id, self.decode_span_id)
+
+    def fail(self, leg: str | None, kind: str, status_code: int, message: str) -> None:
+        """Mark the turn failed (the first failure wins: it is the cause)."""
+        if self.error_kind is None:
+            self.error_leg, self.error_kind, self.error_message = leg, kind, message
+        self.status_code = status_code
+
+
+def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        attrs[key] = value
+
+
+class _ConversationClock:
+    """Bounded map: conversation id → (turn index so far, end of its last turn or None)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._max = max_entries
+        self._state: OrderedDict[str, list[Any]] = OrderedDict()
+
+    def begin(self, conversation_id: str) -> tuple[int, int | None]:
+        state = self._state.get(conversation_id)
+        if state is None:
+            state = self._state[conversation_id] = [0, None]
+            if len(self._state) > self._max:
+                self._state.popitem(last=False)
+        else:
+            self._state.move_to_end(conversation_id)
+        state[0] += 1
+        # A turn already in flight for this conversation leaves no gap to call a tool wait.
+        previous_end, state[1] = state[1], None
+        return state[0], previous_end
+
+    def end(self, conversation_id: str, end_ns: int) -> None:
+        state = self._state.get(conversation_id)
+        if state is not None:
+            state[1] = end_ns
+
+
+class ProxyTelemetry:
+    """Turn records → spans and metrics. ``telemetry=None`` disables spans (metrics remain)."""
+
+    def __init__(
+        self,
+        telemetry: Telemetry | None,
+        *,
+        router_ttl_s: float | None = None,
+        max_conversations: int = MAX_TRACKED_CONVERSATIONS,
+    ) -> None:
+        self.telemetry = telemetry
+        self.enabled = telemetry is not None
+        self.metrics = ProxyMetrics()
+        self.router_ttl_s = router_ttl_s
+        self._clock = _ConversationClock(max_conversations)
+        self._rand = random.Random()
+        self._resource: Resource | None = None
+        self._scope = InstrumentationScope(semconv.SCOPE_NAME, __version__)
+        self._span_failures = 0
+        self._lock = threading.Lock()
+        if telemetry is not None:
+            self._resource = telemetry.tracer_provider.resource
+
+    # -- request path ------------------------------------------------------------------------------
+    def begin_turn(
+        self,
+        route: str,
+        x_request_id: str,
+        traceparent: str | None,
+        tracestate: str | None,
+    ) -> TurnRecord:
+        """A record for a request that just arrived, with its trace and span ids chosen."""
+        getrandbits = self._rand.getrandbits
+        incoming = parse_traceparent(traceparent)
+        return TurnRecord(
+            x_request_id=x_request_id,
+            route=route,
+            arrival_ns=time.time_ns(),
+            trace_id=incoming[0] if incoming else getrandbits(128) or 1,
+            turn_span_id=getrandbits(64) or 1,
+            prefill_span_id=getrandbits(64) or 1,
+            decode_span_id=getrandbits(64) or 1,
+            remote_parent_span_id=incoming[1] if incoming else None,
+            tracestate=tracestate if incoming else None,
+        )
+
+    def conversation_started(self, record: TurnRecord, conversation: ConversationId) -> None:
+        """Assign the turn index and remember when the previous turn ended (for tool wait)."""
+        record.conversation = conversation
+        if conversation.value is not None:
+            record.turn_index, record.previous_end_ns = self._clock.begin(conversation.value)
+
+    def finish_turn(self, record: TurnRecord) -> None:
+        """Record the ended turn: metrics now, spans onto the export queue. Never raises."""
+        if not record.end_ns:
+            record.end_ns = time.time_ns()
+        if record.conversation is not None and record.conversation.value is not None:
+            self._clock.end(record.conversation.value, record.end_ns)
+        try:
+            self._observe(record)
+            if self.telemetry is not None:
+                processor = self.telemetry.span_processor
+                for span in self.spans_for(record):
+                    processor.on_end(span)
+        except Exception:  # telemetry must never break a turn the client already has
+            with self._lock:
+                self._span_failures += 1
+                first = self._span_failures == 1
+            if first:
+                logger.exception("kvscope proxy telemetry failed (further failures are counted)")
+
+    def _observe(self, record: TurnRecord) -> None:
+        m = self.metrics
+        outcome = record.error_kind or "ok"
+        m.turns.inc(record.route, outcome)
+        if record.lookup is not None:
+            m.router_lookups.inc(record.lookup)
+        if record.error_leg is not None and record.error_kind is not None:
+            m.upstream_errors.inc(record.error_leg, record.error_kind)
+        if record.client_disconnected:
+            m.client_disconnects.inc()
+        if record.first_token_ns is not None:
+            m.ttft.observe((record.first_token_ns - record.arrival_ns) / 1e9)
+        if record.prefill_start_ns is not None and record.prefill_end_ns is not None:
+            m.leg_duration.observe(
+                (record.prefill_end_ns - record.prefill_start_ns) / 1e9, semconv.LEG_PREFILL
+            )
+        if record.decode_start_ns is not None and record.decode_end_ns is not None:
+            m.leg_duration.observe(
+                (record.decode_end_ns - record.decode_start_ns) / 1e9, semconv.LEG_DECODE
+            )
+        m.turn_duration.observe((record.end_ns - record.arrival_ns) / 1e9)
+
+    # -- spans ---------------------------------------------------------------------------------
+    def spans_for(self, record: TurnRecord) -> list[ReadableSpan]:
+        """The finished OTel spans of one turn record."""
+        trace_id = record.trace_id
+        turn_ctx = SpanContext(trace_id, record.turn_span_id, False, _SAMPLED)
+        remote_parent = (
+            SpanContext(trace_id, record.remote_parent_span_id, True, _SAMPLED)
+            if record.remote_parent_span_id is not None
+            else None
+        )
+        conversation = record.conversation
+        conv_id = conversation.value if conversation is not None else None
+
+        turn_attrs: dict[str, Any] = {
+            semconv.X_REQUEST_ID: record.x_request_id,
+            semconv.HTTP_ROUTE: record.route,
+            semconv.HTTP_RESPONSE_STATUS_CODE: record.status_code,
+            semconv.TURN_INDEX: record.turn_index,
+            semconv.STREAM_REQUESTED: record.stream,
+        }
+        _put(turn_attrs, semconv.GEN_AI_CONVERSATION_ID, conv_id)
+        if conversation is not None:
+            turn_attrs[semconv.CONVERSATION_ID_SOURCE] = conversation.source
+            _put(turn_attrs, semconv.CONVERSATION_ID_REJECTED, conversation.rejected)
+        _put(turn_attrs, semconv.GEN_AI_REQUEST_MODEL, record.model)
+        _put(turn_attrs, semconv.GEN_AI_USAGE_INPUT_TOKENS, record.prompt_tokens)
+        _put(turn_attrs, semconv.GEN_AI_USAGE_OUTPUT_TOKENS, record.output_tokens)
+        _put(turn_attrs, semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, record.cached_tokens)
+        _put(turn_attrs, semconv.ROUTER_LOOKUP, record.lookup)
+        _put(turn_attrs, semconv.ROUTER_ENTRY_AGE_S, record.lookup_age_s)
+        _put(turn_attrs, semconv.ROUTER_TTL_S, self.router_ttl_s)
+        _put(turn_attrs, semconv.PREFILL_INSTANCE, record.prefill_instance)
+        _put(turn_attrs, semconv.DECODE_INSTANCE, record.decode_instance)
+        if record.boundary_hashes:
+            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = record.boundary_hashes
+        if record.finish_reasons:
+            turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
+        first_token_events: tuple[Event, ...] = ()
+        if record.first_token_ns is not None:
+            ttft_ms = (record.first_token_ns - record.arrival_ns) / 1e6
+            turn_attrs[semconv.TTFT_MS] = ttft_ms
+            first_token_events = (
+                Event(semconv.EVENT_FIRST_TOKEN, {semconv.TTFT_MS: ttft_ms},
+                      timestamp=record.first_token_ns),
+            )
+        if record.client_disconnected:
+            turn_attrs[semconv.CLIENT_DISCONNECTED] = True
+        _put(turn_attrs, semconv.ERROR_KIND, record.error_kind)
+        turn_status = (
+            Status(StatusCode.ERROR, record.error_message or record.error_kind)
+            if record.error_kind is not None
+            else Status(StatusCode.UNSET)
+        )
+        spans = [
+            self._span(
+                semconv.SPAN_TURN, turn_ctx, remote_parent, SpanKind.SERVER,
+                record.arrival_ns, record.end_ns, turn_attrs, first_token_events, turn_status,
+            )
+        ]
+
+        if record.prefill_start_ns is not None:
+            attrs: dict[str, Any] = {
+                semconv.X_REQUEST_ID: record.x_request_id,
+                semconv.D_METADATA_ATTACHED: record.d_metadata_attached,
+            }
+            _put(attrs, semconv.PREFILL_INSTANCE, record.prefill_instance)
+            _put(attrs, semconv.PROMPT_TOKENS, record.prompt_tokens)
+            _put(attrs, semconv.CACHED_TOKENS, record.cached_tokens)
+            _put(attrs, semconv.VLLM_REQUEST_ID, record.prefill_request_id)
+            _put(attrs, semconv.OFFERED_REQUEST_ID, record.offered_request_id)
+            _put(attrs, semconv.REMOTE_OFFERED_TOKENS, record.offered_tokens)
+            spans.append(
+                self._leg(record, semconv.SPAN_INPUT_PROCESSING, record.prefill_span_id,
+                          turn_ctx, record.prefill_start_ns, record.prefill_end_ns, attrs,
+                          (), semconv.LEG_PREFILL)
+            )
+        if record.decode_start_ns is not None:
+            attrs = {
+                semconv.X_REQUEST_ID: record.x_request_id,
+                semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
+                semconv.STREAM_CHUNKS: record.chunks,
+            }
+            _put(attrs, semconv.DECODE_INSTANCE, record.decode_instance)
+            _put(attrs, semconv.GEN_AI_USAGE_OUTPUT_TOKENS, record.output_tokens)
+            _put(attrs, semconv.VLLM_REQUEST_ID, record.decode_request_id)
+            _put(attrs, semconv.REMOTE_NUM_TOKENS, record.remote_num_tokens)
+            _put(attrs, semconv.RETENTION_BLOCKS, record.retention_blocks)
+            if record.client_disconnected:
+                attrs[semconv.CLIENT_DISCONNECTED] = True
+            spans.append(
+                self._leg(record, semconv.SPAN_GENERATION, record.decode_span_id, turn_ctx,
+                          record.decode_start_ns, record.decode_end_ns, attrs,
+                          first_token_events, semconv.LEG_DECODE)
+            )
+        if (
+            conv_id is not None
+            and record.previous_end_ns is not None
+            and record.previous_end_ns <= record.arrival_ns
+        ):
+            attrs = {
+                semconv.GEN_AI_CONVERSATION_ID: conv_id,
+                semconv.TURN_INDEX: record.turn_index,
+                semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,
+            }
+            ctx = SpanContext(trace_id, self._rand.getrandbits(64) or 1, False, _SAMPLED)
+            spans.append(
+                self._span(semconv.SPAN_TOOL_WAIT, ctx, turn_ctx, SpanKind.INTERNAL,
+                           record.previous_end_ns, record.arrival_ns, attrs, (),
+                           Status(StatusCode.UNSET))
+            )
+        return spans
+
+    def _leg(
+        self,
+        record: TurnRecord,
+        name: str,
+        span_id: int,
+        parent: SpanContext,
+        start_ns: int,
+        end_ns: int | None,
+        attrs: dict[str, Any],
+        events: tuple[Event, ...],
+        leg: str,
+    ) -> ReadableSpan:
+        status = Status(StatusCode.UNSET)
+        if record.error_leg == leg and record.error_kind is not None:
+            attrs[semconv.ERROR_KIND] = record.error_kind
+            status = Status(StatusCode.ERROR, record.error_message or record.error_kind)
+        ctx = SpanContext(record.trace_id, span_id, False, _SAMPLED)
+        return self._span(name, ctx, parent, SpanKind.CLIENT, start_ns, end_ns or record.end_ns,
+                          attrs, events, status)
+
+    def _span(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, Any],
+        events: tuple[Event, ...],
+        status: Status,
+    ) -> ReadableSpan:
+        return ReadableSpan(
+            name,
+            context=context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            events=events,
+            kind=kind,
+            status=status,
+            start_time=start_ns,
+            end_time=max(end_ns, start_ns),
+            instrumentation_scope=self._scope,
+        )
+
+    # -- drops and exposition ------------------------------------------------------------------
+    def dropped_spans(self) -> int:
+        """Spans lost so far: queue full, export failed, store insert failed, or build failed."""
+        dropped = self._span_failures
+        if self.telemetry is not None:
+            stats = self.telemetry.span_processor.stats
+            dropped += stats.dropped + stats.export_failures
+            writer = self.telemetry.writer
+            if writer is not None:
+                dropped += writer.stats.failed_rows
+        return dropped
+
+    def telemetry_counts(self) -> dict[str, int | bool]:
+        """Queue and drop counters, for ``/health``."""
+        counts: dict[str, int | bool] = {"enabled": self.enabled}
+        if self.telemetry is not None:
+            stats = self.telemetry.span_processor.stats
+            counts.update(
+                queued_spans=stats.queued,
+                exported_spans=stats.exported,
+                dropped_spans=self.dropped_spans(),
+            )
+        return counts
+
+    def render_metrics(self, router_entries: int) -> str:
+        """``GET /metrics`` text."""
+        return self.metrics.render(
+            {
+                semconv.METRIC_PROXY_ROUTER_ENTRIES: (
+                    "Conversations with decode metadata cached now.", router_entries
+                ),
+            },
+            {
+                semconv.METRIC_PROXY_TELEMETRY_DROPPED: (
+                    "Spans lost: queue full, export failed or store write failed.",
+                    self.dropped_spans(),
+                ),
+            },
+        )
