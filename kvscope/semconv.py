@@ -171,47 +171,6 @@ METRIC_GPU_MEMORY_TOTAL = _metric("kvscope.gpu.memory.total_bytes", "By", "GPU m
 METRIC_KV_RETAINED = _metric(
     "kvscope.kv.retained_bytes", "By", "KV bytes decode holds for later turns."
 )
-# --- proxy (kvscope proxy) ----------------------------------------------------------------------
-CONVERSATION_ID_REJECTED = _attr(
-    "kvscope.conversation.id_rejected", "", "Why a supplied conversation id was not used."
-)
-OFFERED_REQUEST_ID = _attr(
-    "kvscope.router.offered_request_id", "", "Decode's remote_request_id the proxy sent to prefill."
-)
-STREAM_REQUESTED = _attr("kvscope.stream", "", "Whether the client asked for a streamed response.")
-STREAM_CHUNKS = _attr("kvscope.stream.chunks", "", "SSE data events decode sent for one turn.")
-GEN_AI_RESPONSE_FINISH_REASONS = _attr(
-    "gen_ai.response.finish_reasons", "", "Finish reason(s) of the generated choices."
-)
-HTTP_ROUTE = _attr("http.route", "", "Route the client called (OpenTelemetry HTTP convention).")
-HTTP_RESPONSE_STATUS_CODE = _attr(
-    "http.response.status_code", "", "HTTP status of a response (OpenTelemetry HTTP convention)."
-)
-METRIC_PROXY_TURNS = _metric("kvscope.proxy.turns", "1", "Turns the proxy finished, by outcome.")
-METRIC_PROXY_ROUTER_LOOKUPS = _metric(
-    "kvscope.proxy.router.lookups", "1", "Router cache lookups, by result."
-)
-METRIC_PROXY_ROUTER_ENTRIES = _metric(
-    "kvscope.proxy.router.entries", "1", "Conversations with decode metadata cached now."
-)
-METRIC_PROXY_UPSTREAM_ERRORS = _metric(
-    "kvscope.proxy.upstream.errors", "1", "Failed prefill or decode calls, by leg and kind."
-)
-METRIC_PROXY_CLIENT_DISCONNECTS = _metric(
-    "kvscope.proxy.client.disconnects", "1", "Clients that left before their response ended."
-)
-METRIC_PROXY_TTFT = _metric(
-    "kvscope.proxy.ttft_seconds", "s", "Request arrival to the first decode event sent."
-)
-METRIC_PROXY_LEG_DURATION = _metric(
-    "kvscope.proxy.leg.duration_seconds", "s", "Duration of the prefill and decode legs."
-)
-METRIC_PROXY_TURN_DURATION = _metric(
-    "kvscope.proxy.turn.duration_seconds", "s", "Request arrival to the last byte sent."
-)
-METRIC_PROXY_TELEMETRY_DROPPED = _metric(
-    "kvscope.proxy.telemetry.dropped_spans", "1", "Spans lost: queue full or export failed."
-)
 
 # --- proxy (kvscope proxy) ----------------------------------------------------------------------
 CONVERSATION_ID_REJECTED = _attr(
@@ -298,24 +257,6 @@ RELEASE_REASONS = (RELEASE_READ, RELEASE_NOTIFIED, RELEASE_EXPIRED, RELEASE_OPEN
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"
-ID_SOURCE_BODY = "body"
-ID_SOURCE_HEADER = "header"
-ID_SOURCE_NONE = "none"
-
-ID_REJECTED_TOO_LONG = "too_long"
-ID_REJECTED_NON_PRINTABLE = "non_printable"
-ID_REJECTED_WRONG_TYPE = "wrong_type"
-
-LEG_PREFILL = "prefill"
-LEG_DECODE = "decode"
-
-ERROR_CONNECT = "connect"
-ERROR_TIMEOUT = "timeout"
-ERROR_UPSTREAM_STATUS = "upstream_status"
-ERROR_PROTOCOL = "protocol"
-ERROR_BAD_REQUEST = "bad_request"
-ERROR_CLIENT_DISCONNECTED = "client_disconnected"
-
 
 ID_SOURCE_BODY = "body"
 ID_SOURCE_HEADER = "header"
