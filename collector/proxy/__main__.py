@@ -7,7 +7,6 @@ import logging
 import sys
 
 from kvscope.collector.proxy.app import add_proxy_arguments, main_proxy
-
 from kvscope.errors import KvscopeError
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from kvscope import semconv, settings
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy.router import (
     ConversationRouter,
@@ -38,8 +40,6 @@ from kvscope.collector.proxy.router import (
     prefill_params,
 )
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
-
-from kvscope import semconv, settings
 from kvscope.errors import SettingError
 
 logger = logging.getLogger(__name__)

@@ -29,14 +29,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.collector.otel import Telemetry
-from kvscope.collector.proxy.router import ConversationId
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvscope import __version__, semconv
+from kvscope.collector.otel import Telemetry
+from kvscope.collector.proxy.router import ConversationId
 
 logger = logging.getLogger(__name__)
 
