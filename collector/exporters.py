@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvscope.collector.convert import metrics_to_rows, spans_to_rows
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
     MetricExportResult,
@@ -19,6 +18,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from kvscope.collector.convert import metrics_to_rows, spans_to_rows
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)

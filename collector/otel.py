@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from opentelemetry import context as otel_context
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY
 from opentelemetry.metrics import Meter
@@ -28,6 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
 from kvscope import __version__, semconv, settings
+from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.errors import SettingError
 from kvscope.store.writer import StoreWriter
 

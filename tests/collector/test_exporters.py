@@ -9,8 +9,6 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvscope.collector.exporters import DuckDBSpanExporter
-from kvscope.collector.otel import QueueSpanProcessor, setup_telemetry
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
@@ -18,6 +16,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvscope import semconv
+from kvscope.collector.exporters import DuckDBSpanExporter
+from kvscope.collector.otel import QueueSpanProcessor, setup_telemetry
 from kvscope.store import StoreReader, StoreWriter, insert_arrow, open_store
 from kvscope.store.rows import TraceRows, stringify
 
