@@ -1,0 +1,752 @@
+"""The pure reuse-semantics model of vLLM 0.33.0's NIXL pull connector with D→P readback.
+
+One model serves the emulated HTTP servers (real time), the virtual-time simulator and the
+what-if analysis: nothing here does I/O, reads a clock or starts a thread. Every time-dependent
+call takes ``now``, one *global* time in seconds; each node adds its own ``clock_offset_s`` to
+get its local ``perf_counter`` domain, exactly the quantity vLLM exports as
+``remote_blocks_expiry_time``. Sequences are described at block level (:class:`BlockSeq`).
+
+What it mirrors (read from the 0.33.0 wheel; paths under
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
+
+* :meth:`PrefillNode.decide` = scheduler local hit (``get_computed_blocks``: longest cached
+  chain of full blocks within the first ``num_tokens - 1`` tokens, so a full hit still computes
+  the last token) + ``NixlPullConnectorScheduler.get_num_new_matched_tokens`` (D→P branch:
+  ``do_remote_decode``, truthy ``remote_block_ids`` and the four keys *present*; ``count =
+  min(remote_num_tokens, num_prompt_tokens) - local``; ``(0, False)`` when ``threshold > 0 and
+  0 < count < threshold``; no bidir check here) + ``update_state_after_alloc`` (registers the
+  read only with bidir on at P and not ``_remote_blocks_processed``; zero external tokens →
+  notify-only, which releases D's handle).
+* Bidir off at P, D offering ≥ threshold: P still answers ``(count, True)``, the scheduler parks
+  the request in WAITING_FOR_REMOTE_KVS, nothing registers a read, no ``finished_recving`` ever
+  arrives: the request stalls until the client gives up (``stalled=True``). D is never
+  notified, so its handle lives until the TTL reaper. Below threshold or covered locally, P
+  computes and D is likewise not notified.
+* A second schedule of the same request (preemption after the read, or ``recompute`` after a
+  failed load, which resets ``num_computed_tokens`` to 0) runs the same decision with
+  ``_remote_blocks_processed`` set: when it again answers ``(count > 0, async)`` no read is
+  registered and, by the same code path, the request stalls (``NodeConfig.
+  stall_on_reissued_load``; code-reading, not yet confirmed on hardware: set it False to model
+  the documented "falls back to local prefill"). When P's prefix cache now covers the span
+  (pulled blocks are cached after a successful load) it proceeds locally.
+* Worker read: handshake (peer found at ``remote_host:remote_port`` with that engine id, no
+  injected fault) → expiry guard ``now_P + 5.0 >= expiry - offset`` → ``declined_expired``
+  (skipped when expiry is ``None`` or notify-only) → READ of whole blocks. A failure is handled
+  by ``kv_load_failure_policy``: ``fail`` ends the turn with an error; ``recompute`` reschedules.
+* Decode ``request_finished``: with bidir on and status stopped/length-capped, pins the blocks,
+  ``expiry = now_D + decoder_kv_blocks_ttl`` (never renewed), ``remote_num_tokens =
+  num_computed_tokens`` (prompt + output − 1) and returns the exact 0.33.0 params dict
+  (:data:`PARAMS_FIELDS`); aborted/errored or bidir off → no params. Handles are single-use:
+  the first read or notify releases them; the reaper releases at ``now_D >= expiry``.
+
+Ground-truth accounting and the outcome label are decided by :func:`account_turn`, following
+:mod:`kvscope.emulator.outcomes`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvscope import semconv
+from kvscope.emulator import outcomes
+from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, BlockSeq
+
+KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S = 5.0
+TRANSFER_MODE_PULL = "pull"
+FAILURE_POLICY_FAIL = "fail"
+FAILURE_POLICY_RECOMPUTE = "recompute"
+FailurePolicy = Literal["fail", "recompute"]
+# vLLM's RequestStatus values that keep blocks for a later reader.
+STATUS_STOPPED = "finished_stopped"
+STATUS_LENGTH_CAPPED = "finished_length_capped"
+STATUS_ABORTED = "finished_aborted"
+STATUS_ERROR = "finished_error"
+_RETAINING_STATUSES = (STATUS_STOPPED, STATUS_LENGTH_CAPPED)
+# Keys get_num_new_matched_tokens requires to be present (presence, not truthiness, in 0.33.0).
+D_TO_P_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+# The dict NixlPullConnectorScheduler.request_finished returns in 0.33.0, in its order.
+PARAMS_FIELDS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "remote_registration_generation",
+    "transfer_mode",
+)
+# The scheduler adds this to a finished P request's params (P-side cache hits, for D's usage).
+P_PARAMS_EXTRA_FIELDS = ("remote_prefill_cached_tokens",)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One vLLM engine's connector settings (``kv_connector_extra_config`` and friends)."""
+
+    engine_id: str
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    bidirectional_kv_xfer: bool = False
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    kv_load_failure_policy: FailurePolicy = "fail"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    # Free-but-cached blocks the prefix cache may hold; pinned (retained) blocks are extra.
+    cache_capacity_blocks: int = 1 << 20
+    kv_bytes_per_token: int = 0
+    tp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+    registration_generation: int = 0
+    # This engine's perf_counter = global time + offset (each process has its own epoch).
+    clock_offset_s: float = 0.0
+    stall_on_reissued_load: bool = True
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block on this engine."""
+        return self.block_size * self.kv_bytes_per_token
+
+    def local_time(self, now: float) -> float:
+        """Global time ``now`` in this engine's perf_counter domain."""
+        return now + self.clock_offset_s
+
+
+class PrefixCache:
+    """A bounded prefix cache of full blocks keyed by chained hash, evicting least recently used.
+
+    Like vLLM's free-block queue, a sequence's blocks are touched tail first, so within one
+    sequence the tail is evicted before its prefix and the cache stays prefix-closed.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.evicted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def longest_hit_blocks(self, seq: BlockSeq, max_tokens: int | None = None) -> int:
+        """Leading blocks of ``seq`` cached here, within ``max_tokens`` (default num_tokens - 1)."""
+        limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
+        n = min(len(seq.block_hashes), max(limit, 0) // seq.block_size)
+        hashes, lru = seq.block_hashes, self._lru
+        i = 0
+        while i < n and hashes[i] in lru:
+            i += 1
+        return i
+
+    def touch(self, seq: BlockSeq, num_blocks: int | None = None) -> None:
+        """Insert or refresh the first ``num_blocks`` full blocks of ``seq`` (all by default)."""
+        hashes = seq.block_hashes if num_blocks is None else seq.block_hashes[:num_blocks]
+        lru = self._lru
+        # Most recently used = last; the prefix goes last so the tail is evicted first.
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        overflow = len(lru) - self.capacity_blocks
+        for _ in range(max(overflow, 0)):
+            lru.popitem(last=False)
+        self.evicted_blocks += max(overflow, 0)
+
+
+@dataclass
+class Retention:
+    """Blocks decode pinned for a later reader, from pin to release."""
+
+    request_id: str
+    engine_id: str
+    blocks: int
+    bytes: int
+    tokens: int
+    ttl_s: float
+    start: float
+    expiry_local: float
+    end: float | None = None
+    release_reason: str = semconv.RELEASE_OPEN
+
+    @property
+    def held_s(self) -> float | None:
+        """Seconds held, or None while open."""
+        return None if self.end is None else self.end - self.start
+
+
+@dataclass(frozen=True)
+class ReadReply:
+    """What decode's side of one READ or notify saw."""
+
+    known: bool
+    retention: Retention | None
+
+
+class DecodeNode:
+    """A decode engine: prefix cache, pinned handles for D→P readback, and the TTL reaper."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.cache = PrefixCache(
+            config.cache_capacity_blocks if config.enable_prefix_caching else 0
+        )
+        self.handles: dict[str, Retention] = {}
+        self._expiries: list[tuple[float, str]] = []
+        self._next_block_id = 0
+        self.released: list[Retention] = []
+
+    def finish_request(
+        self, request_id: str, sequence: BlockSeq, status: str, now: float
+    ) -> tuple[Retention | None, dict[str, Any] | None]:
+        """``request_finished`` on D for a sequence of prompt + output tokens.
+
+        Returns the pinned retention and the ``kv_transfer_params`` D sends back, or
+        ``(None, None)`` when bidir is off, the request did not finish normally or has no blocks.
+        """
+        cfg = self.config
+        self.cache.touch(sequence)
+        if not cfg.bidirectional_kv_xfer or status not in _RETAINING_STATUSES:
+            return None, None
+        num_computed = max(sequence.num_tokens - 1, 0)
+        blocks = math.ceil(num_computed / cfg.block_size)
+        if blocks == 0:
+            return None, None
+        self.reap(now)
+        expiry_local = cfg.local_time(now) + cfg.decoder_kv_blocks_ttl
+        retention = Retention(
+            request_id=request_id,
+            engine_id=cfg.engine_id,
+            blocks=blocks,
+            bytes=blocks * cfg.block_bytes,
+            tokens=num_computed,
+            ttl_s=cfg.decoder_kv_blocks_ttl,
+            start=now,
+            expiry_local=expiry_local,
+        )
+        block_ids = list(range(self._next_block_id, self._next_block_id + blocks))
+        self._next_block_id += blocks
+        self.handles[request_id] = retention
+        heapq.heappush(self._expiries, (expiry_local, request_id))
+        params = kv_transfer_params(
+            cfg,
+            is_prefill=False,
+            request_id=request_id,
+            block_ids=block_ids,
+            num_computed_tokens=num_computed,
+            expiry=expiry_local,
+        )
+        return retention, params
+
+    def admit(
+        self, request_id: str, prompt: BlockSeq, params: Mapping[str, Any] | None
+    ) -> TransferRecord | None:
+        """D's P→D pull for a new request (``do_remote_prefill`` branch: no threshold)."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        cfg = self.config
+        local_blocks = self.cache.longest_hit_blocks(prompt)
+        count = prompt.num_tokens - local_blocks * prompt.block_size
+        if count <= 0:
+            return None
+        blocks = math.ceil(prompt.num_tokens / prompt.block_size) - local_blocks
+        self.cache.touch(prompt)
+        return TransferRecord(
+            direction=semconv.DIRECTION_P_TO_D,
+            status=semconv.TRANSFER_OK,
+            tokens=count,
+            blocks=blocks,
+            bytes=blocks * cfg.block_bytes,
+            remote_engine_id=str(params.get("remote_engine_id")),
+        )
+
+    def reap(self, now: float) -> list[Retention]:
+        """Release every handle whose deadline has passed on D's clock (the TTL reaper)."""
+        now_local = self.config.local_time(now)
+        reaped = []
+        while self._expiries and self._expiries[0][0] <= now_local:
+            expiry_local, request_id = heapq.heappop(self._expiries)
+            retention = self.handles.get(request_id)
+            if retention is None or retention.expiry_local != expiry_local:
+                continue
+            # The reaper releases at its own tick; global time of the deadline is exact enough.
+            reaped.append(
+                self._release(
+                    request_id, expiry_local - self.config.clock_offset_s, semconv.RELEASE_EXPIRED
+                )
+            )
+        return reaped
+
+    def receive(self, request_id: str, now: float, read: bool) -> ReadReply:
+        """A READ (``read``) or notify-only message from prefill for ``request_id``."""
+        self.reap(now)
+        if request_id not in self.handles:
+            # vLLM logs "Potentially invalid KV blocks for unrecognized request"; a READ still
+            # moves whatever the freed blocks now hold.
+            return ReadReply(False, None)
+        reason = semconv.RELEASE_READ if read else semconv.RELEASE_NOTIFIED
+        return ReadReply(True, self._release(request_id, now, reason))
+
+    def retained_bytes(self, now: float) -> int:
+        """Bytes pinned for later readers at ``now``."""
+        self.reap(now)
+        return sum(r.bytes for r in self.handles.values())
+
+    def _release(self, request_id: str, when: float, reason: str) -> Retention:
+        retention = self.handles.pop(request_id)
+        retention.end = when
+        retention.release_reason = reason
+        self.released.append(retention)
+        return retention
+
+
+class Fabric:
+    """Which decode engine answers a side-channel address (the NIXL handshake's view)."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[tuple[str, int], DecodeNode] = {}
+
+    def register(self, node: DecodeNode, hosts: tuple[str, ...] = ()) -> None:
+        """Make ``node`` reachable at its side-channel host and any aliases in ``hosts``."""
+        for host in (node.config.side_channel_host, *hosts):
+            self._by_address[(host, node.config.side_channel_port)] = node
+
+    def resolve(self, host: object, port: object, engine_id: object) -> DecodeNode | None:
+        """The node a handshake to ``host:port`` reaches, if it is engine ``engine_id``."""
+        if not isinstance(host, str) or not isinstance(port, int):
+            return None
+        node = self._by_address.get((host, port))
+        if node is None or node.config.engine_id != engine_id:
+            return None
+        return node
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Failures to inject into one prefill's read (the emulator's fault switches)."""
+
+    handshake_fails: bool = False
+    transfer_fails: bool = False
+    preempt_after_read: bool = False
+    # Error in P's estimate of D's clock offset (seconds; positive = P thinks D is ahead).
+    clock_offset_error_s: float = 0.0
+
+
+NO_FAULTS = Faults()
+
+
+@dataclass(frozen=True)
+class ReuseDecision:
+    """P scheduler's decision for one schedule of a request (get_num_new_matched_tokens + alloc)."""
+
+    request_id: str
+    prompt_tokens: int
+    local_hit_tokens: int
+    remote_offered_tokens: int
+    count: int
+    tokens_to_pull: int
+    load_async: bool
+    threshold: int
+    decision: str
+    read_registered: bool
+    notify_only: bool
+    stalled: bool
+    bidirectional_kv_xfer: bool
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One D→P READ attempt (or decline) by P's worker."""
+
+    direction: str
+    status: str
+    tokens: int
+    blocks: int
+    bytes: int
+    remote_engine_id: str
+    stale_handle: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Everything one prefill request did about reuse, for spans and ground truth."""
+
+    decision: ReuseDecision
+    transfer: TransferRecord | None
+    local_hit_tokens: int
+    remote_reused_tokens: int
+    computed_tokens: int
+    preempted: bool
+    load_failed: bool
+    errored: bool
+    stalled: bool
+    rescheduled_decision: ReuseDecision | None
+    decode_release: str | None
+
+
+@dataclass
+class _RequestState:
+    params: dict[str, Any] | None
+    processed: bool = False
+    schedules: int = 0
+
+
+def kv_transfer_params(
+    cfg: NodeConfig,
+    *,
+    is_prefill: bool,
+    request_id: str,
+    block_ids: list[int],
+    num_computed_tokens: int,
+    expiry: float | None,
+) -> dict[str, Any]:
+    """The exact dict ``request_finished`` returns in 0.33.0 (one KV group)."""
+    return {
+        "do_remote_prefill": is_prefill,
+        "do_remote_decode": not is_prefill,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": cfg.engine_id,
+        "remote_request_id": request_id,
+        "remote_host": cfg.side_channel_host,
+        "remote_port": cfg.side_channel_port,
+        "tp_size": max(cfg.tp_size, cfg.dcp_size),
+        "dcp_size": cfg.dcp_size,
+        "pp_size": cfg.pp_size,
+        "remote_num_tokens": num_computed_tokens,
+        "remote_blocks_expiry_time": expiry,
+        "remote_registration_generation": cfg.registration_generation,
+        "transfer_mode": TRANSFER_MODE_PULL,
+    }
+
+
+def d_to_p_offer_valid(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` pass get_num_new_matched_tokens's D→P check."""
+    return bool(
+        params is not None
+        and params.get("do_remote_decode")
+        and params.get("remote_block_ids")
+        and all(key in params for key in D_TO_P_REQUIRED_KEYS)
+    )
+
+
+class PrefillNode:
+    """A prefill engine: prefix cache, the scheduler's reuse decision and the worker's read."""
+
+    def __init__(self, config: NodeConfig, fabric: Fabric | None = None) -> None:
+        self.config = config
+        self.fabric = fabric if fabric is not None else Fabric()
+        self.cache = PrefixCache(
+            config.cache_capacity_blocks if config.enable_prefix_caching else 0
+        )
+        self._requests: dict[str, _RequestState] = {}
+
+    def decide(
+        self, request_id: str, prompt: BlockSeq, params: Mapping[str, Any] | None
+    ) -> ReuseDecision:
+        """One schedule of ``request_id`` (``num_computed_tokens == 0``): local hit, then offer."""
+        state = self._requests.setdefault(
+            request_id, _RequestState(dict(params) if params is not None else None)
+        )
+        state.schedules += 1
+        return self._decide(request_id, prompt, state)
+
+    def _decide(self, request_id: str, prompt: BlockSeq, state: _RequestState) -> ReuseDecision:
+        cfg = self.config
+        local = self.cache.longest_hit_blocks(prompt) * prompt.block_size
+        params = state.params
+        offered = int((params or {}).get("remote_num_tokens") or 0)
+        threshold = cfg.kv_recompute_threshold
+        count, load_async = 0, False
+        if d_to_p_offer_valid(params):
+            count = min(offered, prompt.num_tokens) - local
+            if count > 0 and not (threshold > 0 and count < threshold):
+                load_async = True
+            decision = (
+                semconv.DECISION_PULL
+                if load_async
+                else semconv.DECISION_LOCAL_COVERS
+                if count <= 0
+                else semconv.DECISION_BELOW_THRESHOLD
+            )
+        elif (
+            params is not None and params.get("do_remote_decode") and params.get("remote_block_ids")
+        ):
+            decision = semconv.DECISION_INVALID_PARAMS  # ids present, a required key missing
+        elif params is not None and params.get("do_remote_decode") and offered > 0:
+            decision = semconv.DECISION_INVALID_PARAMS  # an offer without block ids
+        else:
+            decision = semconv.DECISION_NO_OFFER
+        pulled = count if load_async else 0
+        # update_state_after_alloc: the read (or notify-only) is registered once per request.
+        registered = bool(
+            decision
+            in (
+                semconv.DECISION_PULL,
+                semconv.DECISION_LOCAL_COVERS,
+                semconv.DECISION_BELOW_THRESHOLD,
+            )
+            and cfg.bidirectional_kv_xfer
+            and not state.processed
+        )
+        if params is not None and params.get("do_remote_decode") and cfg.bidirectional_kv_xfer:
+            state.processed = True
+        return ReuseDecision(
+            request_id=request_id,
+            prompt_tokens=prompt.num_tokens,
+            local_hit_tokens=local,
+            remote_offered_tokens=offered,
+            count=count,
+            tokens_to_pull=pulled,
+            load_async=load_async,
+            threshold=threshold,
+            decision=decision,
+            read_registered=registered,
+            notify_only=registered and not load_async,
+            stalled=load_async and not registered,
+            bidirectional_kv_xfer=cfg.bidirectional_kv_xfer,
+        )
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt: BlockSeq,
+        params: Mapping[str, Any] | None,
+        now: float,
+        faults: Faults = NO_FAULTS,
+    ) -> PrefillResult:
+        """Schedule, read (if registered) and compute one prefill request at global time ``now``.
+
+        The prompt's blocks enter P's prefix cache when the request computes; the request's
+        state is dropped at the end (call :meth:`finish_request` for P→D params).
+        """
+        cfg = self.config
+        decision = self.decide(request_id, prompt, params)
+        state = self._requests[request_id]
+        transfer: TransferRecord | None = None
+        release: str | None = None
+        if decision.read_registered:
+            transfer, release = self._read(decision, state.params or {}, now, faults)
+        load_failed = transfer is not None and transfer.status != semconv.TRANSFER_OK
+        local, remote = decision.local_hit_tokens, 0
+        rescheduled: ReuseDecision | None = None
+        errored = stalled = preempted = False
+        if decision.stalled:
+            stalled = True
+        elif load_failed and cfg.kv_load_failure_policy == FAILURE_POLICY_FAIL:
+            errored = True
+        elif load_failed or (transfer is not None and faults.preempt_after_read):
+            preempted = not load_failed
+            if preempted and cfg.enable_prefix_caching:
+                # A finished load is cached before the request runs; preemption keeps it cached.
+                self.cache.touch(
+                    prompt,
+                    (decision.local_hit_tokens + decision.tokens_to_pull) // prompt.block_size,
+                )
+            state.schedules += 1
+            rescheduled = self._decide(request_id, prompt, state)
+            local = rescheduled.local_hit_tokens
+            stalled = rescheduled.load_async and cfg.stall_on_reissued_load
+        elif transfer is not None and not transfer.stale_handle:
+            remote = decision.tokens_to_pull
+        # A stale READ still fills the blocks (with garbage): P does not compute those tokens.
+        garbage = decision.tokens_to_pull if transfer is not None and transfer.stale_handle else 0
+        computed = 0 if (errored or stalled) else prompt.num_tokens - local - remote - garbage
+        if not (errored or stalled):
+            self.cache.touch(prompt)
+        self._requests.pop(request_id, None)
+        return PrefillResult(
+            decision=decision,
+            transfer=transfer,
+            local_hit_tokens=local,
+            remote_reused_tokens=remote,
+            computed_tokens=computed,
+            preempted=preempted,
+            load_failed=load_failed,
+            errored=errored,
+            stalled=stalled,
+            rescheduled_decision=rescheduled,
+            decode_release=release,
+        )
+
+    def _read(
+        self, decision: ReuseDecision, params: Mapping[str, Any], now: float, faults: Faults
+    ) -> tuple[TransferRecord | None, str | None]:
+        """The worker's ``_read_blocks_for_req``: handshake, expiry guard, READ or notify."""
+        cfg = self.config
+        engine = str(params.get("remote_engine_id"))
+        remote_id = str(params.get("remote_request_id"))
+        bs = cfg.block_size
+        first_block = decision.local_hit_tokens // bs
+        blocks = math.ceil((decision.local_hit_tokens + decision.tokens_to_pull) / bs) - first_block
+        blocks = max(blocks, 0) if decision.load_async else 0
+        node = self.fabric.resolve(params.get("remote_host"), params.get("remote_port"), engine)
+
+        def record(status: str, moved: bool, stale: bool = False) -> TransferRecord:
+            n = blocks if moved else 0
+            return TransferRecord(
+                direction=semconv.DIRECTION_D_TO_P,
+                status=status,
+                tokens=decision.tokens_to_pull if moved else 0,
+                blocks=n,
+                bytes=n * cfg.block_bytes,
+                remote_engine_id=engine,
+                stale_handle=stale,
+            )
+
+        if node is None or faults.handshake_fails:
+            return (record(semconv.TRANSFER_HANDSHAKE_FAILED, False), None)
+        expiry = params.get("remote_blocks_expiry_time")
+        if decision.notify_only:
+            reply = node.receive(remote_id, now, read=False)
+            return None, semconv.RELEASE_NOTIFIED if reply.known else None
+        if expiry is not None:
+            # P's estimate of D's offset (remote perf_counter − local), from the handshake.
+            offset = node.config.clock_offset_s - cfg.clock_offset_s + faults.clock_offset_error_s
+            if cfg.local_time(now) + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= float(expiry) - offset:
+                # Declined reads neither read nor notify: D keeps the blocks until its reaper.
+                return record(semconv.TRANSFER_DECLINED_EXPIRED, False), None
+        if faults.transfer_fails:
+            return record(semconv.TRANSFER_FAILED, False), None
+        reply = node.receive(remote_id, now, read=True)
+        if not reply.known:
+            # R14: D already freed the blocks; the READ moves whatever they hold now.
+            return record(semconv.TRANSFER_OK, True, stale=True), None
+        return record(semconv.TRANSFER_OK, True), semconv.RELEASE_READ
+
+    def finish_request(
+        self, request_id: str, prompt: BlockSeq, cached_tokens: int = 0
+    ) -> dict[str, Any]:
+        """P's params for D after its one-token prefill (P→D: ``do_remote_prefill=True``)."""
+        cfg = self.config
+        num_computed = prompt.num_tokens
+        blocks = math.ceil(num_computed / cfg.block_size)
+        params = kv_transfer_params(
+            cfg,
+            is_prefill=True,
+            request_id=request_id,
+            block_ids=list(range(blocks)),
+            num_computed_tokens=num_computed,
+            expiry=None,
+        )
+        params["remote_prefill_cached_tokens"] = cached_tokens
+        return params
+
+
+@dataclass(frozen=True)
+class TurnAccounting:
+    """Ground truth for one turn: the token split (DESIGN §5) and its outcome label."""
+
+    reusable_tokens: int
+    local_hit_tokens: int
+    remote_reused_tokens: int
+    recomputed_reusable_tokens: int
+    outcome: str
+    evidence: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_ROUTER_OUTCOMES = {
+    semconv.ROUTER_NO_CONVERSATION_ID: outcomes.NO_CONVERSATION_ID,
+    semconv.ROUTER_STALE: outcomes.ROUTER_TTL_EXPIRED,
+    semconv.ROUTER_CONSUMED: outcomes.HANDLE_CONSUMED,
+    semconv.ROUTER_MISS: outcomes.ROUTER_NO_ENTRY,
+}
+
+
+def account_turn(
+    turn_index: int,
+    reusable_tokens: int,
+    result: PrefillResult | None,
+    *,
+    router_lookup: str = semconv.ROUTER_HIT,
+    decode_returned_params: bool = True,
+) -> TurnAccounting:
+    """Split turn ``turn_index``'s reusable tokens and label it (see :mod:`outcomes`)."""
+    if turn_index <= 1:
+        return TurnAccounting(0, 0, 0, 0, outcomes.FIRST_TURN, "turn 1")
+    reusable = max(reusable_tokens, 0)
+    local = remote = 0
+    if result is not None and not (result.errored or result.stalled):
+        local = min(result.local_hit_tokens, reusable)
+        if result.remote_reused_tokens:
+            reach = result.local_hit_tokens + result.remote_reused_tokens
+            remote = max(min(reach, reusable) - local, 0)
+    recomputed = reusable - local - remote
+
+    def done(outcome: str, evidence: str) -> TurnAccounting:
+        return TurnAccounting(reusable, local, remote, recomputed, outcome, evidence)
+
+    offered = result.decision.remote_offered_tokens if result is not None else 0
+    if result is not None and result.transfer is not None and result.remote_reused_tokens:
+        reach = result.local_hit_tokens + result.remote_reused_tokens
+        if reach > reusable:
+            return done(outcomes.PREFIX_DIVERGED, f"pulled up to {reach} > reusable {reusable}")
+    if reusable == 0:
+        label = outcomes.PREFIX_DIVERGED if offered else outcomes.UNKNOWN
+        return done(label, "no common prefix with the previous turn")
+    # D never offers its last output token (num_computed = prompt + output − 1): a turn that
+    # reused everything offered inside the reusable span counts as fully reused.
+    target = min(reusable, max(offered, local)) if offered else reusable
+    if local + remote >= target and local + remote > 0:
+        if remote > 0:
+            return done(outcomes.REUSED_REMOTE, f"pulled {remote}, local {local}")
+        return done(outcomes.REUSED_LOCAL, f"local hit {local}")
+    cause = _miss_cause(result, router_lookup, decode_returned_params)
+    if cause is not None:
+        return done(*cause)
+    if local + remote > 0:
+        return done(outcomes.PARTIAL, f"reused {local + remote} of {reusable}")
+    return done(outcomes.UNKNOWN, "no rule explains the miss")
+
+
+def _miss_cause(
+    result: PrefillResult | None, router_lookup: str, decode_returned: bool
+) -> tuple[str, str] | None:
+    if router_lookup == semconv.ROUTER_NO_CONVERSATION_ID:
+        return outcomes.NO_CONVERSATION_ID, "request had no conversation id"
+    if not decode_returned:
+        return outcomes.NO_DECODE_METADATA, "decode returned no kv_transfer_params"
+    if router_lookup in _ROUTER_OUTCOMES:
+        return _ROUTER_OUTCOMES[router_lookup], f"router lookup {router_lookup}"
+    if result is None:
+        return None
+    decision = result.decision
+    if decision.decision == semconv.DECISION_INVALID_PARAMS:
+        return outcomes.INVALID_PARAMS, "offer failed the D->P key check"
+    if decision.decision == semconv.DECISION_NO_OFFER:
+        return outcomes.ROUTER_NO_ENTRY, "prefill got no offer"
+    if not decision.bidirectional_kv_xfer and decision.decision != semconv.DECISION_LOCAL_COVERS:
+        return outcomes.PREFILL_BIDIR_DISABLED, "bidirectional_kv_xfer off at prefill"
+    if decision.decision == semconv.DECISION_BELOW_THRESHOLD:
+        return outcomes.BELOW_THRESHOLD, f"{decision.count} < {decision.threshold}"
+    if result.transfer is not None and result.transfer.stale_handle:
+        return outcomes.DECODE_TTL_EXPIRED, "read hit a handle decode had already reaped"
+    if result.preempted:
+        return outcomes.PREEMPTED, "preempted after its read"
+    if result.load_failed and result.transfer is not None:
+        if result.errored:
+            return outcomes.LOAD_FAILED_ERRORED, f"read {result.transfer.status}, policy fail"
+        status = result.transfer.status
+        if status == semconv.TRANSFER_DECLINED_EXPIRED or result.transfer.stale_handle:
+            return outcomes.DECODE_TTL_EXPIRED, "read declined or handle already reaped"
+        if status == semconv.TRANSFER_HANDSHAKE_FAILED:
+            return outcomes.HANDSHAKE_FAILED, "handshake to decode failed"
+        return outcomes.TRANSFER_FAILED, "NIXL READ failed"
+    return None
