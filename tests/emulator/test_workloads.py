@@ -1,0 +1,350 @@
+"""Workloads: seeded generation, trace loading, block view and chat rendering."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvscope.emulator import tokens
+from kvscope.emulator.workloads import (
+    BlockChain,
+    ChatHistory,
+    Conversation,
+    Turn,
+    Workload,
+    WorkloadError,
+    block_view,
+    common_prefix_blocks,
+    messages,
+    mooncake,
+    synthetic,
+    weka,
+)
+
+# Small sizes keep rendering and token hashing fast while keeping every structural feature.
+SMALL = dict(
+    system_prompt_tokens=70, task_tokens_p50=20, new_input_tokens_p50=30,
+    max_new_input_tokens=200, output_tokens_p50=12, max_output_tokens=40, max_context_tokens=900,
+    summary_tokens=40, turns_p50=8, max_turns=14, subagent_probability=0.15,
+    reset_probability=0.1,
+)
+
+
+def _reply(conv: Conversation, turn: Turn) -> str:
+    return " ".join(tokens.generate_output_words(hash((conv.id, turn.index)) & 0xFFFF,
+                                                 turn.output_tokens))
+
+
+# --- synthetic ----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_workload_and_blocks() -> None:
+    a = synthetic.generate(conversations=6, seed=11, **SMALL)
+    b = synthetic.generate(conversations=6, seed=11, **SMALL)
+    c = synthetic.generate(conversations=6, seed=12, **SMALL)
+    assert a == b
+    assert a != c
+    va, vb = block_view(a), block_view(b)
+    assert va.prompts.keys() == vb.prompts.keys()
+    for key in va.prompts:
+        assert va.prompts[key].ids() == vb.prompts[key].ids()
+    conv = a.conversations[0]
+    assert messages(conv, conv.turns[2], [_reply(conv, t) for t in conv.turns[:2]]) == messages(
+        b.conversations[0], b.conversations[0].turns[2], [_reply(conv, t) for t in conv.turns[:2]]
+    )
+
+
+def test_synthetic_shape_resets_subagents_and_think_times() -> None:
+    work = synthetic.generate(conversations=120, seed=5)
+    summary = work.summary()
+    assert summary["subagents"] > 0 and summary["resets"] > 0
+    waits = sorted(t.think_time_s for c in work.conversations for t in c.turns if t.index > 1)
+    assert len(waits) > 1500
+    assert 7 <= statistics.median(waits) <= 14
+    assert 110 <= waits[int(0.9 * len(waits))] <= 250
+    by_id = {c.id: c for c in work.conversations}
+    for conv in work.conversations:
+        assert [t.index for t in conv.turns] == list(range(1, len(conv.turns) + 1))
+        if conv.parent_id is not None:
+            parent = by_id[conv.parent_id]
+            assert conv.system_seed == parent.system_seed and conv.start_s > parent.start_s
+        for prev, turn in zip(conv.turns, conv.turns[1:], strict=False):
+            assert turn.prompt_tokens <= work.settings["max_context_tokens"]
+            if not turn.reset:
+                assert turn.shared_prefix_tokens == prev.prompt_tokens + prev.output_tokens
+            assert turn.new_input_tokens == turn.prompt_tokens - turn.shared_prefix_tokens
+    starts = [c.start_s for c in work.conversations if c.parent_id is None]
+    assert starts == sorted(starts) and starts[-1] > 0
+
+
+def test_block_prefixes_match_shared_prefix_tokens() -> None:
+    work = synthetic.generate(conversations=40, seed=2)
+    view = block_view(work)
+    bs = work.block_size
+    by_id = {c.id: c for c in work.conversations}
+    for conv in work.conversations:
+        first = view.prompt(conv.id, 1)
+        assert first.num_blocks == conv.turns[0].prompt_tokens // bs
+        if conv.parent_id is not None:
+            parent_first = view.prompt(conv.parent_id, 1)
+            assert common_prefix_blocks(first, parent_first) == conv.system_prompt_tokens // bs
+            assert by_id[conv.parent_id].system_prompt_tokens == conv.system_prompt_tokens
+        for prev, turn in zip(conv.turns, conv.turns[1:], strict=False):
+            held = view.sequence(conv.id, prev.index)
+            prompt = view.prompt(conv.id, turn.index)
+            assert held.num_blocks == (prev.prompt_tokens + prev.output_tokens) // bs
+            assert prompt.num_blocks == turn.prompt_tokens // bs
+            assert common_prefix_blocks(held, prompt) == turn.shared_prefix_tokens // bs
+    # One product, one system prompt: unrelated sessions share its blocks too.
+    a, b = [c for c in work.conversations if c.parent_id is None][:2]
+    assert common_prefix_blocks(view.prompt(a.id, 1), view.prompt(b.id, 1)) == 2048 // bs
+
+
+def test_rendered_prompts_have_planned_sizes_and_preserve_prefixes() -> None:
+    work = synthetic.generate(conversations=5, seed=9, **SMALL)
+    view = block_view(work)
+    resets = 0
+    for conv in work.conversations:
+        history = ChatHistory(conv, work.block_size)
+        previous_ids: list[int] | None = None
+        for turn in conv.turns:
+            ids = tokens.apply_chat_template(history.messages(turn))
+            assert len(ids) == turn.prompt_tokens
+            if previous_ids is not None:
+                common = tokens.common_prefix_len(previous_ids, ids)
+                assert common == turn.shared_prefix_tokens
+                if not turn.reset:
+                    assert ids[: len(previous_ids)] == previous_ids
+                else:
+                    resets += 1
+                # The emulator's own block hashing agrees with the block view.
+                held = view.sequence(conv.id, turn.index - 1)
+                hashed = tokens.block_hashes(previous_ids, work.block_size)
+                now = tokens.block_hashes(ids, work.block_size)
+                assert tokens.common_prefix_len(hashed, now) == common_prefix_blocks(
+                    held, view.prompt(conv.id, turn.index)
+                )
+            reply = _reply(conv, turn)
+            history.add_reply(reply)
+            # What decode holds: prompt + generated words (its <|end|> comes with the next turn).
+            previous_ids = ids + tokens.encode(reply)
+    assert resets > 0
+    text = json.dumps([history.messages(conv.turns[0])])
+    assert "<|" not in text  # filler never contains template markers
+
+
+def test_unknown_or_invalid_synthetic_options_are_refused() -> None:
+    with pytest.raises(WorkloadError, match="unknown option"):
+        synthetic.generate(conversation=3)
+    with pytest.raises(WorkloadError, match="reset_probability"):
+        synthetic.generate(reset_probability=2.0)
+
+
+# --- block chains -------------------------------------------------------------------------------
+
+
+@st.composite
+def _id_lists(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    shared = draw(st.lists(st.integers(0, 50), max_size=30))
+    a = shared + draw(st.lists(st.integers(100, 150), max_size=20))
+    b = shared + draw(st.lists(st.integers(200, 250), max_size=20))
+    return a, b
+
+
+@given(_id_lists())
+@settings(max_examples=150, deadline=None)
+def test_block_chain_round_trip_and_common_prefix(pair: tuple[list[int], list[int]]) -> None:
+    a_ids, b_ids = pair
+    a = BlockChain.from_ids(a_ids)
+    b = BlockChain.from_ids(b_ids, base=a)
+    assert a.ids() == a_ids and b.ids() == b_ids
+    assert [b.block_id(i) for i in range(b.num_blocks)] == b_ids
+    naive = tokens.common_prefix_len(a_ids, b_ids)
+    assert common_prefix_blocks(a, b) == naive
+    assert b.kept == naive
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=40), st.sampled_from([16, 32, 64]))
+def test_weka_hash_expansion_keeps_equality(hash_ids: list[int], block_size: int) -> None:
+    ratio = 64 // block_size
+    expanded = weka.expand_hash_ids(hash_ids, block_size)
+    assert len(expanded) == ratio * len(hash_ids)
+    for i, h in enumerate(hash_ids):
+        for j, g in enumerate(hash_ids):
+            same = expanded[i * ratio : (i + 1) * ratio] == expanded[j * ratio : (j + 1) * ratio]
+            assert same == (h == g)
+
+
+# --- WEKA traces --------------------------------------------------------------------------------
+
+
+def _csv_rows() -> list[dict[str, str]]:
+    with weka.CSV_PATH.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_weka_csv_matches_the_readme_facts() -> None:
+    work = weka.load_csv()
+    summary = work.summary()
+    assert summary["requests"] == 49_334
+    assert summary["resets"] == 845
+    assert len({c.id for c in work.conversations if c.parent_id is None}) == 710
+    follow_ups = sorted(
+        t.think_time_s for c in work.conversations for t in c.turns if t.index > 1
+    )
+    assert statistics.median(follow_ups) == 10.0
+    assert 160 <= follow_ups[int(0.9 * len(follow_ups))] <= 175
+    covered = sum(1 for t in follow_ups if t <= 480) / len(follow_ups)
+    assert abs(covered - 0.948) < 0.005
+
+
+def test_weka_selection_caps_and_scaling() -> None:
+    rows = _csv_rows()
+    first_three = list(dict.fromkeys(r["conversation_id"] for r in rows))[:3]
+    work = weka.load_csv(conversations=3)
+    assert {c.id.split(".")[0] for c in work.conversations} == set(first_three)
+    assert work.num_requests == sum(1 for r in rows if r["conversation_id"] in first_three)
+
+    sub = weka.load_csv(conversation_ids=["trace_0277"])
+    children = [c for c in sub.conversations if c.parent_id == "trace_0277"]
+    assert [c.id for c in children] == [f"trace_0277.sa{k}" for k in (1, 2, 3, 4)]
+    assert children[0].start_s == pytest.approx(79.224)
+    assert len(sub.conversation("trace_0277.sa3").turns) == 17
+
+    small = weka.load_csv(conversation_ids=["trace_0277"], max_turns=3, token_scale=0.1,
+                          time_compression=10, arrival_rate_per_s=1.0)
+    assert all(len(c.turns) <= 3 for c in small.conversations)
+    assert small.settings["token_scale"] == 0.1 and small.settings["time_compression"] == 10
+    full_main, small_main = sub.conversation("trace_0277"), small.conversation("trace_0277")
+    assert small_main.turns[1].prompt_tokens == round(full_main.turns[1].prompt_tokens * 0.1)
+    assert small_main.turns[1].think_time_s == pytest.approx(full_main.turns[1].think_time_s / 10)
+    assert small.conversation("trace_0277.sa1").start_s == pytest.approx(7.9224)
+    with pytest.raises(WorkloadError, match="trace_9999"):
+        weka.load_csv(conversation_ids=["trace_9999"])
+
+
+def test_weka_resets_are_half_prompt_drops_and_render_as_summaries() -> None:
+    work = weka.load_csv(conversation_ids=["trace_0003"], token_scale=0.02)
+    conv = work.conversation("trace_0003")
+    resets = [t for t in conv.turns if t.reset]
+    assert len(resets) >= 3
+    history = ChatHistory(conv, work.block_size)
+    before: list[dict[str, str]] = []
+    for turn in conv.turns[: resets[0].index]:
+        sent = history.messages(turn)
+        if turn.reset:
+            assert len(sent) == 3 and sent[:2] == before[:2]
+            kept = tokens.apply_chat_template(sent[:2], add_generation_prompt=False)
+            assert len(kept) == conv.system_prompt_tokens + conv.task_tokens
+            assert len(kept) == min(t.shared_prefix_tokens for t in resets)
+        elif before:
+            assert sent[: len(before)] == before
+        history.add_reply("ok done")
+        before = sent + [{"role": "assistant", "content": "ok done"}]
+
+
+def test_weka_raw_traces_agree_with_the_csv() -> None:
+    raw = weka.load_raw()
+    assert {c.id for c in raw.conversations if c.parent_id is None} == {
+        "trace_0201", "trace_0277", "trace_0504"
+    }
+    rows = [r for r in _csv_rows() if r["conversation_id"] in ("trace_0277", "trace_0504")]
+    view = block_view(raw)
+    for conv in raw.conversations:
+        trace, _, agent = conv.id.partition(".")
+        key = (trace, agent or "main")
+        mine = [r for r in rows if (r["conversation_id"], r["agent_id"]) == key]
+        csv_rows = sorted(mine, key=lambda r: int(r["turn_index"]))
+        if trace == "trace_0201":
+            continue  # not among the CSV's 710 traces' rows checked here
+        assert len(csv_rows) == len(conv.turns)
+        for row, turn in zip(csv_rows, conv.turns, strict=True):
+            assert turn.prompt_tokens == int(row["prompt_tokens"])
+            assert turn.shared_prefix_tokens == int(row["shared_prefix_tokens"])
+            if turn.index > 1:
+                prev = view.prompt(conv.id, turn.index - 1)
+                shared_blocks = common_prefix_blocks(prev, view.prompt(conv.id, turn.index))
+                assert shared_blocks * 16 == turn.shared_prefix_tokens
+    # Blocks render block by block: equal block ids give equal text prefixes over HTTP.
+    conv = raw.conversation("trace_0277.sa1")
+    first = ChatHistory(conv).messages(conv.turns[0])[0]["content"].split()
+    second = ChatHistory(conv).messages(conv.turns[1])[0]["content"].split()
+    shared_words = tokens.common_prefix_len(first, second)
+    assert shared_words >= conv.turns[1].shared_prefix_tokens
+    assert shared_words < conv.turns[1].shared_prefix_tokens + 64
+
+
+def test_weka_bad_files_name_the_place(tmp_path: Path) -> None:
+    bad = tmp_path / "flat.csv"
+    bad.write_text("conversation_id,agent_id\nx,main\n")
+    with pytest.raises(WorkloadError, match="missing column"):
+        weka.load_csv(bad)
+    header = (weka.CSV_PATH.open().readline())
+    bad.write_text(header + "t1,main,0,0.0,notanumber,5,0,,,0.0,1.0,end_turn\n")
+    with pytest.raises(WorkloadError, match=r"flat\.csv:2"):
+        weka.load_csv(bad)
+    broken = tmp_path / "trace_0001.json"
+    broken.write_text('{"block_size": 64, "requests": [{"t": 0}]}')
+    with pytest.raises(WorkloadError, match=r"requests\[0\]"):
+        weka.load_raw([broken])
+
+
+# --- Mooncake -----------------------------------------------------------------------------------
+
+
+def _mooncake_file(tmp_path: Path) -> Path:
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 700, "output_length": 5, "hash_ids": [1, 9]},
+        {"timestamp": 2000, "input_length": 1600, "output_length": 20, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 2500, "input_length": 1200, "output_length": 7, "hash_ids": [1, 9, 7]},
+        {"timestamp": 9000, "input_length": 600, "output_length": 3, "hash_ids": [5, 6]},
+    ]
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_mooncake_groups_by_full_prefix_continuation(tmp_path: Path) -> None:
+    work = mooncake.load(_mooncake_file(tmp_path))
+    shapes = [[t.prompt_tokens for t in c.turns] for c in work.conversations]
+    assert shapes == [[1100, 1600], [700, 1200], [600]]
+    first = work.conversations[0]
+    assert first.turns[1].think_time_s == 2.0 and work.conversations[1].start_s == 0.5
+    view = block_view(work)
+    # Equal hash ids are equal blocks, across conversations too (the shared leading id 1).
+    a, b = view.prompt(work.conversations[0].id, 1), view.prompt(work.conversations[1].id, 1)
+    assert common_prefix_blocks(a, b) == 512 // 16
+    assert first.turns[1].shared_prefix_tokens == 1100 // 16 * 16
+    single = mooncake.load(_mooncake_file(tmp_path), group=False)
+    assert [len(c.turns) for c in single.conversations] == [1, 1, 1, 1, 1]
+    text_a = ChatHistory(work.conversations[0]).messages(first.turns[0])[0]["content"].split()
+    text_b = ChatHistory(work.conversations[1]).messages(
+        work.conversations[1].turns[0])[0]["content"].split()
+    assert tokens.common_prefix_len(text_a, text_b) == 512
+
+
+def test_mooncake_bad_rows_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}\n'
+                    '{"timestamp": 1, "input_length": 10}\n')
+    with pytest.raises(WorkloadError, match=r"bad\.jsonl:2"):
+        mooncake.load(path)
+    path.write_text('{"timestamp": 0, "input_length": 100, "output_length": 1, '
+                    '"hash_ids": [1, 2, 3]}\n')
+    with pytest.raises(WorkloadError, match="do not fit"):
+        mooncake.load(path)
+
+
+def test_workload_holds_no_text() -> None:
+    work = synthetic.generate(conversations=2, seed=1, **SMALL)
+    assert isinstance(work, Workload)
+    for conv in work.conversations:
+        for value in vars(conv).values():
+            assert not (isinstance(value, str) and " " in value)
