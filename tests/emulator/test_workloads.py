@@ -254,15 +254,14 @@ def test_weka_raw_traces_agree_with_the_csv() -> None:
     assert {c.id for c in raw.conversations if c.parent_id is None} == {
         "trace_0201", "trace_0277", "trace_0504"
     }
-    rows = [r for r in _csv_rows() if r["conversation_id"] in ("trace_0277", "trace_0504")]
+    shipped = ("trace_0201", "trace_0277", "trace_0504")
+    rows = [r for r in _csv_rows() if r["conversation_id"] in shipped]
     view = block_view(raw)
     for conv in raw.conversations:
         trace, _, agent = conv.id.partition(".")
         key = (trace, agent or "main")
         mine = [r for r in rows if (r["conversation_id"], r["agent_id"]) == key]
         csv_rows = sorted(mine, key=lambda r: int(r["turn_index"]))
-        if trace == "trace_0201":
-            continue  # not among the CSV's 710 traces' rows checked here
         assert len(csv_rows) == len(conv.turns)
         for row, turn in zip(csv_rows, conv.turns, strict=True):
             assert turn.prompt_tokens == int(row["prompt_tokens"])
