@@ -33,10 +33,9 @@ _MASK31 = 0x7FFFFFFF
 _MASK63 = 0x7FFFFFFFFFFFFFFF
 
 # A small fixed vocabulary for emulated completions; only ids and counts ever leave the process.
-_OUTPUT_WORDS = (
-    "the", "tool", "returned", "a", "result", "and", "we", "now", "call", "next", "step", "file",
-    "read", "write", "patch", "test", "passed", "failed", "check", "output", "plan", "update",
-    "search", "code", "function", "value", "error", "fix", "run", "done",
+_OUTPUT_WORDS = tuple(
+    "the tool returned a result and we now call next step file read write patch test passed"
+    " failed check output plan update search code function value error fix run done".split()
 )
 
 

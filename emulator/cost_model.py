@@ -1,0 +1,236 @@
+"""Prefill, decode and KV-transfer timing for the emulator: named profiles fitted to published runs.
+
+Shape of the model (milliseconds; ``new`` = tokens P computes, ``context`` = tokens already in
+KV before them, ``pulled`` = tokens read D→P for this request):
+
+* ``prefill_ms = a + b·new + c·new·(context + new/2) + [pulled > 0]·(h + g·pulled)`` — ``a`` is
+  the fixed cost of the P leg as the proxy times it (HTTP, scheduling, the one-token sample);
+  ``b`` the per-token work; ``c`` attention over the context (0 in the fitted profiles: the
+  published OFF sweep grows linearly, and an unconstrained fit gives a negative ``c`` that would
+  make 100k-token prompts free); ``g`` the pull path's per-token overhead beyond the wire
+  (WAITING_FOR_REMOTE_KVS round trips, block registration, NIXL post time), which the blog's ON
+  prefill shows and the wire alone does not explain; ``h`` the pull path's fixed difference
+  (fits slightly negative: the ON leg skips work the linear OFF fit charges to ``a``).
+* ``transfer_ms = latency + bytes / bandwidth`` (one NIXL READ; bytes = blocks × block bytes).
+* ``first_token_ms = e + f·prompt`` — the D leg up to the first streamed token (P→D pull of the
+  blocks D lacks, the first decode step, proxy pass-through), fitted to TTFT − prefill.
+* ``decode_ms_per_token = d0 + d1·context`` — assumed, not calibrated (the blog gives no TPOT).
+
+TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg. The profiles
+``qwen3-32b`` and ``glm-5-fp8`` are solved exactly from the published endpoints
+(shared/reference/published-results.md: 1P1D, ~150 new tokens per turn) by :func:`fit_profile`,
+so the same function can refit a profile from observed spans (the what-if analysis).
+
+KV bytes per token come from the models' public configs:
+
+* Qwen3-32B: 64 layers × 8 KV heads × head dim 128 × (K and V) × 2 bytes (bf16) = 262,144.
+* GLM-5 (MLA, DeepSeek-style latent cache): assumed 78 layers × (kv_lora_rank 512 + rope dim 64)
+  × 2 bytes (vLLM's default bf16 KV cache for the FP8 checkpoint) = 89,856; the sparse-attention
+  indexer's small per-token cache is ignored. Assumption: the config could not be checked here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Timing constants of one model on one deployment (milliseconds, bytes)."""
+
+    name: str
+    kv_bytes_per_token: int
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    prefill_ms_per_token_context: float
+    load_ms_per_pulled_token: float
+    pull_fixed_ms: float
+    transfer_latency_ms: float
+    transfer_bytes_per_ms: float
+    first_token_fixed_ms: float
+    first_token_ms_per_prompt_token: float
+    decode_ms_per_token: float = 8.0
+    decode_ms_per_token_context: float = 0.0001
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block."""
+        return self.block_size * self.kv_bytes_per_token
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of the whole blocks holding ``tokens`` tokens."""
+        return math.ceil(tokens / self.block_size) * self.block_bytes
+
+    def prefill_ms(self, new_tokens: int, context_tokens: int = 0, pulled_tokens: int = 0) -> float:
+        """Prefill leg compute time, without the wire time of a pull."""
+        return (
+            self.prefill_fixed_ms
+            + self.prefill_ms_per_token * new_tokens
+            + self.prefill_ms_per_token_context * new_tokens * (context_tokens + new_tokens / 2)
+            + (
+                self.pull_fixed_ms + self.load_ms_per_pulled_token * pulled_tokens
+                if pulled_tokens > 0
+                else 0.0
+            )
+        )
+
+    def transfer_ms(self, num_bytes: int) -> float:
+        """One READ of ``num_bytes``; zero bytes (notify only) costs nothing measurable."""
+        if num_bytes <= 0:
+            return 0.0
+        return self.transfer_latency_ms + num_bytes / self.transfer_bytes_per_ms
+
+    def first_token_ms(self, prompt_tokens: int) -> float:
+        """Decode leg up to the first streamed token (clamped: the fitted intercept can be < 0)."""
+        return max(
+            0.0, self.first_token_fixed_ms + self.first_token_ms_per_prompt_token * prompt_tokens
+        )
+
+    def decode_token_ms(self, context_tokens: int) -> float:
+        """One decode step at ``context_tokens`` of context."""
+        return self.decode_ms_per_token + self.decode_ms_per_token_context * context_tokens
+
+    def ttft_ms(self, prompt_tokens: int, local_tokens: int = 0, pulled_tokens: int = 0) -> float:
+        """Proxy-side TTFT of a turn: prefill leg (+ pull) + first-token leg."""
+        context = local_tokens + pulled_tokens
+        new = max(prompt_tokens - context, 1)  # a full hit still computes the last token
+        wire = self.transfer_ms(self.kv_bytes(pulled_tokens)) if pulled_tokens else 0.0
+        return (
+            self.prefill_ms(new, context, pulled_tokens) + wire + self.first_token_ms(prompt_tokens)
+        )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Published endpoints of one sweep (ms), at a short and a long prompt."""
+
+    prompt_tokens: tuple[int, int]
+    new_tokens: int
+    prefill_off_ms: tuple[float, float]
+    prefill_on_ms: tuple[float, float]
+    transfer_on_ms: tuple[float, float]
+    ttft_off_ms: tuple[float, float]
+    ttft_on_ms: tuple[float, float]
+
+
+QWEN3_32B_BLOG = Calibration(
+    prompt_tokens=(2000, 24000),
+    new_tokens=150,
+    prefill_off_ms=(153.0, 744.0),
+    prefill_on_ms=(128.0, 414.0),
+    transfer_on_ms=(30.0, 130.0),
+    ttft_off_ms=(158.0, 778.0),
+    ttft_on_ms=(122.0, 460.0),
+)
+GLM5_FP8_BLOG = Calibration(
+    prompt_tokens=(2000, 20000),
+    new_tokens=150,
+    prefill_off_ms=(500.0, 2331.0),
+    prefill_on_ms=(316.0, 541.0),
+    transfer_on_ms=(29.0, 110.0),
+    ttft_off_ms=(500.0, 2334.0),
+    ttft_on_ms=(358.0, 702.0),
+)
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Solve a small square linear system (Gauss-Jordan with partial pivoting)."""
+    n = len(rhs)
+    m = [row[:] + [r] for row, r in zip(matrix, rhs, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            raise ValueError("calibration points do not determine the profile")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                k = m[r][col] / m[col][col]
+                m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostProfile:
+    """Solve a profile's constants so it reproduces ``cal`` at both ends of the sweep.
+
+    The pull covers everything but the new tokens: ``pulled = prompt − new`` in the ON runs.
+    """
+    lo, hi = cal.prompt_tokens
+    new = cal.new_tokens
+    pulled = (lo - new, hi - new)
+    bytes_lo, bytes_hi = (kv_bytes_per_token * p for p in pulled)
+    bandwidth = (bytes_hi - bytes_lo) / (cal.transfer_on_ms[1] - cal.transfer_on_ms[0])
+    latency = cal.transfer_on_ms[0] - bytes_lo / bandwidth
+    rows, rhs = [], []
+    for prompt, ms in zip(cal.prompt_tokens, cal.prefill_off_ms, strict=True):
+        rows.append([1.0, prompt, 0.0, 0.0])
+        rhs.append(ms)
+    for ctx, ms, wire in zip(pulled, cal.prefill_on_ms, cal.transfer_on_ms, strict=True):
+        rows.append([1.0, new, ctx, 1.0])
+        rhs.append(ms - wire)
+    a, b, g, h = _solve(rows, rhs)
+    # First-token leg: least squares over the four TTFT − prefill gaps (OFF and ON, both ends).
+    xs = [lo, hi, lo, hi]
+    ys = [
+        cal.ttft_off_ms[0] - cal.prefill_off_ms[0],
+        cal.ttft_off_ms[1] - cal.prefill_off_ms[1],
+        cal.ttft_on_ms[0] - cal.prefill_on_ms[0],
+        cal.ttft_on_ms[1] - cal.prefill_on_ms[1],
+    ]
+    mean_x, mean_y = sum(xs) / 4, sum(ys) / 4
+    f = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    e = mean_y - f * mean_x
+    return CostProfile(
+        name=name,
+        kv_bytes_per_token=kv_bytes_per_token,
+        prefill_fixed_ms=a,
+        prefill_ms_per_token=b,
+        prefill_ms_per_token_context=0.0,
+        load_ms_per_pulled_token=g,
+        pull_fixed_ms=h,
+        transfer_latency_ms=latency,
+        transfer_bytes_per_ms=bandwidth,
+        first_token_fixed_ms=e,
+        first_token_ms_per_prompt_token=f,
+    )
+
+
+QWEN3_32B_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
+GLM5_KV_BYTES_PER_TOKEN = 78 * (512 + 64) * 2
+
+PROFILES: dict[str, CostProfile] = {
+    "qwen3-32b": fit_profile("qwen3-32b", QWEN3_32B_KV_BYTES_PER_TOKEN, QWEN3_32B_BLOG),
+    "glm-5-fp8": replace(
+        fit_profile("glm-5-fp8", GLM5_KV_BYTES_PER_TOKEN, GLM5_FP8_BLOG),
+        decode_ms_per_token=20.0,
+    ),
+    # Fast, round numbers for tests and demos: millisecond-scale turns.
+    "tiny": CostProfile(
+        name="tiny",
+        kv_bytes_per_token=1024,
+        prefill_fixed_ms=2.0,
+        prefill_ms_per_token=0.01,
+        prefill_ms_per_token_context=0.0,
+        load_ms_per_pulled_token=0.0,
+        pull_fixed_ms=0.0,
+        transfer_latency_ms=0.5,
+        transfer_bytes_per_ms=1_000_000.0,
+        first_token_fixed_ms=0.5,
+        first_token_ms_per_prompt_token=0.0,
+        decode_ms_per_token=0.2,
+        decode_ms_per_token_context=0.0,
+    ),
+}
+
+
+def profile(name: str) -> CostProfile:
+    """The named profile; raises KeyError listing the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}") from None
