@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 BLOCK_SIZE = 16
 
@@ -44,7 +45,7 @@ class Received:
     """One request a stub received."""
 
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     body: dict[str, Any]
 
 
@@ -56,6 +57,8 @@ class StubState:
     tokens: int = 4
     chunk_delay_s: float = 0.0
     received: list[Received] = field(default_factory=list)
+    # Exact bytes decode wrote per request, to compare with what the proxy's client got.
+    sent: list[bytes] = field(default_factory=list)
     disconnects: int = 0
     completed: int = 0
     engine_id: str = "engine"
@@ -64,7 +67,7 @@ class StubState:
 
 
 def _record(state: StubState, request: web.Request, body: dict[str, Any]) -> None:
-    state.received.append(Received(request.path, dict(request.headers), body))
+    state.received.append(Received(request.path, CIMultiDict(request.headers), body))
 
 
 async def _misbehave(state: StubState) -> web.Response | None:
@@ -212,6 +215,7 @@ def decode_app(state: StubState) -> web.Application:
         if bad is not None:
             return bad
         events = decode_events(body, request.headers.get("X-Request-Id", "?"), state)
+        state.sent.append(b"".join(events))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:

@@ -1,0 +1,670 @@
+"""``kvscope proxy`` against real prefill/decode stubs on 127.0.0.1: protocol, spans, failures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.trace import SpanKind
+
+from kvscope import semconv
+from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.proxy import (
+    ConversationRouter,
+    ProxyConfig,
+    ProxyTelemetry,
+    Upstream,
+    add_proxy_arguments,
+    boundary_hashes,
+    build_app,
+    conversation_id_from,
+)
+from kvscope.collector.proxy.app import config_from_args
+from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS, MISS_PARAMS
+from kvscope.collector.proxy.telemetry import Histogram, format_traceparent, parse_traceparent
+from kvscope.errors import SettingError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from upstream_stub import (  # noqa: E402
+    ServerThread,
+    StubState,
+    decode_app,
+    free_port,
+    prefill_app,
+)
+
+PREFILL_HOST = "127.0.0.1"
+# A different spelling of loopback so remote_host rewriting to *decode's* host is visible.
+DECODE_HOST = "localhost"
+
+
+@dataclass
+class Deployment:
+    """Prefill and decode stubs, the proxy in front of them, and its store."""
+
+    prefill: StubState
+    decode: StubState
+    proxy: ServerThread
+    telemetry: ProxyTelemetry
+    client: httpx.Client
+    spans_cache: list[dict[str, Any]] = field(default_factory=list)
+
+    def chat(self, conversation: str | None = None, text: str = "hello there", *,
+             stream: bool = True, headers: dict[str, str] | None = None,
+             **extra: Any) -> httpx.Response:
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}],
+                                "stream": stream, "max_tokens": 8, **extra}
+        if conversation is not None:
+            body["conversation_id"] = conversation
+        return self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """Every stored span, flushed first, as dicts."""
+        tel = self.telemetry.telemetry
+        assert tel is not None and tel.writer is not None
+        assert tel.flush(10)
+        cur = tel.writer.connection.cursor()
+        rows = cur.execute(
+            "SELECT SpanName, SpanKind, TraceId, SpanId, ParentSpanId, "
+            "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events "
+            "FROM otel_traces ORDER BY Timestamp"
+        ).fetchall()
+        cur.close()
+        names = ["name", "kind", "trace", "span", "parent", "start", "duration", "attrs",
+                 "status", "events"]
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+@contextmanager
+def deployment(tmp_path: Path, *, prefillers: list[Upstream] | None = None,
+               decoders: list[Upstream] | None = None, spans: bool = True,
+               **config: Any) -> Iterator[Deployment]:
+    prefill, decode = StubState(engine_id="prefill-engine-001"), StubState(
+        engine_id="decode-engine-001")
+    with ServerThread(lambda: prefill_app(prefill)) as p, \
+            ServerThread(lambda: decode_app(decode)) as d:
+        cfg = ProxyConfig(
+            prefillers=prefillers or [Upstream(PREFILL_HOST, p.port)],
+            decoders=decoders or [Upstream(DECODE_HOST, d.port)],
+            **config,
+        )
+        otel = (setup_telemetry(semconv.SERVICE_PROXY, db=str(tmp_path / "proxy.duckdb"))
+                if spans else None)
+        telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
+        try:
+            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+                    httpx.Client(base_url=proxy.url, timeout=20) as client:
+                yield Deployment(prefill, decode, proxy, telemetry, client)
+        finally:
+            if otel is not None:
+                otel.shutdown()
+
+
+def turn_spans(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for s in spans if s["name"] == semconv.SPAN_TURN]
+
+
+def children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for s in spans:
+        if s["parent"] == parent["span"] and s["trace"] == parent["trace"]:
+            assert s["name"] not in found, f"two {s['name']} spans under one turn"
+            found[s["name"]] = s
+    return found
+
+
+# --- protocol equivalence with vLLM's proxy ----------------------------------------------------
+def test_stream_is_decodes_bytes_and_legs_are_rewritten_like_vllm(tmp_path: Path) -> None:
+    with deployment(tmp_path, api_key="sk-test") as dep:
+        resp = dep.chat("conv-1", stream=True, max_completion_tokens=8, min_tokens=2,
+                        stream_options={"include_usage": False})
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        assert resp.content == dep.decode.sent[0]
+
+        p_req, d_req = dep.prefill.received[0], dep.decode.received[0]
+        # Prefill: non-streaming, one token, the same fields dropped as vLLM's proxy drops.
+        assert p_req.body["stream"] is False and p_req.body["max_tokens"] == 1
+        for dropped in ("max_completion_tokens", "min_tokens", "stream_options",
+                        "conversation_id"):
+            assert dropped not in p_req.body
+        assert p_req.body["kv_transfer_params"] == dict(MISS_PARAMS)
+        # Decode: streaming, the client's own fields, P's params with remote_host = P's host.
+        assert d_req.body["stream"] is True
+        assert d_req.body["max_completion_tokens"] == 8 and d_req.body["min_tokens"] == 2
+        assert "conversation_id" not in d_req.body
+        d_params = d_req.body["kv_transfer_params"]
+        assert d_params["do_remote_prefill"] is True
+        assert d_params["remote_host"] == PREFILL_HOST
+        assert d_params["remote_request_id"] == f"cmpl-{p_req.headers['X-Request-Id']}-0"
+        # One X-Request-Id per turn to both legs, OPENAI_API_KEY as Bearer to both.
+        assert p_req.headers["X-Request-Id"] == d_req.headers["X-Request-Id"]
+        assert p_req.headers["Authorization"] == d_req.headers["Authorization"] == "Bearer sk-test"
+
+
+def test_next_turn_sends_decodes_cached_params_to_prefill_once(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        assert dep.chat("c").status_code == 200
+        first_d_params = _final_kv_params(dep.decode.sent[0])
+        assert dep.chat("c", "hello there more").status_code == 200
+        sent_to_p = dep.prefill.received[1].body["kv_transfer_params"]
+        expected = dict(first_d_params, remote_host=DECODE_HOST, do_remote_decode=True,
+                        do_remote_prefill=False)
+        assert sent_to_p == expected  # every other field (expiry, engine, port) passes through
+        # The entry was replaced by turn 2's decode; a third turn gets turn 2's, not turn 1's.
+        assert dep.chat("c").status_code == 200
+        third = dep.prefill.received[2].body["kv_transfer_params"]
+        assert third["remote_request_id"] == _final_kv_params(dep.decode.sent[1])[
+            "remote_request_id"]
+
+
+def _final_kv_params(sse: bytes) -> dict[str, Any]:
+    for line in sse.split(b"\n"):
+        if line.startswith(b"data: {") and b"kv_transfer_params" in line:
+            return dict(json.loads(line[6:])["kv_transfer_params"])
+    raise AssertionError("decode sent no kv_transfer_params")
+
+
+def test_non_streaming_client_gets_vllm_proxys_rebuilt_body(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        chat = dep.chat("c", stream=False).json()
+        assert chat["object"] == "chat.completion" and chat["usage"] is None
+        assert chat["choices"] == [{"index": 0, "message": {"role": "assistant",
+                                                            "content": "tok0 tok1 tok2 tok3 "},
+                                    "finish_reason": "length"}]
+        assert chat["id"].startswith("chatcmpl-") and chat["model"] == "m"
+        comp = dep.client.post("/v1/completions", json={"model": "m", "prompt": "a b c"}).json()
+        assert comp["object"] == "text_completion" and comp["usage"] is None
+        assert comp["choices"] == [{"index": 0, "text": "tok0 tok1 tok2 tok3 ",
+                                    "logprobs": None, "finish_reason": "length"}]
+        assert dep.decode.received[1].path == "/v1/completions"
+        assert dep.decode.received[1].body["stream"] is True
+
+
+def test_round_robin_over_instances() -> None:
+    states = [StubState() for _ in range(4)]
+    with ServerThread(lambda: prefill_app(states[0])) as p1, \
+            ServerThread(lambda: prefill_app(states[1])) as p2, \
+            ServerThread(lambda: decode_app(states[2])) as d1, \
+            ServerThread(lambda: decode_app(states[3])) as d2:
+        cfg = ProxyConfig(
+            prefillers=[Upstream(PREFILL_HOST, p1.port), Upstream(PREFILL_HOST, p2.port)],
+            decoders=[Upstream(DECODE_HOST, d1.port), Upstream(DECODE_HOST, d2.port)],
+        )
+        with ServerThread(lambda: build_app(cfg)) as proxy, \
+                httpx.Client(base_url=proxy.url) as client:
+            for _ in range(4):
+                body = {"model": "m", "prompt": "x", "stream": True}
+                assert client.post("/v1/completions", json=body).status_code == 200
+    assert [len(s.received) for s in states] == [2, 2, 2, 2]
+
+
+# --- spans per turn ---------------------------------------------------------------------------
+def test_turn_spans_tool_wait_and_trace_context(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        agent_trace, agent_span = 0x1234 << 64 | 0xABCD, 0x42
+        r1 = dep.chat("agent-7", "first question", headers={
+            "traceparent": format_traceparent(agent_trace, agent_span), "tracestate": "k=v"})
+        assert r1.status_code == 200
+        time.sleep(0.2)  # the "tool call" between turns
+        r2 = dep.chat("agent-7", "first question", stream=False)
+        assert r2.status_code == 200
+        spans = dep.spans()
+
+    turns = turn_spans(spans)
+    assert len(turns) == 2
+    t1, t2 = turns
+    assert t1["kind"] == "SPAN_KIND_SERVER"
+    # Turn 1 joins the agent's trace as a child of its span; tracestate went upstream too.
+    assert t1["trace"] == f"{agent_trace:032x}" and t1["parent"] == f"{agent_span:016x}"
+    assert dep.prefill.received[0].headers["tracestate"] == "k=v"
+
+    for turn, index, lookup in ((t1, "1", semconv.ROUTER_MISS), (t2, "2", semconv.ROUTER_HIT)):
+        a = turn["attrs"]
+        assert a[semconv.GEN_AI_CONVERSATION_ID] == "agent-7"
+        assert a[semconv.TURN_INDEX] == index
+        assert a[semconv.ROUTER_LOOKUP] == lookup
+        assert a[semconv.GEN_AI_REQUEST_MODEL] == "m"
+        assert a[semconv.GEN_AI_USAGE_INPUT_TOKENS] == "4"
+        assert a[semconv.PREFILL_INSTANCE].startswith(PREFILL_HOST + ":")
+        assert a[semconv.DECODE_INSTANCE].startswith(DECODE_HOST + ":")
+        assert [e["Name"] for e in turn["events"]] == [semconv.EVENT_FIRST_TOKEN]
+        legs = children(spans, turn)
+        ip, gen = legs[semconv.SPAN_INPUT_PROCESSING], legs[semconv.SPAN_GENERATION]
+        assert ip["kind"] == gen["kind"] == "SPAN_KIND_CLIENT"
+        # The span each leg's traceparent named is the span stored for that leg.
+        i = int(index) - 1
+        p_tp = parse_traceparent(dep.prefill.received[i].headers["traceparent"])
+        d_tp = parse_traceparent(dep.decode.received[i].headers["traceparent"])
+        assert p_tp == (int(turn["trace"], 16), int(ip["span"], 16))
+        assert d_tp == (int(turn["trace"], 16), int(gen["span"], 16))
+        x_request_id = dep.prefill.received[i].headers["X-Request-Id"]
+        assert a[semconv.X_REQUEST_ID] == ip["attrs"][semconv.X_REQUEST_ID] == x_request_id
+        assert ip["attrs"][semconv.VLLM_REQUEST_ID] == f"cmpl-{x_request_id}-0"
+        assert gen["attrs"][semconv.RETENTION_METADATA_RETURNED] == "true"
+        assert gen["attrs"][semconv.REMOTE_NUM_TOKENS] == "7"  # 4 prompt + 4 out - 1
+        assert [e["Name"] for e in gen["events"]] == [semconv.EVENT_FIRST_TOKEN]
+        assert turn["start"] <= ip["start"] <= gen["start"]
+        assert gen["start"] + gen["duration"] <= turn["start"] + turn["duration"]
+
+    assert float(t2["attrs"][semconv.ROUTER_ENTRY_AGE_S]) >= 0.2
+    ip2 = children(spans, t2)[semconv.SPAN_INPUT_PROCESSING]["attrs"]
+    assert ip2[semconv.D_METADATA_ATTACHED] == "true"
+    assert ip2[semconv.REMOTE_OFFERED_TOKENS] == "7"
+    assert ip2[semconv.CACHED_TOKENS] == "4"
+
+    # Tool wait: exactly turn 1's last byte → turn 2's arrival, inside turn 2's trace.
+    waits = [s for s in spans if s["name"] == semconv.SPAN_TOOL_WAIT]
+    assert len(waits) == 1
+    wait = waits[0]
+    assert wait["kind"] == "SPAN_KIND_INTERNAL"
+    assert wait["trace"] == t2["trace"] and wait["parent"] == t2["span"]
+    assert wait["start"] == t1["start"] + t1["duration"]
+    assert wait["start"] + wait["duration"] == t2["start"]
+    assert wait["duration"] >= 0.2e9
+    assert wait["attrs"][semconv.WAIT_SOURCE] == semconv.WAIT_INFERRED
+    assert wait["attrs"][semconv.TURN_INDEX] == "2"
+    # Same messages, so the same boundary hashes; and never the text itself.
+    hashes = t1["attrs"][semconv.MESSAGE_BOUNDARY_HASHES]
+    assert hashes == t2["attrs"][semconv.MESSAGE_BOUNDARY_HASHES]
+    assert all("first question" not in str(s["attrs"]) for s in spans)
+
+
+def test_conversation_id_sources_and_odd_ids(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        header_only = dep.client.post(
+            "/v1/chat/completions", headers={"X-Session-ID": "sess-1"},
+            json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True})
+        assert header_only.status_code == 200
+        for odd in ("x" * (MAX_CONVERSATION_ID_CHARS + 1), "bad\x00id", ["a", "b"], 42):
+            assert dep.chat(odd).status_code == 200  # type: ignore[arg-type]
+        spans = dep.spans()
+    turns = [t["attrs"] for t in turn_spans(spans)]
+    assert turns[0][semconv.GEN_AI_CONVERSATION_ID] == "sess-1"
+    assert turns[0][semconv.CONVERSATION_ID_SOURCE] == semconv.ID_SOURCE_HEADER
+    rejected = [(t.get(semconv.CONVERSATION_ID_REJECTED), t[semconv.ROUTER_LOOKUP])
+                for t in turns[1:4]]
+    assert rejected == [
+        (semconv.ID_REJECTED_TOO_LONG, semconv.ROUTER_NO_CONVERSATION_ID),
+        (semconv.ID_REJECTED_NON_PRINTABLE, semconv.ROUTER_NO_CONVERSATION_ID),
+        (semconv.ID_REJECTED_WRONG_TYPE, semconv.ROUTER_NO_CONVERSATION_ID),
+    ]
+    assert turns[4][semconv.GEN_AI_CONVERSATION_ID] == "42"
+    assert all(semconv.GEN_AI_CONVERSATION_ID not in t for t in turns[1:4])
+
+
+def test_body_conversation_id_wins_over_header() -> None:
+    body: dict[str, Any] = {"conversation_id": "from-body"}
+    cid = conversation_id_from(body, "from-header")
+    assert (cid.value, cid.source) == ("from-body", semconv.ID_SOURCE_BODY)
+    assert "conversation_id" not in body
+    none = conversation_id_from({}, None)
+    assert (none.value, none.source, none.rejected) == (None, semconv.ID_SOURCE_NONE, None)
+
+
+# --- failure behaviour --------------------------------------------------------------------------
+def _error_turn(dep: Deployment) -> dict[str, Any]:
+    (turn,) = turn_spans(dep.spans())
+    assert turn["status"] == "STATUS_CODE_ERROR"
+    return turn
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_json_is_400(tmp_path: Path, payload: bytes) -> None:
+    with deployment(tmp_path) as dep:
+        resp = dep.client.post("/v1/chat/completions", content=payload,
+                               headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == 400
+        assert dep.prefill.received == []
+        turn = _error_turn(dep)
+        assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_BAD_REQUEST
+
+
+def test_dead_prefill_is_502_with_error_span(tmp_path: Path) -> None:
+    dead = Upstream("127.0.0.1", free_port())
+    with deployment(tmp_path, prefillers=[dead], connect_timeout_s=2) as dep:
+        t0 = time.monotonic()
+        resp = dep.chat("c")
+        assert time.monotonic() - t0 < 5
+        assert resp.status_code == 502
+        assert "unreachable" in resp.json()["error"]["message"]
+        turn = _error_turn(dep)
+        leg = children(dep.spans(), turn)[semconv.SPAN_INPUT_PROCESSING]
+        assert leg["status"] == "STATUS_CODE_ERROR"
+        assert leg["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CONNECT
+        metrics = dep.client.get("/metrics").text
+        assert 'kvscope_proxy_upstream_errors_total{leg="prefill",kind="connect"} 1' in metrics
+
+
+def test_slow_prefill_is_504_not_a_hang(tmp_path: Path) -> None:
+    with deployment(tmp_path, prefill_timeout_s=0.5) as dep:
+        dep.prefill.mode = "hang"
+        t0 = time.monotonic()
+        resp = dep.chat("c")
+        assert resp.status_code == 504 and time.monotonic() - t0 < 5
+        assert _error_turn(dep)["attrs"][semconv.ERROR_KIND] == semconv.ERROR_TIMEOUT
+
+
+def test_dead_or_failing_decode_is_502(tmp_path: Path) -> None:
+    dead = Upstream("127.0.0.1", free_port())
+    with deployment(tmp_path, decoders=[dead]) as dep:
+        assert dep.chat("c").status_code == 502
+        turn = _error_turn(dep)
+        gen = children(dep.spans(), turn)[semconv.SPAN_GENERATION]
+        assert gen["status"] == "STATUS_CODE_ERROR"
+    with deployment(tmp_path / "b") as dep:
+        dep.decode.mode = "error500"
+        resp = dep.chat("c")
+        assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
+
+
+def test_upstream_client_error_passes_through(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.prefill.mode = "error400"
+        resp = dep.chat("c")
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == "max_tokens too large"
+        assert dep.decode.received == []
+
+
+def test_prefill_bad_json_is_502(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.prefill.mode = "bad_json"
+        assert dep.chat("c").status_code == 502
+        assert _error_turn(dep)["attrs"][semconv.ERROR_KIND] == semconv.ERROR_PROTOCOL
+
+
+def test_decode_silent_mid_stream(tmp_path: Path) -> None:
+    with deployment(tmp_path, decode_idle_timeout_s=0.5) as dep:
+        dep.decode.mode = "mid_stream_hang"
+        streamed = dep.chat("c", stream=True)
+        # Headers were already sent: the stream ends early, the span says why.
+        assert streamed.status_code == 200
+        assert streamed.content == dep.decode.sent[0][: len(streamed.content)]
+        assert b"[DONE]" not in streamed.content
+        collected = dep.chat("c", stream=False)
+        assert collected.status_code == 504
+        turns = turn_spans(dep.spans())
+        assert [t["attrs"][semconv.ERROR_KIND] for t in turns] == [semconv.ERROR_TIMEOUT] * 2
+
+
+def test_client_disconnect_cancels_upstream(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.decode.tokens, dep.decode.chunk_delay_s = 200, 0.05
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "stream": True, "max_tokens": 200, "conversation_id": "c"}).encode()
+        with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 5
+        while dep.decode.disconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dep.decode.disconnects == 1 and dep.decode.completed == 0
+        while "kvscope_proxy_client_disconnects_total 1" not in dep.client.get("/metrics").text:
+            assert time.monotonic() < deadline, "disconnect not counted"
+            time.sleep(0.05)
+        turn = turn_spans(dep.spans())[0]
+        assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
+        assert children(dep.spans(), turn)[semconv.SPAN_GENERATION]["attrs"][
+            semconv.CLIENT_DISCONNECTED] == "true"
+
+
+def test_unreachable_telemetry_does_not_affect_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tiny queue so that drops show up while the exporter retries a dead endpoint.
+    monkeypatch.setenv("KVSCOPE_EXPORT_QUEUE_SIZE", "8")
+    otel = setup_telemetry(semconv.SERVICE_PROXY, otlp_endpoint=f"http://127.0.0.1:{free_port()}")
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+    prefill, decode = StubState(), StubState()
+    with ServerThread(lambda: prefill_app(prefill)) as p, \
+            ServerThread(lambda: decode_app(decode)) as d:
+        cfg = ProxyConfig([Upstream(PREFILL_HOST, p.port)], [Upstream(DECODE_HOST, d.port)])
+        telemetry = ProxyTelemetry(otel)
+        with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=5) as client:
+            for i in range(10):
+                body = {"model": "m", "prompt": "x", "stream": True, "conversation_id": "c"}
+                resp = client.post("/v1/completions", json=body)
+                assert resp.status_code == 200 and resp.content == decode.sent[i]
+            dropped = _sample(client.get("/metrics").text,
+                              "kvscope_proxy_telemetry_dropped_spans_total")
+            assert dropped > 0
+            assert client.get("/health").json()["telemetry"]["dropped_spans"] == dropped
+    # Stop the exporter's retries now rather than letting them run on behind later tests.
+    otel.span_processor._exporter.shutdown()
+    otel.shutdown()
+
+
+# --- /health and /metrics -------------------------------------------------------------------------
+def _sample(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not exposed")
+
+
+def test_health_has_vllm_shape_plus_telemetry(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.chat("a")
+        dep.chat("b")
+        health = dep.client.get("/health").json()
+        assert health["status"] == "ok"
+        assert health["cached_conversations"] == 2 and health["evicted_stale"] == 0
+        assert health["telemetry"]["enabled"] is True
+        assert health["telemetry"]["dropped_spans"] == 0
+
+
+_LINE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+
+
+def test_metrics_exposition_is_well_formed(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        for i in range(3):
+            dep.chat(f"c{i % 2}")
+        dep.client.post("/v1/chat/completions", content=b"{")
+        text = dep.client.get("/metrics").text
+    declared: dict[str, str] = {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            declared[name] = kind
+        elif line.startswith("# HELP "):
+            assert len(line.split(" ", 3)) == 4
+        else:
+            match = _LINE.match(line)
+            assert match, line
+            base = re.sub(r"_(bucket|sum|count)$", "", match.group(1))
+            assert match.group(1) in declared or base in declared, line
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    assert samples['kvscope_proxy_turns_total{route="/v1/chat/completions",outcome="ok"}'] == 3
+    assert samples['kvscope_proxy_turns_total{route="/v1/chat/completions",'
+                   'outcome="bad_request"}'] == 1
+    assert samples['kvscope_proxy_router_lookups_total{result="miss"}'] == 2
+    assert samples['kvscope_proxy_router_lookups_total{result="hit"}'] == 1
+    assert samples["kvscope_proxy_ttft_seconds_count"] == 3
+    assert samples['kvscope_proxy_leg_duration_seconds_count{leg="prefill"}'] == 3
+    assert samples['kvscope_proxy_ttft_seconds_bucket{le="+Inf"}'] == 3
+    assert samples["kvscope_proxy_router_entries"] == 2
+    assert declared["kvscope_proxy_ttft_seconds"] == "histogram"
+    assert declared["kvscope_proxy_telemetry_dropped_spans_total"] == "counter"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False), max_size=50))
+def test_histogram_buckets_are_cumulative(values: list[float]) -> None:
+    h = Histogram("kvscope.proxy.test_seconds", "t", (0.1, 1.0, 10.0))
+    for v in values:
+        h.observe(v)
+    lines = list(h.render())
+    buckets = [float(l.rsplit(" ", 1)[1]) for l in lines if "_bucket" in l]  # noqa: E741
+    if not values:
+        assert buckets == []
+        return
+    assert buckets == [sum(v <= b for v in values) for b in (0.1, 1.0, 10.0, math.inf)]
+    assert lines[-1].endswith(f" {len(values)}")
+    total = float(lines[-2].rsplit(" ", 1)[1])
+    assert math.isclose(total, sum(values), rel_tol=1e-9, abs_tol=1e-9)
+
+
+# --- router semantics -----------------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.sampled_from("abc")),
+        st.tuples(st.just("get"), st.sampled_from("abc")),
+        st.tuples(st.just("wait"), st.floats(min_value=0, max_value=30)),
+        st.tuples(st.just("evict"), st.just("")),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_router_matches_a_reference_model(sequence: list[tuple[str, Any]]) -> None:
+    """Single use, TTL, and the reason a lookup found nothing, against a plain model."""
+    clock = _Clock()
+    router = ConversationRouter(ttl_s=20.0, clock=clock)
+    entries: dict[str, float] = {}
+    last_fate: dict[str, str] = {}
+    for i, (op, arg) in enumerate(sequence):
+        if op == "put":
+            router.put(arg, {"remote_request_id": f"r{i}", "remote_host": "side"}, "dhost")
+            entries[arg] = clock.now
+            last_fate.pop(arg, None)
+        elif op == "wait":
+            clock.now += arg
+        elif op == "evict":
+            stale = [k for k, t in entries.items() if clock.now - t > 20.0]
+            assert router.evict_stale() == len(stale)
+            for k in stale:
+                del entries[k]
+                last_fate[k] = semconv.ROUTER_STALE
+        else:
+            got = router.lookup(arg)
+            if arg in entries:
+                stored = entries.pop(arg)
+                if clock.now - stored > 20.0:
+                    assert got.result == semconv.ROUTER_STALE and got.params is None
+                    last_fate[arg] = semconv.ROUTER_STALE
+                else:
+                    assert got.result == semconv.ROUTER_HIT and got.params is not None
+                    assert got.params["remote_host"] == "dhost"
+                    assert got.age_s == pytest.approx(clock.now - stored)
+                    last_fate[arg] = semconv.ROUTER_CONSUMED
+            else:
+                assert got.result == last_fate.get(arg, semconv.ROUTER_MISS)
+        assert router.size == len(entries)
+
+
+def test_router_is_bounded() -> None:
+    router = ConversationRouter(ttl_s=10, max_entries=3)
+    for i in range(5):
+        router.put(str(i), {"x": i}, "h")
+    assert router.size == 3 and router.evicted_capacity == 2
+    assert router.lookup("0").result == semconv.ROUTER_MISS
+    assert router.lookup("4").result == semconv.ROUTER_HIT
+
+
+# --- message-boundary hashes ----------------------------------------------------------------------
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]),
+                           "content": st.text(min_size=4, max_size=30)}),
+    min_size=1, max_size=8,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages, messages)
+def test_boundary_hashes_share_exactly_the_common_prefix(a: list[dict], b: list[dict]) -> None:
+    ha = boundary_hashes({"messages": a}).split(",")
+    hb = boundary_hashes({"messages": a + b}).split(",")
+    assert hb[: len(ha)] == ha and len(hb) == len(a) + len(b)
+    edited = [dict(a[0], content=a[0]["content"] + "!")] + a[1:]
+    he = boundary_hashes({"messages": edited}).split(",")
+    assert all(x != y for x, y in zip(he, ha, strict=True))  # the chain carries the edit
+    joined = ",".join(ha)
+    assert all(m["content"] not in joined for m in a if len(m["content"]) >= 17)
+
+
+def test_traceparent_round_trip_and_rejects() -> None:
+    assert parse_traceparent(format_traceparent(5, 7)) == (5, 7)
+    for bad in (None, "", "00-" + "0" * 32 + "-" + "1" * 16 + "-01", "garbage",
+                "ff-" + "1" * 32 + "-" + "1" * 16 + "-01"):
+        assert parse_traceparent(bad) is None
+
+
+# --- command line ---------------------------------------------------------------------------------
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_takes_vllm_flags_and_checks_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    args = _parse(["--prefiller-hosts", "p1", "p2", "--prefiller-ports", "8100", "8101",
+                   "--decoder-host", "d1", "--decoder-port", "8200", "--port", "9000"])
+    cfg = config_from_args(args)
+    assert [u.name for u in cfg.prefillers] == ["p1:8100", "p2:8101"]
+    assert [u.name for u in cfg.decoders] == ["d1:8200"]
+    assert cfg.router_ttl_s == 450.0 and cfg.api_key == "sk-env" and args.port == 9000
+    with pytest.raises(SettingError, match="prefiller"):
+        config_from_args(_parse(["--prefiller-hosts", "a", "b"]))
+    with caplog.at_level(logging.WARNING):
+        config_from_args(_parse(["--router-ttl", "480"]))
+    assert "not below" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        config_from_args(_parse(["--router-ttl", "300"]))
+    assert "not below" not in caplog.text
+    with pytest.raises(SettingError):
+        config_from_args(_parse(["--router-ttl", "-1"]))
+
+
+def test_telemetry_disabled_still_serves_and_counts(tmp_path: Path) -> None:
+    with deployment(tmp_path, spans=False) as dep:
+        assert dep.chat("c").status_code == 200
+        assert dep.client.get("/health").json()["telemetry"] == {"enabled": False}
+        assert "kvscope_proxy_turns_total" in dep.client.get("/metrics").text
+
+
+def test_span_kinds_are_the_designed_ones() -> None:
+    telemetry = ProxyTelemetry(None)
+    record = telemetry.begin_turn("/v1/completions", "x", None, None)
+    record.prefill_start_ns = record.prefill_end_ns = record.arrival_ns + 1
+    record.decode_start_ns = record.decode_end_ns = record.arrival_ns + 2
+    record.end_ns = record.arrival_ns + 3
+    kinds = {s.name: s.kind for s in telemetry.spans_for(record)}
+    assert kinds == {semconv.SPAN_TURN: SpanKind.SERVER,
+                     semconv.SPAN_INPUT_PROCESSING: SpanKind.CLIENT,
+                     semconv.SPAN_GENERATION: SpanKind.CLIENT}
