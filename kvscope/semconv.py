@@ -164,12 +164,16 @@ REQUEST_OUTCOME = _attr(
 GPU_HOST = _attr("kvscope.gpu.host", "", "Host a GPU sample came from.")
 GPU_INDEX = _attr("kvscope.gpu.index", "", "GPU index on its host.")
 RUN_ID = _attr("kvscope.run.id", "", "kvscope run id (resource attribute).")
+GPU_PID = _attr("kvscope.gpu.pid", "", "Process id a per-process GPU memory sample is for.")
 
 # --- metrics ------------------------------------------------------------------------------------
 METRIC_GPU_MEMORY_USED = _metric("kvscope.gpu.memory.used_bytes", "By", "GPU memory in use.")
 METRIC_GPU_MEMORY_TOTAL = _metric("kvscope.gpu.memory.total_bytes", "By", "GPU memory in total.")
 METRIC_KV_RETAINED = _metric(
     "kvscope.kv.retained_bytes", "By", "KV bytes decode holds for later turns."
+)
+METRIC_GPU_PROCESS_MEMORY_USED = _metric(
+    "kvscope.gpu.process.memory.used_bytes", "By", "GPU memory one process uses (where NVML says)."
 )
 
 # --- proxy (kvscope proxy) ----------------------------------------------------------------------
@@ -254,6 +258,10 @@ RELEASE_NOTIFIED = "notified"
 RELEASE_EXPIRED = "expired"
 RELEASE_OPEN = "open"
 RELEASE_REASONS = (RELEASE_READ, RELEASE_NOTIFIED, RELEASE_EXPIRED, RELEASE_OPEN)
+
+# kvscope.request.outcome of a vLLM request after a failed load (other statuses: the vLLM
+# status name without FINISHED_, lower case: stopped, length_capped, aborted).
+OUTCOME_ERROR = "error"
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"
