@@ -10,6 +10,8 @@ from kvscope import semconv
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ["kvscope", "collector", "analysis", "dashboards", "emulator", "tests"]
+# File names such as "kvscope.duckdb" are not telemetry keys either.
+FILE_SUFFIXES = (".duckdb", ".html", ".json", ".jsonl", ".csv", ".parquet", ".py", ".log")
 KEY = re.compile(r"^(kvscope|gen_ai)\.[a-z0-9_.]+$")
 # Module paths are not telemetry keys.
 MODULE_PREFIXES = ("kvscope.collector", "kvscope.analysis", "kvscope.dashboards",
@@ -23,7 +25,8 @@ def _literal_keys(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             value = node.value
-            if KEY.match(value) and not value.startswith(MODULE_PREFIXES):
+            if (KEY.match(value) and not value.startswith(MODULE_PREFIXES)
+                    and not value.endswith(FILE_SUFFIXES)):
                 found.append((node.lineno, value))
     return sorted(found)
 

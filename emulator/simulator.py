@@ -1,0 +1,600 @@
+"""The virtual-time simulator: a whole P/D deployment and its proxy, no HTTP, no waiting.
+
+It replays a :class:`~kvscope.emulator.workloads.model.Workload` through the same pure reuse
+model the emulated servers use (:mod:`kvscope.emulator.reuse_model`), with vLLM's multi-turn
+proxy router (:class:`~kvscope.collector.proxy.router.ConversationRouter` on a virtual clock),
+timed by a cost profile (:mod:`kvscope.emulator.cost_model`). Events run in global virtual time:
+a turn *arrives* (router lookup, prefill decision, D→P read, prefill), its decode *finishes*
+(decode pins blocks and returns params the router caches), and the conversation's next turn
+arrives one tool wait later. Nodes are shared by every conversation, so TTL expiry, single-use
+handles and prefix-cache eviction interact as they do in a deployment.
+
+It writes the spans a real deployment would produce, built by the same code: proxy spans by
+:meth:`ProxyTelemetry.spans_for` and engine spans by :class:`EngineTelemetry`, stamped with
+virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store. It also returns
+the ground truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger
+with. Not modelled: queueing and batching contention (each request is timed as if alone).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+
+from kvscope import semconv
+from kvscope.collector.convert import spans_to_rows
+from kvscope.collector.engine_telemetry import (
+    EngineTelemetry,
+    KvRetentionRecord,
+    KvTransferRecord,
+    ReuseDecisionRecord,
+)
+from kvscope.collector.proxy.router import (
+    ConversationId,
+    ConversationRouter,
+    Lookup,
+    prefill_params,
+)
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
+from kvscope.emulator import cost_model
+from kvscope.emulator.reuse_model import (
+    FAILURE_POLICY_FAIL,
+    STATUS_STOPPED,
+    DecodeNode,
+    Fabric,
+    Faults,
+    NodeConfig,
+    PrefillNode,
+    PrefillResult,
+    Retention,
+    account_turn,
+)
+from kvscope.emulator.tokens import BlockSeq
+from kvscope.emulator.workloads.model import BlockChain, Workload, block_view
+from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.store.writer import insert_arrow
+
+# Fault names the simulator understands, each applied per turn with its probability.
+FAULT_NO_CONVERSATION_ID = "no_conversation_id"  # per conversation: the client sends no id
+FAULT_STRIP_METADATA = "strip_stream_metadata"  # D's params never reach the proxy
+FAULT_INVALID_PARAMS = "invalid_params"  # the params P gets lack remote_request_id
+FAULT_HANDSHAKE = "handshake_fail"
+FAULT_TRANSFER = "transfer_fail"
+FAULT_PREEMPT = "preempt_after_read"
+FAULT_CLOCK_SKEW = "clock_skew"  # P misjudges D's clock by the decode TTL (reads look expired)
+FAULT_PROXY_RESTART = "proxy_restart"  # the router loses its entries before this turn
+SIM_FAULTS = (
+    FAULT_NO_CONVERSATION_ID,
+    FAULT_STRIP_METADATA,
+    FAULT_INVALID_PARAMS,
+    FAULT_HANDSHAKE,
+    FAULT_TRANSFER,
+    FAULT_PREEMPT,
+    FAULT_CLOCK_SKEW,
+    FAULT_PROXY_RESTART,
+)
+
+# A client gives up on a stalled request after this long (vLLM's benchmark: 120 s).
+CLIENT_TIMEOUT_S = 120.0
+_NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """Everything that shapes one simulated run (recorded as the run's settings)."""
+
+    label: str = "simulated"
+    profile: str = "qwen3-32b"
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    prefill_bidirectional_kv_xfer: bool = True
+    decode_bidirectional_kv_xfer: bool = True
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    router_ttl: float = 450.0
+    kv_load_failure_policy: str = FAILURE_POLICY_FAIL
+    prefill_prefix_caching: bool = True
+    prefill_cache_blocks: int = 1 << 22
+    decode_cache_blocks: int = 1 << 22
+    decode_clock_offset_s: float = 1234.5
+    faults: Mapping[str, float] = field(default_factory=dict)
+    seed: int = 0
+    model: str = "emulated"
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.faults) - set(SIM_FAULTS))
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; known: {', '.join(SIM_FAULTS)}")
+        for name, p in self.faults.items():
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"fault {name}: probability {p} is not within [0, 1]")
+
+    def as_run_settings(self) -> dict[str, Any]:
+        """The settings as recorded in ``kvscope_runs`` (flat, JSON-serialisable)."""
+        values = asdict(self)
+        values["faults"] = dict(self.faults)
+        values["source"] = "simulator"
+        return values
+
+
+@dataclass(frozen=True, slots=True)
+class TruthRow:
+    """The true per-turn outcome of a simulated turn (what the ledger must reproduce)."""
+
+    run_id: str
+    conversation_id: str
+    turn_index: int
+    x_request_id: str
+    prefill_request_id: str
+    decode_request_id: str | None
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    reusable_tokens: int
+    local_hit_tokens: int
+    remote_reused_tokens: int
+    recomputed_reusable_tokens: int
+    outcome: str
+    evidence: str
+    router_lookup: str
+    ttft_ms: float | None
+    errored: bool
+
+
+@dataclass
+class SimulationResult:
+    """What one simulated run produced."""
+
+    run_id: str
+    turns: int
+    spans: int
+    truth: list[TruthRow]
+    virtual_seconds: float
+
+
+class _RowSink(SpanProcessor):
+    """Collects finished spans and writes them to the store in large synchronous batches."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000) -> None:
+        self._con = con
+        self._batch = batch
+        self._spans: list[ReadableSpan] = []
+        self.written = 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._spans.append(span)
+        if len(self._spans) >= self._batch:
+            self.flush()
+
+    def add(self, spans: list[ReadableSpan]) -> None:
+        self._spans.extend(spans)
+        if len(self._spans) >= self._batch:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._spans:
+            insert_arrow(self._con, "otel_traces", spans_to_rows(self._spans).to_arrow())
+            self.written += len(self._spans)
+            self._spans = []
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self.flush()
+        return True
+
+
+def _engine(sink: _RowSink, service: str, run_id: str, engine_id: str, role: str
+            ) -> EngineTelemetry:
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service, semconv.RUN_ID: run_id})
+    )
+    provider.add_span_processor(sink)
+    return EngineTelemetry(provider.get_tracer(semconv.SCOPE_NAME), engine_id=engine_id,
+                           role=role, background=False)
+
+
+@dataclass
+class _Turn:
+    """A turn in flight between its arrival and its decode finish."""
+
+    conversation_index: int
+    turn_position: int
+    record: TurnRecord
+    conversation: ConversationId
+    lookup: Lookup
+    result: PrefillResult | None
+    decode: DecodeNode | None
+    sequence: BlockSeq
+    truth_args: dict[str, Any]
+
+
+class Simulator:
+    """One simulated deployment (P and D nodes, a proxy) writing one run into a store."""
+
+    def __init__(self, settings: SimulationSettings) -> None:
+        self.settings = settings
+        self.cost = cost_model.profile(settings.profile)
+        s = settings
+        self.fabric = Fabric()
+        self.decoders: list[DecodeNode] = []
+        for i in range(s.decode_nodes):
+            node = DecodeNode(NodeConfig(
+                engine_id=f"decode-{i}", side_channel_host=f"10.0.1.{i + 1}",
+                bidirectional_kv_xfer=s.decode_bidirectional_kv_xfer,
+                decoder_kv_blocks_ttl=s.decoder_kv_blocks_ttl,
+                kv_recompute_threshold=s.kv_recompute_threshold,
+                cache_capacity_blocks=s.decode_cache_blocks,
+                kv_bytes_per_token=self.cost.kv_bytes_per_token,
+                block_size=self.cost.block_size,
+                clock_offset_s=s.decode_clock_offset_s * (i + 1),
+            ))
+            # vLLM's proxy rewrites remote_host to the decode HTTP host; here both resolve.
+            self.fabric.register(node, hosts=(self._decode_http_host(i),))
+            self.decoders.append(node)
+        self.prefillers = [
+            PrefillNode(NodeConfig(
+                engine_id=f"prefill-{i}", side_channel_host=f"10.0.0.{i + 1}",
+                bidirectional_kv_xfer=s.prefill_bidirectional_kv_xfer,
+                kv_recompute_threshold=s.kv_recompute_threshold,
+                decoder_kv_blocks_ttl=s.decoder_kv_blocks_ttl,
+                kv_load_failure_policy=s.kv_load_failure_policy,
+                enable_prefix_caching=s.prefill_prefix_caching,
+                cache_capacity_blocks=s.prefill_cache_blocks,
+                kv_bytes_per_token=self.cost.kv_bytes_per_token,
+                block_size=self.cost.block_size,
+            ), self.fabric)
+            for i in range(s.prefill_nodes)
+        ]
+        self._now = 0.0
+        self.router = ConversationRouter(s.router_ttl, clock=lambda: self._now)
+        self._rng = random.Random(s.seed)
+        self._epoch_ns = 0
+        # Per-run lookups, filled when a run starts.
+        self._reusable: dict[tuple[int, int], int] = {}
+        self._returned: dict[int, bool] = {}
+        self._conversation_ids: list[str] = []
+
+    @staticmethod
+    def _decode_http_host(i: int) -> str:
+        return f"decode-{i}.local"
+
+    def _fault(self, name: str) -> bool:
+        p = self.settings.faults.get(name, 0.0)
+        return p > 0.0 and self._rng.random() < p
+
+    def run(self, workload: Workload, db: str | Path, *, epoch_ns: int = 1_767_225_600 * _NS
+            ) -> SimulationResult:
+        """Simulate ``workload`` and write its spans as a new run into the store at ``db``."""
+        con = open_store(db)
+        try:
+            run_settings = self.settings.as_run_settings()
+            run_settings["workload"] = workload.name
+            run_settings["workload_settings"] = dict(workload.settings)
+            run_id = begin_run(con, self.settings.label, run_settings)
+            result = self._simulate(workload, con, run_id, epoch_ns)
+            end_run(con, run_id)
+        finally:
+            con.close()
+        return result
+
+    def _simulate(self, workload: Workload, con: duckdb.DuckDBPyConnection, run_id: str,
+                  epoch_ns: int) -> SimulationResult:
+        s = self.settings
+        if workload.block_size != self.cost.block_size:
+            raise ValueError(
+                f"workload block size {workload.block_size} != profile block size "
+                f"{self.cost.block_size}"
+            )
+        sink = _RowSink(con)
+        proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
+        proxy._resource = Resource.create(
+            {"service.name": semconv.SERVICE_PROXY, semconv.RUN_ID: run_id}
+        )
+        prefill_tel = [
+            _engine(sink, semconv.SERVICE_PREFILL, run_id, n.config.engine_id,
+                    semconv.ROLE_PREFILL)
+            for n in self.prefillers
+        ]
+        decode_tel = [
+            _engine(sink, semconv.SERVICE_DECODE, run_id, n.config.engine_id,
+                    semconv.ROLE_DECODE)
+            for n in self.decoders
+        ]
+        view = block_view(workload)
+        conversations = workload.conversations
+        sends_id = [not self._fault(FAULT_NO_CONVERSATION_ID) for _ in conversations]
+        previous_end: dict[int, float] = {}
+        events: list[tuple[float, int, int, int, _Turn | None]] = []
+        seq = 0
+        for ci, conv in enumerate(conversations):
+            if conv.turns:
+                heapq.heappush(events, (conv.start_s, seq, ci, 0, None))
+                seq += 1
+        truth: list[TruthRow] = []
+        rr_p = rr_d = 0
+        turns = 0
+        self._epoch_ns = epoch_ns
+        self._conversation_ids = [c.id for c in conversations]
+        self._returned = {}
+        self._reusable = {
+            (ci, pos): (turn.shared_prefix_tokens if pos > 0 else 0)
+            for ci, conv in enumerate(conversations)
+            for pos, turn in enumerate(conv.turns)
+        }
+        ns = self._ns
+
+        while events:
+            t, _, ci, pos, inflight = heapq.heappop(events)
+            self._now = t
+            conv = conversations[ci]
+            if inflight is not None:
+                self._finish(inflight, t, ns, sink, proxy, decode_tel, run_id, truth,
+                             previous_end)
+                if pos + 1 < len(conv.turns):
+                    nxt = conv.turns[pos + 1]
+                    heapq.heappush(events, (t + max(nxt.think_time_s, 0.0), seq, ci, pos + 1,
+                                            None))
+                    seq += 1
+                continue
+            turns += 1
+            turn = conv.turns[pos]
+            if self._fault(FAULT_PROXY_RESTART):
+                self.router = ConversationRouter(s.router_ttl, clock=lambda: self._now)
+            prefill = self.prefillers[rr_p % len(self.prefillers)]
+            p_tel = prefill_tel[rr_p % len(self.prefillers)]
+            di = rr_d % len(self.decoders)
+            rr_p += 1
+            rr_d += 1
+            decode = self.decoders[di]
+            x_request_id = f"{self._rng.getrandbits(128):032x}"
+            record = proxy.begin_turn("/v1/chat/completions", x_request_id, None, None)
+            record.arrival_ns = ns(t)
+            record.model = s.model
+            record.stream = True
+            conversation = (
+                ConversationId(conv.id, semconv.ID_SOURCE_BODY) if sends_id[ci]
+                else ConversationId(None, semconv.ID_SOURCE_NONE)
+            )
+            record.conversation = conversation
+            record.turn_index = turn.index
+            if conversation.value is not None and ci in previous_end:
+                record.previous_end_ns = ns(previous_end[ci])
+            lookup = self.router.lookup(conversation.value)
+            record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+            params = prefill_params(lookup)
+            record.d_metadata_attached = bool(lookup.params)
+            if lookup.params:
+                record.offered_request_id = str(lookup.params.get("remote_request_id"))
+                offered = lookup.params.get("remote_num_tokens")
+                record.offered_tokens = int(offered) if isinstance(offered, int) else None
+                if self._fault(FAULT_INVALID_PARAMS):
+                    params.pop("remote_request_id", None)
+            prompt = _seq(view.prompt(conv.id, turn.index), turn.prompt_tokens,
+                          workload.block_size)
+            faults = Faults(
+                handshake_fails=self._fault(FAULT_HANDSHAKE),
+                transfer_fails=self._fault(FAULT_TRANSFER),
+                preempt_after_read=self._fault(FAULT_PREEMPT),
+                clock_offset_error_s=s.decoder_kv_blocks_ttl if self._fault(FAULT_CLOCK_SKEW)
+                else 0.0,
+            )
+            p_rid = _vllm_request_id(x_request_id, self._rng)
+            result = prefill.prefill(p_rid, prompt, params, t, faults)
+            record.prefill_instance = f"prefill-{(rr_p - 1) % len(self.prefillers)}.local:8100"
+            record.decode_instance = f"{self._decode_http_host(di)}:8200"
+            record.prefill_request_id = p_rid
+            record.prompt_tokens = turn.prompt_tokens
+            record.cached_tokens = result.local_hit_tokens
+            record.prefill_start_ns = ns(t)
+            # Engine spans: the decision (and a re-decision after preemption or a failed load).
+            self._emit_decisions(p_tel, result, prompt, t, ns, params)
+            transfer_s = 0.0
+            if result.transfer is not None:
+                transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
+                p_tel.emit(KvTransferRecord(
+                    request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
+                    direction=result.transfer.direction, status=result.transfer.status,
+                    size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
+                    remote_engine_id=result.transfer.remote_engine_id,
+                    request_outcome="error" if result.errored else None,
+                ))
+            if result.decode_release is not None:
+                self._emit_released(decode_tel, t)
+            truth_args = {"router_lookup": lookup.result}
+            if result.errored or result.stalled:
+                end = t + (CLIENT_TIMEOUT_S if result.stalled else transfer_s)
+                record.prefill_end_ns = ns(end)
+                kind = "prefill_stalled" if result.stalled else "kv_load_failed"
+                record.fail("prefill", kind, 504 if result.stalled else 500,
+                            "KV load failed" if result.errored else "stalled waiting for KV")
+                record.end_ns = ns(end)
+                inflight_turn = _Turn(ci, pos, record, conversation, lookup, result, None,
+                                      prompt, truth_args)
+                heapq.heappush(events, (end, seq, ci, pos, inflight_turn))
+                seq += 1
+                continue
+            context = result.local_hit_tokens + result.remote_reused_tokens
+            prefill_s = (
+                self.cost.prefill_ms(max(result.computed_tokens, 1), context,
+                                     result.remote_reused_tokens) / 1000.0
+                + transfer_s
+            )
+            p_end = t + prefill_s
+            record.prefill_end_ns = ns(p_end)
+            d_rid = _vllm_request_id(x_request_id, self._rng)
+            p_params = prefill.finish_request(p_rid, prompt, result.local_hit_tokens)
+            p_to_d = decode.admit(d_rid, prompt, p_params)
+            first = p_end + self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
+            end = first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
+                turn.prompt_tokens) / 1000.0
+            if p_to_d is not None:
+                d_tel = decode_tel[di]
+                d_tel.emit(KvTransferRecord(
+                    request_id=d_rid, start_ns=ns(p_end),
+                    end_ns=ns(p_end + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
+                    direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
+                    blocks=p_to_d.blocks, remote_engine_id=prefill.config.engine_id,
+                ))
+            record.decode_start_ns = ns(p_end)
+            record.first_token_ns = ns(first)
+            record.decode_request_id = d_rid
+            record.output_tokens = turn.output_tokens
+            record.chunks = turn.output_tokens
+            record.finish_reasons = ["stop"]
+            record.end_ns = record.decode_end_ns = ns(end)
+            sequence = _seq(view.sequence(conv.id, turn.index),
+                            turn.prompt_tokens + turn.output_tokens, workload.block_size)
+            inflight_turn = _Turn(ci, pos, record, conversation, lookup, result, decode,
+                                  sequence, truth_args)
+            heapq.heappush(events, (end, seq, ci, pos, inflight_turn))
+            seq += 1
+
+        final = self._now
+        for node, tel in zip(self.decoders, decode_tel, strict=True):
+            node.reap(final + s.decoder_kv_blocks_ttl + 1e-6)
+            self._drain(node, tel, ns)
+        sink.flush()
+        return SimulationResult(run_id, turns, sink.written, truth, final)
+
+    def _emit_decisions(self, tel: EngineTelemetry, result: PrefillResult, prompt: BlockSeq,
+                        t: float, ns: Any, params: Mapping[str, Any]) -> None:
+        for decision in (result.decision, result.rescheduled_decision):
+            if decision is None:
+                continue
+            offered = params.get("remote_num_tokens")
+            tel.emit(ReuseDecisionRecord(
+                request_id=decision.request_id, time_ns=ns(t),
+                local_hit_tokens=decision.local_hit_tokens,
+                remote_offered_tokens=int(offered) if isinstance(offered, int) else None,
+                to_pull_tokens=decision.tokens_to_pull,
+                threshold_tokens=decision.threshold, decision=decision.decision,
+                bidirectional=decision.bidirectional_kv_xfer,
+                prompt_tokens=prompt.num_tokens,
+                remote_engine_id=_str_or_none(params.get("remote_engine_id")),
+            ))
+
+    def _emit_released(self, decode_tel: list[EngineTelemetry], t: float) -> None:
+        # Releases are emitted as their spans close; draining every node is cheap.
+        del t
+        for node, tel in zip(self.decoders, decode_tel, strict=True):
+            self._drain(node, tel, self._ns)
+
+    def _ns(self, t: float) -> int:
+        return self._epoch_ns + int(t * _NS)
+
+    def _drain(self, node: DecodeNode, tel: EngineTelemetry, ns: Any) -> None:
+        for retention in node.released:
+            tel.emit(_retention_record(retention, ns))
+        node.released.clear()
+
+    def _finish(self, turn: _Turn, t: float, ns: Any, sink: _RowSink, proxy: ProxyTelemetry,
+                decode_tel: list[EngineTelemetry], run_id: str, truth: list[TruthRow],
+                previous_end: dict[int, float]) -> None:
+        record = turn.record
+        returned = False
+        if turn.decode is not None:
+            di = self.decoders.index(turn.decode)
+            retention, params = turn.decode.finish_request(
+                str(record.decode_request_id), turn.sequence, STATUS_STOPPED, t)
+            if params is not None and retention is not None:
+                if self._fault(FAULT_STRIP_METADATA):
+                    params = None
+                else:
+                    returned = True
+                    record.retention_returned = True
+                    record.remote_num_tokens = int(params["remote_num_tokens"])
+                    record.retention_blocks = retention.blocks
+                    if turn.conversation.value is not None:
+                        self.router.put(turn.conversation.value, params,
+                                        self._decode_http_host(di))
+            self._drain(turn.decode, decode_tel[di], ns)
+        if turn.conversation.value is not None:
+            previous_end[turn.conversation_index] = t
+        sink.add(proxy.spans_for(record))
+        conv_turn = record.turn_index
+        prompt_tokens = record.prompt_tokens or 0
+        reusable = self._reusable[(turn.conversation_index, turn.turn_position)]
+        accounting = account_turn(
+            conv_turn, reusable, turn.result,
+            router_lookup=turn.truth_args["router_lookup"],
+            decode_returned_params=self._returned.get(turn.conversation_index, True),
+        )
+        self._returned[turn.conversation_index] = returned
+        result = turn.result
+        truth.append(TruthRow(
+            run_id=run_id,
+            conversation_id=self._conversation_ids[turn.conversation_index],
+            turn_index=conv_turn,
+            x_request_id=record.x_request_id,
+            prefill_request_id=str(record.prefill_request_id),
+            decode_request_id=record.decode_request_id,
+            arrival_s=(record.arrival_ns - self._epoch_ns) / _NS,
+            prompt_tokens=prompt_tokens,
+            output_tokens=record.output_tokens or 0,
+            reusable_tokens=accounting.reusable_tokens,
+            local_hit_tokens=accounting.local_hit_tokens,
+            remote_reused_tokens=accounting.remote_reused_tokens,
+            recomputed_reusable_tokens=accounting.recomputed_reusable_tokens,
+            outcome=accounting.outcome,
+            evidence=accounting.evidence,
+            router_lookup=turn.truth_args["router_lookup"],
+            ttft_ms=((record.first_token_ns - record.arrival_ns) / 1e6
+                     if record.first_token_ns is not None else None),
+            errored=bool(result is not None and (result.errored or result.stalled)),
+        ))
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _retention_record(r: Retention, ns: Any) -> KvRetentionRecord:
+    return KvRetentionRecord(
+        request_id=r.request_id, start_ns=ns(r.start),
+        end_ns=ns(r.end) if r.end is not None else None, blocks=r.blocks, size_bytes=r.bytes,
+        ttl_s=r.ttl_s, release_reason=r.release_reason, remote_num_tokens=r.tokens,
+    )
+
+
+def _seq(chain: BlockChain, num_tokens: int, block_size: int) -> BlockSeq:
+    """A workload chain as the model's block sequence (workload ids already identify prefixes)."""
+    full = num_tokens // block_size
+    ids = chain.ids()[:full]
+    return BlockSeq(tuple(ids), num_tokens, (), block_size)
+
+
+def _vllm_request_id(x_request_id: str, rng: random.Random) -> str:
+    """vLLM's chat request id: ``chatcmpl-`` + X-Request-Id + a random suffix."""
+    return f"chatcmpl-{x_request_id}-{rng.getrandbits(32):08x}"
+
+
+def simulate(workload: Workload, db: str | Path, settings: SimulationSettings | None = None,
+             ) -> SimulationResult:
+    """Simulate ``workload`` under ``settings`` and append it as one run to the store ``db``."""
+    sim = Simulator(settings or SimulationSettings())
+    return sim.run(workload, db)
+
+
+def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:
+    """The ground truth as plain dicts (for files and data frames)."""
+    for row in result.truth:
+        yield asdict(row)
+
+
+__all__ = [
+    "SIM_FAULTS",
+    "SimulationResult",
+    "SimulationSettings",
+    "Simulator",
+    "TruthRow",
+    "iter_truth",
+    "replace",
+    "simulate",
+]
