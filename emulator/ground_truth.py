@@ -1,0 +1,269 @@
+"""The ground truth of an HTTP emulation: the true outcome and token split of every turn.
+
+The emulated servers never see a conversation id (the proxy strips it), so turns are keyed by the
+``X-Request-Id`` the proxy sends to both legs, and the previous turn is found by content: a
+process-wide :class:`SequenceOracle` indexes every sequence decode finished (prompt + output) by
+its chained block hashes. Turn k's prompt begins with turn k-1's whole prompt + output when the
+client re-sends the history, so the match is the longest finished sequence the prompt *contains*
+entirely; its length is ``reusable_tokens`` and the turn index is its turn index + 1. A prompt
+that contains no finished sequence is turn 1 — also when it only shares a prefix (a system
+prompt shared across conversations, a context reset that dropped the history, a sub-agent's
+first turn): without the conversation id such turns cannot be told apart here; the
+virtual-time simulator (``kvscope.emulator.simulator``), which also plays the proxy, has exact
+truth for them.
+
+Labels come from :func:`kvscope.emulator.reuse_model.account_turn`. Router-side causes
+(``no_conversation_id``, router miss / stale / consumed) are invisible to the servers: such a
+turn is recorded as what prefill saw — no offer, labelled ``router_no_entry`` with evidence
+"prefill got no offer" — and the ledger adds the proxy's evidence to tell them apart.
+``no_decode_metadata`` is exact: the oracle remembers whether decode's params for turn k-1
+reached the wire.
+
+Rows are JSON lines (``<db>.truth.jsonl`` or ``--truth PATH``), written when a turn completes
+(decode finished, or prefill failed so no decode leg follows). No text, only counts and ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvscope.emulator import outcomes, reuse_model
+from kvscope.emulator.tokens import BlockSeq, common_prefix_len
+
+
+@dataclass
+class FinishedSequence:
+    """A sequence decode finished: what the next turn of its conversation may reuse."""
+
+    seq: BlockSeq
+    turn_index: int
+    x_request_id: str
+    decode_request_id: str
+    params_on_wire: bool
+
+
+@dataclass(frozen=True)
+class Match:
+    """The previous turn a prompt continues, if any, and the tokens it shares with it."""
+
+    previous: FinishedSequence | None
+    reusable_tokens: int
+    shared_prefix_tokens: int
+
+
+class SequenceOracle:
+    """Finds the finished sequence a prompt continues, by chained block hash."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._hashes: set[int] = set()
+        # Last full-block hash of a finished sequence → the latest such sequence.
+        self._ends: dict[int, FinishedSequence] = {}
+
+    def add(self, finished: FinishedSequence) -> None:
+        """Index a sequence decode finished."""
+        if not finished.seq.block_hashes:
+            return
+        self._hashes.update(finished.seq.block_hashes)
+        self._ends[finished.seq.block_hashes[-1]] = finished
+
+    def match(self, prompt: BlockSeq, prompt_ids: Sequence[int]) -> Match:
+        """The longest finished sequence ``prompt`` contains entirely (prompt + output)."""
+        hashes = self._hashes
+        blocks = prompt.block_hashes
+        # Chained hashes: "block i is known" implies "every block before i is known".
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1] in hashes:
+                lo = mid
+            else:
+                hi = mid - 1
+        shared = lo * self.block_size
+        bs = self.block_size
+        for m in range(lo, 0, -1):
+            candidate = self._ends.get(blocks[m - 1])
+            if candidate is None or candidate.seq.num_blocks != m:
+                continue
+            tail = candidate.seq.tail
+            if common_prefix_len(tail, prompt_ids[m * bs : m * bs + len(tail)]) == len(tail):
+                return Match(candidate, candidate.seq.num_tokens, shared)
+        return Match(None, 0, shared)
+
+
+@dataclass
+class TruthRow:
+    """One turn's ground truth (DESIGN §5 fields, plus what the emulator did)."""
+
+    run_id: str
+    x_request_id: str
+    vllm_request_id: str | None = None
+    decode_request_id: str | None = None
+    prefill_engine: str | None = None
+    decode_engine: str | None = None
+    turn_index: int = 1
+    previous_x_request_id: str | None = None
+    reusable_tokens: int = 0
+    local_hit_tokens: int = 0
+    remote_reused_tokens: int = 0
+    recomputed_reusable_tokens: int = 0
+    outcome: str = ""
+    evidence: str = ""
+    decision: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    transfer_status: str | None = None
+    transfer_bytes: int = 0
+    transfer_blocks: int = 0
+    p_to_d_bytes: int = 0
+    retention_request_id: str | None = None
+    retention_bytes: int = 0
+    params_returned: bool = False
+    finish_status: str | None = None
+    error: str | None = None
+    faults: list[str] = field(default_factory=list)
+
+
+class TruthRecorder:
+    """Collects :class:`TruthRow` per turn and appends each to a JSONL file when it completes."""
+
+    def __init__(self, path: str | Path | None, run_id: str, block_size: int) -> None:
+        self.run_id = run_id
+        self.oracle = SequenceOracle(block_size)
+        self.rows: list[TruthRow] = []
+        self._pending: dict[str, TruthRow] = {}
+        self.path = Path(path) if path is not None else None
+        self._sink: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = self.path.open("a", encoding="utf-8")
+
+    def prefill_done(
+        self,
+        x_request_id: str,
+        vllm_request_id: str,
+        engine: str,
+        prompt: BlockSeq,
+        prompt_ids: Sequence[int],
+        result: reuse_model.PrefillResult,
+        faults: Sequence[str],
+        error: str | None,
+    ) -> TruthRow:
+        """Label the turn at prefill: previous turn, reusable tokens and outcome."""
+        match = self.oracle.match(prompt, prompt_ids)
+        previous = match.previous
+        turn_index = previous.turn_index + 1 if previous is not None else 1
+        accounting = reuse_model.account_turn(
+            turn_index,
+            match.reusable_tokens,
+            result,
+            decode_returned_params=previous.params_on_wire if previous is not None else True,
+        )
+        transfer = result.transfer
+        evidence = accounting.evidence
+        if previous is None and match.shared_prefix_tokens:
+            evidence += f"; shares {match.shared_prefix_tokens} tokens with no whole earlier turn"
+        row = TruthRow(
+            run_id=self.run_id,
+            x_request_id=x_request_id,
+            vllm_request_id=vllm_request_id,
+            prefill_engine=engine,
+            turn_index=turn_index,
+            previous_x_request_id=previous.x_request_id if previous is not None else None,
+            reusable_tokens=accounting.reusable_tokens,
+            local_hit_tokens=accounting.local_hit_tokens,
+            remote_reused_tokens=accounting.remote_reused_tokens,
+            recomputed_reusable_tokens=accounting.recomputed_reusable_tokens,
+            outcome=accounting.outcome,
+            evidence=evidence,
+            decision=result.decision.decision,
+            prompt_tokens=prompt.num_tokens,
+            transfer_status=transfer.status if transfer is not None else None,
+            transfer_bytes=transfer.bytes if transfer is not None else 0,
+            transfer_blocks=transfer.blocks if transfer is not None else 0,
+            error=error,
+            faults=sorted(faults),
+        )
+        if error is not None:
+            self._write(row)
+        else:
+            self._pending[x_request_id] = row
+        return row
+
+    def decode_done(
+        self,
+        x_request_id: str,
+        decode_request_id: str,
+        engine: str,
+        sequence: BlockSeq,
+        prompt_tokens: int,
+        output_tokens: int,
+        finish_status: str,
+        retention: reuse_model.Retention | None,
+        params_on_wire: bool,
+        p_to_d_bytes: int,
+        faults: Sequence[str],
+        prompt: BlockSeq | None = None,
+        prompt_ids: Sequence[int] = (),
+    ) -> TruthRow:
+        """Complete the turn at decode's finish and index its sequence for the next turn."""
+        row = self._pending.pop(x_request_id, None)
+        if row is None:
+            # No prefill leg seen (decode called directly): place the turn by content here.
+            match = (
+                self.oracle.match(prompt, prompt_ids) if prompt is not None else Match(None, 0, 0)
+            )
+            previous = match.previous
+            row = TruthRow(
+                run_id=self.run_id,
+                x_request_id=x_request_id,
+                turn_index=previous.turn_index + 1 if previous is not None else 1,
+                previous_x_request_id=previous.x_request_id if previous is not None else None,
+                reusable_tokens=match.reusable_tokens,
+                recomputed_reusable_tokens=match.reusable_tokens,
+                outcome=outcomes.FIRST_TURN if previous is None else outcomes.UNKNOWN,
+                evidence="no prefill leg seen for this request",
+                prompt_tokens=prompt_tokens,
+            )
+        row.decode_request_id = decode_request_id
+        row.decode_engine = engine
+        row.output_tokens = output_tokens
+        row.finish_status = finish_status
+        row.p_to_d_bytes = p_to_d_bytes
+        row.params_returned = params_on_wire
+        row.faults = sorted(set(row.faults) | set(faults))
+        if retention is not None:
+            row.retention_request_id = retention.request_id
+            row.retention_bytes = retention.bytes
+        self.oracle.add(
+            FinishedSequence(sequence, row.turn_index, x_request_id, decode_request_id,
+                             params_on_wire)
+        )
+        self._write(row)
+        return row
+
+    def close(self) -> None:
+        """Write turns whose decode leg never came, then close the file."""
+        for row in list(self._pending.values()):
+            row.error = row.error or "no decode leg"
+            self._write(row)
+        self._pending.clear()
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+    def _write(self, row: TruthRow) -> None:
+        self.rows.append(row)
+        if self._sink is not None:
+            self._sink.write(json.dumps(asdict(row), sort_keys=True) + "\n")
+            self._sink.flush()
+
+
+def read_truth(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a truth file, as dicts."""
+    with Path(path).open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]

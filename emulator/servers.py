@@ -1,0 +1,880 @@
+"""Emulated vLLM 0.33.0 prefill and decode servers (aiohttp), speaking vLLM's HTTP protocol.
+
+Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming and JSON, ``usage``,
+``stream_options.include_usage``), ``GET /health`` (empty 200) and ``GET /v1/models``. Response
+bodies and SSE chunks carry the fields vLLM's pydantic models serialise, in their order
+(``entrypoints/openai/chat_completion/serving.py``): chunks ``exclude_unset``, the trailing usage
+chunk ``exclude_none`` with empty ``choices``, non-streaming bodies in full, ``data: [DONE]``.
+``kv_transfer_params`` go in and out with 0.33.0's field set: decode's on the chunk carrying
+``finish_reason`` (top level when not streaming), prefill's at top level. The request id is
+vLLM's: ``chatcmpl-``/``cmpl-`` + ``X-Request-Id`` (else a random id) for the response, plus
+``-`` and 8 random hex digits for the engine (``remote_request_id``, spans) unless
+``disable_request_id_randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
+
+Reuse semantics are :mod:`kvscope.emulator.reuse_model`'s, unchanged: every node of one
+:class:`Emulation` shares one :class:`~kvscope.emulator.reuse_model.Fabric`, on which each decode
+node answers at its side-channel port under its own host and the HTTP hosts the proxy rewrites
+``remote_host`` to (``127.0.0.1``, ``localhost``). Timing comes from a
+:mod:`kvscope.emulator.cost_model` profile in *model time*; ``time_scale`` F makes model time run
+F times faster than the wall clock, so TTLs, the 5 s expiry margin and every duration shrink by F
+together and a replay with gaps / F keeps the gap-vs-TTL relationship.
+
+Each node emits ``kvscope.reuse_decision``, ``kvscope.kv_transfer`` and ``kvscope.kv_retention``
+through :class:`kvscope.collector.engine_telemetry.EngineTelemetry` (the vLLM hooks' code), with
+the request's ``traceparent``, and the ground truth goes to a
+:class:`~kvscope.emulator.ground_truth.TruthRecorder`. No prompt or completion text is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aiohttp import web
+
+from kvscope import semconv
+from kvscope.collector.engine_telemetry import (
+    EngineTelemetry,
+    KvRetentionRecord,
+    KvTransferRecord,
+    ReuseDecisionRecord,
+)
+from kvscope.emulator import faults as fault_names
+from kvscope.emulator import reuse_model, tokens
+from kvscope.emulator.cost_model import CostProfile, profile
+from kvscope.emulator.faults import FAULT_BODY_FIELD, FAULT_HEADER, FaultMix
+from kvscope.emulator.ground_truth import TruthRecorder
+from kvscope.emulator.reuse_model import DecodeNode, Fabric, NodeConfig, PrefillNode, PrefixCache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "kvscope-emulated"
+# A TTL short enough that the next turn always finds the blocks expired (model seconds).
+EXPIRED_TTL_S = 0.001
+# Hosts the proxy may rewrite remote_host to; the in-process side channel answers on all.
+LOOPBACK_ALIASES = ("127.0.0.1", "localhost")
+# Without ignore_eos the emulated model "wants" this many tokens plus a seeded share of 240.
+_NATURAL_MIN_TOKENS = 16
+_NATURAL_SPREAD = 241
+_REAP_INTERVAL_S = 0.2
+_JSON = {"separators": (",", ":"), "ensure_ascii": False}
+
+_CHAT = "chat"
+_COMPLETION = "completion"
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    """Everything one emulation is configured with (recorded in the run's settings)."""
+
+    model: str = DEFAULT_MODEL
+    cost_profile: str = "tiny"
+    time_scale: float = 1.0
+    bidirectional_kv_xfer: bool = True
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    # vLLM's default is "fail"; the emulator recomputes so each read failure keeps its own label
+    # (switch with the load_failure_policy_fail fault or this field).
+    kv_load_failure_policy: reuse_model.FailurePolicy = "recompute"
+    block_size: int = tokens.DEFAULT_BLOCK_SIZE
+    prefill_prefix_caching: bool = True
+    cache_capacity_blocks: int = 1 << 20
+    decode_clock_offset_s: float = 0.0
+    side_channel_port: int = 5600
+    max_model_len: int = 1 << 20
+    seed: int = 0
+    # Wall seconds a stalled request (WAITING_FOR_REMOTE_KVS forever in vLLM) is held before
+    # the emulator answers 500; vLLM itself would never answer.
+    stall_timeout_s: float = 5.0
+    disable_request_id_randomization: bool = False
+    enable_prompt_tokens_details: bool = False
+    allow_fault_headers: bool = False
+    faults: FaultMix = field(default_factory=FaultMix)
+
+    def settings(self) -> dict[str, Any]:
+        """This configuration as plain data for ``kvscope_runs.settings``."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "faults"}
+        out["faults"] = self.faults.describe()
+        out["fault_seed"] = self.faults.seed
+        out["decoder_kv_blocks_ttl_wall_s"] = self.decoder_kv_blocks_ttl / self.time_scale
+        return out
+
+
+class EmulatorClock:
+    """Model time (seconds since start, F times the wall clock) and its wall-clock mapping."""
+
+    def __init__(self, time_scale: float) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.time_scale = time_scale
+        self._mono0 = time.monotonic()
+        self._wall0_ns = time.time_ns()
+
+    def now(self) -> float:
+        """Model seconds since the emulation started."""
+        return (time.monotonic() - self._mono0) * self.time_scale
+
+    def wall_ns(self, model_s: float) -> int:
+        """Epoch nanoseconds of model time ``model_s`` (for span timestamps)."""
+        return self._wall0_ns + int(model_s / self.time_scale * 1e9)
+
+    async def sleep(self, model_s: float) -> None:
+        """Sleep ``model_s`` model seconds."""
+        if model_s > 0:
+            await asyncio.sleep(model_s / self.time_scale)
+
+    async def sleep_until(self, model_t: float) -> None:
+        """Sleep until model time ``model_t`` (no-op when already past)."""
+        await self.sleep(model_t - self.now())
+
+
+class Emulation:
+    """State shared by every node of one emulation: clock, fabric, truth, faults, costs."""
+
+    def __init__(self, config: EmulatorConfig, truth: TruthRecorder | None = None) -> None:
+        self.config = config
+        self.clock = EmulatorClock(config.time_scale)
+        self.fabric = Fabric()
+        self.cost: CostProfile = replace(profile(config.cost_profile),
+                                         block_size=config.block_size)
+        self.truth = truth if truth is not None else TruthRecorder(None, "", config.block_size)
+        self.prefill_nodes: list[PrefillServer] = []
+        self.decode_nodes: list[DecodeServer] = []
+        self._next_port = config.side_channel_port
+
+    def _node_config(self, engine_id: str, prefill: bool) -> NodeConfig:
+        cfg = self.config
+        port = self._next_port
+        self._next_port += 1
+        return NodeConfig(
+            engine_id=engine_id,
+            side_channel_host=LOOPBACK_ALIASES[0],
+            side_channel_port=port,
+            bidirectional_kv_xfer=cfg.bidirectional_kv_xfer,
+            kv_recompute_threshold=cfg.kv_recompute_threshold,
+            decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl,
+            kv_load_failure_policy=cfg.kv_load_failure_policy,
+            block_size=cfg.block_size,
+            enable_prefix_caching=cfg.prefill_prefix_caching if prefill else True,
+            cache_capacity_blocks=cfg.cache_capacity_blocks,
+            kv_bytes_per_token=self.cost.kv_bytes_per_token,
+            clock_offset_s=0.0 if prefill else cfg.decode_clock_offset_s,
+        )
+
+    def add_prefill(self, telemetry: EngineTelemetry | None = None) -> PrefillServer:
+        """A new prefill node (engine id ``prefill-engine-NNN``)."""
+        engine_id = f"prefill-engine-{len(self.prefill_nodes):03d}"
+        node = PrefillNode(self._node_config(engine_id, prefill=True), self.fabric)
+        server = PrefillServer(self, node, telemetry)
+        self.prefill_nodes.append(server)
+        return server
+
+    def add_decode(self, telemetry: EngineTelemetry | None = None) -> DecodeServer:
+        """A new decode node (engine id ``decode-engine-NNN``), reachable on the fabric."""
+        engine_id = f"decode-engine-{len(self.decode_nodes):03d}"
+        node = DecodeNode(self._node_config(engine_id, prefill=False))
+        self.fabric.register(node, LOOPBACK_ALIASES)
+        server = DecodeServer(self, node, telemetry)
+        self.decode_nodes.append(server)
+        return server
+
+    def prefill_reachable(self, params: Mapping[str, Any]) -> bool:
+        """Whether D's handshake to the P named in P→D params would succeed."""
+        for server in self.prefill_nodes:
+            cfg = server.node.config
+            if (
+                params.get("remote_engine_id") == cfg.engine_id
+                and params.get("remote_port") == cfg.side_channel_port
+                and params.get("remote_host") in (cfg.side_channel_host, *LOOPBACK_ALIASES)
+            ):
+                return True
+        return False
+
+    def drain_retentions(self) -> None:
+        """Emit spans for every retention a decode node released since the last call."""
+        for server in self.decode_nodes:
+            server.drain_releases()
+
+    async def reaper(self) -> None:
+        """Run decode's TTL reaper and refresh the retained-bytes gauges, until cancelled."""
+        while True:
+            now = self.clock.now()
+            for server in self.decode_nodes:
+                server.node.reap(now)
+                server.drain_releases()
+            await asyncio.sleep(_REAP_INTERVAL_S)
+
+    def close(self) -> None:
+        """Emit still-open retentions (release reason ``open``) and close the truth file."""
+        for server in self.decode_nodes:
+            server.node.reap(self.clock.now())
+            server.drain_releases()
+            server.emit_open()
+        self.truth.close()
+
+
+# --- request parsing and response shapes ----------------------------------------------------------
+
+
+class RequestError(Exception):
+    """A request vLLM would refuse: becomes an OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, error_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param = status, message, error_type, param
+
+
+def error_response(status: int, message: str, error_type: str,
+                   param: str | None = None) -> web.Response:
+    """vLLM's ``ErrorResponse`` body."""
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return web.Response(text=json.dumps(body, **_JSON), status=status,  # type: ignore[arg-type]
+                        content_type="application/json")
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, **_JSON)  # type: ignore[arg-type]
+
+
+@dataclass
+class EmulatedRequest:
+    """One parsed request, with the ids vLLM would derive for it."""
+
+    kind: str
+    model: str
+    prompt_ids: list[int]
+    prompt: tokens.BlockSeq
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    ignore_eos: bool
+    params: dict[str, Any] | None
+    response_id: str
+    request_id: str
+    x_request_id: str
+    traceparent: str | None
+    fault_names: frozenset[str]
+    key: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _int_field(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(400, f"{name} must be an integer", param=name)
+    return value
+
+
+def parse_request(
+    body: Any, headers: Mapping[str, str], kind: str, config: EmulatorConfig, rng: random.Random
+) -> EmulatedRequest:
+    """Validate a request body as vLLM would and derive its token ids and request ids."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    model = body.get("model") or config.model
+    if model != config.model:
+        raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if kind == _CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise RequestError(400, "messages must be a list of message objects", param="messages")
+        prompt_ids = tokens.apply_chat_template(messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = tokens.encode(prompt)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            prompt_ids = list(prompt)
+        else:
+            raise RequestError(400, "prompt must be a string or a list of token ids",
+                               param="prompt")
+    if not prompt_ids:
+        raise RequestError(400, "The prompt is empty", param="prompt")
+    limit = _int_field(body, "max_completion_tokens")
+    if limit is None:
+        limit = _int_field(body, "max_tokens")
+    room = config.max_model_len - len(prompt_ids)
+    if room <= 0:
+        raise RequestError(400, f"The prompt has {len(prompt_ids)} tokens, more than "
+                                f"max_model_len={config.max_model_len}", param="messages")
+    if limit is None:
+        limit = room
+    if limit < 1:
+        raise RequestError(400, f"max_tokens must be at least 1, got {limit}.",
+                           param="max_tokens")
+    options = body.get("stream_options")
+    stream = bool(body.get("stream", False))
+    include_usage = bool(stream and isinstance(options, dict) and options.get("include_usage"))
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise RequestError(400, "kv_transfer_params must be an object",
+                           param="kv_transfer_params")
+    x_request_id = headers.get("X-Request-Id")
+    body_id = body.get("request_id")
+    base = x_request_id or (body_id if isinstance(body_id, str) and body_id else uuid.uuid4().hex)
+    prefix = "chatcmpl-" if kind == _CHAT else "cmpl-"
+    response_id = prefix + base
+    request_id = (
+        response_id
+        if config.disable_request_id_randomization
+        else f"{response_id}-{rng.getrandbits(32):08x}"
+    )
+    requested: frozenset[str] = frozenset()
+    if config.allow_fault_headers:
+        requested = fault_names.names_in(headers.get(FAULT_HEADER, "")) | fault_names.names_in(
+            body.get(FAULT_BODY_FIELD)
+        )
+    return EmulatedRequest(
+        kind=kind,
+        model=model,
+        prompt_ids=prompt_ids,
+        prompt=tokens.BlockSeq.from_tokens(prompt_ids, config.block_size),
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=min(limit, room),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        params=dict(params) if params else None,
+        response_id=response_id,
+        request_id=request_id,
+        x_request_id=x_request_id or response_id,
+        traceparent=headers.get("traceparent"),
+        fault_names=requested,
+        key=fault_names.turn_key(prompt_ids),
+    )
+
+
+def plan_output(req: EmulatedRequest, seed: int) -> tuple[list[str], str]:
+    """The words decode emits and the finish reason (``length`` or ``stop``), by seed."""
+    mixed = (req.key ^ (seed * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF
+    n, reason = req.max_tokens, "length"
+    if not req.ignore_eos:
+        natural = _NATURAL_MIN_TOKENS + mixed % _NATURAL_SPREAD
+        if natural < n:
+            n, reason = natural, "stop"
+    return tokens.generate_output_words(mixed, n), reason
+
+
+def _usage(prompt: int, completion: int, cached: int | None, details: bool,
+           full: bool) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    prompt_details = {"cached_tokens": cached} if details and cached is not None else None
+    if full:
+        usage["prompt_tokens_details"] = (
+            None if prompt_details is None else {"cached_tokens": cached,
+                                                 "created_cache_tokens": None,
+                                                 "multimodal_tokens": None}
+        )
+        usage["completion_tokens_details"] = None
+    elif prompt_details is not None:
+        usage["prompt_tokens_details"] = prompt_details
+    return usage
+
+
+def chunk_json(req: EmulatedRequest, choice: dict[str, Any], **extra: Any) -> str:
+    """One SSE chunk's JSON (fields as vLLM's ``exclude_unset`` dump orders them)."""
+    chunk: dict[str, Any] = {
+        "id": req.response_id,
+        "object": "chat.completion.chunk" if req.kind == _CHAT else "text_completion",
+        "created": req.created,
+        "model": req.model,
+        "choices": [choice],
+    }
+    chunk.update(extra)
+    return _dumps(chunk)
+
+
+def token_choice(req: EmulatedRequest, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """The choice of one streamed token (the last one carries ``finish_reason``)."""
+    if req.kind == _CHAT:
+        choice: dict[str, Any] = {
+            "index": 0, "delta": {"content": text}, "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = None
+        if finish_reason is not None:
+            choice["weight_versions"] = None
+        return choice
+    return {
+        "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        "stop_reason": None, "prompt_token_ids": None, "token_ids": None,
+        "weight_versions": None,
+    }
+
+
+def full_response(req: EmulatedRequest, text: str, finish_reason: str, usage: dict[str, Any],
+                  params: dict[str, Any] | None) -> dict[str, Any]:
+    """A non-streaming body, every field as vLLM's ``model_dump()`` writes it."""
+    if req.kind == _CHAT:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None,
+                        "annotations": None, "audio": None, "function_call": None,
+                        "reasoning": None},
+            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            "token_ids": None, "routed_experts": None, "weight_versions": None,
+        }
+        return {
+            "id": req.response_id, "object": "chat.completion", "created": req.created,
+            "model": req.model, "choices": [choice], "service_tier": None,
+            "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+            "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": params,
+            "ec_transfer_params": None, "metrics": None,
+        }
+    choice = {
+        "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+        "prompt_token_ids": None, "routed_experts": None, "weight_versions": None,
+    }
+    return {
+        "id": req.response_id, "object": "text_completion", "created": req.created,
+        "model": req.model, "choices": [choice], "service_tier": None,
+        "system_fingerprint": None, "usage": usage, "kv_transfer_params": params,
+        "ec_transfer_params": None, "metrics": None,
+    }
+
+
+def models_body(config: EmulatorConfig) -> dict[str, Any]:
+    """``GET /v1/models`` as vLLM answers it (one base model)."""
+    created = int(time.time())
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+        "organization": "*", "group": None, "is_blocking": False,
+    }
+    card = {
+        "id": config.model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": config.model, "parent": None, "max_model_len": config.max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [card]}
+
+
+@contextlib.contextmanager
+def _overridden(node: PrefillNode | DecodeNode, **changes: Any) -> Iterator[None]:
+    """Run with a per-request variant of the node's connector config (fault switches)."""
+    if not changes:
+        yield
+        return
+    saved = node.config
+    node.config = replace(saved, **changes)
+    try:
+        yield
+    finally:
+        node.config = saved
+
+
+# --- the servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    """What the compute phase of a request decided before generation."""
+
+    error: str | None = None
+    status: int = 500
+    cached_tokens: int | None = None
+    finish_params: dict[str, Any] | None = None
+
+
+class _EngineServer:
+    """Shared HTTP handling of one emulated engine; subclasses supply the engine's work."""
+
+    role = ""
+
+    def __init__(self, emulation: Emulation, telemetry: EngineTelemetry | None) -> None:
+        self.emulation = emulation
+        self.telemetry = telemetry
+        self.rng = random.Random(f"{emulation.config.seed}-{id(self)}")
+        # Prefill compute is serialised per engine (one batch at a time); decode overlaps.
+        self.compute_lock = asyncio.Lock()
+
+    @property
+    def engine_id(self) -> str:
+        raise NotImplementedError
+
+    def application(self) -> web.Application:
+        """The aiohttp app serving vLLM's routes for this engine."""
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.Response(text=_dumps(models_body(self.emulation.config)),
+                            content_type="application/json")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, _CHAT)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, _COMPLETION)
+
+    async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}",
+                                  "BadRequestError")
+        try:
+            req = parse_request(body, request.headers, kind, self.emulation.config, self.rng)
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, exc.error_type, exc.param)
+        return await self.serve(request, req)
+
+    async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
+        raise NotImplementedError
+
+    def _record(self, record: ReuseDecisionRecord | KvTransferRecord | KvRetentionRecord) -> None:
+        if self.telemetry is not None:
+            self.telemetry.record(record)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: EmulatedRequest,
+        cached_tokens: int | None,
+        finish: Any,
+    ) -> tuple[web.StreamResponse, int, str]:
+        """Emit the output (streamed or whole); ``finish(status)`` returns the final params.
+
+        Returns the response, the tokens sent and the request's final status.
+        """
+        cfg, clock, cost = self.emulation.config, self.emulation.clock, self.emulation.cost
+        words, reason = plan_output(req, cfg.seed)
+        status = (reuse_model.STATUS_STOPPED if reason == "stop"
+                  else reuse_model.STATUS_LENGTH_CAPPED)
+        prompt_n = req.prompt.num_tokens
+        details = cfg.enable_prompt_tokens_details
+        if not req.stream:
+            t = clock.now()
+            for i in range(1, len(words)):
+                t += cost.decode_token_ms(prompt_n + i) / 1000
+            await clock.sleep_until(t)
+            params = finish(status)
+            usage = _usage(prompt_n, len(words), cached_tokens, details, full=True)
+            body = full_response(req, " ".join(words), reason, usage, params)
+            return (web.Response(text=_dumps(body), content_type="application/json"),
+                    len(words), status)
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sent = 0
+        try:
+            if req.kind == _CHAT:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}
+                await response.write(self._frame(chunk_json(
+                    req, first, prompt_token_ids=None, prompt_text=None)))
+            t = clock.now()
+            for i, word in enumerate(words):
+                if i:
+                    t += cost.decode_token_ms(prompt_n + i) / 1000
+                    await clock.sleep_until(t)
+                last = i == len(words) - 1
+                text = word if i == 0 else " " + word
+                params = finish(status) if last else None
+                choice = token_choice(req, text, reason if last else None)
+                await response.write(self._frame(
+                    chunk_json(req, choice, kv_transfer_params=params)))
+                sent += 1
+            if req.include_usage:
+                usage_chunk: dict[str, Any] = {
+                    "id": req.response_id,
+                    "object": "chat.completion.chunk" if req.kind == _CHAT
+                    else "text_completion",
+                    "created": req.created, "model": req.model, "choices": [],
+                    "usage": _usage(prompt_n, sent, cached_tokens, details, full=False),
+                }
+                await response.write(self._frame(_dumps(usage_chunk)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client left: vLLM aborts the request (no retention, no params).
+            return response, sent, reuse_model.STATUS_ABORTED
+        return response, sent, status
+
+    @staticmethod
+    def _frame(data: str) -> bytes:
+        return f"data: {data}\n\n".encode()
+
+    async def _error_stream(self, request: web.Request, req: EmulatedRequest,
+                            message: str) -> web.StreamResponse:
+        """A failed request: 500 when not streaming; role chunk + error event when streaming."""
+        if not req.stream:
+            return error_response(500, message, "InternalServerError")
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if req.kind == _CHAT:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}
+            await response.write(self._frame(chunk_json(
+                req, first, prompt_token_ids=None, prompt_text=None)))
+        error = {"error": {"message": message, "type": "InternalServerError", "param": None,
+                           "code": 500}}
+        await response.write(self._frame(_dumps(error)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class PrefillServer(_EngineServer):
+    """A prefill engine: local hit, D→P pull (or not), prefill compute, P→D params."""
+
+    role = semconv.ROLE_PREFILL
+
+    def __init__(self, emulation: Emulation, node: PrefillNode,
+                 telemetry: EngineTelemetry | None) -> None:
+        super().__init__(emulation, telemetry)
+        self.node = node
+
+    @property
+    def engine_id(self) -> str:
+        return self.node.config.engine_id
+
+    def _decision_record(self, req: EmulatedRequest, decision: reuse_model.ReuseDecision,
+                         params: Mapping[str, Any] | None, when_ns: int) -> ReuseDecisionRecord:
+        offered = (params or {}).get("remote_num_tokens")
+        remote_engine = (params or {}).get("remote_engine_id")
+        return ReuseDecisionRecord(
+            request_id=req.request_id,
+            time_ns=when_ns,
+            local_hit_tokens=decision.local_hit_tokens,
+            remote_offered_tokens=offered if isinstance(offered, int) else None,
+            to_pull_tokens=decision.tokens_to_pull,
+            threshold_tokens=decision.threshold,
+            decision=decision.decision,
+            bidirectional=decision.bidirectional_kv_xfer,
+            prompt_tokens=decision.prompt_tokens,
+            remote_engine_id=remote_engine if isinstance(remote_engine, str) else None,
+            traceparent=req.traceparent,
+        )
+
+    async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
+        em, cfg = self.emulation, self.emulation.config
+        hit = cfg.faults.draw(req.key, fault_names.LEG_PREFILL, req.fault_names)
+        params = req.params
+        if (fault_names.INVALID_PARAMS in hit and params is not None
+                and params.get("do_remote_decode") and params.get("remote_block_ids")):
+            params = {k: v for k, v in params.items() if k != "remote_request_id"}
+        changes: dict[str, Any] = {}
+        if fault_names.PREFILL_NO_BIDIR in hit:
+            changes["bidirectional_kv_xfer"] = False
+        if fault_names.LOAD_FAILURE_POLICY_FAIL in hit:
+            changes["kv_load_failure_policy"] = reuse_model.FAILURE_POLICY_FAIL
+        if fault_names.EVICT_PREFIX_CACHE in hit:
+            self.node.cache = PrefixCache(self.node.cache.capacity_blocks)
+        injected = reuse_model.Faults(
+            handshake_fails=fault_names.HANDSHAKE_FAIL in hit,
+            transfer_fails=fault_names.TRANSFER_FAIL in hit,
+            preempt_after_read=fault_names.PREEMPT_AFTER_READ in hit,
+            clock_offset_error_s=cfg.decoder_kv_blocks_ttl if fault_names.CLOCK_SKEW in hit
+            else 0.0,
+        )
+        now = em.clock.now()
+        with _overridden(self.node, **changes):
+            result = self.node.prefill(req.request_id, req.prompt, params, now, injected)
+        em.drain_retentions()
+        decided_ns = em.clock.wall_ns(now)
+        self._record(self._decision_record(req, result.decision, params, decided_ns))
+        if result.rescheduled_decision is not None:
+            self._record(self._decision_record(req, result.rescheduled_decision, params,
+                                               decided_ns))
+        cost = em.cost
+        t = now
+        transfer = result.transfer
+        if transfer is not None:
+            if transfer.status == semconv.TRANSFER_OK:
+                t += cost.transfer_ms(transfer.bytes) / 1000
+            elif transfer.status != semconv.TRANSFER_DECLINED_EXPIRED:
+                t += cost.transfer_latency_ms / 1000
+            await em.clock.sleep_until(t)
+            self._record(KvTransferRecord(
+                request_id=req.request_id, start_ns=decided_ns, end_ns=em.clock.wall_ns(t),
+                direction=transfer.direction, status=transfer.status,
+                size_bytes=transfer.bytes, blocks=transfer.blocks,
+                remote_engine_id=transfer.remote_engine_id,
+                request_outcome=reuse_model.STATUS_ERROR if result.errored else None,
+            ))
+        error: str | None = None
+        if result.stalled:
+            # vLLM parks the request in WAITING_FOR_REMOTE_KVS for good; answer eventually.
+            await asyncio.sleep(cfg.stall_timeout_s)
+            error = (f"request {req.request_id} stalled waiting for remote KV "
+                     f"(emulator gave up after {cfg.stall_timeout_s:g}s)")
+        elif result.errored:
+            error = "Internal server error"
+        cached = result.local_hit_tokens + result.remote_reused_tokens
+        truth = em.truth.prefill_done(
+            req.x_request_id, req.request_id, self.engine_id, req.prompt, req.prompt_ids,
+            result, sorted(hit), error,
+        )
+        if error is not None:
+            logger.info("prefill %s failed: %s (%s)", req.request_id, error, truth.outcome)
+            return await self._error_stream(request, req, error)
+        async with self.compute_lock:
+            await em.clock.sleep(
+                cost.prefill_ms(max(result.computed_tokens, 1), cached,
+                                result.remote_reused_tokens) / 1000
+            )
+        wants_params = bool(req.params and req.params.get("do_remote_decode"))
+
+        def finish(status: str) -> dict[str, Any] | None:
+            if not wants_params:
+                return None
+            return self.node.finish_request(req.request_id, req.prompt, cached)
+
+        response, _, _ = await self._generate(request, req, cached, finish)
+        return response
+
+
+class DecodeServer(_EngineServer):
+    """A decode engine: P→D pull, token streaming, retention and D→P params on finish."""
+
+    role = semconv.ROLE_DECODE
+
+    def __init__(self, emulation: Emulation, node: DecodeNode,
+                 telemetry: EngineTelemetry | None) -> None:
+        super().__init__(emulation, telemetry)
+        self.node = node
+        self._drained = 0
+        self._traceparents: dict[str, str | None] = {}
+        self.retained_bytes = 0
+
+    @property
+    def engine_id(self) -> str:
+        return self.node.config.engine_id
+
+    def drain_releases(self) -> None:
+        """Emit a retention span for each handle released since the last call."""
+        released = self.node.released
+        clock = self.emulation.clock
+        for retention in released[self._drained:]:
+            self._record(self._retention_record(retention, clock.wall_ns(retention.end)
+                                                if retention.end is not None else None))
+        self._drained = len(released)
+        self.retained_bytes = sum(r.bytes for r in self.node.handles.values())
+
+    def emit_open(self) -> None:
+        """Emit the handles still pinned (release reason ``open``, no end)."""
+        for retention in self.node.handles.values():
+            self._record(self._retention_record(retention, None))
+
+    def _retention_record(self, r: reuse_model.Retention, end_ns: int | None) -> KvRetentionRecord:
+        return KvRetentionRecord(
+            request_id=r.request_id,
+            start_ns=self.emulation.clock.wall_ns(r.start),
+            end_ns=end_ns,
+            blocks=r.blocks,
+            size_bytes=r.bytes,
+            ttl_s=r.ttl_s,
+            release_reason=r.release_reason,
+            remote_num_tokens=r.tokens,
+            traceparent=self._traceparents.pop(r.request_id, None)
+            if end_ns is not None else self._traceparents.get(r.request_id),
+        )
+
+    async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
+        em, cfg, cost = self.emulation, self.emulation.config, self.emulation.cost
+        hit = cfg.faults.draw(req.key, fault_names.LEG_DECODE, req.fault_names)
+        now = em.clock.now()
+        params = req.params
+        prompt_n = req.prompt.num_tokens
+        p_to_d_bytes = 0
+        first_token_at = now + cost.first_token_ms(prompt_n) / 1000
+        if params is not None and params.get("do_remote_prefill"):
+            transfer: reuse_model.TransferRecord | None
+            if em.prefill_reachable(params):
+                transfer = self.node.admit(req.request_id, req.prompt, params)
+            else:
+                transfer = reuse_model.TransferRecord(
+                    direction=semconv.DIRECTION_P_TO_D,
+                    status=semconv.TRANSFER_HANDSHAKE_FAILED, tokens=0, blocks=0, bytes=0,
+                    remote_engine_id=str(params.get("remote_engine_id")),
+                )
+            if transfer is not None:
+                ok = transfer.status == semconv.TRANSFER_OK
+                end = now + (cost.transfer_ms(transfer.bytes) if ok
+                             else cost.transfer_latency_ms) / 1000
+                p_to_d_bytes = transfer.bytes
+                fail_policy = cfg.kv_load_failure_policy == reuse_model.FAILURE_POLICY_FAIL
+                await em.clock.sleep_until(end)
+                self._record(KvTransferRecord(
+                    request_id=req.request_id, start_ns=em.clock.wall_ns(now),
+                    end_ns=em.clock.wall_ns(end), direction=transfer.direction,
+                    status=transfer.status, size_bytes=transfer.bytes, blocks=transfer.blocks,
+                    remote_engine_id=transfer.remote_engine_id,
+                    request_outcome=reuse_model.STATUS_ERROR if not ok and fail_policy
+                    else None,
+                ))
+                if not ok:
+                    if fail_policy:
+                        return await self._error_stream(request, req, "Internal server error")
+                    first_token_at += cost.prefill_ms(prompt_n) / 1000
+        else:
+            # Not a P/D decode leg: this engine prefills the prompt itself.
+            first_token_at += cost.prefill_ms(prompt_n) / 1000
+            self.node.cache.touch(req.prompt)
+        await em.clock.sleep_until(first_token_at)
+        changes: dict[str, Any] = {}
+        if fault_names.DECODE_NO_BIDIR in hit:
+            changes["bidirectional_kv_xfer"] = False
+        if fault_names.EXPIRE_BEFORE_NEXT_TURN in hit:
+            changes["decoder_kv_blocks_ttl"] = EXPIRED_TTL_S
+        state: dict[str, Any] = {}
+        words_holder: dict[str, list[int]] = {}
+
+        def finish(status: str) -> dict[str, Any] | None:
+            words, _ = plan_output(req, cfg.seed)
+            output_ids = [tokens.token_id(w) for w in words]
+            words_holder["ids"] = output_ids
+            sequence = req.prompt.extend(output_ids)
+            with _overridden(self.node, **changes):
+                retention, out = self.node.finish_request(
+                    req.request_id, sequence, status, em.clock.now())
+            if retention is not None:
+                self._traceparents[req.request_id] = req.traceparent
+            state.update(retention=retention, params=out, sequence=sequence)
+            if fault_names.STRIP_STREAM_METADATA in hit:
+                return None
+            return out
+
+        response, sent, status = await self._generate(request, req, None, finish)
+        if status == reuse_model.STATUS_ABORTED and "sequence" not in state:
+            words, _ = plan_output(req, cfg.seed)
+            sequence = req.prompt.extend([tokens.token_id(w) for w in words[:sent]])
+            self.node.finish_request(req.request_id, sequence, status, em.clock.now())
+            state.update(retention=None, params=None, sequence=sequence)
+        self.drain_releases()
+        on_wire = state.get("params") is not None and fault_names.STRIP_STREAM_METADATA not in hit
+        em.truth.decode_done(
+            req.x_request_id, req.request_id, self.engine_id, state["sequence"], prompt_n,
+            sent, status, state.get("retention"), on_wire, p_to_d_bytes, sorted(hit),
+            prompt=req.prompt, prompt_ids=req.prompt_ids,
+        )
+        return response
