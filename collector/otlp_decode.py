@@ -468,7 +468,8 @@ def _parse_protobuf(body: bytes, message: Message) -> None:
 def _parse_json(body: bytes, message: Message, normalise: Callable[[Any], None]) -> None:
     name = message.DESCRIPTOR.name
     try:
-        data = json.loads(body)
+        # OTLP/JSON is UTF-8; json.loads(bytes) would also guess UTF-16/32 from a BOM.
+        data = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise PayloadError(f"{name} JSON is not UTF-8: {exc.reason} at byte {exc.start}") from None
     except json.JSONDecodeError as exc:
