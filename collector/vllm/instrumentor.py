@@ -1,0 +1,744 @@
+"""Instrumentor for vLLM 0.33.0's NIXL pull connector: reuse decisions, reads and retention.
+
+:class:`NixlConnectorInstrumentor` wraps methods of the connector's *role* classes
+(``NixlPullConnectorScheduler``, ``NixlPullConnectorWorker``), not the facade, so every way the
+scheduler reaches them (``request_finished`` and ``request_finished_all_groups`` both end in the
+role's ``request_finished``) is observed once. Each wrapper calls the original first, then, inside
+``try``, turns what it saw into a record of :mod:`kvscope.collector.engine_telemetry` and hands it
+to ``EngineTelemetry.record`` (a bounded-deque append); spans are built on another thread. The
+original's result and exceptions pass through untouched; a failure inside a hook is counted and
+logged once, never raised into vLLM.
+
+Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
+
+* scheduler ``get_num_new_matched_tokens``: local hit (its argument) and the answer, stashed per
+  request; ``update_state_after_alloc``: the schedule really happened, so the
+  ``kvscope.reuse_decision`` is recorded here (once per schedule, not once per retry of an
+  allocation that failed); ``update_connector_output``: failed loads (``failed_recving``) and
+  released handles (``finished_sending``); ``request_finished``: decode pins a finished turn
+  (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows) and a prefill request
+  that ends after a failed load reports its outcome.
+* worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
+  ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
+  failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
+  ``_log_failure``: ``handshake_failed`` / ``failed``); they are wrapped only on the vLLM
+  versions in :data:`PRIVATE_HOOK_VERSIONS`, elsewhere a warning is logged once and failed reads
+  are reported as plain ``failed``.
+
+Decode cannot see whether the consumer's notification followed a READ or was notify-only (both
+arrive as the same ``"<req>:<n>"`` NIXL notification), so a handle released by a notification
+before its deadline is reported ``notified``; prefill's ``kvscope.kv_transfer`` span for the
+same handle (bytes > 0) is the evidence that it was read.
+
+This module imports vLLM only inside :meth:`NixlConnectorInstrumentor.instrument`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import metrics as otel_metrics
+from opentelemetry import trace as otel_trace
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+from opentelemetry.trace import TracerProvider
+
+from kvscope import __version__, semconv
+from kvscope.collector.engine_telemetry import (
+    EngineRecord,
+    EngineTelemetry,
+    KvRetentionRecord,
+    KvTransferRecord,
+    ReuseDecisionRecord,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
+WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+SCHEDULER_CLASS = "NixlPullConnectorScheduler"
+WORKER_CLASS = "NixlPullConnectorWorker"
+# Private worker methods are wrapped only where their signatures were read.
+PRIVATE_HOOK_VERSIONS = frozenset({"0.33.0"})
+# D→P offers carry these keys (presence is what 0.33.0 checks).
+D_TO_P_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_KV_ROLE_TO_ENGINE_ROLE = {"kv_producer": semconv.ROLE_PREFILL, "kv_consumer": semconv.ROLE_DECODE}
+_RETAINING_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
+"""Given an engine role, the tracer and meter providers its telemetry goes to."""
+
+
+def classify_decision(
+    params: Mapping[str, Any] | None,
+    num_computed_tokens: int,
+    result: tuple[int | None, bool],
+    num_prompt_tokens: int,
+) -> tuple[str, int | None, int]:
+    """The reuse decision prefill made: ``(decision, offered tokens, tokens to pull)``.
+
+    Mirrors the D→P branch of ``NixlPullConnectorScheduler.get_num_new_matched_tokens``: a valid
+    offer whose remainder ``min(offered, prompt) - local`` is ≤ 0 is covered locally, one the
+    scheduler declined (``(0, False)``) is below the threshold, an accepted one is pulled.
+    """
+    params = params or {}
+    offered_raw = params.get("remote_num_tokens")
+    offered = int(offered_raw) if isinstance(offered_raw, int | float) else None
+    count, load_async = result
+    if params.get("remote_block_ids"):
+        if not all(key in params for key in D_TO_P_REQUIRED_KEYS):
+            return semconv.DECISION_INVALID_PARAMS, offered, 0
+        if load_async and count:
+            return semconv.DECISION_PULL, offered, int(count)
+        remainder = min(offered or 0, num_prompt_tokens) - num_computed_tokens
+        if remainder <= 0:
+            return semconv.DECISION_LOCAL_COVERS, offered, 0
+        return semconv.DECISION_BELOW_THRESHOLD, offered, 0
+    if offered:
+        return semconv.DECISION_INVALID_PARAMS, offered, 0  # an offer without block ids
+    return semconv.DECISION_NO_OFFER, offered, 0
+
+
+def request_outcome(status: object) -> str:
+    """How vLLM finished a request, as kvscope reports it (``FINISHED_ERROR`` → ``error``)."""
+    name = getattr(status, "name", str(status)).upper()
+    if name == "FINISHED_ERROR":
+        return semconv.OUTCOME_ERROR
+    return name.removeprefix("FINISHED_").lower()
+
+
+def block_bytes_per_group(kv_cache_config: Any, num_groups: int) -> list[int]:
+    """Bytes of one block in each KV cache group (page size × layers), aligned to block ids."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) != num_groups:
+        groups = list(getattr(kv_cache_config, "transfer_groups", ()) or ())
+    sizes = []
+    for group in groups[:num_groups]:
+        try:
+            sizes.append(int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names))
+        except Exception:  # a spec without a page size (not seen in 0.33.0): bytes unknown
+            sizes.append(0)
+    return sizes + [0] * (num_groups - len(sizes))
+
+
+def count_blocks(block_ids: Any) -> tuple[int, int, Sequence[Sequence[int]]]:
+    """``(blocks, groups, per-group ids)`` of a block-id argument (list or tuple of lists)."""
+    if not block_ids:
+        return 0, 0, ()
+    first = block_ids[0]
+    groups: Sequence[Sequence[int]] = (
+        block_ids if isinstance(first, list | tuple) else (block_ids,)
+    )
+    return max((len(g) for g in groups), default=0), len(groups), groups
+
+
+def blocks_and_bytes(kv_cache_config: Any, block_ids: Any) -> tuple[int, int]:
+    """Blocks and bytes a block-id argument covers, from the KV cache spec."""
+    blocks, n_groups, groups = count_blocks(block_ids)
+    if n_groups == 0:
+        return 0, 0
+    sizes = block_bytes_per_group(kv_cache_config, n_groups)
+    return blocks, sum(len(g) * size for g, size in zip(groups, sizes, strict=False))
+
+
+def _engine_role(vllm_config: Any) -> str | None:
+    kv_role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+    return _KV_ROLE_TO_ENGINE_ROLE.get(str(kv_role)) if kv_role else None
+
+
+def _traceparent(request: Any) -> str | None:
+    headers = getattr(request, "trace_headers", None)
+    if not headers:
+        return None
+    value = headers.get("traceparent")
+    return str(value) if value else None
+
+
+@dataclass
+class _Read:
+    start_ns: int
+    blocks: int
+    size_bytes: int
+    remote_engine_id: str | None
+    direction: str
+
+
+@dataclass
+class _Pin:
+    start_ns: int
+    blocks: int
+    size_bytes: int
+    ttl_s: float
+    expiry_perf: float
+    remote_num_tokens: int | None
+    traceparent: str | None
+
+
+@dataclass
+class _EngineState:
+    """What one role object (scheduler or worker of one engine) has in flight."""
+
+    generation: int
+    engine_id: str
+    role: str | None
+    pending_decisions: dict[str, tuple[int, int, tuple[int | None, bool]]] = field(
+        default_factory=dict
+    )
+    pulls: dict[str, tuple[int, int, str | None]] = field(default_factory=dict)
+    failed_loads: dict[str, int] = field(default_factory=dict)
+    pins: dict[str, _Pin] = field(default_factory=dict)
+    reads: dict[str, _Read] = field(default_factory=dict)
+    read_failures: dict[str, str] = field(default_factory=dict)
+    expired_seen: bool = False
+
+
+@dataclass
+class InstrumentorStats:
+    """Counters of the instrumentor (hook failures never reach vLLM; they are counted here)."""
+
+    hook_errors: int = 0
+    records: int = 0
+
+
+class NixlConnectorInstrumentor:
+    """Idempotent ``instrument()`` / ``uninstrument()`` of the NIXL connector's role classes.
+
+    One instance per process (OpenTelemetry-contrib style singleton). Providers are injected:
+    ``tracer_provider``/``meter_provider`` serve every engine in the process; ``provider_factory``
+    builds them per engine role on first use (the vLLM plugin's OTLP set-up); without either the
+    global OpenTelemetry providers are used.
+    """
+
+    _instance: NixlConnectorInstrumentor | None = None
+    _instance_lock = threading.Lock()
+
+    def __new__(cls) -> NixlConnectorInstrumentor:
+        with cls._instance_lock:
+            if cls._instance is None:
+                instance = super().__new__(cls)
+                instance._init()
+                cls._instance = instance
+            return cls._instance
+
+    def _init(self) -> None:
+        self._lock = threading.Lock()
+        self._originals: list[tuple[type, str, Any, bool]] = []
+        self._generation = 0
+        self._instrumented = False
+        self._private_hooks = False
+        self._tracer_provider: TracerProvider | None = None
+        self._meter_provider: MeterProvider | None = None
+        self._factory: ProviderFactory | None = None
+        self._telemetry: dict[tuple[str, str], EngineTelemetry] = {}
+        self._role_providers: dict[str, tuple[TracerProvider, MeterProvider | None]] = {}
+        self._gauged_meters: set[int] = set()
+        self._meters_by_engine: dict[str, int] = {}
+        self.retained_bytes: dict[str, int] = {}
+        self.stats = InstrumentorStats()
+        self._warned: set[str] = set()
+
+    # --- public API -----------------------------------------------------------------------
+    @property
+    def is_instrumented(self) -> bool:
+        """Whether the role classes are currently wrapped."""
+        return self._instrumented
+
+    @property
+    def private_hooks_active(self) -> bool:
+        """Whether the version-gated private worker hooks are installed."""
+        return self._private_hooks
+
+    def instrument(
+        self,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        provider_factory: ProviderFactory | None = None,
+        private_hooks: bool | None = None,
+    ) -> bool:
+        """Wrap the role classes; a second call is a no-op. Returns whether hooks are installed.
+
+        ``private_hooks`` forces the version check either way (None: by vLLM's version).
+        Raises ImportError when vLLM's NIXL connector is not importable; the plugin catches it.
+        """
+        with self._lock:
+            if self._instrumented:
+                return True
+            import importlib
+
+            import vllm
+
+            scheduler_cls = getattr(importlib.import_module(SCHEDULER_MODULE), SCHEDULER_CLASS)
+            worker_cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS)
+            version = str(getattr(vllm, "__version__", "unknown"))
+            if private_hooks is None:
+                private_hooks = version in PRIVATE_HOOK_VERSIONS
+                if not private_hooks:
+                    self._warn_once(
+                        "version",
+                        "kvscope: vLLM %s is not one of %s; failed reads are reported as "
+                        "'failed' without their cause (declined_expired, handshake_failed)",
+                        version,
+                        sorted(PRIVATE_HOOK_VERSIONS),
+                    )
+            self._tracer_provider = tracer_provider
+            self._meter_provider = meter_provider
+            self._factory = provider_factory
+            self._generation += 1
+            hooks: list[tuple[type, str, Callable[..., Any]]] = [
+                (scheduler_cls, "get_num_new_matched_tokens", self._wrap_matched),
+                (scheduler_cls, "update_state_after_alloc", self._wrap_after_alloc),
+                (scheduler_cls, "update_connector_output", self._wrap_connector_output),
+                (scheduler_cls, "request_finished", self._wrap_request_finished),
+                (worker_cls, "start_load_kv", self._wrap_start_load),
+                (worker_cls, "get_transfer_results", self._wrap_transfer_results),
+            ]
+            if private_hooks:
+                hooks += [
+                    (worker_cls, "_read_blocks_for_req", self._wrap_read_blocks),
+                    (worker_cls, "_is_turn2_read_expired", self._wrap_is_expired),
+                    (worker_cls, "_log_failure", self._wrap_log_failure),
+                ]
+            try:
+                for cls, name, make in hooks:
+                    original = getattr(cls, name)
+                    own = name in cls.__dict__
+                    wrapper = make(original)
+                    functools.update_wrapper(wrapper, original)
+                    wrapper._kvscope_wrapper = True
+                    self._originals.append((cls, name, cls.__dict__.get(name), own))
+                    setattr(cls, name, wrapper)
+            except Exception:
+                self._restore()
+                raise
+            self._private_hooks = bool(private_hooks)
+            self._instrumented = True
+            return True
+
+    def uninstrument(self) -> None:
+        """Restore the original methods, then emit what is queued and stop the telemetry threads."""
+        with self._lock:
+            if not self._instrumented:
+                return
+            self._restore()
+            self._instrumented = False
+            self._private_hooks = False
+            self._generation += 1
+            telemetry = list(self._telemetry.values())
+            self._telemetry.clear()
+        for t in telemetry:
+            t.close()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every recorded event has become a span (providers flush separately)."""
+        ok = True
+        for t in list(self._telemetry.values()):
+            ok = t.flush(timeout_s) and ok
+        return ok
+
+    def telemetry(self) -> list[EngineTelemetry]:
+        """The per-engine telemetry objects created so far in this process."""
+        return list(self._telemetry.values())
+
+    # --- plumbing -------------------------------------------------------------------------
+    def _restore(self) -> None:
+        for cls, name, original, own in reversed(self._originals):
+            if own:
+                setattr(cls, name, original)
+            else:
+                delattr(cls, name)
+        self._originals.clear()
+
+    def _warn_once(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    def _hook_failed(self, where: str) -> None:
+        self.stats.hook_errors += 1
+        if where not in self._warned:
+            self._warned.add(where)
+            logger.exception("kvscope hook %s failed (vLLM unaffected; further failures counted)",
+                             where)
+
+    def _state(self, obj: Any) -> _EngineState:
+        state: _EngineState | None = getattr(obj, "_kvscope_state", None)
+        if state is None or state.generation != self._generation:
+            state = _EngineState(
+                self._generation,
+                str(getattr(obj, "engine_id", "unknown")),
+                _engine_role(getattr(obj, "vllm_config", None)),
+            )
+            obj._kvscope_state = state
+        return state
+
+    def _providers(self, role: str) -> tuple[TracerProvider, MeterProvider | None]:
+        if role not in self._role_providers:
+            if self._factory is not None:
+                self._role_providers[role] = self._factory(role)
+            else:
+                self._role_providers[role] = (
+                    self._tracer_provider or otel_trace.get_tracer_provider(),
+                    self._meter_provider or otel_metrics.get_meter_provider(),
+                )
+        return self._role_providers[role]
+
+    def _emit(self, state: _EngineState, role: str, record: EngineRecord) -> None:
+        telemetry = self._telemetry.get((state.engine_id, role))
+        if telemetry is None:
+            telemetry = self._ensure_telemetry(state, role)
+        telemetry.record(record)
+        self.stats.records += 1
+
+    def _ensure_telemetry(self, state: _EngineState, role: str) -> EngineTelemetry:
+        key = (state.engine_id, role)
+        with self._lock:
+            telemetry = self._telemetry.get(key)
+            if telemetry is None:
+                tracer_provider, meter_provider = self._providers(role)
+                tracer = tracer_provider.get_tracer(semconv.SCOPE_NAME, __version__)
+                telemetry = EngineTelemetry(tracer, engine_id=state.engine_id, role=role)
+                self._telemetry[key] = telemetry
+                if meter_provider is not None and role == semconv.ROLE_DECODE:
+                    self._register_gauge(meter_provider, state.engine_id)
+            return telemetry
+
+    def _register_gauge(self, meter_provider: MeterProvider, engine_id: str) -> None:
+        self.retained_bytes.setdefault(engine_id, 0)
+        self._meters_by_engine[engine_id] = id(meter_provider)
+        if id(meter_provider) in self._gauged_meters:
+            return
+        self._gauged_meters.add(id(meter_provider))
+        meter: Meter = meter_provider.get_meter(semconv.SCOPE_NAME, __version__)
+        provider_id = id(meter_provider)
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            # Runs on the metric reader's thread; reads plain ints the scheduler updates.
+            for engine, size in list(self.retained_bytes.items()):
+                if self._meters_by_engine.get(engine) == provider_id:
+                    yield Observation(size, {semconv.ENGINE_ID: engine})
+
+        meter.create_observable_gauge(
+            semconv.METRIC_KV_RETAINED,
+            callbacks=[observe],
+            unit="By",
+            description=semconv.REGISTRY[semconv.METRIC_KV_RETAINED].description,
+        )
+
+    # --- scheduler hooks ------------------------------------------------------------------
+    def _wrap_matched(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_num_new_matched_tokens(
+            sched: Any, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any
+        ) -> Any:
+            result = original(sched, request, num_computed_tokens, *args, **kwargs)
+            try:
+                params = request.kv_transfer_params
+                if params and params.get("do_remote_decode"):
+                    self._state(sched).pending_decisions[request.request_id] = (
+                        time.time_ns(), num_computed_tokens, result
+                    )
+            except Exception:
+                self._hook_failed("get_num_new_matched_tokens")
+            return result
+
+        return get_num_new_matched_tokens
+
+    def _wrap_after_alloc(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update_state_after_alloc(
+            sched: Any, request: Any, blocks: Any, num_external_tokens: int, *args: Any,
+            **kwargs: Any,
+        ) -> Any:
+            result = original(sched, request, blocks, num_external_tokens, *args, **kwargs)
+            try:
+                self._after_alloc(sched, request)
+            except Exception:
+                self._hook_failed("update_state_after_alloc")
+            return result
+
+        return update_state_after_alloc
+
+    def _after_alloc(self, sched: Any, request: Any) -> None:
+        state = self._state(sched)
+        pending = state.pending_decisions.pop(request.request_id, None)
+        if pending is None:
+            return
+        time_ns, local, result = pending
+        params = request.kv_transfer_params or {}
+        decision, offered, to_pull = classify_decision(
+            params, local, result, request.num_prompt_tokens
+        )
+        remote_engine = params.get("remote_engine_id")
+        if decision == semconv.DECISION_PULL:
+            state.pulls[request.request_id] = (
+                to_pull, time_ns, str(remote_engine) if remote_engine else None
+            )
+        self._emit(state, semconv.ROLE_PREFILL, ReuseDecisionRecord(
+            request_id=request.request_id,
+            time_ns=time_ns,
+            local_hit_tokens=local,
+            remote_offered_tokens=offered,
+            to_pull_tokens=to_pull,
+            threshold_tokens=int(sched.kv_recompute_threshold),
+            decision=decision,
+            bidirectional=bool(sched.is_bidirectional_kv_xfer_enabled),
+            prompt_tokens=request.num_prompt_tokens,
+            remote_engine_id=str(remote_engine) if remote_engine else None,
+            traceparent=_traceparent(request),
+        ))
+
+    def _wrap_connector_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update_connector_output(sched: Any, connector_output: Any, *args: Any,
+                                    **kwargs: Any) -> Any:
+            result = original(sched, connector_output, *args, **kwargs)
+            try:
+                self._connector_output(sched, connector_output)
+            except Exception:
+                self._hook_failed("update_connector_output")
+            return result
+
+        return update_connector_output
+
+    def _connector_output(self, sched: Any, output: Any) -> None:
+        state = self._state(sched)
+        failed = getattr(output, "failed_recving", None)
+        if failed and state.pulls:
+            now = time.time_ns()
+            for req_id in failed:
+                if req_id in state.pulls:
+                    state.failed_loads[req_id] = now
+        sending = getattr(output, "finished_sending", None)
+        if sending and state.pins:
+            now_perf, now_ns = time.perf_counter(), time.time_ns()
+            for req_id in sending:
+                pin = state.pins.pop(req_id, None)
+                if pin is None:
+                    continue
+                # The worker's reaper fires at its rebased deadline, never before ours.
+                reason = (
+                    semconv.RELEASE_EXPIRED if now_perf >= pin.expiry_perf
+                    else semconv.RELEASE_NOTIFIED
+                )
+                self._release(state, req_id, pin, now_ns, reason)
+
+    def _release(
+        self, state: _EngineState, req_id: str, pin: _Pin, end_ns: int | None, reason: str
+    ) -> None:
+        self.retained_bytes[state.engine_id] = max(
+            self.retained_bytes.get(state.engine_id, 0) - pin.size_bytes, 0
+        )
+        self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
+            request_id=req_id,
+            start_ns=pin.start_ns,
+            end_ns=end_ns,
+            blocks=pin.blocks,
+            size_bytes=pin.size_bytes,
+            ttl_s=pin.ttl_s,
+            release_reason=reason,
+            remote_num_tokens=pin.remote_num_tokens,
+            traceparent=pin.traceparent,
+        ))
+
+    def _wrap_request_finished(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def request_finished(sched: Any, request: Any, block_ids: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+            result = original(sched, request, block_ids, *args, **kwargs)
+            try:
+                self._finished(sched, request, block_ids, result)
+            except Exception:
+                self._hook_failed("request_finished")
+            return result
+
+        return request_finished
+
+    def _finished(self, sched: Any, request: Any, block_ids: Any, result: Any) -> None:
+        state = self._state(sched)
+        req_id = request.request_id
+        state.pending_decisions.pop(req_id, None)
+        pull = state.pulls.pop(req_id, None)
+        failed_ns = state.failed_loads.pop(req_id, None)
+        delay_free, params = result
+        if failed_ns is not None and pull is not None:
+            # The scheduler decided this request's fate after its load failed: report it.
+            tokens, _, remote_engine = pull
+            self._emit(state, semconv.ROLE_PREFILL, KvTransferRecord(
+                request_id=req_id,
+                start_ns=failed_ns,
+                end_ns=time.time_ns(),
+                direction=semconv.DIRECTION_D_TO_P,
+                status=semconv.TRANSFER_FAILED,
+                size_bytes=0,
+                blocks=0,
+                remote_engine_id=remote_engine,
+                request_outcome=request_outcome(request.status),
+                traceparent=_traceparent(request),
+            ))
+        if not (delay_free and params) or params.get("remote_blocks_expiry_time") is None:
+            return
+        if params.get("do_remote_prefill"):
+            return  # prefill holding blocks for decode's P→D pull: a lease, not retention
+        blocks, size = blocks_and_bytes(sched.kv_cache_config, block_ids)
+        ttl = float(sched.decoder_kv_blocks_ttl)
+        expiry = float(params["remote_blocks_expiry_time"])
+        pin = _Pin(
+            # The pin happened at expiry - ttl on the scheduler's perf_counter.
+            start_ns=time.time_ns() - int((time.perf_counter() - (expiry - ttl)) * 1e9),
+            blocks=blocks,
+            size_bytes=size,
+            ttl_s=ttl,
+            expiry_perf=expiry,
+            remote_num_tokens=params.get("remote_num_tokens"),
+            traceparent=_traceparent(request),
+        )
+        old = state.pins.pop(req_id, None)
+        if old is not None:  # a finished id finishing again (not seen): close the old pin
+            self._release(state, req_id, old, time.time_ns(), semconv.RELEASE_OPEN)
+        state.pins[req_id] = pin
+        # Register the engine's telemetry (and gauge) before counting its bytes.
+        if (state.engine_id, semconv.ROLE_DECODE) not in self._telemetry:
+            self._ensure_telemetry(state, semconv.ROLE_DECODE)
+        self.retained_bytes[state.engine_id] = (
+            self.retained_bytes.get(state.engine_id, 0) + size
+        )
+
+    def open_retentions(self, sched: Any) -> list[str]:
+        """Request ids a scheduler still holds pinned (for tests and shutdown reports)."""
+        state = getattr(sched, "_kvscope_state", None)
+        return sorted(state.pins) if state is not None else []
+
+    # --- worker hooks ---------------------------------------------------------------------
+    def _direction(self, state: _EngineState, meta: Any) -> str:
+        if state.role == semconv.ROLE_PREFILL:
+            return semconv.DIRECTION_D_TO_P
+        if state.role == semconv.ROLE_DECODE:
+            return semconv.DIRECTION_P_TO_D
+        # kv_both: only decode exports an expiry, so an offer with one is a D→P readback.
+        remote = getattr(meta, "remote", None)
+        if getattr(remote, "blocks_expiry_time", None) is not None:
+            return semconv.DIRECTION_D_TO_P
+        return semconv.DIRECTION_P_TO_D
+
+    def _wrap_start_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def start_load_kv(worker: Any, metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                self._reads_started(worker, metadata)
+            except Exception:
+                self._hook_failed("start_load_kv")
+            return original(worker, metadata, *args, **kwargs)
+
+        return start_load_kv
+
+    def _reads_started(self, worker: Any, metadata: Any) -> None:
+        reqs = getattr(metadata, "reqs_to_recv", None)
+        if not reqs:
+            return
+        state = self._state(worker)
+        now = time.time_ns()
+        for req_id, meta in reqs.items():
+            local = meta.local_block_ids
+            if not any(len(group) for group in local):
+                continue  # notify-only: nothing is read
+            blocks, size = blocks_and_bytes(worker.kv_cache_config, local)
+            remote = meta.remote
+            state.reads[req_id] = _Read(
+                now, blocks, size,
+                str(remote.engine_id) if remote is not None else None,
+                self._direction(state, meta),
+            )
+
+    def _wrap_transfer_results(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_transfer_results(worker: Any, *args: Any, **kwargs: Any) -> Any:
+            results = original(worker, *args, **kwargs)
+            try:
+                self._reads_finished(worker, results)
+            except Exception:
+                self._hook_failed("get_transfer_results")
+            return results
+
+        return get_transfer_results
+
+    def _reads_finished(self, worker: Any, results: Any) -> None:
+        done = getattr(results, "finished_recving", None)
+        if not done:
+            return
+        state = self._state(worker)
+        if not state.reads:
+            return
+        failed = getattr(results, "failed_recving", None) or ()
+        now = time.time_ns()
+        for req_id in done:
+            read = state.reads.pop(req_id, None)
+            if read is None:
+                continue
+            status = semconv.TRANSFER_OK
+            if req_id in failed:
+                status = state.read_failures.pop(req_id, semconv.TRANSFER_FAILED)
+            else:
+                state.read_failures.pop(req_id, None)
+            ok = status == semconv.TRANSFER_OK
+            role = (
+                semconv.ROLE_PREFILL if read.direction == semconv.DIRECTION_D_TO_P
+                else semconv.ROLE_DECODE
+            )
+            self._emit(state, role, KvTransferRecord(
+                request_id=req_id,
+                start_ns=read.start_ns,
+                end_ns=now,
+                direction=read.direction,
+                status=status,
+                size_bytes=read.size_bytes if ok else 0,
+                blocks=read.blocks if ok else 0,
+                remote_engine_id=read.remote_engine_id,
+            ))
+
+    # Private, version-gated: why a read failed.
+    def _wrap_read_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _read_blocks_for_req(worker: Any, req_id: str, meta: Any, *args: Any,
+                                 **kwargs: Any) -> Any:
+            state = None
+            try:
+                state = self._state(worker)
+                state.expired_seen = False
+            except Exception:
+                self._hook_failed("_read_blocks_for_req")
+            result = original(worker, req_id, meta, *args, **kwargs)
+            if state is not None and state.expired_seen:
+                state.expired_seen = False
+                state.read_failures[req_id] = semconv.TRANSFER_DECLINED_EXPIRED
+            return result
+
+        return _read_blocks_for_req
+
+    def _wrap_is_expired(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _is_turn2_read_expired(worker: Any, meta: Any, *args: Any, **kwargs: Any) -> Any:
+            expired = original(worker, meta, *args, **kwargs)
+            if expired:
+                try:
+                    self._state(worker).expired_seen = True
+                except Exception:
+                    self._hook_failed("_is_turn2_read_expired")
+            return expired
+
+        return _is_turn2_read_expired
+
+    def _wrap_log_failure(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _log_failure(worker: Any, failure_type: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                req_id = kwargs.get("req_id")
+                if req_id is not None:
+                    status = (
+                        semconv.TRANSFER_HANDSHAKE_FAILED
+                        if str(failure_type).startswith("handshake")
+                        else semconv.TRANSFER_FAILED
+                    )
+                    # Called from the handshake thread too: one dict store, atomic in CPython.
+                    self._state(worker).read_failures.setdefault(str(req_id), status)
+            except Exception:
+                self._hook_failed("_log_failure")
+            return original(worker, failure_type, *args, **kwargs)
+
+        return _log_failure
