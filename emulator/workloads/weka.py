@@ -15,6 +15,13 @@ Two formats, both described in that folder's README:
 
 How structure maps onto the workload model:
 
+- **Continuation**: the trace's shared prefix is counted in whole 64-token blocks, so it always
+  stops short of the previous prompt's last partial block and of the reply. When *every* full
+  block of the previous prompt is shared, the follow-up is taken as a continuation and
+  ``shared_prefix_tokens`` = previous prompt + output (the agent resends the reply verbatim);
+  otherwise the measured value stands (history was edited or compacted there). CSV rows only:
+  raw traces keep their explicit blocks.
+
 - **Reset**: a follow-up whose ``shared_prefix_tokens`` is less than half the previous prompt
   (the README's definition, 845 in the CSV) has ``reset=True``; its ``shared_prefix_tokens`` stays
   the measured value (typically the system prompt and tools, ~15k tokens) and in chat rendering
@@ -113,8 +120,14 @@ def _check_options(
     return _Options(max_turns, token_scale, time_compression, block_size)
 
 
-def _turns(requests: Sequence[_Request], opts: _Options) -> tuple[Turn, ...]:
-    """Map one agent's requests to turns; resets are < half the previous prompt reused."""
+def _turns(
+    requests: Sequence[_Request], opts: _Options, continuation: bool = True
+) -> tuple[Turn, ...]:
+    """Map one agent's requests to turns; resets are < half the previous prompt reused.
+
+    ``continuation`` applies the continuation rule of the module docstring (CSV rows); raw
+    traces keep their explicit blocks, which already say where prompts stop matching.
+    """
     turns: list[Turn] = []
     previous: _Request | None = None
     limit = len(requests) if opts.max_turns is None else min(len(requests), opts.max_turns)
@@ -124,8 +137,15 @@ def _turns(requests: Sequence[_Request], opts: _Options) -> tuple[Turn, ...]:
         if previous is None:
             shared, reset, think = 0, False, 0.0
         else:
+            measured = req.shared_prefix_tokens
+            full_blocks = TRACE_BLOCK_SIZE * (previous.prompt_tokens // TRACE_BLOCK_SIZE)
+            if continuation and measured >= full_blocks:
+                # Every full 64-token block of the previous prompt is shared: a continuation.
+                # The trace cannot see past its last full block, but an agent's next prompt
+                # carries the previous reply verbatim, so the whole prompt + output is shared.
+                measured = previous.prompt_tokens + previous.output_tokens
             shared = min(
-                opts.tokens(req.shared_prefix_tokens, 0),
+                opts.tokens(measured, 0),
                 prompt,
                 turns[-1].prompt_tokens + turns[-1].output_tokens,
             )
@@ -230,7 +250,7 @@ def _conversations(
         requests = agents[agent]
         if not requests:
             continue
-        turns = _turns(requests, opts)
+        turns = _turns(requests, opts, continuation=not render_blocks)
         if render_blocks:
             turns = _with_blocks(turns, requests, opts.block_size, ns)
         system, task = _system_sizes(turns, opts)

@@ -347,3 +347,14 @@ def test_workload_holds_no_text() -> None:
     for conv in work.conversations:
         for value in vars(conv).values():
             assert not (isinstance(value, str) and " " in value)
+
+
+def test_weka_csv_continuations_share_the_previous_prompt_and_reply() -> None:
+    # trace_0001 turn 1: 71,175 prompt + 169 output; turn 2 shares all 1,112 full 64-blocks.
+    workload = weka.load_csv(conversations=1)
+    first, second = workload.conversations[0].turns[:2]
+    assert (first.prompt_tokens, first.output_tokens) == (71_175, 169)
+    assert second.shared_prefix_tokens == 71_175 + 169
+    # A reset keeps the measured (block-granular) prefix.
+    resets = [t for c in workload.conversations for t in c.turns if t.reset]
+    assert all(t.shared_prefix_tokens % 64 == 0 for t in resets)
