@@ -61,6 +61,8 @@ class EmulatedCluster:
         writer: StoreWriter | None = None,
         truth_path: str | Path | None = None,
         run_label: str = "emulate",
+        proxy: bool = False,
+        router_ttl_s: float | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise SettingError("kvscope emulate needs at least one prefill and one decode server")
@@ -77,6 +79,14 @@ class EmulatedCluster:
         self.run_id = uuid.uuid4().hex[:16]
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
+        # The kvscope proxy in front, on the same loop (tests, the demo); its router TTL is in
+        # wall seconds, so it shrinks by time_scale like decode's TTL.
+        self._with_proxy = proxy
+        self.router_ttl_s = (
+            router_ttl_s if router_ttl_s is not None
+            else settings.resolve("router_ttl") / self.config.time_scale
+        )
+        self.proxy_url: str | None = None
         self.emulation: Emulation | None = None
         self._telemetry: list[Telemetry] = []
         self._engine_telemetry: list[EngineTelemetry] = []
@@ -99,7 +109,10 @@ class EmulatedCluster:
                 cursor.close()
         if self.writer is None and self._otlp is None:
             return
-        for service in (semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE):
+        services = [semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE]
+        if self._with_proxy:
+            services.append(semconv.SERVICE_PROXY)
+        for service in services:
             self._telemetry.append(setup_telemetry(
                 service,
                 writer=self.writer,
@@ -165,6 +178,29 @@ class EmulatedCluster:
         bound = runner.addresses[0][1] if runner.addresses else port
         return f"http://{self.host}:{bound}"
 
+    async def _start_proxy(self, runners: list[web.AppRunner]) -> str:
+        from kvscope.collector.proxy.app import ProxyConfig, Upstream, build_app
+        from kvscope.collector.proxy.telemetry import ProxyTelemetry
+
+        def upstream(url: str) -> Upstream:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            return Upstream(host, int(port))
+
+        config = ProxyConfig(
+            prefillers=[upstream(u) for u in self.prefill_urls],
+            decoders=[upstream(u) for u in self.decode_urls],
+            router_ttl_s=self.router_ttl_s,
+        )
+        telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
+                                   router_ttl_s=self.router_ttl_s)
+        runner = web.AppRunner(build_app(config, telemetry), access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, self.host, 0)
+        await site.start()
+        return f"http://{self.host}:{runner.addresses[0][1]}"
+
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         emulation = self._build()
@@ -179,11 +215,13 @@ class EmulatedCluster:
             for i, d in enumerate(emulation.decode_nodes):
                 self.decode_urls.append(await self._site(d, base_d + i if base_d else 0,
                                                          runners))
+            if self._with_proxy:
+                self.proxy_url = await self._start_proxy(runners)
             self._ready.set()
             await self._stop.wait()
         finally:
             reaper.cancel()
-            for runner in runners:
+            for runner in reversed(runners):  # the proxy first, then the engines
                 await runner.cleanup()
             emulation.close()
 

@@ -720,6 +720,7 @@ class PrefillServer(_EngineServer):
                 size_bytes=transfer.bytes, blocks=transfer.blocks,
                 remote_engine_id=transfer.remote_engine_id,
                 request_outcome=reuse_model.STATUS_ERROR if result.errored else None,
+                traceparent=req.traceparent,
             ))
         error: str | None = None
         if result.stalled:
@@ -831,6 +832,7 @@ class DecodeServer(_EngineServer):
                     remote_engine_id=transfer.remote_engine_id,
                     request_outcome=reuse_model.STATUS_ERROR if not ok and fail_policy
                     else None,
+                    traceparent=req.traceparent,
                 ))
                 if not ok:
                     if fail_policy:
