@@ -3,42 +3,37 @@
 Plain strings so analysis code can import them without the emulator. Exactly one per turn.
 
 Definitions (turn k ≥ 2 of one conversation): ``reusable`` = tokens of the common prefix of turn
-k's prompt with turn k-1's prompt + output (the caller computes it from tokens, or by
-construction in the simulator); ``local`` = P's prefix-cache hit that falls inside the reusable
-span; ``remote`` = tokens pulled D→P by a finished, valid read; ``recomputed`` =
-reusable − local − remote. The emulator decides in this order; the first rule that holds wins:
+k's prompt with turn k-1's prompt + output (the caller computes it from tokens, or knows it by
+construction in the simulator); ``local`` = P's prefix-cache hit inside the reusable span;
+``remote`` = tokens pulled D→P by a finished, valid read, inside the reusable span;
+``recomputed`` = reusable − local − remote (≥ 0). ``offered`` = D's ``remote_num_tokens``.
+:func:`kvscope.emulator.reuse_model.account_turn` decides in this order; the first rule that holds
+wins:
 
-1. ``first_turn``: turn 1 (nothing earlier to reuse).
-2. ``no_conversation_id``: the client sent no conversation id, so the router kept nothing.
-3. ``router_no_entry``: the router had no entry (first lookup after a restart, or D never
-   returned params for the previous turn while the router was not told why).
-4. ``router_ttl_expired``: the router's entry was older than its own TTL (450 s in vLLM's proxy).
-5. ``handle_consumed``: the entry was already popped by an overlapping turn (single use).
-6. ``no_decode_metadata``: D returned no ``kv_transfer_params`` for turn k-1 (bidir off at D,
-   turn aborted/errored, stream cut before the final chunk).
-7. ``invalid_params``: P got params that fail the D→P key check (missing or falsy
-   ``remote_block_ids``, or a missing engine/request/host/port key).
-8. ``prefill_bidir_disabled``: bidir off at P while D offered; in 0.33.0 P still answers
-   (count, async) and parks the request in WAITING_FOR_REMOTE_KVS without registering a read
-   (the turn stalls), or, below threshold / covered locally, computes without notifying D.
-9. ``preempted``: P was preempted after its read; the second schedule cannot read again.
-10. ``load_failed_errored``: a read failed (declined as expired, handshake or transfer failure)
-    and ``kv_load_failure_policy`` = ``fail`` ended the turn with an error.
-11. ``decode_ttl_expired``: P's worker declined the read (``now_P + 5 >= expiry - offset``), or
-    D had already reaped the handle when the read came (stale read), policy ``recompute``.
-12. ``handshake_failed`` / ``transfer_failed``: the read failed for that reason, policy
-    ``recompute``.
-13. ``prefix_diverged``: D's offer reaches past the reusable span (history edited by the
-    client): P pulled KV that does not match its prompt, so only ``reusable`` tokens count.
-14. ``below_threshold``: the remainder after P's local hit was ``0 < count < threshold``.
-15. ``reused_remote``: remote > 0 and local + remote == reusable, or remote > 0 with local > 0.
-    (Remote pull that leaves reusable tokens recomputed is ``partial``.)
-16. ``reused_local``: remote == 0 and local == reusable > 0 (P's prefix cache covered it).
-17. ``partial``: some but not all reusable tokens were reused for none of the reasons above
-    (e.g. the offer stopped short of the reusable span: D counts prompt + output − 1).
-18. ``unknown``: reusable > 0, nothing reused and no rule above explains it (the ledger adds
-    which evidence was missing). With reusable == 0 and k ≥ 2 the emulator also says
-    ``prefix_diverged`` when D offered, else ``unknown``.
+1. ``first_turn``: turn 1.
+2. ``prefix_diverged``: a successful read reached past the reusable span (the client edited
+   the history): P holds KV that does not match its prompt. Also when reusable == 0 and D
+   offered (with no offer and reusable == 0: ``unknown``).
+3. Full reuse: local + remote > 0 and ≥ the coverable span (min(reusable, max(offered, local))
+   when D offered, else reusable; D never offers its last output token, num_computed = prompt +
+   output − 1, so that one token does not make a turn partial): ``reused_remote`` when remote
+   > 0, else ``reused_local``.
+4. Otherwise the first miss cause that applies:
+   ``no_conversation_id`` (router saw no id) → ``no_decode_metadata`` (D returned no params for
+   turn k-1: bidir off at D, aborted/errored turn, stream cut) → ``router_ttl_expired`` /
+   ``handle_consumed`` / ``router_no_entry`` (router lookup stale / consumed / miss, or P got no
+   offer) → ``invalid_params`` (offer failed the D→P key check) → ``prefill_bidir_disabled``
+   (bidir off at P and the offer was not covered locally: in 0.33.0 the request stalls in
+   WAITING_FOR_REMOTE_KVS, or computes without notifying D when below threshold) →
+   ``below_threshold`` (0 < count < threshold after the local hit) → ``decode_ttl_expired``
+   (the READ hit a handle D had already reaped) → ``preempted`` (preempted after its read; the
+   second schedule cannot read again) → ``load_failed_errored`` (read failed and
+   ``kv_load_failure_policy`` = ``fail``) → ``decode_ttl_expired`` / ``handshake_failed`` /
+   ``transfer_failed`` (read declined as expired / handshake / READ failed, policy
+   ``recompute``).
+5. ``partial``: some reusable tokens were reused and no cause above explains the rest.
+6. ``unknown``: nothing reused and no rule explains it (the ledger says which evidence was
+   missing).
 """
 
 from __future__ import annotations

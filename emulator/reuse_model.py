@@ -156,7 +156,13 @@ class PrefixCache:
         return i
 
     def touch(self, seq: BlockSeq, num_blocks: int | None = None) -> None:
-        """Insert or refresh the first ``num_blocks`` full blocks of ``seq`` (all by default)."""
+        """Insert or refresh the first ``num_blocks`` full blocks of ``seq`` (all by default).
+
+        O(blocks touched) in Python: the one per-turn cost that grows with the prompt. A cache of
+        capacity 0 (prefix caching off) costs nothing.
+        """
+        if self.capacity_blocks == 0:
+            return
         hashes = seq.block_hashes if num_blocks is None else seq.block_hashes[:num_blocks]
         lru = self._lru
         # Most recently used = last; the prefix goes last so the tail is evicted first.
@@ -421,7 +427,7 @@ def kv_transfer_params(
     return {
         "do_remote_prefill": is_prefill,
         "do_remote_decode": not is_prefill,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": [block_ids],
         "remote_engine_id": cfg.engine_id,
         "remote_request_id": request_id,
         "remote_host": cfg.side_channel_host,

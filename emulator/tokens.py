@@ -20,7 +20,6 @@ re-hashing the shared prefix, so long agentic prompts stay cheap.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -99,9 +98,12 @@ def generate_output_tokens(seed: int, n: int) -> list[str]:
 
 
 def hash_block(parent: int, block: Sequence[int]) -> int:
-    """Chained hash of one full block: depends on the parent hash and the block's token ids."""
-    payload = struct.pack(f"<Q{len(block)}I", parent, *block)
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") & _MASK63
+    """Chained hash of one full block: depends on the parent hash and the block's token ids.
+
+    Python's tuple-of-int hash is deterministic across processes (PYTHONHASHSEED only salts
+    str/bytes) and ~20x cheaper than blake2b, which matters at 100k-token prompts.
+    """
+    return hash((parent, tuple(block))) & _MASK63
 
 
 def block_hashes(
