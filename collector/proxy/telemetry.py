@@ -370,12 +370,15 @@ class ProxyTelemetry:
         self.router_ttl_s = router_ttl_s
         self._clock = _ConversationClock(max_conversations)
         self._rand = random.Random()
-        self._resource: Resource | None = None
         self._scope = InstrumentationScope(semconv.SCOPE_NAME, __version__)
         self._span_failures = 0
         self._lock = threading.Lock()
-        if telemetry is not None:
-            self._resource = telemetry.tracer_provider.resource
+        # ReadableSpan builds a default Resource (process detection) per span when given None.
+        self._resource = (
+            telemetry.tracer_provider.resource
+            if telemetry is not None
+            else Resource.create({"service.name": semconv.SERVICE_PROXY})
+        )
 
     # -- request path ------------------------------------------------------------------------------
     def begin_turn(

@@ -291,9 +291,7 @@ class ServerThread:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self._requested_port)
         await site.start()
-        server = site._server  # the bound asyncio server: read the ephemeral port from it
-        assert server is not None and server.sockets  # type: ignore[union-attr]
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = int(runner.addresses[0][1])
         self._ready.set()
         try:
             await self._stop.wait()

@@ -1,0 +1,265 @@
+"""Benchmark: what ``kvscope proxy`` and its telemetry add per turn, side by side in one run.
+
+Three ways to serve the same turns against one fast upstream (prefill + decode stubs in their own
+process, 16 output tokens, no artificial delay):
+
+    direct      the client calls prefill, then streams from decode itself (no proxy)
+    proxy-off   through the proxy with telemetry disabled (``--no-telemetry``)
+    proxy-on    through the proxy writing spans to a DuckDB file (``--db``)
+
+Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the three modes are
+run in alternating rounds (so drift on a shared machine hits all of them alike), and the script
+prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50 that
+telemetry adds (on − off) and that the proxy adds (off − direct). It also times the telemetry
+work a turn does on the event loop (record → spans → queue) in-process.
+
+Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 3]
+Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "collector"))
+
+from upstream_stub import StubState, decode_app, free_port, prefill_app  # noqa: E402
+
+from kvscope import semconv  # noqa: E402
+from kvscope.collector.otel import setup_telemetry  # noqa: E402
+from kvscope.collector.proxy import (  # noqa: E402
+    ProxyConfig,
+    ProxyTelemetry,
+    Upstream,
+    build_app,
+)
+
+OUTPUT_TOKENS = 16
+MODES = ("direct", "proxy-off", "proxy-on")
+
+
+# --- server processes -----------------------------------------------------------------------------
+def _serve_upstream(p_port: int, d_port: int) -> None:
+    async def main() -> None:
+        runners = []
+        for app, port in ((prefill_app(StubState(tokens=OUTPUT_TOKENS)), p_port),
+                          (decode_app(StubState(tokens=OUTPUT_TOKENS)), d_port)):
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+            runners.append(runner)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None) -> None:
+    config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
+    otel = setup_telemetry(semconv.SERVICE_PROXY, db=db) if db else None
+    web.run_app(build_app(config, ProxyTelemetry(otel)), host="127.0.0.1", port=port,
+                print=None, access_log=None, backlog=1024)
+
+
+# --- client ---------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    ttft_s: list[float] = field(default_factory=list)
+    turn_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def extend(self, other: Sample) -> None:
+        self.ttft_s += other.ttft_s
+        self.turn_s += other.turn_s
+        self.wall_s += other.wall_s
+
+
+async def _timed_stream(resp: aiohttp.ClientResponse, t0: float) -> float:
+    first: float | None = None
+    async for chunk in resp.content.iter_any():
+        if first is None and chunk:
+            first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+async def _turn(session: aiohttp.ClientSession, mode: str, urls: dict[str, str],
+                conversation: str, messages: list[dict[str, str]], sample: Sample) -> None:
+    body: dict[str, Any] = {"model": "m", "messages": messages, "stream": True,
+                            "max_tokens": OUTPUT_TOKENS}
+    t0 = time.perf_counter()
+    if mode == "direct":
+        prefill_body = dict(body, stream=False, max_tokens=1)
+        async with session.post(urls["prefill"] + "/v1/chat/completions",
+                                data=json.dumps(prefill_body)) as resp:
+            answer = await resp.json()
+        decode_body = dict(body, kv_transfer_params=answer["kv_transfer_params"])
+        async with session.post(urls["decode"] + "/v1/chat/completions",
+                                data=json.dumps(decode_body)) as resp:
+            ttft = await _timed_stream(resp, t0)
+    else:
+        async with session.post(urls[mode] + "/v1/chat/completions",
+                                data=json.dumps(dict(body, conversation_id=conversation))) as resp:
+            assert resp.status == 200
+            ttft = await _timed_stream(resp, t0)
+    sample.ttft_s.append(ttft)
+    sample.turn_s.append(time.perf_counter() - t0)
+
+
+async def _conversation(session: aiohttp.ClientSession, mode: str, urls: dict[str, str],
+                        n: int, deadline: float, sample: Sample) -> None:
+    messages = [{"role": "user", "content": f"conversation {n} starts with a task"}]
+    turn = 0
+    while time.perf_counter() < deadline:
+        await _turn(session, mode, urls, f"bench-{n}", messages, sample)
+        turn += 1
+        # Keep prompts short and bounded: the upstream is meant to be fast.
+        messages = messages[:1] + [{"role": "assistant", "content": "ok"},
+                                   {"role": "user", "content": f"tool result {turn}"}]
+
+
+async def _measure(mode: str, urls: dict[str, str], concurrency: int, seconds: float) -> Sample:
+    sample = Sample()
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        start = time.perf_counter()
+        deadline = start + seconds
+        await asyncio.gather(*(_conversation(session, mode, urls, n, deadline, sample)
+                               for n in range(concurrency)))
+        sample.wall_s = time.perf_counter() - start
+    return sample
+
+
+async def _wait_ready(urls: dict[str, str]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for name in ("proxy-off", "proxy-on"):
+            for _ in range(200):
+                try:
+                    async with session.get(urls[name] + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+
+
+async def _health(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+        return dict(await resp.json())
+
+
+# --- in-process CPU cost of a turn's telemetry -------------------------------------------------
+def telemetry_cost_us(db: str, turns: int = 5000) -> tuple[float, float]:
+    """CPU µs per turn: on the calling (event-loop) thread, and in the whole process.
+
+    The first is begin_turn + record fill + finish_turn (spans built and queued); the second adds
+    the exporter thread's conversion to rows and the DuckDB insert, measured after a flush.
+    """
+    from kvscope.collector.proxy.router import ConversationId
+
+    otel = setup_telemetry(semconv.SERVICE_PROXY, db=db)
+    telemetry = ProxyTelemetry(otel, router_ttl_s=450.0)
+    loop_cpu = 0.0
+    process_start = time.process_time()
+    for i in range(turns):
+        t0 = time.thread_time()
+        record = telemetry.begin_turn("/v1/chat/completions", f"req-{i}", None, None)
+        telemetry.conversation_started(record, ConversationId(f"c{i % 64}", "body"))
+        now = record.arrival_ns
+        record.lookup = semconv.ROUTER_HIT
+        record.prefill_start_ns, record.prefill_end_ns = now + 10, now + 20
+        record.decode_start_ns, record.first_token_ns = now + 21, now + 22
+        record.decode_end_ns = record.end_ns = now + 30
+        record.prompt_tokens, record.chunks = 100, 17
+        record.boundary_hashes = ",".join(f"{n:016x}" for n in range(6))
+        telemetry.finish_turn(record)
+        loop_cpu += time.thread_time() - t0
+    otel.flush(60)
+    process_cpu = time.process_time() - process_start
+    otel.shutdown()
+    return loop_cpu / turns * 1e6, process_cpu / turns * 1e6
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="length of one round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
+    p_port, d_port, off_port, on_port = (free_port() for _ in range(4))
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_serve_upstream, args=(p_port, d_port), daemon=True),
+        ctx.Process(target=_serve_proxy, args=(off_port, p_port, d_port, None), daemon=True),
+        ctx.Process(target=_serve_proxy, args=(on_port, p_port, d_port, str(tmp / "on.duckdb")),
+                    daemon=True),
+    ]
+    for proc in procs:
+        proc.start()
+    urls = {"prefill": f"http://127.0.0.1:{p_port}", "decode": f"http://127.0.0.1:{d_port}",
+            "proxy-off": f"http://127.0.0.1:{off_port}", "proxy-on": f"http://127.0.0.1:{on_port}"}
+    try:
+        asyncio.run(_wait_ready(urls))
+        for mode in MODES:  # warm up connections and imports
+            asyncio.run(_measure(mode, urls, 4, 0.5))
+        print(f"kvscope proxy benchmark: {OUTPUT_TOKENS} output tokens/turn, fast local upstream, "
+              f"{args.rounds} alternating rounds x {args.seconds:g}s per mode and level")
+        header = (f"{'conc':>4} {'mode':<10} {'turns/s':>8} {'ttft p50':>9} {'ttft p99':>9} "
+                  f"{'turn p50':>9} {'turn p99':>9}   (ms)")
+        print(header)
+        for concurrency in args.concurrency:
+            results = {mode: Sample() for mode in MODES}
+            for _ in range(args.rounds):
+                for mode in MODES:
+                    results[mode].extend(asyncio.run(
+                        _measure(mode, urls, concurrency, args.seconds)))
+            for mode in MODES:
+                s = results[mode]
+                print(f"{concurrency:>4} {mode:<10} {len(s.turn_s) / s.wall_s:>8.0f} "
+                      f"{_pct(s.ttft_s, .5) * 1e3:>9.2f} {_pct(s.ttft_s, .99) * 1e3:>9.2f} "
+                      f"{_pct(s.turn_s, .5) * 1e3:>9.2f} {_pct(s.turn_s, .99) * 1e3:>9.2f}")
+            on, off, direct = results["proxy-on"], results["proxy-off"], results["direct"]
+            tel_turn = (_pct(on.turn_s, .5) - _pct(off.turn_s, .5)) * 1e3
+            tel_ttft = (_pct(on.ttft_s, .5) - _pct(off.ttft_s, .5)) * 1e3
+            proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
+            thr = (len(on.turn_s) / on.wall_s) / (len(off.turn_s) / off.wall_s)
+            print(f"{concurrency:>4} telemetry adds p50 turn {tel_turn:+.2f} ms, p50 TTFT "
+                  f"{tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x; proxy (off) adds p50 "
+                  f"turn {proxy_turn:+.2f} ms vs direct")
+        health = asyncio.run(_health(urls["proxy-on"]))
+        print(f"proxy-on telemetry counters: {health['telemetry']}")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(5)
+    loop_us, process_us = telemetry_cost_us(str(tmp / "inproc.duckdb"))
+    print(f"telemetry CPU per turn, in-process, mean of 5000 turns: {loop_us:.1f} us on the event "
+          f"loop thread (record -> 4 spans -> queue); {process_us:.1f} us in the whole process "
+          f"(+ exporter thread: rows, Arrow, DuckDB insert)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
