@@ -856,9 +856,15 @@ class DecodeServer(_EngineServer):
             output_ids = [tokens.token_id(w) for w in words]
             words_holder["ids"] = output_ids
             sequence = req.prompt.extend(output_ids)
-            with _overridden(self.node, **changes):
-                retention, out = self.node.finish_request(
-                    req.request_id, sequence, status, em.clock.now())
+            retention: reuse_model.Retention | None = None
+            out: dict[str, Any] | None = None
+            if req.params:
+                with _overridden(self.node, **changes):
+                    retention, out = self.node.finish_request(
+                        req.request_id, sequence, status, em.clock.now())
+            else:
+                # request_finished returns early without kv_transfer_params: nothing retained.
+                self.node.cache.touch(sequence)
             if retention is not None:
                 self._traceparents[req.request_id] = req.traceparent
             state.update(retention=retention, params=out, sequence=sequence)
