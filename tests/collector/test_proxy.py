@@ -75,19 +75,24 @@ class Deployment:
 
     def spans(self) -> list[dict[str, Any]]:
         """Every stored span, flushed first, as dicts."""
-        tel = self.telemetry.telemetry
-        assert tel is not None and tel.writer is not None
-        assert tel.flush(10)
-        cur = tel.writer.connection.cursor()
-        rows = cur.execute(
-            "SELECT SpanName, SpanKind, TraceId, SpanId, ParentSpanId, "
-            "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events "
-            "FROM otel_traces ORDER BY Timestamp"
-        ).fetchall()
-        cur.close()
-        names = ["name", "kind", "trace", "span", "parent", "start", "duration", "attrs",
-                 "status", "events"]
-        return [dict(zip(names, row, strict=True)) for row in rows]
+        return read_spans(self.telemetry)
+
+
+def read_spans(telemetry: ProxyTelemetry) -> list[dict[str, Any]]:
+    """Flush the proxy's telemetry and read every span from its store."""
+    tel = telemetry.telemetry
+    assert tel is not None and tel.writer is not None
+    assert tel.flush(10)
+    cur = tel.writer.connection.cursor()
+    rows = cur.execute(
+        "SELECT SpanName, SpanKind, TraceId, SpanId, ParentSpanId, "
+        "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events "
+        "FROM otel_traces ORDER BY Timestamp"
+    ).fetchall()
+    cur.close()
+    names = ["name", "kind", "trace", "span", "parent", "start", "duration", "attrs",
+             "status", "events"]
+    return [dict(zip(names, row, strict=True)) for row in rows]
 
 
 @contextmanager
@@ -512,7 +517,7 @@ def test_metrics_exposition_is_well_formed(tmp_path: Path) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False), max_size=50))
 def test_histogram_buckets_are_cumulative(values: list[float]) -> None:
-    h = Histogram("kvscope.proxy.test_seconds", "t", (0.1, 1.0, 10.0))
+    h = Histogram(semconv.METRIC_PROXY_TTFT, "t", (0.1, 1.0, 10.0))
     for v in values:
         h.observe(v)
     lines = list(h.render())
@@ -668,3 +673,37 @@ def test_span_kinds_are_the_designed_ones() -> None:
     assert kinds == {semconv.SPAN_TURN: SpanKind.SERVER,
                      semconv.SPAN_INPUT_PROCESSING: SpanKind.CLIENT,
                      semconv.SPAN_GENERATION: SpanKind.CLIENT}
+
+
+# --- through the emulator's vLLM-shaped servers ---------------------------------------------------
+def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
+    servers = pytest.importorskip("kvscope.emulator.servers")
+    emulation = servers.Emulation(servers.EmulatorConfig(enable_prompt_tokens_details=True))
+    prefill, decode = emulation.add_prefill(), emulation.add_decode()
+    with ServerThread(prefill.application) as p, ServerThread(decode.application) as d:
+        cfg = ProxyConfig([Upstream(PREFILL_HOST, p.port)], [Upstream(DECODE_HOST, d.port)])
+        otel = setup_telemetry(semconv.SERVICE_PROXY, db=str(tmp_path / "emu.duckdb"))
+        telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
+        try:
+            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+                    httpx.Client(base_url=proxy.url, timeout=20) as client:
+                messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}]
+                for turn in range(3):
+                    body = {"model": servers.DEFAULT_MODEL, "messages": messages,
+                            "stream": turn != 1, "max_tokens": 16, "conversation_id": "emu"}
+                    resp = client.post("/v1/chat/completions", json=body)
+                    assert resp.status_code == 200, resp.text
+                    messages = [*messages, {"role": "assistant", "content": "done"},
+                                {"role": "user", "content": f"tool output {turn} " * 20}]
+            spans = read_spans(telemetry)
+        finally:
+            otel.shutdown()
+    turns = turn_spans(spans)
+    assert [t["attrs"][semconv.ROUTER_LOOKUP] for t in turns] == [
+        semconv.ROUTER_MISS, semconv.ROUTER_HIT, semconv.ROUTER_HIT]
+    for t in turns[1:]:
+        ip = children(spans, t)[semconv.SPAN_INPUT_PROCESSING]["attrs"]
+        assert ip[semconv.D_METADATA_ATTACHED] == "true"
+        # The emulated prefill pulled decode's KV: it reports those tokens as cached.
+        assert int(ip[semconv.CACHED_TOKENS]) >= 400
+        assert int(ip[semconv.REMOTE_OFFERED_TOKENS]) > 400
