@@ -1,0 +1,454 @@
+"""The OTLP/HTTP receiver against real exporters and clients on 127.0.0.1, with real store files."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import httpx
+import pytest
+from google.protobuf import json_format
+from google.rpc import status_pb2
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from kvscope import semconv
+from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
+from kvscope.collector.receiver import Receiver
+from kvscope.errors import KvscopeError, StoreLockedError
+from kvscope.store.writer import StoreWriter
+
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+JSON = {"Content-Type": "application/json"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "received.duckdb", max_request_bytes=256 * 1024) as rx:
+        yield rx
+
+
+def _spans(n: int = 3, conversation: str = "conv") -> list[ReadableSpan]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": semconv.SERVICE_PROXY}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer(semconv.SCOPE_NAME, "0.1")
+    for i in range(n):
+        with tracer.start_as_current_span(
+            semconv.SPAN_TURN,
+            kind=SpanKind.SERVER,
+            attributes={
+                semconv.GEN_AI_CONVERSATION_ID: conversation,
+                semconv.TURN_INDEX: i + 1,
+                semconv.TTFT_MS: 12.5 + i,
+                semconv.D_METADATA_ATTACHED: i % 2 == 0,
+                semconv.MESSAGE_BOUNDARY_HASHES: ["a1", "b2"],
+            },
+        ) as turn:
+            turn.add_event(semconv.EVENT_FIRST_TOKEN, {"chunk": 1})
+            with tracer.start_as_current_span(
+                semconv.SPAN_GENERATION, links=[Link(turn.get_span_context())]
+            ) as leg:
+                leg.set_status(Status(StatusCode.ERROR, "boom"))
+    provider.shutdown()
+    return list(memory.get_finished_spans())
+
+
+def _traces(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+    return con.execute("SELECT * FROM otel_traces ORDER BY SpanId").fetchall()
+
+
+def _live_traces(rx: Receiver) -> list[tuple[Any, ...]]:
+    assert rx.writer.flush(10)
+    return _traces(rx.writer.connection.cursor())
+
+
+def _count(rx: Receiver) -> int:
+    return len(_live_traces(rx))
+
+
+def _in_process(tmp_path: Path, spans: list[ReadableSpan]) -> list[tuple[Any, ...]]:
+    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
+    assert DuckDBSpanExporter(writer).export(spans) is SpanExportResult.SUCCESS
+    writer.flush(10)
+    try:
+        return _traces(writer.connection.cursor())
+    finally:
+        writer.close()
+
+
+def _status(response: httpx.Response) -> str:
+    if response.headers["content-type"].startswith("application/json"):
+        return str(response.json()["message"])
+    return status_pb2.Status.FromString(response.content).message
+
+
+# --- the official exporters --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip])
+def test_official_span_exporter_rows_equal_the_in_process_rows(
+    receiver: Receiver, tmp_path: Path, compression: Compression
+) -> None:
+    spans = _spans(4)
+    exporter = OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces", compression=compression)
+
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+
+    received = _live_traces(receiver)
+    assert len(received) == 8
+    assert received == _in_process(tmp_path, spans)
+
+
+@pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip])
+def test_official_metric_exporter_rows_equal_the_in_process_rows(
+    receiver: Receiver, tmp_path: Path, compression: Compression
+) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(
+        metric_readers=[reader],
+        resource=Resource.create({"service.name": semconv.SERVICE_GPU_SAMPLER}),
+    )
+    meter = provider.get_meter(semconv.SCOPE_NAME)
+    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By").set(
+        123.0, {semconv.GPU_INDEX: 0}
+    )
+    meter.create_up_down_counter(semconv.METRIC_KV_RETAINED, unit="By").add(
+        4096, {semconv.ENGINE_ID: "d0"}
+    )
+    meter.create_counter("not_stored").add(1)
+    data = reader.get_metrics_data()
+    provider.shutdown()
+    exporter = OTLPMetricExporter(endpoint=f"{receiver.url}/v1/metrics", compression=compression)
+
+    assert exporter.export(data) is MetricExportResult.SUCCESS
+
+    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
+    assert DuckDBMetricExporter(writer).export(data) is MetricExportResult.SUCCESS
+    writer.flush(10)
+    query = "SELECT * FROM otel_metrics_gauge ORDER BY MetricName"
+    expected = writer.connection.cursor().execute(query).fetchall()
+    writer.close()
+    receiver.writer.flush(10)
+    received = receiver.writer.connection.cursor().execute(query).fetchall()
+    assert len(received) == 2
+    assert received == expected
+    assert receiver.stats.points_rejected == 1
+
+
+# --- OTLP/JSON ---------------------------------------------------------------------------------
+
+
+def _otlp_json(spans: list[ReadableSpan]) -> dict[str, Any]:
+    data = json_format.MessageToDict(encode_spans(spans))
+    for rs in data["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+                for link in span.get("links", []):
+                    for key in ("traceId", "spanId"):
+                        link[key] = base64.b64decode(link[key]).hex()
+    return data
+
+
+def test_otlp_json_lands_like_the_in_process_path(receiver: Receiver, tmp_path: Path) -> None:
+    spans = _spans(2)
+
+    response = httpx.post(f"{receiver.url}/v1/traces", json=_otlp_json(spans))
+
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.json() == {}
+    assert _live_traces(receiver) == _in_process(tmp_path, spans)
+
+
+def test_hand_written_spec_example_is_stored(receiver: Receiver) -> None:
+    example = {
+        "resourceSpans": [
+            {
+                "resource": {
+                    "attributes": [{"key": "service.name", "value": {"stringValue": "my.service"}}]
+                },
+                "scopeSpans": [
+                    {
+                        "scope": {"name": "my.library", "version": "1.0.0"},
+                        "spans": [
+                            {
+                                "traceId": "5B8EFFF798038103D269B633813FC60C",
+                                "spanId": "EEE19B7EC3C1B174",
+                                "parentSpanId": "EEE19B7EC3C1B173",
+                                "name": "I'm a server span",
+                                "startTimeUnixNano": "1544712660000000000",
+                                "endTimeUnixNano": "1544712661000000000",
+                                "kind": 2,
+                                "attributes": [
+                                    {"key": "my.span.attr", "value": {"stringValue": "some value"}}
+                                ],
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
+
+    response = httpx.post(
+        f"{receiver.url}/v1/traces", content=json.dumps(example), headers=JSON
+    )
+
+    assert response.status_code == 200
+    assert receiver.writer.flush(10)
+    row = receiver.writer.connection.cursor().execute(
+        "SELECT TraceId, SpanId, ParentSpanId, SpanName, SpanKind, ServiceName, Duration, "
+        "SpanAttributes FROM otel_traces"
+    ).fetchall()
+    assert row == [
+        (
+            "5b8efff798038103d269b633813fc60c",
+            "eee19b7ec3c1b174",
+            "eee19b7ec3c1b173",
+            "I'm a server span",
+            "SPAN_KIND_SERVER",
+            "my.service",
+            1_000_000_000,
+            {"my.span.attr": "some value"},
+        )
+    ]
+
+
+# --- partial success ---------------------------------------------------------------------------
+
+
+def _request_with_bad_ids() -> ExportTraceServiceRequest:
+    good = Span(trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)), name="good")
+    bad = Span(trace_id=b"short", span_id=bytes(range(1, 9)), name="bad")
+    return ExportTraceServiceRequest(
+        resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[good, bad])])]
+    )
+
+
+def test_bad_ids_get_partial_success_in_protobuf(receiver: Receiver) -> None:
+    response = httpx.post(
+        f"{receiver.url}/v1/traces",
+        content=_request_with_bad_ids().SerializeToString(),
+        headers=PROTOBUF,
+    )
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/x-protobuf"
+    partial = ExportTraceServiceResponse.FromString(response.content).partial_success
+    assert partial.rejected_spans == 1
+    assert "traceId is 5 bytes, expected 16" in partial.error_message
+    assert [row[5] for row in _live_traces(receiver)] == ["good"]
+
+
+def test_bad_ids_get_partial_success_in_json(receiver: Receiver) -> None:
+    body = json_format.MessageToDict(_request_with_bad_ids())
+    for span in body["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+        for key in ("traceId", "spanId"):
+            span[key] = base64.b64decode(span[key]).hex()
+
+    response = httpx.post(f"{receiver.url}/v1/traces", json=body)
+
+    assert response.status_code == 200
+    partial = response.json()["partialSuccess"]
+    assert int(partial["rejectedSpans"]) == 1
+    assert "expected 16" in partial["errorMessage"]
+
+
+# --- refusals never lose stored rows -----------------------------------------------------------
+
+
+def _chunks(size: int) -> Iterator[bytes]:
+    sent = 0
+    while sent < size:
+        yield b"\x00" * min(8192, size - sent)
+        sent += 8192
+
+
+def test_refused_requests_say_why_and_keep_stored_rows(receiver: Receiver) -> None:
+    url = f"{receiver.url}/v1/traces"
+    good = encode_spans(_spans(2)).SerializeToString()
+    assert httpx.post(url, content=good, headers=PROTOBUF).status_code == 200
+    limit = receiver.max_request_bytes
+    cases: list[tuple[str, dict[str, Any], int, str]] = [
+        ("garbage", {"content": b"\xff\xff\xff", "headers": PROTOBUF}, 400, "malformed"),
+        ("truncated", {"content": good[: len(good) // 2], "headers": PROTOBUF}, 400,
+         "truncated"),
+        ("bad json", {"content": b"{oops", "headers": JSON}, 400, "line 1 column 2"),
+        ("wrong json type", {"json": {"resourceSpans": [{"scopeSpans": [{"spans": [
+            {"name": ["x"]}]}]}]}}, 400, "spans.name"),
+        ("oversized", {"content": b"\x00" * (limit + 1), "headers": PROTOBUF}, 413,
+         "max_request_bytes"),
+        ("oversized chunked", {"content": _chunks(limit + 10), "headers": PROTOBUF}, 413,
+         "max_request_bytes"),
+        ("gzip bomb", {"content": gzip.compress(b"\x00" * (64 * limit)),
+                       "headers": {**PROTOBUF, "Content-Encoding": "gzip"}}, 413,
+         "decompressed body exceeds"),
+        ("not gzip", {"content": b"plain", "headers": {**PROTOBUF, "Content-Encoding": "gzip"}},
+         400, "not valid gzip"),
+        ("truncated gzip", {"content": gzip.compress(good)[:-12],
+                            "headers": {**PROTOBUF, "Content-Encoding": "gzip"}}, 400,
+         "truncated"),
+        ("content type", {"content": b"{}", "headers": {"Content-Type": "text/plain"}}, 415,
+         "unsupported Content-Type 'text/plain'"),
+        ("encoding", {"content": good, "headers": {**PROTOBUF, "Content-Encoding": "br"}}, 415,
+         "unsupported Content-Encoding 'br'"),
+    ]
+    for name, request, status, reason in cases:
+        response = httpx.post(url, **request)
+        assert response.status_code == status, name
+        assert reason in _status(response), (name, _status(response))
+
+    assert _count(receiver) == 4
+    health = httpx.get(f"{receiver.url}/health").json()
+    assert health["status"] == "ok"
+    assert health["rows_written"] == 4
+    assert (health["bad_requests"], health["too_large"], health["unsupported"]) == (6, 3, 2)
+
+
+def test_a_request_larger_than_the_whole_queue_is_refused(tmp_path: Path) -> None:
+    with Receiver(tmp_path / "small.duckdb", max_queue_rows=3) as rx:
+        response = httpx.post(
+            f"{rx.url}/v1/traces",
+            content=encode_spans(_spans(2)).SerializeToString(),
+            headers=PROTOBUF,
+        )
+        assert response.status_code == 413
+        assert "exceed the receiver's queue of 3" in _status(response)
+
+
+def test_a_writer_that_refuses_rows_gives_503_with_retry_after(receiver: Receiver) -> None:
+    receiver.writer.close()  # a closed writer refuses like a full one: submit() is False
+
+    response = httpx.post(
+        f"{receiver.url}/v1/traces",
+        content=encode_spans(_spans(1)).SerializeToString(),
+        headers=PROTOBUF,
+    )
+
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "1"
+    assert "busy" in _status(response)
+    assert httpx.get(f"{receiver.url}/health").json()["busy"] == 1
+
+
+# --- concurrency, restarts, processes ----------------------------------------------------------
+
+
+def test_concurrent_senders_all_land_without_duplicates(receiver: Receiver) -> None:
+    bodies = [
+        [encode_spans(_spans(5, f"c{t}-{i}")).SerializeToString() for i in range(8)]
+        for t in range(4)
+    ]
+    statuses: list[int] = []
+
+    def send(mine: list[bytes]) -> None:
+        with httpx.Client() as client:
+            for body in mine:
+                statuses.append(
+                    client.post(f"{receiver.url}/v1/traces", content=body, headers=PROTOBUF)
+                    .status_code
+                )
+
+    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert statuses == [200] * 32
+    rows = _live_traces(receiver)
+    assert len(rows) == 32 * 10
+    assert len({row[2] for row in rows}) == 320
+
+
+def test_rows_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "restart.duckdb"
+    with Receiver(path) as first:
+        OTLPSpanExporter(endpoint=f"{first.url}/v1/traces").export(_spans(2, "before"))
+    with Receiver(path) as second:
+        assert _count(second) == 4
+        OTLPSpanExporter(endpoint=f"{second.url}/v1/traces").export(_spans(3, "after"))
+        assert _count(second) == 10
+
+
+def test_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path) -> None:
+    with pytest.raises(KvscopeError, match=f"cannot listen on 127.0.0.1:{receiver.port}"):
+        Receiver(tmp_path / "other.duckdb", port=receiver.port).start()
+
+
+_LAUNCHER = (
+    "import sys\n"
+    "from kvscope.collector.receiver import main_serve\n"
+    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0))\n"
+)
+
+
+def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhile(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "served.duckdb"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert "receiving OTLP/HTTP on http://127.0.0.1:" in line, line
+        url = line.split(" on ", 1)[1].split(",", 1)[0]
+
+        with pytest.raises(StoreLockedError, match="another process holds this store"):
+            Receiver(path).start()
+
+        with httpx.Client() as client:
+            for i in range(20):
+                body = encode_spans(_spans(5, f"sig-{i}")).SerializeToString()
+                response = client.post(f"{url}/v1/traces", content=body, headers=PROTOBUF)
+                assert response.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert "stopped" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*), count(DISTINCT SpanId) FROM otel_traces").fetchone() \
+            == (200, 200)
+    finally:
+        con.close()
