@@ -331,6 +331,10 @@ class NixlConnectorInstrumentor:
             self._generation += 1
             telemetry = list(self._telemetry.values())
             self._telemetry.clear()
+            # Providers belong to one instrument() call; the next may inject others.
+            self._role_providers.clear()
+            self._meters_by_engine.clear()
+            self.retained_bytes.clear()
         for t in telemetry:
             t.close()
 
