@@ -719,7 +719,7 @@ class PrefillServer(_EngineServer):
                 direction=transfer.direction, status=transfer.status,
                 size_bytes=transfer.bytes, blocks=transfer.blocks,
                 remote_engine_id=transfer.remote_engine_id,
-                request_outcome=reuse_model.STATUS_ERROR if result.errored else None,
+                request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
                 traceparent=req.traceparent,
             ))
         error: str | None = None
@@ -830,7 +830,7 @@ class DecodeServer(_EngineServer):
                     end_ns=em.clock.wall_ns(end), direction=transfer.direction,
                     status=transfer.status, size_bytes=transfer.bytes, blocks=transfer.blocks,
                     remote_engine_id=transfer.remote_engine_id,
-                    request_outcome=reuse_model.STATUS_ERROR if not ok and fail_policy
+                    request_outcome=semconv.OUTCOME_ERROR if not ok and fail_policy
                     else None,
                     traceparent=req.traceparent,
                 ))

@@ -186,6 +186,42 @@ def _run_serve(args: argparse.Namespace) -> int:
     return main_serve(db, host, port)
 
 
+def _configure_proxy(parser: argparse.ArgumentParser) -> None:
+    from kvscope.collector.proxy import add_proxy_arguments
+
+    add_proxy_arguments(parser)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from kvscope.collector.proxy import main_proxy
+
+    return main_proxy(args)
+
+
+def _configure_emulate(parser: argparse.ArgumentParser) -> None:
+    from kvscope.emulator.launcher import add_emulate_arguments
+
+    add_emulate_arguments(parser)
+
+
+def _run_emulate(args: argparse.Namespace) -> int:
+    from kvscope.emulator.launcher import main_emulate
+
+    return main_emulate(args)
+
+
+def _configure_replay(parser: argparse.ArgumentParser) -> None:
+    from kvscope.emulator.replay import add_replay_arguments
+
+    add_replay_arguments(parser)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from kvscope.emulator.replay import main_replay
+
+    return main_replay(args)
+
+
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out", help="folder for kvscope.duckdb (default: out)")
 
@@ -206,6 +242,12 @@ COMMANDS: list[Command] = [
     Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
     Command("serve", "receive OTLP/HTTP traces and metrics into a store",
             _configure_serve, _run_serve),
+    Command("proxy", "run the instrumented drop-in for vLLM's multi-turn P/D proxy",
+            _configure_proxy, _run_proxy),
+    Command("emulate", "start emulated vLLM prefill and decode servers (no GPU needed)",
+            _configure_emulate, _run_emulate),
+    Command("replay", "drive a multi-turn agentic workload against an OpenAI-compatible URL",
+            _configure_replay, _run_replay),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
 ]
 

@@ -45,8 +45,16 @@ class StoreReader:
 
     def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run one query and return its result as a polars DataFrame."""
-        result = self.execute(sql, params)
-        return pl.DataFrame(result.to_arrow_table())
+        if params:
+            result = self.execute(sql, params)
+            return pl.DataFrame(result.to_arrow_table())
+        return pl.DataFrame(self._relation(sql).to_arrow_table())
+
+    def _relation(self, sql: str) -> duckdb.DuckDBPyRelation:
+        try:
+            return self._con.sql(sql)
+        except duckdb.Error as exc:
+            raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
 
     def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
         """Run one query and return (column names, rows)."""
