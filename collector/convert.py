@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from opentelemetry.sdk.metrics.export import Gauge, MetricsData, Sum
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanKind, StatusCode
 
 from kvscope.store.rows import Attrs, GaugeRows, TraceRows, stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
@@ -16,16 +17,28 @@ _SERVICE_NAME = "service.name"
 def _attrs(attributes: object) -> Attrs:
     if not attributes:
         return []
-    return [
-        (k, v if isinstance(v, str) else stringify(v))
-        for k, v in attributes.items()  # type: ignore[attr-defined]
-    ]
+    items = attributes.items()  # type: ignore[attr-defined]
+    # Most kvscope values are already strings; convert the rest without a per-item call.
+    return [(k, v) if type(v) is str else (k, stringify(v)) for k, v in items]
 
 
 def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) -> TraceRows:
-    """Append SDK spans to ``rows`` (a new TraceRows when None) in otel_traces' shape."""
+    """Append SDK spans to ``rows`` (a new TraceRows when None) in otel_traces' shape.
+
+    This runs on the export thread for every span, so it appends to the column lists directly
+    instead of calling :meth:`TraceRows.add` (keyword calls cost more than the work).
+    """
     rows = rows if rows is not None else TraceRows()
     resource_cache: dict[int, tuple[str, Attrs]] = {}
+    kinds = {kind: SPAN_KIND_NAMES.get(kind.value + 1, "") for kind in SpanKind}
+    statuses = {code: STATUS_CODE_NAMES.get(code.value, "") for code in StatusCode}
+    timestamp, trace_id, span_id = rows.timestamp_ns, rows.trace_id, rows.span_id
+    parent_id, trace_state, span_name = rows.parent_span_id, rows.trace_state, rows.span_name
+    span_kind, service_name = rows.span_kind, rows.service_name
+    resource_attrs, span_attrs = rows.resource_attributes, rows.span_attributes
+    scope_name, scope_version = rows.scope_name, rows.scope_version
+    duration, status_code, status_message = rows.duration_ns, rows.status_code, rows.status_message
+    events_col, links_col = rows.events, rows.links
     for span in spans:
         ctx = span.context
         if ctx is None:
@@ -33,43 +46,50 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
         resource = span.resource
         cached = resource_cache.get(id(resource))
         if cached is None:
-            res_attrs = _attrs(resource.attributes)
-            cached = (str(resource.attributes.get(_SERVICE_NAME, "")), res_attrs)
+            cached = (str(resource.attributes.get(_SERVICE_NAME, "")), _attrs(resource.attributes))
             resource_cache[id(resource)] = cached
-        service, res_attrs = cached
         parent = span.parent
         scope = span.instrumentation_scope
         start = span.start_time or 0
         end = span.end_time or start
         status = span.status
-        events = [(e.timestamp, e.name, _attrs(e.attributes)) for e in span.events]
-        links = [
-            (
-                format(link.context.trace_id, "032x"),
-                format(link.context.span_id, "016x"),
-                link.context.trace_state.to_header() if link.context.trace_state else "",
-                _attrs(link.attributes),
-            )
-            for link in span.links
-        ]
-        rows.add(
-            timestamp_ns=start,
-            trace_id=format(ctx.trace_id, "032x"),
-            span_id=format(ctx.span_id, "016x"),
-            parent_span_id=format(parent.span_id, "016x") if parent is not None else "",
-            trace_state=ctx.trace_state.to_header() if ctx.trace_state else "",
-            span_name=span.name,
-            span_kind=SPAN_KIND_NAMES.get(span.kind.value + 1, ""),
-            service_name=service,
-            resource_attributes=res_attrs,
-            scope_name=scope.name if scope else "",
-            scope_version=(scope.version or "") if scope else "",
-            span_attributes=_attrs(span.attributes),
-            duration_ns=end - start,
-            status_code=STATUS_CODE_NAMES.get(status.status_code.value, ""),
-            status_message=status.description or "",
-            events=events,
-            links=links,
+        timestamp.append(start)
+        trace_id.append(f"{ctx.trace_id:032x}")
+        span_id.append(f"{ctx.span_id:016x}")
+        parent_id.append(f"{parent.span_id:016x}" if parent is not None else "")
+        trace_state.append(ctx.trace_state.to_header() if ctx.trace_state else "")
+        span_name.append(span.name)
+        span_kind.append(kinds[span.kind])
+        service_name.append(cached[0])
+        resource_attrs.append(cached[1])
+        scope_name.append(scope.name if scope else "")
+        scope_version.append((scope.version or "") if scope else "")
+        span_attrs.append(_attrs(span.attributes))
+        duration.append(end - start if end > start else 0)
+        status_code.append(statuses[status.status_code])
+        status_message.append(status.description or "")
+        events = span.events
+        events_col.append(
+            [{"Timestamp": e.timestamp, "Name": e.name, "Attributes": _attrs(e.attributes)}
+             for e in events]
+            if events
+            else []
+        )
+        links = span.links
+        links_col.append(
+            [
+                {
+                    "TraceId": f"{link.context.trace_id:032x}",
+                    "SpanId": f"{link.context.span_id:016x}",
+                    "TraceState": (
+                        link.context.trace_state.to_header() if link.context.trace_state else ""
+                    ),
+                    "Attributes": _attrs(link.attributes),
+                }
+                for link in links
+            ]
+            if links
+            else []
         )
     return rows
 
