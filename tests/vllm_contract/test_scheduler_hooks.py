@@ -1,4 +1,4 @@
-"""Hooks on the real NixlPullConnectorScheduler: spans field by field, restore, no leaks into vLLM."""
+"""Hooks on the real NixlPullConnectorScheduler: spans field by field, restore, no leaks."""
 
 from __future__ import annotations
 
