@@ -1,0 +1,490 @@
+"""The per-turn reuse ledger: one typed row per (run, conversation, turn), rebuilt from raw spans.
+
+Three steps, kept apart (STYLE §8): :func:`load_spans` runs the SQL (portable to the
+OpenTelemetry Collector's ClickHouse tables: only map look-ups and plain filters), :func:`build`
+shapes the frames into the ledger (pure polars), and :func:`persist` writes the typed derived
+table ``kvscope_ledger`` (collectors never write it).
+
+Joins (DESIGN §3): legs and tool waits hang off their ``kvscope.turn`` span (same trace, parent
+span id); engine spans join on the vLLM request id reduced to the proxy's X-Request-Id (vLLM
+prefixes ``chatcmpl-``/``cmpl-`` and appends ``-`` + 8 random characters unless
+``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``); turn k's previous turn is turn k-1 of the same
+conversation in the same run.
+
+Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
+
+* ``reusable_tokens`` — tokens of turn k's prompt whose KV earlier turns computed. When the
+  message-boundary hashes show turn k extends turn k-1 (continuation), it is
+  ``min(prompt_{k-1} + output_{k-1} - 1, prompt_k)``: decode never computes its last output
+  token, so that token's KV exists nowhere. Without hashes, D's offer (``remote_num_tokens``)
+  stands in. When the hashes show edited history the count is not measurable without a
+  tokenizer: null, and the outcome is ``prefix_diverged``.
+* ``local_hit_tokens`` / ``remote_reused_tokens`` / ``recomputed_reusable_tokens`` from P's
+  reuse decision and the D→P transfer (a read that moved bytes and finished ``ok``).
+* ``outcome`` — one label from :data:`kvscope.emulator.outcomes.OUTCOMES`, decided in the order
+  of :mod:`kvscope.emulator.outcomes`, with ``evidence`` saying what decided it and which
+  evidence was missing when it is ``unknown``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import duckdb
+import polars as pl
+
+from kvscope import semconv
+from kvscope.emulator import outcomes
+from kvscope.store.reader import StoreReader
+from kvscope.store.schema import quote
+
+LEDGER_TABLE = "kvscope_ledger"
+
+# The ledger's columns and types: the typed contract the analyses and dashboards read.
+LEDGER_SCHEMA: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "conversation_id": pl.String(),
+    "turn_index": pl.Int64(),
+    "x_request_id": pl.String(),
+    "trace_id": pl.String(),
+    "arrival": pl.Datetime("ns"),
+    "end": pl.Datetime("ns"),
+    "turn_ms": pl.Float64(),
+    "ttft_ms": pl.Float64(),
+    "prefill_ms": pl.Float64(),
+    "decode_ms": pl.Float64(),
+    "tool_wait_s": pl.Float64(),
+    "prompt_tokens": pl.Int64(),
+    "output_tokens": pl.Int64(),
+    "router_lookup": pl.String(),
+    "router_entry_age_s": pl.Float64(),
+    "d_metadata_attached": pl.Boolean(),
+    "prefill_request_id": pl.String(),
+    "decode_request_id": pl.String(),
+    "prefill_engine": pl.String(),
+    "decode_engine": pl.String(),
+    "decision": pl.String(),
+    "decisions": pl.Int64(),
+    "offered_tokens": pl.Int64(),
+    "to_pull_tokens": pl.Int64(),
+    "threshold_tokens": pl.Int64(),
+    "prefill_bidirectional": pl.Boolean(),
+    "d2p_status": pl.String(),
+    "d2p_bytes": pl.Int64(),
+    "d2p_ms": pl.Float64(),
+    "p2d_bytes": pl.Int64(),
+    "p2d_ms": pl.Float64(),
+    "retention_id": pl.String(),
+    "retention_bytes": pl.Int64(),
+    "retention_held_s": pl.Float64(),
+    "retention_release": pl.String(),
+    "history": pl.String(),
+    "reusable_tokens": pl.Int64(),
+    "local_hit_tokens": pl.Int64(),
+    "remote_reused_tokens": pl.Int64(),
+    "recomputed_reusable_tokens": pl.Int64(),
+    "errored": pl.Boolean(),
+    "outcome": pl.String(),
+    "evidence": pl.String(),
+}
+
+# History relation of turn k to turn k-1, from message-boundary hashes.
+HISTORY_FIRST = "first"
+HISTORY_CONTINUES = "continues"
+HISTORY_EDITED = "edited"
+HISTORY_UNKNOWN = "unknown"
+
+
+def _a(key: str) -> str:
+    """SQL for one span attribute (keys come from semconv, never from users)."""
+    return f"SpanAttributes['{key}']"
+
+
+def _r(key: str) -> str:
+    return f"ResourceAttributes['{key}']"
+
+
+def _span_query(name: str, columns: dict[str, str], where: str = "") -> str:
+    select = ", ".join(f"{expr} AS {quote(alias)}" for alias, expr in columns.items())
+    return (
+        f"SELECT {select} FROM otel_traces WHERE SpanName = '{name}'"
+        + (f" AND {where}" if where else "")
+    )
+
+
+_TURN_COLUMNS = {
+    "run_id": _r(semconv.RUN_ID),
+    "trace_id": "TraceId",
+    "span_id": "SpanId",
+    "x_request_id": _a(semconv.X_REQUEST_ID),
+    "conversation_id": _a(semconv.GEN_AI_CONVERSATION_ID),
+    "turn_index": _a(semconv.TURN_INDEX),
+    "arrival": "Timestamp",
+    "duration_ns": "Duration",
+    "status_code": "StatusCode",
+    "ttft_ms": _a(semconv.TTFT_MS),
+    "prompt_tokens": _a(semconv.GEN_AI_USAGE_INPUT_TOKENS),
+    "output_tokens": _a(semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
+    "router_lookup": _a(semconv.ROUTER_LOOKUP),
+    "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
+    "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
+    "error_kind": _a(semconv.ERROR_KIND),
+}
+_PREFILL_COLUMNS = {
+    "trace_id": "TraceId",
+    "parent_span_id": "ParentSpanId",
+    "prefill_ns": "Duration",
+    "prefill_request_id": _a(semconv.VLLM_REQUEST_ID),
+    "d_metadata_attached": _a(semconv.D_METADATA_ATTACHED),
+    "offered_tokens_proxy": _a(semconv.REMOTE_OFFERED_TOKENS),
+    "retention_id": _a(semconv.OFFERED_REQUEST_ID),
+}
+_DECODE_COLUMNS = {
+    "trace_id": "TraceId",
+    "parent_span_id": "ParentSpanId",
+    "decode_ns": "Duration",
+    "decode_request_id": _a(semconv.VLLM_REQUEST_ID),
+    "metadata_returned": _a(semconv.RETENTION_METADATA_RETURNED),
+}
+_WAIT_COLUMNS = {
+    "trace_id": "TraceId",
+    "parent_span_id": "ParentSpanId",
+    "tool_wait_ns": "Duration",
+}
+_DECISION_COLUMNS = {
+    "request_id": _a(semconv.VLLM_REQUEST_ID),
+    "engine": _a(semconv.ENGINE_ID),
+    "time": "Timestamp",
+    "decision": _a(semconv.DECISION),
+    "local_hit": _a(semconv.LOCAL_HIT_TOKENS),
+    "offered": _a(semconv.REMOTE_OFFERED_TOKENS),
+    "to_pull": _a(semconv.TOKENS_TO_PULL),
+    "threshold": _a(semconv.THRESHOLD_TOKENS),
+    "bidir": _a(semconv.BIDIR_ENABLED),
+}
+_TRANSFER_COLUMNS = {
+    "request_id": _a(semconv.VLLM_REQUEST_ID),
+    "engine": _a(semconv.ENGINE_ID),
+    "direction": _a(semconv.TRANSFER_DIRECTION),
+    "status": _a(semconv.TRANSFER_STATUS),
+    "size_bytes": _a(semconv.TRANSFER_BYTES),
+    "start": "Timestamp",
+    "duration_ns": "Duration",
+    "request_outcome": _a(semconv.REQUEST_OUTCOME),
+}
+_RETENTION_COLUMNS = {
+    "request_id": _a(semconv.VLLM_REQUEST_ID),
+    "engine": _a(semconv.ENGINE_ID),
+    "start": "Timestamp",
+    "duration_ns": "Duration",
+    "size_bytes": _a(semconv.RETENTION_BYTES),
+    "reason": _a(semconv.RETENTION_RELEASE_REASON),
+}
+
+QUERIES: dict[str, str] = {
+    "turns": _span_query(semconv.SPAN_TURN, _TURN_COLUMNS),
+    "prefill": _span_query(semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
+    "decode": _span_query(semconv.SPAN_GENERATION, _DECODE_COLUMNS),
+    "waits": _span_query(semconv.SPAN_TOOL_WAIT, _WAIT_COLUMNS),
+    "decisions": _span_query(semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
+    "transfers": _span_query(semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
+    "retentions": _span_query(semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
+}
+
+
+def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
+    """Run the extraction queries; one frame of string-typed attributes per span kind."""
+    frames = {}
+    for name, sql in QUERIES.items():
+        if isinstance(reader, StoreReader):
+            frames[name] = reader.frame(sql)
+        else:
+            frames[name] = pl.DataFrame(reader.sql(sql).to_arrow_table())
+    return frames
+
+
+# --- shaping ----------------------------------------------------------------------------------
+
+_ID_PREFIX = r"^(chatcmpl-|cmpl-)"
+_ID_SUFFIX = r"-[0-9A-Za-z]{8}$"
+
+
+def request_key(column: str) -> pl.Expr:
+    """vLLM's internal request id reduced to the X-Request-Id it came from."""
+    return (
+        pl.col(column).str.replace(_ID_PREFIX, "").str.replace(_ID_SUFFIX, "")
+    )
+
+
+def _int(column: str) -> pl.Expr:
+    return pl.col(column).cast(pl.Float64, strict=False).cast(pl.Int64, strict=False)
+
+
+def _float(column: str) -> pl.Expr:
+    return pl.col(column).cast(pl.Float64, strict=False)
+
+
+def _bool(column: str) -> pl.Expr:
+    return pl.col(column).str.to_lowercase() == "true"
+
+
+def _continues(prev: pl.Expr, cur: pl.Expr) -> pl.Expr:
+    """Whether the comma list ``prev`` is a strict prefix of the comma list ``cur``."""
+    return cur.str.starts_with(prev + ",")
+
+
+def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """Shape extracted span frames into the ledger (pure: no I/O)."""
+    turns = frames["turns"].with_columns(
+        _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
+        _float("router_entry_age_s"),
+        (pl.col("arrival") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("end"),
+        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("turn_ms"),
+    )
+    prefill = frames["prefill"].rename({"parent_span_id": "span_id"}).with_columns(
+        (pl.col("prefill_ns").cast(pl.Float64) / 1e6).alias("prefill_ms"),
+        _bool("d_metadata_attached"), _int("offered_tokens_proxy"),
+    ).drop("prefill_ns").unique(["trace_id", "span_id"], keep="first")
+    decode = frames["decode"].rename({"parent_span_id": "span_id"}).with_columns(
+        (pl.col("decode_ns").cast(pl.Float64) / 1e6).alias("decode_ms"),
+        _bool("metadata_returned"),
+    ).drop("decode_ns").unique(["trace_id", "span_id"], keep="first")
+    waits = frames["waits"].rename({"parent_span_id": "span_id"}).with_columns(
+        (pl.col("tool_wait_ns").cast(pl.Float64) / 1e9).alias("tool_wait_s"),
+    ).drop("tool_wait_ns").unique(["trace_id", "span_id"], keep="first")
+
+    ledger = (
+        turns.join(prefill, on=["trace_id", "span_id"], how="left")
+        .join(decode, on=["trace_id", "span_id"], how="left")
+        .join(waits, on=["trace_id", "span_id"], how="left")
+    )
+
+    # Engine evidence, keyed by X-Request-Id.
+    decisions = frames["decisions"].with_columns(
+        request_key("request_id").alias("x_request_id"),
+        _int("local_hit"), _int("offered"), _int("to_pull"), _int("threshold"), _bool("bidir"),
+    ).sort("time")
+    first_decisions = decisions.group_by("x_request_id", maintain_order=True).agg(
+        pl.col("decision").first(), pl.col("local_hit").first().alias("decision_local_hit"),
+        pl.col("offered").first().alias("offered_tokens"),
+        pl.col("to_pull").first().alias("to_pull_tokens"),
+        pl.col("threshold").first().alias("threshold_tokens"),
+        pl.col("bidir").first().alias("prefill_bidirectional"),
+        pl.col("engine").first().alias("prefill_engine"),
+        pl.len().alias("decisions"),
+        pl.col("local_hit").last().alias("final_local_hit"),
+    )
+    transfers = frames["transfers"].with_columns(
+        request_key("request_id").alias("x_request_id"), _int("size_bytes"),
+        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
+    )
+    d2p = transfers.filter(pl.col("direction") == semconv.DIRECTION_D_TO_P).group_by(
+        "x_request_id", maintain_order=True
+    ).agg(
+        pl.col("status").first().alias("d2p_status"),
+        pl.col("size_bytes").first().alias("d2p_bytes"),
+        pl.col("ms").first().alias("d2p_ms"),
+        pl.col("start").first().alias("d2p_start"),
+        (pl.col("request_outcome") == semconv.OUTCOME_ERROR).any().alias("load_errored"),
+    )
+    p2d = transfers.filter(pl.col("direction") == semconv.DIRECTION_P_TO_D).group_by(
+        "x_request_id", maintain_order=True
+    ).agg(
+        pl.col("size_bytes").sum().alias("p2d_bytes"),
+        pl.col("ms").sum().alias("p2d_ms"),
+        pl.col("engine").first().alias("decode_engine"),
+    )
+    retentions = frames["retentions"].with_columns(
+        _int("size_bytes"),
+        (pl.col("start") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("released_at"),
+        (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),
+    )
+    # The handle turn k was offered is turn k-1's decode retention (by its vLLM request id).
+    offered = retentions.select(
+        pl.col("request_id").alias("retention_id"),
+        pl.col("size_bytes").alias("retention_bytes"),
+        pl.col("held_s").alias("retention_held_s"),
+        pl.col("reason").alias("retention_release"),
+        pl.col("released_at").alias("retention_released_at"),
+    ).unique("retention_id", keep="first")
+
+    ledger = (
+        ledger.join(first_decisions, on="x_request_id", how="left")
+        .join(d2p, on="x_request_id", how="left")
+        .join(p2d, on="x_request_id", how="left")
+        .join(offered, on="retention_id", how="left")
+    )
+
+    # Previous turn of the same conversation in the same run.
+    by_conv = ["run_id", "conversation_id"]
+    ledger = ledger.sort(["run_id", "conversation_id", "turn_index", "arrival"]).with_columns(
+        pl.col("prompt_tokens").shift(1).over(by_conv).alias("prev_prompt"),
+        pl.col("output_tokens").shift(1).over(by_conv).alias("prev_output"),
+        pl.col("boundary_hashes").shift(1).over(by_conv).alias("prev_hashes"),
+        pl.col("metadata_returned").shift(1).over(by_conv).alias("prev_returned"),
+        pl.col("turn_index").shift(1).over(by_conv).alias("prev_index"),
+    )
+    has_prev = pl.col("prev_index").is_not_null() & (
+        pl.col("prev_index") == pl.col("turn_index") - 1
+    ) & pl.col("conversation_id").is_not_null()
+    history = (
+        pl.when(pl.col("turn_index") <= 1).then(pl.lit(HISTORY_FIRST))
+        .when(~has_prev).then(pl.lit(HISTORY_UNKNOWN))
+        .when(pl.col("boundary_hashes").is_null() | pl.col("prev_hashes").is_null()
+              | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
+        .then(pl.lit(HISTORY_UNKNOWN))
+        .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes")))
+        .then(pl.lit(HISTORY_CONTINUES))
+        .otherwise(pl.lit(HISTORY_EDITED))
+    )
+    ledger = ledger.with_columns(history.alias("history"))
+    offered_tokens = pl.coalesce(pl.col("offered_tokens"), pl.col("offered_tokens_proxy"))
+    reusable = (
+        pl.when(pl.col("history") == HISTORY_FIRST).then(pl.lit(0, pl.Int64))
+        .when(pl.col("history") == HISTORY_CONTINUES)
+        .then(pl.min_horizontal(pl.col("prev_prompt") + pl.col("prev_output") - 1,
+                                pl.col("prompt_tokens")))
+        .when(pl.col("history") == HISTORY_UNKNOWN)
+        .then(pl.min_horizontal(offered_tokens, pl.col("prompt_tokens")))
+        .otherwise(pl.lit(None, pl.Int64))
+    )
+    errored = (pl.col("status_code") == "STATUS_CODE_ERROR") | pl.col("load_errored").fill_null(
+        False)
+    ledger = ledger.with_columns(
+        reusable.clip(lower_bound=0).alias("reusable_tokens"),
+        errored.alias("errored"),
+        offered_tokens.alias("offered_tokens"),
+    )
+    # P's evidence: the final schedule's local hit (after a preemption or recompute it is what
+    # the request ran with); a read counts when it moved bytes and finished ok.
+    read_ok = (pl.col("d2p_status") == semconv.TRANSFER_OK) & (
+        pl.col("d2p_bytes").fill_null(0) > 0)
+    stale = read_ok & (pl.col("retention_release") == semconv.RELEASE_EXPIRED) & (
+        pl.col("retention_released_at") <= pl.col("d2p_start"))
+    preempted = read_ok & (pl.col("decisions").fill_null(0) > 1)
+    reusable_col = pl.col("reusable_tokens")
+    local = pl.when(pl.col("errored")).then(pl.lit(0, pl.Int64)).otherwise(
+        pl.min_horizontal(pl.col("final_local_hit"), reusable_col))
+    reach = pl.col("decision_local_hit") + pl.col("to_pull_tokens")
+    remote = (
+        pl.when(pl.col("errored") | ~read_ok.fill_null(False) | stale.fill_null(False)
+                | preempted.fill_null(False))
+        .then(pl.lit(0, pl.Int64))
+        .otherwise((pl.min_horizontal(reach, reusable_col) - local).clip(lower_bound=0))
+    )
+    ledger = ledger.with_columns(
+        local.alias("local_hit_tokens"),
+        stale.fill_null(False).alias("_stale"),
+        preempted.fill_null(False).alias("_preempted"),
+        read_ok.fill_null(False).alias("_read_ok"),
+    ).with_columns(remote.alias("remote_reused_tokens")).with_columns(
+        (reusable_col - pl.col("local_hit_tokens").fill_null(0)
+         - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
+    )
+    ledger = _label(ledger)
+    ledger = ledger.with_columns(
+        (pl.col("arrival")).alias("arrival"),
+        pl.col("tool_wait_s"),
+    )
+    return ledger.select(
+        [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()]
+    ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
+
+
+def _label(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Decide each turn's outcome and its evidence, in the order of :mod:`outcomes`."""
+    c = pl.col
+    reusable, local, remote = c("reusable_tokens"), c("local_hit_tokens"), c("remote_reused_tokens")
+    reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
+    offered = c("offered_tokens")
+    target = pl.when(offered.fill_null(0) > 0).then(
+        pl.min_horizontal(reusable, pl.max_horizontal(offered, local))).otherwise(reusable)
+    done = local.fill_null(0) + remote.fill_null(0)
+    engine_seen = c("decision").is_not_null()
+    lookup = c("router_lookup")
+    status = c("d2p_status")
+    rules: list[tuple[pl.Expr, str, pl.Expr]] = [
+        # Without a conversation id no turn can be linked to another, the first included.
+        (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
+         pl.lit("request had no conversation id")),
+        (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit("turn 1")),
+        (c("history") == HISTORY_EDITED, outcomes.PREFIX_DIVERGED,
+         pl.lit("message-boundary hashes: history edited since the previous turn")),
+        (c("_read_ok") & (reach > reusable) & (reusable > 0), outcomes.PREFIX_DIVERGED,
+         pl.format("pulled up to {} > reusable {}", reach, reusable)),
+        (engine_seen & (done >= target) & (done > 0) & (remote > 0), outcomes.REUSED_REMOTE,
+         pl.format("pulled {}, local {}", remote, local)),
+        (engine_seen & (done >= target) & (done > 0), outcomes.REUSED_LOCAL,
+         pl.format("local hit {}", local)),
+        # The previous turn gave the router nothing to keep: decode returned no params, or the
+        # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
+        # or "consumed" when the previous turn's own lookup took the last one).
+        (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False),
+         outcomes.NO_DECODE_METADATA,
+         pl.when(c("prev_returned").is_null())
+         .then(pl.lit("previous turn never reached decode"))
+         .otherwise(pl.lit("previous turn: decode returned no params"))),
+        (lookup == semconv.ROUTER_MISS, outcomes.ROUTER_NO_ENTRY, pl.lit("router lookup miss")),
+        (lookup == semconv.ROUTER_STALE, outcomes.ROUTER_TTL_EXPIRED,
+         pl.format("router entry {} s old", c("router_entry_age_s").round(1))),
+        (lookup == semconv.ROUTER_CONSUMED, outcomes.HANDLE_CONSUMED,
+         pl.lit("router entry already taken by an overlapping turn")),
+        (~engine_seen, outcomes.UNKNOWN,
+         pl.lit("no engine hooks: prefill's reuse decision not observed")),
+        (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
+         pl.lit("offer failed the D->P key check")),
+        (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
+         pl.lit("prefill got no offer")),
+        (~c("prefill_bidirectional").fill_null(True)
+         & (c("decision") != semconv.DECISION_LOCAL_COVERS), outcomes.PREFILL_BIDIR_DISABLED,
+         pl.lit("bidirectional_kv_xfer off at prefill")),
+        (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
+         pl.format("{} < {}", c("offered_tokens") - c("decision_local_hit"),
+                   c("threshold_tokens"))),
+        (c("_stale"), outcomes.DECODE_TTL_EXPIRED,
+         pl.lit("read hit a handle decode had already reaped")),
+        (c("_preempted"), outcomes.PREEMPTED, pl.lit("rescheduled after its read")),
+        (status.is_not_null() & (status != semconv.TRANSFER_OK)
+         & c("load_errored").fill_null(False),
+         outcomes.LOAD_FAILED_ERRORED, pl.format("read {}, policy fail", status)),
+        (status == semconv.TRANSFER_DECLINED_EXPIRED, outcomes.DECODE_TTL_EXPIRED,
+         pl.lit("read declined as expired")),
+        (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
+         pl.lit("handshake to decode failed")),
+        (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
+         pl.lit("NIXL READ failed")),
+        (reusable.is_null(), outcomes.UNKNOWN,
+         pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
+        (done > 0, outcomes.PARTIAL, pl.format("reused {} of {}", done, reusable)),
+    ]
+    label: pl.Expr = pl.lit(outcomes.UNKNOWN)
+    evidence: pl.Expr = pl.lit("no rule explains the miss")
+    for condition, name, why in reversed(rules):
+        label = pl.when(condition.fill_null(False)).then(pl.lit(name)).otherwise(label)
+        evidence = pl.when(condition.fill_null(False)).then(why).otherwise(evidence)
+    return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+
+
+def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Build the ledger of every run in a store."""
+    return build(load_spans(reader))
+
+
+def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
+    """Replace the derived ``kvscope_ledger`` table with ``frame``; return its row count."""
+    arrow = frame.to_arrow()
+    con.register("_kvscope_ledger", arrow)
+    try:
+        con.execute(
+            f"CREATE OR REPLACE TABLE {quote(LEDGER_TABLE)} AS SELECT * FROM _kvscope_ledger"
+        )
+    finally:
+        con.unregister("_kvscope_ledger")
+    return frame.height
+
+
+def runs(frame: pl.DataFrame) -> Sequence[str]:
+    """Run ids present in a ledger, in first-arrival order."""
+    return (
+        frame.group_by("run_id").agg(pl.col("arrival").min()).sort("arrival")["run_id"].to_list()
+    )

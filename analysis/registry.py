@@ -1,0 +1,210 @@
+"""The registry of analyses: each is one small unit the CLI, the report and the dashboards iterate.
+
+An analysis declares its name, a one-line title, its parameters (typed, with defaults and help)
+and the columns of the frame it returns, and runs against an :class:`AnalysisContext`. The
+context owns the store connection and caches derived data (the ledger) per context, so several
+analyses over one file build the ledger once. Modules listed in :data:`MODULES` register their
+analyses on import; :func:`analyses` imports them on first use (nothing loads at import time).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from kvscope.errors import KvscopeError
+from kvscope.store.reader import StoreReader
+
+
+class AnalysisError(KvscopeError, ValueError):
+    """An analysis was asked for with an unknown name, a bad parameter or missing data."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of an analysis."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+
+    def parse(self, raw: Any) -> Any:
+        """Convert and check one value; raise AnalysisError naming the parameter."""
+        if raw is None:
+            return self.default
+        try:
+            if self.type is list:
+                value: Any = (
+                    [v.strip() for v in raw.split(",") if v.strip()] if isinstance(raw, str)
+                    else list(raw)
+                )
+            elif self.type is bool and isinstance(raw, str):
+                value = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                value = self.type(raw)
+        except (TypeError, ValueError) as exc:
+            raise AnalysisError(f"parameter {self.name}={raw!r}: {exc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise AnalysisError(
+                f"parameter {self.name}={raw!r}: choose one of {', '.join(map(str, self.choices))}"
+            )
+        return value
+
+
+Runner = Callable[["AnalysisContext", Mapping[str, Any]], pl.DataFrame]
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One registered analysis: what it is called, takes and returns, and how it runs."""
+
+    name: str
+    title: str
+    run: Runner
+    params: tuple[Param, ...] = ()
+    columns: Mapping[str, pl.DataType] = field(default_factory=dict)
+
+    def parse_params(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Resolve parameters: given values parsed, the rest defaulted, unknown names refused."""
+        given = dict(given or {})
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise AnalysisError(
+                f"{self.name}: unknown parameter(s) {', '.join(unknown)}; "
+                f"known: {', '.join(known) or 'none'}"
+            )
+        return {name: p.parse(given.get(name)) for name, p in known.items()}
+
+
+REGISTRY: dict[str, Analysis] = {}
+
+# Modules whose import registers analyses, in the order the report shows them.
+MODULES = (
+    "kvscope.analysis.reuse",
+    "kvscope.analysis.causes",
+    "kvscope.analysis.retention",
+    "kvscope.analysis.task_time",
+    "kvscope.analysis.compare",
+    "kvscope.analysis.whatif",
+    "kvscope.analysis.ladder",
+)
+_loaded = False
+
+
+def register(
+    name: str, title: str, *, params: Sequence[Param] = (),
+    columns: Mapping[str, pl.DataType] | None = None,
+) -> Callable[[Runner], Runner]:
+    """Decorator: register ``fn`` as the analysis ``name``."""
+
+    def decorate(fn: Runner) -> Runner:
+        if name in REGISTRY:
+            raise ValueError(f"analysis {name!r} registered twice")
+        REGISTRY[name] = Analysis(name, title, fn, tuple(params), dict(columns or {}))
+        return fn
+
+    return decorate
+
+
+def analyses() -> dict[str, Analysis]:
+    """Every registered analysis, importing the analysis modules on first use."""
+    global _loaded
+    if not _loaded:
+        for module in MODULES:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:
+                    raise
+        _loaded = True
+    return REGISTRY
+
+
+def get(name: str) -> Analysis:
+    """The analysis called ``name``; a clear error naming the known ones otherwise."""
+    known = analyses()
+    if name not in known:
+        raise AnalysisError(f"no analysis called {name!r}; known: {', '.join(sorted(known))}")
+    return known[name]
+
+
+class AnalysisContext:
+    """A store opened for analysis, with derived data cached for the context's lifetime."""
+
+    def __init__(self, reader: StoreReader, *, runs: Sequence[str] | None = None) -> None:
+        self.reader = reader
+        self.runs = list(runs) if runs else None
+        self._cache: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, path: str | Path, *, runs: Sequence[str] | None = None) -> AnalysisContext:
+        """Open the store at ``path`` read-only."""
+        return cls(StoreReader.open(path), runs=runs)
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> AnalysisContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def cached(self, key: str, build: Callable[[], Any]) -> Any:
+        """Build once per context (and per key), then reuse."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def ledger(self) -> pl.DataFrame:
+        """The per-turn ledger of the selected runs."""
+        from kvscope.analysis import ledger as ledger_module
+
+        full = self.cached("ledger", lambda: ledger_module.ledger(self.reader))
+        return self.select_runs(full)
+
+    def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
+        """Rows of the selected runs (all when no selection)."""
+        if self.runs is None or "run_id" not in frame.columns:
+            return frame
+        return frame.filter(pl.col("run_id").is_in(self.runs))
+
+    def run_table(self) -> pl.DataFrame:
+        """The runs recorded in the store (id, label, settings JSON, start, end)."""
+        frame = self.cached(
+            "runs",
+            lambda: self.reader.frame(
+                "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs "
+                "ORDER BY started_at"
+            ),
+        )
+        return self.select_runs(frame)
+
+    def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
+        """Run SQL through the store's one execute seam."""
+        return self.reader.frame(sql, params)
+
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        return self.reader._con
+
+
+def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None) -> pl.DataFrame:
+    """Run one analysis by name with parsed parameters, cached per (name, parameters)."""
+    analysis = get(name)
+    parsed = analysis.parse_params(params)
+    key = f"analysis:{name}:{sorted(parsed.items())!r}"
+    return ctx.cached(key, lambda: analysis.run(ctx, parsed))
+
+
+def iter_analyses() -> Iterator[Analysis]:
+    """Analyses in report order."""
+    yield from analyses().values()
