@@ -128,6 +128,7 @@ _TURN_COLUMNS = {
     "router_lookup": _a(semconv.ROUTER_LOOKUP),
     "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
     "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
+    "messages": _a(semconv.MESSAGE_COUNT),
     "error_kind": _a(semconv.ERROR_KIND),
 }
 _PREFILL_COLUMNS = {
@@ -228,15 +229,26 @@ def _bool(column: str) -> pl.Expr:
     return pl.col(column).str.to_lowercase() == "true"
 
 
-def _continues(prev: pl.Expr, cur: pl.Expr) -> pl.Expr:
-    """Whether the comma list ``prev`` is a strict prefix of the comma list ``cur``."""
-    return cur.str.starts_with(prev + ",")
+def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.Expr
+               ) -> pl.Expr:
+    """Whether turn k's messages extend turn k-1's.
+
+    Boundary hashes are chained (hash i names messages 0..i), so k extends k-1 exactly when
+    k-1's last hash is among k's hashes and k has more messages. The proxy keeps only the last
+    few hashes per turn; if k added more messages than that, the relation is not decidable.
+    """
+    last = prev.str.split(",").list.last()
+    return (pl.lit(",") + cur + pl.lit(",")).str.contains(
+        pl.lit(",") + last + pl.lit(","), literal=True
+    ) & (cur_count > prev_count)
 
 
 def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     """Shape extracted span frames into the ledger (pure: no I/O)."""
     turns = frames["turns"].with_columns(
         _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
+        _int("messages"),
+        pl.col("boundary_hashes").str.count_matches(",").add(1).alias("hashes_kept"),
         _float("router_entry_age_s"),
         (pl.col("arrival") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("end"),
         (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("turn_ms"),
@@ -321,6 +333,7 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
         pl.col("prompt_tokens").shift(1).over(by_conv).alias("prev_prompt"),
         pl.col("output_tokens").shift(1).over(by_conv).alias("prev_output"),
         pl.col("boundary_hashes").shift(1).over(by_conv).alias("prev_hashes"),
+        pl.col("messages").shift(1).over(by_conv).alias("prev_messages"),
         pl.col("metadata_returned").shift(1).over(by_conv).alias("prev_returned"),
         pl.col("turn_index").shift(1).over(by_conv).alias("prev_index"),
     )
@@ -333,8 +346,11 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
         .when(pl.col("boundary_hashes").is_null() | pl.col("prev_hashes").is_null()
               | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
         .then(pl.lit(HISTORY_UNKNOWN))
-        .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes")))
+        .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes"),
+                         pl.col("prev_messages"), pl.col("messages")))
         .then(pl.lit(HISTORY_CONTINUES))
+        .when(pl.col("messages") - pl.col("prev_messages") >= pl.col("hashes_kept"))
+        .then(pl.lit(HISTORY_UNKNOWN))
         .otherwise(pl.lit(HISTORY_EDITED))
     )
     ledger = ledger.with_columns(history.alias("history"))

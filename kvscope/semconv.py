@@ -114,8 +114,9 @@ X_REQUEST_ID = _attr("kvscope.x_request_id", "", "X-Request-Id the proxy sent to
 MESSAGE_BOUNDARY_HASHES = _attr(
     "kvscope.prompt.boundary_hashes",
     "",
-    "Chained hashes of the prompt's message boundaries (never text), comma separated.",
+    "Chained hashes of the prompt's last message boundaries (never text), comma separated.",
 )
+MESSAGE_COUNT = _attr("kvscope.prompt.messages", "", "Messages in the prompt (all of them).")
 PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
 CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
 D_METADATA_ATTACHED = _attr(

@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 MAX_TRACKED_CONVERSATIONS = 100_000
 # Hex characters kept of each message-boundary hash: 64 bits, plenty to detect edited history.
 BOUNDARY_HASH_HEX = 16
+# Boundary hashes stored per turn: the last ones only. A chained hash names its whole prefix, so
+# turn k extends turn k-1 iff k-1's last hash is among k's; storing every hash would grow each
+# span with the conversation's length.
+BOUNDARY_HASHES_KEPT = 16
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -484,7 +488,9 @@ class ProxyTelemetry:
         _put(turn_attrs, semconv.PREFILL_INSTANCE, record.prefill_instance)
         _put(turn_attrs, semconv.DECODE_INSTANCE, record.decode_instance)
         if record.boundary_hashes:
-            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = record.boundary_hashes
+            hashes = record.boundary_hashes.split(",")
+            turn_attrs[semconv.MESSAGE_COUNT] = len(hashes)
+            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = ",".join(hashes[-BOUNDARY_HASHES_KEPT:])
         if record.finish_reasons:
             turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
         first_token_events: tuple[Event, ...] = ()

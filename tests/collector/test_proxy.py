@@ -707,3 +707,20 @@ def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
         # The emulated prefill pulled decode's KV: it reports those tokens as cached.
         assert int(ip[semconv.CACHED_TOKENS]) >= 400
         assert int(ip[semconv.REMOTE_OFFERED_TOKENS]) > 400
+
+
+def test_long_histories_store_only_the_last_boundary_hashes() -> None:
+    from kvscope.collector.proxy.telemetry import BOUNDARY_HASHES_KEPT, ProxyTelemetry
+
+    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(40)]
+    proxy = ProxyTelemetry(None)
+    record = proxy.begin_turn("/v1/chat/completions", "x1", None, None)
+    record.boundary_hashes = boundary_hashes({"messages": messages})
+    record.end_ns = record.arrival_ns + 1
+    turn = next(s for s in proxy.spans_for(record) if s.name == semconv.SPAN_TURN)
+    kept = turn.attributes[semconv.MESSAGE_BOUNDARY_HASHES].split(",")
+    assert turn.attributes[semconv.MESSAGE_COUNT] == 40
+    assert kept == record.boundary_hashes.split(",")[-BOUNDARY_HASHES_KEPT:]
+    # The previous turn's last hash is found among the next turn's: history continues.
+    earlier = boundary_hashes({"messages": messages[:38]}).split(",")[-1]
+    assert earlier in kept
