@@ -1,0 +1,512 @@
+"""A/B comparison of two runs (feature ON vs OFF): TTFT by prompt length, prefill split, reuse.
+
+Three steps (STYLE §8): the ledger and the run table come from the context (no SQL of its own
+beyond the run table), pure functions shape them (:func:`run_info`, :func:`run_stats`,
+:func:`prompt_bins`, :func:`by_prompt_table`, :func:`summary_table`), and two registered wrappers
+expose them: ``compare`` (one row per metric, the two runs side by side, ratio a / b) and
+``compare_by_prompt`` (p50/p90 TTFT and the prefill split per prompt-length bin per run).
+
+Which runs: the ``runs`` parameter names two run ids or labels. Without it, the pair is chosen
+from the selected runs: a feature-ON run and a feature-OFF run of the same workload (the most
+recent such pair), else the only two runs. Feature state comes from the run's settings
+(``prefill_bidirectional_kv_xfer``/``decode_bidirectional_kv_xfer`` in simulator runs,
+``bidirectional_kv_xfer`` in emulator runs), else from an ``on``/``off`` word in the label, else
+from prefill's reuse decisions; the workload from the settings' ``workload`` entries, else a
+fingerprint of the ledger (conversations, turns, Σ prompt tokens).
+
+Prefill split: ``transfer`` is the D→P read time inside the prefill leg (``d2p_ms``; 0 for a turn
+with no read when the run has engine hooks), ``compute`` = prefill leg − transfer. Without engine
+hooks neither is measured: null, never 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import polars as pl
+
+from kvscope.analysis import registry
+from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
+from kvscope.analysis.reuse import reuse_table
+from kvscope.emulator import outcomes
+
+FEATURE_ON = "on"
+FEATURE_OFF = "off"
+
+# Settings keys that say whether bidirectional KV transfer was on (vLLM's own names).
+_FEATURE_KEYS = (
+    "prefill_bidirectional_kv_xfer",
+    "decode_bidirectional_kv_xfer",
+    "bidirectional_kv_xfer",
+)
+_WORKLOAD_KEYS = ("workload", "workload_settings")
+_LABEL_WORD = re.compile(r"(?<![a-z0-9])(on|off)(?![a-z0-9])")
+
+_RUNS_SQL = "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs"
+
+RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "label": pl.String(),
+    "feature": pl.String(),
+    "feature_source": pl.String(),
+    "workload_key": pl.String(),
+    "started_at": pl.Datetime("us", "UTC"),
+}
+
+STATS_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "turns": pl.Int64(),
+    "conversations": pl.Int64(),
+    "errored_turns": pl.Int64(),
+    "ttft_p50_ms": pl.Float64(),
+    "ttft_p90_ms": pl.Float64(),
+    "prefill_ms_mean": pl.Float64(),
+    "prefill_compute_ms_mean": pl.Float64(),
+    "transfer_ms_mean": pl.Float64(),
+    "task_time_p50_s": pl.Float64(),
+    "task_time_p90_s": pl.Float64(),
+    "task_time_total_s": pl.Float64(),
+    "ttft_share_of_task": pl.Float64(),
+    "turns_reused_remote": pl.Int64(),
+    "turns_reused_local": pl.Int64(),
+    "engine_hooks": pl.Boolean(),
+}
+
+BY_PROMPT_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "label": pl.String(),
+    "bin": pl.Int64(),
+    "bin_lo_tokens": pl.Int64(),
+    "bin_hi_tokens": pl.Int64(),
+    "turns": pl.Int64(),
+    "ttft_p50_ms": pl.Float64(),
+    "ttft_p90_ms": pl.Float64(),
+    "prefill_ms_mean": pl.Float64(),
+    "prefill_compute_ms_mean": pl.Float64(),
+    "transfer_ms_mean": pl.Float64(),
+}
+
+SUMMARY_COLUMNS: dict[str, pl.DataType] = {
+    "metric": pl.String(),
+    "unit": pl.String(),
+    "run_a": pl.String(),
+    "label_a": pl.String(),
+    "value_a": pl.Float64(),
+    "run_b": pl.String(),
+    "label_b": pl.String(),
+    "value_b": pl.Float64(),
+    "ratio": pl.Float64(),
+}
+
+# Metrics of the summary: (name, unit) in display order.
+SUMMARY_METRICS: tuple[tuple[str, str], ...] = (
+    ("turns", "turns"),
+    ("conversations", "conversations"),
+    ("ttft_p50_ms", "ms"),
+    ("ttft_p90_ms", "ms"),
+    ("prefill_compute_ms_mean", "ms"),
+    ("transfer_ms_mean", "ms"),
+    ("task_time_p50_s", "s"),
+    ("task_time_p90_s", "s"),
+    ("task_time_total_s", "s"),
+    ("ttft_share_of_task", "fraction"),
+    ("token_reuse_rate", "fraction"),
+    ("local_share", "fraction"),
+    ("remote_share", "fraction"),
+    ("turns_reused_remote", "turns"),
+    ("turns_reused_local", "turns"),
+    ("retained_gib_s", "GiB*s"),
+    ("useful_gib_s", "GiB*s"),
+    ("idle_gib_s", "GiB*s"),
+    ("wasted_gib_s", "GiB*s"),
+)
+
+# Column names the retention_cost analysis may use for its totals (it is written elsewhere).
+_RETENTION_TOTAL = ("gib_s", "total_gib_s", "retained_gib_s", "held_gib_s")
+_RETENTION_PARTS = ("useful_gib_s", "idle_gib_s", "wasted_gib_s", "open_gib_s")
+RETENTION_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "retained_gib_s": pl.Float64(),
+    "useful_gib_s": pl.Float64(),
+    "idle_gib_s": pl.Float64(),
+    "wasted_gib_s": pl.Float64(),
+}
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+def _settings(raw: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def feature_state(settings: Mapping[str, Any], label: str | None,
+                  prefill_bidirectional: bool | None = None) -> tuple[str | None, str]:
+    """Whether a run had bidirectional KV transfer on, and where that came from.
+
+    Settings win (ON only when every recorded flag is on); then an ``on``/``off`` word in the
+    label; then what prefill's reuse decisions reported. ``(None, "not recorded")`` otherwise.
+    """
+    flags = [_truthy(settings[k]) for k in _FEATURE_KEYS if k in settings]
+    if flags:
+        return (FEATURE_ON if all(flags) else FEATURE_OFF), "settings"
+    words = _LABEL_WORD.findall((label or "").lower())
+    if len(set(words)) == 1:
+        return words[0], "label"
+    if prefill_bidirectional is not None:
+        return (FEATURE_ON if prefill_bidirectional else FEATURE_OFF), "reuse decisions"
+    return None, "not recorded"
+
+
+def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
+    """One row per run: label, feature state (and its source), workload key (pure)."""
+    fingerprint = ledger.group_by("run_id").agg(
+        pl.col("conversation_id").n_unique().alias("_conversations"),
+        pl.len().alias("_turns"),
+        pl.col("prompt_tokens").sum().alias("_prompt_tokens"),
+        pl.col("prefill_bidirectional").drop_nulls().all().alias("_bidir_all"),
+        pl.col("prefill_bidirectional").is_not_null().any().alias("_bidir_seen"),
+    )
+    prints = {row["run_id"]: row for row in fingerprint.iter_rows(named=True)}
+    rows = []
+    for run in runs.iter_rows(named=True):
+        settings = _settings(run["settings"])
+        seen = prints.get(run["run_id"])
+        bidir = seen["_bidir_all"] if seen and seen["_bidir_seen"] else None
+        feature, source = feature_state(settings, run["label"], bidir)
+        if any(k in settings for k in _WORKLOAD_KEYS):
+            workload = json.dumps({k: settings.get(k) for k in _WORKLOAD_KEYS}, sort_keys=True,
+                                  default=str)
+        elif seen:
+            workload = (f"{seen['_conversations']} conversations, {seen['_turns']} turns, "
+                        f"{seen['_prompt_tokens']} prompt tokens")
+        else:
+            workload = None
+        rows.append({"run_id": run["run_id"], "label": run["label"], "feature": feature,
+                     "feature_source": source, "workload_key": workload,
+                     "started_at": run["started_at"]})
+    return pl.DataFrame(rows, schema=RUN_INFO_COLUMNS)
+
+
+def all_runs(ctx: AnalysisContext) -> pl.DataFrame:
+    """Every run in the store (not only the selected ones), oldest first."""
+    return ctx.cached("compare:all_runs", lambda: ctx.frame(_RUNS_SQL + " ORDER BY started_at"))
+
+
+def resolve_runs(runs: pl.DataFrame, names: Sequence[str]) -> list[str]:
+    """Run ids for ``names`` (each a run id or a label; a label may name several runs)."""
+    resolved: list[str] = []
+    for name in names:
+        ids = runs.filter(pl.col("run_id") == name)["run_id"].to_list()
+        ids = ids or runs.filter(pl.col("label") == name)["run_id"].to_list()
+        if not ids:
+            known = ", ".join(f"{r} ({lbl})" for r, lbl in runs.select("run_id", "label").rows())
+            raise AnalysisError(f"no run with id or label {name!r}; runs: {known or 'none'}")
+        resolved += [i for i in ids if i not in resolved]
+    return resolved
+
+
+def baseline_for(info: pl.DataFrame, run_id: str) -> str | None:
+    """The most recent feature-OFF run of the same workload as the feature-ON run ``run_id``."""
+    row = info.filter(pl.col("run_id") == run_id)
+    if row.is_empty() or row["feature"][0] != FEATURE_ON or row["workload_key"][0] is None:
+        return None
+    offs = info.filter(
+        (pl.col("feature") == FEATURE_OFF) & (pl.col("workload_key") == row["workload_key"][0])
+    ).sort("started_at")
+    return offs["run_id"][-1] if offs.height else None
+
+
+def choose_pair(info: pl.DataFrame) -> tuple[str, str]:
+    """The pair to compare when none was named: (ON, OFF) of one workload, else the only two."""
+    ons = info.filter(pl.col("feature") == FEATURE_ON).sort("started_at", descending=True)
+    for run_id in ons["run_id"]:
+        off = baseline_for(info, run_id)
+        if off is not None:
+            return run_id, off
+    if info.height == 2:
+        a, b = info["run_id"].to_list()
+        return a, b
+    raise AnalysisError(
+        f"compare needs two runs: found {info.height} and no feature ON/OFF pair of one "
+        "workload; name them with runs=A,B (ids or labels)"
+    )
+
+
+def pick_runs(ctx: AnalysisContext, names: Sequence[str] | None) -> tuple[str, str]:
+    """The two run ids to compare: named ones (ids or labels), else :func:`choose_pair`."""
+    if names:
+        ids = resolve_runs(all_runs(ctx), names)
+        if len(ids) != 2:
+            raise AnalysisError(
+                f"compare needs exactly two runs; {', '.join(names)} name {len(ids)}"
+            )
+        missing = [i for i in ids if ctx.runs is not None and i not in ctx.runs]
+        if missing:
+            raise AnalysisError(f"run(s) {', '.join(missing)} are not in the selected runs")
+        return ids[0], ids[1]
+    return choose_pair(context_run_info(ctx))
+
+
+def context_run_info(ctx: AnalysisContext) -> pl.DataFrame:
+    """:func:`run_info` of the selected runs, cached per context."""
+    return ctx.cached("compare:run_info", lambda: run_info(ctx.run_table(), ctx.ledger()))
+
+
+# --- per-run numbers --------------------------------------------------------------------------
+
+
+def _with_prefill_split(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Add ``transfer_ms`` and ``compute_ms`` (null where the run had no engine hooks)."""
+    hooks = pl.col("decision").is_not_null().any().over("run_id")
+    transfer = pl.when(hooks).then(pl.col("d2p_ms").fill_null(0.0))
+    return ledger.with_columns(
+        transfer.alias("transfer_ms"), hooks.alias("engine_hooks")
+    ).with_columns(
+        (pl.col("prefill_ms") - pl.col("transfer_ms")).clip(lower_bound=0.0).alias("compute_ms")
+    )
+
+
+def run_stats(ledger: pl.DataFrame) -> pl.DataFrame:
+    """TTFT, prefill split, task time and reused-turn counts per run (pure).
+
+    Task time per conversation = first arrival → last byte; the TTFT share is Σ TTFT over Σ task
+    time (turns without a TTFT, e.g. errored ones, add nothing).
+    """
+    split = _with_prefill_split(ledger)
+    per_turn = split.group_by("run_id", maintain_order=True).agg(
+        pl.len().alias("turns"),
+        pl.col("conversation_id").n_unique().alias("conversations"),
+        pl.col("errored").sum().alias("errored_turns"),
+        pl.col("ttft_ms").quantile(0.5, "linear").alias("ttft_p50_ms"),
+        pl.col("ttft_ms").quantile(0.9, "linear").alias("ttft_p90_ms"),
+        pl.col("prefill_ms").mean().alias("prefill_ms_mean"),
+        pl.col("compute_ms").mean().alias("prefill_compute_ms_mean"),
+        pl.col("transfer_ms").mean().alias("transfer_ms_mean"),
+        (pl.col("ttft_ms").sum() / 1e3).alias("_ttft_s"),
+        pl.col("ttft_ms").is_not_null().any().alias("_ttft_seen"),
+        (pl.col("outcome") == outcomes.REUSED_REMOTE).sum().alias("turns_reused_remote"),
+        (pl.col("outcome") == outcomes.REUSED_LOCAL).sum().alias("turns_reused_local"),
+        pl.col("engine_hooks").first().alias("engine_hooks"),
+    )
+    tasks = (
+        ledger.group_by(["run_id", "conversation_id"])
+        .agg(((pl.col("end").max() - pl.col("arrival").min()).dt.total_microseconds() / 1e6)
+             .alias("task_s"))
+        .group_by("run_id")
+        .agg(
+            pl.col("task_s").quantile(0.5, "linear").alias("task_time_p50_s"),
+            pl.col("task_s").quantile(0.9, "linear").alias("task_time_p90_s"),
+            pl.col("task_s").sum().alias("task_time_total_s"),
+        )
+    )
+    joined = per_turn.join(tasks, on="run_id", how="left").with_columns(
+        pl.when(pl.col("_ttft_seen") & (pl.col("task_time_total_s") > 0))
+        .then(pl.col("_ttft_s") / pl.col("task_time_total_s")).alias("ttft_share_of_task")
+    )
+    return joined.select([pl.col(c).cast(t) for c, t in STATS_COLUMNS.items()])
+
+
+def retention_totals(frame: pl.DataFrame | None) -> pl.DataFrame:
+    """Retained GiB·s per run from the ``retention_cost`` result (pure; empty when absent).
+
+    The total is the analysis's own total column when it has one, else the sum of its
+    useful/idle/wasted/open parts; engines of one run are summed.
+    """
+    if frame is None or "run_id" not in frame.columns:
+        return pl.DataFrame(schema=RETENTION_COLUMNS)
+    total_name = next((c for c in _RETENTION_TOTAL if c in frame.columns), None)
+    parts = [c for c in _RETENTION_PARTS if c in frame.columns]
+    if total_name is None and not parts:
+        return pl.DataFrame(schema=RETENTION_COLUMNS)
+    total = pl.col(total_name) if total_name else pl.sum_horizontal(parts)
+    aggs = [total.sum().alias("retained_gib_s")] + [
+        (pl.col(c).sum() if c in frame.columns else pl.lit(None, pl.Float64)).alias(c)
+        for c in ("useful_gib_s", "idle_gib_s", "wasted_gib_s")
+    ]
+    out = frame.group_by("run_id", maintain_order=True).agg(aggs)
+    return out.select([pl.col(c).cast(t) for c, t in RETENTION_COLUMNS.items()])
+
+
+def optional_analysis(ctx: AnalysisContext, name: str,
+                      params: Mapping[str, Any] | None = None) -> pl.DataFrame | None:
+    """The result of analysis ``name``, or None while no module registers it."""
+    if name not in registry.analyses():
+        return None
+    return registry.run(ctx, name, params)
+
+
+def context_retention(ctx: AnalysisContext) -> pl.DataFrame:
+    """Retained GiB·s per selected run; empty (not measured) without ``retention_cost``."""
+    return retention_totals(optional_analysis(ctx, "retention_cost"))
+
+
+# --- comparison -------------------------------------------------------------------------------
+
+
+def _nice(value: float) -> int:
+    """``value`` rounded to two significant digits (readable bin edges)."""
+    if value <= 0:
+        return 0
+    digits = len(str(int(value))) - 2
+    step = 10 ** max(digits, 0)
+    return int(round(value / step) * step)
+
+
+def prompt_bins(prompt_tokens: pl.Series, bins: int) -> list[int]:
+    """Inner bin edges: quantiles of the prompt lengths, rounded, strictly increasing (pure)."""
+    values = prompt_tokens.drop_nulls()
+    if values.is_empty() or bins <= 1:
+        return []
+    edges: list[int] = []
+    for i in range(1, bins):
+        q = values.quantile(i / bins, "nearest")
+        edge = _nice(float(q)) if q is not None else 0
+        if edge > 0 and (not edges or edge > edges[-1]):
+            edges.append(edge)
+    return edges
+
+
+def by_prompt_table(ledger: pl.DataFrame, labels: Mapping[str, str], edges: Sequence[int],
+                    ) -> pl.DataFrame:
+    """p50/p90 TTFT and the mean prefill split per prompt-length bin per run (pure).
+
+    Bin i covers [edge_{i-1}, edge_i) with open ends; ``bin_lo_tokens``/``bin_hi_tokens`` are
+    the observed minimum and maximum prompt length in the bin (so the open ends read true).
+    """
+    split = _with_prefill_split(ledger.filter(pl.col("prompt_tokens").is_not_null()))
+    bin_index = pl.sum_horizontal(
+        [(pl.col("prompt_tokens") >= e).cast(pl.Int64) for e in edges] or [pl.lit(0, pl.Int64)]
+    )
+    table = (
+        split.with_columns(bin_index.alias("bin"))
+        .group_by(["run_id", "bin"])
+        .agg(
+            pl.col("prompt_tokens").min().alias("bin_lo_tokens"),
+            pl.col("prompt_tokens").max().alias("bin_hi_tokens"),
+            pl.len().alias("turns"),
+            pl.col("ttft_ms").quantile(0.5, "linear").alias("ttft_p50_ms"),
+            pl.col("ttft_ms").quantile(0.9, "linear").alias("ttft_p90_ms"),
+            pl.col("prefill_ms").mean().alias("prefill_ms_mean"),
+            pl.col("compute_ms").mean().alias("prefill_compute_ms_mean"),
+            pl.col("transfer_ms").mean().alias("transfer_ms_mean"),
+        )
+        .with_columns(pl.col("run_id").replace_strict(labels, default=pl.col("run_id"))
+                      .alias("label"))
+    )
+    order = {run: i for i, run in enumerate(labels)}
+    return (
+        table.with_columns(pl.col("run_id").replace_strict(order, default=len(order),
+                                                           return_dtype=pl.Int64).alias("_o"))
+        .sort(["bin", "_o"])
+        .select([pl.col(c).cast(t) for c, t in BY_PROMPT_COLUMNS.items()])
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def summary_table(pair: tuple[str, str], labels: Mapping[str, str], stats: pl.DataFrame,
+                  reuse: pl.DataFrame, retention: pl.DataFrame) -> pl.DataFrame:
+    """The two runs' metrics side by side, one row per metric, with ratio a / b (pure)."""
+    merged = stats.join(
+        reuse.select("run_id", "token_reuse_rate", "local_share", "remote_share"),
+        on="run_id", how="left",
+    ).join(retention, on="run_id", how="left")
+    values: dict[str, dict[str, Any]] = {
+        row["run_id"]: row for row in merged.iter_rows(named=True)
+    }
+    a, b = pair
+    rows = []
+    for metric, unit in SUMMARY_METRICS:
+        va = values.get(a, {}).get(metric)
+        vb = values.get(b, {}).get(metric)
+        va = None if va is None else float(va)
+        vb = None if vb is None else float(vb)
+        rows.append({"metric": metric, "unit": unit, "run_a": a, "label_a": labels.get(a),
+                     "value_a": va, "run_b": b, "label_b": labels.get(b), "value_b": vb,
+                     "ratio": _ratio(va, vb)})
+    return pl.DataFrame(rows, schema=SUMMARY_COLUMNS)
+
+
+def _labels(info: pl.DataFrame, pair: Sequence[str]) -> dict[str, str]:
+    """Display names for ``pair``, in that order: label, plus the id when labels repeat."""
+    names = dict(info.select("run_id", "label").rows())
+    labels = {run: names.get(run) or run for run in pair}
+    if len(set(labels.values())) < len(labels):
+        labels = {run: f"{name} ({run})" for run, name in labels.items()}
+    return labels
+
+
+def comparison(ctx: AnalysisContext, runs: Sequence[str] | None = None, bins: int = 8,
+               ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(summary, by-prompt table) for the pair ``runs`` names, or the chosen pair."""
+    pair = pick_runs(ctx, runs)
+    info = run_info(all_runs(ctx), ctx.ledger())
+    labels = _labels(info, pair)
+    ledger = ctx.ledger().filter(pl.col("run_id").is_in(pair))
+    if ledger.is_empty():
+        raise AnalysisError(f"runs {pair[0]} and {pair[1]} have no turns in the store")
+    edges = prompt_bins(ledger["prompt_tokens"], bins)
+    by_prompt = by_prompt_table(ledger, labels, edges)
+    summary = summary_table(pair, labels, run_stats(ledger), reuse_table(ledger, "run"),
+                            context_retention(ctx))
+    return summary, by_prompt
+
+
+_RUNS_PARAM = Param("runs", list, None, "two run ids or labels (default: an ON/OFF pair)")
+
+
+@register(
+    "compare",
+    "Two runs side by side (TTFT, task time, prefill split, reuse, retention; ratio a / b)",
+    params=(_RUNS_PARAM,),
+    columns=SUMMARY_COLUMNS,
+)
+def compare(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
+    return comparison(ctx, params["runs"])[0]
+
+
+@register(
+    "compare_by_prompt",
+    "TTFT p50/p90 and prefill compute vs transfer per prompt-length bin, two runs",
+    params=(_RUNS_PARAM, Param("bins", int, 8, "number of prompt-length bins (quantiles)")),
+    columns=BY_PROMPT_COLUMNS,
+)
+def compare_by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
+    return comparison(ctx, params["runs"], params["bins"])[1]
+
+
+def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int:
+    """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
+    from kvscope.cli import format_rows  # the CLI imports this module: import it late
+
+    with AnalysisContext.open(db) as ctx:
+        summary, by_prompt = comparison(ctx, list(runs) if runs else None)
+    if fmt == "table":
+        print(format_rows(summary.columns, summary.rows(), fmt), end="")
+        print()
+        print(format_rows(by_prompt.columns, by_prompt.rows(), fmt), end="")
+    elif fmt == "json":
+        summary_rows = json.loads(format_rows(summary.columns, summary.rows(), fmt))
+        prompt_rows = json.loads(format_rows(by_prompt.columns, by_prompt.rows(), fmt))
+        print(json.dumps({"summary": summary_rows, "by_prompt": prompt_rows}, indent=2))
+    else:
+        print(format_rows(summary.columns, summary.rows(), fmt), end="")
+    return 0
