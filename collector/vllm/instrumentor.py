@@ -137,12 +137,22 @@ def count_blocks(block_ids: Any) -> tuple[int, int, Sequence[Sequence[int]]]:
     return max((len(g) for g in groups), default=0), len(groups), groups
 
 
-def blocks_and_bytes(kv_cache_config: Any, block_ids: Any) -> tuple[int, int]:
-    """Blocks and bytes a block-id argument covers, from the KV cache spec."""
+def blocks_and_bytes(
+    kv_cache_config: Any, block_ids: Any, cache: dict[int, list[int]] | None = None
+) -> tuple[int, int]:
+    """Blocks and bytes a block-id argument covers, from the KV cache spec.
+
+    ``cache`` keeps the per-group block sizes by group count: the spec's ``page_size_bytes``
+    asks torch for the dtype size, which costs more than everything else here.
+    """
     blocks, n_groups, groups = count_blocks(block_ids)
     if n_groups == 0:
         return 0, 0
-    sizes = block_bytes_per_group(kv_cache_config, n_groups)
+    sizes = cache.get(n_groups) if cache is not None else None
+    if sizes is None:
+        sizes = block_bytes_per_group(kv_cache_config, n_groups)
+        if cache is not None:
+            cache[n_groups] = sizes
     return blocks, sum(len(g) * size for g, size in zip(groups, sizes, strict=False))
 
 
@@ -195,6 +205,7 @@ class _EngineState:
     reads: dict[str, _Read] = field(default_factory=dict)
     read_failures: dict[str, str] = field(default_factory=dict)
     expired_seen: bool = False
+    block_sizes: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -585,7 +596,7 @@ class NixlConnectorInstrumentor:
             return
         if params.get("do_remote_prefill"):
             return  # prefill holding blocks for decode's P→D pull: a lease, not retention
-        blocks, size = blocks_and_bytes(sched.kv_cache_config, block_ids)
+        blocks, size = blocks_and_bytes(sched.kv_cache_config, block_ids, state.block_sizes)
         ttl = float(sched.decoder_kv_blocks_ttl)
         expiry = float(params["remote_blocks_expiry_time"])
         pin = _Pin(
@@ -646,7 +657,7 @@ class NixlConnectorInstrumentor:
             local = meta.local_block_ids
             if not any(len(group) for group in local):
                 continue  # notify-only: nothing is read
-            blocks, size = blocks_and_bytes(worker.kv_cache_config, local)
+            blocks, size = blocks_and_bytes(worker.kv_cache_config, local, state.block_sizes)
             remote = meta.remote
             state.reads[req_id] = _Read(
                 now, blocks, size,

@@ -1,0 +1,171 @@
+"""Per-call overhead of kvscope's hooks on the real vLLM 0.33.0 NIXL scheduler role.
+
+Run in the vLLM venv: ``.venv-vllm/bin/python tests/benchmarks/bench_vllm_hooks.py``. Each hooked
+scheduler method is timed on the real ``NixlPullConnectorScheduler``, uninstrumented and
+instrumented, in the same run, interleaved in rounds (best round kept, so background noise on a
+shared machine inflates neither side); the table prints both and the added µs per call. The
+target is ≤ 5 µs added per call. Worker-side hooks are not timed: the worker role needs
+registered KV caches (a GPU) to be constructed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import (  # noqa: E402
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor  # noqa: E402
+
+N = 2000
+ROUNDS = 7
+
+
+class Discard(SpanExporter):
+    """Accepts spans and drops them: the export cost is not on the scheduler's path anyway."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+def cases() -> dict[str, Callable[[], Callable[[], None]]]:
+    """Name → factory of a no-argument call on fresh real objects (built outside the timing)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    from tests.vllm_contract.conftest import kv_cache_config, vllm_config
+
+    def connector(kv_role: str) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+        return NixlConnector(vllm_config(kv_role), KVConnectorRole.SCHEDULER,
+                             kv_cache_config(4096)).connector_scheduler
+
+    offer = {"do_remote_decode": True, "do_remote_prefill": False,
+             "remote_block_ids": [list(range(10))], "remote_engine_id": "d",
+             "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600,
+             "remote_num_tokens": 160}
+
+    def matched() -> Callable[[], None]:
+        sched = connector("kv_producer")
+        req = Request("p", list(range(170)), SamplingParams(max_tokens=1), None)
+        req.kv_transfer_params = dict(offer)
+        return lambda: sched.get_num_new_matched_tokens(req, 16)
+
+    def schedule() -> Callable[[], None]:
+        sched = connector("kv_producer")
+        req = Request("p", list(range(170)), SamplingParams(max_tokens=1), None)
+        blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(10)],))
+
+        def call() -> None:
+            req.kv_transfer_params = dict(offer)
+            count, _ = sched.get_num_new_matched_tokens(req, 16)
+            sched.update_state_after_alloc(req, blocks, count)
+            sched._reqs_need_recv.clear()
+            sched._reqs_in_batch.clear()
+
+        return call
+
+    def pin_release() -> Callable[[], None]:
+        sched = connector("kv_consumer")
+        req = Request("d", list(range(170)), SamplingParams(max_tokens=1), None)
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.num_computed_tokens = 172
+        block_ids = (list(range(11)),)
+        output = KVConnectorOutput(finished_sending={"d"})
+
+        def call() -> None:
+            req.kv_transfer_params = {"do_remote_prefill": False, "do_remote_decode": False}
+            sched.request_finished(req, block_ids)
+            sched.update_connector_output(output)
+            sched._reqs_need_send.clear()
+
+        return call
+
+    def idle_output() -> Callable[[], None]:
+        sched = connector("kv_consumer")
+        output = KVConnectorOutput()
+        return lambda: sched.update_connector_output(output)
+
+    return {
+        "get_num_new_matched_tokens": matched,
+        "schedule (matched + update_state_after_alloc)": schedule,
+        "request_finished + update_connector_output (pin, release)": pin_release,
+        "update_connector_output (empty step)": idle_output,
+    }
+
+
+def per_call_us(call: Callable[[], None]) -> float:
+    for _ in range(200):
+        call()
+    start = time.perf_counter()
+    for _ in range(N):
+        call()
+    return (time.perf_counter() - start) / N * 1e6
+
+
+def main() -> None:
+    import logging
+
+    from kvscope.collector import engine_telemetry
+
+    logging.disable(logging.WARNING)  # vLLM's connector banner per construction
+    instrumentor = NixlConnectorInstrumentor()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(Discard()))
+    meter_provider = MeterProvider()
+    span_builders = {name: getattr(engine_telemetry.EngineTelemetry, name)
+                     for name in ("_emit_decision", "_emit_transfer", "_emit_retention")}
+
+    def run(mode: str, factory: Callable[[], Callable[[], None]]) -> float:
+        if mode != "plain":
+            instrumentor.instrument(tracer_provider=tracer_provider,
+                                    meter_provider=meter_provider)
+        for name, builder in span_builders.items():
+            # "hook path": the telemetry thread drains records without building spans, so
+            # the time is what the scheduler's thread pays; "all": span building shares the
+            # 2 cores and the GIL with it.
+            setattr(engine_telemetry.EngineTelemetry, name,
+                    (lambda self, r: None) if mode == "hook path" else builder)
+        try:
+            return per_call_us(factory())  # objects built after instrumenting, as in vLLM
+        finally:
+            instrumentor.uninstrument()
+            for name, builder in span_builders.items():
+                setattr(engine_telemetry.EngineTelemetry, name, builder)
+
+    modes = ("plain", "hook path", "all")
+    print(f"{'hooked call':58} {'plain µs':>9} {'hook path':>10} {'added':>7} "
+          f"{'with spans':>11} {'added':>7}")
+    for name, factory in cases().items():
+        best = dict.fromkeys(modes, float("inf"))
+        for _ in range(ROUNDS):
+            for mode in modes:
+                best[mode] = min(best[mode], run(mode, factory))
+        plain = best["plain"]
+        print(f"{name:58} {plain:9.2f} {best['hook path']:10.2f} "
+              f"{best['hook path'] - plain:7.2f} {best['all']:11.2f} {best['all'] - plain:7.2f}")
+    print(f"(µs per call, best of {ROUNDS} rounds × {N} calls, interleaved; target: hook path "
+          "adds ≤ 5 µs per call)")
+
+
+if __name__ == "__main__":
+    main()
