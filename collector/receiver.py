@@ -27,10 +27,10 @@ import signal
 import sys
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 from aiohttp import web
@@ -65,9 +65,10 @@ _CONTENT_TYPES: dict[str, Encoding] = {
 _MEDIA_TYPES: dict[Encoding, str] = {v: k for k, v in _CONTENT_TYPES.items()}
 _RETRY_AFTER_S = 1
 _READ_CHUNK = 256 * 1024
-# Decoding is CPU work; two threads keep the event loop answering (health, new requests)
-# without oversubscribing small machines.
-_DECODE_THREADS = 2
+# Decoding is CPU work under the GIL: one thread keeps the event loop answering (health, new
+# requests) while a second would only contend with it; DuckDB's insert runs in parallel on the
+# writer thread with the GIL released.
+_DECODE_THREADS = 1
 
 
 @dataclass
@@ -112,7 +113,7 @@ def _status_response(refused: _Refused, encoding: Encoding) -> web.Response:
     )
 
 
-def gunzip_limited(body: bytes, limit: int) -> bytes:
+def _gunzip_limited(body: bytes, limit: int) -> bytes:
     """Decompress a gzip body (one or more members), refusing output past ``limit`` bytes."""
     out: list[bytes] = []
     total = 0
@@ -183,8 +184,9 @@ class _OtlpServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self._executor.shutdown(wait=True)
-        await asyncio.get_running_loop().run_in_executor(None, self.writer.close)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._executor.shutdown)
+        await loop.run_in_executor(None, self.writer.close)
 
     # --- handlers ------------------------------------------------------------------------------
 
@@ -301,7 +303,7 @@ class _OtlpServer:
     # --- decoding (on the executor) -------------------------------------------------------------
 
     def _inflate(self, body: bytes, gzipped: bool) -> bytes:
-        return gunzip_limited(body, self.max_request_bytes) if gzipped else body
+        return _gunzip_limited(body, self.max_request_bytes) if gzipped else body
 
     def _decode_traces(
         self, body: bytes, gzipped: bool, encoding: Encoding
@@ -383,6 +385,8 @@ class Receiver:
 
     def start(self) -> Receiver:
         """Open the store, start listening, and return self."""
+        if self._server is not None:
+            return self
         writer = _open_writer(self.db_path, self.max_queue_rows)
         server = _OtlpServer(
             writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows
@@ -438,7 +442,7 @@ def run_receiver(
     *,
     max_request_bytes: int | None = None,
     max_queue_rows: int | None = None,
-    on_ready: Any = None,
+    on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly (blocking; for the CLI).
 
@@ -490,4 +494,4 @@ def main_serve(db: str, host: str | None, port: int | None) -> int:
     return 0
 
 
-__all__ = ["Receiver", "ReceiverStats", "gunzip_limited", "main_serve", "run_receiver"]
+__all__ = ["Receiver", "ReceiverStats", "main_serve", "run_receiver"]

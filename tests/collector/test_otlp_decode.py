@@ -477,4 +477,4 @@ def test_random_attributes_store_identically_through_both_paths(attrs: dict[str,
 
     assert received == in_process
     # And both store what stringify() makes of the SDK's own values.
-    assert received[0] == {k: stringify(v) for k, v in spans[0].attributes.items()}
+    assert received[0] == {k: stringify(v) for k, v in (spans[0].attributes or {}).items()}

@@ -144,6 +144,7 @@ def test_official_metric_exporter_rows_equal_the_in_process_rows(
     meter.create_counter("not_stored").add(1)
     data = reader.get_metrics_data()
     provider.shutdown()
+    assert data is not None
     exporter = OTLPMetricExporter(endpoint=f"{receiver.url}/v1/metrics", compression=compression)
 
     assert exporter.export(data) is MetricExportResult.SUCCESS
