@@ -12,7 +12,8 @@ PYTHON="${PYTHON:-python3}"
 VENV="${VLLM_VENV:-.venv-vllm}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvscope-vllm-complete"
-WANT="$(sha256sum "$0" | cut -d' ' -f1)"
+# The editable install registers kvscope's entry points: a pyproject change re-runs it.
+WANT="$(cat "$0" pyproject.toml | sha256sum | cut -d' ' -f1)"
 
 probe() {
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$PY" - <<'EOF' >/dev/null 2>&1
