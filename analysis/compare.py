@@ -124,9 +124,10 @@ SUMMARY_METRICS: tuple[tuple[str, str], ...] = (
     ("wasted_gib_s", "GiB*s"),
 )
 
-# Column names the retention_cost analysis may use for its totals (it is written elsewhere).
-_RETENTION_TOTAL = ("gib_s", "total_gib_s", "retained_gib_s", "held_gib_s")
-_RETENTION_PARTS = ("useful_gib_s", "idle_gib_s", "wasted_gib_s", "open_gib_s")
+# retention_cost's columns (analysis/retention.py) → the names used here.
+_RETENTION_TOTAL = "gib_s_total"
+_RETENTION_PARTS = {"useful_gib_s": "gib_s_useful", "idle_gib_s": "gib_s_idle",
+                    "wasted_gib_s": "gib_s_wasted"}
 RETENTION_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
     "retained_gib_s": pl.Float64(),
@@ -321,23 +322,20 @@ def run_stats(ledger: pl.DataFrame) -> pl.DataFrame:
 
 
 def retention_totals(frame: pl.DataFrame | None) -> pl.DataFrame:
-    """Retained GiB·s per run from the ``retention_cost`` result (pure; empty when absent).
+    """Retained GiB·s per run (engines summed) from the ``retention_cost`` result (pure).
 
-    The total is the analysis's own total column when it has one, else the sum of its
-    useful/idle/wasted/open parts; engines of one run are summed.
+    Empty, so every value reads "not measured", when the analysis is absent or lacks its total.
     """
-    if frame is None or "run_id" not in frame.columns:
+    if frame is None or not {"run_id", _RETENTION_TOTAL} <= set(frame.columns):
         return pl.DataFrame(schema=RETENTION_COLUMNS)
-    total_name = next((c for c in _RETENTION_TOTAL if c in frame.columns), None)
-    parts = [c for c in _RETENTION_PARTS if c in frame.columns]
-    if total_name is None and not parts:
-        return pl.DataFrame(schema=RETENTION_COLUMNS)
-    total = pl.col(total_name) if total_name else pl.sum_horizontal(parts)
-    aggs = [total.sum().alias("retained_gib_s")] + [
-        (pl.col(c).sum() if c in frame.columns else pl.lit(None, pl.Float64)).alias(c)
-        for c in ("useful_gib_s", "idle_gib_s", "wasted_gib_s")
+    parts = [
+        (pl.col(source).sum() if source in frame.columns else pl.lit(None, pl.Float64))
+        .alias(name)
+        for name, source in _RETENTION_PARTS.items()
     ]
-    out = frame.group_by("run_id", maintain_order=True).agg(aggs)
+    out = frame.group_by("run_id", maintain_order=True).agg(
+        pl.col(_RETENTION_TOTAL).sum().alias("retained_gib_s"), *parts
+    )
     return out.select([pl.col(c).cast(t) for c, t in RETENTION_COLUMNS.items()])
 
 

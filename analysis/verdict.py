@@ -46,6 +46,7 @@ COLUMNS: dict[str, pl.DataType] = {
     "useful_gib_s": pl.Float64(),
     "idle_gib_s": pl.Float64(),
     "wasted_gib_s": pl.Float64(),
+    "retention_note": pl.String(),
     "ttft_p50_ms": pl.Float64(),
     "ttft_p90_ms": pl.Float64(),
     "ttft_share_of_task": pl.Float64(),
@@ -80,13 +81,15 @@ def _change(new: Any, old: Any) -> float | None:
     return float(new) / float(old) - 1.0
 
 
-def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFrame,
+def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFrame | None,
                   ) -> pl.DataFrame:
     """One verdict row per run of ``info`` (pure).
 
-    ``info`` is :func:`compare.run_info` (all runs, for finding baselines), ``ledger`` the
-    per-turn ledger of those runs and ``retention`` :func:`compare.retention_totals`.
+    ``info`` is :func:`compare.run_info` (the runs, among which baselines are found),
+    ``ledger`` the per-turn ledger of those runs and ``retention`` the ``retention_cost``
+    result (None when no module registers it).
     """
+    totals = compare.retention_totals(retention)
     stats = compare.run_stats(ledger)
     reuse = reuse_table(ledger, "run").select(
         "run_id", "turns", "token_reuse_rate", "local_share", "remote_share", "turns_unknown"
@@ -96,7 +99,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         .join(stats, on="run_id", how="left")
         .join(reuse, on="run_id", how="left")
         .join(_top_causes(cause_table(ledger)), on="run_id", how="left")
-        .join(retention, on="run_id", how="left")
+        .join(totals, on="run_id", how="left")
         .with_columns(pl.col("later_turns").fill_null(
             pl.when(pl.col("turns").is_not_null()).then(0)))
     )
@@ -106,6 +109,10 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         base_id = compare.baseline_for(info, run_id)
         base = by_id.get(base_id) if base_id else None
         row = dict(row)
+        if retention is None:
+            row["retention_note"] = "the retention_cost analysis is not available"
+        elif row.get("retained_gib_s") is None:
+            row["retention_note"] = "no retention spans in this run"
         row["baseline_run_id"] = base_id
         row["baseline_label"] = base["label"] if base else None
         for col, metric in (("ttft_p50_change", "ttft_p50_ms"),
@@ -171,8 +178,8 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
         out.append("No later turn missed reuse.")
     gib_s = row.get("retained_gib_s")
     if gib_s is None:
-        out.append(f"Retention cost: {NOT_MEASURED} (no retention_cost analysis or no "
-                   "retention spans).")
+        why = row.get("retention_note") or "no retention data"
+        out.append(f"Retention cost: {NOT_MEASURED} ({why}).")
     else:
         parts = [(k, row.get(f"{k}_gib_s")) for k in ("useful", "idle", "wasted")]
         split = ", ".join(f"{k} {v:,.2f}" for k, v in parts if v is not None)
@@ -199,7 +206,7 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
 def context_verdict(ctx: AnalysisContext) -> pl.DataFrame:
     """The verdict of the selected runs (baselines are looked for among them too)."""
     return verdict_table(compare.context_run_info(ctx), ctx.ledger(),
-                         compare.context_retention(ctx))
+                         compare.optional_analysis(ctx, "retention_cost"))
 
 
 @register("verdict", "Per-run verdict: reuse, top miss causes, retention cost, TTFT change",

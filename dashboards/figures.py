@@ -1,0 +1,402 @@
+"""Shared figure builders: one analysis frame in, one plotly figure out (no SQL, no loading).
+
+The HTML report and the Dash pages draw with these, so both show the same picture (STYLE §8).
+Every builder takes the frame its analysis returns (column names in its docstring) and never
+raises on an empty or partial frame: it returns a figure whose annotation says what is missing
+(for example "no engine hooks: transfer times not measured"). Nulls stay gaps, never zeros.
+
+Runs are named by a ``label`` column when the frame has one, else by ``run_id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import plotly.graph_objects as go
+import polars as pl
+
+GIB = float(1 << 30)
+_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf",
+            "#7f7f7f")
+_LAYOUT = {"template": "plotly_white", "height": 420, "margin": {"t": 60, "l": 60, "r": 20}}
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def missing(title: str, message: str) -> go.Figure:
+    """A figure with no data and one annotation saying what is missing."""
+    fig = go.Figure()
+    fig.update_layout(title=title, **_LAYOUT)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
+                       font={"size": 14})
+    return fig
+
+
+def note(fig: go.Figure, message: str) -> go.Figure:
+    """Add a note under the title saying what part of the picture was not measured."""
+    count = len(fig.layout.annotations or ())
+    fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0,
+                       xanchor="left", y=1.0 + 0.06 * (count + 1), yanchor="bottom",
+                       font={"size": 11, "color": "#a33"})
+    return fig
+
+
+def _lacks(frame: pl.DataFrame | None, columns: Iterable[str]) -> list[str]:
+    if frame is None:
+        return list(columns)
+    return [c for c in columns if c not in frame.columns]
+
+
+def _unusable(title: str, frame: pl.DataFrame | None, columns: Sequence[str],
+              what: str) -> go.Figure | None:
+    """The 'missing' figure when ``frame`` is absent, empty or lacks ``columns``; else None."""
+    lacking = _lacks(frame, columns)
+    if frame is None or lacking and len(lacking) == len(columns):
+        return missing(title, f"no data: {what} not measured")
+    if lacking:
+        return missing(title, f"input lacks column(s) {', '.join(lacking)}: {what} not shown")
+    if frame.is_empty():
+        return missing(title, f"no data: {what} not measured")
+    return None
+
+
+def _run_names(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with a ``_name`` column: its label where present, else its run id."""
+    if "label" in frame.columns:
+        name = pl.coalesce(pl.col("label"), pl.col("run_id").cast(pl.String))
+    elif "run_id" in frame.columns:
+        name = pl.col("run_id").cast(pl.String)
+    else:
+        name = pl.lit("all runs")
+    return frame.with_columns(name.fill_null("unnamed run").alias("_name"))
+
+
+def _groups(frame: pl.DataFrame, key: str = "_name") -> list[tuple[str, pl.DataFrame]]:
+    names = frame[key].unique(maintain_order=True).to_list()
+    return [(str(n), frame.filter(pl.col(key) == n)) for n in names]
+
+
+def _color(i: int) -> str:
+    return _PALETTE[i % len(_PALETTE)]
+
+
+def _all_null(frame: pl.DataFrame, column: str) -> bool:
+    return column not in frame.columns or frame[column].null_count() == frame.height
+
+
+# --- A/B: TTFT and prefill by prompt length ---------------------------------------------------
+
+
+def _bin_labels(frame: pl.DataFrame) -> pl.DataFrame:
+    return frame.with_columns(
+        pl.format("{}–{}", pl.col("bin_lo_tokens"), pl.col("bin_hi_tokens")).alias("_bin"),
+        ((pl.col("bin_lo_tokens") + pl.col("bin_hi_tokens")) / 2).alias("_mid"),
+    )
+
+
+def ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
+    """TTFT p50 (solid) and p90 (dashed) against prompt length, one pair of lines per run.
+
+    Input: ``compare_by_prompt`` (run_id, label, bin_lo_tokens, bin_hi_tokens, ttft_p50_ms,
+    ttft_p90_ms).
+    """
+    title = "TTFT vs prompt length"
+    bad = _unusable(title, frame, ("bin_lo_tokens", "bin_hi_tokens", "ttft_p50_ms"),
+                    "TTFT by prompt length")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _bin_labels(_run_names(frame)).sort("_mid")
+    if _all_null(data, "ttft_p50_ms"):
+        return missing(title, "no first-token times: TTFT not measured")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        custom = rows.select("_bin", "turns").rows() if "turns" in rows.columns else None
+        hover = "%{customdata[0]} tokens (%{customdata[1]} turns)<br>%{y:.1f} ms" if custom \
+            else "%{x:.0f} tokens<br>%{y:.1f} ms"
+        fig.add_trace(go.Scatter(
+            x=rows["_mid"].to_list(), y=rows["ttft_p50_ms"].to_list(), name=f"{name} p50",
+            mode="lines+markers", line={"color": _color(i)}, customdata=custom,
+            hovertemplate=hover, legendgroup=name))
+        if "ttft_p90_ms" in rows.columns:
+            fig.add_trace(go.Scatter(
+                x=rows["_mid"].to_list(), y=rows["ttft_p90_ms"].to_list(), name=f"{name} p90",
+                mode="lines+markers", line={"color": _color(i), "dash": "dash"},
+                customdata=custom, hovertemplate=hover, legendgroup=name))
+    fig.update_layout(title=title, xaxis_title="prompt tokens (bin midpoint)",
+                      yaxis_title="TTFT (ms)", **_LAYOUT)
+    return fig
+
+
+def prefill_split(frame: pl.DataFrame | None) -> go.Figure:
+    """Prefill leg per prompt bin: paired bars per run, each split into compute and transfer.
+
+    Input: ``compare_by_prompt`` (run_id, label, bin_lo_tokens, bin_hi_tokens,
+    prefill_ms_mean, prefill_compute_ms_mean, transfer_ms_mean). A run without engine hooks has
+    no split: its bar is the whole prefill leg, and a note says transfer was not measured.
+    """
+    title = "Prefill: compute vs D→P transfer, by prompt length"
+    bad = _unusable(title, frame, ("bin_lo_tokens", "bin_hi_tokens", "prefill_ms_mean"),
+                    "prefill time by prompt length")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _bin_labels(_run_names(frame)).sort(["bin_lo_tokens", "_name"])
+    if _all_null(data, "prefill_ms_mean"):
+        return missing(title, "no prefill legs: prefill time not measured")
+    fig = go.Figure()
+    unsplit = []
+    for i, (name, rows) in enumerate(_groups(data)):
+        bins = rows["_bin"].to_list()
+        if _all_null(rows, "prefill_compute_ms_mean") or _all_null(rows, "transfer_ms_mean"):
+            unsplit.append(name)
+            fig.add_trace(go.Bar(x=bins, y=rows["prefill_ms_mean"].to_list(),
+                                 name=f"{name} prefill (split not measured)", offsetgroup=name,
+                                 marker={"color": _color(i), "opacity": 0.5}))
+            continue
+        compute = rows["prefill_compute_ms_mean"].to_list()
+        fig.add_trace(go.Bar(x=bins, y=compute, name=f"{name} compute", offsetgroup=name,
+                             marker={"color": _color(i)}))
+        fig.add_trace(go.Bar(x=bins, y=rows["transfer_ms_mean"].to_list(), base=compute,
+                             name=f"{name} transfer", offsetgroup=name,
+                             marker={"color": _color(i), "pattern": {"shape": "/"},
+                                     "opacity": 0.6}))
+    fig.update_layout(title=title, barmode="group", xaxis_title="prompt tokens",
+                      yaxis_title="mean prefill leg (ms)", **_LAYOUT)
+    if unsplit:
+        note(fig, f"no engine hooks: transfer times not measured for {', '.join(unsplit)}")
+    return fig
+
+
+# --- reuse ------------------------------------------------------------------------------------
+
+
+def reuse_by_turn(frame: pl.DataFrame | None) -> go.Figure:
+    """Share of reusable tokens reused, by turn index: remote (solid) and local (dotted) per run.
+
+    Input: ``reuse_rate`` with by=turn_index (run_id, turn_index, local_share, remote_share).
+    """
+    title = "Reuse by turn index (share of reusable tokens)"
+    bad = _unusable(title, frame, ("turn_index", "local_share", "remote_share"),
+                    "reuse by turn")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame).sort("turn_index")
+    if _all_null(data, "local_share") and _all_null(data, "remote_share"):
+        return missing(title, "reusable tokens not measured (no boundary hashes, no offers)")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        x = rows["turn_index"].to_list()
+        fig.add_trace(go.Scatter(x=x, y=rows["remote_share"].to_list(), name=f"{name} remote",
+                                 mode="lines+markers", line={"color": _color(i)},
+                                 legendgroup=name))
+        fig.add_trace(go.Scatter(x=x, y=rows["local_share"].to_list(), name=f"{name} local",
+                                 mode="lines+markers", line={"color": _color(i), "dash": "dot"},
+                                 legendgroup=name))
+    fig.update_layout(title=title, xaxis_title="turn index", yaxis_title="share of reusable",
+                      yaxis_tickformat=".0%", yaxis_range=[0, 1.05], **_LAYOUT)
+    return fig
+
+
+# Outcomes that are not misses (plain strings, as kvscope.emulator.outcomes spells them).
+NOT_MISSES = ("first_turn", "reused_remote", "reused_local")
+
+
+def miss_causes(frame: pl.DataFrame | None) -> go.Figure:
+    """Missed-reuse causes: share of later turns per cause, one bar series per run.
+
+    Input: ``miss_causes`` (run_id, outcome, turns, share); full-reuse outcomes are left out.
+    """
+    title = "Why reuse did not happen (share of turns k ≥ 2)"
+    bad = _unusable(title, frame, ("outcome", "share"), "miss causes")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame).filter(~pl.col("outcome").is_in(NOT_MISSES))
+    if data.is_empty():
+        return missing(title, "no missed reuse: every later turn reused its earlier KV")
+    order = (data.group_by("outcome").agg(pl.col("share").sum()).sort("share")["outcome"]
+             .to_list())
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        custom = rows["turns"].to_list() if "turns" in rows.columns else None
+        fig.add_trace(go.Bar(
+            y=rows["outcome"].to_list(), x=rows["share"].to_list(), orientation="h", name=name,
+            marker={"color": _color(i)}, customdata=custom,
+            hovertemplate="%{y}: %{x:.1%}" + (" (%{customdata} turns)" if custom else "")))
+    fig.update_layout(title=title, barmode="group", xaxis_tickformat=".0%",
+                      xaxis_title="share of later turns", **_LAYOUT)
+    fig.update_yaxes(categoryorder="array", categoryarray=order)
+    return fig
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+_GPU_SOURCES = ("gpu_memory_used", "gpu_memory_total")
+
+
+def retained_memory(frame: pl.DataFrame | None) -> go.Figure:
+    """Retained KV bytes over time (per decode engine) beside GPU memory, in GiB.
+
+    Input: ``retained_memory`` (run_id, source, engine_id, gpu_host, gpu_index, time,
+    mean_bytes, max_bytes). Time is seconds since each run's first point, so runs recorded at
+    different times line up. GPU series are dashed; without them a note says so.
+    """
+    title = "Retained KV and GPU memory"
+    bad = _unusable(title, frame, ("run_id", "source", "time", "mean_bytes"),
+                    "retained memory (no retention spans or gauges)")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame).with_columns(
+        ((pl.col("time") - pl.col("time").min().over("run_id")).dt.total_milliseconds() / 1e3)
+        .alias("_t"),
+        (pl.col("mean_bytes") / GIB).alias("_gib"),
+    )
+    where = pl.coalesce(
+        [pl.col(c).cast(pl.String) for c in ("engine_id", "gpu_host") if c in data.columns]
+        + [pl.lit("")]
+    )
+    gpu_index = pl.col("gpu_index").cast(pl.String) if "gpu_index" in data.columns else pl.lit(None)
+    data = data.with_columns(
+        pl.concat_str([pl.col("_name"), pl.lit(" "), pl.col("source"), pl.lit(" "), where,
+                       pl.when(gpu_index.is_not_null()).then(pl.lit(":") + gpu_index)
+                       .otherwise(pl.lit(""))]).str.strip_chars().alias("_series")
+    ).sort(["_series", "_t"])
+    fig = go.Figure()
+    runs = data["_name"].unique(maintain_order=True).to_list()
+    for series, rows in _groups(data, "_series"):
+        gpu = rows["source"][0] in _GPU_SOURCES
+        color = _color(runs.index(rows["_name"][0]))
+        fig.add_trace(go.Scatter(
+            x=rows["_t"].to_list(), y=rows["_gib"].to_list(), name=series, mode="lines",
+            line={"color": color, "dash": "dash" if gpu else "solid", "shape": "hv"}))
+    fig.update_layout(title=title, xaxis_title="seconds since the run's first sample",
+                      yaxis_title="GiB", **_LAYOUT)
+    if not data["source"].is_in(_GPU_SOURCES).any():
+        note(fig, "no GPU memory samples: GPU memory not measured")
+    if data["source"].is_in(_GPU_SOURCES).all():
+        note(fig, "no retention spans or retained-bytes gauge: retained KV not measured")
+    return fig
+
+
+# --- task time --------------------------------------------------------------------------------
+
+# Components of task time (DESIGN §5), in stacking order: label → accepted column names.
+TASK_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "input processing": ("input_processing_s",),
+    "transfer": ("transfer_s",),
+    "generation": ("generation_s",),
+    "tool wait": ("tool_wait_s",),
+    "proxy overhead": ("proxy_overhead_s",),
+}
+
+
+def task_time(frame: pl.DataFrame | None, group: str | None = None) -> go.Figure:
+    """Task time decomposed into stacked components, one bar per run (or per ``group`` value).
+
+    Input: a task-time frame with run_id (or ``group``) and component columns in seconds
+    (input_processing_s, transfer_s, generation_s, tool_wait_s, proxy_overhead_s); bars stack
+    the components' sums per group. Components absent or all-null are named in a note.
+    """
+    title = "Task time decomposition"
+    if frame is None or frame.is_empty():
+        return missing(title, "no data: task time not measured")
+    found = {label: next((c for c in names if c in frame.columns), None)
+             for label, names in TASK_COMPONENTS.items()}
+    present = {label: col for label, col in found.items()
+               if col is not None and not _all_null(frame, col)}
+    if not present:
+        return missing(title, "input has no task-time components: task time not measured")
+    data = _run_names(frame)
+    key = group if group and group in data.columns else "_name"
+    sums = data.group_by(key, maintain_order=True).agg(
+        [pl.when(pl.col(col).is_not_null().any()).then(pl.col(col).sum()).alias(label)
+         for label, col in present.items()]
+    )
+    x = sums[key].cast(pl.String).to_list()
+    fig = go.Figure()
+    for i, label in enumerate(present):
+        fig.add_trace(go.Bar(x=x, y=sums[label].to_list(), name=label,
+                             marker={"color": _color(i)}))
+    fig.update_layout(title=title, barmode="stack", yaxis_title="seconds (sum over "
+                      "conversations)", **_LAYOUT)
+    absent = [label for label in TASK_COMPONENTS if label not in present]
+    if absent:
+        note(fig, f"not measured: {', '.join(absent)}")
+    return fig
+
+
+# --- what-if and ladder -----------------------------------------------------------------------
+
+
+def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
+    """Reuse rate (left) and retained GiB·s (right) against TTL, one line per threshold.
+
+    Input: ``whatif`` (ttl_s, threshold, reuse_rate, retained_gib_s; rows of other router TTLs
+    are drawn as separate lines when a router_ttl_s column varies).
+    """
+    from plotly.subplots import make_subplots
+
+    title = "What-if: reuse and retention cost vs decode TTL"
+    bad = _unusable(title, frame, ("ttl_s", "threshold", "reuse_rate", "retained_gib_s"),
+                    "what-if results")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = frame.with_columns(pl.format("threshold {}", pl.col("threshold")).alias("_line"))
+    if "router_ttl_s" in data.columns and data["router_ttl_s"].n_unique() > 1:
+        data = data.with_columns(
+            pl.format("{}, router TTL {}", pl.col("_line"), pl.col("router_ttl_s")).alias("_line"))
+    if "run_id" in data.columns and data["run_id"].n_unique() > 1:
+        data = data.with_columns(pl.format("{} ({})", pl.col("_line"), pl.col("run_id"))
+                                 .alias("_line"))
+    data = data.sort(["_line", "ttl_s"])
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("reuse rate", "retained GiB·s"))
+    for i, (line, rows) in enumerate(_groups(data, "_line")):
+        x = rows["ttl_s"].to_list()
+        fig.add_trace(go.Scatter(x=x, y=rows["reuse_rate"].to_list(), name=line,
+                                 mode="lines+markers", line={"color": _color(i)},
+                                 legendgroup=line), row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=rows["retained_gib_s"].to_list(), name=line,
+                                 mode="lines+markers", line={"color": _color(i)},
+                                 legendgroup=line, showlegend=False), row=1, col=2)
+    fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s)")
+    fig.update_yaxes(tickformat=".0%", row=1, col=1)
+    fig.update_layout(title=title, **_LAYOUT)
+    return fig
+
+
+def reuse_ladder(frame: pl.DataFrame | None) -> go.Figure:
+    """The reuse ladder as a waterfall per run: ideal, the losses to each bound, observed.
+
+    Input: ``ladder`` rows in step order with columns step and tokens (reusable tokens
+    reachable at that step), plus run_id when several runs. Each step after the first is drawn
+    as the loss from the step before; the last step is drawn as a total.
+    """
+    title = "Reuse ladder: ideal → observed (reusable tokens)"
+    bad = _unusable(title, frame, ("step", "tokens"), "the reuse ladder")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame)
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        steps = rows["step"].cast(pl.String).to_list()
+        tokens = rows["tokens"].to_list()
+        if len(steps) < 2 or tokens[0] is None:
+            continue
+        measures, values = ["absolute"], [tokens[0]]
+        for k in range(1, len(tokens)):
+            last = k == len(tokens) - 1
+            if tokens[k] is None or tokens[k - 1] is None:
+                measures.append("relative")
+                values.append(None)
+            else:
+                measures.append("total" if last else "relative")
+                values.append(tokens[k] if last else tokens[k] - tokens[k - 1])
+        fig.add_trace(go.Waterfall(x=steps, y=values, measure=measures, name=name,
+                                   offsetgroup=name,
+                                   decreasing={"marker": {"color": "#d62728"}},
+                                   totals={"marker": {"color": _color(i)}}))
+    if not fig.data:
+        return missing(title, "fewer than two ladder steps: the ladder is not measured")
+    fig.update_layout(title=title, waterfallgroupgap=0.2, yaxis_title="tokens", **_LAYOUT)
+    return fig
