@@ -76,13 +76,16 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
         c("decision").is_not_null() | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()
     ).any().over(_CONVERSATION)
     # With hooks, a turn without a transfer span moved nothing; without hooks it is unknown.
-    d2p = pl.when(hooks).then(c("d2p_ms").fill_null(0.0))
-    p2d = pl.when(hooks).then(c("p2d_ms").fill_null(0.0))
+    # Only transfers inside a leg the proxy timed are part of the turn (a stalled prefill leg
+    # can still show a P→D pull that no decode leg waited for).
+    d2p = pl.when(hooks & c("prefill_ms").is_not_null()).then(c("d2p_ms").fill_null(0.0))
+    p2d = pl.when(hooks & c("decode_ms").is_not_null()).then(c("p2d_ms").fill_null(0.0))
     previous_end = c("end").shift(1).over(_CONVERSATION, order_by=["turn_index", "arrival"])
     gap_s = (c("arrival") - previous_end).dt.total_nanoseconds() / 1e9
     turns = ledger.with_columns(
         (c("prefill_ms") - d2p.fill_null(0.0)).alias("_input_ms"),
-        (d2p + p2d).alias("_transfer_ms"),
+        pl.when(d2p.is_not_null() | p2d.is_not_null())
+        .then(d2p.fill_null(0.0) + p2d.fill_null(0.0)).alias("_transfer_ms"),
         (c("decode_ms") - p2d.fill_null(0.0)).alias("_generation_ms"),
         # The proxy runs the legs it can; a leg span that is missing did not run.
         (c("turn_ms") - c("prefill_ms").fill_null(0.0) - c("decode_ms").fill_null(0.0))
