@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvscope import semconv
 from kvscope.emulator import outcomes
-from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, BlockSeq
+from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks
 
 KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S = 5.0
 TRANSFER_MODE_PULL = "pull"
@@ -130,51 +129,130 @@ class PrefixCache:
 
     Like vLLM's free-block queue, a sequence's blocks are touched tail first, so within one
     sequence the tail is evicted before its prefix and the cache stays prefix-closed.
+
+    The LRU order is kept as *stamps*: a touch of ``n`` blocks gives block ``i`` the stamp
+    ``clock + n - 1 - i`` and advances the clock by ``n``, which is exactly the order an
+    OrderedDict would reach by moving the blocks to its end tail first; eviction removes the
+    smallest stamps, one block at a time in that order (never in bulk beyond the overflow).
+    Blocks are stored by maximal runs of consecutive ids (``seq.runs``), keyed by the run's first
+    id; a run's cached part is always a prefix of it, described by *pieces* ``[end, top]``
+    (offsets ``[previous end, end)`` carry stamps ``top - offset``), newest piece first. With the
+    simulator's run-numbered blocks a touch or lookup costs O(runs), not O(blocks), and since a
+    block's parent always holds a larger stamp (every touch of a block touches its prefix too),
+    the smallest stamp is always some run's last cached block: a heap of run tails finds it.
+    Relies on chained ids (an id fixes its whole prefix), as vLLM's block hashes and the
+    workloads' block ids are.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 0:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()
         self.evicted_blocks = 0
+        self._runs: dict[int, list[list[int]]] = {}
+        self._size = 0
+        self._clock = 0
+        # (stamp of a run's last cached block, run key); stale entries are skipped when popped.
+        self._tails: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._size
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._lru
+        pieces = self._runs.get(block_hash)
+        if pieces is not None:
+            return True
+        # Inside a run: O(runs) scan (not on any hot path).
+        return any(key < block_hash < key + p[-1][0] for key, p in self._runs.items())
 
-    def longest_hit_blocks(self, seq: BlockSeq, max_tokens: int | None = None) -> int:
+    def longest_hit_blocks(self, seq: Blocks, max_tokens: int | None = None) -> int:
         """Leading blocks of ``seq`` cached here, within ``max_tokens`` (default num_tokens - 1)."""
         limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
-        n = min(len(seq.block_hashes), max(limit, 0) // seq.block_size)
-        hashes, lru = seq.block_hashes, self._lru
-        i = 0
-        while i < n and hashes[i] in lru:
-            i += 1
-        return i
+        n = min(seq.num_blocks, max(limit, 0) // seq.block_size)
+        runs = self._runs
+        hit = 0
+        for key, count in seq.runs:
+            if hit >= n:
+                break
+            pieces = runs.get(key)
+            if pieces is None:
+                break
+            cached = pieces[-1][0]
+            if cached < count:
+                hit += cached
+                break
+            hit += count
+        return min(hit, n)
 
-    def touch(self, seq: BlockSeq, num_blocks: int | None = None) -> None:
+    def touch(self, seq: Blocks, num_blocks: int | None = None) -> None:
         """Insert or refresh the first ``num_blocks`` full blocks of ``seq`` (all by default).
 
-        O(blocks touched) in Python: the one per-turn cost that grows with the prompt. A cache of
-        capacity 0 (prefix caching off) costs nothing.
+        O(runs touched); a cache of capacity 0 (prefix caching off) costs nothing.
         """
         if self.capacity_blocks == 0:
             return
-        hashes = seq.block_hashes if num_blocks is None else seq.block_hashes[:num_blocks]
-        lru = self._lru
-        # Most recently used = last; the prefix goes last so the tail is evicted first.
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
+        total = seq.num_blocks
+        n = total if num_blocks is None else len(range(total)[:num_blocks])
+        if n <= 0:
+            return
+        runs, tails, push = self._runs, self._tails, heapq.heappush
+        top = self._clock + n - 1  # the stamp of block 0; it decreases along the sequence
+        self._clock += n
+        left = n
+        for key, count in seq.runs:
+            if left <= 0:
+                break
+            count = min(count, left)
+            left -= count
+            pieces = runs.get(key)
+            if pieces is None or pieces[-1][0] <= count:
+                # The whole cached part is refreshed: one piece, a new tail stamp.
+                self._size += count - (pieces[-1][0] if pieces is not None else 0)
+                runs[key] = [[count, top]]
+                push(tails, (top - count + 1, key))
             else:
-                lru[h] = None
-        overflow = len(lru) - self.capacity_blocks
-        for _ in range(max(overflow, 0)):
-            lru.popitem(last=False)
-        self.evicted_blocks += max(overflow, 0)
+                # A prefix is refreshed; blocks past it keep their (older) stamps and tail.
+                keep = 0
+                while pieces[keep][0] <= count:
+                    keep += 1
+                pieces[:keep] = [[count, top]]
+            top -= count
+        if self._size > self.capacity_blocks:
+            self._evict(self._size - self.capacity_blocks)
+        if len(tails) > 2 * len(runs) + 1024:
+            self._tails = [(p[-1][1] - p[-1][0] + 1, key) for key, p in runs.items()]
+            heapq.heapify(self._tails)
+
+    def _evict(self, overflow: int) -> None:
+        """Remove the ``overflow`` blocks with the smallest stamps (least recently used)."""
+        runs, tails = self._runs, self._tails
+        self._size -= overflow
+        self.evicted_blocks += overflow
+        while overflow > 0:
+            stamp, key = heapq.heappop(tails)
+            pieces = runs.get(key)
+            if pieces is None:
+                continue
+            end, top = pieces[-1]
+            if top - end + 1 != stamp:
+                continue  # stale: the run's tail was refreshed or evicted since
+            start = pieces[-2][0] if len(pieces) > 1 else 0
+            # Blocks of the last piece older than every other run's tail go now, at least one.
+            floor = start
+            if tails:
+                floor = max(start, top - tails[0][0] + 1)
+            drop = min(overflow, max(end - floor, 1))
+            overflow -= drop
+            end -= drop
+            if end > start:
+                pieces[-1][0] = end
+            else:
+                pieces.pop()
+                if not pieces:
+                    del runs[key]
+                    continue
+                end, top = pieces[-1]
+            heapq.heappush(tails, (top - end + 1, key))
 
 
 @dataclass
@@ -207,10 +285,16 @@ class ReadReply:
 
 
 class DecodeNode:
-    """A decode engine: prefix cache, pinned handles for D→P readback, and the TTL reaper."""
+    """A decode engine: prefix cache, pinned handles for D→P readback, and the TTL reaper.
 
-    def __init__(self, config: NodeConfig) -> None:
+    ``compact_block_ids`` puts a ``range`` instead of a list in ``remote_block_ids`` (same ids,
+    O(1) to build): for the simulator, where nothing serialises the params; the HTTP servers keep
+    the exact 0.33.0 list.
+    """
+
+    def __init__(self, config: NodeConfig, *, compact_block_ids: bool = False) -> None:
         self.config = config
+        self.compact_block_ids = compact_block_ids
         self.cache = PrefixCache(
             config.cache_capacity_blocks if config.enable_prefix_caching else 0
         )
@@ -220,7 +304,7 @@ class DecodeNode:
         self.released: list[Retention] = []
 
     def finish_request(
-        self, request_id: str, sequence: BlockSeq, status: str, now: float
+        self, request_id: str, sequence: Blocks, status: str, now: float
     ) -> tuple[Retention | None, dict[str, Any] | None]:
         """``request_finished`` on D for a sequence of prompt + output tokens.
 
@@ -247,7 +331,8 @@ class DecodeNode:
             start=now,
             expiry_local=expiry_local,
         )
-        block_ids = list(range(self._next_block_id, self._next_block_id + blocks))
+        ids = range(self._next_block_id, self._next_block_id + blocks)
+        block_ids = ids if self.compact_block_ids else list(ids)
         self._next_block_id += blocks
         self.handles[request_id] = retention
         heapq.heappush(self._expiries, (expiry_local, request_id))
@@ -262,7 +347,7 @@ class DecodeNode:
         return retention, params
 
     def admit(
-        self, request_id: str, prompt: BlockSeq, params: Mapping[str, Any] | None
+        self, request_id: str, prompt: Blocks, params: Mapping[str, Any] | None
     ) -> TransferRecord | None:
         """D's P→D pull for a new request (``do_remote_prefill`` branch: no threshold)."""
         if not params or not params.get("do_remote_prefill"):
@@ -419,7 +504,7 @@ def kv_transfer_params(
     *,
     is_prefill: bool,
     request_id: str,
-    block_ids: list[int],
+    block_ids: Sequence[int],
     num_computed_tokens: int,
     expiry: float | None,
 ) -> dict[str, Any]:
@@ -453,10 +538,16 @@ def d_to_p_offer_valid(params: Mapping[str, Any] | None) -> bool:
 
 
 class PrefillNode:
-    """A prefill engine: prefix cache, the scheduler's reuse decision and the worker's read."""
+    """A prefill engine: prefix cache, the scheduler's reuse decision and the worker's read.
 
-    def __init__(self, config: NodeConfig, fabric: Fabric | None = None) -> None:
+    ``compact_block_ids``: as for :class:`DecodeNode`, P's params for D carry a ``range``.
+    """
+
+    def __init__(
+        self, config: NodeConfig, fabric: Fabric | None = None, *, compact_block_ids: bool = False
+    ) -> None:
         self.config = config
+        self.compact_block_ids = compact_block_ids
         self.fabric = fabric if fabric is not None else Fabric()
         self.cache = PrefixCache(
             config.cache_capacity_blocks if config.enable_prefix_caching else 0
@@ -464,7 +555,7 @@ class PrefillNode:
         self._requests: dict[str, _RequestState] = {}
 
     def decide(
-        self, request_id: str, prompt: BlockSeq, params: Mapping[str, Any] | None
+        self, request_id: str, prompt: Blocks, params: Mapping[str, Any] | None
     ) -> ReuseDecision:
         """One schedule of ``request_id`` (``num_computed_tokens == 0``): local hit, then offer."""
         state = self._requests.setdefault(
@@ -473,7 +564,7 @@ class PrefillNode:
         state.schedules += 1
         return self._decide(request_id, prompt, state)
 
-    def _decide(self, request_id: str, prompt: BlockSeq, state: _RequestState) -> ReuseDecision:
+    def _decide(self, request_id: str, prompt: Blocks, state: _RequestState) -> ReuseDecision:
         cfg = self.config
         local = self.cache.longest_hit_blocks(prompt) * prompt.block_size
         params = state.params
@@ -532,7 +623,7 @@ class PrefillNode:
     def prefill(
         self,
         request_id: str,
-        prompt: BlockSeq,
+        prompt: Blocks,
         params: Mapping[str, Any] | None,
         now: float,
         faults: Faults = NO_FAULTS,
@@ -637,7 +728,7 @@ class PrefillNode:
         return record(semconv.TRANSFER_OK, True), semconv.RELEASE_READ
 
     def finish_request(
-        self, request_id: str, prompt: BlockSeq, cached_tokens: int = 0
+        self, request_id: str, prompt: Blocks, cached_tokens: int = 0
     ) -> dict[str, Any]:
         """P's params for D after its one-token prefill (P→D: ``do_remote_prefill=True``)."""
         cfg = self.config
@@ -647,7 +738,7 @@ class PrefillNode:
             cfg,
             is_prefill=True,
             request_id=request_id,
-            block_ids=list(range(blocks)),
+            block_ids=range(blocks) if self.compact_block_ids else list(range(blocks)),
             num_computed_tokens=num_computed,
             expiry=None,
         )

@@ -57,7 +57,7 @@ from kvscope.emulator.reuse_model import (
     Retention,
     account_turn,
 )
-from kvscope.emulator.tokens import BlockSeq
+from kvscope.emulator.tokens import BlockRuns, Runs, join_runs, take_runs
 from kvscope.emulator.workloads.model import BlockChain, Workload, block_view
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import insert_arrow
@@ -211,7 +211,7 @@ class _Turn:
     lookup: Lookup
     result: PrefillResult | None
     decode: DecodeNode | None
-    sequence: BlockSeq
+    sequence: BlockRuns
     truth_args: dict[str, Any]
 
 
@@ -234,7 +234,7 @@ class Simulator:
                 kv_bytes_per_token=self.cost.kv_bytes_per_token,
                 block_size=self.cost.block_size,
                 clock_offset_s=s.decode_clock_offset_s * (i + 1),
-            ))
+            ), compact_block_ids=True)
             # vLLM's proxy rewrites remote_host to the decode HTTP host; here both resolve.
             self.fabric.register(node, hosts=(self._decode_http_host(i),))
             self.decoders.append(node)
@@ -249,7 +249,7 @@ class Simulator:
                 cache_capacity_blocks=s.prefill_cache_blocks,
                 kv_bytes_per_token=self.cost.kv_bytes_per_token,
                 block_size=self.cost.block_size,
-            ), self.fabric)
+            ), self.fabric, compact_block_ids=True)
             for i in range(s.prefill_nodes)
         ]
         self._now = 0.0
@@ -308,6 +308,7 @@ class Simulator:
             for n in self.decoders
         ]
         view = block_view(workload)
+        runs = _ChainRuns()
         conversations = workload.conversations
         sends_id = [not self._fault(FAULT_NO_CONVERSATION_ID) for _ in conversations]
         previous_end: dict[int, float] = {}
@@ -376,8 +377,8 @@ class Simulator:
                 record.offered_tokens = int(offered) if isinstance(offered, int) else None
                 if self._fault(FAULT_INVALID_PARAMS):
                     params.pop("remote_request_id", None)
-            prompt = _seq(view.prompt(conv.id, turn.index), turn.prompt_tokens,
-                          workload.block_size)
+            prompt = runs.seq(view.prompt(conv.id, turn.index), turn.prompt_tokens,
+                              workload.block_size)
             faults = Faults(
                 handshake_fails=self._fault(FAULT_HANDSHAKE),
                 transfer_fails=self._fault(FAULT_TRANSFER),
@@ -449,8 +450,8 @@ class Simulator:
             record.chunks = turn.output_tokens
             record.finish_reasons = ["stop"]
             record.end_ns = record.decode_end_ns = ns(end)
-            sequence = _seq(view.sequence(conv.id, turn.index),
-                            turn.prompt_tokens + turn.output_tokens, workload.block_size)
+            sequence = runs.seq(view.sequence(conv.id, turn.index),
+                                turn.prompt_tokens + turn.output_tokens, workload.block_size)
             inflight_turn = _Turn(ci, pos, record, conversation, lookup, result, decode,
                                   sequence, truth_args)
             heapq.heappush(events, (end, seq, ci, pos, inflight_turn))
@@ -463,7 +464,7 @@ class Simulator:
         sink.flush()
         return SimulationResult(run_id, turns, sink.written, truth, final)
 
-    def _emit_decisions(self, tel: EngineTelemetry, result: PrefillResult, prompt: BlockSeq,
+    def _emit_decisions(self, tel: EngineTelemetry, result: PrefillResult, prompt: BlockRuns,
                         t: float, ns: Any, params: Mapping[str, Any]) -> None:
         for decision in (result.decision, result.rescheduled_decision):
             if decision is None:
@@ -563,11 +564,42 @@ def _retention_record(r: Retention, ns: Any) -> KvRetentionRecord:
     )
 
 
-def _seq(chain: BlockChain, num_tokens: int, block_size: int) -> BlockSeq:
-    """A workload chain as the model's block sequence (workload ids already identify prefixes)."""
-    full = num_tokens // block_size
-    ids = chain.ids()[:full]
-    return BlockSeq(tuple(ids), num_tokens, (), block_size)
+class _ChainRuns:
+    """Workload chains as the model's :class:`BlockRuns`, memoised per chain.
+
+    A turn's chain is the previous turn's (memoised) runs cut to what it keeps, plus its own
+    runs, so each turn costs O(runs), never O(blocks); workload ids already identify prefixes.
+    """
+
+    def __init__(self) -> None:
+        # id(chain) is stable: the block view keeps every chain alive for the whole run.
+        self._memo: dict[int, Runs] = {}
+
+    def runs(self, chain: BlockChain) -> Runs:
+        """Maximal runs of all of ``chain``'s block ids."""
+        memo = self._memo
+        found = memo.get(id(chain))
+        if found is not None:
+            return found
+        # Walk down to the nearest memoised base iteratively (chains nest one per turn).
+        pending: list[BlockChain] = []
+        node: BlockChain | None = chain
+        while node is not None and id(node) not in memo:
+            pending.append(node)
+            node = node.base if node.kept else None
+        for link in reversed(pending):
+            head = take_runs(memo[id(link.base)], link.kept) if link.base and link.kept else ()
+            memo[id(link)] = join_runs(head, link.runs)
+        return memo[id(chain)]
+
+    def seq(self, chain: BlockChain, num_tokens: int, block_size: int) -> BlockRuns:
+        """The first ``num_tokens // block_size`` blocks of ``chain``, as the model's sequence."""
+        full = num_tokens // block_size
+        runs = self.runs(chain)
+        blocks = min(full, chain.num_blocks)
+        if blocks < chain.num_blocks:
+            runs = take_runs(runs, blocks)
+        return BlockRuns(runs, blocks, num_tokens, block_size)
 
 
 def _vllm_request_id(x_request_id: str, rng: random.Random) -> str:

@@ -14,7 +14,9 @@ structure, so (contract shared with the servers, the simulator and the workloads
 
 :class:`BlockSeq` is the block-level description the reuse model works on (hashes of full
 blocks, token count, the partial tail's token ids); it extends in O(new tokens), never
-re-hashing the shared prefix, so long agentic prompts stay cheap.
+re-hashing the shared prefix, so long agentic prompts stay cheap. Both it and :class:`BlockRuns`
+(the simulator's form: no per-block tuple at all) expose ``runs``, the sequence's block ids as
+maximal runs of consecutive ids, which is what the reuse model's prefix cache works on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 DEFAULT_BLOCK_SIZE = 16
 END_MARKER = "<|end|>"
@@ -128,6 +131,55 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+Runs = tuple[tuple[int, int], ...]
+
+
+def block_runs(ids: Iterable[int]) -> Runs:
+    """``ids`` as maximal runs ``(first_id, count)`` of consecutive ids, in order.
+
+    With chained ids (an id fixes its whole prefix), whether an id *starts* a maximal run depends
+    on the id alone (its predecessor is always the same), so every sequence that holds an id
+    places it in a run with the same first id: runs can be keyed by their first id.
+    """
+    out: list[tuple[int, int]] = []
+    first = count = 0
+    for block in ids:
+        if count and first + count == block:
+            count += 1
+            continue
+        if count:
+            out.append((first, count))
+        first, count = block, 1
+    if count:
+        out.append((first, count))
+    return tuple(out)
+
+
+def join_runs(head: Runs, tail: Iterable[tuple[int, int]]) -> Runs:
+    """``head`` followed by ``tail``, merging runs that continue one another (stays maximal)."""
+    out = list(head)
+    for first, count in tail:
+        if count <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((first, count))
+    return tuple(out)
+
+
+def take_runs(runs: Runs, blocks: int) -> Runs:
+    """The leading ``blocks`` blocks of ``runs``."""
+    out: list[tuple[int, int]] = []
+    left = blocks
+    for first, count in runs:
+        if left <= 0:
+            break
+        out.append((first, min(count, left)))
+        left -= count
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class BlockSeq:
     """A token sequence as the reuse model sees it: full-block chained hashes plus a count.
@@ -152,6 +204,11 @@ class BlockSeq:
     def num_blocks(self) -> int:
         """Full (hashable) blocks."""
         return len(self.block_hashes)
+
+    @cached_property
+    def runs(self) -> Runs:
+        """The block hashes as maximal runs of consecutive values (see :func:`block_runs`)."""
+        return block_runs(self.block_hashes)
 
     def extend(self, token_ids: Sequence[int]) -> BlockSeq:
         """This sequence followed by ``token_ids``; hashes only the blocks they complete."""
@@ -182,3 +239,34 @@ class BlockSeq:
             else:
                 hi = mid
         return lo
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRuns:
+    """A sequence given by runs of consecutive block ids, never expanded block by block.
+
+    The simulator's workloads number blocks so that a conversation's blocks are mostly one run;
+    this form makes a 100k-token prompt a handful of pairs. ``runs`` must be maximal (as
+    :func:`block_runs` and :func:`join_runs` build them) and hold ``num_blocks`` blocks.
+    """
+
+    runs: Runs
+    num_blocks: int
+    num_tokens: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @classmethod
+    def from_ids(
+        cls, ids: Iterable[int], num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> BlockRuns:
+        """Describe explicit block ids (tests, small inputs)."""
+        runs = block_runs(ids)
+        return cls(runs, sum(count for _, count in runs), num_tokens, block_size)
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        """Every block id, expanded (O(blocks): for tests and small sequences)."""
+        return tuple(i for first, count in self.runs for i in range(first, first + count))
+
+
+Blocks = BlockSeq | BlockRuns
