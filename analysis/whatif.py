@@ -1,0 +1,851 @@
+"""What-if: the observed conversations replayed under other TTL, threshold and router-TTL settings.
+
+DESIGN §5. Three steps, kept apart (STYLE §8): SQL (:data:`QUERIES`: retention and D→P transfer
+spans, the router TTL the proxy recorded; map look-ups and plain filters only, so they run on the
+OpenTelemetry Collector's ClickHouse tables too), pure shaping (:func:`timeline`,
+:func:`fit_costs`, :func:`replay`, :func:`whatif_table`) and the registered wrappers
+(``whatif``, ``cost_fit``) plus :func:`main_whatif` for the CLI.
+
+**Replay semantics.** The rules are those of :mod:`kvscope.emulator.reuse_model`, applied to
+whole columns instead of one turn at a time: the model needs block hashes (the ledger has token
+counts only) and one Python call per turn, while every rule that a TTL, threshold or router TTL
+can change reduces to comparisons on one turn and its predecessor. That holds because a decode
+handle is consumed only by the next turn of its conversation, and the time from turn k-1's decode
+finish (when D pins and the router stores the params) to turn k's arrival is the tool wait, which
+no setting changes. For turn k (``gap`` = that tool wait):
+
+1. router (``ConversationRouter.lookup``): an entry existed (observed lookup ``hit`` or
+   ``stale``) and its age ≤ router TTL → the offer reaches prefill;
+2. prefill (``PrefillNode._decide``): ``count = min(offered, prompt) - local``; pull when
+   ``count > 0`` and not ``(threshold > 0 and count < threshold)``; otherwise notify-only
+   (``local_covers`` / ``below_threshold``);
+3. worker (``PrefillNode._read``): a pull reads when ``gap + 5 s < TTL``
+   (``KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S``); otherwise it is declined and D keeps the handle;
+4. decode (``DecodeNode``): the handle is released at ``gap`` by a read, by a notify when
+   ``gap < TTL`` (the reaper runs first), else at the TTL; a handle no turn consumes is held for
+   the TTL. Held GiB·s = bytes × held seconds.
+
+Turns whose observed outcome no setting can change, or that a fault decided (handshake, failed
+READ, preemption, invalid params, no conversation id, …), are *carried*: they keep their observed
+tokens, and their predecessor's handle is held ``min(observed, TTL)`` when it was read or
+notified, else the TTL. Assumed independent of the settings (and checked against the simulator):
+prefill's local prefix-cache hits (P caches every prompt it computes, pulled or not), D's offer
+and the tool waits. Not modelled: queueing, and memory pressure that a longer TTL would add.
+
+**Pricing.** A cost model fitted per run from the observed spans (:func:`fit_costs`): prefill leg
+minus its D→P wire time = ``a + b·computed + [pulled](h + g·pulled)`` by least squares over
+observed turns, wire ms = ``latency + bytes/bandwidth`` over ``kv_transfer`` spans, bytes per
+pulled token from observed reads. A turn's estimated TTFT is its observed TTFT plus the model's
+difference between the replayed and the observed path, so a turn the setting does not change
+keeps its measured TTFT. A setting that needs a term the run never measured (a pull when no pull
+was observed) gets no TTFT estimate (null, "not measured"), never a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from kvscope import semconv
+from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
+from kvscope.emulator import outcomes
+from kvscope.emulator.reuse_model import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+
+DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
+DEFAULT_THRESHOLDS = (0, 64, 256)
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+SOURCE_OBSERVED = "observed"
+SOURCE_REPLAY = "replay"
+# What the replay did with a turn (column ``w_path``); decisions reuse semconv's values.
+PATH_CARRIED = "carried"
+PATH_NOT_LATER = "first_or_unmeasured"
+
+# Outcomes a setting can change when the turn reached prefill's decision with a valid offer.
+_DECIDED = (outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL, outcomes.PARTIAL,
+            outcomes.BELOW_THRESHOLD)
+_VALID_OFFER = (semconv.DECISION_PULL, semconv.DECISION_LOCAL_COVERS,
+                semconv.DECISION_BELOW_THRESHOLD)
+# Turns left out of the prefill cost fit: their prefill leg is not "compute the rest".
+_FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREFIX_DIVERGED,
+                 outcomes.HANDSHAKE_FAILED, outcomes.TRANSFER_FAILED, outcomes.UNKNOWN)
+
+
+# --- SQL ---------------------------------------------------------------------------------------
+
+
+def _a(key: str) -> str:
+    """SQL for one span attribute (keys come from semconv, never from users)."""
+    return f"SpanAttributes['{key}']"
+
+
+_RUN = f"ResourceAttributes['{semconv.RUN_ID}']"
+
+QUERIES: dict[str, str] = {
+    # One row per retention span: D pinned a finished request's blocks until their release.
+    "retentions": (
+        f"SELECT {_RUN} AS run_id, {_a(semconv.VLLM_REQUEST_ID)} AS request_id, "
+        f"{_a(semconv.RETENTION_BYTES)} AS size_bytes, {_a(semconv.REMOTE_NUM_TOKENS)} AS tokens, "
+        f"{_a(semconv.RETENTION_TTL_S)} AS ttl_s, "
+        f"{_a(semconv.RETENTION_RELEASE_REASON)} AS reason, Duration AS duration_ns "
+        "FROM otel_traces WHERE SpanName = ?"
+    ),
+    # Finished D→P reads: the wire-time fit.
+    "transfers": (
+        f"SELECT {_RUN} AS run_id, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
+        "Duration AS duration_ns FROM otel_traces "
+        f"WHERE SpanName = ? AND {_a(semconv.TRANSFER_DIRECTION)} = ? "
+        f"AND {_a(semconv.TRANSFER_STATUS)} = ?"
+    ),
+    # The router TTL the proxy recorded on its turn spans (one value per run in practice).
+    "router_ttl": (
+        f"SELECT DISTINCT {_RUN} AS run_id, {_a(semconv.ROUTER_TTL_S)} AS router_ttl_s "
+        "FROM otel_traces WHERE SpanName = ?"
+    ),
+}
+QUERY_PARAMS: dict[str, list[str]] = {
+    "retentions": [semconv.SPAN_KV_RETENTION],
+    "transfers": [semconv.SPAN_KV_TRANSFER, semconv.DIRECTION_D_TO_P, semconv.TRANSFER_OK],
+    "router_ttl": [semconv.SPAN_TURN],
+}
+
+
+def _num(column: str, dtype: pl.DataType) -> pl.Expr:
+    return pl.col(column).cast(pl.Float64, strict=False).cast(dtype, strict=False)
+
+
+def shape_retentions(raw: pl.DataFrame) -> pl.DataFrame:
+    """Typed retention spans: run_id, request_id, size_bytes, tokens, ttl_s, held_s, reason."""
+    return raw.select(
+        "run_id", "request_id", _num("size_bytes", pl.Int64()), _num("tokens", pl.Int64()),
+        _num("ttl_s", pl.Float64()), "reason",
+        (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),
+    )
+
+
+def shape_transfers(raw: pl.DataFrame) -> pl.DataFrame:
+    """Typed finished D→P reads that moved bytes: run_id, size_bytes, ms."""
+    return raw.select(
+        "run_id", _num("size_bytes", pl.Int64()),
+        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
+    ).filter(pl.col("size_bytes") > 0)
+
+
+def observed_settings(
+    ledger: pl.DataFrame, retentions: pl.DataFrame, router_ttls: pl.DataFrame
+) -> pl.DataFrame:
+    """Per run, the settings in force: decoder TTL, threshold, router TTL (null: not measured)."""
+    runs = ledger.select("run_id").unique()
+    ttl = retentions.group_by("run_id").agg(pl.col("ttl_s").max().alias("ttl_s"))
+    threshold = ledger.group_by("run_id").agg(
+        pl.col("threshold_tokens").max().alias("threshold_tokens"))
+    router = router_ttls.select(
+        "run_id", _num("router_ttl_s", pl.Float64())
+    ).group_by("run_id").agg(pl.col("router_ttl_s").max())
+    return (
+        runs.join(ttl, on="run_id", how="left").join(threshold, on="run_id", how="left")
+        .join(router, on="run_id", how="left").sort("run_id")
+    )
+
+
+# --- timeline ----------------------------------------------------------------------------------
+
+TIMELINE_COLUMNS = (
+    "run_id", "conversation_id", "turn_index", "later", "replay", "gap_s", "age_s",
+    "prompt_tokens", "reusable_tokens", "local_tokens", "observed_remote", "offered_tokens",
+    "entry", "prev_ret_bytes", "prev_ret_held_s", "prev_ret_release", "prev_ret_ttl_s",
+    "tail_ret_bytes", "ttft_ms", "outcome", "has_prev", "errored", "decision_local",
+    "prev_decision_local",
+)
+
+
+def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
+    """Per turn, what the replay needs: gap, tokens, offer, router entry, the handles (pure).
+
+    ``later``: turn k ≥ 2 whose reusable span was measured (the rows rates are over).
+    ``replay``: a setting can change this turn (else it is carried as observed).
+    ``prev_ret_*``: the handle turn k-1's decode pinned (the one turn k consumes);
+    ``tail_ret_bytes``: this turn's own handle when no next turn consumes it.
+    """
+    c = pl.col
+    by_conv = ["run_id", "conversation_id"]
+    handles = retentions.select(
+        "run_id", c("request_id").alias("decode_request_id"),
+        c("size_bytes").alias("ret_bytes"), c("tokens").alias("ret_tokens"),
+        c("held_s").alias("ret_held_s"), c("reason").alias("ret_release"),
+        c("ttl_s").alias("ret_ttl_s"),
+    ).unique(["run_id", "decode_request_id"], keep="first")
+    frame = ledger.sort(["run_id", "conversation_id", "turn_index", "arrival"]).join(
+        handles, on=["run_id", "decode_request_id"], how="left")
+
+    def prev(column: str) -> pl.Expr:
+        return c(column).shift(1).over(by_conv)
+
+    has_id = c("conversation_id").is_not_null()
+    has_prev = has_id & (prev("turn_index") == c("turn_index") - 1)
+    has_next = has_id & (c("turn_index").shift(-1).over(by_conv) == c("turn_index") + 1)
+    since_prev = (c("arrival") - prev("end")).dt.total_nanoseconds().cast(pl.Float64) / 1e9
+    frame = frame.with_columns(
+        has_prev.fill_null(False).alias("_has_prev"),
+        has_next.fill_null(False).alias("_has_next"),
+        pl.when(has_prev).then(pl.coalesce(c("tool_wait_s"), since_prev)).alias("gap_s"),
+        pl.when(has_prev).then(pl.coalesce(
+            c("offered_tokens"), prev("ret_tokens"), prev("prompt_tokens") + prev("output_tokens")
+            - 1)).alias("offered_tokens"),
+        pl.when(has_prev).then(prev("ret_bytes")).alias("prev_ret_bytes"),
+        pl.when(has_prev).then(prev("ret_held_s")).alias("prev_ret_held_s"),
+        pl.when(has_prev).then(prev("ret_release")).alias("prev_ret_release"),
+        pl.when(has_prev).then(prev("ret_ttl_s")).alias("prev_ret_ttl_s"),
+    )
+    later = (c("turn_index") >= 2) & c("reusable_tokens").is_not_null()
+    # A declined read is the TTL's doing only when the gap really reached the TTL's margin;
+    # otherwise a clock fault declined it (the system, carried).
+    expired = (
+        c("outcome").is_in([outcomes.DECODE_TTL_EXPIRED, outcomes.LOAD_FAILED_ERRORED])
+        & (c("d2p_status") == semconv.TRANSFER_DECLINED_EXPIRED)
+        & (c("gap_s") + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= c("prev_ret_ttl_s"))
+    )
+    decided = c("outcome").is_in(_DECIDED) & c("decision").is_in(_VALID_OFFER)
+    # A genuinely expired read failed the turn (errored) under either failure policy.
+    replayable = (
+        later & c("_has_prev") & c("prefill_bidirectional").fill_null(False)
+        & c("offered_tokens").is_not_null()
+        & ((decided & ~c("errored").fill_null(False))
+           | (c("outcome") == outcomes.ROUTER_TTL_EXPIRED) | expired)
+    )
+    # P's local hit when it decided (the ledger's local is 0 for a failed turn): a pull's
+    # count was min(offered, prompt) - local.
+    decision_local = (
+        pl.when((c("decision") == semconv.DECISION_PULL) & c("to_pull_tokens").is_not_null())
+        .then(pl.min_horizontal(c("offered_tokens"), c("prompt_tokens")) - c("to_pull_tokens"))
+        .otherwise(c("local_hit_tokens").fill_null(0))
+    )
+    frame = frame.with_columns(decision_local.alias("decision_local"))
+    return frame.with_columns(
+        c("_has_prev").alias("has_prev"),
+        c("errored").fill_null(False),
+        pl.when(c("_has_prev")).then(prev("decision_local")).alias("prev_decision_local"),
+        later.fill_null(False).alias("later"),
+        replayable.fill_null(False).alias("replay"),
+        pl.coalesce(c("router_entry_age_s"), c("gap_s")).alias("age_s"),
+        c("local_hit_tokens").fill_null(0).alias("local_tokens"),
+        c("remote_reused_tokens").fill_null(0).alias("observed_remote"),
+        c("router_lookup").is_in([semconv.ROUTER_HIT, semconv.ROUTER_STALE]).fill_null(False)
+        .alias("entry"),
+        pl.when(~c("_has_next")).then(c("ret_bytes")).alias("tail_ret_bytes"),
+    ).select(TIMELINE_COLUMNS)
+
+
+# --- the replay --------------------------------------------------------------------------------
+
+
+def replay(
+    frame: pl.LazyFrame, ttl_s: float, threshold: int, router_ttl_s: float | None
+) -> pl.LazyFrame:
+    """Each turn under one setting (pure): path, tokens reused, failures, handles held.
+
+    ``frame`` is a :func:`timeline`, sorted by run, conversation and turn. Adds ``w_path`` (the
+    replayed decision, ``declined_expired`` for a failed turn, or ``carried``), ``w_local`` and
+    ``w_remote`` (tokens reused), ``w_errored``, ``w_prev_held_s`` (seconds turn k-1's handle is
+    held; null when it has none) and ``w_tail_held_s`` (this turn's own unconsumed handle).
+
+    A declined read fails the turn (policy ``fail`` errors it; ``recompute`` re-schedules it and
+    the re-issued load stalls: ``NodeConfig.stall_on_reissued_load``), so decode never runs: the
+    next turn gets no offer and P's cache lacks the failed prompt (its local hit is the failed
+    turn's). A turn after a failed one cannot fail in turn, so within a streak of turns that
+    would each fail, every other one does (odd positions), computed without a per-row loop.
+    """
+    c = pl.col
+    ttl = pl.lit(float(ttl_s))
+    gap = c("gap_s")
+    router_ok = pl.lit(True) if router_ttl_s is None else c("age_s") <= float(router_ttl_s)
+    offered = c("entry") & router_ok
+    count = pl.min_horizontal(c("offered_tokens"), c("prompt_tokens")) - c("decision_local")
+    below = count < threshold if threshold > 0 else pl.lit(False)
+    wants = (count > 0) & ~below
+    late = gap + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= ttl
+    would_fail = (c("replay") & offered & wants & late).fill_null(False)
+    streak = would_fail.cum_sum()
+    before = pl.when(~would_fail).then(streak).forward_fill().fill_null(0)
+    fails = would_fail & ((streak - before) % 2 == 1)
+    prev_fails = pl.when(c("has_prev")).then(fails.shift(1)).otherwise(False).fill_null(False)
+    hit = offered & ~prev_fails
+    pull = hit & wants
+    reads = pull & ~late
+    notifies = hit & ~pull
+    local = pl.min_horizontal(
+        pl.when(prev_fails).then(c("prev_decision_local")).otherwise(c("decision_local")),
+        c("reusable_tokens"))
+    pulled = pl.max_horizontal(
+        pl.min_horizontal(c("decision_local") + count, c("reusable_tokens")) - local, pl.lit(0))
+    path = (
+        pl.when(~c("later")).then(pl.lit(PATH_NOT_LATER))
+        .when(~c("replay")).then(pl.lit(PATH_CARRIED))
+        .when(fails).then(pl.lit(semconv.TRANSFER_DECLINED_EXPIRED))
+        .when(~hit).then(pl.lit(semconv.DECISION_NO_OFFER))
+        .when(reads).then(pl.lit(semconv.DECISION_PULL))
+        .when(count <= 0).then(pl.lit(semconv.DECISION_LOCAL_COVERS))
+        .otherwise(pl.lit(semconv.DECISION_BELOW_THRESHOLD))
+    )
+    contacted = c("prev_ret_release").is_in([semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED])
+    carried_held = (
+        pl.when(contacted.fill_null(False))
+        .then(pl.min_horizontal(c("prev_ret_held_s"), ttl)).otherwise(ttl)
+    )
+    replay_held = pl.when(reads | (notifies & (gap < ttl))).then(gap).otherwise(ttl)
+    replayed = c("replay")
+    return frame.with_columns(
+        path.alias("w_path"),
+        pl.when(replayed & fails).then(0).when(replayed).then(local)
+        .otherwise(c("local_tokens")).cast(pl.Int64).alias("w_local"),
+        pl.when(replayed & (fails | ~reads)).then(0).when(replayed).then(pulled)
+        .otherwise(c("observed_remote")).cast(pl.Int64).alias("w_remote"),
+        (pl.when(replayed).then(fails).otherwise(c("errored"))).alias("w_errored"),
+        pl.when(c("prev_ret_bytes").is_null() | prev_fails).then(None)
+        .when(replayed).then(replay_held).otherwise(carried_held).alias("w_prev_held_s"),
+        pl.when(c("tail_ret_bytes").is_not_null() & ~fails).then(ttl).alias("w_tail_held_s"),
+    )
+
+
+# --- cost fit ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """An ordinary least-squares fit: coefficients (``intercept`` + terms), n, R², residual sd."""
+
+    coefficients: dict[str, float]
+    n: int
+    r2: float | None
+    residual_stdev: float | None
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Solve a small square system (Gauss-Jordan, partial pivoting); None when singular."""
+    n = len(rhs)
+    m = [row[:] + [r] for row, r in zip(matrix, rhs, strict=True)]
+    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-10 * max(scale, 1e-300):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                k = m[r][col] / m[col][col]
+                m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def least_squares(frame: pl.DataFrame, y: str, terms: Sequence[str]) -> LinearFit | None:
+    """Fit ``y = intercept + Σ coef·term`` over rows with no nulls; None if underdetermined.
+
+    Normal equations on columns scaled to unit maximum (one pass of sums, any row count); a
+    term that never varies from zero, or that makes the system singular, is dropped from the
+    end of ``terms`` first, and is absent from the coefficients (not measured, not 0).
+    """
+    data = frame.select([y, *terms]).drop_nulls()
+    n = data.height
+    kept = [t for t in terms if data.height and data[t].abs().max() not in (None, 0, 0.0)]
+    while True:
+        names = ["intercept", *kept]
+        if n <= len(names) - 1 or n == 0:
+            return None
+        scales = [1.0] + [float(data[t].abs().max()) for t in kept]  # type: ignore[arg-type]
+        # A literal would sum to 1, not n: the intercept column is built from the data.
+        cols = [pl.repeat(1.0, pl.len())] + [pl.col(t).cast(pl.Float64) / s
+                                for t, s in zip(kept, scales[1:], strict=True)]
+        sums = data.select(
+            *[(cols[i] * cols[j]).sum().alias(f"x{i}_{j}")
+              for i in range(len(cols)) for j in range(i, len(cols))],
+            *[(cols[i] * pl.col(y)).sum().alias(f"y{i}") for i in range(len(cols))],
+        ).row(0, named=True)
+        p = len(cols)
+        xtx = [[float(sums[f"x{min(i, j)}_{max(i, j)}"]) for j in range(p)] for i in range(p)]
+        xty = [float(sums[f"y{i}"]) for i in range(p)]
+        solution = _solve(xtx, xty)
+        if solution is None:
+            if not kept:
+                return None
+            kept = kept[:-1]
+            continue
+        coefs = {name: b / s for name, b, s in zip(names, solution, scales, strict=True)}
+        break
+    fitted = pl.lit(coefs["intercept"]) + pl.sum_horizontal(
+        [pl.col(t).cast(pl.Float64) * coefs[t] for t in kept] or [pl.lit(0.0)])
+    stats = data.select(
+        ((pl.col(y) - fitted) ** 2).sum().alias("ss_res"),
+        ((pl.col(y) - pl.col(y).mean()) ** 2).sum().alias("ss_tot"),
+    ).row(0, named=True)
+    ss_res, ss_tot = float(stats["ss_res"]), float(stats["ss_tot"])
+    dof = n - len(coefs)
+    return LinearFit(
+        coefficients=coefs,
+        n=n,
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else None,
+        residual_stdev=math.sqrt(ss_res / dof) if dof > 0 else None,
+    )
+
+
+COEFFICIENTS = (
+    "fit_intercept_ms", "fit_ms_per_token", "fit_pull_fixed_ms", "fit_pull_ms_per_token",
+    "fit_wire_latency_ms", "fit_wire_ms_per_byte", "fit_bytes_per_token",
+)
+COST_FIT_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "fit": pl.String(),
+    "formula": pl.String(),
+    "n": pl.Int64(),
+    "r2": pl.Float64(),
+    "residual_stdev_ms": pl.Float64(),
+    "intercept_ms": pl.Float64(),
+    "slope": pl.Float64(),
+    "slope_unit": pl.String(),
+    "pull_fixed_ms": pl.Float64(),
+    "pull_ms_per_token": pl.Float64(),
+}
+PREFILL_FORMULA = "prefill_ms - d2p_ms = a + b*computed + [pulled](h + g*pulled)"
+TRANSFER_FORMULA = "transfer_ms = latency + bytes/bandwidth"
+BYTES_FORMULA = "bytes per pulled token = sum(d2p_bytes) / sum(pulled tokens)"
+
+
+def _prefill_points(ledger: pl.DataFrame) -> pl.DataFrame:
+    c = pl.col
+    pulled = c("remote_reused_tokens").fill_null(0)
+    stale = (c("d2p_bytes").fill_null(0) > 0) & (pulled == 0)
+    usable = (
+        c("prefill_ms").is_not_null() & c("prompt_tokens").is_not_null()
+        & ~c("errored").fill_null(False) & ~c("outcome").is_in(_FIT_EXCLUDED) & ~stale
+    )
+    return ledger.filter(usable.fill_null(False)).select(
+        "run_id",
+        (c("prefill_ms") - c("d2p_ms").fill_null(0.0)).alias("compute_ms"),
+        pl.max_horizontal(c("prompt_tokens") - c("local_hit_tokens").fill_null(0) - pulled,
+                          pl.lit(1)).cast(pl.Float64).alias("computed"),
+        (pulled > 0).cast(pl.Float64).alias("pull_flag"),
+        pulled.cast(pl.Float64).alias("pulled"),
+    )
+
+
+def fit_costs(ledger: pl.DataFrame, transfers: pl.DataFrame) -> pl.DataFrame:
+    """Per run, the fitted cost model and its quality (pure): one row per fit.
+
+    ``prefill``: the prefill leg without its wire time against computed tokens and the pull;
+    ``transfer``: D→P read ms against bytes; ``bytes_per_token``: the bytes a pulled token
+    moved on average (block rounding included). Terms not measured stay null.
+    """
+    rows: list[dict[str, Any]] = []
+    points = _prefill_points(ledger)
+    reads = ledger.filter(
+        (pl.col("remote_reused_tokens").fill_null(0) > 0) & (pl.col("d2p_bytes") > 0))
+    for run_id in sorted(ledger["run_id"].drop_nulls().unique().to_list()):
+        fit = least_squares(points.filter(pl.col("run_id") == run_id), "compute_ms",
+                            ["computed", "pull_flag", "pulled"])
+        coefs = fit.coefficients if fit else {}
+        rows.append({
+            "run_id": run_id, "fit": "prefill", "formula": PREFILL_FORMULA,
+            "n": fit.n if fit else 0, "r2": fit.r2 if fit else None,
+            "residual_stdev_ms": fit.residual_stdev if fit else None,
+            "intercept_ms": coefs.get("intercept"), "slope": coefs.get("computed"),
+            "slope_unit": "ms/token", "pull_fixed_ms": coefs.get("pull_flag"),
+            "pull_ms_per_token": coefs.get("pulled"),
+        })
+        wire = least_squares(transfers.filter(pl.col("run_id") == run_id), "ms", ["size_bytes"])
+        wire_coefs = wire.coefficients if wire else {}
+        per_byte = wire_coefs.get("size_bytes")
+        rows.append({
+            "run_id": run_id, "fit": "transfer", "formula": TRANSFER_FORMULA,
+            "n": wire.n if wire else 0, "r2": wire.r2 if wire else None,
+            "residual_stdev_ms": wire.residual_stdev if wire else None,
+            "intercept_ms": wire_coefs.get("intercept"),
+            "slope": per_byte * MIB if per_byte is not None else None,
+            "slope_unit": "ms/MiB", "pull_fixed_ms": None, "pull_ms_per_token": None,
+        })
+        run_reads = reads.filter(pl.col("run_id") == run_id)
+        tokens = float(run_reads["remote_reused_tokens"].sum())
+        moved = float(run_reads["d2p_bytes"].sum())
+        rows.append({
+            "run_id": run_id, "fit": "bytes_per_token", "formula": BYTES_FORMULA,
+            "n": run_reads.height, "r2": None, "residual_stdev_ms": None, "intercept_ms": None,
+            "slope": moved / tokens if tokens else None,
+            "slope_unit": "bytes/token", "pull_fixed_ms": None, "pull_ms_per_token": None,
+        })
+    return pl.DataFrame(rows, schema=COST_FIT_COLUMNS)
+
+
+def coefficients(fits: pl.DataFrame) -> pl.DataFrame:
+    """The fit table as one row of ``fit_*`` coefficients per run (for joining to turns)."""
+    def pick(fit: str, column: str, alias: str, scale: float = 1.0) -> pl.Expr:
+        return (pl.col(column).filter(pl.col("fit") == fit).first() * scale).alias(alias)
+
+    return fits.group_by("run_id").agg(
+        pick("prefill", "intercept_ms", "fit_intercept_ms"),
+        pick("prefill", "slope", "fit_ms_per_token"),
+        pick("prefill", "pull_fixed_ms", "fit_pull_fixed_ms"),
+        pick("prefill", "pull_ms_per_token", "fit_pull_ms_per_token"),
+        pick("transfer", "intercept_ms", "fit_wire_latency_ms"),
+        pick("transfer", "slope", "fit_wire_ms_per_byte", 1.0 / MIB),
+        pick("bytes_per_token", "slope", "fit_bytes_per_token"),
+    )
+
+
+def _prefill_estimate(local: pl.Expr, remote: pl.Expr) -> pl.Expr:
+    """Fitted prefill leg (compute + wire) of a turn with ``local`` hits that pulls ``remote``."""
+    c = pl.col
+    computed = pl.max_horizontal(c("prompt_tokens") - local - remote, pl.lit(1))
+    pull_cost = (
+        c("fit_pull_fixed_ms").fill_null(0.0) + c("fit_pull_ms_per_token").fill_null(0.0) * remote
+        + c("fit_wire_latency_ms") + remote * c("fit_bytes_per_token") * c("fit_wire_ms_per_byte")
+    )
+    return (
+        c("fit_intercept_ms") + c("fit_ms_per_token") * computed
+        + pl.when(remote > 0).then(pull_cost).otherwise(0.0)
+    )
+
+
+# --- the what-if table -------------------------------------------------------------------------
+
+WHATIF_COLUMNS: dict[str, pl.DataType] = {
+    "run_id": pl.String(),
+    "source": pl.String(),
+    "decoder_kv_blocks_ttl": pl.Float64(),
+    "kv_recompute_threshold": pl.Int64(),
+    "router_ttl": pl.Float64(),
+    "is_observed_setting": pl.Boolean(),
+    "turns": pl.Int64(),
+    "replayed_turns": pl.Int64(),
+    "reusable_tokens": pl.Int64(),
+    "reused_tokens": pl.Int64(),
+    "remote_tokens": pl.Int64(),
+    "token_reuse_rate": pl.Float64(),
+    "turns_reused": pl.Int64(),
+    "turns_pulled": pl.Int64(),
+    "turns_errored": pl.Int64(),
+    "retained_gib_s": pl.Float64(),
+    "ttft_p50_ms": pl.Float64(),
+    "ttft_p90_ms": pl.Float64(),
+    "reuse_rate_delta": pl.Float64(),
+    "retained_gib_s_delta": pl.Float64(),
+    "ttft_p50_delta_ms": pl.Float64(),
+    "ttft_p90_delta_ms": pl.Float64(),
+    "recommended": pl.Boolean(),
+    "note": pl.String(),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One what-if setting; ``router_ttl_s`` None keeps the observed router lookups."""
+
+    ttl_s: float
+    threshold: int
+    router_ttl_s: float | None
+
+
+def _summary(frame: pl.LazyFrame, setting: Setting, has_retention: bool) -> pl.LazyFrame:
+    """One replayed setting's aggregate row."""
+    c = pl.col
+    later = c("later")
+    reused = c("w_local") + c("w_remote")
+    same = (c("w_remote") == c("observed_remote")) & (c("w_local") == c("local_tokens"))
+    delta = (
+        pl.when(~c("replay") | same).then(0.0)
+        .otherwise(_prefill_estimate(c("w_local"), c("w_remote"))
+                   - _prefill_estimate(c("local_tokens"), c("observed_remote")))
+    )
+    # A failed turn has no first token.
+    ttft = pl.when(~c("w_errored")).then(c("ttft_ms") + delta)
+    held = (
+        (c("prev_ret_bytes").cast(pl.Float64) * c("w_prev_held_s")).sum()
+        + (c("tail_ret_bytes").cast(pl.Float64) * c("w_tail_held_s")).sum()
+    ) / GIB
+    reusable = c("reusable_tokens").filter(later).sum()
+    return frame.select(
+        pl.lit(setting.ttl_s).alias("decoder_kv_blocks_ttl"),
+        pl.lit(setting.threshold, pl.Int64).alias("kv_recompute_threshold"),
+        pl.lit(setting.router_ttl_s, pl.Float64).alias("router_ttl"),
+        later.sum().cast(pl.Int64).alias("turns"),
+        c("replay").filter(later).sum().cast(pl.Int64).alias("replayed_turns"),
+        reusable.cast(pl.Int64).alias("reusable_tokens"),
+        reused.filter(later).sum().cast(pl.Int64).alias("reused_tokens"),
+        c("w_remote").filter(later).sum().cast(pl.Int64).alias("remote_tokens"),
+        pl.when(reusable > 0).then(reused.filter(later).sum() / reusable)
+        .alias("token_reuse_rate"),
+        (reused > 0).filter(later).sum().cast(pl.Int64).alias("turns_reused"),
+        (c("w_remote") > 0).filter(later).sum().cast(pl.Int64).alias("turns_pulled"),
+        c("w_errored").filter(later).sum().cast(pl.Int64).alias("turns_errored"),
+        (held if has_retention else pl.lit(None, pl.Float64)).alias("retained_gib_s"),
+        ttft.quantile(0.5, "linear").alias("ttft_p50_ms"),
+        ttft.quantile(0.9, "linear").alias("ttft_p90_ms"),
+        (c("ttft_ms").is_not_null() & ~c("w_errored") & ttft.is_null()).sum().alias("_unpriced"),
+    )
+
+
+def _observed_row(ledger: pl.DataFrame, retentions: pl.DataFrame) -> dict[str, Any]:
+    later = ledger.filter((pl.col("turn_index") >= 2) & pl.col("reusable_tokens").is_not_null())
+    reusable = later["reusable_tokens"].sum()
+    local = later["local_hit_tokens"].fill_null(0)
+    remote = later["remote_reused_tokens"].fill_null(0)
+    reused = int((local + remote).sum())
+    ttft = ledger["ttft_ms"].drop_nulls()
+    retained = (
+        float((retentions["size_bytes"].cast(pl.Float64) * retentions["held_s"]).sum()) / GIB
+        if retentions.height else None
+    )
+    return {
+        "source": SOURCE_OBSERVED, "turns": later.height, "replayed_turns": None,
+        "reusable_tokens": int(reusable), "reused_tokens": reused,
+        "remote_tokens": int(remote.sum()),
+        "token_reuse_rate": reused / reusable if reusable else None,
+        "turns_reused": int(((local + remote) > 0).sum()),
+        "turns_pulled": int((remote > 0).sum()),
+        "turns_errored": int(later["errored"].fill_null(False).sum()),
+        "retained_gib_s": retained,
+        "ttft_p50_ms": ttft.quantile(0.5, "linear") if ttft.len() else None,
+        "ttft_p90_ms": ttft.quantile(0.9, "linear") if ttft.len() else None,
+    }
+
+
+def _fmt_setting(row: Mapping[str, Any]) -> str:
+    router = row["router_ttl"]
+    return (
+        f"ttl={row['decoder_kv_blocks_ttl']:g}s threshold={row['kv_recompute_threshold']} "
+        f"router_ttl={'as observed' if router is None else f'{router:g}s'}"
+    )
+
+
+def _recommend(table: pl.DataFrame, budget_gib_s: float | None) -> pl.DataFrame:
+    """Mark the replayed setting with the best TTFT p50 within the budget; say the trade-off."""
+    replayed = table.filter(pl.col("source") == SOURCE_REPLAY)
+    observed = table.filter(pl.col("source") == SOURCE_OBSERVED)
+    seen = observed["retained_gib_s"].first()
+    budget = budget_gib_s if budget_gib_s is not None else (
+        float(seen) if isinstance(seen, int | float) else None)
+    priced = replayed.filter(
+        pl.col("ttft_p50_ms").is_not_null() & pl.col("retained_gib_s").is_not_null())
+    order = ["ttft_p50_ms", "ttft_p90_ms", "retained_gib_s"]
+    best_note = ""
+    best_index: int | None = None
+    if priced.height == 0:
+        observed_note = "no recommendation: TTFT or retained memory not measured"
+    elif budget is None:
+        observed_note = "no recommendation: observed retained GiB·s not measured; give a budget"
+    else:
+        fastest = priced.sort(order).row(0, named=True)
+        within = priced.filter(pl.col("retained_gib_s") <= budget * (1 + 1e-9) + 1e-12)
+        trade = (
+            f"fastest: {_fmt_setting(fastest)} (TTFT p50 {fastest['ttft_p50_ms']:.1f} ms, "
+            f"{fastest['retained_gib_s']:.2f} GiB·s)"
+        )
+        if within.height == 0:
+            observed_note = (
+                f"no setting within {budget:.2f} GiB·s; trade-off: {trade}"
+            )
+        else:
+            best = within.sort(order).row(0, named=True)
+            best_index = int(best["_row"])
+            best_note = f"recommended: best TTFT p50 within {budget:.2f} GiB·s"
+            observed_note = f"recommendation: {_fmt_setting(best)}; {trade}"
+    is_best = pl.col("_row") == best_index if best_index is not None else pl.lit(False)
+    return table.with_columns(
+        is_best.alias("recommended"),
+        pl.when(pl.col("source") == SOURCE_OBSERVED).then(pl.lit(observed_note))
+        .when(is_best).then(pl.lit(best_note)).otherwise(pl.col("note")).alias("note"),
+    )
+
+
+def whatif_table(
+    timeline_frame: pl.DataFrame,
+    fits: pl.DataFrame,
+    observed: pl.DataFrame,
+    ledger: pl.DataFrame,
+    retentions: pl.DataFrame,
+    *,
+    ttls: Sequence[float] = DEFAULT_TTLS_S,
+    thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
+    router_ttls: Sequence[float] | None = None,
+    budget_gib_s: float | None = None,
+) -> pl.DataFrame:
+    """Per run: the observed row, then one replayed row per setting, with deltas (pure).
+
+    The grid is ``ttls × thresholds × router_ttls`` (router TTL default: the observed one) plus
+    the observed setting, whose replay is marked ``is_observed_setting``.
+    """
+    out: list[pl.DataFrame] = []
+    coefs = coefficients(fits)
+    for run_id in sorted(observed["run_id"].to_list()):
+        seen = observed.filter(pl.col("run_id") == run_id).row(0, named=True)
+        turns = timeline_frame.filter(pl.col("run_id") == run_id).join(
+            coefs, on="run_id", how="left").lazy()
+        run_retentions = retentions.filter(pl.col("run_id") == run_id)
+        routers: list[float | None] = (
+            list(router_ttls) if router_ttls else [seen["router_ttl_s"]])
+        grid = [Setting(float(t), int(h), None if r is None else float(r))
+                for t in ttls for h in thresholds for r in routers]
+        seen_setting = None
+        if seen["ttl_s"] is not None and seen["threshold_tokens"] is not None:
+            seen_setting = Setting(float(seen["ttl_s"]), int(seen["threshold_tokens"]),
+                                   seen["router_ttl_s"])
+            if seen_setting not in grid:
+                grid.append(seen_setting)
+        summaries = pl.collect_all([
+            _summary(replay(turns, s.ttl_s, s.threshold, s.router_ttl_s), s,
+                     run_retentions.height > 0)
+            for s in grid
+        ])
+        rows = pl.concat(summaries).with_columns(
+            pl.lit(SOURCE_REPLAY).alias("source"),
+            pl.Series("is_observed_setting", [s == seen_setting for s in grid]),
+            pl.when(pl.col("_unpriced") > 0)
+            .then(pl.lit("TTFT not measured: the replay pulls, but this run has no pulls to "
+                         "price a transfer"))
+            .alias("note"),
+        ).with_columns(
+            pl.when(pl.col("_unpriced") == 0).then(pl.col(name)).alias(name)
+            for name in ("ttft_p50_ms", "ttft_p90_ms")
+        ).sort(["decoder_kv_blocks_ttl", "kv_recompute_threshold", "router_ttl"])
+        first = pl.DataFrame([{
+            **_observed_row(ledger.filter(pl.col("run_id") == run_id), run_retentions),
+            "decoder_kv_blocks_ttl": seen["ttl_s"],
+            "kv_recompute_threshold": seen["threshold_tokens"],
+            "router_ttl": seen["router_ttl_s"],
+            "is_observed_setting": True,
+        }])
+        table = pl.concat([first, rows], how="diagonal_relaxed").with_columns(
+            pl.lit(run_id).alias("run_id"),
+            pl.int_range(pl.len()).alias("_row"),
+        )
+        base = table.row(0, named=True)
+
+        def minus(column: str, base_row: Mapping[str, Any] = base) -> pl.Expr:
+            value = base_row[column]
+            return pl.col(column) - value if value is not None else pl.lit(None, pl.Float64)
+
+        table = table.with_columns(
+            minus("token_reuse_rate").alias("reuse_rate_delta"),
+            minus("retained_gib_s").alias("retained_gib_s_delta"),
+            minus("ttft_p50_ms").alias("ttft_p50_delta_ms"),
+            minus("ttft_p90_ms").alias("ttft_p90_delta_ms"),
+        )
+        out.append(_recommend(table, budget_gib_s))
+    if not out:
+        return pl.DataFrame(schema=WHATIF_COLUMNS)
+    return pl.concat(out, how="diagonal_relaxed").select(
+        [pl.col(name).cast(dtype) for name, dtype in WHATIF_COLUMNS.items()])
+
+
+# --- registered analyses -----------------------------------------------------------------------
+
+
+def _frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
+    """Retention spans, D→P reads and router TTLs of the selected runs (cached per context)."""
+
+    def load() -> dict[str, pl.DataFrame]:
+        raw = {name: ctx.frame(sql, QUERY_PARAMS[name]) for name, sql in QUERIES.items()}
+        return {
+            "retentions": shape_retentions(raw["retentions"]),
+            "transfers": shape_transfers(raw["transfers"]),
+            "router_ttl": raw["router_ttl"],
+        }
+
+    frames: dict[str, pl.DataFrame] = ctx.cached("whatif:frames", load)
+    return {name: ctx.select_runs(frame) for name, frame in frames.items()}
+
+
+def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFrame]:
+    """Everything the what-if and the ladder read, for the selected runs (and ``run``)."""
+    frames = _frames(ctx)
+    ledger = ctx.ledger()
+    if run is not None:
+        known = ledger["run_id"].unique().to_list()
+        if run not in known:
+            raise AnalysisError(f"run {run!r} not in the store; known: {', '.join(known)}")
+        ledger = ledger.filter(pl.col("run_id") == run)
+        frames = {k: v.filter(pl.col("run_id") == run) for k, v in frames.items()}
+    key = f"whatif:timeline:{sorted(ledger['run_id'].unique().to_list())!r}"
+    turns = ctx.cached(key, lambda: timeline(ledger, frames["retentions"]))
+    return {
+        "ledger": ledger,
+        "retentions": frames["retentions"],
+        "transfers": frames["transfers"],
+        "timeline": turns,
+        "observed": observed_settings(ledger, frames["retentions"], frames["router_ttl"]),
+    }
+
+
+def _floats(values: Sequence[Any], name: str) -> list[float]:
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise AnalysisError(f"parameter {name}={list(values)!r}: numbers expected") from None
+
+
+@register(
+    "cost_fit",
+    "Cost model fitted from the observed spans (prefill vs computed tokens, wire vs bytes)",
+    params=(Param("run", str, None, "only this run id (default: every selected run)"),),
+    columns=COST_FIT_COLUMNS,
+)
+def cost_fit(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
+    data = inputs(ctx, params["run"])
+    return fit_costs(data["ledger"], data["transfers"])
+
+
+@register(
+    "whatif",
+    "What-if: reuse, retained GiB·s and TTFT under other TTL / threshold / router-TTL settings",
+    params=(
+        Param("ttl", list, list(DEFAULT_TTLS_S), "decoder_kv_blocks_ttl values (s), comma list"),
+        Param("threshold", list, list(DEFAULT_THRESHOLDS),
+              "kv_recompute_threshold values (tokens), comma list"),
+        Param("router_ttl", list, None, "router TTL values (s), comma list (default: observed)"),
+        Param("run", str, None, "only this run id (default: every selected run)"),
+        Param("budget_gib_s", float, None,
+              "retained GiB·s budget for the recommendation (default: the observed)"),
+    ),
+    columns=WHATIF_COLUMNS,
+)
+def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
+    data = inputs(ctx, params["run"])
+    ttls = _floats(params["ttl"], "ttl")
+    thresholds = [int(v) for v in _floats(params["threshold"], "threshold")]
+    routers = _floats(params["router_ttl"], "router_ttl") if params["router_ttl"] else None
+    if any(t <= 0 for t in ttls) or any(h < 0 for h in thresholds):
+        raise AnalysisError("whatif: ttl must be > 0 and threshold >= 0")
+    fits = ctx.cached(f"whatif:fits:{params['run']!r}",
+                      lambda: fit_costs(data["ledger"], data["transfers"]))
+    return whatif_table(
+        data["timeline"], fits, data["observed"], data["ledger"], data["retentions"],
+        ttls=ttls, thresholds=thresholds, router_ttls=routers,
+        budget_gib_s=params["budget_gib_s"],
+    )
+
+
+def main_whatif(
+    db: str,
+    ttl: list[float],
+    threshold: list[int],
+    router_ttl: list[float] | None,
+    runs: list[str] | None,
+    fmt: str,
+) -> int:
+    """``kvscope whatif``: print the what-if table (and, as a table, the cost fit); exit code."""
+    from kvscope.analysis import registry
+    from kvscope.cli import format_rows
+
+    with AnalysisContext.open(db, runs=runs) as ctx:
+        result = registry.run(ctx, "whatif", {
+            "ttl": ttl or list(DEFAULT_TTLS_S),
+            "threshold": threshold if threshold else list(DEFAULT_THRESHOLDS),
+            "router_ttl": router_ttl or None,
+        })
+        print(format_rows(result.columns, result.rows(), fmt), end="")
+        if fmt == "table":
+            fits = registry.run(ctx, "cost_fit")
+            print()
+            print(format_rows(fits.columns, fits.rows(), fmt), end="")
+    return 0
