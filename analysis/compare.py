@@ -45,7 +45,7 @@ _FEATURE_KEYS = (
 _WORKLOAD_KEYS = ("workload", "workload_settings")
 _LABEL_WORD = re.compile(r"(?<![a-z0-9])(on|off)(?![a-z0-9])")
 
-_RUNS_SQL = "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs"
+RUNS_SQL = "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs"
 
 RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -204,7 +204,7 @@ def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
 
 def all_runs(ctx: AnalysisContext) -> pl.DataFrame:
     """Every run in the store (not only the selected ones), oldest first."""
-    return ctx.cached("compare:all_runs", lambda: ctx.frame(_RUNS_SQL + " ORDER BY started_at"))
+    return ctx.cached("compare:all_runs", lambda: ctx.frame(RUNS_SQL + " ORDER BY started_at"))
 
 
 def resolve_runs(runs: pl.DataFrame, names: Sequence[str]) -> list[str]:

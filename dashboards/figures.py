@@ -18,7 +18,8 @@ import polars as pl
 GIB = float(1 << 30)
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf",
             "#7f7f7f")
-_LAYOUT = {"template": "plotly_white", "height": 420, "margin": {"t": 60, "l": 60, "r": 20}}
+_LAYOUT = {"template": "plotly_white", "height": 420, "margin": {"t": 60, "l": 60, "r": 20},
+           "showlegend": True}
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -36,11 +37,12 @@ def missing(title: str, message: str) -> go.Figure:
 
 
 def note(fig: go.Figure, message: str) -> go.Figure:
-    """Add a note under the title saying what part of the picture was not measured."""
+    """Add a note under the plot saying what part of the picture was not measured."""
     count = len(fig.layout.annotations or ())
     fig.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0,
-                       xanchor="left", y=1.0 + 0.06 * (count + 1), yanchor="bottom",
-                       font={"size": 11, "color": "#a33"})
+                       xanchor="left", y=0, yanchor="top", yshift=-52 - 18 * count,
+                       font={"size": 12, "color": "#a33"})
+    fig.update_layout(margin={"b": 90 + 18 * count}, height=440 + 18 * count)
     return fig
 
 
@@ -75,7 +77,8 @@ def _run_names(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def _groups(frame: pl.DataFrame, key: str = "_name") -> list[tuple[str, pl.DataFrame]]:
-    names = frame[key].unique(maintain_order=True).to_list()
+    """Rows per value of ``key``, values in sorted order (so a run keeps its colour everywhere)."""
+    names = sorted(frame[key].unique().to_list(), key=lambda v: (v is None, str(v)))
     return [(str(n), frame.filter(pl.col(key) == n)) for n in names]
 
 
@@ -263,7 +266,7 @@ def retained_memory(frame: pl.DataFrame | None) -> go.Figure:
                        .otherwise(pl.lit(""))]).str.strip_chars().alias("_series")
     ).sort(["_series", "_t"])
     fig = go.Figure()
-    runs = data["_name"].unique(maintain_order=True).to_list()
+    runs = sorted(data["_name"].unique().to_list())
     for series, rows in _groups(data, "_series"):
         gpu = rows["source"][0] in _GPU_SOURCES
         color = _color(runs.index(rows["_name"][0]))
@@ -329,36 +332,52 @@ def task_time(frame: pl.DataFrame | None, group: str | None = None) -> go.Figure
 # --- what-if and ladder -----------------------------------------------------------------------
 
 
-def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
-    """Reuse rate (left) and retained GiB·s (right) against TTL, one line per threshold.
+_OBSERVED = "observed"
 
-    Input: ``whatif`` (ttl_s, threshold, reuse_rate, retained_gib_s; rows of other router TTLs
-    are drawn as separate lines when a router_ttl_s column varies).
+
+def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
+    """Reuse rate (left) and retained GiB·s (right) against the decode TTL, one line per threshold.
+
+    Input: ``whatif`` (run_id, source, decoder_kv_blocks_ttl, kv_recompute_threshold,
+    router_ttl, is_observed_setting, token_reuse_rate, retained_gib_s). Replayed settings are
+    lines; the observed run is a star (rows with source ``observed``), so the replay can be
+    checked against it. Router TTLs and runs that vary get lines of their own.
     """
     from plotly.subplots import make_subplots
 
-    title = "What-if: reuse and retention cost vs decode TTL"
-    bad = _unusable(title, frame, ("ttl_s", "threshold", "reuse_rate", "retained_gib_s"),
-                    "what-if results")
+    title = "What-if: reuse and retention cost vs decoder_kv_blocks_ttl"
+    needed = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "token_reuse_rate",
+              "retained_gib_s")
+    bad = _unusable(title, frame, needed, "what-if results")
     if bad is not None or frame is None:
         return bad or missing(title, "no data")
-    data = frame.with_columns(pl.format("threshold {}", pl.col("threshold")).alias("_line"))
-    if "router_ttl_s" in data.columns and data["router_ttl_s"].n_unique() > 1:
-        data = data.with_columns(
-            pl.format("{}, router TTL {}", pl.col("_line"), pl.col("router_ttl_s")).alias("_line"))
-    if "run_id" in data.columns and data["run_id"].n_unique() > 1:
-        data = data.with_columns(pl.format("{} ({})", pl.col("_line"), pl.col("run_id"))
-                                 .alias("_line"))
-    data = data.sort(["_line", "ttl_s"])
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("reuse rate", "retained GiB·s"))
-    for i, (line, rows) in enumerate(_groups(data, "_line")):
-        x = rows["ttl_s"].to_list()
-        fig.add_trace(go.Scatter(x=x, y=rows["reuse_rate"].to_list(), name=line,
-                                 mode="lines+markers", line={"color": _color(i)},
-                                 legendgroup=line), row=1, col=1)
-        fig.add_trace(go.Scatter(x=x, y=rows["retained_gib_s"].to_list(), name=line,
-                                 mode="lines+markers", line={"color": _color(i)},
-                                 legendgroup=line, showlegend=False), row=1, col=2)
+    data = frame.with_columns(
+        pl.format("threshold {}", pl.col("kv_recompute_threshold")).alias("_line"))
+    for column, text in (("router_ttl", "router TTL {}"), ("run_id", "{}")):
+        if column in data.columns and data[column].n_unique() > 1:
+            data = data.with_columns(
+                pl.format("{}, " + text, pl.col("_line"), pl.col(column)).alias("_line"))
+    observed = (data.filter(pl.col("source") == _OBSERVED) if "source" in data.columns
+                else data.head(0))
+    replay = data.filter(pl.col("source") != _OBSERVED) if "source" in data.columns else data
+    replay = replay.sort(["_line", "decoder_kv_blocks_ttl"])
+    if replay.is_empty():
+        return missing(title, "no replayed settings: what-if not measured")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("token reuse rate", "retained GiB·s"))
+    for i, (line, rows) in enumerate(_groups(replay, "_line")):
+        x = rows["decoder_kv_blocks_ttl"].to_list()
+        for col, (metric, legend) in enumerate((("token_reuse_rate", True),
+                                                ("retained_gib_s", False)), start=1):
+            fig.add_trace(go.Scatter(x=x, y=rows[metric].to_list(), name=line,
+                                     mode="lines+markers", line={"color": _color(i)},
+                                     legendgroup=line, showlegend=legend), row=1, col=col)
+    for col, metric in enumerate(("token_reuse_rate", "retained_gib_s"), start=1):
+        if observed.height:
+            fig.add_trace(go.Scatter(
+                x=observed["decoder_kv_blocks_ttl"].to_list(), y=observed[metric].to_list(),
+                name="observed", mode="markers", marker={"symbol": "star", "size": 14,
+                                                         "color": "#000"},
+                legendgroup="observed", showlegend=col == 1), row=1, col=col)
     fig.update_xaxes(title_text="decoder_kv_blocks_ttl (s)")
     fig.update_yaxes(tickformat=".0%", row=1, col=1)
     fig.update_layout(title=title, **_LAYOUT)

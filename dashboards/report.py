@@ -1,0 +1,317 @@
+"""The single-file HTML report: verdict per run, then the figures, then the tables behind them.
+
+:func:`write_report` opens a store read-only and writes one self-contained HTML file that opens
+offline: plotly.js is embedded once, inline, in the head; every figure is a ``div`` plus an
+inline script; nothing is fetched from anywhere. The report asks the analysis registry for every
+number (nothing here runs SQL): the verdict comes from ``verdict``, each figure from one
+analysis through a shared builder in :mod:`kvscope.dashboards.figures`, and the tables from
+iterating :func:`registry.iter_analyses`, so a newly registered analysis appears without a
+change here. Large results are cut to their first :data:`MAX_TABLE_ROWS` rows, and the figures
+read aggregated results only, so the report stays bounded whatever the store holds.
+
+The store holds no prompt or completion text (token counts, hashes and ids only), so neither
+does the report. Every value is HTML-escaped; a null reads "not measured".
+
+Also the CLI entry points ``kvscope analyze`` (:func:`main_analyze`) and ``kvscope report``
+(:func:`main_report`); ``kvscope compare`` is :func:`kvscope.analysis.compare.main_compare`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+import polars as pl
+from plotly.offline import get_plotlyjs
+
+from kvscope.analysis import compare, registry
+from kvscope.analysis import verdict as verdict_module
+from kvscope.analysis.registry import AnalysisContext
+from kvscope.dashboards import figures
+from kvscope.errors import KvscopeError
+from kvscope.store.reader import StoreReader
+
+logger = logging.getLogger(__name__)
+
+MAX_TABLE_ROWS = 200
+NOT_MEASURED = "not measured"
+TITLE = "kvscope report"
+VERDICT = "verdict"
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """One figure of the report: which analysis feeds which shared builder."""
+
+    id: str
+    analysis: str
+    build: Callable[[pl.DataFrame | None], go.Figure]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("ttft-vs-prompt", "compare_by_prompt", figures.ttft_vs_prompt),
+    FigureSpec("prefill-split", "compare_by_prompt", figures.prefill_split),
+    FigureSpec("reuse-by-turn", "reuse_rate", figures.reuse_by_turn, {"by": "turn_index"}),
+    FigureSpec("miss-causes", "miss_causes", figures.miss_causes),
+    FigureSpec("retained-memory", "retained_memory", figures.retained_memory),
+    FigureSpec("task-time", "task_time", figures.task_time),
+    FigureSpec("whatif", "whatif", figures.whatif_curves),
+    FigureSpec("ladder", "ladder", figures.reuse_ladder),
+)
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;
+max-width:1200px;padding:0 1rem;color:#222}
+h1{margin-bottom:.2rem}.meta{color:#666;font-size:.9rem}
+table{border-collapse:collapse;font-size:.8rem;margin:.5rem 0 1rem}
+th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+th{background:#f4f4f4;position:sticky;top:0}td.num{text-align:right}
+td.null{color:#999;font-style:italic}.verdict{border-left:4px solid #1f77b4;padding:.2rem 1rem;
+margin:1rem 0;background:#f8fbff}.verdict li{margin:.2rem 0}.figure{margin:1rem 0 2rem}
+.error{color:#a33}.table-wrap{max-height:480px;overflow:auto}
+details summary{cursor:pointer}code{background:#f4f4f4;padding:0 3px}
+"""
+
+
+# --- cells and tables -------------------------------------------------------------------------
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def format_cell(value: Any) -> tuple[str, str]:
+    """(text, css class) for one table cell; null reads "not measured"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return NOT_MEASURED, "null"
+    if isinstance(value, bool):
+        return str(value).lower(), ""
+    if isinstance(value, float):
+        return (f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"), "num"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value), "num"
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ", timespec="milliseconds"), ""
+    if isinstance(value, list | dict):
+        return json.dumps(value, default=str), ""
+    return str(value), ""
+
+
+def table_html(frame: pl.DataFrame, max_rows: int = MAX_TABLE_ROWS) -> str:
+    """An escaped HTML table of the first ``max_rows`` rows, saying when rows were left out."""
+    head = "".join(f"<th>{_e(c)}</th>" for c in frame.columns)
+    body = []
+    for row in frame.head(max_rows).iter_rows():
+        cells = []
+        for value in row:
+            text, css = format_cell(value)
+            cells.append(f'<td class="{css}">{_e(text)}</td>' if css else f"<td>{_e(text)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    shown = min(frame.height, max_rows)
+    caption = (f"first {shown:,} of {frame.height:,} rows" if frame.height > max_rows
+               else f"{frame.height:,} row{'s' if frame.height != 1 else ''}")
+    return (f'<p class="meta">{_e(caption)}</p><div class="table-wrap"><table><thead><tr>'
+            f"{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+
+def _with_labels(frame: pl.DataFrame, labels: Mapping[str, str]) -> pl.DataFrame:
+    """Add the runs' labels to a result keyed by run_id (figures name runs by label)."""
+    if "run_id" not in frame.columns or "label" in frame.columns:
+        return frame
+    return frame.with_columns(
+        pl.col("run_id").replace_strict(labels, default=pl.col("run_id"), return_dtype=pl.String)
+        .alias("label"))
+
+
+def _result(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None,
+            ) -> tuple[pl.DataFrame | None, str | None]:
+    """(frame, None), or (None, why not) when the analysis is absent or cannot run here."""
+    if name not in registry.analyses():
+        return None, f"the {name} analysis is not available in this kvscope"
+    try:
+        return registry.run(ctx, name, params), None
+    except KvscopeError as exc:
+        return None, str(exc)
+    except Exception as exc:  # one broken analysis must not cost the rest of the report
+        logger.warning("analysis %s failed", name, exc_info=True)
+        return None, f"failed: {type(exc).__name__}: {exc}"
+
+
+def _setting_text(value: Any) -> str:
+    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
+
+
+def _settings_html(raw: str | None) -> str:
+    try:
+        settings = json.loads(raw) if raw else {}
+    except ValueError:
+        return f"<code>{_e(raw)}</code>"
+    if not isinstance(settings, dict) or not settings:
+        return f'<span class="meta">{NOT_MEASURED}</span>'
+    items = ", ".join(
+        f"<code>{_e(k)}</code>={_e(_setting_text(v))}" for k, v in sorted(settings.items())
+    )
+    return f"<details><summary>{len(settings)} settings</summary>{items}</details>"
+
+
+def _runs_html(runs: pl.DataFrame) -> str:
+    rows = []
+    for run in runs.iter_rows(named=True):
+        started, _ = format_cell(run["started_at"])
+        ended, _ = format_cell(run["ended_at"])
+        rows.append(f"<tr><td>{_e(run['run_id'])}</td><td>{_e(run['label'] or '')}</td>"
+                    f"<td>{_e(started)}</td><td>{_e(ended)}</td>"
+                    f"<td>{_settings_html(run['settings'])}</td></tr>")
+    return ("<table><thead><tr><th>run id</th><th>label</th><th>started</th><th>ended</th>"
+            f"<th>settings</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+def _verdict_html(ctx: AnalysisContext) -> str:
+    table, why = _result(ctx, VERDICT)
+    if table is None:
+        return f'<p class="error">verdict not available: {_e(why)}</p>'
+    if table.is_empty():
+        return '<p class="meta">The store holds no runs.</p>'
+    parts = []
+    for row in table.iter_rows(named=True):
+        sentences = "".join(f"<li>{_e(s)}</li>" for s in verdict_module.verdict_sentences(row))
+        name = row["label"] or row["run_id"]
+        parts.append(f'<div class="verdict" id="verdict-{_e(row["run_id"])}">'
+                     f"<h3>{_e(name)}</h3><ul>{sentences}</ul></div>")
+    return "".join(parts)
+
+
+def figure_html(fig: go.Figure, div_id: str) -> str:
+    """One figure as a div and an inline script (plotly.js itself is in the page head)."""
+    return str(fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                           config={"displaylogo": False, "responsive": True}))
+
+
+def _figures_html(ctx: AnalysisContext, labels: Mapping[str, str]) -> str:
+    parts = []
+    for spec in FIGURES:
+        frame, why = _result(ctx, spec.analysis, spec.params)
+        if frame is None:
+            fig = figures.missing(spec.id.replace("-", " "), f"not measured: {why}")
+        else:
+            fig = spec.build(_with_labels(frame, labels))
+        parts.append(f'<div class="figure">{figure_html(fig, f"fig-{spec.id}")}</div>')
+    return "".join(parts)
+
+
+def _tables_html(ctx: AnalysisContext) -> str:
+    parts = []
+    for analysis in registry.iter_analyses():
+        frame, why = _result(ctx, analysis.name)
+        defaults = ", ".join(f"{p.name}={p.default}" for p in analysis.params)
+        head = (f'<h3 id="table-{_e(analysis.name)}">{_e(analysis.title)}</h3>'
+                f'<p class="meta"><code>{_e(analysis.name)}</code>'
+                + (f" ({_e(defaults)})" if defaults else "") + "</p>")
+        body = (table_html(frame) if frame is not None
+                else f'<p class="error">{_e(why)}</p>')
+        parts.append(head + body)
+    return "".join(parts)
+
+
+def render(ctx: AnalysisContext, source: str) -> str:
+    """The whole report as one HTML string."""
+    runs = ctx.run_table()
+    labels = {r: lbl or r for r, lbl in runs.select("run_id", "label").rows()}
+    generated = datetime.now(UTC).isoformat(timespec="seconds")
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{_e(TITLE)}: {_e(source)}</title><style>{_CSS}</style>"
+        f"<script type=\"text/javascript\">{get_plotlyjs()}</script></head><body>"
+        f"<h1>{_e(TITLE)}</h1><p class=\"meta\">store {_e(source)}, generated {_e(generated)}"
+        f", {runs.height} run{'s' if runs.height != 1 else ''}</p>"
+        f"<h2>Runs</h2>{_runs_html(runs)}"
+        f"<h2>Verdict</h2>{_verdict_html(ctx)}"
+        f"<h2>Figures</h2>{_figures_html(ctx, labels)}"
+        f"<h2>Tables</h2>{_tables_html(ctx)}"
+        "</body></html>\n"
+    )
+
+
+def open_context(db: str | Path, runs: Sequence[str] | None = None) -> AnalysisContext:
+    """Open ``db`` read-only for analysis, selecting ``runs`` (ids or labels) when given."""
+    reader = StoreReader.open(db)
+    try:
+        ids = compare.resolve_runs(reader.frame(compare.RUNS_SQL), runs) if runs else None
+    except KvscopeError:
+        reader.close()
+        raise
+    return AnalysisContext(reader, runs=ids)
+
+
+def write_report(db_path: str | Path, out_path: str | Path,
+                 runs: Sequence[str] | None = None) -> Path:
+    """Write the HTML report of the store ``db_path`` (optionally only ``runs``) to ``out_path``."""
+    out = Path(out_path)
+    with open_context(db_path, runs) as ctx:
+        page = render(ctx, Path(db_path).name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)  # never leave a half-written report behind
+    return out
+
+
+# --- CLI entry points -------------------------------------------------------------------------
+
+
+def main_report(db: str, out: str, runs: Sequence[str] | None = None) -> int:
+    """``kvscope report DB [--out FILE] [--runs A,B]``: write the report and say where."""
+    path = write_report(db, out, runs)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def main_analyze(db: str, name: str | None, runs: Sequence[str] | None = None,
+                 fmt: str = "table", params: Mapping[str, Any] | None = None) -> int:
+    """``kvscope analyze DB [NAME] [--runs ..] [--format ..] [--param k=v ..]``.
+
+    Without a name: list the analyses with their titles and parameters. With one: print its
+    result as a table, JSON or CSV.
+    """
+    from kvscope.cli import format_rows  # the CLI imports this module: import it late
+
+    if name is None:
+        rows = [
+            (a.name, a.title, ", ".join(f"{p.name}={p.default} ({p.help})" for p in a.params))
+            for a in registry.iter_analyses()
+        ]
+        print(format_rows(["name", "title", "parameters"], rows, fmt), end="")
+        return 0
+    analysis = registry.get(name)
+    parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
+    with open_context(db, runs) as ctx:
+        frame = registry.run(ctx, name, parsed)
+    print(format_rows(frame.columns, frame.rows(), fmt), end="")
+    return 0
+
+
+__all__ = [
+    "FIGURES",
+    "MAX_TABLE_ROWS",
+    "FigureSpec",
+    "figure_html",
+    "format_cell",
+    "main_analyze",
+    "main_report",
+    "open_context",
+    "render",
+    "table_html",
+    "write_report",
+]
