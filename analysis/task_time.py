@@ -72,21 +72,21 @@ def _measured_sum(expr: pl.Expr) -> pl.Expr:
 def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     """Task time per conversation and its parts, in seconds (pure: ledger in, :data:`COLUMNS`)."""
     c = pl.col
+    # Transfer spans come from the engine hooks: with hooks seen in the conversation, a turn
+    # without one moved nothing; without any, transfer time is unknown (and inside the legs).
     hooks = (
         c("decision").is_not_null() | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()
-    ).any().over(_CONVERSATION)
-    # With hooks, a turn without a transfer span moved nothing; without hooks it is unknown.
+    ).any()
     # Only transfers inside a leg the proxy timed are part of the turn (a stalled prefill leg
     # can still show a P→D pull that no decode leg waited for).
-    d2p = pl.when(hooks & c("prefill_ms").is_not_null()).then(c("d2p_ms").fill_null(0.0))
-    p2d = pl.when(hooks & c("decode_ms").is_not_null()).then(c("p2d_ms").fill_null(0.0))
+    d2p = pl.when(c("prefill_ms").is_not_null()).then(c("d2p_ms").fill_null(0.0))
+    p2d = pl.when(c("decode_ms").is_not_null()).then(c("p2d_ms").fill_null(0.0))
     previous_end = c("end").shift(1).over(_CONVERSATION, order_by=["turn_index", "arrival"])
     gap_s = (c("arrival") - previous_end).dt.total_nanoseconds() / 1e9
     turns = ledger.with_columns(
-        (c("prefill_ms") - d2p.fill_null(0.0)).alias("_input_ms"),
-        pl.when(d2p.is_not_null() | p2d.is_not_null())
-        .then(d2p.fill_null(0.0) + p2d.fill_null(0.0)).alias("_transfer_ms"),
-        (c("decode_ms") - p2d.fill_null(0.0)).alias("_generation_ms"),
+        (c("prefill_ms") - d2p).alias("_input_ms"),
+        (d2p.fill_null(0.0) + p2d.fill_null(0.0)).alias("_transfer_ms"),
+        (c("decode_ms") - p2d).alias("_generation_ms"),
         # The proxy runs the legs it can; a leg span that is missing did not run.
         (c("turn_ms") - c("prefill_ms").fill_null(0.0) - c("decode_ms").fill_null(0.0))
         .alias("_overhead_ms"),
@@ -98,7 +98,7 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
         c("arrival").min().alias("first_arrival"),
         c("end").max().alias("last_end"),
         (_measured_sum(c("_input_ms")) / 1000.0).alias("input_processing_s"),
-        (_measured_sum(c("_transfer_ms")) / 1000.0).alias("transfer_s"),
+        pl.when(hooks).then(c("_transfer_ms").sum() / 1000.0).alias("transfer_s"),
         (_measured_sum(c("_generation_ms")) / 1000.0).alias("generation_s"),
         # A one-turn task has no gaps: its tool wait is a measured 0.
         pl.when(pl.len() == 1).then(pl.lit(0.0))
