@@ -159,7 +159,7 @@ TIMELINE_COLUMNS = (
     "prompt_tokens", "reusable_tokens", "local_tokens", "observed_remote", "offered_tokens",
     "entry", "prev_ret_bytes", "prev_ret_held_s", "prev_ret_release", "prev_ret_ttl_s",
     "tail_ret_bytes", "ttft_ms", "outcome", "has_prev", "errored", "decision_local",
-    "prev_decision_local",
+    "prev_decision_local", "expired_read",
 )
 
 
@@ -227,6 +227,7 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
     frame = frame.with_columns(decision_local.alias("decision_local"))
     return frame.with_columns(
         c("_has_prev").alias("has_prev"),
+        expired.fill_null(False).alias("expired_read"),
         c("errored").fill_null(False),
         pl.when(c("_has_prev")).then(prev("decision_local")).alias("prev_decision_local"),
         later.fill_null(False).alias("later"),
