@@ -353,7 +353,8 @@ def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
         return bad or missing(title, "no data")
     data = frame.with_columns(
         pl.format("threshold {}", pl.col("kv_recompute_threshold")).alias("_line"))
-    for column, text in (("router_ttl", "router TTL {}"), ("run_id", "{}")):
+    data = _run_names(data)
+    for column, text in (("router_ttl", "router TTL {}"), ("_name", "{}")):
         if column in data.columns and data[column].n_unique() > 1:
             data = data.with_columns(
                 pl.format("{}, " + text, pl.col("_line"), pl.col(column)).alias("_line"))
@@ -385,37 +386,44 @@ def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
 
 
 def reuse_ladder(frame: pl.DataFrame | None) -> go.Figure:
-    """The reuse ladder as a waterfall per run: ideal, the losses to each bound, observed.
+    """The reuse ladder as a waterfall per run: ideal, the loss at each bound, observed.
 
-    Input: ``ladder`` rows in step order with columns step and tokens (reusable tokens
-    reachable at that step), plus run_id when several runs. Each step after the first is drawn
-    as the loss from the step before; the last step is drawn as a total.
+    Input: ``ladder`` (run_id, step_order, step, tokens, basis): reusable tokens reachable at
+    each step, ideal first and observed last. The first step is a bar, each later one its loss
+    from the step before, and the last step also a total bar (the running sum). A step whose
+    tokens were not measured is left out and named in a note (its loss then shows in the next
+    measured step).
     """
     title = "Reuse ladder: ideal → observed (reusable tokens)"
     bad = _unusable(title, frame, ("step", "tokens"), "the reuse ladder")
     if bad is not None or frame is None:
         return bad or missing(title, "no data")
     data = _run_names(frame)
+    if "step_order" in data.columns:
+        data = data.sort("step_order", maintain_order=True)
     fig = go.Figure()
+    skipped: list[str] = []
     for i, (name, rows) in enumerate(_groups(data)):
-        steps = rows["step"].cast(pl.String).to_list()
-        tokens = rows["tokens"].to_list()
-        if len(steps) < 2 or tokens[0] is None:
+        known = rows.filter(pl.col("tokens").is_not_null())
+        skipped += [f"{name}: {s}" for s in rows.filter(pl.col("tokens").is_null())["step"]]
+        steps = known["step"].cast(pl.String).to_list()
+        tokens = known["tokens"].to_list()
+        if len(steps) < 2:
             continue
-        measures, values = ["absolute"], [tokens[0]]
-        for k in range(1, len(tokens)):
-            last = k == len(tokens) - 1
-            if tokens[k] is None or tokens[k - 1] is None:
-                measures.append("relative")
-                values.append(None)
-            else:
-                measures.append("total" if last else "relative")
-                values.append(tokens[k] if last else tokens[k] - tokens[k - 1])
-        fig.add_trace(go.Waterfall(x=steps, y=values, measure=measures, name=name,
+        # A "total" bar shows the running sum, so the loss into the last step gets its own
+        # bar before it: the total then equals the last step's tokens.
+        x = [*steps[:-1], f"lost before {steps[-1]}", steps[-1]]
+        measures = ["absolute"] + ["relative"] * (len(steps) - 1) + ["total"]
+        values = [tokens[0]] + [tokens[k] - tokens[k - 1] for k in range(1, len(tokens))]
+        values.append(tokens[-1])
+        fig.add_trace(go.Waterfall(x=x, y=values, measure=measures, name=name,
                                    offsetgroup=name,
                                    decreasing={"marker": {"color": "#d62728"}},
+                                   increasing={"marker": {"color": "#2ca02c"}},
                                    totals={"marker": {"color": _color(i)}}))
     if not fig.data:
-        return missing(title, "fewer than two ladder steps: the ladder is not measured")
+        return missing(title, "fewer than two measured ladder steps: the ladder is not measured")
     fig.update_layout(title=title, waterfallgroupgap=0.2, yaxis_title="tokens", **_LAYOUT)
+    if skipped:
+        note(fig, f"not measured: {', '.join(skipped)}")
     return fig
