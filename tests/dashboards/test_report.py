@@ -1,0 +1,151 @@
+"""The HTML report: one offline file with the verdict, a div per figure, the registry tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from kvscope.analysis import registry
+from kvscope.analysis.registry import AnalysisError
+from kvscope.dashboards import report
+from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.emulator.workloads import synthetic
+
+HOSTILE_LABEL = '<script>alert("x")</script> & ON'
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Feature ON and OFF over one small workload (the ON run's label needs escaping)."""
+    db = tmp_path_factory.mktemp("report") / "ab.duckdb"
+    workload = synthetic.generate(
+        seed=7, conversations=5, turns_p50=6, max_turns=8, think_time_p50_s=5,
+        think_time_p90_s=20, reset_probability=0.0, subagent_probability=0.0,
+    )
+    for label, on, seed in ((HOSTILE_LABEL, True, 1), ("OFF", False, 2)):
+        simulate(workload, db, SimulationSettings(
+            profile="qwen3-32b", label=label, prefill_bidirectional_kv_xfer=on,
+            decode_bidirectional_kv_xfer=on, prefill_prefix_caching=False, seed=seed))
+    return db
+
+
+@pytest.fixture(scope="module")
+def page(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("out") / "nested" / "report.html"
+    assert report.write_report(store, out) == out
+    return out
+
+
+def test_one_file_and_nothing_fetched(page: Path) -> None:
+    assert [p.name for p in page.parent.iterdir()] == ["report.html"]  # no temp file left
+    text = page.read_text(encoding="utf-8")
+    tags = re.findall(r"<(?:script|link|img|iframe|source)\b[^>]*>", text, flags=re.I)
+    assert tags, "the page has scripts"
+    for tag in tags:
+        assert not re.search(r"\b(src|href)\s*=", tag, flags=re.I), tag
+    # plotly.js is embedded once, inline.
+    assert text.count("<script type=\"text/javascript\">") == 1
+    assert text.count("Plotly.newPlot(") == len(report.FIGURES)
+
+
+def test_verdict_first_then_figures_then_tables(page: Path, store: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    verdict, figs, tables = (text.index(f"<h2>{h}</h2>") for h in ("Verdict", "Figures", "Tables"))
+    assert verdict < figs < tables
+    assert text.count('<div class="verdict"') == 2
+    assert "Reuse happened" in text and "Reuse did not happen" in text
+    assert "Against the feature-OFF run OFF" in text
+    for spec in report.FIGURES:
+        assert f'id="fig-{spec.id}"' in text, spec.id
+    for analysis in registry.iter_analyses():
+        assert f'id="table-{analysis.name}"' in text, analysis.name
+    # Every analysis ran: no section reports a failure.
+    assert "failed:" not in text
+    # Settings per run come from kvscope_runs.
+    assert "<code>decoder_kv_blocks_ttl</code>=480.0" in text
+
+
+def test_everything_is_escaped(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    assert HOSTILE_LABEL not in text
+    assert html_escaped(HOSTILE_LABEL) in text
+
+
+def html_escaped(value: str) -> str:
+    import html
+
+    return html.escape(value, quote=True)
+
+
+def test_selected_runs_only(store: Path, tmp_path: Path) -> None:
+    out = report.write_report(store, tmp_path / "off.html", runs=["OFF"])
+    text = out.read_text(encoding="utf-8")
+    assert text.count('<div class="verdict"') == 1
+    assert html_escaped(HOSTILE_LABEL) not in text
+    # One run: the A/B figures say why they are empty instead of failing.
+    assert "compare needs two runs" in text
+    with pytest.raises(AnalysisError, match="no run with id or label 'nope'"):
+        report.write_report(store, tmp_path / "x.html", runs=["nope"])
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_table_html_is_bounded_and_says_so() -> None:
+    frame = pl.DataFrame({"n": list(range(500)), "v": [None] * 500})
+    text = report.table_html(frame, max_rows=200)
+    assert "first 200 of 500 rows" in text
+    assert text.count("<tr>") == 201  # header + 200 rows
+    assert text.count(">not measured<") == 200
+    assert report.format_cell(None) == ("not measured", "null")
+    assert report.format_cell(float("nan"))[0] == "not measured"
+    assert report.format_cell(0.0) == ("0", "num")  # a measured zero stays zero
+
+
+def test_main_report_and_analyze(store: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    assert report.main_report(str(store), str(out), None) == 0
+    assert out.exists() and f"wrote {out}" in capsys.readouterr().out
+    assert report.main_analyze(str(store), None) == 0
+    listing = capsys.readouterr().out
+    for name in ("reuse_rate", "compare", "compare_by_prompt", "verdict"):
+        assert re.search(rf"^{name}\s", listing, flags=re.M), name
+    assert report.main_analyze(str(store), "compare_by_prompt", None, "json",
+                               {"bins": "3"}) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["bin"] for r in rows} == {0, 1, 2}
+    assert report.main_analyze(str(store), "verdict", ["OFF"], "csv") == 0
+    csv_lines = capsys.readouterr().out.splitlines()
+    assert csv_lines[0].startswith("run_id,label,feature") and len(csv_lines) == 2
+    with pytest.raises(AnalysisError, match="unknown parameter"):
+        report.main_analyze(str(store), "verdict", None, "table", {"nope": "1"})
+    with pytest.raises(AnalysisError, match="no analysis called"):
+        report.main_analyze(str(store), "nope")
+
+
+CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
+                             shutil.which("google-chrome")) if p), None)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed "
+                    "(Debian: apt-get install chromium); the report was not opened in a browser")
+def test_opens_in_headless_chromium(page: Path, tmp_path: Path) -> None:
+    assert CHROMIUM is not None
+    result = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+         "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+         "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, console
+    # plotly.js ran: every figure div holds its rendered SVG.
+    assert result.stdout.count('class="plotly-graph-div') == len(report.FIGURES)
+    assert result.stdout.count('class="main-svg"') >= len(report.FIGURES)
