@@ -418,8 +418,11 @@ def _prefill_points(ledger: pl.DataFrame) -> pl.DataFrame:
     c = pl.col
     pulled = c("remote_reused_tokens").fill_null(0)
     stale = (c("d2p_bytes").fill_null(0) > 0) & (pulled == 0)
+    # Turn 1 is left out: its ledger local hit is capped at its reusable span (0), so a shared
+    # system prompt's hit would read as computed tokens.
     usable = (
-        c("prefill_ms").is_not_null() & c("prompt_tokens").is_not_null()
+        (c("turn_index") >= 2) & c("reusable_tokens").is_not_null()
+        & c("prefill_ms").is_not_null() & c("prompt_tokens").is_not_null()
         & ~c("errored").fill_null(False) & ~c("outcome").is_in(_FIT_EXCLUDED) & ~stale
     )
     return ledger.filter(usable.fill_null(False)).select(
