@@ -237,11 +237,10 @@ class PrefixCache:
             if top - end + 1 != stamp:
                 continue  # stale: the run's tail was refreshed or evicted since
             start = pieces[-2][0] if len(pieces) > 1 else 0
-            # Blocks of the last piece older than every other run's tail go now, at least one.
-            floor = start
-            if tails:
-                floor = max(start, top - tails[0][0] + 1)
-            drop = min(overflow, max(end - floor, 1))
+            # Pieces never interleave in stamp order (a touch takes a fresh range of stamps and
+            # gives each run on its path a disjoint part of it), so the whole oldest piece is
+            # older than every other cached block.
+            drop = min(overflow, end - start)
             overflow -= drop
             end -= drop
             if end > start:

@@ -59,8 +59,9 @@ from kvscope.emulator.reuse_model import (
 )
 from kvscope.emulator.tokens import BlockRuns, Runs, join_runs, take_runs
 from kvscope.emulator.workloads.model import BlockChain, Workload, block_view
+from kvscope.errors import StoreError
 from kvscope.store.database import begin_run, end_run, open_store
-from kvscope.store.writer import insert_arrow
+from kvscope.store.writer import StoreWriter
 
 # Fault names the simulator understands, each applied per turn with its probability.
 FAULT_NO_CONVERSATION_ID = "no_conversation_id"  # per conversation: the client sends no id
@@ -161,13 +162,21 @@ class SimulationResult:
 
 
 class _RowSink(SpanProcessor):
-    """Collects finished spans and writes them to the store in large synchronous batches."""
+    """Collects finished spans and writes them to the store in large batches, one in flight.
+
+    Spans become rows here; the DuckDB insert runs on a :class:`StoreWriter` thread (DuckDB
+    releases the GIL), overlapping the simulation of the next batch. Waiting for the previous
+    batch before handing over the next keeps at most one batch queued, so the writer's bounded
+    queue never drops; a failed or dropped insert raises :class:`StoreError` at the next flush.
+    """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000) -> None:
-        self._con = con
         self._batch = batch
         self._spans: list[ReadableSpan] = []
         self.written = 0
+        # Its own cursor: closing the writer leaves the caller's connection open.
+        self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * batch,
+                                   name="kvscope-simulator-writer")
 
     def on_end(self, span: ReadableSpan) -> None:
         self._spans.append(span)
@@ -181,9 +190,33 @@ class _RowSink(SpanProcessor):
 
     def flush(self) -> None:
         if self._spans:
-            insert_arrow(self._con, "otel_traces", spans_to_rows(self._spans).to_arrow())
+            rows = spans_to_rows(self._spans).to_arrow()
+            self._wait()
+            if not self._writer.submit_traces(rows):
+                raise StoreError(f"simulator: the store writer refused {rows.num_rows} span rows")
             self.written += len(self._spans)
             self._spans = []
+
+    def _wait(self) -> None:
+        self._writer.flush()
+        stats = self._writer.stats
+        if stats.failed_rows or stats.dropped_rows:
+            raise StoreError(
+                f"simulator: writing spans failed ({stats.failed_rows} rows failed, "
+                f"{stats.dropped_rows} dropped); see the log for the database error"
+            )
+
+    def close(self) -> None:
+        """Write everything collected, wait for it, and stop the writer thread."""
+        try:
+            self.flush()
+            self._wait()
+        finally:
+            self._writer.close()
+
+    def abort(self) -> None:
+        """Stop the writer thread without writing what is still collected (idempotent)."""
+        self._writer.close()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()
@@ -278,13 +311,18 @@ class Simulator:
             run_settings["workload"] = workload.name
             run_settings["workload_settings"] = dict(workload.settings)
             run_id = begin_run(con, self.settings.label, run_settings)
-            result = self._simulate(workload, con, run_id, epoch_ns)
+            sink = _RowSink(con)
+            try:
+                result = self._simulate(workload, sink, run_id, epoch_ns)
+                sink.close()
+            finally:
+                sink.abort()
             end_run(con, run_id)
         finally:
             con.close()
         return result
 
-    def _simulate(self, workload: Workload, con: duckdb.DuckDBPyConnection, run_id: str,
+    def _simulate(self, workload: Workload, sink: _RowSink, run_id: str,
                   epoch_ns: int) -> SimulationResult:
         s = self.settings
         if workload.block_size != self.cost.block_size:
@@ -292,7 +330,6 @@ class Simulator:
                 f"workload block size {workload.block_size} != profile block size "
                 f"{self.cost.block_size}"
             )
-        sink = _RowSink(con)
         proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
         proxy._resource = Resource.create(
             {"service.name": semconv.SERVICE_PROXY, semconv.RUN_ID: run_id}
@@ -572,15 +609,15 @@ class _ChainRuns:
     """
 
     def __init__(self) -> None:
-        # id(chain) is stable: the block view keeps every chain alive for the whole run.
-        self._memo: dict[int, Runs] = {}
+        # Keyed by id(chain); the entry holds the chain itself so that id is never reused.
+        self._memo: dict[int, tuple[BlockChain, Runs]] = {}
 
     def runs(self, chain: BlockChain) -> Runs:
         """Maximal runs of all of ``chain``'s block ids."""
         memo = self._memo
         found = memo.get(id(chain))
         if found is not None:
-            return found
+            return found[1]
         # Walk down to the nearest memoised base iteratively (chains nest one per turn).
         pending: list[BlockChain] = []
         node: BlockChain | None = chain
@@ -588,9 +625,11 @@ class _ChainRuns:
             pending.append(node)
             node = node.base if node.kept else None
         for link in reversed(pending):
-            head = take_runs(memo[id(link.base)], link.kept) if link.base and link.kept else ()
-            memo[id(link)] = join_runs(head, link.runs)
-        return memo[id(chain)]
+            head: Runs = ()
+            if link.base is not None and link.kept:
+                head = take_runs(memo[id(link.base)][1], link.kept)
+            memo[id(link)] = (link, join_runs(head, link.runs))
+        return memo[id(chain)][1]
 
     def seq(self, chain: BlockChain, num_tokens: int, block_size: int) -> BlockRuns:
         """The first ``num_tokens // block_size`` blocks of ``chain``, as the model's sequence."""
