@@ -119,6 +119,7 @@ SUMMARY_METRICS: tuple[tuple[str, str], ...] = (
     ("turns_reused_remote", "turns"),
     ("turns_reused_local", "turns"),
     ("retained_gib_s", "GiB*s"),
+    ("retained_peak_gib", "GiB"),
     ("useful_gib_s", "GiB*s"),
     ("idle_gib_s", "GiB*s"),
     ("wasted_gib_s", "GiB*s"),
@@ -128,6 +129,9 @@ SUMMARY_METRICS: tuple[tuple[str, str], ...] = (
 _RETENTION_TOTAL = "gib_s_total"
 _RETENTION_PARTS = {"useful_gib_s": "gib_s_useful", "idle_gib_s": "gib_s_idle",
                     "wasted_gib_s": "gib_s_wasted"}
+# retained_memory's sources of retained bytes (analysis/retention.py), best first.
+_RETAINED_SOURCES = ("retained_bytes_gauge", "retention_spans")
+PEAK_COLUMNS: dict[str, pl.DataType] = {"run_id": pl.String(), "retained_peak_gib": pl.Float64()}
 RETENTION_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
     "retained_gib_s": pl.Float64(),
@@ -339,6 +343,26 @@ def retention_totals(frame: pl.DataFrame | None) -> pl.DataFrame:
     return out.select([pl.col(c).cast(t) for c, t in RETENTION_COLUMNS.items()])
 
 
+def retained_peak(frame: pl.DataFrame | None) -> pl.DataFrame:
+    """Peak retained GiB per run from the ``retained_memory`` series (pure; empty when absent).
+
+    Per run, the best source present (the decode's own gauge, else the retention spans); per
+    time bin the engines' mean bytes are summed; the peak is the largest such sum. Binned means
+    smooth spikes shorter than a bin, so this is a lower bound on the instantaneous peak.
+    """
+    needed = {"run_id", "source", "time", "mean_bytes"}
+    if frame is None or not needed <= set(frame.columns):
+        return pl.DataFrame(schema=PEAK_COLUMNS)
+    rank = {source: i for i, source in enumerate(_RETAINED_SOURCES)}
+    rows = frame.filter(pl.col("source").is_in(_RETAINED_SOURCES)).with_columns(
+        pl.col("source").replace_strict(rank, return_dtype=pl.Int64).alias("_rank"))
+    best = rows.filter(pl.col("_rank") == pl.col("_rank").min().over("run_id"))
+    out = (best.group_by(["run_id", "time"]).agg(pl.col("mean_bytes").sum())
+           .group_by("run_id").agg((pl.col("mean_bytes").max() / float(1 << 30))
+                                   .alias("retained_peak_gib")))
+    return out.select([pl.col(c).cast(t) for c, t in PEAK_COLUMNS.items()])
+
+
 def optional_analysis(ctx: AnalysisContext, name: str,
                       params: Mapping[str, Any] | None = None) -> pl.DataFrame | None:
     """The result of analysis ``name``, or None while no module registers it."""
@@ -454,8 +478,17 @@ def _labels(info: pl.DataFrame, pair: Sequence[str]) -> dict[str, str]:
 
 def comparison(ctx: AnalysisContext, runs: Sequence[str] | None = None, bins: int = 8,
                ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(summary, by-prompt table) for the pair ``runs`` names, or the chosen pair."""
+    """(summary, by-prompt table) for the pair ``runs`` names, or the chosen pair (cached)."""
     pair = pick_runs(ctx, runs)
+    key = f"compare:{pair!r}:{bins}"
+    result: tuple[pl.DataFrame, pl.DataFrame] = ctx.cached(
+        key, lambda: _comparison(ctx, pair, bins))
+    return result
+
+
+def _comparison(ctx: AnalysisContext, pair: tuple[str, str], bins: int,
+                ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Build both comparison tables for ``pair``."""
     info = run_info(all_runs(ctx), ctx.ledger())
     labels = _labels(info, pair)
     ledger = ctx.ledger().filter(pl.col("run_id").is_in(pair))
@@ -463,8 +496,11 @@ def comparison(ctx: AnalysisContext, runs: Sequence[str] | None = None, bins: in
         raise AnalysisError(f"runs {pair[0]} and {pair[1]} have no turns in the store")
     edges = prompt_bins(ledger["prompt_tokens"], bins)
     by_prompt = by_prompt_table(ledger, labels, edges)
+    retention = context_retention(ctx).join(
+        retained_peak(optional_analysis(ctx, "retained_memory")), on="run_id", how="full",
+        coalesce=True)
     summary = summary_table(pair, labels, run_stats(ledger), reuse_table(ledger, "run"),
-                            context_retention(ctx))
+                            retention)
     return summary, by_prompt
 
 

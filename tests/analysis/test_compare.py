@@ -180,6 +180,22 @@ def test_retention_totals_sum_engines() -> None:
     assert compare.retention_totals(cost.drop("gib_s_total")).is_empty()
 
 
+def test_retained_peak_sums_engines_and_prefers_the_gauge() -> None:
+    gib = float(1 << 30)
+    t = [T0, T0 + timedelta(seconds=10)]
+    frame = pl.DataFrame({
+        "run_id": ["a"] * 4 + ["b"] * 4,
+        "source": ["retention_spans"] * 4 + ["retention_spans", "retention_spans",
+                                              "retained_bytes_gauge", "gpu_memory_used"],
+        "time": [t[0], t[0], t[1], t[1], t[0], t[1], t[1], t[1]],
+        "mean_bytes": [1 * gib, 2 * gib, 2 * gib, 2 * gib, 9 * gib, 9 * gib, 5 * gib, 80 * gib],
+    })
+    peaks = dict(compare.retained_peak(frame).rows())
+    assert peaks == {"a": pytest.approx(4.0), "b": pytest.approx(5.0)}
+    assert compare.retained_peak(None).is_empty()
+    assert compare.retained_peak(frame.filter(pl.col("source") == "gpu_memory_used")).is_empty()
+
+
 def test_sentences_say_not_measured_never_zero() -> None:
     row = {name: None for name in ("label", "feature", "token_reuse_rate", "ttft_p50_ms",
                                    "ttft_p90_ms", "ttft_share_of_task", "retained_gib_s")}
