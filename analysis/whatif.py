@@ -160,6 +160,8 @@ TIMELINE_COLUMNS = (
     "entry", "prev_ret_bytes", "prev_ret_held_s", "prev_ret_release", "prev_ret_ttl_s",
     "tail_ret_bytes", "ttft_ms", "outcome", "has_prev", "errored", "decision_local",
     "prev_decision_local", "expired_read",
+    # Setting-independent parts of the rules, computed once rather than once per setting.
+    "count", "read_local", "failed_local", "read_remote", "prev_contacted",
 )
 
 
@@ -172,22 +174,31 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
     ``tail_ret_bytes``: this turn's own handle when no next turn consumes it.
     """
     c = pl.col
-    by_conv = ["run_id", "conversation_id"]
     handles = retentions.select(
         "run_id", c("request_id").alias("decode_request_id"),
         c("size_bytes").alias("ret_bytes"), c("tokens").alias("ret_tokens"),
         c("held_s").alias("ret_held_s"), c("reason").alias("ret_release"),
         c("ttl_s").alias("ret_ttl_s"),
     ).unique(["run_id", "decode_request_id"], keep="first")
-    frame = ledger.sort(["run_id", "conversation_id", "turn_index", "arrival"]).join(
-        handles, on=["run_id", "decode_request_id"], how="left")
+    frame = ledger.join(handles, on=["run_id", "decode_request_id"], how="left").sort(
+        ["run_id", "conversation_id", "turn_index", "arrival"])
+
+    # Sorted by conversation, so a plain shift is the previous turn when the keys match (a
+    # window function per column costs ~10x more at a million turns).
+    same = (c("run_id") == c("run_id").shift(1)) & (
+        c("conversation_id") == c("conversation_id").shift(1))
+    frame = frame.with_columns(
+        same.fill_null(False).alias("_same_prev"),
+        same.shift(-1).fill_null(False).alias("_same_next"),
+    )
 
     def prev(column: str) -> pl.Expr:
-        return c(column).shift(1).over(by_conv)
+        return pl.when(c("_same_prev")).then(c(column).shift(1))
 
     has_id = c("conversation_id").is_not_null()
     has_prev = has_id & (prev("turn_index") == c("turn_index") - 1)
-    has_next = has_id & (c("turn_index").shift(-1).over(by_conv) == c("turn_index") + 1)
+    has_next = has_id & c("_same_next") & (
+        c("turn_index").shift(-1) == c("turn_index") + 1)
     since_prev = (c("arrival") - prev("end")).dt.total_nanoseconds().cast(pl.Float64) / 1e9
     frame = frame.with_columns(
         has_prev.fill_null(False).alias("_has_prev"),
@@ -225,11 +236,24 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
         .otherwise(c("local_hit_tokens").fill_null(0))
     )
     frame = frame.with_columns(decision_local.alias("decision_local"))
+    frame = frame.with_columns(
+        pl.when(c("_has_prev")).then(prev("decision_local")).alias("prev_decision_local"),
+        pl.min_horizontal(c("offered_tokens"), c("prompt_tokens")).sub(c("decision_local"))
+        .alias("count"),
+    )
+    read_local = pl.min_horizontal(c("decision_local"), c("reusable_tokens"))
     return frame.with_columns(
         c("_has_prev").alias("has_prev"),
         expired.fill_null(False).alias("expired_read"),
         c("errored").fill_null(False),
-        pl.when(c("_has_prev")).then(prev("decision_local")).alias("prev_decision_local"),
+        read_local.alias("read_local"),
+        # After a failed turn P's cache lacks its prompt: the hit is the failed turn's.
+        pl.min_horizontal(c("prev_decision_local"), c("reusable_tokens")).alias("failed_local"),
+        pl.max_horizontal(
+            pl.min_horizontal(c("decision_local") + c("count"), c("reusable_tokens"))
+            - read_local, pl.lit(0)).alias("read_remote"),
+        c("ret_release").is_in([semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED])
+        .shift(1).fill_null(False).alias("prev_contacted"),
         later.fill_null(False).alias("later"),
         replayable.fill_null(False).alias("replay"),
         pl.coalesce(c("router_entry_age_s"), c("gap_s")).alias("age_s"),
@@ -261,28 +285,22 @@ def replay(
     would each fail, every other one does (odd positions), computed without a per-row loop.
     """
     c = pl.col
-    ttl = pl.lit(float(ttl_s))
+    ttl = float(ttl_s)
     gap = c("gap_s")
-    router_ok = pl.lit(True) if router_ttl_s is None else c("age_s") <= float(router_ttl_s)
-    offered = c("entry") & router_ok
-    count = pl.min_horizontal(c("offered_tokens"), c("prompt_tokens")) - c("decision_local")
-    below = count < threshold if threshold > 0 else pl.lit(False)
-    wants = (count > 0) & ~below
+    count = c("count")
+    offered = c("entry") if router_ttl_s is None else c("entry") & (
+        c("age_s") <= float(router_ttl_s))
+    wants = (count >= threshold) & (count > 0) if threshold > 0 else count > 0
     late = gap + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= ttl
     would_fail = (c("replay") & offered & wants & late).fill_null(False)
     streak = would_fail.cum_sum()
     before = pl.when(~would_fail).then(streak).forward_fill().fill_null(0)
     fails = would_fail & ((streak - before) % 2 == 1)
-    prev_fails = pl.when(c("has_prev")).then(fails.shift(1)).otherwise(False).fill_null(False)
+    prev_fails = (c("has_prev") & fails.shift(1)).fill_null(False)
     hit = offered & ~prev_fails
     pull = hit & wants
     reads = pull & ~late
     notifies = hit & ~pull
-    local = pl.min_horizontal(
-        pl.when(prev_fails).then(c("prev_decision_local")).otherwise(c("decision_local")),
-        c("reusable_tokens"))
-    pulled = pl.max_horizontal(
-        pl.min_horizontal(c("decision_local") + count, c("reusable_tokens")) - local, pl.lit(0))
     path = (
         pl.when(~c("later")).then(pl.lit(PATH_NOT_LATER))
         .when(~c("replay")).then(pl.lit(PATH_CARRIED))
@@ -292,23 +310,22 @@ def replay(
         .when(count <= 0).then(pl.lit(semconv.DECISION_LOCAL_COVERS))
         .otherwise(pl.lit(semconv.DECISION_BELOW_THRESHOLD))
     )
-    contacted = c("prev_ret_release").is_in([semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED])
-    carried_held = (
-        pl.when(contacted.fill_null(False))
-        .then(pl.min_horizontal(c("prev_ret_held_s"), ttl)).otherwise(ttl)
-    )
-    replay_held = pl.when(reads | (notifies & (gap < ttl))).then(gap).otherwise(ttl)
+    carried_held = pl.when(c("prev_contacted")).then(
+        pl.min_horizontal(c("prev_ret_held_s"), pl.lit(ttl))).otherwise(pl.lit(ttl))
+    replay_held = pl.when(reads | (notifies & (gap < ttl))).then(gap).otherwise(pl.lit(ttl))
     replayed = c("replay")
     return frame.with_columns(
         path.alias("w_path"),
-        pl.when(replayed & fails).then(0).when(replayed).then(local)
-        .otherwise(c("local_tokens")).cast(pl.Int64).alias("w_local"),
-        pl.when(replayed & (fails | ~reads)).then(0).when(replayed).then(pulled)
-        .otherwise(c("observed_remote")).cast(pl.Int64).alias("w_remote"),
-        (pl.when(replayed).then(fails).otherwise(c("errored"))).alias("w_errored"),
+        pl.when(~replayed).then(c("local_tokens")).when(fails).then(0)
+        .when(prev_fails).then(c("failed_local")).otherwise(c("read_local"))
+        .cast(pl.Int64).alias("w_local"),
+        pl.when(~replayed).then(c("observed_remote")).when(reads).then(c("read_remote"))
+        .otherwise(0).cast(pl.Int64).alias("w_remote"),
+        pl.when(replayed).then(fails).otherwise(c("errored")).alias("w_errored"),
         pl.when(c("prev_ret_bytes").is_null() | prev_fails).then(None)
         .when(replayed).then(replay_held).otherwise(carried_held).alias("w_prev_held_s"),
-        pl.when(c("tail_ret_bytes").is_not_null() & ~fails).then(ttl).alias("w_tail_held_s"),
+        pl.when(c("tail_ret_bytes").is_not_null() & ~fails).then(pl.lit(ttl))
+        .alias("w_tail_held_s"),
     )
 
 
