@@ -4,7 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvscope-installed
 
-.PHONY: demo test lint typecheck unit bench clean
+VLLM_VENV := .venv-vllm
+
+.PHONY: demo test lint typecheck unit vllm-contract bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvscope demo --out out
 
-test: $(STAMP) lint typecheck unit
+test: $(STAMP) lint typecheck unit vllm-contract
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -25,6 +27,12 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(PY) -m pytest
+
+# The contract tier: kvscope's hooks against the real vLLM 0.33.0 classes, in a separate venv
+# (CPU torch, vllm --no-deps, nixl; about 3 GB, built once by scripts/vllm-venv.sh).
+vllm-contract:
+	bash scripts/vllm-venv.sh
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_contract -W ignore::DeprecationWarning -W ignore::FutureWarning
 
 bench: $(STAMP)
 	$(PY) tests/benchmarks/bench_store_throughput.py

@@ -1,1 +1,2 @@
-"""Collectors: OpenTelemetry setup and exporters, the OTLP receiver, the proxy, vLLM hooks, GPU sampler."""
+"""Collectors: OpenTelemetry set-up and exporters, the OTLP receiver, the proxy, vLLM hooks,
+the GPU sampler."""

@@ -174,19 +174,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscope gpu-sampler",
         description="Sample GPU memory with NVML and export it as kvscope gauges.")
+    add_gpu_sampler_arguments(parser)
+    return parser
+
+
+def add_gpu_sampler_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the sampler's options on ``parser`` (the CLI's sub-command uses this too)."""
     for name in ("db", "otlp_endpoint", "gpu_sample_interval_s"):
         s = settings.SETTINGS[name]
         parser.add_argument(s.cli_flag, dest=name, default=None,
                             help=f"{s.help} (env {s.env_var})")
     parser.add_argument("--duration-s", type=float, default=None,
                         help="Stop after this many seconds (default: until interrupted).")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None, *, nvml: Any = None,
          stop: threading.Event | None = None) -> int:
     """Run the sampler until interrupted; exit 0 when there is no GPU to sample."""
-    args = build_parser().parse_args(argv)
+    return main_gpu_sampler(build_parser().parse_args(argv), nvml=nvml, stop=stop)
+
+
+def main_gpu_sampler(args: argparse.Namespace, *, nvml: Any = None,
+                     stop: threading.Event | None = None) -> int:
+    """``kvscope gpu-sampler`` with parsed options."""
     interval = settings.resolve("gpu_sample_interval_s", args.gpu_sample_interval_s)
     from kvscope.collector.otel import setup_telemetry
 

@@ -222,16 +222,38 @@ def _run_replay(args: argparse.Namespace) -> int:
     return main_replay(args)
 
 
+def _configure_gpu_sampler(parser: argparse.ArgumentParser) -> None:
+    from kvscope.collector.gpu import add_gpu_sampler_arguments
+
+    add_gpu_sampler_arguments(parser)
+
+
+def _run_gpu_sampler(args: argparse.Namespace) -> int:
+    from kvscope.collector.gpu import main_gpu_sampler
+
+    return main_gpu_sampler(args)
+
+
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="out", help="folder for kvscope.duckdb (default: out)")
+    parser.add_argument("--out", default="out", help="folder for kvscope.duckdb and report.html")
+    parser.add_argument("--conversations", type=int, default=10,
+                        help="WEKA traces to replay (default 10)")
+    parser.add_argument("--max-turns", type=int, default=8, help="turns per trace (default 8)")
+    parser.add_argument("--time-scale", type=float, default=12.0,
+                        help="divide tool waits and TTLs by this (default 12)")
+    parser.add_argument("--token-scale", type=float, default=0.08,
+                        help="multiply the traces' token counts (default 0.08)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvscope.demo import run_demo
+    from kvscope.demo import DemoOptions, run_demo
 
-    return run_demo(Path(args.out))
+    return run_demo(Path(args.out), DemoOptions(
+        conversations=args.conversations, max_turns=args.max_turns,
+        time_scale=args.time_scale, token_scale=args.token_scale,
+    ))
 
 
 COMMANDS: list[Command] = [
@@ -248,6 +270,8 @@ COMMANDS: list[Command] = [
             _configure_emulate, _run_emulate),
     Command("replay", "drive a multi-turn agentic workload against an OpenAI-compatible URL",
             _configure_replay, _run_replay),
+    Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
+            _configure_gpu_sampler, _run_gpu_sampler),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
 ]
 
