@@ -18,9 +18,11 @@ with. Not modelled: queueing and batching contention (each request is timed as i
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -196,6 +198,9 @@ class _RowSink(SpanProcessor):
                 raise StoreError(f"simulator: the store writer refused {rows.num_rows} span rows")
             self.written += len(self._spans)
             self._spans = []
+            if not gc.isenabled():
+                # Reclaim this batch's few reference cycles (see _cyclic_gc_per_batch).
+                gc.collect(1)
 
     def _wait(self) -> None:
         self._writer.flush()
@@ -221,6 +226,23 @@ class _RowSink(SpanProcessor):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()
         return True
+
+
+@contextmanager
+def _cyclic_gc_per_batch() -> Iterator[None]:
+    """Pause automatic cyclic garbage collection; the sink collects once per span batch instead.
+
+    A run allocates millions of short-lived objects (spans, attribute maps, rows) and almost no
+    cycles (~2 per turn), so the collector's automatic passes cost ~20% of the run and find
+    little; one young-generation pass per batch keeps memory bounded.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _engine(sink: _RowSink, service: str, run_id: str, engine_id: str, role: str
@@ -313,7 +335,8 @@ class Simulator:
             run_id = begin_run(con, self.settings.label, run_settings)
             sink = _RowSink(con)
             try:
-                result = self._simulate(workload, sink, run_id, epoch_ns)
+                with _cyclic_gc_per_batch():
+                    result = self._simulate(workload, sink, run_id, epoch_ns)
                 sink.close()
             finally:
                 sink.abort()
