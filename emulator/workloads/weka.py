@@ -246,9 +246,15 @@ def _conversations(
     render_blocks: bool, ns: int,
 ) -> list[Conversation]:
     out: list[Conversation] = []
+    # With max_turns, the main agent stops early; sub-agents it spawned later never happen.
+    main = agents.get("main") or []
+    truncated = opts.max_turns is not None and len(main) > opts.max_turns
+    cutoff = main[: opts.max_turns][-1].arrival_s if truncated and main else None
     for agent in sorted(agents, key=_agent_key):
         requests = agents[agent]
         if not requests:
+            continue
+        if agent != "main" and cutoff is not None and requests[0].arrival_s > cutoff:
             continue
         turns = _turns(requests, opts, continuation=not render_blocks)
         if render_blocks:
