@@ -269,7 +269,8 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
 
 
 def replay(
-    frame: pl.LazyFrame, ttl_s: float, threshold: int, router_ttl_s: float | None
+    frame: pl.LazyFrame, ttl_s: float, threshold: int, router_ttl_s: float | None,
+    *, paths: bool = True,
 ) -> pl.LazyFrame:
     """Each turn under one setting (pure): path, tokens reused, failures, handles held.
 
@@ -277,6 +278,7 @@ def replay(
     replayed decision, ``declined_expired`` for a failed turn, or ``carried``), ``w_local`` and
     ``w_remote`` (tokens reused), ``w_errored``, ``w_prev_held_s`` (seconds turn k-1's handle is
     held; null when it has none) and ``w_tail_held_s`` (this turn's own unconsumed handle).
+    ``paths=False`` leaves out ``w_path`` (aggregates do not need it).
 
     A declined read fails the turn (policy ``fail`` errors it; ``recompute`` re-schedules it and
     the re-issued load stalls: ``NodeConfig.stall_on_reissued_load``), so decode never runs: the
@@ -295,8 +297,14 @@ def replay(
     would_fail = (c("replay") & offered & wants & late).fill_null(False)
     streak = would_fail.cum_sum()
     before = pl.when(~would_fail).then(streak).forward_fill().fill_null(0)
-    fails = would_fail & ((streak - before) % 2 == 1)
-    prev_fails = (c("has_prev") & fails.shift(1)).fill_null(False)
+    # Materialised as columns: order-dependent expressions (cum_sum, shift) are not shared
+    # between the outputs below otherwise, and would be recomputed for each.
+    frame = frame.with_columns(
+        (would_fail & ((streak - before) % 2 == 1)).alias("_fails"),
+        offered.alias("_offered"), wants.alias("_wants"), late.alias("_late"),
+    ).with_columns((c("has_prev") & c("_fails").shift(1)).fill_null(False).alias("_prev_fails"))
+    fails, prev_fails = c("_fails"), c("_prev_fails")
+    offered, wants, late = c("_offered"), c("_wants"), c("_late")
     hit = offered & ~prev_fails
     pull = hit & wants
     reads = pull & ~late
@@ -315,7 +323,7 @@ def replay(
     replay_held = pl.when(reads | (notifies & (gap < ttl))).then(gap).otherwise(pl.lit(ttl))
     replayed = c("replay")
     return frame.with_columns(
-        path.alias("w_path"),
+        *([path.alias("w_path")] if paths else []),
         pl.when(~replayed).then(c("local_tokens")).when(fails).then(0)
         .when(prev_fails).then(c("failed_local")).otherwise(c("read_local"))
         .cast(pl.Int64).alias("w_local"),
@@ -326,7 +334,7 @@ def replay(
         .when(replayed).then(replay_held).otherwise(carried_held).alias("w_prev_held_s"),
         pl.when(c("tail_ret_bytes").is_not_null() & ~fails).then(pl.lit(ttl))
         .alias("w_tail_held_s"),
-    )
+    ).drop("_fails", "_prev_fails", "_offered", "_wants", "_late")
 
 
 # --- cost fit ----------------------------------------------------------------------------------
@@ -567,38 +575,38 @@ class Setting:
     router_ttl_s: float | None
 
 
+_REPLAY_INPUTS = (
+    "later", "replay", "has_prev", "entry", "age_s", "gap_s", "count", "errored",
+    "local_tokens", "observed_remote", "read_local", "failed_local", "read_remote",
+    "prev_ret_bytes", "prev_ret_held_s", "prev_contacted", "tail_ret_bytes", "ttft_ms",
+    "prompt_tokens",
+)
+
+
 def _summary(frame: pl.LazyFrame, setting: Setting, has_retention: bool) -> pl.LazyFrame:
-    """One replayed setting's aggregate row."""
+    """One replayed setting's aggregate row (``frame`` carries ``est_obs``, see whatif_table)."""
     c = pl.col
-    later = c("later")
+    # Masks by multiplication: one pass per aggregate instead of a filtered copy each.
+    later = c("later").cast(pl.Int64)
     reused = c("w_local") + c("w_remote")
     same = (c("w_remote") == c("observed_remote")) & (c("w_local") == c("local_tokens"))
-    delta = (
-        pl.when(~c("replay") | same).then(0.0)
-        .otherwise(_prefill_estimate(c("w_local"), c("w_remote"))
-                   - _prefill_estimate(c("local_tokens"), c("observed_remote")))
-    )
+    delta = pl.when(~c("replay") | same).then(0.0).otherwise(
+        _prefill_estimate(c("w_local"), c("w_remote")) - c("est_obs"))
     # A failed turn has no first token.
     ttft = pl.when(~c("w_errored")).then(c("ttft_ms") + delta)
     held = (
         (c("prev_ret_bytes").cast(pl.Float64) * c("w_prev_held_s")).sum()
         + (c("tail_ret_bytes").cast(pl.Float64) * c("w_tail_held_s")).sum()
     ) / GIB
-    reusable = c("reusable_tokens").filter(later).sum()
     return frame.select(
         pl.lit(setting.ttl_s).alias("decoder_kv_blocks_ttl"),
         pl.lit(setting.threshold, pl.Int64).alias("kv_recompute_threshold"),
         pl.lit(setting.router_ttl_s, pl.Float64).alias("router_ttl"),
-        later.sum().cast(pl.Int64).alias("turns"),
-        c("replay").filter(later).sum().cast(pl.Int64).alias("replayed_turns"),
-        reusable.cast(pl.Int64).alias("reusable_tokens"),
-        reused.filter(later).sum().cast(pl.Int64).alias("reused_tokens"),
-        c("w_remote").filter(later).sum().cast(pl.Int64).alias("remote_tokens"),
-        pl.when(reusable > 0).then(reused.filter(later).sum() / reusable)
-        .alias("token_reuse_rate"),
-        (reused > 0).filter(later).sum().cast(pl.Int64).alias("turns_reused"),
-        (c("w_remote") > 0).filter(later).sum().cast(pl.Int64).alias("turns_pulled"),
-        c("w_errored").filter(later).sum().cast(pl.Int64).alias("turns_errored"),
+        (reused * later).sum().cast(pl.Int64).alias("reused_tokens"),
+        (c("w_remote") * later).sum().cast(pl.Int64).alias("remote_tokens"),
+        ((reused > 0).cast(pl.Int64) * later).sum().alias("turns_reused"),
+        ((c("w_remote") > 0).cast(pl.Int64) * later).sum().alias("turns_pulled"),
+        (c("w_errored").cast(pl.Int64) * later).sum().alias("turns_errored"),
         (held if has_retention else pl.lit(None, pl.Float64)).alias("retained_gib_s"),
         ttft.quantile(0.5, "linear").alias("ttft_p50_ms"),
         ttft.quantile(0.9, "linear").alias("ttft_p90_ms"),
@@ -700,8 +708,17 @@ def whatif_table(
     coefs = coefficients(fits)
     for run_id in sorted(observed["run_id"].to_list()):
         seen = observed.filter(pl.col("run_id") == run_id).row(0, named=True)
-        turns = timeline_frame.filter(pl.col("run_id") == run_id).join(
-            coefs, on="run_id", how="left").lazy()
+        run_turns = timeline_frame.filter(pl.col("run_id") == run_id)
+        counts = run_turns.filter(pl.col("later")).select(
+            pl.len().cast(pl.Int64).alias("turns"),
+            pl.col("replay").sum().cast(pl.Int64).alias("replayed_turns"),
+            pl.col("reusable_tokens").sum().cast(pl.Int64).alias("reusable_tokens"),
+        )
+        # Only what the replay and the summary read; the observed path priced once.
+        turns = run_turns.join(coefs, on="run_id", how="left").select(
+            *_REPLAY_INPUTS, *COEFFICIENTS,
+            _prefill_estimate(pl.col("local_tokens"), pl.col("observed_remote")).alias("est_obs"),
+        ).lazy()
         run_retentions = retentions.filter(pl.col("run_id") == run_id)
         routers: list[float | None] = (
             list(router_ttls) if router_ttls else [seen["router_ttl_s"]])
@@ -714,11 +731,13 @@ def whatif_table(
             if seen_setting not in grid:
                 grid.append(seen_setting)
         summaries = pl.collect_all([
-            _summary(replay(turns, s.ttl_s, s.threshold, s.router_ttl_s), s,
+            _summary(replay(turns, s.ttl_s, s.threshold, s.router_ttl_s, paths=False), s,
                      run_retentions.height > 0)
             for s in grid
         ])
-        rows = pl.concat(summaries).with_columns(
+        rows = pl.concat(summaries).join(counts, how="cross").with_columns(
+            pl.when(pl.col("reusable_tokens") > 0)
+            .then(pl.col("reused_tokens") / pl.col("reusable_tokens")).alias("token_reuse_rate"),
             pl.lit(SOURCE_REPLAY).alias("source"),
             pl.Series("is_observed_setting", [s == seen_setting for s in grid]),
             pl.when(pl.col("_unpriced") > 0)
