@@ -1,11 +1,13 @@
 """Engine-side telemetry shared by the vLLM hooks and the emulator: records in, spans out.
 
-The engines' hot paths (vLLM's scheduler, the emulated nodes) only build a small frozen record
-and hand it to :meth:`EngineTelemetry.record`, which appends it to a bounded deque and returns —
-no I/O, no lock held beyond the append, never an exception. A background thread turns records
-into the spans of DESIGN §3 (``kvscope.reuse_decision``, ``kvscope.kv_transfer``,
-``kvscope.kv_retention``) with the record's own timestamps, so the same code also serves the
-virtual-time simulator through :meth:`EngineTelemetry.emit` (synchronous, no thread).
+The engines' hot paths (vLLM's scheduler, the emulated nodes) only build a small record (plain
+slotted dataclasses, not frozen: a frozen init costs several times more; treat them as
+immutable) and hand it to :meth:`EngineTelemetry.record`, which appends it to a bounded deque and
+returns — no I/O, no lock unless the emitting thread must be woken, never an exception. A
+background thread turns records into the spans of DESIGN §3 (``kvscope.reuse_decision``,
+``kvscope.kv_transfer``, ``kvscope.kv_retention``) with the record's own timestamps, so the
+same code also serves the virtual-time simulator through :meth:`EngineTelemetry.emit`
+(synchronous, no thread).
 
 This is the one place these spans are built: the vLLM instrumentation and the emulator both call
 it, so the ledger reads identical shapes from either.
@@ -30,7 +32,7 @@ logger = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReuseDecisionRecord:
     """Prefill decided local hit / remote pull / recompute for one request."""
 
@@ -47,7 +49,7 @@ class ReuseDecisionRecord:
     traceparent: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KvTransferRecord:
     """One NIXL READ (or its refusal) as seen by the worker that reads."""
 
@@ -63,7 +65,7 @@ class KvTransferRecord:
     traceparent: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KvRetentionRecord:
     """Decode pinned a finished request's blocks; ``end_ns`` None while still held."""
 
@@ -110,7 +112,7 @@ class EngineTelemetry:
         self._queue: deque[EngineRecord] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._pending = 0
+        self._busy = False
         self.stats = EngineTelemetryStats()
         self._warned = False
         self._thread: threading.Thread | None = None
@@ -124,14 +126,16 @@ class EngineTelemetry:
     def record(self, record: EngineRecord) -> None:
         """Queue a record for emission; drop and count it when the queue is full. Never raises."""
         try:
-            with self._cond:
-                if self._closed or len(self._queue) >= self._max_queue:
-                    self.stats.dropped += 1
-                    return
-                self._queue.append(record)
-                self._pending += 1
-                self.stats.recorded += 1
-                self._cond.notify()
+            queue = self._queue
+            if self._closed or len(queue) >= self._max_queue:
+                self.stats.dropped += 1
+                return
+            was_empty = not queue
+            queue.append(record)  # deque.append is atomic under the GIL
+            self.stats.recorded += 1
+            if was_empty and self._thread is not None:
+                with self._cond:
+                    self._cond.notify()
         except Exception:  # pragma: no cover - a deque append does not fail in practice
             self.stats.dropped += 1
 
@@ -218,18 +222,23 @@ class EngineTelemetry:
 
     # --- background thread ----------------------------------------------------------------
     def _run(self) -> None:
+        queue = self._queue
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                batch = list(self._queue)
-                self._queue.clear()
+                # A notify can slip in between the check and the wait: the timeout bounds that.
+                if not queue and not self._closed:
+                    self._cond.wait(0.05)
+                self._busy = True
                 closed = self._closed
+            batch = []
+            while queue:
+                batch.append(queue.popleft())
             for record in batch:
                 self.emit(record)
             with self._cond:
-                self._pending -= len(batch)
+                self._busy = False
                 self._cond.notify_all()
-            if closed and not batch:
+            if closed and not queue:
                 return
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -237,7 +246,9 @@ class EngineTelemetry:
         if self._thread is None:
             return True
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._queue and not self._busy,
+                                       timeout=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Emit what is queued and stop the thread."""
