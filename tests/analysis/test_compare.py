@@ -197,8 +197,9 @@ def test_retained_peak_sums_engines_and_prefers_the_gauge() -> None:
 
 
 def test_sentences_say_not_measured_never_zero() -> None:
-    row = {name: None for name in ("label", "feature", "token_reuse_rate", "ttft_p50_ms",
-                                   "ttft_p90_ms", "ttft_share_of_task", "retained_gib_s")}
+    unmeasured = ("label", "feature", "token_reuse_rate", "ttft_p50_ms", "ttft_p90_ms",
+                  "ttft_share_of_task", "retained_gib_s")
+    row: dict[str, object] = dict.fromkeys(unmeasured)
     row.update(run_id="r1", turns=3, later_turns=2, feature="on", feature_source="label",
                retention_note="the retention_cost analysis is not available")
     text = " ".join(verdict_sentences(row))

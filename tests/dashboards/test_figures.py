@@ -26,7 +26,7 @@ def _trace(fig: go.Figure, name: str) -> go.BaseTraceType:
     return found[0]
 
 
-def _by_prompt(transfer_on: list[float | None] | None = None) -> pl.DataFrame:
+def _by_prompt(transfer_on: list[float] | None = None) -> pl.DataFrame:
     rows = []
     for label, ttft, compute, transfer in (
         ("ON", [100.0, 150.0], [80.0, 100.0], transfer_on or [10.0, 30.0]),
@@ -36,8 +36,7 @@ def _by_prompt(transfer_on: list[float | None] | None = None) -> pl.DataFrame:
             rows.append({"run_id": label.lower(), "label": label, "bin": b, "bin_lo_tokens": lo,
                          "bin_hi_tokens": hi, "turns": 5, "ttft_p50_ms": ttft[b],
                          "ttft_p90_ms": ttft[b] * 1.5,
-                         "prefill_ms_mean": None if compute[b] is None or transfer[b] is None
-                         else compute[b] + transfer[b],
+                         "prefill_ms_mean": compute[b] + transfer[b],
                          "prefill_compute_ms_mean": compute[b], "transfer_ms_mean": transfer[b]})
     return pl.DataFrame(rows)
 
