@@ -872,6 +872,7 @@ def main_whatif(
     router_ttl: list[float] | None,
     runs: list[str] | None,
     fmt: str,
+    budget_gib_s: float | None = None,
 ) -> int:
     """``kvscope whatif``: print the what-if table (and, as a table, the cost fit); exit code."""
     from kvscope.analysis import registry
@@ -882,6 +883,7 @@ def main_whatif(
             "ttl": ttl or list(DEFAULT_TTLS_S),
             "threshold": threshold if threshold else list(DEFAULT_THRESHOLDS),
             "router_ttl": router_ttl or None,
+            "budget_gib_s": budget_gib_s,
         })
         print(format_rows(result.columns, result.rows(), fmt), end="")
         if fmt == "table":
