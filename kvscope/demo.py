@@ -1,90 +1,193 @@
-"""``kvscope demo``: the telemetry pipeline end to end on this machine, no GPU needed.
+"""``kvscope demo`` (``make demo``): an emulated 1P1D deployment observed end to end, no GPU needed.
 
-This first version sends a seeded, generated multi-turn agent trace (proxy-side spans only: turns
-and tool waits with token counts, no engine hooks) through the real OpenTelemetry SDK and the
-in-process DuckDB exporter into ``out/kvscope.duckdb``, then prints what the store holds. It makes
-no reuse claims: with no engine spans the ledger could only say "unknown". The emulated deployment
-replaces the generator as the emulator lands.
+Three runs of one agentic workload drawn from the real WEKA / Claude Code traces go through the
+kvscope proxy to an emulated prefill and decode server (``qwen3-32b`` cost profile): the feature
+OFF, the feature ON, and ON with a realistic mix of faults. Everything is real apart from the
+engines: HTTP on 127.0.0.1, the proxy, the OpenTelemetry SDK, the store. Telemetry lands in
+``out/kvscope.duckdb``; the report in ``out/report.html``.
+
+Time: prefill, transfer and decode take their cost-model durations in real time; tool waits are
+divided by ``--time-scale`` and so are ``decoder_kv_blocks_ttl`` (480 s) and the proxy's router
+TTL (450 s), so gaps and TTLs keep their proportions (vLLM's 5 s expiry margin is not scaled).
+Token counts of the traces are multiplied by ``--token-scale`` to keep requests small.
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import statistics
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from opentelemetry.trace import SpanKind, Tracer
-
-from kvscope import semconv
-from kvscope.collector.otel import setup_telemetry
-from kvscope.store import begin_run, end_run, open_store, table_counts
-
-_MS = 1_000_000
-
-
-def _emit_conversation(tracer: Tracer, rng: random.Random, conv: int, start_ns: int) -> int:
-    """Emit one conversation's turns and tool waits; return the number of turns."""
-    conversation_id = f"demo-{conv:04d}"
-    prompt = rng.randint(2_000, 12_000)
-    now = start_ns
-    turns = rng.randint(3, 12)
-    previous_end: int | None = None
-    for index in range(1, turns + 1):
-        output = rng.randint(50, 600)
-        if previous_end is not None:
-            wait_ns = int(rng.lognormvariate(2.3, 1.2) * 1000 * _MS)
-            with tracer.start_as_current_span(
-                semconv.SPAN_TOOL_WAIT, start_time=previous_end, end_on_exit=False,
-                attributes={semconv.GEN_AI_CONVERSATION_ID: conversation_id,
-                            semconv.TURN_INDEX: index,
-                            semconv.WAIT_SOURCE: semconv.WAIT_INFERRED},
-            ) as wait:
-                wait.end(previous_end + wait_ns)
-            now = previous_end + wait_ns
-        ttft_ns = int((60 + prompt * 0.03) * _MS)
-        duration_ns = ttft_ns + output * 25 * _MS
-        with tracer.start_as_current_span(
-            semconv.SPAN_TURN, kind=SpanKind.SERVER, start_time=now, end_on_exit=False,
-            attributes={semconv.GEN_AI_CONVERSATION_ID: conversation_id,
-                        semconv.TURN_INDEX: index,
-                        semconv.GEN_AI_REQUEST_MODEL: "demo-model",
-                        semconv.GEN_AI_USAGE_INPUT_TOKENS: prompt,
-                        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: output,
-                        semconv.TTFT_MS: ttft_ns / _MS},
-        ) as turn:
-            turn.add_event(semconv.EVENT_FIRST_TOKEN, timestamp=now + ttft_ns)
-            turn.end(now + duration_ns)
-        previous_end = now + duration_ns
-        prompt += output + rng.randint(100, 2_000)
-    return turns
+from kvscope import settings
+from kvscope.emulator import faults
+from kvscope.emulator.launcher import EmulatedCluster
+from kvscope.emulator.replay import replay
+from kvscope.emulator.servers import EmulatorConfig
+from kvscope.emulator.workloads import weka
+from kvscope.emulator.workloads.model import Workload
 
 
-def run_demo(out: Path, conversations: int = 40, seed: int = 7) -> int:
-    """Write the demo store under ``out`` and print its table counts."""
+@dataclass(frozen=True)
+class DemoOptions:
+    """What the demo runs (recorded with each run's settings)."""
+
+    out: Path = Path("out")
+    conversations: int = 10
+    max_turns: int = 8
+    token_scale: float = 0.08
+    time_scale: float = 12.0
+    concurrency: int = 10
+    profile: str = "qwen3-32b"
+
+
+# A realistic mix: most turns are fine; some clients omit the id, some transfers fail, ...
+FAULT_MIX = (
+    (faults.TRANSFER_FAIL, 0.08),
+    (faults.HANDSHAKE_FAIL, 0.04),
+    (faults.STRIP_STREAM_METADATA, 0.05),
+    (faults.PREEMPT_AFTER_READ, 0.04),
+    (faults.INVALID_PARAMS, 0.03),
+)
+
+
+def _workload(options: DemoOptions) -> Workload:
+    return weka.load_csv(
+        conversations=options.conversations,
+        max_turns=options.max_turns,
+        token_scale=options.token_scale,
+        time_compression=options.time_scale,
+    )
+
+
+def _config(
+    options: DemoOptions, bidir: bool, mix: tuple[tuple[str, float], ...]
+) -> EmulatorConfig:
+    ttl = settings.resolve("decoder_kv_blocks_ttl") / options.time_scale
+    fault_mix = faults.FaultMix(dict(mix), seed=7)
+    # As in the vLLM blog's measurement: no prefix caching on prefill (a conversation's next turn
+    # lands on a prefill node without its blocks), so only D→P reuse can avoid recompute.
+    return EmulatorConfig(
+        cost_profile=options.profile,
+        prefill_prefix_caching=False,
+        bidirectional_kv_xfer=bidir,
+        decoder_kv_blocks_ttl=ttl,
+        faults=fault_mix,
+        seed=7,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _run_one(label: str, config: EmulatorConfig, workload: Workload, options: DemoOptions,
+             db: Path) -> dict[str, Any]:
+    router_ttl = settings.resolve("router_ttl") / options.time_scale
+    started = time.monotonic()
+    print(f"  [{label}] starting emulated 1P1D + kvscope proxy ...", flush=True)
+    with EmulatedCluster(config, db=db, proxy=True, run_label=label,
+                         router_ttl_s=router_ttl) as cluster:
+        assert cluster.proxy_url is not None
+        result = asyncio.run(replay(
+            workload, cluster.proxy_url, concurrency=options.concurrency,
+            time_scale=options.time_scale, request_timeout_s=120.0,
+        ))
+    ttfts = [r.ttft_ms for r in result.records if r.ttft_ms is not None]
+    errors = sum(1 for r in result.records if not r.ok)
+    print(f"  [{label}] {len(result.records)} turns in {time.monotonic() - started:.0f} s, "
+          f"{errors} errors, client TTFT p50 {_fmt_ms(_percentile(ttfts, 0.5))}", flush=True)
+    return {"label": label, "run_id": cluster.run_id, "turns": len(result.records)}
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.0f} ms"
+
+
+def _fmt_rate(value: float | None) -> str:
+    return "not measured" if value is None else f"{100 * value:.1f} %"
+
+
+def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
+    from kvscope.analysis import registry
+
+    with registry.AnalysisContext.open(db) as ctx:
+        ledger = ctx.ledger()
+        reuse = registry.run(ctx, "reuse_rate")
+        causes = registry.run(ctx, "miss_causes")
+        retention = (registry.run(ctx, "retention_cost")
+                     if "retention_cost" in registry.analyses() else None)
+        shares = (registry.run(ctx, "task_time_summary")
+                  if "task_time_summary" in registry.analyses() else None)
+        print("\nsummary")
+        for run in runs:
+            rid = run["run_id"]
+            rows = ledger.filter(ledger["run_id"] == rid)
+            later = rows.filter(rows["turn_index"] >= 2)
+            ttft = [v for v in later["ttft_ms"].to_list() if v is not None]
+            rate = reuse.filter(reuse["run_id"] == rid)["token_reuse_rate"].to_list()
+            top = causes.filter((causes["run_id"] == rid)
+                                & ~causes["outcome"].is_in(["reused_remote", "reused_local"]))
+            top_text = ", ".join(
+                f"{o} {100 * s:.0f} %" for o, s in zip(top["outcome"][:3], top["share"][:3],
+                                                       strict=False)
+            ) or "none"
+            line = (f"  {run['label']:<22} reuse {_fmt_rate(rate[0] if rate else None):>12}  "
+                    f"TTFT p50 {_fmt_ms(_median(ttft)):>8} p90 "
+                    f"{_fmt_ms(_percentile(ttft, 0.9)):>8}  misses: {top_text}")
+            print(line)
+            if retention is not None and retention.height:
+                held = retention.filter(retention["run_id"] == rid)
+                if held.height:
+                    print(f"  {'':<22} retained {held['gib_s_total'].sum():.1f} GiB·s "
+                          f"(useful {held['gib_s_useful'].sum():.1f}, idle "
+                          f"{held['gib_s_idle'].sum():.1f}, wasted "
+                          f"{held['gib_s_wasted'].sum():.1f}, still held "
+                          f"{held['gib_s_open'].sum():.1f})")
+            if shares is not None and shares.height:
+                row = shares.filter((shares["run_id"] == rid) & (shares["component"] == "ttft"))
+                share = row["share_of_task"][0] if row.height else None
+                print(f"  {'':<22} TTFT share of task time {_fmt_rate(share)}")
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_demo(out: Path, options: DemoOptions | None = None) -> int:
+    """Run the three demo runs into ``out/kvscope.duckdb``, write the report, print a summary."""
+    options = replace(options or DemoOptions(), out=out)
     out.mkdir(parents=True, exist_ok=True)
     db = out / "kvscope.duckdb"
-    if db.exists():
-        db.unlink()
-    con = open_store(db)
-    run_id = begin_run(con, "pipeline demo (generated trace)", {"seed": seed,
-                                                                 "conversations": conversations})
-    con.close()
-    print(f"kvscope demo: writing a generated {conversations}-conversation trace to {db}")
-    telemetry = setup_telemetry(semconv.SERVICE_PROXY, db=str(db), run_id=run_id)
-    tracer = telemetry.tracer()
-    rng = random.Random(seed)
-    start = time.time_ns()
-    turns = 0
-    for conv in range(conversations):
-        turns += _emit_conversation(tracer, rng, conv, start + conv * 5_000 * _MS)
-    telemetry.flush()
-    telemetry.shutdown()
-    con = open_store(db)
-    end_run(con, run_id)
-    counts = table_counts(con)
-    con.close()
-    print(f"  {turns} turns emitted")
-    for table, count in counts.items():
-        print(f"  {table:<20} {count:>8} rows")
-    print(f"query it: kvscope sql {db} \"SELECT SpanName, count(*) FROM otel_traces GROUP BY 1\"")
+    for stale in (db, Path(f"{db}.wal"), Path(f"{db}.truth.jsonl")):
+        stale.unlink(missing_ok=True)
+    workload = _workload(options)
+    summary = workload.summary()
+    print(f"kvscope demo: {summary['conversations']} conversations, {summary['requests']} turns "
+          f"from the WEKA Claude Code traces (tokens x{options.token_scale}, tool waits and TTLs "
+          f"/{options.time_scale:g}), profile {options.profile}")
+    started = time.monotonic()
+    plans = [
+        ("feature OFF", _config(options, False, ())),
+        ("feature ON", _config(options, True, ())),
+        ("feature ON + faults", _config(options, True, FAULT_MIX)),
+    ]
+    runs = [_run_one(label, config, workload, options, db) for label, config in plans]
+    _summary(db, runs)
+    report = out / "report.html"
+    try:
+        from kvscope.dashboards.report import write_report
+    except ImportError:
+        print("report: not available in this build")
+    else:
+        write_report(db, report)
+        print(f"\nreport:  {report}")
+    print(f"store:   {db}  (kvscope sql {db} \"SELECT SpanName, count(*) FROM otel_traces "
+          "GROUP BY 1\")")
+    print(f"done in {time.monotonic() - started:.0f} s")
     return 0

@@ -45,14 +45,11 @@ class StoreReader:
 
     def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run one query and return its result as a polars DataFrame."""
-        if params:
-            result = self.execute(sql, params)
-            return pl.DataFrame(result.to_arrow_table())
-        return pl.DataFrame(self._relation(sql).to_arrow_table())
+        return pl.DataFrame(self._relation(sql, params).to_arrow_table())
 
-    def _relation(self, sql: str) -> duckdb.DuckDBPyRelation:
+    def _relation(self, sql: str, params: Sequence[Any] | None) -> duckdb.DuckDBPyRelation:
         try:
-            return self._con.sql(sql)
+            return self._con.sql(sql, params=list(params) if params else None)
         except duckdb.Error as exc:
             raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
 
