@@ -96,6 +96,7 @@ MODULES = (
     "kvscope.analysis.compare",
     "kvscope.analysis.whatif",
     "kvscope.analysis.ladder",
+    "kvscope.analysis.verdict",
 )
 _loaded = False
 

@@ -222,6 +222,98 @@ def _run_replay(args: argparse.Namespace) -> int:
     return main_replay(args)
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _runs(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _add_store_and_runs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument("--run", "--runs", dest="runs", type=_runs, default=None,
+                        help="run ids or labels to include, comma separated (default: all)")
+
+
+def _configure_analyze(parser: argparse.ArgumentParser) -> None:
+    _add_store_and_runs(parser)
+    parser.add_argument("name", nargs="?", default=None,
+                        help="analysis to run (omit to list them)")
+    parser.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                        help="output format")
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                        help="an analysis parameter (repeatable)")
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.report import main_analyze
+
+    params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SettingError(f"--param {item!r}: expected NAME=VALUE")
+        params[key.strip()] = value
+    return main_analyze(args.file, args.name, args.runs, args.format, params)
+
+
+def _configure_report(parser: argparse.ArgumentParser) -> None:
+    _add_store_and_runs(parser)
+    parser.add_argument("-o", "--out", default="report.html", help="HTML file to write")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.report import main_report
+
+    return main_report(args.file, args.out, args.runs)
+
+
+def _configure_compare(parser: argparse.ArgumentParser) -> None:
+    _add_store_and_runs(parser)
+    parser.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                        help="output format")
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from kvscope.analysis.compare import main_compare
+
+    return main_compare(args.file, args.runs, args.format)
+
+
+def _configure_whatif(parser: argparse.ArgumentParser) -> None:
+    _add_store_and_runs(parser)
+    parser.add_argument("--ttl", type=_floats, default=None,
+                        help="decoder_kv_blocks_ttl values in seconds (default 60,120,480,900)")
+    parser.add_argument("--threshold", type=_ints, default=None,
+                        help="kv_recompute_threshold values in tokens (default 0,64,256)")
+    parser.add_argument("--router-ttl", type=_floats, default=None,
+                        help="proxy router TTLs in seconds (default: the observed one)")
+    parser.add_argument("--budget-gib-s", type=float, default=None,
+                        help="retained-memory budget for the recommendation (default: observed)")
+    parser.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                        help="output format")
+
+
+def _run_whatif(args: argparse.Namespace) -> int:
+    from kvscope.analysis.whatif import main_whatif
+
+    return main_whatif(args.file, args.ttl or [], args.threshold or [], args.router_ttl,
+                       args.runs, args.format, args.budget_gib_s)
+
+
 def _configure_gpu_sampler(parser: argparse.ArgumentParser) -> None:
     from kvscope.collector.gpu import add_gpu_sampler_arguments
 
@@ -270,6 +362,13 @@ COMMANDS: list[Command] = [
             _configure_emulate, _run_emulate),
     Command("replay", "drive a multi-turn agentic workload against an OpenAI-compatible URL",
             _configure_replay, _run_replay),
+    Command("analyze", "run one registered analysis (or list them)",
+            _configure_analyze, _run_analyze),
+    Command("report", "write the single-file HTML report", _configure_report, _run_report),
+    Command("compare", "compare two runs (A/B: TTFT vs prompt length, prefill split, memory)",
+            _configure_compare, _run_compare),
+    Command("whatif", "replay observed timelines under other TTL / threshold settings",
+            _configure_whatif, _run_whatif),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
