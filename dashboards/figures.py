@@ -11,6 +11,7 @@ Runs are named by a ``label`` column when the frame has one, else by ``run_id``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import plotly.graph_objects as go
 import polars as pl
@@ -426,4 +427,336 @@ def reuse_ladder(frame: pl.DataFrame | None) -> go.Figure:
     fig.update_layout(title=title, waterfallgroupgap=0.2, yaxis_title="tokens", **_LAYOUT)
     if skipped:
         note(fig, f"not measured: {', '.join(skipped)}")
+    return fig
+
+
+# --- dashboard: over time, outcomes, conversations --------------------------------------------
+
+
+def _since_run_start(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    """``frame`` with ``_t``: seconds of ``column`` since each run's first value."""
+    return frame.with_columns(
+        ((pl.col(column) - pl.col(column).min().over("_name")).dt.total_milliseconds() / 1e3)
+        .alias("_t"))
+
+
+def reuse_over_time(frame: pl.DataFrame | None) -> go.Figure:
+    """Share of reusable tokens reused per time window: remote (solid), local (dotted), per run.
+
+    Input: ``reuse_rate`` with by=window (run_id, window_start, local_share, remote_share);
+    time is seconds since each run's first window, so runs recorded apart line up.
+    """
+    title = "Reuse over time (share of reusable tokens, turns k ≥ 2)"
+    bad = _unusable(title, frame, ("window_start", "local_share", "remote_share"),
+                    "reuse over time")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _since_run_start(_run_names(frame), "window_start").sort("_t")
+    if _all_null(data, "local_share") and _all_null(data, "remote_share"):
+        return missing(title, "reusable tokens not measured (no boundary hashes, no offers)")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        x = rows["_t"].to_list()
+        fig.add_trace(go.Scatter(x=x, y=rows["remote_share"].to_list(), name=f"{name} remote",
+                                 mode="lines+markers", line={"color": _color(i)},
+                                 legendgroup=name))
+        fig.add_trace(go.Scatter(x=x, y=rows["local_share"].to_list(), name=f"{name} local",
+                                 mode="lines+markers", line={"color": _color(i), "dash": "dot"},
+                                 legendgroup=name))
+    fig.update_layout(title=title, xaxis_title="seconds since the run's first turn",
+                      yaxis_title="share of reusable", yaxis_tickformat=".0%",
+                      yaxis_range=[0, 1.05], **_LAYOUT)
+    return fig
+
+
+def outcome_shares(frame: pl.DataFrame | None) -> go.Figure:
+    """Every outcome of turns k ≥ 2 (reuses and misses), stacked to 100 % per run.
+
+    Input: ``miss_causes`` (run_id, outcome, turns, share).
+    """
+    title = "Outcomes of turns k ≥ 2"
+    bad = _unusable(title, frame, ("outcome", "share"), "outcomes")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame)
+    fig = go.Figure()
+    outcomes = sorted(data["outcome"].unique().to_list(),
+                      key=lambda o: (o not in NOT_MISSES, str(o)))
+    for i, outcome in enumerate(outcomes):
+        rows = data.filter(pl.col("outcome") == outcome).sort("_name")
+        custom = rows["turns"].to_list() if "turns" in rows.columns else None
+        fig.add_trace(go.Bar(x=rows["_name"].to_list(), y=rows["share"].to_list(),
+                             name=str(outcome), marker={"color": _color(i)}, customdata=custom,
+                             hovertemplate=f"{outcome}: " + "%{y:.1%}"
+                             + (" (%{customdata} turns)" if custom else "")))
+    fig.update_layout(title=title, barmode="stack", yaxis_tickformat=".0%",
+                      yaxis_title="share of later turns", **_LAYOUT)
+    return fig
+
+
+def ttft_over_time(frame: pl.DataFrame | None) -> go.Figure:
+    """TTFT p50 (solid) and p90 (dashed) per time window, per run.
+
+    Input: run_id, window_start, ttft_p50_ms, ttft_p90_ms (the dashboard shapes it from the
+    ledger); windows without first-token times stay gaps.
+    """
+    title = "TTFT over time"
+    bad = _unusable(title, frame, ("window_start", "ttft_p50_ms"), "TTFT over time")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _since_run_start(_run_names(frame), "window_start").sort("_t")
+    if _all_null(data, "ttft_p50_ms"):
+        return missing(title, "no first-token times: TTFT not measured")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        x = rows["_t"].to_list()
+        fig.add_trace(go.Scatter(x=x, y=rows["ttft_p50_ms"].to_list(), name=f"{name} p50",
+                                 mode="lines+markers", line={"color": _color(i)},
+                                 legendgroup=name))
+        if "ttft_p90_ms" in rows.columns:
+            fig.add_trace(go.Scatter(x=x, y=rows["ttft_p90_ms"].to_list(), name=f"{name} p90",
+                                     mode="lines+markers",
+                                     line={"color": _color(i), "dash": "dash"},
+                                     legendgroup=name))
+    fig.update_layout(title=title, xaxis_title="seconds since the run's first turn",
+                      yaxis_title="TTFT (ms)", **_LAYOUT)
+    return fig
+
+
+# Waterfall segments of one turn: (label, colour).
+WATERFALL_PARTS = (
+    ("tool wait", "#bbbbbb"),
+    ("input processing", "#1f77b4"),
+    ("D→P transfer", "#ff7f0e"),
+    ("P→D transfer", "#9467bd"),
+    ("generation", "#2ca02c"),
+)
+
+
+def conversation_waterfall(frame: pl.DataFrame | None) -> go.Figure:
+    """One conversation turn by turn: tool wait, input processing, transfers, generation.
+
+    Input: ledger rows of one conversation (turn_index, arrival, tool_wait_s, prefill_ms,
+    d2p_ms, p2d_ms, decode_ms, outcome). Each turn is a row of bars on a time axis (seconds
+    since the first arrival); the tool wait ends at the turn's arrival; the D→P transfer sits
+    inside input processing and P→D inside generation, as the legs contain them. The outcome
+    labels each row. Parts not measured are left out and named in a note.
+    """
+    title = "Conversation waterfall"
+    bad = _unusable(title, frame, ("turn_index", "arrival", "outcome"), "the conversation")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = frame.sort("turn_index").with_columns(
+        ((pl.col("arrival") - pl.col("arrival").min()).dt.total_milliseconds() / 1e3)
+        .alias("_t"))
+    rows = data.to_dicts()
+    labels = [f"turn {r['turn_index']}: {r['outcome']}" for r in rows]
+    segments: dict[str, tuple[list[Any], list[Any], list[Any]]] = {
+        name: ([], [], []) for name, _ in WATERFALL_PARTS}
+
+    def add(name: str, label: str, start: float, length: float | None) -> None:
+        if length is None:
+            return
+        xs, bases, ys = segments[name]
+        xs.append(length)
+        bases.append(start)
+        ys.append(label)
+
+    measured: set[str] = set()
+    for label, r in zip(labels, rows, strict=True):
+        t = r["_t"]
+        wait = r.get("tool_wait_s")
+        if wait is not None:
+            add("tool wait", label, t - wait, wait)
+        prefill = r.get("prefill_ms")
+        add("input processing", label, t, prefill / 1e3 if prefill is not None else None)
+        d2p = r.get("d2p_ms")
+        if d2p is not None:
+            # The pull runs inside the prefill leg, before prefill computes the rest.
+            add("D→P transfer", label, t, d2p / 1e3)
+        start_decode = t + (prefill or 0.0) / 1e3
+        decode = r.get("decode_ms")
+        add("generation", label, start_decode, decode / 1e3 if decode is not None else None)
+        p2d = r.get("p2d_ms")
+        if p2d is not None:
+            add("P→D transfer", label, start_decode, p2d / 1e3)
+        measured.update(name for name, value in (
+            ("tool wait", wait), ("input processing", prefill), ("D→P transfer", d2p),
+            ("P→D transfer", p2d), ("generation", decode)) if value is not None)
+    fig = go.Figure()
+    for name, color in WATERFALL_PARTS:
+        xs, bases, ys = segments[name]
+        if not xs:
+            continue
+        thin = name in ("D→P transfer", "P→D transfer")
+        fig.add_trace(go.Bar(x=xs, base=bases, y=ys, orientation="h", name=name,
+                             marker={"color": color}, width=0.35 if thin else 0.7,
+                             hovertemplate=name + ": %{x:.3f} s<extra>%{y}</extra>"))
+    if not fig.data:
+        return missing(title, "no leg times: the conversation's turns were not measured")
+    fig.update_layout(title=title, barmode="overlay", xaxis_title="seconds since the first turn",
+                      **_LAYOUT)
+    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], automargin=True)
+    absent = [name for name, _ in WATERFALL_PARTS if name not in measured]
+    if "D→P transfer" in absent or "P→D transfer" in absent:
+        note(fig, "no engine hooks: transfer times not measured"
+             + (f" (also not measured: {', '.join(a for a in absent if 'transfer' not in a)})"
+                if any("transfer" not in a for a in absent) else ""))
+    elif absent:
+        note(fig, f"not measured: {', '.join(absent)}")
+    return fig
+
+
+def outcomes_over_time(frame: pl.DataFrame | None) -> go.Figure:
+    """Missed-reuse causes per time window: stacked turns per cause (all runs together).
+
+    Input: run_id, window_start, outcome, turns (shaped from the ledger, misses only).
+    """
+    title = "Missed-reuse causes over time (turns)"
+    bad = _unusable(title, frame, ("window_start", "outcome", "turns"), "causes over time")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _since_run_start(_run_names(frame), "window_start")
+    data = data.filter(~pl.col("outcome").is_in(NOT_MISSES))
+    if data.is_empty():
+        return missing(title, "no missed reuse: every later turn reused its earlier KV")
+    sums = data.group_by("_t", "outcome").agg(pl.col("turns").sum()).sort("_t")
+    fig = go.Figure()
+    for i, (outcome, rows) in enumerate(_groups(sums, "outcome")):
+        fig.add_trace(go.Bar(x=rows["_t"].to_list(), y=rows["turns"].to_list(), name=outcome,
+                             marker={"color": _color(i)}))
+    fig.update_layout(title=title, barmode="stack", xaxis_title="seconds since the run's start",
+                      yaxis_title="turns", **_LAYOUT)
+    return fig
+
+
+def outcomes_by_engine(frame: pl.DataFrame | None) -> go.Figure:
+    """Missed-reuse causes per prefill engine: stacked turns per cause.
+
+    Input: prefill_engine, outcome, turns (shaped from the ledger, misses only).
+    """
+    title = "Missed-reuse causes by prefill engine (turns)"
+    bad = _unusable(title, frame, ("prefill_engine", "outcome", "turns"), "causes by engine")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = frame.filter(~pl.col("outcome").is_in(NOT_MISSES)).with_columns(
+        pl.col("prefill_engine").fill_null("engine not measured"))
+    if data.is_empty():
+        return missing(title, "no missed reuse: every later turn reused its earlier KV")
+    fig = go.Figure()
+    for i, (outcome, rows) in enumerate(_groups(data, "outcome")):
+        fig.add_trace(go.Bar(x=rows["prefill_engine"].to_list(), y=rows["turns"].to_list(),
+                             name=outcome, marker={"color": _color(i)}))
+    fig.update_layout(title=title, barmode="stack", yaxis_title="turns", **_LAYOUT)
+    return fig
+
+
+def tokens_lost(frame: pl.DataFrame | None) -> go.Figure:
+    """Reusable tokens recomputed per miss cause, one bar series per run.
+
+    Input: ``miss_causes`` (run_id, outcome, recomputed_tokens); a null count stays a gap.
+    """
+    title = "Reusable tokens recomputed, by cause"
+    bad = _unusable(title, frame, ("outcome", "recomputed_tokens"), "tokens lost per cause")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame).filter(~pl.col("outcome").is_in(NOT_MISSES))
+    if data.is_empty():
+        return missing(title, "no missed reuse: no tokens lost")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        fig.add_trace(go.Bar(y=rows["outcome"].to_list(), x=rows["recomputed_tokens"].to_list(),
+                             orientation="h", name=name, marker={"color": _color(i)}))
+    fig.update_layout(title=title, barmode="group", xaxis_title="tokens recomputed", **_LAYOUT)
+    if _all_null(data, "recomputed_tokens"):
+        note(fig, "reusable tokens not measured: tokens lost not measured")
+    return fig
+
+
+# --- dashboard: retention ---------------------------------------------------------------------
+
+_RETENTION_CLASSES = (("useful", "gib_s_useful", "#2ca02c"), ("idle", "gib_s_idle", "#ff7f0e"),
+                      ("wasted", "gib_s_wasted", "#d62728"), ("open", "gib_s_open", "#7f7f7f"))
+
+
+def retention_classes(frame: pl.DataFrame | None) -> go.Figure:
+    """GiB·s held per run and decode engine, stacked useful / idle / wasted / open.
+
+    Input: ``retention_cost`` (run_id, engine_id, gib_s_useful, gib_s_idle, gib_s_wasted,
+    gib_s_open).
+    """
+    title = "Retention cost: GiB·s useful / idle / wasted"
+    bad = _unusable(title, frame, ("engine_id", "gib_s_useful", "gib_s_wasted"),
+                    "retention cost (no retention spans)")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame).with_columns(
+        pl.concat_str([pl.col("_name"), pl.lit(" · "),
+                       pl.col("engine_id").fill_null("engine not measured")]).alias("_bar"))
+    fig = go.Figure()
+    for label, column, color in _RETENTION_CLASSES:
+        if column in data.columns:
+            fig.add_trace(go.Bar(x=data["_bar"].to_list(), y=data[column].to_list(), name=label,
+                                 marker={"color": color}))
+    fig.update_layout(title=title, barmode="stack", yaxis_title="GiB·s", **_LAYOUT)
+    return fig
+
+
+def hold_times(frame: pl.DataFrame | None) -> go.Figure:
+    """Distribution of retention hold times per release reason, with the TTL as a line.
+
+    Input: retention spans (held_s, reason, ttl_s).
+    """
+    title = "Retention hold times against decoder_kv_blocks_ttl"
+    bad = _unusable(title, frame, ("held_s", "reason"), "hold times (no retention spans)")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = frame.filter(pl.col("held_s").is_not_null())
+    if data.is_empty():
+        return missing(title, "no hold times: retention spans not measured")
+    fig = go.Figure()
+    for i, (reason, rows) in enumerate(_groups(data.with_columns(
+            pl.col("reason").fill_null("reason not measured")), "reason")):
+        fig.add_trace(go.Histogram(x=rows["held_s"].to_list(), name=reason, nbinsx=40,
+                                   marker={"color": _color(i)}, opacity=0.75))
+    fig.update_layout(title=title, barmode="overlay", xaxis_title="held (s)",
+                      yaxis_title="retentions", **_LAYOUT)
+    ttls = (sorted(v for v in data["ttl_s"].unique().to_list() if v is not None)
+            if "ttl_s" in data.columns else [])
+    for ttl in ttls:
+        fig.add_vline(x=ttl, line={"color": "#000", "dash": "dash"},
+                      annotation_text=f"TTL {ttl:g} s")
+    if not ttls:
+        note(fig, "no TTL on the retention spans: the TTL is not measured")
+    return fig
+
+
+# --- dashboard: TTFT vs task time -------------------------------------------------------------
+
+
+def ttft_vs_task(frame: pl.DataFrame | None) -> go.Figure:
+    """Σ TTFT against task time per conversation, one colour per run (the diagonal = all TTFT).
+
+    Input: ``task_time`` (run_id, conversation_id, task_s, ttft_sum_s).
+    """
+    title = "Σ TTFT vs task time, per conversation"
+    bad = _unusable(title, frame, ("task_s", "ttft_sum_s"), "TTFT and task time")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    data = _run_names(frame)
+    if _all_null(data, "ttft_sum_s"):
+        return missing(title, "no first-token times: TTFT not measured")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_groups(data)):
+        ids = rows["conversation_id"].to_list() if "conversation_id" in rows.columns else None
+        fig.add_trace(go.Scattergl(x=rows["task_s"].to_list(), y=rows["ttft_sum_s"].to_list(),
+                                   mode="markers", name=name, marker={"color": _color(i)},
+                                   text=ids, hovertemplate="%{text}<br>task %{x:.1f} s<br>"
+                                   "Σ TTFT %{y:.2f} s"))
+    top = data["task_s"].max()
+    if isinstance(top, int | float):
+        fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="Σ TTFT = task",
+                                 line={"color": "#999", "dash": "dot"}))
+    fig.update_layout(title=title, xaxis_title="task time (s)", yaxis_title="Σ TTFT (s)",
+                      **_LAYOUT)
     return fig
