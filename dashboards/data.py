@@ -280,6 +280,21 @@ class DashboardData:
         result = self.result("ledger", None, filters)
         return result.frame if result.frame is not None else pl.DataFrame()
 
+    def retentions(self, filters: Filters | None = None) -> Result:
+        """Retention spans of a selection with ``held_s`` (the analysis layer loads them)."""
+        from kvscope.analysis import retention
+
+        def build(ctx: AnalysisContext) -> Result:
+            try:
+                spans = retention.load_retentions(ctx)
+            except KvscopeError as exc:
+                return Result(None, str(exc))
+            return Result(spans.with_columns(
+                (pl.col("duration_ns") / 1e9).alias("held_s")))
+        with self._lock:
+            result: Result = self.derived("retentions", build, filters)
+            return result
+
     # --- filter options ---------------------------------------------------------------------
 
     def runs(self) -> pl.DataFrame:
@@ -343,6 +358,81 @@ class DashboardData:
         return span
 
 
+# --- shaping of ledger rows the registry does not aggregate this way (pure) ---------------------
+
+
+def _window(ledger: pl.DataFrame, window_s: float) -> pl.DataFrame:
+    return ledger.with_columns(
+        pl.col("arrival").dt.truncate(f"{max(int(window_s), 1)}s").alias("window_start"))
+
+
+def ttft_windows(ledger: pl.DataFrame, window_s: float = 60.0) -> pl.DataFrame:
+    """TTFT p50/p90 per run and time window; null where no turn of the window measured it."""
+    schema: dict[str, Any] = {"run_id": pl.String, "window_start": pl.Datetime("ns"),
+                              "turns": pl.UInt32, "ttft_p50_ms": pl.Float64,
+                              "ttft_p90_ms": pl.Float64}
+    if ledger.is_empty():
+        return pl.DataFrame(schema=schema)
+    return (_window(ledger, window_s).group_by("run_id", "window_start")
+            .agg(pl.len().alias("turns"),
+                 pl.col("ttft_ms").quantile(0.5, "linear").alias("ttft_p50_ms"),
+                 pl.col("ttft_ms").quantile(0.9, "linear").alias("ttft_p90_ms"))
+            .sort("run_id", "window_start"))
+
+
+def outcome_windows(ledger: pl.DataFrame, window_s: float = 60.0) -> pl.DataFrame:
+    """Turns k ≥ 2 per run, time window and outcome."""
+    later = ledger.filter(pl.col("turn_index") >= 2) if not ledger.is_empty() else ledger
+    if later.is_empty():
+        return pl.DataFrame(schema={"run_id": pl.String, "window_start": pl.Datetime("ns"),
+                                    "outcome": pl.String, "turns": pl.UInt32})
+    return (_window(later, window_s).group_by("run_id", "window_start", "outcome")
+            .agg(pl.len().alias("turns")).sort("run_id", "window_start", "outcome"))
+
+
+def outcome_engines(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Turns k ≥ 2 per prefill engine and outcome (all selected runs together)."""
+    later = ledger.filter(pl.col("turn_index") >= 2) if not ledger.is_empty() else ledger
+    if later.is_empty():
+        return pl.DataFrame(schema={"prefill_engine": pl.String, "outcome": pl.String,
+                                    "turns": pl.UInt32})
+    return (later.group_by("prefill_engine", "outcome").agg(pl.len().alias("turns"))
+            .sort("prefill_engine", "outcome"))
+
+
+# Which evidence each part of the picture needs: (name, ledger column, what is lost without it).
+SOURCES: tuple[tuple[str, str, str], ...] = (
+    ("proxy turn spans", "turn_ms", "no proxy spans: turns, TTFT and task time not measured"),
+    ("first-token times", "ttft_ms", "no first-token events: TTFT not measured"),
+    ("engine hooks: reuse decisions", "decision",
+     "no engine hooks: reuse decisions not measured (outcomes fall back to unknown)"),
+    ("engine hooks: D→P transfers", "d2p_status",
+     "no engine hooks: transfer times not measured"),
+    ("engine hooks: retention spans", "retention_bytes",
+     "no retention spans: retention cost not measured"),
+    ("tool waits", "tool_wait_s", "no tool-wait spans: tool wait not measured"),
+)
+
+
+def source_table(ledger: pl.DataFrame, memory: pl.DataFrame | None) -> pl.DataFrame:
+    """Which evidence the store holds: source, present, rows, and what is missing without it."""
+    rows: list[tuple[str, bool, int | None, str]] = []
+    for name, column, lost in SOURCES:
+        count = (ledger.height - ledger[column].null_count()) if column in ledger.columns else 0
+        rows.append((name, count > 0, count, "" if count else lost))
+    sources = memory["source"].unique().to_list() if memory is not None and \
+        "source" in memory.columns else []
+    gpu = any(s.startswith("gpu_memory") for s in sources)
+    gauge = "retained_bytes_gauge" in sources
+    rows.append(("GPU memory samples", gpu, None,
+                 "" if gpu else "no GPU sampler: GPU memory not measured"))
+    rows.append(("retained-bytes gauge", gauge, None,
+                 "" if gauge else "no gauge: retained bytes derived from retention spans"))
+    return pl.DataFrame(rows, schema={"source": pl.String, "present": pl.Boolean,
+                                      "turns_with_it": pl.Int64, "missing": pl.String},
+                        orient="row")
+
+
 def open_data(source: str | Path | StoreWriter, *,
               refresh_s: float = DEFAULT_REFRESH_S) -> DashboardData:
     """The data side of a dashboard over ``source`` (nothing is read until a page asks)."""
@@ -351,6 +441,7 @@ def open_data(source: str | Path | StoreWriter, *,
 
 __all__ = [
     "DEFAULT_REFRESH_S",
+    "SOURCES",
     "MAX_CONVERSATION_OPTIONS",
     "NOT_MEASURED",
     "DashboardData",
@@ -358,4 +449,8 @@ __all__ = [
     "Result",
     "ScopedContext",
     "open_data",
+    "outcome_engines",
+    "outcome_windows",
+    "source_table",
+    "ttft_windows",
 ]

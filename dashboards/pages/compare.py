@@ -1,0 +1,71 @@
+"""Compare: two runs side by side (summary with ratios, TTFT and prefill split by prompt length)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from dash import Dash, Input, Output, dcc, html
+
+from kvscope.dashboards import figures
+from kvscope.dashboards.data import DashboardData, Filters
+from kvscope.dashboards.pages import (
+    FILTERS,
+    VERSION,
+    Page,
+    figure_of,
+    filter_note,
+    filters_of,
+    message,
+    table,
+)
+
+CONTENT = "compare-content"
+RUN_A = "compare-a"
+RUN_B = "compare-b"
+
+
+def content(data: DashboardData, filters: Filters, run_a: str | None,
+            run_b: str | None) -> list[Any]:
+    """The comparison of two runs (the analysis picks ON vs OFF when none are chosen)."""
+    # Compare reaches across runs by itself: the run filter does not narrow it.
+    scope = replace(filters, runs=())
+    chosen = [r for r in (run_a, run_b) if r]
+    if len(chosen) == 1 or (len(chosen) == 2 and chosen[0] == chosen[1]):
+        return [message("pick two different runs (or neither, to compare ON with OFF)")]
+    params = {"runs": chosen} if chosen else {}
+    summary = data.result("compare", params, scope)
+    by_prompt = data.result("compare_by_prompt", params, scope)
+    labels = data.labels()
+    parts: list[Any] = [
+        filter_note(scope),
+        table(summary.frame, "compare-table", why=summary.why),
+        figure_of("compare-ttft", "TTFT vs prompt", by_prompt, figures.ttft_vs_prompt, labels),
+        figure_of("compare-prefill", "prefill split", by_prompt, figures.prefill_split, labels),
+    ]
+    return [p for p in parts if p is not None]
+
+
+def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
+    runs = [{"label": label, "value": run} for run, label in data.labels().items()]
+    return html.Div([
+        html.H2("Compare two runs"),
+        html.Div([dcc.Dropdown(id=RUN_A, options=runs, value=query.get("a"),
+                               placeholder="run A (default: feature ON)"),
+                  dcc.Dropdown(id=RUN_B, options=runs, value=query.get("b"),
+                               placeholder="run B (default: its OFF baseline)")],
+                 className="pair"),
+        html.Div(id=CONTENT),
+    ])
+
+
+def register(app: Dash, data: DashboardData) -> None:
+    @app.callback(Output(CONTENT, "children"), Input(RUN_A, "value"), Input(RUN_B, "value"),
+                  Input(FILTERS, "data"), Input(VERSION, "data"))
+    def _content(run_a: str | None, run_b: str | None, raw: dict[str, Any] | None,
+                 version: int | None) -> list[Any]:
+        return content(data, filters_of(raw), run_a, run_b)
+
+
+PAGE = Page("/compare", "Compare", layout, register)

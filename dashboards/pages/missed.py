@@ -1,0 +1,106 @@
+"""Missed reuse: causes over time and by engine, tokens lost, example turns and suggestions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+from dash import Dash, Input, Output, dcc, html
+
+from kvscope.dashboards import figures
+from kvscope.dashboards.data import DashboardData, Filters, outcome_engines, outcome_windows
+from kvscope.dashboards.pages import (
+    FILTERS,
+    VERSION,
+    Page,
+    figure_of,
+    filter_note,
+    filters_of,
+    graph,
+    message,
+    table,
+    with_labels,
+)
+
+CONTENT = "missed-content"
+CAUSE = "missed-cause"
+DRILL = "missed-drill"
+WINDOW_S = 60.0
+EXAMPLES = 20
+EXAMPLE_COLUMNS = ("run_id", "conversation_id", "turn_index", "x_request_id", "reusable_tokens",
+                   "recomputed_reusable_tokens", "evidence")
+
+
+def causes(data: DashboardData, filters: Filters) -> list[str]:
+    """The miss causes present in the selection, most turns first."""
+    result = data.result("miss_causes", None, filters)
+    if result.frame is None or result.frame.is_empty():
+        return []
+    misses = result.frame.filter(~pl.col("outcome").is_in(figures.NOT_MISSES))
+    return (misses.group_by("outcome").agg(pl.col("turns").sum())
+            .sort("turns", descending=True)["outcome"].to_list())
+
+
+def content(data: DashboardData, filters: Filters) -> list[Any]:
+    """Figures and the cause table (with suggestions) of one filter selection."""
+    labels = data.labels()
+    result = data.result("miss_causes", None, filters)
+    windows = data.derived(f"outcome_windows:{WINDOW_S}",
+                           lambda ctx: outcome_windows(ctx.ledger(), WINDOW_S), filters)
+    engines = data.derived("outcome_engines", lambda ctx: outcome_engines(ctx.ledger()), filters)
+    table_frame = None
+    if result.frame is not None:
+        table_frame = with_labels(result.frame, labels).filter(
+            ~pl.col("outcome").is_in(figures.NOT_MISSES)).select(
+            "label", "outcome", "turns", "share", "recomputed_tokens", "suggestion")
+    parts: list[Any] = [
+        filter_note(filters),
+        graph("missed-over-time", figures.outcomes_over_time(with_labels(windows, labels))),
+        graph("missed-by-engine", figures.outcomes_by_engine(engines)),
+        figure_of("missed-tokens", "tokens lost", result, figures.tokens_lost, labels),
+        html.H3("Causes and the change each suggests"),
+        table(table_frame, "missed-table", why=result.why),
+    ]
+    return [p for p in parts if p is not None]
+
+
+def drill(data: DashboardData, filters: Filters, cause: str | None) -> list[Any]:
+    """Example turns of one cause, with the suggestion."""
+    if not cause:
+        return [message("pick a cause to see example turns")]
+    from kvscope.analysis.causes import SUGGESTIONS
+
+    examples = data.derived(
+        f"examples:{cause}",
+        lambda ctx: ctx.ledger().filter(pl.col("outcome") == cause).head(EXAMPLES), filters)
+    shown = examples.select([c for c in EXAMPLE_COLUMNS if c in examples.columns])
+    return [html.P(["suggested change: ", html.Strong(SUGGESTIONS.get(cause, "none recorded"))],
+                   id="missed-suggestion"),
+            table(shown, "missed-examples")]
+
+
+def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
+    return html.Div([
+        html.H2("Missed reuse"), html.Div(id=CONTENT),
+        html.H3("Example turns"),
+        dcc.Dropdown(id=CAUSE, placeholder="pick a cause"), html.Div(id=DRILL),
+    ])
+
+
+def register(app: Dash, data: DashboardData) -> None:
+    @app.callback(Output(CONTENT, "children"), Output(CAUSE, "options"),
+                  Input(FILTERS, "data"), Input(VERSION, "data"))
+    def _content(raw: dict[str, Any] | None, version: int | None,
+                 ) -> tuple[list[Any], list[str]]:
+        filters = filters_of(raw)
+        return content(data, filters), causes(data, filters)
+
+    @app.callback(Output(DRILL, "children"), Input(CAUSE, "value"), Input(FILTERS, "data"),
+                  Input(VERSION, "data"))
+    def _drill(cause: str | None, raw: dict[str, Any] | None,
+               version: int | None) -> list[Any]:
+        return drill(data, filters_of(raw), cause)
+
+
+PAGE = Page("/missed", "Missed reuse", layout, register)
