@@ -129,6 +129,7 @@ _TURN_COLUMNS = {
     "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
     "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
     "messages": _a(semconv.MESSAGE_COUNT),
+    "roles": _a(semconv.MESSAGE_ROLES),
     "error_kind": _a(semconv.ERROR_KIND),
 }
 _PREFILL_COLUMNS = {
@@ -229,18 +230,27 @@ def _bool(column: str) -> pl.Expr:
     return pl.col(column).str.to_lowercase() == "true"
 
 
-def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.Expr
-               ) -> pl.Expr:
-    """Whether turn k's messages extend turn k-1's.
+def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.Expr,
+               roles: pl.Expr) -> pl.Expr:
+    """Whether turn k's prompt is turn k-1's messages, then the assistant's reply, then more.
 
-    Boundary hashes are chained (hash i names messages 0..i), so k extends k-1 exactly when
-    k-1's last hash is among k's hashes and k has more messages. The proxy keeps only the last
-    few hashes per turn; if k added more messages than that, the relation is not decidable.
+    Boundary hashes are chained (hash i names messages 0..i), so k keeps k-1's messages exactly
+    when k-1's last hash is among k's; the message right after them must be the assistant's
+    reply (role ``a``) — a reset keeps the first messages too, then adds a summary instead. The
+    proxy keeps only the last few hashes and roles per turn; if k added more messages than
+    that, the relation is not decidable (see the caller). When roles were not recorded the
+    message after k-1's is not checked.
     """
     last = prev.str.split(",").list.last()
-    return (pl.lit(",") + cur + pl.lit(",")).str.contains(
-        pl.lit(",") + last + pl.lit(","), literal=True
-    ) & (cur_count > prev_count)
+    haystack = pl.lit(",") + cur + pl.lit(",")
+    found = haystack.str.find(pl.lit(",") + last + pl.lit(","), literal=True)
+    # Index of k-1's last message within k's kept list = commas before where it was found.
+    index = haystack.str.slice(0, found).str.count_matches(",")
+    reply_role = roles.str.slice(index + 1, 1)
+    return (
+        found.is_not_null() & (cur_count > prev_count)
+        & (roles.is_null() | (reply_role == "a"))
+    )
 
 
 def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
@@ -347,7 +357,7 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
               | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
         .then(pl.lit(HISTORY_UNKNOWN))
         .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes"),
-                         pl.col("prev_messages"), pl.col("messages")))
+                         pl.col("prev_messages"), pl.col("messages"), pl.col("roles")))
         .then(pl.lit(HISTORY_CONTINUES))
         .when(pl.col("messages") - pl.col("prev_messages") >= pl.col("hashes_kept"))
         .then(pl.lit(HISTORY_UNKNOWN))
@@ -358,10 +368,14 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     reusable = (
         pl.when(pl.col("history") == HISTORY_FIRST).then(pl.lit(0, pl.Int64))
         .when(pl.col("history") == HISTORY_CONTINUES)
-        .then(pl.min_horizontal(pl.col("prev_prompt") + pl.col("prev_output") - 1,
-                                pl.col("prompt_tokens")))
+        # Null when the previous turn left no output count (it failed): min_horizontal would
+        # skip the null and return the prompt length, a guess.
+        .then(pl.when(pl.col("prev_output").is_not_null()).then(
+            pl.min_horizontal(pl.col("prev_prompt") + pl.col("prev_output") - 1,
+                              pl.col("prompt_tokens"))))
         .when(pl.col("history") == HISTORY_UNKNOWN)
-        .then(pl.min_horizontal(offered_tokens, pl.col("prompt_tokens")))
+        .then(pl.when(offered_tokens.is_not_null()).then(
+            pl.min_horizontal(offered_tokens, pl.col("prompt_tokens"))))
         .otherwise(pl.lit(None, pl.Int64))
     )
     errored = (pl.col("status_code") == "STATUS_CODE_ERROR") | pl.col("load_errored").fill_null(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import heapq
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -45,8 +45,8 @@ from kvscope.collector.proxy.router import (
     Lookup,
     prefill_params,
 )
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
-from kvscope.emulator import cost_model
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, chain_boundary
+from kvscope.emulator import cost_model, outcomes
 from kvscope.emulator.reuse_model import (
     FAILURE_POLICY_FAIL,
     STATUS_STOPPED,
@@ -60,7 +60,13 @@ from kvscope.emulator.reuse_model import (
     account_turn,
 )
 from kvscope.emulator.tokens import BlockRuns, Runs, join_runs, take_runs
-from kvscope.emulator.workloads.model import BlockChain, Workload, block_view
+from kvscope.emulator.workloads.model import (
+    BlockChain,
+    Conversation,
+    Turn,
+    Workload,
+    block_view,
+)
 from kvscope.errors import StoreError
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
@@ -382,12 +388,14 @@ class Simulator:
         rr_p = rr_d = 0
         turns = 0
         self._epoch_ns = epoch_ns
+        self._conversations = conversations
         self._conversation_ids = [c.id for c in conversations]
         self._returned = {}
+        self._messages = _Messages(conversations)
         self._reusable = {
-            (ci, pos): (turn.shared_prefix_tokens if pos > 0 else 0)
+            (ci, pos): _reusable_tokens(conv.turns, pos)
             for ci, conv in enumerate(conversations)
-            for pos, turn in enumerate(conv.turns)
+            for pos in range(len(conv.turns))
         }
         ns = self._ns
 
@@ -414,7 +422,8 @@ class Simulator:
             rr_p += 1
             rr_d += 1
             decode = self.decoders[di]
-            x_request_id = f"{self._rng.getrandbits(128):032x}"
+            # The run id keeps X-Request-Ids unique across runs sharing one store.
+            x_request_id = f"{run_id}{self._rng.getrandbits(64):016x}"
             record = proxy.begin_turn("/v1/chat/completions", x_request_id, None, None)
             record.arrival_ns = ns(t)
             record.model = s.model
@@ -424,9 +433,12 @@ class Simulator:
                 else ConversationId(None, semconv.ID_SOURCE_NONE)
             )
             record.conversation = conversation
-            record.turn_index = turn.index
+            # Without an id the proxy cannot number turns: every request looks like a turn 1.
+            record.turn_index = turn.index if conversation.value is not None else 1
             if conversation.value is not None and ci in previous_end:
                 record.previous_end_ns = ns(previous_end[ci])
+            record.boundary_hashes = self._messages.boundaries(ci, conv, pos)
+            record.boundary_roles = self._messages.roles(ci)
             lookup = self.router.lookup(conversation.value)
             record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
             params = prefill_params(lookup)
@@ -464,7 +476,7 @@ class Simulator:
                     direction=result.transfer.direction, status=result.transfer.status,
                     size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
                     remote_engine_id=result.transfer.remote_engine_id,
-                    request_outcome="error" if result.errored else None,
+                    request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
                 ))
             if result.decode_release is not None:
                 self._emit_released(decode_tel, t)
@@ -579,7 +591,8 @@ class Simulator:
         if turn.conversation.value is not None:
             previous_end[turn.conversation_index] = t
         sink.add(proxy.spans_for(record))
-        conv_turn = record.turn_index
+        conv = self._conversations[turn.conversation_index]
+        conv_turn = conv.turns[turn.turn_position].index
         prompt_tokens = record.prompt_tokens or 0
         reusable = self._reusable[(turn.conversation_index, turn.turn_position)]
         accounting = account_turn(
@@ -587,6 +600,16 @@ class Simulator:
             router_lookup=turn.truth_args["router_lookup"],
             decode_returned_params=self._returned.get(turn.conversation_index, True),
         )
+        # Two rules come before account_turn's (see outcomes.py): a request without a
+        # conversation id can be linked to nothing, its first turn included; and a prompt that
+        # does not extend the previous turn (history edited, reset) diverged, whatever else.
+        if turn.conversation.value is None:
+            accounting = replace(accounting, outcome=outcomes.NO_CONVERSATION_ID,
+                                 evidence="request had no conversation id")
+        elif conv_turn > 1 and self._messages.diverged(turn.conversation_index,
+                                                       turn.turn_position):
+            accounting = replace(accounting, outcome=outcomes.PREFIX_DIVERGED,
+                                 evidence="history edited since the previous turn")
         self._returned[turn.conversation_index] = returned
         result = turn.result
         truth.append(TruthRow(
@@ -610,6 +633,83 @@ class Simulator:
                      if record.first_token_ns is not None else None),
             errored=bool(result is not None and (result.errored or result.stalled)),
         ))
+
+
+def _continues(turns: Sequence[Turn], pos: int) -> bool:
+    """Whether turn ``pos`` extends the previous turn's prompt + output (no edit, no reset)."""
+    if pos == 0:
+        return False
+    turn, prev = turns[pos], turns[pos - 1]
+    sequence = prev.prompt_tokens + prev.output_tokens
+    return not turn.reset and turn.shared_prefix_tokens >= sequence - 1
+
+
+def _reusable_tokens(turns: Sequence[Turn], pos: int) -> int:
+    """Tokens of turn ``pos``'s prompt whose KV an earlier turn computed (DESIGN §5).
+
+    The common prefix with the previous turn's prompt + output, capped at what decode computed:
+    decode never runs its last output token, so that token's KV exists nowhere.
+    """
+    if pos == 0:
+        return 0
+    turn, prev = turns[pos], turns[pos - 1]
+    if _continues(turns, pos):
+        return min(turn.shared_prefix_tokens, prev.prompt_tokens + prev.output_tokens - 1,
+                   turn.prompt_tokens)
+    return turn.shared_prefix_tokens
+
+
+class _Messages:
+    """Message-boundary hashes a proxy would record for each turn (no text exists here).
+
+    Turn 1 sends a system prompt and the task; a continuing turn adds the previous reply and a
+    tool result; a reset keeps system and task and adds a summary; other edits rewrite the
+    previous reply. Hashes chain exactly as the proxy's (``chain_boundary``).
+    """
+
+    def __init__(self, conversations: Sequence[Conversation]) -> None:
+        self._conversations = conversations
+        self._hashes: dict[int, list[str]] = {}
+        self._chains: dict[int, list[bytes]] = {}
+        self._roles: dict[int, list[str]] = {}
+        self._diverged: set[tuple[int, int]] = set()
+
+    def diverged(self, ci: int, pos: int) -> bool:
+        return (ci, pos) in self._diverged
+
+    def roles(self, ci: int) -> str:
+        return "".join(self._roles.get(ci, ()))
+
+    def _add(self, ci: int, role: str, text: str) -> None:
+        self._roles[ci].append(role[0])
+        chains, hashes = self._chains[ci], self._hashes[ci]
+        chain = chain_boundary(chains[-1] if chains else b"", role, text)
+        chains.append(chain)
+        hashes.append(chain.hex())
+
+    def _truncate(self, ci: int, keep: int) -> None:
+        del self._roles[ci][keep:]
+        del self._chains[ci][keep:]
+        del self._hashes[ci][keep:]
+
+    def boundaries(self, ci: int, conv: Conversation, pos: int) -> str:
+        turn = conv.turns[pos]
+        if pos == 0 or turn.reset or ci not in self._hashes:
+            self._hashes[ci], self._chains[ci], self._roles[ci] = [], [], []
+            self._add(ci, "system", f"system:{conv.system_seed}:{conv.system_prompt_tokens}")
+            self._add(ci, "user", f"task:{conv.id}")
+            if pos > 0:
+                self._diverged.add((ci, pos))
+                self._add(ci, "user", f"summary:{conv.id}:{turn.index}")
+        elif _continues(conv.turns, pos):
+            self._add(ci, "assistant", f"reply:{conv.id}:{turn.index - 1}")
+            self._add(ci, "tool", f"result:{conv.id}:{turn.index}")
+        else:
+            self._diverged.add((ci, pos))
+            self._truncate(ci, max(len(self._hashes[ci]) - 1, 0))
+            self._add(ci, "assistant", f"edited:{conv.id}:{turn.index - 1}")
+            self._add(ci, "tool", f"result:{conv.id}:{turn.index}")
+        return ",".join(self._hashes[ci])
 
 
 def _str_or_none(value: object) -> str | None:

@@ -117,6 +117,11 @@ MESSAGE_BOUNDARY_HASHES = _attr(
     "Chained hashes of the prompt's last message boundaries (never text), comma separated.",
 )
 MESSAGE_COUNT = _attr("kvscope.prompt.messages", "", "Messages in the prompt (all of them).")
+MESSAGE_ROLES = _attr(
+    "kvscope.prompt.roles",
+    "",
+    "Role initials (s, u, a, t, ...) of the same last messages the boundary hashes cover.",
+)
 PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
 CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
 D_METADATA_ATTACHED = _attr(

@@ -39,7 +39,12 @@ from kvscope.collector.proxy.router import (
     conversation_id_from,
     prefill_params,
 )
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+from kvscope.collector.proxy.telemetry import (
+    ProxyTelemetry,
+    TurnRecord,
+    boundary_hashes,
+    boundary_roles,
+)
 from kvscope.errors import SettingError
 
 logger = logging.getLogger(__name__)
@@ -307,6 +312,7 @@ class Proxy:
         record.model = model if isinstance(model, str) else None
         if self.telemetry.enabled:
             record.boundary_hashes = boundary_hashes(body)
+            record.boundary_roles = boundary_roles(body)
 
         lookup = self.router.lookup(conversation.value)
         record.lookup, record.lookup_age_s = lookup.result, lookup.age_s

@@ -75,13 +75,32 @@ def boundary_hashes(body: Mapping[str, Any]) -> str:
         else:
             role, content = "", message
         text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
-        h = hashlib.blake2b(chain, digest_size=BOUNDARY_HASH_HEX // 2)
-        h.update(str(role).encode())
-        h.update(b"\x00")
-        h.update(text.encode("utf-8", "surrogatepass"))
-        chain = h.digest()
+        chain = chain_boundary(chain, str(role), text)
         out.append(chain.hex())
     return ",".join(out)
+
+
+def boundary_roles(body: Mapping[str, Any]) -> str:
+    """The role initial of each message (``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ...).
+
+    With the hashes it tells whether the message right after the previous turn's messages is
+    the assistant's reply (a continuation) or something else (a reset's summary).
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return "u" if body.get("prompt") is not None else ""
+    return "".join(
+        (str(m.get("role", "")) or "?")[0] if isinstance(m, Mapping) else "?" for m in messages
+    )
+
+
+def chain_boundary(chain: bytes, role: str, text: str) -> bytes:
+    """The boundary hash after one more message, given the hash of the messages before it."""
+    h = hashlib.blake2b(chain, digest_size=BOUNDARY_HASH_HEX // 2)
+    h.update(role.encode())
+    h.update(b"\x00")
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 # --- W3C trace context ----------------------------------------------------------------------------
@@ -285,6 +304,7 @@ class TurnRecord:
     model: str | None = None
     stream: bool = False
     boundary_hashes: str = ""
+    boundary_roles: str = ""
     lookup: str | None = None
     lookup_age_s: float | None = None
     offered_request_id: str | None = None
@@ -491,6 +511,8 @@ class ProxyTelemetry:
             hashes = record.boundary_hashes.split(",")
             turn_attrs[semconv.MESSAGE_COUNT] = len(hashes)
             turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = ",".join(hashes[-BOUNDARY_HASHES_KEPT:])
+            if len(record.boundary_roles) == len(hashes):
+                turn_attrs[semconv.MESSAGE_ROLES] = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
         if record.finish_reasons:
             turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
         first_token_events: tuple[Event, ...] = ()
