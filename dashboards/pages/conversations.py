@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
-from dash import Dash, Input, Output, dcc, html
+from dash import Dash, Input, Output, State, dcc, html
 
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import MAX_CONVERSATION_OPTIONS, DashboardData, Filters
@@ -14,6 +14,7 @@ from kvscope.dashboards.pages import FILTERS, VERSION, Page, filters_of, graph, 
 
 CONTENT = "conversations-content"
 PICK = "conversation-pick"
+WANTED = "conversation-wanted"
 _SEP = "\x1f"  # between run id and conversation id in a picker value (ids never hold it)
 
 # The per-turn table under the waterfall: what decided each outcome.
@@ -70,8 +71,10 @@ def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
         wanted = pick_value(query["run"], query["conversation"])
     return html.Div([
         html.H2("Conversations"),
-        dcc.Dropdown(id=PICK, value=wanted, placeholder="pick a conversation",
-                     clearable=False),
+        # The link's conversation waits in a store: a dropdown drops a value not yet in its
+        # options, and the options arrive with the first callback.
+        dcc.Store(id=WANTED, data=wanted),
+        dcc.Dropdown(id=PICK, placeholder="pick a conversation", clearable=False),
         html.P(id="conversation-pick-note", className="meta"),
         html.Div(id=CONTENT),
     ])
@@ -80,12 +83,14 @@ def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
 def register(app: Dash, data: DashboardData) -> None:
     @app.callback(Output(PICK, "options"), Output(PICK, "value"),
                   Output("conversation-pick-note", "children"),
-                  Input(FILTERS, "data"), Input(VERSION, "data"), Input(PICK, "value"))
-    def _options(raw: dict[str, Any] | None, version: int | None,
-                 current: str | None) -> tuple[list[dict[str, str]], str | None, str]:
+                  Input(FILTERS, "data"), Input(VERSION, "data"), State(PICK, "value"),
+                  State(WANTED, "data"))
+    def _options(raw: dict[str, Any] | None, version: int | None, current: str | None,
+                 wanted: str | None) -> tuple[list[dict[str, str]], str | None, str]:
         opts, cut = options(data, filters_of(raw))
         values = {o["value"] for o in opts}
-        value = current if current in values else (opts[0]["value"] if opts else None)
+        value = next((v for v in (current, wanted) if v in values),
+                     opts[0]["value"] if opts else None)
         return opts, value, cut or ""
 
     @app.callback(Output(CONTENT, "children"), Input(PICK, "value"), Input(FILTERS, "data"),
