@@ -169,6 +169,10 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "db")
     add_setting(parser, "host")
     add_setting(parser, "port")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="also serve the live dashboard from the same store")
+    parser.add_argument("--dashboard-port", type=int, default=None,
+                        help="port of the dashboard (default 8050)")
 
 
 def _required(args: argparse.Namespace, name: str) -> Any:
@@ -181,9 +185,25 @@ def _required(args: argparse.Namespace, name: str) -> Any:
 
 def _run_serve(args: argparse.Namespace) -> int:
     db, host, port = _required(args, "db"), resolved(args, "host"), resolved(args, "port")
+    if args.dashboard:
+        from kvscope.dashboards.app import main_serve_dashboard
+
+        return main_serve_dashboard(db, host, port, args.dashboard_port)
     from kvscope.collector.receiver import main_serve
 
     return main_serve(db, host, port)
+
+
+def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    add_setting(parser, "host")
+    parser.add_argument("--port", type=int, default=None, help="dashboard port (default 8050)")
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.app import main_dashboard
+
+    return main_dashboard(args.file, resolved(args, "host"), args.port)
 
 
 def _configure_proxy(parser: argparse.ArgumentParser) -> None:
@@ -362,6 +382,8 @@ COMMANDS: list[Command] = [
             _configure_emulate, _run_emulate),
     Command("replay", "drive a multi-turn agentic workload against an OpenAI-compatible URL",
             _configure_replay, _run_replay),
+    Command("dashboard", "browse a store in the Dash dashboard (read-only)",
+            _configure_dashboard, _run_dashboard),
     Command("analyze", "run one registered analysis (or list them)",
             _configure_analyze, _run_analyze),
     Command("report", "write the single-file HTML report", _configure_report, _run_report),
