@@ -534,76 +534,75 @@ WATERFALL_PARTS = (
 
 
 def conversation_waterfall(frame: pl.DataFrame | None) -> go.Figure:
-    """One conversation turn by turn: tool wait, input processing, transfers, generation.
+    """One conversation turn by turn: each turn's legs from its arrival, and the tool wait.
 
-    Input: ledger rows of one conversation (turn_index, arrival, tool_wait_s, prefill_ms,
-    d2p_ms, p2d_ms, decode_ms, outcome). Each turn is a row of bars on a time axis (seconds
-    since the first arrival); the tool wait ends at the turn's arrival; the D→P transfer sits
-    inside input processing and P→D inside generation, as the legs contain them. The outcome
-    labels each row. Parts not measured are left out and named in a note.
+    Input: ledger rows of one conversation (turn_index, outcome, prefill_ms, d2p_ms, p2d_ms,
+    decode_ms, tool_wait_s). Left: milliseconds since the turn's arrival — input processing,
+    then generation, with the D→P pull drawn inside input processing and the P→D pull inside
+    generation (the legs contain them). Right: the tool wait before the turn, in seconds (tool
+    waits dwarf the legs, so they get their own axis). Each row is labelled with its outcome.
+    Parts not measured are left out and named in a note.
     """
+    from plotly.subplots import make_subplots
+
     title = "Conversation waterfall"
-    bad = _unusable(title, frame, ("turn_index", "arrival", "outcome"), "the conversation")
+    bad = _unusable(title, frame, ("turn_index", "outcome"), "the conversation")
     if bad is not None or frame is None:
         return bad or missing(title, "no data")
-    data = frame.sort("turn_index").with_columns(
-        ((pl.col("arrival") - pl.col("arrival").min()).dt.total_milliseconds() / 1e3)
-        .alias("_t"))
-    rows = data.to_dicts()
+    rows = frame.sort("turn_index").to_dicts()
     labels = [f"turn {r['turn_index']}: {r['outcome']}" for r in rows]
     segments: dict[str, tuple[list[Any], list[Any], list[Any]]] = {
         name: ([], [], []) for name, _ in WATERFALL_PARTS}
+    measured: set[str] = set()
 
-    def add(name: str, label: str, start: float, length: float | None) -> None:
+    def add(name: str, label: str, start: float, length: Any) -> None:
         if length is None:
             return
+        measured.add(name)
         xs, bases, ys = segments[name]
-        xs.append(length)
+        xs.append(float(length))
         bases.append(start)
         ys.append(label)
 
-    measured: set[str] = set()
     for label, r in zip(labels, rows, strict=True):
-        t = r["_t"]
-        wait = r.get("tool_wait_s")
-        if wait is not None:
-            add("tool wait", label, t - wait, wait)
         prefill = r.get("prefill_ms")
-        add("input processing", label, t, prefill / 1e3 if prefill is not None else None)
-        d2p = r.get("d2p_ms")
-        if d2p is not None:
-            # The pull runs inside the prefill leg, before prefill computes the rest.
-            add("D→P transfer", label, t, d2p / 1e3)
-        start_decode = t + (prefill or 0.0) / 1e3
-        decode = r.get("decode_ms")
-        add("generation", label, start_decode, decode / 1e3 if decode is not None else None)
-        p2d = r.get("p2d_ms")
-        if p2d is not None:
-            add("P→D transfer", label, start_decode, p2d / 1e3)
-        measured.update(name for name, value in (
-            ("tool wait", wait), ("input processing", prefill), ("D→P transfer", d2p),
-            ("P→D transfer", p2d), ("generation", decode)) if value is not None)
-    fig = go.Figure()
+        add("tool wait", label, 0.0, r.get("tool_wait_s"))
+        add("input processing", label, 0.0, prefill)
+        add("D→P transfer", label, 0.0, r.get("d2p_ms"))
+        add("generation", label, prefill or 0.0, r.get("decode_ms"))
+        add("P→D transfer", label, prefill or 0.0, r.get("p2d_ms"))
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.72, 0.28],
+                        horizontal_spacing=0.03,
+                        subplot_titles=("legs (ms since the turn's arrival)",
+                                        "tool wait before the turn (s)"))
     for name, color in WATERFALL_PARTS:
         xs, bases, ys = segments[name]
         if not xs:
             continue
         thin = name in ("D→P transfer", "P→D transfer")
+        unit = "s" if name == "tool wait" else "ms"
         fig.add_trace(go.Bar(x=xs, base=bases, y=ys, orientation="h", name=name,
                              marker={"color": color}, width=0.35 if thin else 0.7,
-                             hovertemplate=name + ": %{x:.3f} s<extra>%{y}</extra>"))
+                             hovertemplate=f"{name}: %{{x:.3f}} {unit}<extra>%{{y}}</extra>"),
+                      row=1, col=2 if name == "tool wait" else 1)
     if not fig.data:
         return missing(title, "no leg times: the conversation's turns were not measured")
-    fig.update_layout(title=title, barmode="overlay", xaxis_title="seconds since the first turn",
-                      **_LAYOUT)
-    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], automargin=True)
+    layout = {**_LAYOUT, "height": max(420, 24 * len(rows) + 160)}
+    fig.update_layout(title=title, barmode="overlay", **layout)
+    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], automargin=True,
+                     dtick=1)
     absent = [name for name, _ in WATERFALL_PARTS if name not in measured]
-    if "D→P transfer" in absent or "P→D transfer" in absent:
+    if "D→P transfer" in absent and "P→D transfer" in absent:
+        absent = [a for a in absent if "transfer" not in a]
         note(fig, "no engine hooks: transfer times not measured"
-             + (f" (also not measured: {', '.join(a for a in absent if 'transfer' not in a)})"
-                if any("transfer" not in a for a in absent) else ""))
-    elif absent:
-        note(fig, f"not measured: {', '.join(absent)}")
+             + (f"; also not measured: {', '.join(absent)}" if absent else ""))
+    else:
+        if "D→P transfer" in absent:
+            # P→D pulls were seen, so the hooks are there: no turn pulled its history back.
+            absent.remove("D→P transfer")
+            note(fig, "no D→P pull in this conversation")
+        if absent:
+            note(fig, f"not measured: {', '.join(absent)}")
     return fig
 
 
