@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 from kvscope import semconv
 from kvscope.emulator import outcomes
-from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks
+from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks, BlockSeq
 
 KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S = 5.0
 TRANSFER_MODE_PULL = "pull"
@@ -134,12 +134,23 @@ class PrefixCache:
     ``clock + n - 1 - i`` and advances the clock by ``n``, which is exactly the order an
     OrderedDict would reach by moving the blocks to its end tail first; eviction removes the
     smallest stamps, one block at a time in that order (never in bulk beyond the overflow).
-    Blocks are stored by maximal runs of consecutive ids (``seq.runs``), keyed by the run's first
-    id; a run's cached part is always a prefix of it, described by *pieces* ``[end, top]``
-    (offsets ``[previous end, end)`` carry stamps ``top - offset``), newest piece first. With the
-    simulator's run-numbered blocks a touch or lookup costs O(runs), not O(blocks), and since a
-    block's parent always holds a larger stamp (every touch of a block touches its prefix too),
-    the smallest stamp is always some run's last cached block: a heap of run tails finds it.
+    Since a block's parent always holds a larger stamp (every touch of a block touches its
+    prefix too), the smallest stamp is always a *leaf* (a cached block with no cached child).
+
+    Two storage forms, chosen by the first sequence a cache sees (each handles both kinds of
+    sequence exactly; the choice is only about speed):
+
+    * *runs*, for :class:`BlockRuns` (the simulator's run-numbered blocks): blocks are stored by
+      maximal runs of consecutive ids (``seq.runs``), keyed by the run's first id; a run's
+      cached part is always a prefix of it, described by *pieces* ``[end, top]`` (offsets
+      ``[previous end, end)`` carry stamps ``top - offset``), newest piece first. A touch or
+      lookup costs O(runs), and a heap of run tails finds the smallest stamp.
+    * *per block*, for :class:`BlockSeq` (the HTTP servers' random chained hashes, where every
+      run is one block long): one flat ``hash -> stamp`` dict, refreshed in bulk by
+      ``dict.update(zip(...))``; a lookup bisects the prefix (the cache is prefix-closed), and
+      a heap of leaves ``(stamp, index, hashes)`` finds the smallest stamp, its parent being
+      ``hashes[index - 1]``.
+
     Relies on chained ids (an id fixes its whole prefix), as vLLM's block hashes and the
     workloads' block ids are.
     """
@@ -149,26 +160,44 @@ class PrefixCache:
             raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self.evicted_blocks = 0
-        self._runs: dict[int, list[list[int]]] = {}
         self._size = 0
         self._clock = 0
+        # None until the first sequence decides the storage form.
+        self._per_block: bool | None = None
+        # Runs form.
+        self._runs: dict[int, list[list[int]]] = {}
         # (stamp of a run's last cached block, run key); stale entries are skipped when popped.
         self._tails: list[tuple[int, int]] = []
+        # Per-block form.
+        self._stamps: dict[int, int] = {}
+        # (stamp of hashes[index], index, hashes); every leaf has an entry with its current
+        # stamp; stale and non-leaf entries are skipped or wait their turn.
+        self._leaves: list[tuple[int, int, tuple[int, ...]]] = []
 
     def __len__(self) -> int:
         return self._size
 
     def __contains__(self, block_hash: int) -> bool:
+        if self._per_block:
+            return block_hash in self._stamps
         pieces = self._runs.get(block_hash)
         if pieces is not None:
             return True
         # Inside a run: O(runs) scan (not on any hot path).
         return any(key < block_hash < key + p[-1][0] for key, p in self._runs.items())
 
+    def _form_is_per_block(self, seq: Blocks) -> bool:
+        """Whether this cache stores blocks one by one (decided once, by the first sequence)."""
+        if self._per_block is None:
+            self._per_block = isinstance(seq, BlockSeq)
+        return self._per_block
+
     def longest_hit_blocks(self, seq: Blocks, max_tokens: int | None = None) -> int:
         """Leading blocks of ``seq`` cached here, within ``max_tokens`` (default num_tokens - 1)."""
         limit = seq.num_tokens - 1 if max_tokens is None else max_tokens
         n = min(seq.num_blocks, max(limit, 0) // seq.block_size)
+        if self._form_is_per_block(seq):
+            return self._cached_prefix(seq.block_hashes, n)
         runs = self._runs
         hit = 0
         for key, count in seq.runs:
@@ -184,10 +213,23 @@ class PrefixCache:
             hit += count
         return min(hit, n)
 
+    def _cached_prefix(self, hashes: Sequence[int], n: int) -> int:
+        """Leading blocks of ``hashes[:n]`` in the per-block dict (bisection: prefix-closed)."""
+        stamps = self._stamps
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hashes[mid] in stamps:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def touch(self, seq: Blocks, num_blocks: int | None = None) -> None:
         """Insert or refresh the first ``num_blocks`` full blocks of ``seq`` (all by default).
 
-        O(runs touched); a cache of capacity 0 (prefix caching off) costs nothing.
+        O(runs touched) for run-numbered blocks, one C-level dict update per touch otherwise; a
+        cache of capacity 0 (prefix caching off) costs nothing.
         """
         if self.capacity_blocks == 0:
             return
@@ -195,9 +237,12 @@ class PrefixCache:
         n = total if num_blocks is None else len(range(total)[:num_blocks])
         if n <= 0:
             return
-        runs, tails, push = self._runs, self._tails, heapq.heappush
         top = self._clock + n - 1  # the stamp of block 0; it decreases along the sequence
         self._clock += n
+        if self._form_is_per_block(seq):
+            self._touch_blocks(seq.block_hashes, n, top)
+            return
+        runs, tails, push = self._runs, self._tails, heapq.heappush
         left = n
         for key, count in seq.runs:
             if left <= 0:
@@ -222,6 +267,20 @@ class PrefixCache:
         if len(tails) > 2 * len(runs) + 1024:
             self._tails = [(p[-1][1] - p[-1][0] + 1, key) for key, p in runs.items()]
             heapq.heapify(self._tails)
+
+    def _touch_blocks(self, hashes: tuple[int, ...], n: int, top: int) -> None:
+        """Per-block touch of ``hashes[:n]``, block 0 getting stamp ``top``."""
+        stamps = self._stamps
+        self._size += n - self._cached_prefix(hashes, n)
+        # zip stops after n blocks; an existing key keeps its dict slot and takes the new stamp.
+        stamps.update(zip(hashes, range(top, top - n, -1), strict=False))
+        heapq.heappush(self._leaves, (top - n + 1, n - 1, hashes))
+        if self._size > self.capacity_blocks:
+            self._evict_blocks(self._size - self.capacity_blocks)
+        if len(self._leaves) > 2 * len(stamps) + 1024:
+            # Valid entries (one per distinct block at most) include every leaf.
+            self._leaves = [e for e in self._leaves if stamps.get(e[2][e[1]]) == e[0]]
+            heapq.heapify(self._leaves)
 
     def _evict(self, overflow: int) -> None:
         """Remove the ``overflow`` blocks with the smallest stamps (least recently used)."""
@@ -252,6 +311,30 @@ class PrefixCache:
                     continue
                 end, top = pieces[-1]
             heapq.heappush(tails, (top - end + 1, key))
+
+    def _evict_blocks(self, overflow: int) -> None:
+        """Per-block form of :meth:`_evict`: pop the oldest leaf, then walk up its chain."""
+        stamps, leaves = self._stamps, self._leaves
+        self._size -= overflow
+        self.evicted_blocks += overflow
+        while overflow > 0:
+            stamp, index, hashes = heapq.heappop(leaves)
+            if stamps.get(hashes[index]) != stamp:
+                continue  # stale: refreshed or evicted since
+            # The first valid entry is the global minimum (every leaf is in the heap and a
+            # leaf holds the smallest stamp). After removing stamp s, a block stamped s + 1 is
+            # the next minimum: follow the parent while it is, without the heap.
+            while True:
+                del stamps[hashes[index]]
+                overflow -= 1
+                if index == 0:
+                    break
+                index -= 1
+                parent = stamps[hashes[index]]
+                if overflow == 0 or parent != stamp + 1:
+                    heapq.heappush(leaves, (parent, index, hashes))
+                    break
+                stamp = parent
 
 
 @dataclass

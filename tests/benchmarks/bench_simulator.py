@@ -14,8 +14,14 @@ into the reuse model + span building ("model+spans"), span → row conversion ("
 time spent waiting for DuckDB inserts ("insert wait"; the inserts run on a writer thread while
 the next batch is simulated), turns/s, µs/turn, spans written, file size and peak RSS.
 
+First it prints the prefix cache micro-benchmark of the emulated HTTP servers' shape: one
+lookup + two touches of a 7,556-block prompt of random chained hashes (every consecutive-id run
+one block long), for the cache's per-block form, its run form forced on the same sequence, and
+the per-block OrderedDict LRU it replaced, side by side (the run form on these sequences was
+the ~10x regression the per-block form fixes).
+
 Run:  .venv/bin/python tests/benchmarks/bench_simulator.py [--turns 100000] [--rounds 2]
-      [--only synthetic|weka] [--weka-conversations N]
+      [--only synthetic|weka|cache] [--weka-conversations N]
 Not a test: nothing here asserts a time.
 """
 
@@ -33,6 +39,70 @@ from typing import Any
 # Mean turns per synthetic conversation with the generator's defaults (sub-agents included),
 # measured with seed 1 (the default here): ~31.1. Only sizes the workload; the count is printed.
 _SYNTHETIC_TURNS_PER_CONVERSATION = 31.1
+
+
+def _bench_prefix_cache(blocks: int = 7_556, repeats: int = 15) -> None:
+    """Print ms per (lookup + two touches) of a server-shaped prompt, per cache form."""
+    import random
+    from collections import OrderedDict
+
+    from kvscope.emulator.reuse_model import PrefixCache
+    from kvscope.emulator.tokens import BlockSeq
+
+    class _OrderedDictLru:
+        """The cache before stamps: one OrderedDict entry per block, moved tail first."""
+
+        def __init__(self) -> None:
+            self.lru: OrderedDict[int, None] = OrderedDict()
+
+        def longest_hit_blocks(self, seq: BlockSeq) -> int:
+            i, hashes = 0, seq.block_hashes
+            while i < len(hashes) and hashes[i] in self.lru:
+                i += 1
+            return i
+
+        def touch(self, seq: BlockSeq) -> None:
+            for block in reversed(seq.block_hashes):
+                if block in self.lru:
+                    self.lru.move_to_end(block)
+                else:
+                    self.lru[block] = None
+
+    rng = random.Random(7)
+    tokens = [rng.randrange(1 << 31) for _ in range((blocks + 40) * 16)]
+    # Each round a fresh, slightly longer sequence (as a new turn's prompt is): nothing cached
+    # on the sequence object (its runs) carries over.
+    prompts = [BlockSeq.from_tokens(tokens[: (blocks - repeats + i) * 16 + 5])
+               for i in range(repeats)]
+    outputs = [p.extend(tokens[len(tokens) - 300 :]) for p in prompts]
+
+    def per_block() -> Any:
+        return PrefixCache(1 << 20)
+
+    def run_form() -> Any:
+        cache = PrefixCache(1 << 20)
+        cache._per_block = False  # force the run walk on run-less sequences (the regression)
+        return cache
+
+    results: dict[str, float] = {}
+    for name, make in (("per-block", per_block), ("runs (forced)", run_form),
+                       ("OrderedDict", _OrderedDictLru)):
+        cache = make()
+        best = float("inf")
+        for prompt, output in zip(prompts, outputs, strict=True):
+            prompt = BlockSeq(prompt.block_hashes, prompt.num_tokens, prompt.tail)
+            output = BlockSeq(output.block_hashes, output.num_tokens, output.tail)
+            start = time.perf_counter()
+            cache.longest_hit_blocks(prompt)
+            cache.touch(prompt)
+            cache.touch(output)
+            best = min(best, time.perf_counter() - start)
+        results[name] = best * 1e3
+    base = results["per-block"]
+    print(f"prefix cache, {blocks}-block prompt of random chained hashes, "
+          f"lookup + 2 touches (best of {repeats}):")
+    for name, ms in results.items():
+        print(f"  {name:<14} {ms:>7.2f} ms  ({ms / base:>5.1f}x per-block)")
 
 
 def _timed(fn: Any, bucket: dict[str, float], key: str) -> Any:
@@ -127,11 +197,14 @@ def main() -> None:
     parser.add_argument("--weka-conversations", type=int, default=None,
                         help="WEKA conversations to load (default: the whole CSV)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per workload; best is kept")
-    parser.add_argument("--only", choices=("synthetic", "weka"), default=None)
+    parser.add_argument("--only", choices=("synthetic", "weka", "cache"), default=None)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write every run here")
     args = parser.parse_args()
 
+    _bench_prefix_cache()
+    if args.only == "cache":
+        return
     kinds = [args.only] if args.only else ["synthetic", "weka"]
     every: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
