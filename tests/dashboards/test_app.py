@@ -49,7 +49,7 @@ def graphs(children: Any) -> dict[str, Any]:
             for n in node:
                 walk(n)
         elif isinstance(node, dcc.Graph):
-            found[node.id] = node.figure
+            found[getattr(node, "id")] = getattr(node, "figure")  # noqa: B009
         elif hasattr(node, "children"):
             walk(node.children)
     walk(children)
