@@ -397,6 +397,8 @@ class ProxyTelemetry:
         self._scope = InstrumentationScope(semconv.SCOPE_NAME, __version__)
         self._span_failures = 0
         self._lock = threading.Lock()
+        # Turns begun but not finished (the handler ends after the client has the last byte).
+        self.open_turns = 0
         # ReadableSpan builds a default Resource (process detection) per span when given None.
         self._resource = (
             telemetry.tracer_provider.resource
@@ -415,6 +417,7 @@ class ProxyTelemetry:
         """A record for a request that just arrived, with its trace and span ids chosen."""
         getrandbits = self._rand.getrandbits
         incoming = parse_traceparent(traceparent)
+        self.open_turns += 1
         return TurnRecord(
             x_request_id=x_request_id,
             route=route,
@@ -435,6 +438,7 @@ class ProxyTelemetry:
 
     def finish_turn(self, record: TurnRecord) -> None:
         """Record the ended turn: metrics now, spans onto the export queue. Never raises."""
+        self.open_turns -= 1
         if not record.end_ns:
             record.end_ns = time.time_ns()
         if record.conversation is not None and record.conversation.value is not None:

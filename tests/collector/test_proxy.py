@@ -82,6 +82,11 @@ def read_spans(telemetry: ProxyTelemetry) -> list[dict[str, Any]]:
     """Flush the proxy's telemetry and read every span from its store."""
     tel = telemetry.telemetry
     assert tel is not None and tel.writer is not None
+    # A streamed turn is finished (and its spans queued) just after the client has its last
+    # byte: wait for the handlers to end before flushing.
+    deadline = time.monotonic() + 10
+    while telemetry.open_turns and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert tel.flush(10)
     cur = tel.writer.connection.cursor()
     rows = cur.execute(
