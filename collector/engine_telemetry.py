@@ -11,6 +11,15 @@ same code also serves the virtual-time simulator through :meth:`EngineTelemetry.
 
 This is the one place these spans are built: the vLLM instrumentation and the emulator both call
 it, so the ledger reads identical shapes from either.
+
+With an SDK tracer (``opentelemetry.sdk.trace.Tracer``) the spans are built as finished
+``ReadableSpan`` objects and handed straight to the provider's span processor, as the proxy does
+(:meth:`ProxyTelemetry.spans_for`): about a tenth of ``tracer.start_span`` + ``end``, with the
+same name, attributes, kind, status, timestamps, parent, ids (the tracer's id generator), trace
+flags, resource and instrumentation scope. Processors see ``on_end`` only (kvscope's and the
+SDK's exporting processors do nothing in ``on_start``). Anything else (a NoOp or proxy tracer, a
+test double, a sampler other than always-on / parent-based always-on, span limits that could
+trim an attribute, a disabled tracer config) goes through ``start_span``.
 """
 
 from __future__ import annotations
@@ -21,8 +30,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.context import Context
-from opentelemetry.trace import Status, StatusCode, Tracer
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.sampling import Decision as SamplingDecision
+from opentelemetry.sdk.trace.sampling import ParentBased, StaticSampler
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    get_current_span,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvscope import semconv
@@ -30,6 +51,9 @@ from kvscope import semconv
 logger = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_UNSET = Status(StatusCode.UNSET)
+# Attributes per engine span stay far below any sane limit; below this, direct spans are exact.
+_MAX_ENGINE_SPAN_ATTRIBUTES = 16
 
 
 @dataclass(slots=True)
@@ -93,6 +117,112 @@ class EngineTelemetryStats:
     failed: int = 0
 
 
+def _static_decision(sampler: object) -> bool | None:
+    """True / False when ``sampler`` always records / always drops; None when it depends."""
+    if isinstance(sampler, StaticSampler):
+        decision = getattr(sampler, "_decision", None)
+        if decision is SamplingDecision.RECORD_AND_SAMPLE:
+            return True
+        if decision is SamplingDecision.DROP:
+            return False
+    return None
+
+
+class _DirectSpans:
+    """What an SDK tracer would put into a span, so a record can become a ``ReadableSpan``."""
+
+    def __init__(self, tracer: SdkTracer, scope: InstrumentationScope,
+                 decisions: tuple[bool | None, bool | None, bool | None]) -> None:
+        self.tracer = tracer
+        self.resource = tracer.resource
+        self.processor = tracer.span_processor
+        self.id_generator = tracer.id_generator
+        self.instrumentation_info = tracer.instrumentation_info
+        self.scope = scope
+        # The sampler's fixed answer for a root, a sampled and an unsampled remote parent.
+        self.root, self.sampled_parent, self.unsampled_parent = decisions
+        self.root_flags = TraceFlags(
+            TraceFlags.SAMPLED
+            | (TraceFlags.RANDOM_TRACE_ID if self.id_generator.is_trace_id_random() else 0)
+        )
+
+    @classmethod
+    def of(cls, tracer: object) -> _DirectSpans | None:
+        """The direct builder for ``tracer``, or None when only ``start_span`` is exact."""
+        if not isinstance(tracer, SdkTracer):
+            return None
+        scope = getattr(tracer, "_instrumentation_scope", None)
+        limits = getattr(tracer, "_span_limits", None)
+        if not isinstance(scope, InstrumentationScope) or limits is None:
+            return None
+        max_attributes = limits.max_span_attributes
+        if limits.max_span_attribute_length is not None or (
+            max_attributes is not None and max_attributes < _MAX_ENGINE_SPAN_ATTRIBUTES
+        ):
+            return None
+        if not callable(getattr(tracer, "_is_enabled", None)):
+            return None
+        sampler = tracer.sampler
+        static = _static_decision(sampler)
+        decisions: tuple[bool | None, bool | None, bool | None]
+        if static is not None:
+            decisions = (static, static, static)
+        elif isinstance(sampler, ParentBased):
+            decisions = (
+                _static_decision(getattr(sampler, "_root", None)),
+                _static_decision(getattr(sampler, "_remote_parent_sampled", None)),
+                _static_decision(getattr(sampler, "_remote_parent_not_sampled", None)),
+            )
+        else:
+            return None
+        return cls(tracer, scope, decisions)
+
+    def decision(self, parent: SpanContext | None) -> bool | None:
+        """Whether a span under ``parent`` is recorded (None: ask the sampler via start_span)."""
+        if parent is None:
+            return self.root
+        return self.sampled_parent if parent.trace_flags.sampled else self.unsampled_parent
+
+    def dropped(self, parent: SpanContext | None) -> None:
+        """A span the sampler drops: nothing to export, but its ids are drawn as start_span does.
+
+        Keeps the id generator's sequence identical to the tracer's (deterministic generators).
+        """
+        if parent is None:
+            self.id_generator.generate_trace_id()
+        self.id_generator.generate_span_id()
+
+    def finish(self, name: str, parent: SpanContext | None, attributes: dict[str, Any],
+               start_ns: int, end_ns: int, status: Status) -> None:
+        """Build the finished span start_span + end would give and hand it to the processor."""
+        if parent is None:
+            trace_id = self.id_generator.generate_trace_id()
+            flags = self.root_flags
+            trace_state = None
+        else:
+            trace_id = parent.trace_id
+            flags = TraceFlags(
+                TraceFlags.SAMPLED
+                | (TraceFlags.RANDOM_TRACE_ID if parent.trace_flags.random_trace_id else 0)
+            )
+            trace_state = parent.trace_state
+        context = SpanContext(trace_id, self.id_generator.generate_span_id(), False, flags,
+                              trace_state)
+        self.processor.on_end(ReadableSpan(
+            name,
+            context=context,
+            parent=parent,
+            resource=self.resource,
+            attributes=attributes,
+            kind=SpanKind.INTERNAL,
+            instrumentation_info=self.instrumentation_info,
+            status=status,
+            start_time=start_ns,
+            end_time=end_ns,
+            instrumentation_scope=self.scope,
+        ))
+
+
 class EngineTelemetry:
     """Turns engine records into spans for one engine (prefill or decode)."""
 
@@ -106,6 +236,10 @@ class EngineTelemetry:
         background: bool = True,
     ) -> None:
         self._tracer = tracer
+        self._direct = _DirectSpans.of(tracer)
+        # The last traceparent and its parent context (a turn's records share one).
+        self._last_traceparent: str | None = None
+        self._last_parent: SpanContext | None = None
         self.engine_id = engine_id
         self.role = role
         self._max_queue = max_queue
@@ -163,11 +297,36 @@ class EngineTelemetry:
             semconv.ENGINE_ROLE: self.role,
         }
 
-    @staticmethod
-    def _parent(traceparent: str | None) -> Context | None:
+    def _parent(self, traceparent: str | None) -> SpanContext | None:
+        """The remote parent named by ``traceparent``; None when absent or invalid."""
         if not traceparent:
             return None
-        return _PROPAGATOR.extract({"traceparent": traceparent})
+        if traceparent != self._last_traceparent:
+            context = get_current_span(_PROPAGATOR.extract({"traceparent": traceparent}))
+            parent = context.get_span_context()
+            self._last_parent = parent if parent.is_valid else None
+            self._last_traceparent = traceparent
+        return self._last_parent
+
+    def _span(self, name: str, traceparent: str | None, attributes: dict[str, Any],
+              start_ns: int, end_ns: int, status: Status = _UNSET) -> None:
+        """Emit one finished INTERNAL span: directly when exact, else through the tracer."""
+        parent = self._parent(traceparent)
+        direct = self._direct
+        if direct is not None:
+            recorded = direct.decision(parent)
+            if recorded is not None and direct.tracer._is_enabled():
+                if recorded:
+                    direct.finish(name, parent, attributes, start_ns, end_ns, status)
+                else:
+                    direct.dropped(parent)
+                return
+        context = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
+        span = self._tracer.start_span(name, context=context, attributes=attributes,
+                                       start_time=start_ns)
+        if status is not _UNSET:
+            span.set_status(status)
+        span.end(end_time=end_ns)
 
     def _emit_decision(self, r: ReuseDecisionRecord) -> None:
         attrs = self._common(r.request_id)
@@ -182,11 +341,7 @@ class EngineTelemetry:
             attrs[semconv.PROMPT_TOKENS] = r.prompt_tokens
         if r.remote_engine_id:
             attrs[semconv.REMOTE_ENGINE_ID] = r.remote_engine_id
-        span = self._tracer.start_span(
-            semconv.SPAN_REUSE_DECISION, context=self._parent(r.traceparent),
-            attributes=attrs, start_time=r.time_ns,
-        )
-        span.end(end_time=r.time_ns)
+        self._span(semconv.SPAN_REUSE_DECISION, r.traceparent, attrs, r.time_ns, r.time_ns)
 
     def _emit_transfer(self, r: KvTransferRecord) -> None:
         attrs = self._common(r.request_id)
@@ -198,13 +353,9 @@ class EngineTelemetry:
             attrs[semconv.REMOTE_ENGINE_ID] = r.remote_engine_id
         if r.request_outcome:
             attrs[semconv.REQUEST_OUTCOME] = r.request_outcome
-        span = self._tracer.start_span(
-            semconv.SPAN_KV_TRANSFER, context=self._parent(r.traceparent),
-            attributes=attrs, start_time=r.start_ns,
-        )
-        if r.status != semconv.TRANSFER_OK:
-            span.set_status(Status(StatusCode.ERROR, r.status))
-        span.end(end_time=max(r.end_ns, r.start_ns))
+        status = _UNSET if r.status == semconv.TRANSFER_OK else Status(StatusCode.ERROR, r.status)
+        self._span(semconv.SPAN_KV_TRANSFER, r.traceparent, attrs, r.start_ns,
+                   max(r.end_ns, r.start_ns), status)
 
     def _emit_retention(self, r: KvRetentionRecord) -> None:
         attrs = self._common(r.request_id)
@@ -214,11 +365,8 @@ class EngineTelemetry:
         attrs[semconv.RETENTION_RELEASE_REASON] = r.release_reason
         if r.remote_num_tokens is not None:
             attrs[semconv.REMOTE_NUM_TOKENS] = r.remote_num_tokens
-        span = self._tracer.start_span(
-            semconv.SPAN_KV_RETENTION, context=self._parent(r.traceparent),
-            attributes=attrs, start_time=r.start_ns,
-        )
-        span.end(end_time=r.end_ns if r.end_ns is not None else r.start_ns)
+        self._span(semconv.SPAN_KV_RETENTION, r.traceparent, attrs, r.start_ns,
+                   r.end_ns if r.end_ns is not None else r.start_ns)
 
     # --- background thread ----------------------------------------------------------------
     def _run(self) -> None:
