@@ -53,6 +53,7 @@ import polars as pl
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
 from kvscope.emulator import outcomes
+from kvscope.emulator.cost_model import solve_linear
 from kvscope.emulator.reuse_model import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 
 DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
@@ -350,23 +351,6 @@ class LinearFit:
     residual_stdev: float | None
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """Solve a small square system (Gauss-Jordan, partial pivoting); None when singular."""
-    n = len(rhs)
-    m = [row[:] + [r] for row, r in zip(matrix, rhs, strict=True)]
-    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-10 * max(scale, 1e-300):
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                k = m[r][col] / m[col][col]
-                m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def least_squares(frame: pl.DataFrame, y: str, terms: Sequence[str]) -> LinearFit | None:
     """Fit ``y = intercept + Σ coef·term`` over rows with no nulls; None if underdetermined.
 
@@ -393,7 +377,7 @@ def least_squares(frame: pl.DataFrame, y: str, terms: Sequence[str]) -> LinearFi
         p = len(cols)
         xtx = [[float(sums[f"x{min(i, j)}_{max(i, j)}"]) for j in range(p)] for i in range(p)]
         xty = [float(sums[f"y{i}"]) for i in range(p)]
-        solution = _solve(xtx, xty)
+        solution = solve_linear(xtx, xty)
         if solution is None:
             if not kept:
                 return None

@@ -137,20 +137,28 @@ GLM5_FP8_BLOG = Calibration(
 )
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Solve a small square linear system (Gauss-Jordan with partial pivoting)."""
+def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Solve a small square system (Gauss-Jordan, partial pivoting); None when singular."""
     n = len(rhs)
     m = [row[:] + [r] for row, r in zip(matrix, rhs, strict=True)]
+    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-300:
-            raise ValueError("calibration points do not determine the profile")
+        if abs(m[pivot][col]) <= 1e-10 * max(scale, 1e-300):
+            return None
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(n):
             if r != col:
                 k = m[r][col] / m[col][col]
                 m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
     return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    solution = solve_linear(matrix, rhs)
+    if solution is None:
+        raise ValueError("calibration points do not determine the profile")
+    return solution
 
 
 def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostProfile:
