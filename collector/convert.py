@@ -17,9 +17,21 @@ _SERVICE_NAME = "service.name"
 def _attrs(attributes: object) -> Attrs:
     if not attributes:
         return []
-    items = attributes.items()  # type: ignore[attr-defined]
-    # Most kvscope values are already strings; convert the rest without a per-item call.
-    return [(k, v) if type(v) is str else (k, stringify(v)) for k, v in items]
+    out: Attrs = []
+    append = out.append
+    # Exact-type branches for kvscope's value types (what stringify gives them, without a call:
+    # str(int) == repr(int)); anything else, subclasses included, goes through stringify.
+    for k, v in attributes.items():  # type: ignore[attr-defined]
+        t = type(v)
+        if t is str:
+            append((k, v))
+        elif t is int:
+            append((k, str(v)))
+        elif t is bool:
+            append((k, "true" if v else "false"))
+        else:
+            append((k, stringify(v)))
+    return out
 
 
 def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) -> TraceRows:
@@ -39,6 +51,7 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
     scope_name, scope_version = rows.scope_name, rows.scope_version
     duration, status_code, status_message = rows.duration_ns, rows.status_code, rows.status_message
     events_col, links_col = rows.events, rows.links
+    last_trace, last_trace_hex = -1, ""
     for span in spans:
         ctx = span.context
         if ctx is None:
@@ -54,7 +67,11 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
         end = span.end_time or start
         status = span.status
         timestamp.append(start)
-        trace_id.append(f"{ctx.trace_id:032x}")
+        if ctx.trace_id != last_trace:
+            # A turn's spans share a trace and arrive together: format its id once.
+            last_trace = ctx.trace_id
+            last_trace_hex = f"{last_trace:032x}"
+        trace_id.append(last_trace_hex)
         span_id.append(f"{ctx.span_id:016x}")
         parent_id.append(f"{parent.span_id:016x}" if parent is not None else "")
         trace_state.append(ctx.trace_state.to_header() if ctx.trace_state else "")
