@@ -58,7 +58,8 @@ if not (PROXY_SCRIPT.is_file() and BENCHMARK_SCRIPT.is_file()) or _MISSING_MODUL
     pytest.skip(
         f"vLLM's multi-turn clients are not set up in {sys.prefix} (scripts: "
         f"{PROXY_SCRIPT.is_file() and BENCHMARK_SCRIPT.is_file()}, missing modules: "
-        f"{_MISSING_MODULES or 'none'}): run bash scripts/vllm-clients.sh",
+        f"{_MISSING_MODULES or 'none'}): bash scripts/vllm-venv.sh && bash "
+        "scripts/vllm-clients.sh && .venv-vllm/bin/python -m pytest tests/vllm_contract",
         allow_module_level=True,
     )
 
