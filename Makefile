@@ -28,10 +28,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest
 
-# The contract tier: kvscope's hooks against the real vLLM 0.33.0 classes, in a separate venv
-# (CPU torch, vllm --no-deps, nixl; about 3 GB, built once by scripts/vllm-venv.sh).
+# The contract tier: kvscope's hooks against the real vLLM 0.33.0 classes, and vLLM's own
+# multi-turn proxy and benchmark client (from its PyPI sdist, run unchanged) against the emulator,
+# in a separate venv (CPU torch, vllm --no-deps, nixl; about 3 GB, built once).
 vllm-contract:
 	bash scripts/vllm-venv.sh
+	bash scripts/vllm-clients.sh
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm_contract -W ignore::DeprecationWarning -W ignore::FutureWarning
 
 bench: $(STAMP)
