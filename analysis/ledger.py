@@ -300,13 +300,21 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
         request_key("request_id").alias("x_request_id"), _int("size_bytes"),
         (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
     )
-    d2p = transfers.filter(pl.col("direction") == semconv.DIRECTION_D_TO_P).group_by(
-        "x_request_id", maintain_order=True
-    ).agg(
+    # vLLM can report one failed read twice: the worker's span with the exact status
+    # (declined_expired, handshake_failed, ...) and the scheduler's with the request's outcome.
+    # Keep the most specific status: ok first, then anything but the generic "failed".
+    specificity = (
+        pl.when(pl.col("status") == semconv.TRANSFER_OK).then(0)
+        .when(pl.col("status") == semconv.TRANSFER_FAILED).then(2)
+        .otherwise(1)
+    )
+    d2p = transfers.filter(pl.col("direction") == semconv.DIRECTION_D_TO_P).with_columns(
+        specificity.alias("_specificity")
+    ).sort(["_specificity", "start"]).group_by("x_request_id", maintain_order=True).agg(
         pl.col("status").first().alias("d2p_status"),
-        pl.col("size_bytes").first().alias("d2p_bytes"),
-        pl.col("ms").first().alias("d2p_ms"),
-        pl.col("start").first().alias("d2p_start"),
+        pl.col("size_bytes").max().alias("d2p_bytes"),
+        pl.col("ms").max().alias("d2p_ms"),
+        pl.col("start").min().alias("d2p_start"),
         (pl.col("request_outcome") == semconv.OUTCOME_ERROR).any().alias("load_errored"),
     )
     p2d = transfers.filter(pl.col("direction") == semconv.DIRECTION_P_TO_D).group_by(

@@ -122,3 +122,50 @@ def test_several_runs_in_one_store_stay_apart(workload: Workload, tmp_path: Path
     _assert_matches(second)
     assert set(second["outcome"]) <= {outcomes.FIRST_TURN, outcomes.NO_DECODE_METADATA,
                                       outcomes.PREFIX_DIVERGED}
+
+
+def test_a_failed_read_reported_twice_keeps_the_specific_status() -> None:
+    from kvscope import semconv
+    from kvscope.analysis.ledger import QUERIES, build
+
+    frames = {name: pl.DataFrame() for name in QUERIES}
+    turn = {"run_id": "r", "trace_id": "t", "span_id": "s", "x_request_id": "x1",
+            "conversation_id": "c", "turn_index": "2", "arrival": 0, "duration_ns": 10,
+            "status_code": "STATUS_CODE_ERROR", "ttft_ms": None, "prompt_tokens": "100",
+            "output_tokens": None, "router_lookup": semconv.ROUTER_HIT,
+            "router_entry_age_s": "1.0", "boundary_hashes": None, "messages": None,
+            "roles": None, "error_kind": "kv_load_failed"}
+    frames["turns"] = pl.DataFrame([turn]).with_columns(
+        pl.col("arrival").cast(pl.Datetime("ns")), pl.col("duration_ns").cast(pl.UInt64),
+        pl.col("ttft_ms").cast(pl.String), pl.col("output_tokens").cast(pl.String),
+        pl.col("boundary_hashes").cast(pl.String), pl.col("messages").cast(pl.String),
+        pl.col("roles").cast(pl.String))
+    frames["decisions"] = pl.DataFrame([{
+        "request_id": "chatcmpl-x1-abcdef12", "engine": "p0", "time": 1,
+        "decision": semconv.DECISION_PULL, "local_hit": "0", "offered": "99", "to_pull": "99",
+        "threshold": "64", "bidir": "true"}]).with_columns(pl.col("time").cast(pl.Datetime("ns")))
+    rows = [{"request_id": "chatcmpl-x1-abcdef12", "engine": "p0",
+             "direction": semconv.DIRECTION_D_TO_P, "status": status, "size_bytes": "0",
+             "start": start, "duration_ns": 5, "request_outcome": outcome}
+            for status, start, outcome in ((semconv.TRANSFER_FAILED, 2, semconv.OUTCOME_ERROR),
+                                           (semconv.TRANSFER_DECLINED_EXPIRED, 3, None))]
+    frames["transfers"] = pl.DataFrame(rows).with_columns(
+        pl.col("start").cast(pl.Datetime("ns")), pl.col("duration_ns").cast(pl.UInt64),
+        pl.col("request_outcome").cast(pl.String))
+    for name, columns in (("prefill", ["trace_id", "parent_span_id", "prefill_ns",
+                                       "prefill_request_id", "d_metadata_attached",
+                                       "offered_tokens_proxy", "retention_id"]),
+                          ("decode", ["trace_id", "parent_span_id", "decode_ns",
+                                      "decode_request_id", "metadata_returned"]),
+                          ("waits", ["trace_id", "parent_span_id", "tool_wait_ns"]),
+                          ("retentions", ["request_id", "engine", "start", "duration_ns",
+                                          "size_bytes", "reason"])):
+        frames[name] = pl.DataFrame({c: pl.Series([], dtype=pl.String) for c in columns})
+    frames["prefill"] = frames["prefill"].with_columns(pl.col("prefill_ns").cast(pl.UInt64))
+    frames["decode"] = frames["decode"].with_columns(pl.col("decode_ns").cast(pl.UInt64))
+    frames["waits"] = frames["waits"].with_columns(pl.col("tool_wait_ns").cast(pl.UInt64))
+    frames["retentions"] = frames["retentions"].with_columns(
+        pl.col("start").cast(pl.Datetime("ns")), pl.col("duration_ns").cast(pl.UInt64))
+    row = build(frames).row(0, named=True)
+    assert row["d2p_status"] == semconv.TRANSFER_DECLINED_EXPIRED
+    assert row["outcome"] == outcomes.LOAD_FAILED_ERRORED
