@@ -159,7 +159,38 @@ SAMPLES_PARAMS = [
 def load_retentions(ctx: AnalysisContext) -> pl.DataFrame:
     """The selected runs' retention spans, typed (cached per context)."""
     raw = ctx.cached("retention:spans", lambda: ctx.frame(RETENTION_SQL, RETENTION_PARAMS))
-    return ctx.select_runs(ctx.cached("retention:typed", lambda: shape_retentions(raw)))
+
+    def typed() -> pl.DataFrame:
+        ledger = ctx.cached("ledger", lambda: ctx.ledger())
+        return upgrade_reads(shape_retentions(raw), read_handles(ledger))
+
+    return ctx.select_runs(ctx.cached("retention:typed", typed))
+
+
+def read_handles(ledger: pl.DataFrame) -> pl.Series:
+    """Decode request ids whose retained blocks a later turn's READ actually moved bytes from."""
+    moved = ledger.filter(
+        (pl.col("d2p_status") == semconv.TRANSFER_OK) & (pl.col("d2p_bytes") > 0)
+        & pl.col("retention_id").is_not_null()
+    )
+    return moved["retention_id"].unique()
+
+
+def upgrade_reads(retentions: pl.DataFrame, handles: pl.Series) -> pl.DataFrame:
+    """Say ``read`` for handles released by a notify that a READ moved bytes from.
+
+    Real vLLM decode cannot tell a READ from a notify-only release: both arrive as the same
+    NIXL notification, so its hook reports ``notified``. Prefill's transfer span for the
+    offered handle says whether bytes moved; that decides useful vs idle GiB·s.
+    """
+    if retentions.is_empty() or handles.is_empty():
+        return retentions
+    upgrade = (pl.col("reason") == semconv.RELEASE_NOTIFIED) & pl.col("request_id").is_in(
+        handles.implode())
+    return retentions.with_columns(
+        pl.when(upgrade).then(pl.lit(semconv.RELEASE_READ)).otherwise(pl.col("reason"))
+        .alias("reason")
+    )
 
 
 def load_samples(ctx: AnalysisContext) -> pl.DataFrame:

@@ -437,3 +437,19 @@ def test_an_empty_store_gives_empty_frames_of_the_declared_columns(tmp_path: Pat
             frame = registry.run(ctx, name)
             assert frame.is_empty()
             assert frame.schema == pl.Schema(registry.get(name).columns)
+
+
+def test_a_notify_that_moved_bytes_counts_as_a_read() -> None:
+    from kvscope.analysis.retention import read_handles, upgrade_reads
+
+    retentions = pl.DataFrame({
+        "run_id": ["r", "r"], "engine_id": ["d", "d"], "request_id": ["h1", "h2"],
+        "start": [0, 0], "duration_ns": [5, 5], "size_bytes": [10, 10], "ttl_s": [480.0, 480.0],
+        "reason": [semconv.RELEASE_NOTIFIED, semconv.RELEASE_NOTIFIED],
+    })
+    ledger = pl.DataFrame({
+        "retention_id": ["h1", "h2"], "d2p_status": [semconv.TRANSFER_OK, semconv.TRANSFER_OK],
+        "d2p_bytes": [4096, 0],
+    })
+    out = upgrade_reads(retentions, read_handles(ledger))
+    assert out["reason"].to_list() == [semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED]
