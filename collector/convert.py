@@ -51,7 +51,14 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
     scope_name, scope_version = rows.scope_name, rows.scope_version
     duration, status_code, status_message = rows.duration_ns, rows.status_code, rows.status_message
     events_col, links_col = rows.events, rows.links
+    # One-entry memos: consecutive spans mostly share a trace, a parent (a turn's legs), a trace
+    # state (usually the SDK's one empty TraceState) and a scope.
     last_trace, last_trace_hex = -1, ""
+    last_parent, last_parent_hex = -1, ""
+    last_state: object = None
+    last_state_header = ""
+    last_scope: object = None
+    last_scope_name = last_scope_version = ""
     for span in spans:
         ctx = span.context
         if ctx is None:
@@ -73,14 +80,28 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
             last_trace_hex = f"{last_trace:032x}"
         trace_id.append(last_trace_hex)
         span_id.append(f"{ctx.span_id:016x}")
-        parent_id.append(f"{parent.span_id:016x}" if parent is not None else "")
-        trace_state.append(ctx.trace_state.to_header() if ctx.trace_state else "")
+        if parent is None:
+            parent_id.append("")
+        else:
+            if parent.span_id != last_parent:
+                last_parent = parent.span_id
+                last_parent_hex = f"{last_parent:016x}"
+            parent_id.append(last_parent_hex)
+        state = ctx.trace_state
+        if state is not last_state:
+            last_state = state
+            last_state_header = state.to_header() if state else ""
+        trace_state.append(last_state_header)
         span_name.append(span.name)
         span_kind.append(kinds[span.kind])
         service_name.append(cached[0])
         resource_attrs.append(cached[1])
-        scope_name.append(scope.name if scope else "")
-        scope_version.append((scope.version or "") if scope else "")
+        if scope is not last_scope:
+            last_scope = scope
+            last_scope_name = scope.name if scope else ""
+            last_scope_version = (scope.version or "") if scope else ""
+        scope_name.append(last_scope_name)
+        scope_version.append(last_scope_version)
         span_attrs.append(_attrs(span.attributes))
         duration.append(end - start if end > start else 0)
         status_code.append(statuses[status.status_code])
