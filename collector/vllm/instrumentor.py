@@ -17,7 +17,10 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   allocation that failed); ``update_connector_output``: failed loads (``failed_recving``) and
   released handles (``finished_sending``); ``request_finished``: decode pins a finished turn
   (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows) and a prefill request
-  that ends after a failed load reports its outcome.
+  that ends after a failed load reports its outcome (vLLM's Scheduler finishes a request that
+  policy ``fail`` ends before it hands the connector the ``failed_recving`` that says why, so
+  a request finishing with its read unresolved is settled by the next
+  ``update_connector_output``).
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
@@ -201,6 +204,10 @@ class _EngineState:
     )
     pulls: dict[str, tuple[int, int, str | None]] = field(default_factory=dict)
     failed_loads: dict[str, int] = field(default_factory=dict)
+    # Requests that finished with their pull unresolved: (pull, outcome, traceparent, end_ns).
+    finished_pulls: dict[str, tuple[tuple[int, int, str | None], str, str | None, int]] = field(
+        default_factory=dict
+    )
     pins: dict[str, _Pin] = field(default_factory=dict)
     reads: dict[str, _Read] = field(default_factory=dict)
     read_failures: dict[str, str] = field(default_factory=dict)
@@ -526,6 +533,19 @@ class NixlConnectorInstrumentor:
             for req_id in failed:
                 if req_id in state.pulls:
                     state.failed_loads[req_id] = now
+        done = getattr(output, "finished_recving", None)
+        if done and state.pulls:
+            for req_id in done:  # a read that landed: nothing left to report at finish
+                if not (failed and req_id in failed):
+                    state.pulls.pop(req_id, None)
+        if state.finished_pulls:
+            # vLLM's Scheduler fails a request (policy "fail") before it hands the connector the
+            # failed_recving that caused it; what this step did not report failed never will.
+            for req_id, (pull, outcome, traceparent, end_ns) in state.finished_pulls.items():
+                if failed and req_id in failed:
+                    self._failed_load(state, req_id, pull, end_ns, time.time_ns(), outcome,
+                                      traceparent)
+            state.finished_pulls.clear()
         sending = getattr(output, "finished_sending", None)
         if sending and state.pins:
             now_perf, now_ns = time.perf_counter(), time.time_ns()
@@ -577,21 +597,15 @@ class NixlConnectorInstrumentor:
         pull = state.pulls.pop(req_id, None)
         failed_ns = state.failed_loads.pop(req_id, None)
         delay_free, params = result
-        if failed_ns is not None and pull is not None:
+        if pull is not None and failed_ns is not None:
             # The scheduler decided this request's fate after its load failed: report it.
-            tokens, _, remote_engine = pull
-            self._emit(state, semconv.ROLE_PREFILL, KvTransferRecord(
-                request_id=req_id,
-                start_ns=failed_ns,
-                end_ns=time.time_ns(),
-                direction=semconv.DIRECTION_D_TO_P,
-                status=semconv.TRANSFER_FAILED,
-                size_bytes=0,
-                blocks=0,
-                remote_engine_id=remote_engine,
-                request_outcome=request_outcome(request.status),
-                traceparent=_traceparent(request),
-            ))
+            self._failed_load(state, req_id, pull, failed_ns, time.time_ns(),
+                              request_outcome(request.status), _traceparent(request))
+        elif pull is not None:
+            # Finished with its read unresolved: a failure may follow in this very step.
+            state.finished_pulls[req_id] = (
+                pull, request_outcome(request.status), _traceparent(request), time.time_ns()
+            )
         if not (delay_free and params) or params.get("remote_blocks_expiry_time") is None:
             return
         if params.get("do_remote_prefill"):
@@ -619,6 +633,23 @@ class NixlConnectorInstrumentor:
         self.retained_bytes[state.engine_id] = (
             self.retained_bytes.get(state.engine_id, 0) + size
         )
+
+    def _failed_load(
+        self, state: _EngineState, req_id: str, pull: tuple[int, int, str | None],
+        start_ns: int, end_ns: int, outcome: str, traceparent: str | None,
+    ) -> None:
+        self._emit(state, semconv.ROLE_PREFILL, KvTransferRecord(
+            request_id=req_id,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            direction=semconv.DIRECTION_D_TO_P,
+            status=semconv.TRANSFER_FAILED,
+            size_bytes=0,
+            blocks=0,
+            remote_engine_id=pull[2],
+            request_outcome=outcome,
+            traceparent=traceparent,
+        ))
 
     def open_retentions(self, sched: Any) -> list[str]:
         """Request ids a scheduler still holds pinned (for tests and shutdown reports)."""
