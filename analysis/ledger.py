@@ -254,7 +254,17 @@ def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.E
 
 
 def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
-    """Shape extracted span frames into the ledger (pure: no I/O)."""
+    """Shape extracted span frames into the ledger (pure: no I/O).
+
+    One lazy query, collected once, so polars drops unused columns early (1M turns: 4.5 GiB peak
+    instead of 5.1). The in-memory engine: for these joins and sorts polars' streaming engine
+    measured 25 % slower here.
+    """
+    return _build({name: frame.lazy() for name, frame in frames.items()}).collect(
+        engine="in-memory")
+
+
+def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     turns = frames["turns"].with_columns(
         _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
         _int("messages"),
@@ -346,14 +356,21 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     )
 
     # Previous turn of the same conversation in the same run.
-    by_conv = ["run_id", "conversation_id"]
+    # Sorted by conversation, the previous row is the previous turn when it belongs to the same
+    # run and conversation: a plain shift, much cheaper than a window per conversation.
+    same = (pl.col("run_id") == pl.col("run_id").shift(1)) & (
+        pl.col("conversation_id") == pl.col("conversation_id").shift(1))
+
+    def previous(column: str) -> pl.Expr:
+        return pl.when(same).then(pl.col(column).shift(1))
+
     ledger = ledger.sort(["run_id", "conversation_id", "turn_index", "arrival"]).with_columns(
-        pl.col("prompt_tokens").shift(1).over(by_conv).alias("prev_prompt"),
-        pl.col("output_tokens").shift(1).over(by_conv).alias("prev_output"),
-        pl.col("boundary_hashes").shift(1).over(by_conv).alias("prev_hashes"),
-        pl.col("messages").shift(1).over(by_conv).alias("prev_messages"),
-        pl.col("metadata_returned").shift(1).over(by_conv).alias("prev_returned"),
-        pl.col("turn_index").shift(1).over(by_conv).alias("prev_index"),
+        previous("prompt_tokens").alias("prev_prompt"),
+        previous("output_tokens").alias("prev_output"),
+        previous("boundary_hashes").alias("prev_hashes"),
+        previous("messages").alias("prev_messages"),
+        previous("metadata_returned").alias("prev_returned"),
+        previous("turn_index").alias("prev_index"),
     )
     has_prev = pl.col("prev_index").is_not_null() & (
         pl.col("prev_index") == pl.col("turn_index") - 1
@@ -429,7 +446,7 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
 
 
-def _label(ledger: pl.DataFrame) -> pl.DataFrame:
+def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Decide each turn's outcome and its evidence, in the order of :mod:`outcomes`."""
     c = pl.col
     reusable, local, remote = c("reusable_tokens"), c("local_hit_tokens"), c("remote_reused_tokens")
