@@ -28,16 +28,21 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from kvscope import semconv
+from kvscope.collector.convert import _attrs as attrs_to_rows
 from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.engine_telemetry import (
     EngineTelemetry,
     KvRetentionRecord,
     KvTransferRecord,
     ReuseDecisionRecord,
+    _DirectSpans,
 )
 from kvscope.collector.proxy.router import (
     ConversationId,
@@ -70,6 +75,8 @@ from kvscope.emulator.workloads.model import (
 )
 from kvscope.errors import StoreError
 from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.store.rows import stringify
+from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES, TRACES_ARROW
 from kvscope.store.writer import StoreWriter
 
 # Fault names the simulator understands, each applied per turn with its probability.
@@ -171,17 +178,22 @@ class SimulationResult:
 
 
 class _RowSink(SpanProcessor):
-    """Collects finished spans and writes them to the store in large batches, one in flight.
+    """Collects finished spans as store rows and writes them in large batches, one in flight.
 
-    Spans become rows here; the DuckDB insert runs on a :class:`StoreWriter` thread (DuckDB
-    releases the GIL), overlapping the simulation of the next batch. Waiting for the previous
-    batch before handing over the next keeps at most one batch queued, so the writer's bounded
-    queue never drops; a failed or dropped insert raises :class:`StoreError` at the next flush.
+    Spans arrive either as SDK ``ReadableSpan`` objects (:meth:`on_end`, :meth:`add`; converted
+    by ``spans_to_rows`` at flush) or, on the simulator's direct path, as the pieces a span is
+    built from (:meth:`row`, appended straight to the columns, as ``spans_to_rows`` would). The
+    DuckDB insert runs on a :class:`StoreWriter` thread (DuckDB releases the GIL), overlapping
+    the simulation of the next batch. Waiting for the previous batch before handing over the
+    next keeps at most one batch queued, so the writer's bounded queue never drops; a failed or
+    dropped insert raises :class:`StoreError` at the next flush.
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000) -> None:
         self._batch = batch
         self._spans: list[ReadableSpan] = []
+        self._columns = _Columns()
+        self._pending = 0
         self.written = 0
         # Its own cursor: closing the writer leaves the caller's connection open.
         self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * batch,
@@ -189,22 +201,72 @@ class _RowSink(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         self._spans.append(span)
-        if len(self._spans) >= self._batch:
+        self._pending += 1
+        if self._pending >= self._batch:
             self.flush()
 
     def add(self, spans: list[ReadableSpan]) -> None:
         self._spans.extend(spans)
-        if len(self._spans) >= self._batch:
+        self._pending += len(spans)
+        if self._pending >= self._batch:
+            self.flush()
+
+    def row(self, name: str, trace_id: int, span_id: int, parent: SpanContext | None,
+            trace_state: str, kind: str, resource: _ResourceRow, scope: tuple[str, str],
+            attributes: Mapping[str, Any], start_ns: int, end_ns: int,
+            events: Sequence[Event], status: Status) -> None:
+        """Append one span's row as ``spans_to_rows`` would for the ReadableSpan it describes.
+
+        ``kind`` is the stored kind name (``_KIND_NAMES``); ``resource`` from ``_resource_row``.
+        """
+        c = self._columns
+        c.timestamp.append(start_ns)
+        c.trace_id.append(f"{trace_id:032x}")
+        c.span_id.append(f"{span_id:016x}")
+        c.parent.append("" if parent is None else f"{parent.span_id:016x}")
+        c.trace_state.append(trace_state)
+        c.name.append(name)
+        c.kind.append(kind)
+        c.service.append(resource.service)
+        c.resource_keys.extend(resource.keys)
+        c.resource_values.extend(resource.values)
+        c.resource_offsets.append(len(c.resource_keys))
+        c.scope_name.append(scope[0])
+        c.scope_version.append(scope[1])
+        c.attr_keys.extend(attributes)
+        c.attr_values.extend([v if type(v) is str else _value_str(v)
+                              for v in attributes.values()])
+        c.attr_offsets.append(len(c.attr_keys))
+        c.duration.append(end_ns - start_ns if end_ns > start_ns else 0)
+        code = status.status_code
+        c.status_code.append(_UNSET_NAME if code is StatusCode.UNSET else _STATUS_NAMES[code])
+        c.status_message.append(status.description or "")
+        c.events.append(
+            [{"Timestamp": e.timestamp, "Name": e.name, "Attributes": attrs_to_rows(e.attributes)}
+             for e in events]
+            if events
+            else []
+        )
+        self._pending += 1
+        if self._pending >= self._batch:
             self.flush()
 
     def flush(self) -> None:
-        if self._spans:
-            rows = spans_to_rows(self._spans).to_arrow()
-            self._wait()
-            if not self._writer.submit_traces(rows):
-                raise StoreError(f"simulator: the store writer refused {rows.num_rows} span rows")
-            self.written += len(self._spans)
+        if self._pending:
+            tables = []
+            if self._spans:
+                tables.append(spans_to_rows(self._spans).to_arrow())
+            if self._columns.timestamp:
+                tables.append(self._columns.to_arrow())
+            table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+            # Drop the batch's Python rows before the collection below, which would scan them.
             self._spans = []
+            self._columns = _Columns()
+            self._wait()
+            if not self._writer.submit_traces(table):
+                raise StoreError(f"simulator: the store writer refused {table.num_rows} span rows")
+            self.written += self._pending
+            self._pending = 0
             if not gc.isenabled():
                 # Reclaim this batch's few reference cycles (see _cyclic_gc_per_batch).
                 gc.collect(1)
@@ -233,6 +295,164 @@ class _RowSink(SpanProcessor):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()
         return True
+
+
+_KIND_NAMES = {kind: SPAN_KIND_NAMES.get(kind.value + 1, "") for kind in SpanKind}
+_STATUS_NAMES = {code: STATUS_CODE_NAMES.get(code.value, "") for code in StatusCode}
+_UNSET_NAME = _STATUS_NAMES[StatusCode.UNSET]
+_INTERNAL_NAME = _KIND_NAMES[SpanKind.INTERNAL]
+_MAP_TYPE = TRACES_ARROW.field("SpanAttributes").type
+
+
+def _value_str(value: object) -> str:
+    """An attribute value as stored: ``spans_to_rows``' ``_attrs``, branch for branch."""
+    t = type(value)
+    if t is int:
+        return str(value)
+    if t is bool:
+        return "true" if value else "false"
+    return stringify(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _ResourceRow:
+    """A resource as every row of its spans stores it."""
+
+    service: str
+    keys: list[str]
+    values: list[str]
+
+
+def _resource_row(resource: Resource) -> _ResourceRow:
+    """A resource's service name and stored attributes (as ``spans_to_rows`` derives them)."""
+    attrs = attrs_to_rows(resource.attributes)
+    return _ResourceRow(str(resource.attributes.get("service.name", "")),
+                        [k for k, _ in attrs], [v for _, v in attrs])
+
+
+class _Columns:
+    """``otel_traces`` columns for the direct path, attribute maps kept flat (keys, values,
+    end offsets) so that they become Arrow map arrays without a per-row Python conversion."""
+
+    def __init__(self) -> None:
+        self.timestamp: list[int] = []
+        self.trace_id: list[str] = []
+        self.span_id: list[str] = []
+        self.parent: list[str] = []
+        self.trace_state: list[str] = []
+        self.name: list[str] = []
+        self.kind: list[str] = []
+        self.service: list[str] = []
+        self.resource_keys: list[str] = []
+        self.resource_values: list[str] = []
+        self.resource_offsets: list[int] = [0]
+        self.scope_name: list[str] = []
+        self.scope_version: list[str] = []
+        self.attr_keys: list[str] = []
+        self.attr_values: list[str] = []
+        self.attr_offsets: list[int] = [0]
+        self.duration: list[int] = []
+        self.status_code: list[str] = []
+        self.status_message: list[str] = []
+        self.events: list[list[dict[str, Any]]] = []
+
+    def to_arrow(self) -> pa.Table:
+        """The rows as an Arrow table in ``otel_traces`` column order and types."""
+        string = pa.string()
+
+        def strings(values: list[str]) -> pa.Array:
+            return pa.array(values, type=string)
+
+        def mapping(offsets: list[int], keys: list[str], values: list[str]) -> pa.Array:
+            return pa.MapArray.from_arrays(pa.array(offsets, type=pa.int32()), strings(keys),
+                                           strings(values), type=_MAP_TYPE)
+
+        n = len(self.timestamp)
+        arrays = [
+            pa.array(self.timestamp, type=TRACES_ARROW.field("Timestamp").type),
+            strings(self.trace_id),
+            strings(self.span_id),
+            strings(self.parent),
+            strings(self.trace_state),
+            strings(self.name),
+            strings(self.kind),
+            strings(self.service),
+            mapping(self.resource_offsets, self.resource_keys, self.resource_values),
+            strings(self.scope_name),
+            strings(self.scope_version),
+            mapping(self.attr_offsets, self.attr_keys, self.attr_values),
+            pa.array(self.duration, type=pa.uint64()),
+            strings(self.status_code),
+            strings(self.status_message),
+            pa.array(self.events, type=TRACES_ARROW.field("Events").type),
+            pa.array([[]] * n, type=TRACES_ARROW.field("Links").type),
+        ]
+        return pa.Table.from_arrays(arrays, schema=TRACES_ARROW)
+
+
+def _scope_row(scope: InstrumentationScope | None) -> tuple[str, str]:
+    return (scope.name, scope.version or "") if scope is not None else ("", "")
+
+
+class _EngineRows(_DirectSpans):
+    """EngineTelemetry's direct span builder, ending in store rows instead of a ReadableSpan.
+
+    Everything up to the finished span (attributes, status, timestamps, sampling, the order ids
+    are drawn in) is EngineTelemetry's own code; only :meth:`finish` differs, appending the row
+    ``spans_to_rows`` would produce for the span :meth:`_DirectSpans.finish` builds.
+    """
+
+    sink: _RowSink
+
+    def finish(self, name: str, parent: SpanContext | None, attributes: dict[str, Any],
+               start_ns: int, end_ns: int, status: Status) -> None:
+        if parent is None:
+            trace_id = self.id_generator.generate_trace_id()
+            trace_state = ""
+        else:
+            trace_id = parent.trace_id
+            trace_state = parent.trace_state.to_header() if parent.trace_state else ""
+        span_id = self.id_generator.generate_span_id()
+        self.sink.row(name, trace_id, span_id, parent, trace_state, _INTERNAL_NAME,
+                      self.resource_row, self.scope_row, attributes, start_ns, end_ns, (),
+                      status)
+
+    @classmethod
+    def attach(cls, tel: EngineTelemetry, sink: _RowSink) -> bool:
+        """Make ``tel`` write rows into ``sink``; False when its tracer needs the SDK path."""
+        direct = cls.of(tel._tracer)
+        if not isinstance(direct, _EngineRows):
+            return False
+        direct.sink = sink
+        direct.resource_row = _resource_row(direct.resource)
+        direct.scope_row = _scope_row(direct.scope)
+        tel._direct = direct
+        return True
+
+    resource_row: _ResourceRow
+    scope_row: tuple[str, str]
+
+
+def _proxy_rows(proxy: ProxyTelemetry, sink: _RowSink) -> None:
+    """Make ``proxy.spans_for`` append its spans' rows to ``sink`` (it then returns no spans).
+
+    :meth:`ProxyTelemetry.spans_for` stays the one place the turn's spans are shaped: only its
+    last step, ``_span`` (pieces → ReadableSpan), is replaced on this instance.
+    """
+    resource = _resource_row(proxy._resource)
+    scope = _scope_row(proxy._scope)
+    row = sink.row
+    kinds = _KIND_NAMES
+
+    def span(name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
+             start_ns: int, end_ns: int, attributes: dict[str, Any], events: tuple[Event, ...],
+             status: Status) -> None:
+        state = context.trace_state
+        row(name, context.trace_id, context.span_id, parent,
+            state.to_header() if state else "", kinds[kind], resource, scope, attributes, start_ns,
+            max(end_ns, start_ns), events, status)
+
+    proxy._span = span
 
 
 @contextmanager
@@ -322,6 +542,9 @@ class Simulator:
         self._reusable: dict[tuple[int, int], int] = {}
         self._returned: dict[int, bool] = {}
         self._conversation_ids: list[str] = []
+        # Write rows directly (the fast path); False builds SDK spans and converts them, which
+        # tests compare the direct rows with.
+        self._direct_rows = True
 
     @staticmethod
     def _decode_http_host(i: int) -> str:
@@ -374,6 +597,12 @@ class Simulator:
                     semconv.ROLE_DECODE)
             for n in self.decoders
         ]
+        if self._direct_rows:
+            # Rows straight from the span builders' pieces: no ReadableSpan, no spans_to_rows.
+            _proxy_rows(proxy, sink)
+            for tel in (*prefill_tel, *decode_tel):
+                if not _EngineRows.attach(tel, sink):
+                    raise RuntimeError("simulator: an engine tracer needs the SDK span path")
         view = block_view(workload)
         runs = _ChainRuns()
         conversations = workload.conversations
@@ -597,7 +826,9 @@ class Simulator:
             self._drain(turn.decode, decode_tel[di], ns)
         if turn.conversation.value is not None:
             previous_end[turn.conversation_index] = t
-        sink.add(proxy.spans_for(record))
+        spans = proxy.spans_for(record)
+        if not self._direct_rows:
+            sink.add(spans)
         conv = self._conversations[turn.conversation_index]
         conv_turn = conv.turns[turn.turn_position].index
         prompt_tokens = record.prompt_tokens or 0

@@ -1,0 +1,102 @@
+"""The simulator's direct row path stores exactly the rows the SDK span path stores."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvscope import semconv
+from kvscope.collector.proxy.telemetry import ProxyTelemetry
+from kvscope.emulator.simulator import (
+    FAULT_CLOCK_SKEW,
+    FAULT_HANDSHAKE,
+    FAULT_INVALID_PARAMS,
+    FAULT_NO_CONVERSATION_ID,
+    FAULT_PREEMPT,
+    FAULT_PROXY_RESTART,
+    FAULT_STRIP_METADATA,
+    FAULT_TRANSFER,
+    SimulationResult,
+    SimulationSettings,
+    Simulator,
+)
+from kvscope.emulator.workloads import synthetic
+from kvscope.emulator.workloads.model import Workload
+from kvscope.store import StoreReader
+
+_ALL_SPANS = {
+    semconv.SPAN_TURN, semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION,
+    semconv.SPAN_TOOL_WAIT, semconv.SPAN_REUSE_DECISION, semconv.SPAN_KV_TRANSFER,
+    semconv.SPAN_KV_RETENTION,
+}
+
+
+@pytest.fixture(scope="module")
+def workload() -> Workload:
+    return synthetic.generate(
+        seed=5, conversations=12, turns_p50=6, max_turns=10, system_prompt_tokens=512,
+        new_input_tokens_p50=300, think_time_p50_s=5, think_time_p90_s=600,
+        reset_probability=0.1,
+    )
+
+
+def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: bool,
+         monkeypatch: pytest.MonkeyPatch) -> tuple[SimulationResult, list[tuple[Any, ...]]]:
+    """Simulate with deterministic span and trace ids; the stored rows in insertion order."""
+    init = ProxyTelemetry.__init__
+
+    def seeded(self: ProxyTelemetry, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._rand.seed(11)  # the proxy's trace and span ids
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ProxyTelemetry, "__init__", seeded)
+        random.seed(13)  # the engine tracers' RandomIdGenerator
+        sim = Simulator(settings)
+        sim._direct_rows = direct
+        result = sim.run(workload, db)
+    reader = StoreReader.open(db)
+    _, rows = reader.rows("SELECT * FROM otel_traces ORDER BY rowid")
+    return result, rows
+
+
+def _normalised(rows: list[tuple[Any, ...]], run_id: str) -> list[str]:
+    # The run id (a fresh uuid per run) is in resource attributes and X-Request-Ids.
+    return [repr(row).replace(run_id, "<run>") for row in rows]
+
+
+@pytest.mark.parametrize("faults", [
+    {},
+    {FAULT_HANDSHAKE: 0.15, FAULT_TRANSFER: 0.15, FAULT_PREEMPT: 0.15, FAULT_CLOCK_SKEW: 0.1,
+     FAULT_STRIP_METADATA: 0.1, FAULT_INVALID_PARAMS: 0.1, FAULT_NO_CONVERSATION_ID: 0.2,
+     FAULT_PROXY_RESTART: 0.05},
+], ids=["clean", "faults"])
+def test_direct_rows_equal_sdk_span_rows(workload: Workload, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         faults: dict[str, float]) -> None:
+    settings = SimulationSettings(profile="tiny", faults=faults, seed=2, prefill_nodes=2,
+                                  decode_nodes=2, decode_cache_blocks=400)
+    sdk, sdk_rows = _run(workload, tmp_path / "sdk.duckdb", settings, False, monkeypatch)
+    direct, direct_rows = _run(workload, tmp_path / "direct.duckdb", settings, True,
+                               monkeypatch)
+    assert sdk.spans == direct.spans == len(sdk_rows) == len(direct_rows)
+    assert [replace_run(t, sdk.run_id) for t in sdk.truth] == [
+        replace_run(t, direct.run_id) for t in direct.truth]
+    assert _normalised(direct_rows, direct.run_id) == _normalised(sdk_rows, sdk.run_id)
+    # The comparison covered every span kind, error statuses and first-token events.
+    names = {row[5] for row in sdk_rows}
+    assert names == _ALL_SPANS
+    assert any(row[-1] for row in sdk_rows) is False  # no links anywhere
+    assert any(row[15] for row in sdk_rows)  # events
+    if faults:
+        statuses = {(row[5], row[13]) for row in sdk_rows}
+        assert (semconv.SPAN_KV_TRANSFER, "STATUS_CODE_ERROR") in statuses
+        assert (semconv.SPAN_TURN, "STATUS_CODE_ERROR") in statuses
+        assert (semconv.SPAN_INPUT_PROCESSING, "STATUS_CODE_ERROR") in statuses
+
+
+def replace_run(row: Any, run_id: str) -> str:
+    return repr(row).replace(run_id, "<run>")
