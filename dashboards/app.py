@@ -84,6 +84,37 @@ def _page_for(path: str | None) -> Page:
     return next((p for p in listed if p.path == (path or "/")), listed[0])
 
 
+def warm(data: DashboardData) -> None:
+    """Compute every page's unfiltered results once, so first renders only format them.
+
+    A file's data never changes, so the dashboard pays the heavy analyses (ledger, cost fit,
+    what-if sweep, retention) once when it opens instead of on a user's first click. Live
+    stores are not warmed: their version changes as spans arrive.
+    """
+    from kvscope.dashboards.pages import (
+        compare,
+        missed,
+        overview,
+        retention,
+        task_time,
+        whatif,
+    )
+
+    unfiltered = Filters()
+    for render in (
+        lambda: overview.content(data, unfiltered),
+        lambda: missed.content(data, unfiltered),
+        lambda: retention.content(data, unfiltered),
+        lambda: task_time.content(data, unfiltered),
+        lambda: whatif.content(data, unfiltered, None, None),
+        lambda: compare.content(data, unfiltered, None, None),
+    ):
+        try:
+            render()
+        except Exception:  # a page that cannot render says so itself when opened
+            logger.warning("warming a dashboard page failed", exc_info=True)
+
+
 def create_app(source: str | Path | StoreWriter | DashboardData, *,
                refresh_s: float = DEFAULT_REFRESH_S) -> Dash:
     """The Dash app over ``source``: a store path (read-only), a live writer, or prepared data.
@@ -92,6 +123,9 @@ def create_app(source: str | Path | StoreWriter | DashboardData, *,
     ``refresh_s`` seconds; pages re-render only when rows were written since.
     """
     data = source if isinstance(source, DashboardData) else open_data(source, refresh_s=refresh_s)
+    if not data.live:
+        threading.Thread(target=warm, args=(data,), name="kvscope-dashboard-warm",
+                         daemon=True).start()
     app = Dash(__name__, title=TITLE, serve_locally=True, suppress_callback_exceptions=True,
                update_title="")
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + _CSS + "</style>")

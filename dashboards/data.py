@@ -59,6 +59,14 @@ SHARED_KEYS = frozenset({
 })
 
 
+# Analyses whose rows for one run are computed from that run's data alone (grouped by run_id):
+# a run filter can select rows of their unfiltered result.
+RUN_SEPARABLE = frozenset({
+    "reuse_rate", "miss_causes", "retention_cost", "retained_memory", "task_time",
+    "task_time_summary", "ladder", "ledger", "cost_fit", "whatif",
+})
+
+
 @dataclass(frozen=True)
 class Filters:
     """One selection of the dashboard's filters (hashable: it keys the caches)."""
@@ -261,6 +269,14 @@ class DashboardData:
             return Result(None, f"the {name} analysis is not available in this kvscope")
         with self._lock:
             try:
+                if (filters is not None and filters.runs and filters.engine is None
+                        and not filters.narrows_turns and name in RUN_SEPARABLE):
+                    # Rows of these analyses depend on their own run only: select the rows of
+                    # the unfiltered result instead of recomputing it for the selection.
+                    whole = registry.run(self.context(), name, params)
+                    key = f"runs:{name}:{sorted((params or {}).items())!r}"
+                    return Result(self.context(filters).cached(
+                        key, lambda: whole.filter(pl.col("run_id").is_in(list(filters.runs)))))
                 return Result(registry.run(self.context(filters), name, params))
             except KvscopeError as exc:
                 return Result(None, str(exc))

@@ -70,6 +70,9 @@ def main() -> None:
     data = open_data(db)
     open_s = timed(lambda: data.ledger())
     turns = data.ledger().height
+    from kvscope.dashboards.app import warm
+
+    warm_s = timed(lambda: warm(data))
     runs = data.runs()["run_id"].to_list()
     narrowed = Filters(runs=tuple(runs[:1]))
     pick = conversations.options(data, Filters())[0]
@@ -86,7 +89,8 @@ def main() -> None:
     }
     print(f"\nstore {db} ({db.stat().st_size / 1e6:.0f} MB), {turns:,} turns, "
           f"{len(runs)} runs")
-    print(f"open data version (ledger from raw spans, once per version): {open_s:.2f} s\n")
+    print(f"open data version (ledger from raw spans, once per version): {open_s:.2f} s")
+    print(f"warm every page's unfiltered results (file mode, at start-up): {warm_s:.2f} s\n")
     print(f"{'page':<14} {'first render':>13} {'filter change':>14} {'repeat':>8}   "
           f"(target {TARGET_S:g} s)")
     for name, render in page_renders.items():
