@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import heapq
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -193,6 +193,10 @@ class _RowSink(SpanProcessor):
         self._batch = batch
         self._spans: list[ReadableSpan] = []
         self._columns = _Columns()
+        # row(name, trace_id, span_id, parent, trace_state, kind name, resource row, scope,
+        # attributes, start_ns, end_ns, events, status): append one span's row as
+        # spans_to_rows would for the ReadableSpan those pieces make (the direct path).
+        self.row = self._appender()
         self._pending = 0
         self.written = 0
         # Its own cursor: closing the writer leaves the caller's connection open.
@@ -211,45 +215,61 @@ class _RowSink(SpanProcessor):
         if self._pending >= self._batch:
             self.flush()
 
-    def row(self, name: str, trace_id: int, span_id: int, parent: SpanContext | None,
-            trace_state: str, kind: str, resource: _ResourceRow, scope: tuple[str, str],
-            attributes: Mapping[str, Any], start_ns: int, end_ns: int,
-            events: Sequence[Event], status: Status) -> None:
-        """Append one span's row as ``spans_to_rows`` would for the ReadableSpan it describes.
+    def _appender(self) -> Callable[..., None]:
+        """The direct path's ``row`` function (see :attr:`row`), bound to this sink's columns.
 
-        ``kind`` is the stored kind name (``_KIND_NAMES``); ``resource`` from ``_resource_row``.
+        A closure over the column lists' bound ``append``/``extend`` methods: ~8 rows a turn, so
+        attribute lookups per column would cost more than the appends.
         """
         c = self._columns
-        c.timestamp.append(start_ns)
-        c.trace_id.append(f"{trace_id:032x}")
-        c.span_id.append(f"{span_id:016x}")
-        c.parent.append("" if parent is None else f"{parent.span_id:016x}")
-        c.trace_state.append(trace_state)
-        c.name.append(name)
-        c.kind.append(kind)
-        c.service.append(resource.service)
-        c.resource_keys.extend(resource.keys)
-        c.resource_values.extend(resource.values)
-        c.resource_offsets.append(len(c.resource_keys))
-        c.scope_name.append(scope[0])
-        c.scope_version.append(scope[1])
-        c.attr_keys.extend(attributes)
-        c.attr_values.extend([v if type(v) is str else _value_str(v)
-                              for v in attributes.values()])
-        c.attr_offsets.append(len(c.attr_keys))
-        c.duration.append(end_ns - start_ns if end_ns > start_ns else 0)
-        code = status.status_code
-        c.status_code.append(_UNSET_NAME if code is StatusCode.UNSET else _STATUS_NAMES[code])
-        c.status_message.append(status.description or "")
-        c.events.append(
-            [{"Timestamp": e.timestamp, "Name": e.name, "Attributes": attrs_to_rows(e.attributes)}
-             for e in events]
-            if events
-            else []
-        )
-        self._pending += 1
-        if self._pending >= self._batch:
-            self.flush()
+        timestamp, trace_ids, span_ids = c.timestamp.append, c.trace_id.append, c.span_id.append
+        parents, states, names = c.parent.append, c.trace_state.append, c.name.append
+        kinds, services = c.kind.append, c.service.append
+        resource_keys, resource_values = c.resource_keys, c.resource_values
+        resource_offsets = c.resource_offsets.append
+        scope_names, scope_versions = c.scope_name.append, c.scope_version.append
+        attr_keys, attr_values, attr_offsets = c.attr_keys, c.attr_values, c.attr_offsets.append
+        durations, codes = c.duration.append, c.status_code.append
+        messages, events_col = c.status_message.append, c.events.append
+        unset, status_names = StatusCode.UNSET, _STATUS_NAMES
+
+        def row(name: str, trace_id: int, span_id: int, parent: SpanContext | None,
+                trace_state: str, kind: str, resource: _ResourceRow, scope: tuple[str, str],
+                attributes: Mapping[str, Any], start_ns: int, end_ns: int,
+                events: Sequence[Event], status: Status) -> None:
+            timestamp(start_ns)
+            trace_ids(f"{trace_id:032x}")
+            span_ids(f"{span_id:016x}")
+            parents("" if parent is None else f"{parent.span_id:016x}")
+            states(trace_state)
+            names(name)
+            kinds(kind)
+            services(resource.service)
+            resource_keys.extend(resource.keys)
+            resource_values.extend(resource.values)
+            resource_offsets(len(resource_keys))
+            scope_names(scope[0])
+            scope_versions(scope[1])
+            attr_keys.extend(attributes)
+            # Most values are str or int: convert those inline (a call per value costs more).
+            attr_values.extend([v if type(v) is str else str(v) if type(v) is int
+                                else _value_str(v) for v in attributes.values()])
+            attr_offsets(len(attr_keys))
+            durations(end_ns - start_ns if end_ns > start_ns else 0)
+            code = status.status_code
+            codes(status_names[code] if code is not unset else _UNSET_NAME)
+            messages(status.description or "")
+            events_col(
+                [{"Timestamp": e.timestamp, "Name": e.name,
+                  "Attributes": attrs_to_rows(e.attributes)} for e in events]
+                if events
+                else []
+            )
+            self._pending += 1
+            if self._pending >= self._batch:
+                self.flush()
+
+        return row
 
     def flush(self) -> None:
         if self._pending:
@@ -259,9 +279,9 @@ class _RowSink(SpanProcessor):
             if self._columns.timestamp:
                 tables.append(self._columns.to_arrow())
             table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-            # Drop the batch's Python rows before the collection below, which would scan them.
+            # Drop the batch's Python rows (Arrow holds copies) before the collection below.
             self._spans = []
-            self._columns = _Columns()
+            self._columns.clear()
             self._wait()
             if not self._writer.submit_traces(table):
                 raise StoreError(f"simulator: the store writer refused {table.num_rows} span rows")
@@ -355,6 +375,13 @@ class _Columns:
         self.status_code: list[str] = []
         self.status_message: list[str] = []
         self.events: list[list[dict[str, Any]]] = []
+
+    def clear(self) -> None:
+        """Empty every column in place (the lists' bound methods stay valid)."""
+        for values in vars(self).values():
+            values.clear()
+        self.resource_offsets.append(0)
+        self.attr_offsets.append(0)
 
     def to_arrow(self) -> pa.Table:
         """The rows as an Arrow table in ``otel_traces`` column order and types."""
