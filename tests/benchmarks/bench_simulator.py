@@ -10,9 +10,10 @@ prefix caching on at P and D) into a new DuckDB file in a temporary directory:
 Each (workload, round) runs in its own process, so peak RSS (``ru_maxrss``) belongs to that
 workload alone; with ``--rounds 2`` (the default) the best time of the rounds is reported, since
 the machine is shared. Per run it prints the workload build seconds, the simulate seconds split
-into the reuse model + span building ("model+spans"), span → row conversion ("convert") and the
-time spent waiting for DuckDB inserts ("insert wait"; the inserts run on a writer thread while
-the next batch is simulated), turns/s, µs/turn, spans written, file size and peak RSS.
+into the reuse model + span building and row appends ("model+spans"), row → Arrow conversion
+("convert") and the time spent waiting for DuckDB inserts ("insert wait"; the inserts run on a
+writer thread while the next batch is simulated), turns/s, µs/turn, spans written, file size
+and peak RSS.
 
 First it prints the prefix cache micro-benchmark of the emulated HTTP servers' shape: one
 lookup + two touches of a 7,556-block prompt of random chained hashes (every consecutive-id run
@@ -124,9 +125,13 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int) -
     from kvscope.emulator.workloads import synthetic, weka
 
     phases = {"convert": 0.0, "insert": 0.0}
-    # Split the simulate time without touching the simulator: time span -> row conversion and
-    # the main thread's waits for the writer thread's DuckDB inserts (which otherwise overlap).
+    # Split the simulate time without touching the simulator: time rows -> Arrow conversion
+    # (the direct row path's column batches; spans_to_rows too, should the SDK span path run)
+    # and the main thread's waits for the writer thread's DuckDB inserts (which otherwise
+    # overlap). Appending each span's row happens inside model+spans.
     simulator.spans_to_rows = _timed(simulator.spans_to_rows, phases, "convert")
+    columns = simulator._Columns
+    columns.to_arrow = _timed(columns.to_arrow, phases, "convert")
     sink = simulator._RowSink
     sink._wait = _timed(sink._wait, phases, "insert")
 
