@@ -37,6 +37,7 @@ from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope, KeyVa
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as _Span
 
+from kvscope import semconv
 from kvscope.errors import PayloadError
 from kvscope.store.rows import Attrs, GaugeRows, TraceRows, stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
@@ -247,12 +248,19 @@ def _decode_key_value(blob: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple
     return pair
 
 
-def decode_traces(request: ExportTraceServiceRequest) -> TraceBatch:
+def decode_traces(request: ExportTraceServiceRequest, run_id: str | None = None) -> TraceBatch:
     """Decode a parsed ``ExportTraceServiceRequest`` into rows; bad spans are counted apart."""
-    return decode_trace_bytes(request.SerializeToString())
+    return decode_trace_bytes(request.SerializeToString(), run_id)
 
 
-def decode_trace_bytes(body: bytes) -> TraceBatch:
+def _with_run(res_attrs: Attrs, run_id: str | None) -> Attrs:
+    """The resource's attributes, naming ``run_id`` when the sender named no run itself."""
+    if run_id is None or any(key == semconv.RUN_ID for key, _ in res_attrs):
+        return res_attrs
+    return [*res_attrs, (semconv.RUN_ID, run_id)]
+
+
+def decode_trace_bytes(body: bytes, run_id: str | None = None) -> TraceBatch:
     """Decode a serialized ``ExportTraceServiceRequest`` into rows; bad spans are counted apart.
 
     Appends straight to the column lists (the shape :meth:`TraceRows.add` produces; a test
@@ -267,7 +275,7 @@ def decode_trace_bytes(body: bytes) -> TraceBatch:
             f"malformed or truncated protobuf ExportTraceServiceRequest: {cause}"
         ) from None
     try:
-        return _decode_lite(request)
+        return _decode_lite(request, run_id)
     except DecodeError as exc:
         # A nested message (resource, scope, attribute, link) that does not parse.
         raise PayloadError(
@@ -275,7 +283,7 @@ def decode_trace_bytes(body: bytes) -> TraceBatch:
         ) from None
 
 
-def _decode_lite(request: Any) -> TraceBatch:
+def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
     rows = TraceRows()
     batch = TraceBatch(rows)
     cache: dict[bytes, tuple[str, str]] = {}
@@ -299,7 +307,8 @@ def _decode_lite(request: Any) -> TraceBatch:
     put_events = rows.events.append
     put_links = rows.links.append
     for r, resource_spans in enumerate(request.resource_spans):
-        res_attrs = _attrs(Resource.FromString(resource_spans.resource).attributes)
+        res_attrs = _with_run(
+            _attrs(Resource.FromString(resource_spans.resource).attributes), run_id)
         service = dict(res_attrs).get(_SERVICE_NAME, "")
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             scope = InstrumentationScope.FromString(scope_spans.scope)
@@ -393,7 +402,8 @@ _UNSTORED_KINDS = {
 }
 
 
-def decode_metrics(request: ExportMetricsServiceRequest) -> GaugeBatch:
+def decode_metrics(request: ExportMetricsServiceRequest, run_id: str | None = None
+                   ) -> GaugeBatch:
     """Decode gauge and non-monotonic sum points; count every other point as rejected."""
     batch = GaugeBatch(GaugeRows())
     add = batch.rows.add
@@ -404,7 +414,7 @@ def decode_metrics(request: ExportMetricsServiceRequest) -> GaugeBatch:
             batch.reasons.append(f"{where}: {reason}")
 
     for r, resource_metrics in enumerate(request.resource_metrics):
-        res_attrs = _attrs(resource_metrics.resource.attributes)
+        res_attrs = _with_run(_attrs(resource_metrics.resource.attributes), run_id)
         service = dict(res_attrs).get(_SERVICE_NAME, "")
         resource_schema_url = resource_metrics.schema_url
         for s, scope_metrics in enumerate(resource_metrics.scope_metrics):
@@ -586,17 +596,22 @@ def parse_metrics_request(body: bytes, encoding: Encoding) -> ExportMetricsServi
     return request
 
 
-def decode_trace_request(body: bytes, encoding: Encoding) -> TraceBatch:
-    """Parse and decode an OTLP/HTTP traces body (protobuf or JSON) into rows."""
+def decode_trace_request(body: bytes, encoding: Encoding, run_id: str | None = None
+                         ) -> TraceBatch:
+    """Parse and decode an OTLP/HTTP traces body (protobuf or JSON) into rows.
+
+    ``run_id``, when given, names the run of every resource that does not name its own.
+    """
     if encoding == "json":
         # JSON is checked field by field by protobuf's parser, then takes the protobuf path.
-        return decode_trace_bytes(parse_trace_request(body, "json").SerializeToString())
-    return decode_trace_bytes(body)
+        return decode_trace_bytes(parse_trace_request(body, "json").SerializeToString(), run_id)
+    return decode_trace_bytes(body, run_id)
 
 
-def decode_metrics_request(body: bytes, encoding: Encoding) -> GaugeBatch:
+def decode_metrics_request(body: bytes, encoding: Encoding, run_id: str | None = None
+                           ) -> GaugeBatch:
     """Parse and decode an OTLP/HTTP metrics body (protobuf or JSON) into gauge rows."""
-    return decode_metrics(parse_metrics_request(body, encoding))
+    return decode_metrics(parse_metrics_request(body, encoding), run_id)
 
 
 __all__ = [

@@ -30,6 +30,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -53,7 +54,7 @@ from kvscope.collector.otlp_decode import (
     decode_trace_request,
 )
 from kvscope.errors import KvscopeError, PayloadError
-from kvscope.store.database import open_store
+from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,11 @@ def _gunzip_limited(body: bytes, limit: int) -> bytes:
 class _OtlpServer:
     """The aiohttp application and its lifecycle; runs on whichever loop starts it."""
 
-    def __init__(self, writer: StoreWriter, *, max_request_bytes: int, max_queue_rows: int):
+    def __init__(self, writer: StoreWriter, *, max_request_bytes: int, max_queue_rows: int,
+                 run_id: str | None = None):
         self.writer = writer
+        # Spans whose resource names no run are stamped with this receiver's run.
+        self.run_id = run_id
         self.stats = ReceiverStats()
         self.max_request_bytes = max_request_bytes
         self.max_queue_rows = max_queue_rows
@@ -186,7 +190,16 @@ class _OtlpServer:
             self._runner = None
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._executor.shutdown)
+        if self.run_id is not None:
+            await loop.run_in_executor(None, self._end_run)
         await loop.run_in_executor(None, self.writer.close)
+
+    def _end_run(self) -> None:
+        cursor = self.writer.connection.cursor()
+        try:
+            end_run(cursor, str(self.run_id))
+        finally:
+            cursor.close()
 
     # --- handlers ------------------------------------------------------------------------------
 
@@ -309,7 +322,7 @@ class _OtlpServer:
         self, body: bytes, gzipped: bool, encoding: Encoding
     ) -> tuple[pa.Table, int, int, str]:
         try:
-            batch = decode_trace_request(self._inflate(body, gzipped), encoding)
+            batch = decode_trace_request(self._inflate(body, gzipped), encoding, self.run_id)
             table = batch.to_arrow()
         except PayloadError as exc:
             raise _Refused(400, str(exc)) from None
@@ -319,7 +332,7 @@ class _OtlpServer:
         self, body: bytes, gzipped: bool, encoding: Encoding
     ) -> tuple[pa.Table, int, int, str]:
         try:
-            batch = decode_metrics_request(self._inflate(body, gzipped), encoding)
+            batch = decode_metrics_request(self._inflate(body, gzipped), encoding, self.run_id)
             table = batch.to_arrow()
         except PayloadError as exc:
             raise _Refused(400, str(exc)) from None
@@ -329,6 +342,17 @@ class _OtlpServer:
 def _open_writer(db_path: str | Path, max_queue_rows: int) -> StoreWriter:
     # Opening first means a locked, foreign or newer file is refused before anything listens.
     return StoreWriter(open_store(db_path), max_queue_rows=max_queue_rows)
+
+
+def _begin_run(writer: StoreWriter, host: str, port: int) -> str:
+    """Record the run this receiver collects (label from the ``run_label`` setting)."""
+    label = settings.resolve("run_label") or (
+        f"kvscope serve {datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S')} UTC")
+    cursor = writer.connection.cursor()
+    try:
+        return begin_run(cursor, label, {"source": "kvscope serve", "host": host, "port": port})
+    finally:
+        cursor.close()
 
 
 class Receiver:
@@ -348,8 +372,11 @@ class Receiver:
         *,
         max_request_bytes: int | None = None,
         max_queue_rows: int | None = None,
+        record_run: bool = False,
     ) -> None:
         self.db_path = db_path
+        # Record a run in kvscope_runs and stamp it on spans that name none (kvscope serve).
+        self.record_run = record_run
         self.host = settings.resolve("host", host)
         self._requested_port = port
         self.max_request_bytes = settings.resolve("max_request_bytes", max_request_bytes)
@@ -389,7 +416,9 @@ class Receiver:
             return self
         writer = _open_writer(self.db_path, self.max_queue_rows)
         server = _OtlpServer(
-            writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows
+            writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows,
+            run_id=(_begin_run(writer, self.host, self._requested_port)
+                    if self.record_run else None),
         )
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -453,7 +482,8 @@ def run_receiver(
     writer = _open_writer(db_path, queue_rows)
 
     async def serve() -> None:
-        server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows)
+        server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows,
+                             run_id=_begin_run(writer, host, port))
         try:
             await server.start(host, port)
         except BaseException:

@@ -280,7 +280,7 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
     """
     from kvscope.collector.receiver import Receiver
 
-    receiver = Receiver(db, host, settings.resolve("port", port)).start()
+    receiver = Receiver(db, host, settings.resolve("port", port), record_run=True).start()
     try:
         server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
                                  DEFAULT_PORT if dashboard_port is None else dashboard_port)

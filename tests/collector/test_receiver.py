@@ -453,3 +453,33 @@ def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhil
             == (200, 200)
     finally:
         con.close()
+
+
+def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Path) -> None:
+    from kvscope import semconv
+    from kvscope.collector.receiver import Receiver
+    from kvscope.store import StoreReader
+
+    db = tmp_path / "runs.duckdb"
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("anonymous"):
+        pass
+    named = TracerProvider(resource=Resource.create({"service.name": "sim",
+                                                     semconv.RUN_ID: "their-run"}))
+    named.add_span_processor(SimpleSpanProcessor(memory))
+    with named.get_tracer("t").start_as_current_span("named"):
+        pass
+    with Receiver(db, record_run=True) as receiver:
+        exporter = OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces")
+        assert exporter.export(memory.get_finished_spans()) is SpanExportResult.SUCCESS
+        receiver.writer.flush(10)
+    reader = StoreReader.open(db)
+    _, runs = reader.rows("SELECT run_id, label, ended_at IS NOT NULL FROM kvscope_runs")
+    _, spans = reader.rows("SELECT SpanName, ResourceAttributes[?] FROM otel_traces ORDER BY 1",
+                           [semconv.RUN_ID])
+    reader.close()
+    assert len(runs) == 1 and runs[0][1].startswith("kvscope serve") and runs[0][2]
+    assert spans == [("anonymous", runs[0][0]), ("named", "their-run")]
