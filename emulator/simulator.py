@@ -11,7 +11,10 @@ handles and prefix-cache eviction interact as they do in a deployment.
 
 It writes the spans a real deployment would produce, built by the same code: proxy spans by
 :meth:`ProxyTelemetry.spans_for` and engine spans by :class:`EngineTelemetry`, stamped with
-virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store. It also returns
+virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store: only the last
+step differs, the pieces each builder would make a ``ReadableSpan`` of are appended as the row
+``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares both paths row for
+row). It also returns
 the ground truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger
 with. Not modelled: queueing and batching contention (each request is timed as if alone).
 """
