@@ -14,9 +14,9 @@ It writes the spans a real deployment would produce, built by the same code: pro
 virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store: only the last
 step differs, the pieces each builder would make a ``ReadableSpan`` of are appended as the row
 ``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares both paths row for
-row). It also returns
-the ground truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger
-with. Not modelled: queueing and batching contention (each request is timed as if alone).
+row). It also returns the ground truth of every turn (:func:`reuse_model.account_turn`), which
+tests compare the ledger with. Not modelled: queueing and batching contention (each request is
+timed as if alone).
 """
 
 from __future__ import annotations
