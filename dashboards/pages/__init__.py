@@ -137,3 +137,21 @@ __all__ = [
     "table",
     "with_labels",
 ]
+
+
+def filtered_page(path: str, title: str, content_id: str,
+                  content: Callable[[DashboardData, Filters], list[Any]]) -> Page:
+    """A page whose only control is the shell's filters: a heading and one content holder."""
+    from dash import Input, Output
+
+    def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
+        return html.Div([html.H2(title), html.Div(id=content_id)])
+
+    def register(app: Dash, data: DashboardData) -> None:
+        @app.callback(Output(content_id, "children"), Input(FILTERS, "data"),
+                      Input(VERSION, "data"))
+        def _content(raw: dict[str, Any] | None, version: int | None) -> list[Any]:
+            return content(data, filters_of(raw))
+
+    return Page(path, title, layout, register)
+

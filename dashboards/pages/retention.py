@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from dash import Dash, Input, Output, html
+from dash import html
 
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
-    FILTERS,
-    VERSION,
-    Page,
     figure_of,
     filter_note,
-    filters_of,
+    filtered_page,
     table,
 )
 
@@ -47,14 +43,4 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     return [p for p in parts if p is not None]
 
 
-def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
-    return html.Div([html.H2("Retention & memory"), html.Div(id=CONTENT)])
-
-
-def register(app: Dash, data: DashboardData) -> None:
-    @app.callback(Output(CONTENT, "children"), Input(FILTERS, "data"), Input(VERSION, "data"))
-    def _content(raw: dict[str, Any] | None, version: int | None) -> list[Any]:
-        return content(data, filters_of(raw))
-
-
-PAGE = Page("/retention", "Retention & memory", layout, register)
+PAGE = filtered_page("/retention", "Retention & memory", CONTENT, content)
