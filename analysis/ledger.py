@@ -29,12 +29,14 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import duckdb
 import polars as pl
 
 from kvscope import semconv
 from kvscope.emulator import outcomes
+from kvscope.store.database import open_store
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import quote
 
@@ -536,6 +538,27 @@ def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
     finally:
         con.unregister("_kvscope_ledger")
     return frame.height
+
+
+def rebuild(path: str | Path) -> int:
+    """Rebuild the store's ``kvscope_ledger`` table from its raw spans; return its row count.
+
+    Idempotent: the table is replaced whole in one transaction. Opens the file for writing, so a
+    store another process is writing is refused (ask that process instead).
+    """
+    con = open_store(path)
+    try:
+        frame = ledger(con)
+        con.execute("BEGIN TRANSACTION")
+        try:
+            rows = persist(con, frame)
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        return rows
+    finally:
+        con.close()
 
 
 def runs(frame: pl.DataFrame) -> Sequence[str]:

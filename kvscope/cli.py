@@ -290,6 +290,18 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return main_analyze(args.file, args.name, args.runs, args.format, params)
 
 
+def _configure_ledger(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened for writing)")
+
+
+def _run_ledger(args: argparse.Namespace) -> int:
+    from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
+
+    rows = rebuild(args.file)
+    print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
+    return 0
+
+
 def _configure_report(parser: argparse.ArgumentParser) -> None:
     _add_store_and_runs(parser)
     parser.add_argument("-o", "--out", default="report.html", help="HTML file to write")
@@ -386,6 +398,8 @@ COMMANDS: list[Command] = [
             _configure_dashboard, _run_dashboard),
     Command("analyze", "run one registered analysis (or list them)",
             _configure_analyze, _run_analyze),
+    Command("ledger", "rebuild the kvscope_ledger table from a store's raw spans",
+            _configure_ledger, _run_ledger),
     Command("report", "write the single-file HTML report", _configure_report, _run_report),
     Command("compare", "compare two runs (A/B: TTFT vs prompt length, prefill split, memory)",
             _configure_compare, _run_compare),

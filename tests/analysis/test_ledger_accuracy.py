@@ -169,3 +169,22 @@ def test_a_failed_read_reported_twice_keeps_the_specific_status() -> None:
     row = build(frames).row(0, named=True)
     assert row["d2p_status"] == semconv.TRANSFER_DECLINED_EXPIRED
     assert row["outcome"] == outcomes.LOAD_FAILED_ERRORED
+
+
+def test_the_ledger_table_is_rebuilt_idempotently(workload: Workload, tmp_path: Path) -> None:
+    from kvscope.analysis.ledger import LEDGER_SCHEMA, LEDGER_TABLE, rebuild
+
+    db = tmp_path / "rebuild.duckdb"
+    result = simulate(workload, db, SimulationSettings(profile="tiny", seed=3))
+    assert rebuild(db) == result.turns
+    assert rebuild(db) == result.turns  # replaced, not appended
+    reader = StoreReader.open(db)
+    try:
+        columns, rows = reader.rows(f"SELECT * FROM {LEDGER_TABLE} ORDER BY x_request_id")
+        assert columns == list(LEDGER_SCHEMA)
+        assert len(rows) == result.turns
+        # The stored table is the ledger the analyses compute from the spans.
+        again = ledger(reader).sort("x_request_id")
+        assert [r[columns.index("outcome")] for r in rows] == again["outcome"].to_list()
+    finally:
+        reader.close()
