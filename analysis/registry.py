@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import polars as pl
 
 from kvscope.errors import KvscopeError
@@ -193,9 +192,6 @@ class AnalysisContext:
     def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run SQL through the store's one execute seam."""
         return self.reader.frame(sql, params)
-
-    def connection(self) -> duckdb.DuckDBPyConnection:
-        return self.reader._con
 
 
 def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None) -> pl.DataFrame:

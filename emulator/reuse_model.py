@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -607,6 +608,17 @@ def kv_transfer_params(
         "remote_registration_generation": cfg.registration_generation,
         "transfer_mode": TRANSFER_MODE_PULL,
     }
+
+
+def vllm_request_id(base: str, rng: random.Random, *, chat: bool = True,
+                    randomize: bool = True) -> str:
+    """The engine request id vLLM derives from an X-Request-Id (``base``).
+
+    ``chatcmpl-``/``cmpl-`` + base, then ``-`` + 8 random hex digits unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` (``randomize=False``).
+    """
+    response_id = ("chatcmpl-" if chat else "cmpl-") + base
+    return f"{response_id}-{rng.getrandbits(32):08x}" if randomize else response_id
 
 
 def d_to_p_offer_valid(params: Mapping[str, Any] | None) -> bool:

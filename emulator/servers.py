@@ -327,13 +327,9 @@ def parse_request(
     x_request_id = headers.get("X-Request-Id")
     body_id = body.get("request_id")
     base = x_request_id or (body_id if isinstance(body_id, str) and body_id else uuid.uuid4().hex)
-    prefix = "chatcmpl-" if kind == _CHAT else "cmpl-"
-    response_id = prefix + base
-    request_id = (
-        response_id
-        if config.disable_request_id_randomization
-        else f"{response_id}-{rng.getrandbits(32):08x}"
-    )
+    response_id = ("chatcmpl-" if kind == _CHAT else "cmpl-") + base
+    request_id = reuse_model.vllm_request_id(
+        base, rng, chat=kind == _CHAT, randomize=not config.disable_request_id_randomization)
     requested: frozenset[str] = frozenset()
     if config.allow_fault_headers:
         requested = fault_names.names_in(headers.get(FAULT_HEADER, "")) | fault_names.names_in(
@@ -486,16 +482,6 @@ def _overridden(node: PrefillNode | DecodeNode, **changes: Any) -> Iterator[None
 
 
 # --- the servers ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Outcome:
-    """What the compute phase of a request decided before generation."""
-
-    error: str | None = None
-    status: int = 500
-    cached_tokens: int | None = None
-    finish_params: dict[str, Any] | None = None
 
 
 class _EngineServer:

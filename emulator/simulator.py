@@ -67,6 +67,7 @@ from kvscope.emulator.reuse_model import (
     PrefillResult,
     Retention,
     account_turn,
+    vllm_request_id,
 )
 from kvscope.emulator.tokens import BlockRuns, Runs, join_runs, take_runs
 from kvscope.emulator.workloads.model import (
@@ -724,7 +725,7 @@ class Simulator:
                 clock_offset_error_s=s.decoder_kv_blocks_ttl if self._fault(FAULT_CLOCK_SKEW)
                 else 0.0,
             )
-            p_rid = _vllm_request_id(x_request_id, self._rng)
+            p_rid = vllm_request_id(x_request_id, self._rng)
             result = prefill.prefill(p_rid, prompt, params, t, faults)
             record.prefill_instance = f"prefill-{(rr_p - 1) % len(self.prefillers)}.local:8100"
             record.decode_instance = f"{self._decode_http_host(di)}:8200"
@@ -745,7 +746,7 @@ class Simulator:
                     request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
                 ))
             if result.decode_release is not None:
-                self._emit_released(decode_tel, t)
+                self._emit_released(decode_tel)
             truth_args = {"router_lookup": lookup.result}
             if result.errored or result.stalled:
                 end = t + (CLIENT_TIMEOUT_S if result.stalled else transfer_s)
@@ -767,7 +768,7 @@ class Simulator:
             )
             p_end = t + prefill_s
             record.prefill_end_ns = ns(p_end)
-            d_rid = _vllm_request_id(x_request_id, self._rng)
+            d_rid = vllm_request_id(x_request_id, self._rng)
             p_params = prefill.finish_request(p_rid, prompt, result.local_hit_tokens)
             p_to_d = decode.admit(d_rid, prompt, p_params)
             first = p_end + self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
@@ -819,9 +820,8 @@ class Simulator:
                 remote_engine_id=_str_or_none(params.get("remote_engine_id")),
             ))
 
-    def _emit_released(self, decode_tel: list[EngineTelemetry], t: float) -> None:
+    def _emit_released(self, decode_tel: list[EngineTelemetry]) -> None:
         # Releases are emitted as their spans close; draining every node is cheap.
-        del t
         for node, tel in zip(self.decoders, decode_tel, strict=True):
             self._drain(node, tel, self._ns)
 
@@ -1030,11 +1030,6 @@ class _ChainRuns:
         if blocks < chain.num_blocks:
             runs = take_runs(runs, blocks)
         return BlockRuns(runs, blocks, num_tokens, block_size)
-
-
-def _vllm_request_id(x_request_id: str, rng: random.Random) -> str:
-    """vLLM's chat request id: ``chatcmpl-`` + X-Request-Id + a random suffix."""
-    return f"chatcmpl-{x_request_id}-{rng.getrandbits(32):08x}"
 
 
 def simulate(workload: Workload, db: str | Path, settings: SimulationSettings | None = None,

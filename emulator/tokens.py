@@ -95,11 +95,6 @@ def generate_output_words(seed: int, n: int) -> list[str]:
     return words
 
 
-def generate_output_tokens(seed: int, n: int) -> list[str]:
-    """Alias of :func:`generate_output_words` (the words decode emits; ``encode`` gives ids)."""
-    return generate_output_words(seed, n)
-
-
 def hash_block(parent: int, block: Sequence[int]) -> int:
     """Chained hash of one full block: depends on the parent hash and the block's token ids.
 

@@ -131,7 +131,6 @@ class DecodeStream:
         self._pending = b""
         self.events = 0
         self.first_event_ns: int | None = None
-        self.kv_params: list[dict[str, Any]] = []
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.response_id: str | None = None

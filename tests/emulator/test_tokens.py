@@ -14,7 +14,7 @@ from kvscope.emulator.tokens import (
     block_hashes,
     common_prefix_len,
     encode,
-    generate_output_tokens,
+    generate_output_words,
     token_id,
 )
 
@@ -48,7 +48,7 @@ def test_chat_template_adds_two_tokens_per_message_and_a_generation_prompt() -> 
 
 def test_previous_prompt_plus_output_is_a_prefix_of_the_next_prompt() -> None:
     history = [{"role": "user", "content": "list the files"}]
-    output = " ".join(generate_output_tokens(7, 12))
+    output = " ".join(generate_output_words(7, 12))
     turn1 = apply_chat_template(history)
     turn2 = apply_chat_template(
         [*history, {"role": "assistant", "content": output}, {"role": "user", "content": "ok"}]
@@ -58,9 +58,9 @@ def test_previous_prompt_plus_output_is_a_prefix_of_the_next_prompt() -> None:
 
 
 def test_generated_output_is_deterministic_per_seed() -> None:
-    assert generate_output_tokens(3, 50) == generate_output_tokens(3, 50)
-    assert generate_output_tokens(3, 50) != generate_output_tokens(4, 50)
-    assert len(generate_output_tokens(3, 50)) == 50
+    assert generate_output_words(3, 50) == generate_output_words(3, 50)
+    assert generate_output_words(3, 50) != generate_output_words(4, 50)
+    assert len(generate_output_words(3, 50)) == 50
 
 
 def test_only_full_blocks_are_hashed_and_hashes_chain() -> None:
