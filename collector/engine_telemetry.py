@@ -234,6 +234,7 @@ class EngineTelemetry:
         role: str,
         max_queue: int = 65536,
         background: bool = True,
+        poll_interval_s: float = 0.05,
     ) -> None:
         self._tracer = tracer
         self._direct = _DirectSpans.of(tracer)
@@ -243,6 +244,8 @@ class EngineTelemetry:
         self.engine_id = engine_id
         self.role = role
         self._max_queue = max_queue
+        self._wake_at = max(max_queue // 2, 1)
+        self._poll_interval_s = poll_interval_s
         self._queue: deque[EngineRecord] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -264,10 +267,11 @@ class EngineTelemetry:
             if self._closed or len(queue) >= self._max_queue:
                 self.stats.dropped += 1
                 return
-            was_empty = not queue
             queue.append(record)  # deque.append is atomic under the GIL
             self.stats.recorded += 1
-            if was_empty and self._thread is not None:
+            # No lock and no wake-up per record: the thread polls every poll_interval_s and is
+            # woken early only when the queue is half full (so a burst is not dropped).
+            if len(queue) == self._wake_at and self._thread is not None:
                 with self._cond:
                     self._cond.notify()
         except Exception:  # pragma: no cover - a deque append does not fail in practice
@@ -373,9 +377,9 @@ class EngineTelemetry:
         queue = self._queue
         while True:
             with self._cond:
-                # A notify can slip in between the check and the wait: the timeout bounds that.
-                if not queue and not self._closed:
-                    self._cond.wait(0.05)
+                # Poll: records are not signalled one by one (see record); flush and close notify.
+                if not self._closed:
+                    self._cond.wait(self._poll_interval_s)
                 self._busy = True
                 closed = self._closed
             batch = []

@@ -70,6 +70,7 @@ WORKER_CLASS = "NixlPullConnectorWorker"
 PRIVATE_HOOK_VERSIONS = frozenset({"0.33.0"})
 # D→P offers carry these keys (presence is what 0.33.0 checks).
 D_TO_P_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REQUIRED = frozenset(D_TO_P_REQUIRED_KEYS)
 _KV_ROLE_TO_ENGINE_ROLE = {"kv_producer": semconv.ROLE_PREFILL, "kv_consumer": semconv.ROLE_DECODE}
 _RETAINING_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
@@ -91,10 +92,10 @@ def classify_decision(
     """
     params = params or {}
     offered_raw = params.get("remote_num_tokens")
-    offered = int(offered_raw) if isinstance(offered_raw, int | float) else None
+    offered = int(offered_raw) if isinstance(offered_raw, (int, float)) else None
     count, load_async = result
     if params.get("remote_block_ids"):
-        if not all(key in params for key in D_TO_P_REQUIRED_KEYS):
+        if not params.keys() >= _REQUIRED:
             return semconv.DECISION_INVALID_PARAMS, offered, 0
         if load_async and count:
             return semconv.DECISION_PULL, offered, int(count)
@@ -148,6 +149,13 @@ def blocks_and_bytes(
     ``cache`` keeps the per-group block sizes by group count: the spec's ``page_size_bytes``
     asks torch for the dtype size, which costs more than everything else here.
     """
+    if not block_ids:
+        return 0, 0
+    first = block_ids[0]
+    if cache is not None and type(first) is list and len(block_ids) == 1:
+        sizes = cache.get(1)  # the common case: one KV cache group
+        if sizes is not None:
+            return len(first), len(first) * sizes[0]
     blocks, n_groups, groups = count_blocks(block_ids)
     if n_groups == 0:
         return 0, 0
@@ -172,7 +180,7 @@ def _traceparent(request: Any) -> str | None:
     return str(value) if value else None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     start_ns: int
     blocks: int
@@ -181,7 +189,7 @@ class _Read:
     direction: str
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pin:
     start_ns: int
     blocks: int
@@ -213,6 +221,8 @@ class _EngineState:
     read_failures: dict[str, str] = field(default_factory=dict)
     expired_seen: bool = False
     block_sizes: dict[int, list[int]] = field(default_factory=dict)
+    # This engine's telemetry per role, once created (saves a keyed lookup per record).
+    telemetry: dict[str, EngineTelemetry] = field(default_factory=dict)
 
 
 @dataclass
@@ -411,9 +421,9 @@ class NixlConnectorInstrumentor:
         return self._role_providers[role]
 
     def _emit(self, state: _EngineState, role: str, record: EngineRecord) -> None:
-        telemetry = self._telemetry.get((state.engine_id, role))
+        telemetry = state.telemetry.get(role)
         if telemetry is None:
-            telemetry = self._ensure_telemetry(state, role)
+            telemetry = state.telemetry[role] = self._ensure_telemetry(state, role)
         telemetry.record(record)
         self.stats.records += 1
 
@@ -495,22 +505,15 @@ class NixlConnectorInstrumentor:
             params, local, result, request.num_prompt_tokens
         )
         remote_engine = params.get("remote_engine_id")
+        remote_engine = str(remote_engine) if remote_engine else None
         if decision == semconv.DECISION_PULL:
-            state.pulls[request.request_id] = (
-                to_pull, time_ns, str(remote_engine) if remote_engine else None
-            )
+            state.pulls[request.request_id] = (to_pull, time_ns, remote_engine)
+        # Positional (field order of ReuseDecisionRecord): keywords cost ~0.7 µs on this path.
         self._emit(state, semconv.ROLE_PREFILL, ReuseDecisionRecord(
-            request_id=request.request_id,
-            time_ns=time_ns,
-            local_hit_tokens=local,
-            remote_offered_tokens=offered,
-            to_pull_tokens=to_pull,
-            threshold_tokens=int(sched.kv_recompute_threshold),
-            decision=decision,
-            bidirectional=bool(sched.is_bidirectional_kv_xfer_enabled),
-            prompt_tokens=request.num_prompt_tokens,
-            remote_engine_id=str(remote_engine) if remote_engine else None,
-            traceparent=_traceparent(request),
+            request.request_id, time_ns, local, offered, to_pull,
+            int(sched.kv_recompute_threshold), decision,
+            bool(sched.is_bidirectional_kv_xfer_enabled), request.num_prompt_tokens,
+            remote_engine, _traceparent(request),
         ))
 
     def _wrap_connector_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -566,16 +569,10 @@ class NixlConnectorInstrumentor:
         self.retained_bytes[state.engine_id] = max(
             self.retained_bytes.get(state.engine_id, 0) - pin.size_bytes, 0
         )
+        # Positional (field order of KvRetentionRecord): keywords cost ~0.7 µs on this path.
         self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
-            request_id=req_id,
-            start_ns=pin.start_ns,
-            end_ns=end_ns,
-            blocks=pin.blocks,
-            size_bytes=pin.size_bytes,
-            ttl_s=pin.ttl_s,
-            release_reason=reason,
-            remote_num_tokens=pin.remote_num_tokens,
-            traceparent=pin.traceparent,
+            req_id, pin.start_ns, end_ns, pin.blocks, pin.size_bytes, pin.ttl_s, reason,
+            pin.remote_num_tokens, pin.traceparent,
         ))
 
     def _wrap_request_finished(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -613,15 +610,10 @@ class NixlConnectorInstrumentor:
         blocks, size = blocks_and_bytes(sched.kv_cache_config, block_ids, state.block_sizes)
         ttl = float(sched.decoder_kv_blocks_ttl)
         expiry = float(params["remote_blocks_expiry_time"])
-        pin = _Pin(
-            # The pin happened at expiry - ttl on the scheduler's perf_counter.
-            start_ns=time.time_ns() - int((time.perf_counter() - (expiry - ttl)) * 1e9),
-            blocks=blocks,
-            size_bytes=size,
-            ttl_s=ttl,
-            expiry_perf=expiry,
-            remote_num_tokens=params.get("remote_num_tokens"),
-            traceparent=_traceparent(request),
+        pin = _Pin(  # positional, field order: keywords cost ~0.7 µs on this path
+            # start_ns: the pin happened at expiry - ttl on the scheduler's perf_counter.
+            time.time_ns() - int((time.perf_counter() - (expiry - ttl)) * 1e9),
+            blocks, size, ttl, expiry, params.get("remote_num_tokens"), _traceparent(request),
         )
         old = state.pins.pop(req_id, None)
         if old is not None:  # a finished id finishing again (not seen): close the old pin

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -82,6 +83,28 @@ def test_a_full_queue_drops_and_counts_and_never_raises() -> None:
         telemetry.record(record)
     assert (telemetry.stats.recorded, telemetry.stats.dropped) == (2, 3)
     assert memory.get_finished_spans() == ()
+
+
+def test_records_are_polled_not_signalled_until_the_queue_is_half_full() -> None:
+    # A poll interval far beyond the test: only flush or a half-full queue can wake the thread.
+    telemetry, memory = _telemetry(max_queue=8, poll_interval_s=3600.0)
+    record = KvRetentionRecord(request_id="r", start_ns=0, end_ns=1, blocks=1, size_bytes=1,
+                               ttl_s=1.0, release_reason=semconv.RELEASE_EXPIRED)
+    try:
+        for _ in range(3):
+            telemetry.record(record)
+        time.sleep(0.2)
+        assert memory.get_finished_spans() == ()  # no wake-up per record
+        telemetry.record(record)  # the 4th of 8: half full, the thread is woken
+        deadline = time.monotonic() + 10
+        while len(memory.get_finished_spans()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(memory.get_finished_spans()) == 4
+        telemetry.record(record)
+        assert telemetry.flush(10)  # flush wakes it too
+        assert len(memory.get_finished_spans()) == 5
+    finally:
+        telemetry.close()
 
 
 def test_a_broken_tracer_is_counted_not_raised() -> None:
