@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from kvscope import semconv, settings
-from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.proxy.export_process import TurnExportProcess
 from kvscope.collector.proxy.router import (
     ConversationRouter,
     blocks_in,
@@ -673,8 +673,10 @@ def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyT
         logger.warning("no --db or --otlp-endpoint given: serving without spans")
         return ProxyTelemetry(None, router_ttl_s=router_ttl_s)
     service = settings.resolve("service_name", args.service_name) or semconv.SERVICE_PROXY
-    return ProxyTelemetry(setup_telemetry(service, db=db, otlp_endpoint=endpoint),
-                          router_ttl_s=router_ttl_s)
+    # Spans are built and written in a child process: none of that work shares the GIL with
+    # the event loop (see export_process).
+    process = TurnExportProcess(service, db=db, otlp_endpoint=endpoint, router_ttl_s=router_ttl_s)
+    return ProxyTelemetry(None, router_ttl_s=router_ttl_s, export_process=process)
 
 
 def main_proxy(args: argparse.Namespace) -> int:
@@ -684,9 +686,9 @@ def main_proxy(args: argparse.Namespace) -> int:
     app = build_app(config, telemetry)
 
     async def _close_telemetry(app: web.Application) -> None:
-        if telemetry.telemetry is not None:
-            # Flushing waits on the exporter thread; keep the loop free while it does.
-            await asyncio.get_running_loop().run_in_executor(None, telemetry.telemetry.shutdown)
+        if telemetry.enabled:
+            # Flushing waits on the export process; keep the loop free while it does.
+            await asyncio.get_running_loop().run_in_executor(None, telemetry.shutdown)
 
     app.on_cleanup.append(_close_telemetry)
     host = settings.resolve("host", args.host)

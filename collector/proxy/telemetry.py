@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -37,6 +37,9 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from kvscope import __version__, semconv
 from kvscope.collector.otel import Telemetry
 from kvscope.collector.proxy.router import ConversationId
+
+if TYPE_CHECKING:
+    from kvscope.collector.proxy.export_process import TurnExportProcess
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +382,13 @@ class _ConversationClock:
 
 
 class ProxyTelemetry:
-    """Turn records → spans and metrics. ``telemetry=None`` disables spans (metrics remain)."""
+    """Turn records → spans and metrics.
+
+    Spans are built in this process from ``telemetry``'s providers, or, with ``export_process``,
+    in a child process (what ``kvscope proxy`` uses: see
+    :mod:`~kvscope.collector.proxy.export_process`). With neither, spans are disabled (metrics
+    remain).
+    """
 
     def __init__(
         self,
@@ -387,9 +396,13 @@ class ProxyTelemetry:
         *,
         router_ttl_s: float | None = None,
         max_conversations: int = MAX_TRACKED_CONVERSATIONS,
+        export_process: TurnExportProcess | None = None,
     ) -> None:
+        if telemetry is not None and export_process is not None:
+            raise ValueError("ProxyTelemetry takes telemetry or export_process, not both")
         self.telemetry = telemetry
-        self.enabled = telemetry is not None
+        self.export_process = export_process
+        self.enabled = telemetry is not None or export_process is not None
         self.metrics = ProxyMetrics()
         self.router_ttl_s = router_ttl_s
         self._clock = _ConversationClock(max_conversations)
@@ -445,7 +458,9 @@ class ProxyTelemetry:
             self._clock.end(record.conversation.value, record.end_ns)
         try:
             self._observe(record)
-            if self.telemetry is not None:
+            if self.export_process is not None:
+                self.export_process.submit(record)
+            elif self.telemetry is not None:
                 processor = self.telemetry.span_processor
                 for span in self.spans_for(record):
                     processor.on_end(span)
@@ -644,6 +659,8 @@ class ProxyTelemetry:
     def dropped_spans(self) -> int:
         """Spans lost so far: queue full, export failed, store insert failed, or build failed."""
         dropped = self._span_failures
+        if self.export_process is not None:
+            dropped += self.export_process.counts()["dropped_spans"]
         if self.telemetry is not None:
             stats = self.telemetry.span_processor.stats
             dropped += stats.dropped + stats.export_failures
@@ -655,6 +672,14 @@ class ProxyTelemetry:
     def telemetry_counts(self) -> dict[str, int | bool]:
         """Queue and drop counters, for ``/health``."""
         counts: dict[str, int | bool] = {"enabled": self.enabled}
+        if self.export_process is not None:
+            process = self.export_process.counts()
+            counts.update(
+                queued_spans=process["queued_spans"],
+                exported_spans=process["exported_spans"],
+                dropped_spans=self.dropped_spans(),
+                pending_turns=process["pending_records"],
+            )
         if self.telemetry is not None:
             stats = self.telemetry.span_processor.stats
             counts.update(
@@ -663,6 +688,21 @@ class ProxyTelemetry:
                 dropped_spans=self.dropped_spans(),
             )
         return counts
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the spans of every turn finished so far are exported."""
+        if self.export_process is not None:
+            return self.export_process.flush(timeout_s)
+        if self.telemetry is not None:
+            return self.telemetry.flush(timeout_s)
+        return True
+
+    def shutdown(self) -> None:
+        """Export what is queued and close the destination (blocks; off the event loop)."""
+        if self.export_process is not None:
+            self.export_process.close()
+        if self.telemetry is not None:
+            self.telemetry.shutdown()
 
     def render_metrics(self, router_entries: int) -> str:
         """``GET /metrics`` text."""

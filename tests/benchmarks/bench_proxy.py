@@ -5,7 +5,10 @@ process, 16 output tokens, no artificial delay):
 
     direct      the client calls prefill, then streams from decode itself (no proxy)
     proxy-off   through the proxy with telemetry disabled (``--no-telemetry``)
-    proxy-on    through the proxy writing spans to a DuckDB file (``--db``)
+    proxy-on    through the proxy writing spans to a DuckDB file as ``kvscope proxy --db`` does:
+                records go to the export process, which builds, converts and inserts the spans
+    in-process  the same, but spans built and written inside the proxy's process (the
+                ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
 
 Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the three modes are
 run in alternating rounds (so drift on a shared machine hits all of them alike), and the script
@@ -46,9 +49,10 @@ from kvscope.collector.proxy import (  # noqa: E402
     Upstream,
     build_app,
 )
+from kvscope.collector.proxy.export_process import TurnExportProcess  # noqa: E402
 
 OUTPUT_TOKENS = 16
-MODES = ("direct", "proxy-off", "proxy-on")
+MODES = ("direct", "proxy-off", "proxy-on", "in-process")
 
 
 # --- server processes -----------------------------------------------------------------------------
@@ -66,10 +70,16 @@ def _serve_upstream(p_port: int, d_port: int) -> None:
     asyncio.run(main())
 
 
-def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None) -> None:
+def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: bool) -> None:
     config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
-    otel = setup_telemetry(semconv.SERVICE_PROXY, db=db) if db else None
-    web.run_app(build_app(config, ProxyTelemetry(otel)), host="127.0.0.1", port=port,
+    if db is None:
+        telemetry = ProxyTelemetry(None)
+    elif process:
+        telemetry = ProxyTelemetry(None, export_process=TurnExportProcess(
+            semconv.SERVICE_PROXY, db=db, router_ttl_s=config.router_ttl_s))
+    else:
+        telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db))
+    web.run_app(build_app(config, telemetry), host="127.0.0.1", port=port,
                 print=None, access_log=None, backlog=1024)
 
 
@@ -144,7 +154,7 @@ async def _measure(mode: str, urls: dict[str, str], concurrency: int, seconds: f
 
 async def _wait_ready(urls: dict[str, str]) -> None:
     async with aiohttp.ClientSession() as session:
-        for name in ("proxy-off", "proxy-on"):
+        for name in ("proxy-off", "proxy-on", "in-process"):
             for _ in range(200):
                 try:
                     async with session.get(urls[name] + "/health") as resp:
@@ -161,16 +171,22 @@ async def _health(url: str) -> dict[str, Any]:
 
 
 # --- in-process CPU cost of a turn's telemetry -------------------------------------------------
-def telemetry_cost_us(db: str, turns: int = 5000) -> tuple[float, float]:
-    """CPU µs per turn: on the calling (event-loop) thread, and in the whole process.
+def telemetry_cost_us(db: str, process: bool, turns: int = 5000) -> tuple[float, float]:
+    """CPU µs per turn: on the calling (event-loop) thread, and in the whole proxy process.
 
-    The first is begin_turn + record fill + finish_turn (spans built and queued); the second adds
-    the exporter thread's conversion to rows and the DuckDB insert, measured after a flush.
+    The first is begin_turn + record fill + finish_turn; the second adds the proxy process's
+    other threads, measured after a flush: in-process, the exporter thread's conversion to rows
+    and the DuckDB insert; with the export process, only the sender thread (records → pickled
+    batch → pipe), the export process's own CPU not counted.
     """
     from kvscope.collector.proxy.router import ConversationId
 
-    otel = setup_telemetry(semconv.SERVICE_PROXY, db=db)
-    telemetry = ProxyTelemetry(otel, router_ttl_s=450.0)
+    if process:
+        telemetry = ProxyTelemetry(None, export_process=TurnExportProcess(
+            semconv.SERVICE_PROXY, db=db, router_ttl_s=450.0))
+    else:
+        telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db),
+                                   router_ttl_s=450.0)
     loop_cpu = 0.0
     process_start = time.process_time()
     for i in range(turns):
@@ -186,9 +202,9 @@ def telemetry_cost_us(db: str, turns: int = 5000) -> tuple[float, float]:
         record.boundary_hashes = ",".join(f"{n:016x}" for n in range(6))
         telemetry.finish_turn(record)
         loop_cpu += time.thread_time() - t0
-    otel.flush(60)
+    assert telemetry.flush(60)
     process_cpu = time.process_time() - process_start
-    otel.shutdown()
+    telemetry.shutdown()
     return loop_cpu / turns * 1e6, process_cpu / turns * 1e6
 
 
@@ -207,18 +223,24 @@ def main() -> int:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
-    p_port, d_port, off_port, on_port = (free_port() for _ in range(4))
+    p_port, d_port, off_port, on_port, inproc_port = (free_port() for _ in range(5))
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_serve_upstream, args=(p_port, d_port), daemon=True),
-        ctx.Process(target=_serve_proxy, args=(off_port, p_port, d_port, None), daemon=True),
-        ctx.Process(target=_serve_proxy, args=(on_port, p_port, d_port, str(tmp / "on.duckdb")),
+        ctx.Process(target=_serve_proxy, args=(off_port, p_port, d_port, None, False),
+                    daemon=True),
+        # Not a daemon: it starts its own export process.
+        ctx.Process(target=_serve_proxy,
+                    args=(on_port, p_port, d_port, str(tmp / "on.duckdb"), True)),
+        ctx.Process(target=_serve_proxy,
+                    args=(inproc_port, p_port, d_port, str(tmp / "inproc-on.duckdb"), False),
                     daemon=True),
     ]
     for proc in procs:
         proc.start()
     urls = {"prefill": f"http://127.0.0.1:{p_port}", "decode": f"http://127.0.0.1:{d_port}",
-            "proxy-off": f"http://127.0.0.1:{off_port}", "proxy-on": f"http://127.0.0.1:{on_port}"}
+            "proxy-off": f"http://127.0.0.1:{off_port}", "proxy-on": f"http://127.0.0.1:{on_port}",
+            "in-process": f"http://127.0.0.1:{inproc_port}"}
     try:
         asyncio.run(_wait_ready(urls))
         for mode in MODES:  # warm up connections and imports
@@ -239,25 +261,32 @@ def main() -> int:
                 print(f"{concurrency:>4} {mode:<10} {len(s.turn_s) / s.wall_s:>8.0f} "
                       f"{_pct(s.ttft_s, .5) * 1e3:>9.2f} {_pct(s.ttft_s, .99) * 1e3:>9.2f} "
                       f"{_pct(s.turn_s, .5) * 1e3:>9.2f} {_pct(s.turn_s, .99) * 1e3:>9.2f}")
-            on, off, direct = results["proxy-on"], results["proxy-off"], results["direct"]
-            tel_turn = (_pct(on.turn_s, .5) - _pct(off.turn_s, .5)) * 1e3
-            tel_ttft = (_pct(on.ttft_s, .5) - _pct(off.ttft_s, .5)) * 1e3
+            off, direct = results["proxy-off"], results["direct"]
+            for mode in ("proxy-on", "in-process"):
+                on = results[mode]
+                tel_turn = (_pct(on.turn_s, .5) - _pct(off.turn_s, .5)) * 1e3
+                tel_ttft = (_pct(on.ttft_s, .5) - _pct(off.ttft_s, .5)) * 1e3
+                thr = (len(on.turn_s) / on.wall_s) / (len(off.turn_s) / off.wall_s)
+                print(f"{concurrency:>4} telemetry ({mode}) adds p50 turn {tel_turn:+.2f} ms, "
+                      f"p50 TTFT {tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x")
             proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
-            thr = (len(on.turn_s) / on.wall_s) / (len(off.turn_s) / off.wall_s)
-            print(f"{concurrency:>4} telemetry adds p50 turn {tel_turn:+.2f} ms, p50 TTFT "
-                  f"{tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x; proxy (off) adds p50 "
-                  f"turn {proxy_turn:+.2f} ms vs direct")
-        health = asyncio.run(_health(urls["proxy-on"]))
-        print(f"proxy-on telemetry counters: {health['telemetry']}")
+            print(f"{concurrency:>4} proxy (off) adds p50 turn {proxy_turn:+.2f} ms vs direct")
+        for mode in ("proxy-on", "in-process"):
+            health = asyncio.run(_health(urls[mode]))
+            print(f"{mode} telemetry counters at the end: {health['telemetry']}")
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.join(5)
-    loop_us, process_us = telemetry_cost_us(str(tmp / "inproc.duckdb"))
-    print(f"telemetry CPU per turn, in-process, mean of 5000 turns: {loop_us:.1f} us on the event "
-          f"loop thread (record -> 4 spans -> queue); {process_us:.1f} us in the whole process "
-          f"(+ exporter thread: rows, Arrow, DuckDB insert)")
+    loop_us, process_us = telemetry_cost_us(str(tmp / "cost-process.duckdb"), True)
+    print(f"telemetry CPU per turn in the proxy's process, export process, mean of 5000 turns: "
+          f"{loop_us:.1f} us on the event loop thread (record -> queue); {process_us:.1f} us "
+          f"in the whole process (+ sender thread: tuples, pickle, pipe)")
+    loop_us, process_us = telemetry_cost_us(str(tmp / "cost-inproc.duckdb"), False)
+    print(f"telemetry CPU per turn in the proxy's process, in-process, mean of 5000 turns: "
+          f"{loop_us:.1f} us on the event loop thread (record -> 4 spans -> queue); "
+          f"{process_us:.1f} us in the whole process (+ exporter thread: rows, Arrow, DuckDB)")
     return 0
 
 

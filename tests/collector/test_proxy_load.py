@@ -8,10 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import duckdb
+import pytest
 
 from kvscope import semconv
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy import ProxyConfig, ProxyTelemetry, Upstream, build_app
+from kvscope.collector.proxy.export_process import TurnExportProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
 from upstream_stub import ServerThread, StubState, decode_app, prefill_app  # noqa: E402
@@ -42,29 +45,37 @@ async def _run(url: str) -> list[list[bytes]]:
                                       for n in range(CONVERSATIONS)))
 
 
-def test_256_concurrent_conversations_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("export", ["in-process", "export-process"])
+def test_256_concurrent_conversations_lose_and_duplicate_nothing(tmp_path: Path,
+                                                                  export: str) -> None:
     prefill, decode = StubState(), StubState()
-    otel = setup_telemetry(semconv.SERVICE_PROXY, db=str(tmp_path / "load.duckdb"))
+    db = tmp_path / "load.duckdb"
+    if export == "in-process":
+        telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=str(db)))
+    else:  # what `kvscope proxy --db` runs
+        telemetry = ProxyTelemetry(None, export_process=TurnExportProcess(
+            semconv.SERVICE_PROXY, db=str(db)))
     try:
         with ServerThread(lambda: prefill_app(prefill)) as p, \
                 ServerThread(lambda: decode_app(decode)) as d:
             cfg = ProxyConfig([Upstream("127.0.0.1", p.port)], [Upstream("127.0.0.1", d.port)])
-            telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
+            telemetry.router_ttl_s = cfg.router_ttl_s
             with ServerThread(lambda: build_app(cfg, telemetry)) as proxy:
                 answers = asyncio.run(_run(proxy.url))
         assert len(answers) == CONVERSATIONS
         assert all(len(a) == TURNS and all(a) for a in answers)
-        assert otel.flush(30)
-        assert otel.writer is not None
-        cur = otel.writer.connection.cursor()
-        rows = cur.execute(
+        assert telemetry.flush(60)
+    finally:
+        telemetry.shutdown()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        rows = con.execute(
             "SELECT SpanName, SpanAttributes[?], SpanAttributes[?], SpanAttributes[?] "
             "FROM otel_traces",
             [semconv.X_REQUEST_ID, semconv.ROUTER_LOOKUP, semconv.TURN_INDEX],
         ).fetchall()
-        cur.close()
     finally:
-        otel.shutdown()
+        con.close()
 
     sent_ids = [r.headers["X-Request-Id"] for r in prefill.received]
     assert len(sent_ids) == len(set(sent_ids)) == CONVERSATIONS * TURNS

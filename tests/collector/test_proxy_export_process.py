@@ -1,0 +1,190 @@
+"""The proxy's export process: same spans as in-process, drops counted, never in the way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from kvscope import semconv
+from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.proxy.export_process import (
+    TurnExportProcess,
+    record_from_tuple,
+    record_to_tuple,
+    span_count,
+)
+from kvscope.collector.proxy.router import ConversationId
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
+from kvscope.errors import StoreLockedError
+
+COLUMNS = ("SpanName, TraceId, SpanId, ParentSpanId, SpanKind, ServiceName, ResourceAttributes, "
+           "ScopeName, ScopeVersion, SpanAttributes, Duration, StatusCode, StatusMessage, "
+           "Events, Timestamp")
+
+
+def _turns(telemetry: ProxyTelemetry, n: int, *, seed: int = 7) -> list[TurnRecord]:
+    """``n`` finished turns over 3 conversations (tool waits from the second turn), some failed."""
+    records = []
+    base = 1_767_225_600_000_000_000 + seed
+    for i in range(n):
+        record = telemetry.begin_turn("/v1/chat/completions", f"req-{seed}-{i}", None, None)
+        record.trace_id, record.turn_span_id = (seed << 64) + i + 1, 3 * i + 1
+        record.prefill_span_id, record.decode_span_id = 3 * i + 2, 3 * i + 3
+        record.arrival_ns = base + i * 1_000_000
+        telemetry.conversation_started(record, ConversationId(f"conv-{i % 3}", "body"))
+        record.model, record.stream, record.lookup = "qwen", True, semconv.ROUTER_HIT
+        record.boundary_hashes, record.boundary_roles = "00aa,00bb,00cc", "sua"
+        record.prefill_start_ns, record.prefill_end_ns = record.arrival_ns + 10, base + 20
+        record.prompt_tokens, record.cached_tokens = 1000 + i, 16
+        if i % 4 == 3:
+            record.fail(semconv.LEG_DECODE, "upstream_timeout", 504, "decode timed out")
+        else:
+            record.decode_start_ns = record.arrival_ns + 30
+            record.first_token_ns, record.decode_end_ns = record.arrival_ns + 40, base + 90
+            record.output_tokens, record.chunks, record.finish_reasons = 16, 17, ["stop"]
+        record.end_ns = record.arrival_ns + 100
+        records.append(record)
+    return records
+
+
+def _rows(db: Path) -> list[tuple[Any, ...]]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        rows = con.execute(f"SELECT {COLUMNS} FROM otel_traces").fetchall()
+    finally:
+        con.close()
+    # A tool wait's span id is drawn at build time, and every resource has its own
+    # service.instance.id; every other field must match.
+    out = []
+    for row in rows:
+        values = list(row)
+        if values[0] == semconv.SPAN_TOOL_WAIT:
+            values[2] = "-"
+        values[6] = {k: v for k, v in values[6].items() if k != "service.instance.id"}
+        out.append(tuple(values))
+    return sorted(out, key=repr)
+
+
+def test_a_record_survives_the_pipe_field_for_field() -> None:
+    telemetry = ProxyTelemetry(None)
+    record = _turns(telemetry, 2)[1]
+    record.remote_parent_span_id, record.tracestate = 99, "k=v"
+    record.conversation = ConversationId("c", "header", "too_long")
+    record.turn_index, record.previous_end_ns, record.lookup_age_s = 5, 12, 1.5
+    record.offered_request_id, record.offered_tokens = "chatcmpl-x", 160
+    record.d_metadata_attached, record.retention_returned = True, True
+    record.prefill_instance, record.decode_instance = "127.0.0.1:1", "127.0.0.1:2"
+    record.prefill_request_id, record.decode_request_id = "p-1", "d-1"
+    record.remote_num_tokens, record.retention_blocks = 175, 11
+    record.client_disconnected, record.error_leg = True, "prefill"
+    record.error_kind, record.error_message, record.status_code = "x", "y", 502
+    for f in fields(TurnRecord):  # a new field must be filled here too
+        assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
+    assert record_from_tuple(record_to_tuple(record)) == record
+
+
+def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path) -> None:
+    inproc_db, process_db = tmp_path / "inproc.duckdb", tmp_path / "process.duckdb"
+    inproc = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=str(inproc_db)),
+                            router_ttl_s=450.0)
+    process = ProxyTelemetry(None, router_ttl_s=450.0, export_process=TurnExportProcess(
+        semconv.SERVICE_PROXY, db=str(process_db), router_ttl_s=450.0))
+    try:
+        for telemetry in (inproc, process):
+            for record in _turns(telemetry, 40):
+                telemetry.finish_turn(record)
+            assert telemetry.flush(60)
+        counts = process.telemetry_counts()
+        expected = sum(span_count(r) for r in _turns(ProxyTelemetry(None), 40))
+        assert counts["exported_spans"] == counts["queued_spans"] == expected
+        assert counts["dropped_spans"] == 0
+    finally:
+        inproc.shutdown()
+        process.shutdown()
+    rows = _rows(process_db)
+    assert len(rows) == expected
+    assert rows == _rows(inproc_db)
+
+
+def test_close_exports_everything_submitted(tmp_path: Path) -> None:
+    db = tmp_path / "close.duckdb"
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db), send_interval_s=5.0)
+    telemetry = ProxyTelemetry(None, export_process=process)
+    records = _turns(telemetry, 25)
+    for record in records:
+        telemetry.finish_turn(record)
+    telemetry.shutdown()  # no flush first: close itself sends and waits
+    assert len(_rows(db)) == sum(span_count(r) for r in records)
+
+
+def test_a_locked_store_fails_at_start_with_the_store_error(tmp_path: Path) -> None:
+    db = tmp_path / "locked.duckdb"
+    holder = setup_telemetry(semconv.SERVICE_PROXY, db=str(db))  # this process holds the lock
+    try:
+        with pytest.raises(StoreLockedError, match="locked"):
+            TurnExportProcess(semconv.SERVICE_PROXY, db=str(db))
+    finally:
+        holder.shutdown()
+
+
+def test_a_dead_export_process_costs_spans_not_turns(tmp_path: Path) -> None:
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(tmp_path / "dead.duckdb"),
+                                send_interval_s=0.005)
+    telemetry = ProxyTelemetry(None, export_process=process)
+    try:
+        process._process.kill()
+        process._process.join(10)
+        records = _turns(telemetry, 30)
+        deadline = time.monotonic() + 10
+        for record in records:
+            telemetry.finish_turn(record)  # never raises
+        while telemetry.dropped_spans() < sum(map(span_count, records)):
+            assert time.monotonic() < deadline, telemetry.telemetry_counts()
+            time.sleep(0.01)
+        assert telemetry.dropped_spans() == sum(map(span_count, records))
+        assert not telemetry.flush(1)
+        assert telemetry.metrics.turns.get("/v1/chat/completions", "ok") > 0  # metrics go on
+    finally:
+        telemetry.shutdown()
+
+
+def test_sigterm_makes_the_export_process_store_what_it_received(tmp_path: Path) -> None:
+    db = tmp_path / "term.duckdb"
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db), send_interval_s=0.005)
+    telemetry = ProxyTelemetry(None, export_process=process)
+    records = _turns(telemetry, 20)
+    for record in records:
+        telemetry.finish_turn(record)
+    deadline = time.monotonic() + 30
+    while process.counts()["queued_spans"] < sum(map(span_count, records)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pid = process._process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    process._process.join(30)
+    assert process._process.exitcode == 0
+    telemetry.shutdown()
+    assert len(_rows(db)) == sum(map(span_count, records))
+
+
+def test_turns_finishing_after_close_are_dropped_and_counted(tmp_path: Path) -> None:
+    db = tmp_path / "late.duckdb"
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db))
+    telemetry = ProxyTelemetry(None, export_process=process)
+    records = _turns(telemetry, 10)
+    for record in records[:4]:
+        telemetry.finish_turn(record)
+    telemetry.shutdown()
+    for record in records[4:]:  # e.g. streams still ending while the proxy shuts down
+        telemetry.finish_turn(record)
+    assert process.stats.dropped_records == 6
+    assert telemetry.dropped_spans() == sum(map(span_count, records[4:]))
+    assert len(_rows(db)) == sum(map(span_count, records[:4]))
