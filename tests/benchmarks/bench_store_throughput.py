@@ -5,7 +5,9 @@ Run: ``.venv/bin/python tests/benchmarks/bench_store_throughput.py [--spans 1000
 The same SDK spans (``kvscope.turn``-like: 10 attributes and a ``first_token`` event) are made
 once and then written to a fresh store file per path:
 
-  raw          prebuilt Arrow table, ``insert_arrow`` per 8192-row slice (DuckDB's ceiling)
+  raw          prebuilt Arrow table, ``insert_arrow`` per 8192-row slice (DuckDB's ceiling: the
+               writer's route, through a temporary Parquet file), and the same slices through
+               DuckDB's Arrow scan (``insert_arrow_scan``), the route the Parquet file replaced
   in-process   ``DuckDBSpanExporter.export`` per 8192 spans, then ``writer.flush()``
   receiver     ``kvscope serve`` in its own process on 127.0.0.1; the official
                ``OTLPSpanExporter`` (protobuf, 8192 spans per request) from 1 or 2 sender threads,
@@ -28,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -43,7 +46,7 @@ from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.exporters import DuckDBSpanExporter
 from kvscope.collector.otlp_decode import decode_trace_bytes
 from kvscope.store.database import open_store
-from kvscope.store.writer import StoreWriter, insert_arrow
+from kvscope.store.writer import StoreWriter, insert_arrow, insert_arrow_scan
 
 BATCH = 8192
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,12 +95,12 @@ def _batches(items: Sequence[ReadableSpan]) -> list[Sequence[ReadableSpan]]:
     return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
 
 
-def bench_raw(spans: list[ReadableSpan], workdir: Path) -> float:
+def bench_raw(spans: list[ReadableSpan], workdir: Path, insert: Any = insert_arrow) -> float:
     table = spans_to_rows(spans).to_arrow()
-    con = open_store(workdir / "raw.duckdb")
+    con = open_store(workdir / f"raw-{insert.__name__}.duckdb")
     start = time.perf_counter()
     for offset in range(0, table.num_rows, BATCH):
-        insert_arrow(con, "otel_traces", table.slice(offset, BATCH))
+        insert(con, "otel_traces", table.slice(offset, BATCH))
     elapsed = time.perf_counter() - start
     con.close()
     return elapsed
@@ -259,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         print("raw insert ...", file=sys.stderr, flush=True)
         raw = bench_raw(spans, workdir)
-        results.append(("raw DuckDB Arrow insert", raw, ""))
+        results.append(("raw insert (Parquet file, the writer's)", raw, ""))
+        scan = bench_raw(spans, workdir, insert_arrow_scan)
+        results.append(("raw insert (DuckDB Arrow scan)", scan, ""))
         print("in-process exporter ...", file=sys.stderr, flush=True)
         elapsed, retries = bench_in_process(spans, workdir)
         results.append(("in-process DuckDBSpanExporter", elapsed, f"{retries} full-queue waits"))

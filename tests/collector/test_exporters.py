@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,9 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvscope import semconv
+from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.exporters import DuckDBSpanExporter
 from kvscope.collector.otel import QueueSpanProcessor, setup_telemetry
 from kvscope.store import StoreReader, StoreWriter, insert_arrow, open_store
+from kvscope.store import writer as writer_module
 from kvscope.store.rows import TraceRows, stringify
 
 attr_values = st.one_of(
@@ -191,3 +195,40 @@ def test_setup_telemetry_writes_spans_and_gauges(store_path: Path) -> None:
         [semconv.ENGINE_ID])
     assert points == [(semconv.METRIC_KV_RETAINED, "By", 4096.0, "decode-0")]
     reader.close()
+
+
+def test_the_parquet_route_stores_what_the_arrow_scan_stores(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    spans = _record([{semconv.X_REQUEST_ID: f"r{i}", semconv.TURN_INDEX: i, "k.f": i / 3,
+                      "k.b": i % 2 == 0, "k.list": [i, i + 1]} for i in range(600)])
+    table = spans_to_rows(spans).to_arrow()
+    assert table.num_rows >= writer_module.PARQUET_MIN_ROWS  # the Parquet route
+
+    def stored(path: Path, insert: Callable[..., None]) -> list[tuple[object, ...]]:
+        con = open_store(path)
+        insert(con, "otel_traces", table)
+        rows = con.execute("SELECT * FROM otel_traces ORDER BY SpanId").fetchall()
+        con.close()
+        return rows
+
+    spills: list[str] = []
+    real_spill = writer_module._spill
+    monkeypatch.setattr(writer_module, "_spill",
+                        lambda rows: spills.append("x") or real_spill(rows))
+    parquet = stored(tmp_path / "parquet.duckdb", insert_arrow)
+    assert spills  # the file route really ran
+    assert parquet == stored(tmp_path / "scan.duckdb", writer_module.insert_arrow_scan)
+    assert len(parquet) == len(spans)
+    assert not list(Path(tempfile.gettempdir()).glob("kvscope-batch-*.parquet"))  # cleaned up
+
+
+def test_an_unwritable_temp_dir_falls_back_to_the_arrow_scan(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    con = open_store(tmp_path / "fallback.duckdb")
+    table = _rows(writer_module.PARQUET_MIN_ROWS + 10)
+    insert_arrow(con, "otel_traces", table)  # mkstemp fails: no raise, the scan inserts
+    assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (table.num_rows,)
+    con.close()
