@@ -7,8 +7,13 @@ prefix caching on at P and D) into a new DuckDB file in a temporary directory:
                 issue's target: 100k turns simulated and written in <= 20 s on this machine)
     weka        the full shipped WEKA CSV (~49k turns of ~122k-token prompts)
 
-Each (workload, round) runs in its own process, so peak RSS (``ru_maxrss``) belongs to that
-workload alone; with ``--rounds 2`` (the default) the best time of the rounds is reported, since
+Each workload runs twice per round, alternating: as ``simulate`` does by default (from
+``PROCESS_ROWS_MIN_TURNS`` turns, rows are appended, converted and inserted by a row writer
+process while this one simulates; "convert" is then the pickling and sending of batches, and
+"insert wait" the final wait for the writer) and with every row written in the simulating
+process ("/rows here"). Each (workload, round) runs in its own process, so peak RSS
+(``ru_maxrss``) belongs to that workload alone (the row writer's is "writer RSS"); with
+``--rounds 2`` (the default) the best time of the rounds is reported, since
 the machine is shared. Per run it prints the workload build seconds, the simulate seconds split
 into the reuse model + span building and row appends ("model+spans"), row → Arrow conversion
 ("convert") and the time spent waiting for DuckDB inserts ("insert wait"; the inserts run on a
@@ -119,11 +124,19 @@ def _timed(fn: Any, bucket: dict[str, float], key: str) -> Any:
     return wrapper
 
 
-def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int) -> dict[str, Any]:
-    """Build one workload, simulate it into a fresh file, and return the measurements."""
+def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
+             rows_here: bool) -> dict[str, Any]:
+    """Build one workload, simulate it into a fresh file, and return the measurements.
+
+    ``rows_here``: append, convert and insert the rows in this process even when the workload
+    is large enough for the row writer process (the simulator's default from
+    ``PROCESS_ROWS_MIN_TURNS`` turns).
+    """
     from kvscope.emulator import simulator
     from kvscope.emulator.workloads import synthetic, weka
 
+    if rows_here:
+        simulator.PROCESS_ROWS_MIN_TURNS = 2**62
     phases = {"convert": 0.0, "insert": 0.0}
     # Split the simulate time without touching the simulator: time rows -> Arrow conversion
     # (the direct row path's column batches; spans_to_rows too, should the SDK span path run)
@@ -134,6 +147,11 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int) -
     columns.to_arrow = _timed(columns.to_arrow, phases, "convert")
     sink = simulator._RowSink
     sink._wait = _timed(sink._wait, phases, "insert")
+    # With the row writer process, this process only pickles and sends each batch ("convert":
+    # blocked when the writer is behind) and waits for the writer at the end ("insert").
+    process_sink = simulator._ProcessRowSink
+    process_sink.flush = _timed(process_sink.flush, phases, "convert")
+    process_sink.close = _timed(process_sink.close, phases, "insert")
 
     start = time.perf_counter()
     if kind == "synthetic":
@@ -151,8 +169,9 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int) -
         wal = db.with_name(db.name + ".wal")
         size = db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    writer_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {
-        "workload": kind,
+        "workload": kind + ("/rows here" if rows_here else ""),
         "conversations": len(workload.conversations),
         "turns": result.turns,
         "prompt_tokens": sum(t.prompt_tokens for c in workload.conversations for t in c.turns),
@@ -164,20 +183,22 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int) -
         "spans": result.spans,
         "file_mib": size / 2**20,
         "peak_rss_mib": peak_kib / 1024,
+        "writer_rss_mib": writer_kib / 1024 if not rows_here else 0.0,
     }
 
 
-def _child(kind: str, turns: int, weka_conversations: int | None, seed: int,
+def _child(kind: str, turns: int, weka_conversations: int | None, seed: int, rows_here: bool,
            queue: Any) -> None:
-    queue.put(_run_one(kind, turns, weka_conversations, seed))
+    queue.put(_run_one(kind, turns, weka_conversations, seed, rows_here))
 
 
 def _in_process(kind: str, turns: int, weka_conversations: int | None,
-                seed: int) -> dict[str, Any]:
+                seed: int, rows_here: bool = False) -> dict[str, Any]:
     """Run one measurement in a fresh process (spawned: no inherited heap in its peak RSS)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(kind, turns, weka_conversations, seed, queue))
+    proc = ctx.Process(target=_child,
+                       args=(kind, turns, weka_conversations, seed, rows_here, queue))
     proc.start()
     out: dict[str, Any] = queue.get()
     proc.join()
@@ -187,13 +208,14 @@ def _in_process(kind: str, turns: int, weka_conversations: int | None,
 def _print(rows: list[dict[str, Any]]) -> None:
     header = (f"{'workload':<10} {'turns':>7} {'build s':>8} {'simulate s':>10} "
               f"{'model+spans':>11} {'convert':>8} {'ins.wait':>8} {'turns/s':>8} {'us/turn':>8} "
-              f"{'spans':>8} {'file MiB':>8} {'peak RSS MiB':>12}")
+              f"{'spans':>8} {'file MiB':>8} {'peak RSS MiB':>12} {'writer RSS':>10}")
     print(header)
     for r in rows:
         print(f"{r['workload']:<10} {r['turns']:>7} {r['build_s']:>8.2f} {r['simulate_s']:>10.2f} "
               f"{r['model_spans_s']:>11.2f} {r['convert_s']:>8.2f} {r['insert_s']:>8.2f} "
               f"{r['turns'] / r['simulate_s']:>8.0f} {r['simulate_s'] / r['turns'] * 1e6:>8.0f} "
-              f"{r['spans']:>8} {r['file_mib']:>8.1f} {r['peak_rss_mib']:>12.0f}")
+              f"{r['spans']:>8} {r['file_mib']:>8.1f} {r['peak_rss_mib']:>12.0f} "
+              f"{r['writer_rss_mib']:>10.0f}")
 
 
 def main() -> None:
@@ -214,15 +236,20 @@ def main() -> None:
     every: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
     for kind in kinds:
-        runs = []
+        # The default (rows in the row writer process) and rows written in the simulating
+        # process, alternating per round.
+        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
         for round_no in range(args.rounds):
-            run = _in_process(kind, args.turns, args.weka_conversations, args.seed)
-            run["round"] = round_no
-            runs.append(run)
-            print(f"  {kind} round {round_no + 1}/{args.rounds}: "
-                  f"{run['simulate_s']:.2f} s simulate", flush=True)
-        every.extend(runs)
-        best.append(min(runs, key=lambda r: r["simulate_s"]))
+            for rows_here in (False, True):
+                run = _in_process(kind, args.turns, args.weka_conversations, args.seed,
+                                  rows_here)
+                run["round"] = round_no
+                runs[rows_here].append(run)
+                print(f"  {run['workload']} round {round_no + 1}/{args.rounds}: "
+                      f"{run['simulate_s']:.2f} s simulate", flush=True)
+        for mode_runs in runs.values():
+            every.extend(mode_runs)
+            best.append(min(mode_runs, key=lambda r: r["simulate_s"]))
     print(f"\nbest of {args.rounds} run(s) per workload (each in its own process):")
     _print(best)
     if args.json is not None:

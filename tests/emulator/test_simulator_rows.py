@@ -10,6 +10,7 @@ import pytest
 
 from kvscope import semconv
 from kvscope.collector.proxy.telemetry import ProxyTelemetry
+from kvscope.emulator import simulator
 from kvscope.emulator.simulator import (
     FAULT_CLOCK_SKEW,
     FAULT_HANDSHAKE,
@@ -44,7 +45,8 @@ def workload() -> Workload:
 
 
 def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: bool,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[SimulationResult, list[tuple[Any, ...]]]:
+         monkeypatch: pytest.MonkeyPatch, *, process: bool = False
+         ) -> tuple[SimulationResult, list[tuple[Any, ...]]]:
     """Simulate with deterministic span and trace ids; the stored rows in insertion order."""
     init = ProxyTelemetry.__init__
 
@@ -57,6 +59,8 @@ def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: boo
         random.seed(13)  # the engine tracers' RandomIdGenerator
         sim = Simulator(settings)
         sim._direct_rows = direct
+        # process: the direct rows go through the row writer process (any size of workload).
+        sim._process_rows_min_turns = 0 if process else 10**12
         result = sim.run(workload, db)
     reader = StoreReader.open(db)
     _, rows = reader.rows("SELECT * FROM otel_traces ORDER BY rowid")
@@ -82,7 +86,11 @@ def test_direct_rows_equal_sdk_span_rows(workload: Workload, tmp_path: Path,
     sdk, sdk_rows = _run(workload, tmp_path / "sdk.duckdb", settings, False, monkeypatch)
     direct, direct_rows = _run(workload, tmp_path / "direct.duckdb", settings, True,
                                monkeypatch)
+    process, process_rows = _run(workload, tmp_path / "process.duckdb", settings, True,
+                                 monkeypatch, process=True)
     assert sdk.spans == direct.spans == len(sdk_rows) == len(direct_rows)
+    assert process.spans == len(process_rows) == len(sdk_rows)
+    assert _normalised(process_rows, process.run_id) == _normalised(sdk_rows, sdk.run_id)
     assert [replace_run(t, sdk.run_id) for t in sdk.truth] == [
         replace_run(t, direct.run_id) for t in direct.truth]
     assert _normalised(direct_rows, direct.run_id) == _normalised(sdk_rows, sdk.run_id)
@@ -100,3 +108,20 @@ def test_direct_rows_equal_sdk_span_rows(workload: Workload, tmp_path: Path,
 
 def replace_run(row: Any, run_id: str) -> str:
     return repr(row).replace(run_id, "<run>")
+
+
+def test_without_a_row_writer_process_the_rows_are_written_here(
+        workload: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    settings = SimulationSettings(profile="tiny", seed=2)
+    expected, expected_rows = _run(workload, tmp_path / "here.duckdb", settings, True,
+                                   monkeypatch)
+
+    def no_process(db: object) -> None:
+        raise simulator._NoRowProcess("exit code 1")
+
+    monkeypatch.setattr(simulator, "_ProcessRowSink", no_process)
+    result, rows = _run(workload, tmp_path / "fallback.duckdb", settings, True, monkeypatch,
+                        process=True)
+    assert "row writer process did not start" in caplog.text
+    assert _normalised(rows, result.run_id) == _normalised(expected_rows, expected.run_id)
