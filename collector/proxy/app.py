@@ -42,8 +42,6 @@ from kvscope.collector.proxy.router import (
 from kvscope.collector.proxy.telemetry import (
     ProxyTelemetry,
     TurnRecord,
-    boundary_hashes,
-    boundary_roles,
 )
 from kvscope.errors import SettingError
 
@@ -310,8 +308,7 @@ class Proxy:
         model = body.get("model")
         record.model = model if isinstance(model, str) else None
         if self.telemetry.enabled:
-            record.boundary_hashes = boundary_hashes(body)
-            record.boundary_roles = boundary_roles(body)
+            self.telemetry.message_boundaries(record, body)
 
         lookup = self.router.lookup(conversation.value)
         record.lookup, record.lookup_age_s = lookup.result, lookup.age_s

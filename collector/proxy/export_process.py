@@ -5,7 +5,9 @@ OTLP) costs ~180 µs of CPU per turn. In the proxy's own process that work holds
 event loop needs, so under load every turn waits for it. :class:`TurnExportProcess` moves all
 of it to a child process: the event loop appends the finished :class:`TurnRecord` to a bounded
 deque (no lock, nothing built); a sender thread, every few milliseconds, flattens the queued
-records to tuples and writes them to a pipe as one pickled batch (~8 µs a turn); the child
+records to tuples (hashing their message boundaries first: see
+:meth:`ProxyTelemetry.message_boundaries`) and writes them to a pipe as one pickled batch
+(~8 µs a turn); the child
 rebuilds each record and runs the same :meth:`ProxyTelemetry.spans_for` and exporters the
 in-process path uses, so the stored spans are identical.
 
@@ -38,7 +40,7 @@ from typing import Any
 
 from kvscope import errors
 from kvscope.collector.proxy.router import ConversationId
-from kvscope.collector.proxy.telemetry import TurnRecord
+from kvscope.collector.proxy.telemetry import TurnRecord, boundary_hashes, boundary_roles
 from kvscope.errors import KvscopeError
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,8 @@ SEND_INTERVAL_S = 0.02
 MAX_QUEUED_RECORDS = 65536
 _READY_TIMEOUT_S = 120.0
 
-_FIELDS = tuple(f.name for f in fields(TurnRecord))
+# boundary_source stays behind: it is turned into boundary_hashes before sending.
+_FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "boundary_source")
 _CONVERSATION = _FIELDS.index("conversation")
 _values = operator.attrgetter(*_FIELDS)
 
@@ -217,6 +220,16 @@ class TurnExportProcess:
                 self._broken = True
 
     def _send(self, batch: list[TurnRecord]) -> None:
+        for record in batch:
+            source = record.boundary_source
+            if source is not None:
+                record.boundary_source = None
+                try:
+                    record.boundary_hashes = boundary_hashes(source)
+                    record.boundary_roles = boundary_roles(source)
+                except Exception:  # a body that does not hash: the turn keeps no boundaries
+                    logger.debug("kvscope proxy telemetry: message boundaries failed",
+                                 exc_info=True)
         if not self._broken:
             try:
                 payload = pickle.dumps([record_to_tuple(r) for r in batch],

@@ -40,7 +40,12 @@ def _turns(telemetry: ProxyTelemetry, n: int, *, seed: int = 7) -> list[TurnReco
         record.arrival_ns = base + i * 1_000_000
         telemetry.conversation_started(record, ConversationId(f"conv-{i % 3}", "body"))
         record.model, record.stream, record.lookup = "qwen", True, semconv.ROUTER_HIT
-        record.boundary_hashes, record.boundary_roles = "00aa,00bb,00cc", "sua"
+        # A large message too: hashlib drops the GIL above 2 KiB, on the sender thread.
+        telemetry.message_boundaries(record, {"messages": [
+            {"role": "system", "content": "s" * 5000},
+            {"role": "user", "content": f"task {i % 3}"},
+            {"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}]},
+        ]})
         record.prefill_start_ns, record.prefill_end_ns = record.arrival_ns + 10, base + 20
         record.prompt_tokens, record.cached_tokens = 1000 + i, 16
         if i % 4 == 3:
@@ -85,8 +90,11 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.remote_num_tokens, record.retention_blocks = 175, 11
     record.client_disconnected, record.error_leg = True, "prefill"
     record.error_kind, record.error_message, record.status_code = "x", "y", 502
+    record.boundary_hashes, record.boundary_roles = "00aa,00bb", "su"
+    record.boundary_source = None  # never sent: hashed into the two fields above first
     for f in fields(TurnRecord):  # a new field must be filled here too
-        assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
+        if f.name != "boundary_source":
+            assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
     assert record_from_tuple(record_to_tuple(record)) == record
 
 
@@ -111,6 +119,9 @@ def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path
     rows = _rows(process_db)
     assert len(rows) == expected
     assert rows == _rows(inproc_db)
+    hashes = {r[9].get(semconv.MESSAGE_BOUNDARY_HASHES) for r in rows
+              if r[0] == semconv.SPAN_TURN}
+    assert len(hashes) == 40 and None not in hashes  # hashed by the sender thread, per turn
 
 
 def test_close_exports_everything_submitted(tmp_path: Path) -> None:
