@@ -166,7 +166,8 @@ class TurnExportProcess:
             self._process.join(5)
             raise KvscopeError(
                 f"proxy telemetry: the export process exited at start (code "
-                f"{self._process.exitcode})"
+                f"{self._process.exitcode}; a script that starts it needs "
+                f"`if __name__ == '__main__':`)"
             ) from exc
         if status != "ready":
             self._process.join(5)
