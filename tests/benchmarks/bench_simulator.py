@@ -26,8 +26,11 @@ one block long), for the cache's per-block form, its run form forced on the same
 the per-block OrderedDict LRU it replaced, side by side (the run form on these sequences was
 the ~10x regression the per-block form fixes).
 
+With ``--split`` it also runs the workload with rows left out ("no rows": spans shaped, nothing
+kept) and with spans left out too ("model only": the reuse model and event loop alone).
+
 Run:  .venv/bin/python tests/benchmarks/bench_simulator.py [--turns 100000] [--rounds 2]
-      [--only synthetic|weka|cache] [--weka-conversations N]
+      [--only synthetic|weka|cache] [--weka-conversations N] [--split]
 Not a test: nothing here asserts a time.
 """
 
@@ -125,7 +128,7 @@ def _timed(fn: Any, bucket: dict[str, float], key: str) -> Any:
 
 
 def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
-             rows_here: bool) -> dict[str, Any]:
+             rows_here: bool, stub: str | None = None) -> dict[str, Any]:
     """Build one workload, simulate it into a fresh file, and return the measurements.
 
     ``rows_here``: append, convert and insert the rows in this process even when the workload
@@ -135,8 +138,10 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     from kvscope.emulator import simulator
     from kvscope.emulator.workloads import synthetic, weka
 
-    if rows_here:
+    if rows_here or stub:
         simulator.PROCESS_ROWS_MIN_TURNS = 2**62
+    if stub:
+        _stub_stages(simulator, stub)
     phases = {"convert": 0.0, "insert": 0.0}
     # Split the simulate time without touching the simulator: time rows -> Arrow conversion
     # (the direct row path's column batches; spans_to_rows too, should the SDK span path run)
@@ -171,7 +176,7 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     writer_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {
-        "workload": kind + ("/rows here" if rows_here else ""),
+        "workload": kind + (f"/{stub}" if stub else "/rows here" if rows_here else ""),
         "conversations": len(workload.conversations),
         "turns": result.turns,
         "prompt_tokens": sum(t.prompt_tokens for c in workload.conversations for t in c.turns),
@@ -187,18 +192,40 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     }
 
 
+def _stub_stages(simulator: Any, stub: str) -> None:
+    """Leave out the later stages to split the simulating process's time (``--split``).
+
+    "no rows": spans are shaped (``spans_for``, engine spans) but no row is kept or written;
+    "model only": not even shaped. What remains is the reuse model and the event loop.
+    """
+    from kvscope.collector.engine_telemetry import EngineTelemetry
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry
+
+    def appender(self: Any) -> Any:
+        def row(*args: Any) -> None:
+            self._pending += 1
+
+        return row
+
+    simulator._RowSink._appender = appender
+    simulator._RowSink.flush = lambda self: None
+    if stub == "model only":
+        ProxyTelemetry.spans_for = lambda self, record: []
+        EngineTelemetry.emit = lambda self, record: None
+
+
 def _child(kind: str, turns: int, weka_conversations: int | None, seed: int, rows_here: bool,
-           queue: Any) -> None:
-    queue.put(_run_one(kind, turns, weka_conversations, seed, rows_here))
+           stub: str | None, queue: Any) -> None:
+    queue.put(_run_one(kind, turns, weka_conversations, seed, rows_here, stub))
 
 
 def _in_process(kind: str, turns: int, weka_conversations: int | None,
-                seed: int, rows_here: bool = False) -> dict[str, Any]:
+                seed: int, rows_here: bool = False, stub: str | None = None) -> dict[str, Any]:
     """Run one measurement in a fresh process (spawned: no inherited heap in its peak RSS)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child,
-                       args=(kind, turns, weka_conversations, seed, rows_here, queue))
+                       args=(kind, turns, weka_conversations, seed, rows_here, stub, queue))
     proc.start()
     out: dict[str, Any] = queue.get()
     proc.join()
@@ -227,6 +254,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("synthetic", "weka", "cache"), default=None)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write every run here")
+    parser.add_argument("--split", action="store_true",
+                        help="also run with rows left out and with spans left out (one round "
+                        "each): the simulating process's time by stage")
     args = parser.parse_args()
 
     _bench_prefix_cache()
@@ -250,6 +280,12 @@ def main() -> None:
         for mode_runs in runs.values():
             every.extend(mode_runs)
             best.append(min(mode_runs, key=lambda r: r["simulate_s"]))
+        if args.split:
+            for stub in ("no rows", "model only"):
+                run = _in_process(kind, args.turns, args.weka_conversations, args.seed,
+                                  stub=stub)
+                every.append(run)
+                best.append(run)
     print(f"\nbest of {args.rounds} run(s) per workload (each in its own process):")
     _print(best)
     if args.json is not None:
