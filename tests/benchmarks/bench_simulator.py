@@ -135,22 +135,23 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     is large enough for the row writer process (the simulator's default from
     ``PROCESS_ROWS_MIN_TURNS`` turns).
     """
+    from kvscope.collector import span_rows
     from kvscope.emulator import simulator
     from kvscope.emulator.workloads import synthetic, weka
 
     if rows_here or stub:
         simulator.PROCESS_ROWS_MIN_TURNS = 2**62
     if stub:
-        _stub_stages(simulator, stub)
+        _stub_stages(stub)
     phases = {"convert": 0.0, "insert": 0.0}
     # Split the simulate time without touching the simulator: time rows -> Arrow conversion
     # (the direct row path's column batches; spans_to_rows too, should the SDK span path run)
     # and the main thread's waits for the writer thread's DuckDB inserts (which otherwise
     # overlap). Appending each span's row happens inside model+spans.
-    simulator.spans_to_rows = _timed(simulator.spans_to_rows, phases, "convert")
-    columns = simulator._Columns
+    span_rows.spans_to_rows = _timed(span_rows.spans_to_rows, phases, "convert")
+    columns = span_rows.Columns
     columns.to_arrow = _timed(columns.to_arrow, phases, "convert")
-    sink = simulator._RowSink
+    sink = span_rows.RowSink
     sink._wait = _timed(sink._wait, phases, "insert")
     # With the row writer process, this process only pickles and sends each batch ("convert":
     # blocked when the writer is behind) and waits for the writer at the end ("insert").
@@ -192,12 +193,13 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     }
 
 
-def _stub_stages(simulator: Any, stub: str) -> None:
+def _stub_stages(stub: str) -> None:
     """Leave out the later stages to split the simulating process's time (``--split``).
 
     "no rows": spans are shaped (``spans_for``, engine spans) but no row is kept or written;
     "model only": not even shaped. What remains is the reuse model and the event loop.
     """
+    from kvscope.collector import span_rows
     from kvscope.collector.engine_telemetry import EngineTelemetry
     from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
@@ -207,8 +209,8 @@ def _stub_stages(simulator: Any, stub: str) -> None:
 
         return row
 
-    simulator._RowSink._appender = appender
-    simulator._RowSink.flush = lambda self: None
+    span_rows.RowSink._appender = appender
+    span_rows.RowSink.flush = lambda self: None
     if stub == "model only":
         ProxyTelemetry.spans_for = lambda self, record: []
         EngineTelemetry.emit = lambda self, record: None
