@@ -55,7 +55,11 @@ class RowSink(SpanProcessor):
     dropped insert raises :class:`StoreError` at the next flush.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000, *,
+                 strict: bool = True, name: str = "kvscope-simulator-writer") -> None:
+        # strict: a lost batch raises StoreError at the next flush (a simulation must be
+        # whole); otherwise it is only counted in writer_stats (a long-running exporter).
+        self._strict = strict
         self._batch = batch
         self._spans: list[ReadableSpan] = []
         self._columns = Columns()
@@ -68,8 +72,8 @@ class RowSink(SpanProcessor):
         self._pending = 0
         self.written = 0
         # Its own cursor: closing the writer leaves the caller's connection open.
-        self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * batch,
-                                   name="kvscope-simulator-writer")
+        self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * batch, name=name)
+        self.writer_stats = self._writer.stats
 
     def on_end(self, span: ReadableSpan) -> None:
         self._spans.append(span)
@@ -151,7 +155,7 @@ class RowSink(SpanProcessor):
             self._spans = []
             self._columns.clear()
             self._wait()
-            if not self._writer.submit_traces(table):
+            if not self._writer.submit_traces(table) and self._strict:  # else counted there
                 raise StoreError(f"simulator: the store writer refused {table.num_rows} span rows")
             self.written += self._pending
             self._pending = 0
@@ -159,14 +163,24 @@ class RowSink(SpanProcessor):
                 # Reclaim this batch's few reference cycles (see cyclic_gc_per_batch).
                 gc.collect(1)
 
+    @property
+    def pending(self) -> int:
+        """Rows collected and not yet handed to the writer."""
+        return self._pending
+
     def _wait(self) -> None:
         self._writer.flush()
         stats = self._writer.stats
-        if stats.failed_rows or stats.dropped_rows:
+        if self._strict and (stats.failed_rows or stats.dropped_rows):
             raise StoreError(
                 f"simulator: writing spans failed ({stats.failed_rows} rows failed, "
                 f"{stats.dropped_rows} dropped); see the log for the database error"
             )
+
+    def sync(self) -> None:
+        """Write everything collected so far and wait until it is stored (the writer stays)."""
+        self.flush()
+        self._wait()
 
     def close(self) -> None:
         """Write everything collected, wait for it, and stop the writer thread."""

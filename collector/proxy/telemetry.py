@@ -400,6 +400,7 @@ class ProxyTelemetry:
         router_ttl_s: float | None = None,
         max_conversations: int = MAX_TRACKED_CONVERSATIONS,
         export_process: TurnExportProcess | None = None,
+        service_name: str = semconv.SERVICE_PROXY,
     ) -> None:
         if telemetry is not None and export_process is not None:
             raise ValueError("ProxyTelemetry takes telemetry or export_process, not both")
@@ -419,7 +420,7 @@ class ProxyTelemetry:
         self._resource = (
             telemetry.tracer_provider.resource
             if telemetry is not None
-            else Resource.create({"service.name": semconv.SERVICE_PROXY})
+            else Resource.create({"service.name": service_name})
         )
 
     # -- request path ------------------------------------------------------------------------------

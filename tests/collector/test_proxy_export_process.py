@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -199,3 +200,24 @@ def test_turns_finishing_after_close_are_dropped_and_counted(tmp_path: Path) -> 
     assert process.stats.dropped_records == 6
     assert telemetry.dropped_spans() == sum(map(span_count, records[4:]))
     assert len(_rows(db)) == sum(map(span_count, records[:4]))
+
+
+def test_an_unreachable_otlp_endpoint_costs_counted_spans_only() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from upstream_stub import free_port
+
+    process = TurnExportProcess(semconv.SERVICE_PROXY,
+                                otlp_endpoint=f"http://127.0.0.1:{free_port()}")
+    telemetry = ProxyTelemetry(None, export_process=process)
+    try:
+        records = _turns(telemetry, 12)
+        for record in records:
+            telemetry.finish_turn(record)
+        telemetry.flush(60)  # the exporter gives up on the dead endpoint
+        deadline = time.monotonic() + 60
+        while telemetry.dropped_spans() < sum(map(span_count, records)):
+            assert time.monotonic() < deadline, telemetry.telemetry_counts()
+            time.sleep(0.05)
+        assert telemetry.telemetry_counts()["exported_spans"] == 0
+    finally:
+        telemetry.shutdown()
