@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import resource
 import sys
 import tempfile
 import time
@@ -171,13 +172,14 @@ async def _health(url: str) -> dict[str, Any]:
 
 
 # --- in-process CPU cost of a turn's telemetry -------------------------------------------------
-def telemetry_cost_us(db: str, process: bool, turns: int = 5000) -> tuple[float, float]:
+def telemetry_cost_us(db: str, process: bool, turns: int = 5000
+                      ) -> tuple[float, float, float]:
     """CPU µs per turn: on the calling (event-loop) thread, and in the whole proxy process.
 
     The first is begin_turn + record fill + finish_turn; the second adds the proxy process's
     other threads, measured after a flush: in-process, the exporter thread's conversion to rows
     and the DuckDB insert; with the export process, only the sender thread (records → pickled
-    batch → pipe), the export process's own CPU not counted.
+    batch → pipe). The third is the export process's own CPU, 0 in-process.
     """
     from kvscope.collector.proxy.router import ConversationId
 
@@ -204,8 +206,12 @@ def telemetry_cost_us(db: str, process: bool, turns: int = 5000) -> tuple[float,
         loop_cpu += time.thread_time() - t0
     assert telemetry.flush(60)
     process_cpu = time.process_time() - process_start
-    telemetry.shutdown()
-    return loop_cpu / turns * 1e6, process_cpu / turns * 1e6
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    telemetry.shutdown()  # joins the export process: its CPU is now in RUSAGE_CHILDREN
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child_cpu = (children.ru_utime + children.ru_stime
+                 - children_before.ru_utime - children_before.ru_stime)
+    return loop_cpu / turns * 1e6, process_cpu / turns * 1e6, child_cpu / turns * 1e6
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -279,11 +285,15 @@ def main() -> int:
             proc.terminate()
         for proc in procs:
             proc.join(5)
-    loop_us, process_us = telemetry_cost_us(str(tmp / "cost-process.duckdb"), True)
+    loop_us, process_us, child_us = telemetry_cost_us(str(tmp / "cost-process.duckdb"), True)
+    # The export process's start-up and shutdown alone (no turn), taken off its per-turn CPU.
+    _, _, idle_us = telemetry_cost_us(str(tmp / "cost-idle.duckdb"), True, turns=1)
+    child_us -= idle_us / 5000
     print(f"telemetry CPU per turn in the proxy's process, export process, mean of 5000 turns: "
           f"{loop_us:.1f} us on the event loop thread (record -> queue); {process_us:.1f} us "
-          f"in the whole process (+ sender thread: tuples, pickle, pipe)")
-    loop_us, process_us = telemetry_cost_us(str(tmp / "cost-inproc.duckdb"), False)
+          f"in the whole process (+ sender thread: tuples, pickle, pipe); {child_us:.1f} us in "
+          f"the export process (spans -> rows -> DuckDB, start-up taken off)")
+    loop_us, process_us, _ = telemetry_cost_us(str(tmp / "cost-inproc.duckdb"), False)
     print(f"telemetry CPU per turn in the proxy's process, in-process, mean of 5000 turns: "
           f"{loop_us:.1f} us on the event loop thread (record -> 4 spans -> queue); "
           f"{process_us:.1f} us in the whole process (+ exporter thread: rows, Arrow, DuckDB)")
