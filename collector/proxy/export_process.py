@@ -60,8 +60,8 @@ _CONVERSATION = _FIELDS.index("conversation")
 _values = operator.attrgetter(*_FIELDS)
 
 # Slots of the shared counter array the child publishes.
-(_RECEIVED, _BUILT, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
- _FLUSHED) = range(9)
+(_RECEIVED, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
+ _FLUSHED) = range(8)
 # Control messages on the pipe (record batches are pickles, which never start with these).
 _END = b""
 _FLUSH = b"F"
@@ -132,7 +132,7 @@ class TurnExportProcess:
         nice: int = CHILD_NICE,
     ) -> None:
         ctx = mp.get_context("spawn")  # fork would copy the parent's threads' locks
-        self._counters = ctx.Array("q", 9, lock=False)
+        self._counters = ctx.Array("q", 8, lock=False)
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self._conn: Connection = parent_conn
         self._process = ctx.Process(
@@ -427,7 +427,6 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
                         warned = True
                         logger.exception("kvscope proxy telemetry: building a turn's spans "
                                          "failed (further failures are counted)")
-            counters[_BUILT] = built
             export.tick()
             export.publish(counters, built)
     finally:
