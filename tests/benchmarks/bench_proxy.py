@@ -258,10 +258,17 @@ def main() -> int:
         print(header)
         for concurrency in args.concurrency:
             results = {mode: Sample() for mode in MODES}
+            # Per round, each telemetry mode's p50 turn minus proxy-off's p50 turn in the same
+            # round: drift between rounds cancels in these paired differences.
+            paired: dict[str, list[float]] = {"proxy-on": [], "in-process": []}
             for _ in range(args.rounds):
+                round_p50 = {}
                 for mode in MODES:
-                    results[mode].extend(asyncio.run(
-                        _measure(mode, urls, concurrency, args.seconds)))
+                    sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
+                    round_p50[mode] = _pct(sample.turn_s, .5)
+                    results[mode].extend(sample)
+                for mode, diffs in paired.items():
+                    diffs.append((round_p50[mode] - round_p50["proxy-off"]) * 1e3)
             for mode in MODES:
                 s = results[mode]
                 print(f"{concurrency:>4} {mode:<10} {len(s.turn_s) / s.wall_s:>8.0f} "
@@ -273,8 +280,11 @@ def main() -> int:
                 tel_turn = (_pct(on.turn_s, .5) - _pct(off.turn_s, .5)) * 1e3
                 tel_ttft = (_pct(on.ttft_s, .5) - _pct(off.ttft_s, .5)) * 1e3
                 thr = (len(on.turn_s) / on.wall_s) / (len(off.turn_s) / off.wall_s)
+                diffs = sorted(paired[mode])
                 print(f"{concurrency:>4} telemetry ({mode}) adds p50 turn {tel_turn:+.2f} ms, "
-                      f"p50 TTFT {tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x")
+                      f"p50 TTFT {tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x; per round "
+                      f"(paired with proxy-off) median {_pct(diffs, .5):+.2f} ms, range "
+                      f"{diffs[0]:+.2f} .. {diffs[-1]:+.2f} ms")
             proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
             print(f"{concurrency:>4} proxy (off) adds p50 turn {proxy_turn:+.2f} ms vs direct")
         for mode in ("proxy-on", "in-process"):
