@@ -153,6 +153,7 @@ class TurnExportProcess:
         self._cond = threading.Condition()
         self._closed = False
         self._broken = False
+        self._drop_lock = threading.Lock()
         self._flushes_requested = 0
         self._flushes_sent = 0
         self._thread = threading.Thread(target=self._send_loop, name="kvscope-proxy-sender",
@@ -187,8 +188,7 @@ class TurnExportProcess:
         """Queue a finished turn's record; drop and count it when the queue is full."""
         queue = self._queue
         if self._closed or self._broken or len(queue) >= self._max_queue:
-            self.stats.dropped_records += 1
-            self.stats.dropped_spans += span_count(record)
+            self._dropped([record])
             return
         queue.append(record)  # atomic under the GIL; the record is not touched after this
         self.stats.submitted += 1
@@ -249,8 +249,14 @@ class TurnExportProcess:
                              self._process.exitcode)
             except Exception:  # a record that does not pickle: count, never raise
                 logger.exception("kvscope proxy telemetry: could not send a batch")
-        self.stats.dropped_records += len(batch)
-        self.stats.dropped_spans += sum(span_count(r) for r in batch)
+        self._dropped(batch)
+
+    def _dropped(self, records: list[TurnRecord]) -> None:
+        # Both the event loop and the sender thread drop: count under a lock (a rare path).
+        spans = sum(span_count(r) for r in records)
+        with self._drop_lock:
+            self.stats.dropped_records += len(records)
+            self.stats.dropped_spans += spans
 
     # --- counters and shutdown ----------------------------------------------------------------
     def counts(self) -> dict[str, int]:
