@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import multiprocessing as mp
 import pickle
 import random
 import signal
@@ -37,6 +36,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 
 from kvscope import semconv
+from kvscope.child import ChildStartError, report_error, report_ready, start_child, stop_child
 from kvscope.collector.engine_telemetry import (
     EngineTelemetry,
     KvRetentionRecord,
@@ -184,13 +184,6 @@ class SimulationResult:
     virtual_seconds: float
 
 
-class _NoRowProcess(Exception):
-    """The row writer process did not start (the caller then writes rows in-process)."""
-
-
-_ROW_PROCESS_START_S = 120.0
-
-
 class _ProcessRowSink(SpanProcessor):
     """The direct path's rows, appended, converted and inserted by a child process.
 
@@ -203,22 +196,9 @@ class _ProcessRowSink(SpanProcessor):
     """
 
     def __init__(self, db: str | Path, batch: int = 20_000) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_row_writer_main, args=(child, str(db), batch),
-                                    name="kvscope-simulator-rows", daemon=True)
-        self._process.start()
-        child.close()
-        try:  # the child reports once it has the store open
-            if not self._conn.poll(_ROW_PROCESS_START_S):
-                raise EOFError
-            status, detail = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self.abort()
-            raise _NoRowProcess(f"exit code {self._process.exitcode}") from exc
-        if status != "ready":
-            self.abort()
-            raise StoreError(str(detail))
+        # Returns once the child has the store open (ChildStartError: it never ran).
+        self._process, self._conn = start_child(_row_writer_main, (str(db), batch),
+                                                name="kvscope-simulator-rows")
         self._batch = batch
         self._pieces: list[tuple[Any, ...]] = []
         self.written = 0
@@ -252,7 +232,7 @@ class _ProcessRowSink(SpanProcessor):
             if self._conn.poll(0):
                 status, detail = self._conn.recv()
                 if status == "error":
-                    return str(detail)
+                    return ": ".join(detail)
         except (EOFError, OSError):
             pass
         return None
@@ -269,14 +249,11 @@ class _ProcessRowSink(SpanProcessor):
         finally:
             self._process.join(60)
         if status != "ok":
-            raise StoreError(str(detail))
+            raise StoreError("simulator: the row writer failed: " + ": ".join(detail))
 
     def abort(self) -> None:
         """Stop the child without waiting for what it still has (idempotent)."""
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(10)
-        self._conn.close()
+        stop_child(self._process, self._conn)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         self.flush()
@@ -288,7 +265,7 @@ def _row_writer_main(conn: Connection, db: str, batch: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it in order
     try:
         con = open_store(db)
-        conn.send(("ready", None))
+        report_ready(conn)
         try:
             sink = RowSink(con, batch)
             try:
@@ -302,8 +279,8 @@ def _row_writer_main(conn: Connection, db: str, batch: int) -> None:
                 sink.abort()
         finally:
             con.close()
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except Exception as exc:  # before ready: the parent raises it; after: at close
+        report_error(conn, exc)
         return
     conn.send(("ok", None))
 
@@ -417,11 +394,8 @@ class Simulator:
         process_sink: _ProcessRowSink | None
         try:
             process_sink = _ProcessRowSink(db)
-        except _NoRowProcess as exc:
-            logger.warning(
-                "simulator: the row writer process did not start (%s; a script that starts "
-                "processes needs `if __name__ == '__main__':`); writing rows in this process",
-                exc)
+        except ChildStartError as exc:
+            logger.warning("simulator: %s; writing rows in this process", exc)
             process_sink = None
         if process_sink is not None:
             result = self._simulate_into(process_sink, workload, run_id, epoch_ns)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvscope import errors
+from kvscope.child import report_error, report_ready, start_child
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import TurnRecord, boundary_hashes, boundary_roles
 from kvscope.errors import KvscopeError
@@ -52,7 +52,6 @@ CHILD_NICE = 10
 # How often the sender thread ships what is queued (a half-full queue ships at once).
 SEND_INTERVAL_S = 0.02
 MAX_QUEUED_RECORDS = 65536
-_READY_TIMEOUT_S = 120.0
 
 # boundary_source stays behind: it is turned into boundary_hashes before sending.
 _FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "boundary_source")
@@ -116,8 +115,9 @@ class TurnExportProcess:
     ``service_name``, ``db`` / ``otlp_endpoint`` and ``router_ttl_s`` are what
     :func:`~kvscope.collector.otel.setup_telemetry` and
     :class:`~kvscope.collector.proxy.telemetry.ProxyTelemetry` take in-process. The constructor
-    returns once the child has opened its destination, and raises :class:`KvscopeError` with the
-    child's reason when it cannot (a locked store file, a bad endpoint).
+    returns once the child has opened its destination, and raises the child's error when it
+    cannot (a locked store file: ``StoreLockedError``), or
+    :class:`~kvscope.child.ChildStartError` when the child did not start.
     """
 
     def __init__(
@@ -131,20 +131,11 @@ class TurnExportProcess:
         send_interval_s: float = SEND_INTERVAL_S,
         nice: int = CHILD_NICE,
     ) -> None:
-        ctx = mp.get_context("spawn")  # fork would copy the parent's threads' locks
-        self._counters = ctx.Array("q", 8, lock=False)
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self._conn: Connection = parent_conn
-        self._process = ctx.Process(
-            target=_child_main,
-            args=(child_conn, service_name, db, otlp_endpoint, router_ttl_s, nice,
-                  self._counters),
+        self._counters = mp.get_context("spawn").Array("q", 8, lock=False)
+        self._process, self._conn = start_child(
+            _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters),
             name="kvscope-proxy-telemetry",
-            daemon=True,
         )
-        self._process.start()
-        child_conn.close()
-        self._await_ready()
         self.stats = ExportProcessStats()
         self._queue: deque[TurnRecord] = deque()
         self._max_queue = max_queue
@@ -160,28 +151,6 @@ class TurnExportProcess:
                                         daemon=True)
         self._thread.start()
         atexit.register(self.close)
-
-    def _await_ready(self) -> None:
-        try:
-            if not self._conn.poll(_READY_TIMEOUT_S):
-                raise KvscopeError("proxy telemetry: the export process did not start in "
-                                   f"{_READY_TIMEOUT_S:.0f} s")
-            status, detail = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self._process.join(5)
-            raise KvscopeError(
-                f"proxy telemetry: the export process exited at start (code "
-                f"{self._process.exitcode}; a script that starts it needs "
-                f"`if __name__ == '__main__':`)"
-            ) from exc
-        if status != "ready":
-            self._process.join(5)
-            name, message = detail
-            # The child's kvscope error, as the in-process set-up would have raised it.
-            cls = getattr(errors, name, None)
-            if isinstance(cls, type) and issubclass(cls, KvscopeError):
-                raise cls(message)
-            raise KvscopeError(f"proxy telemetry: {name}: {message}")
 
     # --- the event loop's side ----------------------------------------------------------------
     def submit(self, record: TurnRecord) -> None:
@@ -401,9 +370,9 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
         else:
             raise KvscopeError("proxy telemetry needs --db FILE or --otlp-endpoint URL")
     except Exception as exc:  # the parent raises it again (same class when kvscope's)
-        conn.send(("error", (type(exc).__name__, str(exc))))
+        report_error(conn, exc)
         return
-    conn.send(("ready", None))
+    report_ready(conn)
     built = 0
     warned = False
     try:

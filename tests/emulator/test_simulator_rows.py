@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvscope import semconv
+from kvscope.child import ChildStartError
 from kvscope.collector.proxy.telemetry import ProxyTelemetry
 from kvscope.emulator import simulator
 from kvscope.emulator.simulator import (
@@ -118,10 +119,10 @@ def test_without_a_row_writer_process_the_rows_are_written_here(
                                    monkeypatch)
 
     def no_process(db: object) -> None:
-        raise simulator._NoRowProcess("exit code 1")
+        raise ChildStartError("kvscope-simulator-rows exited at start (code 1)")
 
     monkeypatch.setattr(simulator, "_ProcessRowSink", no_process)
     result, rows = _run(workload, tmp_path / "fallback.duckdb", settings, True, monkeypatch,
                         process=True)
-    assert "row writer process did not start" in caplog.text
+    assert "kvscope-simulator-rows exited at start" in caplog.text
     assert _normalised(rows, result.run_id) == _normalised(expected_rows, expected.run_id)

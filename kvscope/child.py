@@ -1,0 +1,85 @@
+"""Helper processes that report back: start, "ready" handshake, errors raised in the parent.
+
+The proxy's export process and the simulator's row writer both run a function in a spawned
+child connected by a duplex pipe, and both must know before going on whether the child got its
+destination open. :func:`start_child` spawns ``target(conn, *args)`` and waits until the child
+calls :func:`report_ready` or :func:`report_error`; :func:`raise_reported` re-raises a reported
+error in the parent as the child's own kvscope error class (``StoreLockedError`` stays
+``StoreLockedError``), anything else as :class:`KvscopeError`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn
+
+from kvscope import errors
+from kvscope.errors import KvscopeError
+
+READY_TIMEOUT_S = 120.0
+
+
+class ChildStartError(KvscopeError):
+    """The child exited or stayed silent before reporting (it never got to run its target)."""
+
+
+def start_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str,
+                timeout_s: float = READY_TIMEOUT_S) -> tuple[BaseProcess, Connection]:
+    """Spawn ``target(conn, *args)`` and return once it reported ready.
+
+    Raises :class:`ChildStartError` when the child exits or stays silent first (under spawn, a
+    calling script without an ``if __name__ == "__main__":`` guard ends that way), and the
+    child's reported error otherwise; the child is stopped in both cases.
+    """
+    ctx = mp.get_context("spawn")  # fork would copy the parent's threads' locks
+    conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=True)
+    process.start()
+    child_conn.close()
+    try:
+        if not conn.poll(timeout_s):
+            raise ChildStartError(f"{name}: no answer in {timeout_s:.0f} s")
+        status, detail = conn.recv()
+    except (EOFError, OSError) as exc:
+        stop_child(process, conn)
+        raise ChildStartError(
+            f"{name} exited at start (code {process.exitcode}; a script that starts it needs "
+            f"`if __name__ == '__main__':`)"
+        ) from exc
+    except ChildStartError:
+        stop_child(process, conn)
+        raise
+    if status != "ready":
+        stop_child(process, conn)
+        raise_reported(detail, name)
+    return process, conn
+
+
+def stop_child(process: BaseProcess, conn: Connection) -> None:
+    """Terminate the child if it still runs, and close the pipe (idempotent)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(10)
+    conn.close()
+
+
+def report_ready(conn: Connection) -> None:
+    """In the child: the destination is open, the parent may go on."""
+    conn.send(("ready", None))
+
+
+def report_error(conn: Connection, exc: BaseException) -> None:
+    """In the child: say what failed, for :func:`raise_reported` in the parent."""
+    conn.send(("error", (type(exc).__name__, str(exc))))
+
+
+def raise_reported(detail: tuple[str, str], where: str) -> NoReturn:
+    """Raise a child's reported error in the parent (same class when it is kvscope's)."""
+    name, message = detail
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, KvscopeError):
+        raise cls(message)
+    raise KvscopeError(f"{where}: {name}: {message}")
