@@ -29,6 +29,11 @@ from kvscope.store.schema import (
 
 _LOCK_MARKERS = ("Could not set lock", "Conflicting lock", "lock on file")
 _NOT_DUCKDB_MARKERS = ("not a valid DuckDB database", "database file", "Invalid Input Error")
+# How much write-ahead log a writer collects before DuckDB checkpoints it into the file. At
+# DuckDB's default (16 MiB) a bulk span load checkpoints every ~40k spans and each checkpoint
+# grows dearer as the table does: 800k spans took 17.7 s to insert in 20k-row batches, against
+# 8.7-9.1 s at 64 MiB (checkpoints every ~100k spans at a steady ~0.3 s). The log stays bounded.
+WAL_CHECKPOINT_THRESHOLD = "64MiB"
 
 
 def _connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
@@ -109,6 +114,7 @@ def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     con = _connect(path, read_only=False)
     try:
+        con.execute(f"SET checkpoint_threshold = '{WAL_CHECKPOINT_THRESHOLD}'")
         version = schema_version(con, path)
         if version is None:
             _initialise(con)
