@@ -149,8 +149,7 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     # and the main thread's waits for the writer thread's DuckDB inserts (which otherwise
     # overlap). Appending each span's row happens inside model+spans.
     span_rows.spans_to_rows = _timed(span_rows.spans_to_rows, phases, "convert")
-    columns = span_rows.Columns
-    columns.to_arrow = _timed(columns.to_arrow, phases, "convert")
+    span_rows.rows_to_arrow = _timed(span_rows.rows_to_arrow, phases, "convert")
     sink = span_rows.RowSink
     sink._wait = _timed(sink._wait, phases, "insert")
     # With the row writer process, this process only pickles and sends each batch ("convert":
@@ -205,7 +204,7 @@ def _stub_stages(stub: str) -> None:
 
     def appender(self: Any) -> Any:
         def row(*args: Any) -> None:
-            self._pending += 1
+            pass
 
         return row
 
