@@ -26,23 +26,26 @@ import logging
 import pickle
 import random
 import signal
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.connection import Connection
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import TracerProvider
 
 from kvscope import semconv
 from kvscope.child import ChildStartError, report_error, report_ready, start_child, stop_child
 from kvscope.collector.engine_telemetry import (
+    EngineRecord,
     EngineTelemetry,
     KvRetentionRecord,
     KvTransferRecord,
     ReuseDecisionRecord,
 )
+from kvscope.collector.proxy.export_process import record_from_tuple, record_to_tuple
 from kvscope.collector.proxy.router import (
     ConversationId,
     ConversationRouter,
@@ -184,48 +187,117 @@ class SimulationResult:
     virtual_seconds: float
 
 
-class _ProcessRowSink(SpanProcessor):
-    """The direct path's rows, appended, converted and inserted by a child process.
+class _Emitter(Protocol):
+    """What the simulation emits engine records to: an :class:`EngineTelemetry` (in this
+    process) or a :class:`_SpanProcess` stand-in that ships them."""
 
-    ``row`` only keeps its (plain) arguments; every ``batch`` rows they go to the child as one
-    pickled list (~2.3 µs a span here, against ~11 µs to append the row, build Arrow and write
-    Parquet in this process). The child runs an ordinary :class:`RowSink` on its own connection
-    to the store, so the simulation and the rows' conversion and insert use both cores without
-    sharing a GIL. The store file must not be open elsewhere for writing meanwhile. Errors in
-    the child are raised here as :class:`StoreError` at :meth:`close`.
+    def emit(self, record: EngineRecord) -> None: ...
+
+
+# Engine records travel to the span process as (engine index, type index, field values).
+_ENGINE_RECORDS: tuple[type[EngineRecord], ...] = (
+    ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
+_RECORD_VALUES = {
+    cls: (code, attrgetter(*(f.name for f in fields(cls))))
+    for code, cls in enumerate(_ENGINE_RECORDS)
+}
+_TURN = -1  # the engine index of a proxy TurnRecord
+
+
+@dataclass(frozen=True)
+class _TelemetrySpec:
+    """Everything the spans of a run are built from, besides the records: the proxy's and each
+    engine's resource (attributes as created here, so a span process stores the same) and
+    (engine id, role), and the id streams (``random`` states) to draw span ids from."""
+
+    router_ttl_s: float
+    proxy_resource: Mapping[str, Any]
+    engines: tuple[tuple[Mapping[str, Any], str, str], ...]
+    proxy_random: Any = None
+    engine_random: Any = None
+
+
+def _telemetry(sink: RowSink, spec: _TelemetrySpec, direct: bool
+               ) -> tuple[Callable[[TurnRecord], Any], list[EngineTelemetry]]:
+    """The proxy's span builder and each engine's telemetry, writing into ``sink``.
+
+    ``direct``: rows straight from the builders' pieces (no ReadableSpan, no spans_to_rows);
+    otherwise SDK spans, which tests compare the direct rows with.
+    """
+    proxy = ProxyTelemetry(None, router_ttl_s=spec.router_ttl_s)
+    proxy._resource = Resource(dict(spec.proxy_resource))
+    if spec.proxy_random is not None:
+        proxy._rand.setstate(spec.proxy_random)
+    engines = []
+    for attributes, engine_id, role in spec.engines:
+        provider = TracerProvider(resource=Resource(dict(attributes)))
+        provider.add_span_processor(sink)
+        tel = EngineTelemetry(provider.get_tracer(semconv.SCOPE_NAME), engine_id=engine_id,
+                              role=role, background=False)
+        if direct and not EngineRows.attach(tel, sink):
+            raise RuntimeError("simulator: an engine tracer needs the SDK span path")
+        engines.append(tel)
+    if direct:
+        # Rows straight from the span builders' pieces: no ReadableSpan, no spans_to_rows.
+        proxy_rows(proxy, sink)
+        return proxy.spans_for, engines
+
+    def spans_for(record: TurnRecord) -> None:
+        sink.add(proxy.spans_for(record))
+
+    return spans_for, engines
+
+
+class _SpanProcess:
+    """The run's spans built, converted and inserted by a child process, from its records.
+
+    The simulating process only runs the model: each finished turn's :class:`TurnRecord` and
+    each engine record go to the child as plain tuples, in batches of ``batch`` (one pickle
+    each). The child rebuilds them and runs the same builders the in-process path runs
+    (:func:`_telemetry`: ``ProxyTelemetry.spans_for``, ``EngineTelemetry.emit``, direct rows)
+    into a :class:`RowSink` on its own connection. It continues the id streams of ``spec``,
+    so its rows are those the in-process path stores. The store file must not be open
+    elsewhere for writing meanwhile. The child's errors are raised here as
+    :class:`StoreError` when sending or at :meth:`close`; ``written`` is known after close.
     """
 
-    def __init__(self, db: str | Path, batch: int = 20_000) -> None:
+    def __init__(self, db: str | Path, spec: _TelemetrySpec, batch: int = 8192) -> None:
         # Returns once the child has the store open (ChildStartError: it never ran).
-        self._process, self._conn = start_child(_row_writer_main, (str(db), batch),
-                                                name="kvscope-simulator-rows")
+        self._process, self._conn = start_child(_span_process_main, (str(db), spec),
+                                                name="kvscope-simulator-spans")
+        self._items: list[tuple[int, int, tuple[Any, ...]]] = []
         self._batch = batch
-        self._pieces: list[tuple[Any, ...]] = []
         self.written = 0
-        pieces = self._pieces
 
-        def row(*args: Any) -> None:
-            pieces.append(args)
-            if len(pieces) >= batch:
-                self.flush()
+    def turn(self, record: TurnRecord) -> None:
+        """Ship a finished turn's record (the child runs ``ProxyTelemetry.spans_for``)."""
+        self._items.append((_TURN, 0, record_to_tuple(record)))
+        if len(self._items) >= self._batch:
+            self.flush()
 
-        self.row = row
+    def engine(self, index: int) -> _Emitter:
+        """The stand-in for engine ``index``'s telemetry: its ``emit`` ships the record."""
+        items, batch, flush, values = self._items, self._batch, self.flush, _RECORD_VALUES
 
-    def on_end(self, span: ReadableSpan) -> None:
-        raise RuntimeError("simulator: _ProcessRowSink takes direct rows only")
+        class _Ship:
+            __slots__ = ()
 
-    def add(self, spans: list[ReadableSpan]) -> None:
-        raise RuntimeError("simulator: _ProcessRowSink takes direct rows only")
+            def emit(self, record: EngineRecord) -> None:
+                code, getter = values[type(record)]
+                items.append((index, code, getter(record)))
+                if len(items) >= batch:
+                    flush()
+
+        return _Ship()
 
     def flush(self) -> None:
-        if self._pieces:
+        if self._items:
             try:
-                self._conn.send_bytes(pickle.dumps(self._pieces, protocol=pickle.HIGHEST_PROTOCOL))
+                self._conn.send_bytes(pickle.dumps(self._items, protocol=pickle.HIGHEST_PROTOCOL))
             except (OSError, ValueError) as exc:
-                raise StoreError(self._child_error() or "simulator: the row writer process "
+                raise StoreError(self._child_error() or "simulator: the span process "
                                  "is gone") from exc
-            self.written += len(self._pieces)
-            self._pieces.clear()
+            self._items.clear()
 
     def _child_error(self) -> str | None:
         try:
@@ -238,43 +310,48 @@ class _ProcessRowSink(SpanProcessor):
         return None
 
     def close(self) -> None:
-        """Ship what is left, let the child write it, and raise its error if it had one."""
+        """Ship what is left, let the child store it, and raise its error if it had one."""
         self.flush()
         try:
             self._conn.send_bytes(b"")
             status, detail = self._conn.recv()
         except (EOFError, OSError) as exc:
-            raise StoreError(f"simulator: the row writer process exited (code "
+            raise StoreError(f"simulator: the span process exited (code "
                              f"{self._process.exitcode})") from exc
         finally:
             self._process.join(60)
         if status != "ok":
-            raise StoreError("simulator: the row writer failed: " + ": ".join(detail))
+            raise StoreError("simulator: the span process failed: " + ": ".join(detail))
+        self.written = detail
 
     def abort(self) -> None:
         """Stop the child without waiting for what it still has (idempotent)."""
         stop_child(self._process, self._conn)
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self.flush()
-        return True
 
-
-def _row_writer_main(conn: Connection, db: str, batch: int) -> None:
-    """The row writer process: rows → Arrow → store until the end marker, then report."""
+def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
+    """The span process: records → spans → rows → store until the end marker, then report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it in order
+    if spec.engine_random is not None:
+        random.setstate(spec.engine_random)  # the engine tracers' RandomIdGenerator
     try:
         con = open_store(db)
         report_ready(conn)
         try:
-            sink = RowSink(con, batch)
+            sink = RowSink(con)
             try:
-                row = sink.row
+                spans_for, engines = _telemetry(sink, spec, direct=True)
+                emits = [tel.emit for tel in engines]
+                classes = _ENGINE_RECORDS
                 with cyclic_gc_per_batch():
                     while data := conn.recv_bytes():
-                        for args in pickle.loads(data):
-                            row(*args)
+                        for index, code, values in pickle.loads(data):
+                            if index == _TURN:
+                                spans_for(record_from_tuple(values))
+                            else:
+                                emits[index](classes[code](*values))
                 sink.close()
+                written = sink.written
             finally:
                 sink.abort()
         finally:
@@ -282,20 +359,11 @@ def _row_writer_main(conn: Connection, db: str, batch: int) -> None:
     except Exception as exc:  # before ready: the parent raises it; after: at close
         report_error(conn, exc)
         return
-    conn.send(("ok", None))
+    conn.send(("ok", written))
 
 
-# Where the simulator's spans go: rows in this process, or in a row writer process.
-_AnySink: TypeAlias = "RowSink | _ProcessRowSink"
-
-def _engine(sink: _AnySink, service: str, run_id: str, engine_id: str, role: str
-            ) -> EngineTelemetry:
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": service, semconv.RUN_ID: run_id})
-    )
-    provider.add_span_processor(sink)
-    return EngineTelemetry(provider.get_tracer(semconv.SCOPE_NAME), engine_id=engine_id,
-                           role=role, background=False)
+# Where the simulator's spans go: built here into a RowSink, or in a span process.
+_AnySink: TypeAlias = "RowSink | _SpanProcess"
 
 
 @dataclass
@@ -361,7 +429,7 @@ class Simulator:
         # Write rows directly (the fast path); False builds SDK spans and converts them, which
         # tests compare the direct rows with.
         self._direct_rows = True
-        # Workloads this large have their direct rows written by a child process (starting
+        # Workloads this large have their spans built and written by a child process (starting
         # one costs ~1 s; a smaller run is done sooner in this one).
         self._process_rows_min_turns = PROCESS_ROWS_MIN_TURNS
 
@@ -385,67 +453,84 @@ class Simulator:
             run_id = begin_run(con, self.settings.label, run_settings)
             if not self._direct_rows or turns < self._process_rows_min_turns:
                 sink: _AnySink = RowSink(con)
-                result = self._simulate_into(sink, workload, run_id, epoch_ns)
+                result = self._simulate_into(sink, workload, run_id, epoch_ns,
+                                             self._telemetry_spec(run_id, ids=False))
                 end_run(con, run_id)
                 return result
         finally:
             con.close()
-        # The direct path: rows are written by a child process, which needs the file alone.
-        process_sink: _ProcessRowSink | None
+        # Spans are built and written by a child process, which needs the file alone.
+        spec = self._telemetry_spec(run_id, ids=True)
+        span_process: _SpanProcess | None
         try:
-            process_sink = _ProcessRowSink(db)
+            span_process = _SpanProcess(db, spec)
         except ChildStartError as exc:
-            logger.warning("simulator: %s; writing rows in this process", exc)
-            process_sink = None
-        if process_sink is not None:
-            result = self._simulate_into(process_sink, workload, run_id, epoch_ns)
+            logger.warning("simulator: %s; building and writing spans in this process", exc)
+            span_process = None
+        if span_process is not None:
+            result = self._simulate_into(span_process, workload, run_id, epoch_ns, spec)
         con = open_store(db)
         try:
-            if process_sink is None:
-                result = self._simulate_into(RowSink(con), workload, run_id, epoch_ns)
+            if span_process is None:
+                result = self._simulate_into(RowSink(con), workload, run_id, epoch_ns, spec)
             end_run(con, run_id)
         finally:
             con.close()
         return result
 
+    def _telemetry_spec(self, run_id: str, *, ids: bool) -> _TelemetrySpec:
+        """The run's resources and engines; with ``ids``, the id streams a span process
+        continues (this process's ``random``, a fresh proxy's) so that it draws the ids the
+        in-process path would."""
+
+        def resource(service: str) -> dict[str, Any]:
+            return dict(Resource.create({"service.name": service,
+                                         semconv.RUN_ID: run_id}).attributes)
+
+        engines = tuple(
+            (resource(service), node.config.engine_id, role)
+            for nodes, service, role in (
+                (self.prefillers, semconv.SERVICE_PREFILL, semconv.ROLE_PREFILL),
+                (self.decoders, semconv.SERVICE_DECODE, semconv.ROLE_DECODE))
+            for node in nodes
+        )
+        return _TelemetrySpec(
+            self.settings.router_ttl, resource(semconv.SERVICE_PROXY), engines,
+            proxy_random=ProxyTelemetry(None)._rand.getstate() if ids else None,
+            engine_random=random.getstate() if ids else None,
+        )
+
     def _simulate_into(self, sink: _AnySink, workload: Workload, run_id: str,
-                       epoch_ns: int) -> SimulationResult:
+                       epoch_ns: int, spec: _TelemetrySpec) -> SimulationResult:
         try:
             with cyclic_gc_per_batch():
-                result = self._simulate(workload, sink, run_id, epoch_ns)
+                result = self._simulate(workload, sink, run_id, epoch_ns, spec)
             sink.close()
         finally:
             sink.abort()
+        result.spans = sink.written
         return result
 
     def _simulate(self, workload: Workload, sink: _AnySink, run_id: str,
-                  epoch_ns: int) -> SimulationResult:
+                  epoch_ns: int, spec: _TelemetrySpec) -> SimulationResult:
         s = self.settings
         if workload.block_size != self.cost.block_size:
             raise ValueError(
                 f"workload block size {workload.block_size} != profile block size "
                 f"{self.cost.block_size}"
             )
+        # The proxy as requests meet it (trace and span ids); its spans are built by
+        # spans_for, here or in the span process, as are the engines' from their records.
         proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
-        proxy._resource = Resource.create(
-            {"service.name": semconv.SERVICE_PROXY, semconv.RUN_ID: run_id}
-        )
-        prefill_tel = [
-            _engine(sink, semconv.SERVICE_PREFILL, run_id, n.config.engine_id,
-                    semconv.ROLE_PREFILL)
-            for n in self.prefillers
-        ]
-        decode_tel = [
-            _engine(sink, semconv.SERVICE_DECODE, run_id, n.config.engine_id,
-                    semconv.ROLE_DECODE)
-            for n in self.decoders
-        ]
-        if self._direct_rows:
-            # Rows straight from the span builders' pieces: no ReadableSpan, no spans_to_rows.
-            proxy_rows(proxy, sink)
-            for tel in (*prefill_tel, *decode_tel):
-                if not EngineRows.attach(tel, sink):
-                    raise RuntimeError("simulator: an engine tracer needs the SDK span path")
+        spans_for: Callable[[TurnRecord], Any]
+        engines: Sequence[_Emitter]
+        if isinstance(sink, RowSink):
+            spans_for, engines = _telemetry(sink, spec, self._direct_rows)
+        else:
+            spans_for = sink.turn
+            engines = [sink.engine(i) for i in range(len(spec.engines))]
+        prefill_tel = list(engines[:len(self.prefillers)])
+        decode_tel = list(engines[len(self.prefillers):])
         view = block_view(workload)
         runs = _ChainRuns()
         conversations = workload.conversations
@@ -481,7 +566,7 @@ class Simulator:
             self._now = t
             conv = conversations[ci]
             if inflight is not None:
-                self._finish(inflight, t, ns, sink, proxy, decode_tel, run_id, truth,
+                self._finish(inflight, t, ns, spans_for, decode_tel, run_id, truth,
                              previous_end)
                 if pos + 1 < len(conv.turns):
                     nxt = conv.turns[pos + 1]
@@ -613,9 +698,9 @@ class Simulator:
             node.reap(final + s.decoder_kv_blocks_ttl + 1e-6)
             self._drain(node, tel, ns)
         sink.flush()
-        return SimulationResult(run_id, turns, sink.written, truth, final)
+        return SimulationResult(run_id, turns, 0, truth, final)  # spans: once all are stored
 
-    def _emit_decisions(self, tel: EngineTelemetry, result: PrefillResult, prompt: BlockRuns,
+    def _emit_decisions(self, tel: _Emitter, result: PrefillResult, prompt: BlockRuns,
                         t: float, ns: Any, params: Mapping[str, Any]) -> None:
         for decision in (result.decision, result.rescheduled_decision):
             if decision is None:
@@ -632,7 +717,7 @@ class Simulator:
                 remote_engine_id=_str_or_none(params.get("remote_engine_id")),
             ))
 
-    def _emit_released(self, decode_tel: list[EngineTelemetry]) -> None:
+    def _emit_released(self, decode_tel: list[_Emitter]) -> None:
         # Releases are emitted as their spans close; draining every node is cheap.
         for node, tel in zip(self.decoders, decode_tel, strict=True):
             self._drain(node, tel, self._ns)
@@ -640,13 +725,13 @@ class Simulator:
     def _ns(self, t: float) -> int:
         return self._epoch_ns + int(t * _NS)
 
-    def _drain(self, node: DecodeNode, tel: EngineTelemetry, ns: Any) -> None:
+    def _drain(self, node: DecodeNode, tel: _Emitter, ns: Any) -> None:
         for retention in node.released:
             tel.emit(_retention_record(retention, ns))
         node.released.clear()
 
-    def _finish(self, turn: _Turn, t: float, ns: Any, sink: _AnySink, proxy: ProxyTelemetry,
-                decode_tel: list[EngineTelemetry], run_id: str, truth: list[TruthRow],
+    def _finish(self, turn: _Turn, t: float, ns: Any, spans_for: Callable[[TurnRecord], Any],
+                decode_tel: list[_Emitter], run_id: str, truth: list[TruthRow],
                 previous_end: dict[int, float]) -> None:
         record = turn.record
         returned = False
@@ -668,9 +753,7 @@ class Simulator:
             self._drain(turn.decode, decode_tel[di], ns)
         if turn.conversation.value is not None:
             previous_end[turn.conversation_index] = t
-        spans = proxy.spans_for(record)
-        if not self._direct_rows:
-            sink.add(spans)
+        spans_for(record)
         conv = self._conversations[turn.conversation_index]
         conv_turn = conv.turns[turn.turn_position].index
         prompt_tokens = record.prompt_tokens or 0

@@ -60,7 +60,7 @@ def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: boo
         random.seed(13)  # the engine tracers' RandomIdGenerator
         sim = Simulator(settings)
         sim._direct_rows = direct
-        # process: the direct rows go through the row writer process (any size of workload).
+        # process: spans are built and written by the span process (any size of workload).
         sim._process_rows_min_turns = 0 if process else 10**12
         result = sim.run(workload, db)
     reader = StoreReader.open(db)
@@ -111,18 +111,18 @@ def replace_run(row: Any, run_id: str) -> str:
     return repr(row).replace(run_id, "<run>")
 
 
-def test_without_a_row_writer_process_the_rows_are_written_here(
+def test_without_a_span_process_the_spans_are_written_here(
         workload: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     settings = SimulationSettings(profile="tiny", seed=2)
     expected, expected_rows = _run(workload, tmp_path / "here.duckdb", settings, True,
                                    monkeypatch)
 
-    def no_process(db: object) -> None:
-        raise ChildStartError("kvscope-simulator-rows exited at start (code 1)")
+    def no_process(db: object, spec: object) -> None:
+        raise ChildStartError("kvscope-simulator-spans exited at start (code 1)")
 
-    monkeypatch.setattr(simulator, "_ProcessRowSink", no_process)
+    monkeypatch.setattr(simulator, "_SpanProcess", no_process)
     result, rows = _run(workload, tmp_path / "fallback.duckdb", settings, True, monkeypatch,
                         process=True)
-    assert "kvscope-simulator-rows exited at start" in caplog.text
+    assert "kvscope-simulator-spans exited at start" in caplog.text
     assert _normalised(rows, result.run_id) == _normalised(expected_rows, expected.run_id)
