@@ -14,11 +14,11 @@ the rows with the SDK path's column for column.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress, repeat
-from operator import is_, not_
+from itertools import accumulate, chain
+from operator import methodcaller
 from typing import Any, Protocol
 
 import duckdb
@@ -180,26 +180,28 @@ def _value_str(value: object) -> str:
 
 # Value types whose str() is what the store keeps (str(float) == repr(float), as stringify).
 _STR_TYPES = frozenset({str, int, float})
+_BOOL_STRINGS = pa.array(["True", "False"])
 
 
 def _stored_values(values: list[Any]) -> pa.Array:
     """Attribute values as stored (``_value_str`` of each), converted by C calls, not a loop.
 
-    ``str`` is right for str, int and float; bools are stored as ``true``/``false`` (fixed up
-    through an Arrow mask); any other type goes through ``_value_str`` one by one.
+    ``str`` is right for str, int and float values. A bool's ``str`` is "True"/"False": the
+    values that read so are found by Arrow and those that are bools stored as "true"/"false".
+    Values of any other type (none of kvscope's own) take ``_value_str`` one by one.
     """
-    types = list(map(type, values))
     out = list(map(str, values))
-    is_bool = list(map(is_, types, repeat(bool)))
-    odd = compress(range(len(values)), map(not_, map(_STR_TYPES.__contains__, types)))
-    for i in odd:
-        if types[i] is not bool:
-            out[i] = _value_str(values[i])
+    odd = set(map(type, values)) - _STR_TYPES
+    if odd - {bool}:
+        out = [s if type(v) in _STR_TYPES else _value_str(v)
+               for s, v in zip(out, values, strict=True)]
     array = pa.array(out, type=pa.string())
-    if not any(is_bool):
-        return array
-    return pc.if_else(pa.array(is_bool, type=pa.bool_()),
-                      pc.if_else(pc.equal(array, "True"), "true", "false"), array)
+    if bool in odd:
+        mask = pc.is_in(array, value_set=_BOOL_STRINGS)
+        array = pc.replace_with_mask(array, mask, pa.array(
+            [_value_str(values[i]) if type(values[i]) is bool else out[i]
+             for i in pc.indices_nonzero(mask).to_pylist()], type=pa.string()))
+    return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +257,8 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
     attr_offsets = pa.array(list(accumulate(map(len, attributes), initial=0)), type=pa.int32())
     arrays = [
         pa.array(starts, type=TRACES_ARROW.field("Timestamp").type),
-        pa.array([f"{t:032x}" for t in trace_ids], type=string),
-        pa.array([f"{s:016x}" for s in span_ids], type=string),
+        _hex_ids(trace_ids, 16),
+        _hex_ids(span_ids, 8),
         pa.array(["" if p is None else f"{p:016x}" for p in parents], type=string),
         pa.array(states, type=string),
         pa.array(names, type=string),
@@ -270,12 +272,43 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
                  type=pa.uint64()),
         pa.array([_STATUS_NAMES[c] for c in codes], type=string),
         pa.array(messages, type=string),
-        pa.array([[{"Timestamp": ts, "Name": name, "Attributes": attrs_to_rows(attrs)}
-                   for ts, name, attrs in row_events] if row_events else []
-                  for row_events in events], type=TRACES_ARROW.field("Events").type),
+        _events(events),
         pa.array([[]] * n, type=TRACES_ARROW.field("Links").type),
     ]
     return pa.Table.from_arrays(arrays, schema=TRACES_ARROW)
+
+
+def _hex_ids(ids: Sequence[int], width: int) -> pa.Array:
+    """Ids of ``width`` bytes as fixed-width lower-case hex strings (``f"{id:0{2*width}x}"``),
+    converted as one byte string: no Python string per id."""
+    text = b"".join(map(methodcaller("to_bytes", width, "big"), ids)).hex().encode("ascii")
+    offsets = pa.array(range(0, 2 * width * len(ids) + 1, 2 * width), type=pa.int32())
+    return pa.StringArray.from_buffers(len(ids), offsets.buffers()[1], pa.py_buffer(text))
+
+
+_EVENTS_TYPE = TRACES_ARROW.field("Events").type
+
+
+def _events(events: Sequence[Sequence[tuple[int, str, Mapping[str, Any]]]]) -> pa.Array:
+    """Each row's (timestamp, name, attributes) events as the Events column, built flat (most
+    rows have none)."""
+    offsets = pa.array(list(accumulate(map(len, events), initial=0)), type=pa.int32())
+    flat = list(chain.from_iterable(events))
+    struct_type = _EVENTS_TYPE.value_type
+    if not flat:
+        return pa.ListArray.from_arrays(offsets, pa.array([], type=struct_type),
+                                        type=_EVENTS_TYPE)
+    times, names, attributes = zip(*flat, strict=True)
+    stored = [attrs_to_rows(attrs) for attrs in attributes]
+    maps = pa.MapArray.from_arrays(
+        pa.array(list(accumulate(map(len, stored), initial=0)), type=pa.int32()),
+        pa.array([k for attrs in stored for k, _ in attrs], type=pa.string()),
+        pa.array([v for attrs in stored for _, v in attrs], type=pa.string()), type=_MAP_TYPE)
+    structs = pa.StructArray.from_arrays(
+        [pa.array(times, type=struct_type.field("Timestamp").type),
+         pa.array(names, type=pa.string()), maps],
+        fields=list(struct_type))
+    return pa.ListArray.from_arrays(offsets, structs, type=_EVENTS_TYPE)
 
 
 def scope_row(scope: InstrumentationScope | None) -> tuple[str, str]:

@@ -314,7 +314,7 @@ class _RowExport:
         from kvscope.collector.span_rows import RowSink, proxy_rows
         from kvscope.store.database import open_store
 
-        self._con = open_store(db)
+        self._con = open_store(db, threads=1)  # it only inserts, beside the busy proxy
         self._sink = RowSink(self._con, strict=False, name="kvscope-proxy-rows")
         self.proxy = ProxyTelemetry(None, router_ttl_s=router_ttl_s, service_name=service_name)
         proxy_rows(self.proxy, self._sink)  # spans_for now appends rows

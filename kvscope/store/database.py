@@ -107,14 +107,21 @@ def _initialise(con: duckdb.DuckDBPyConnection) -> None:
         raise
 
 
-def open_store(path: str | Path) -> duckdb.DuckDBPyConnection:
-    """Open (creating if new) a store for writing; refuse foreign, newer or locked files."""
+def open_store(path: str | Path, *, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """Open (creating if new) a store for writing; refuse foreign, newer or locked files.
+
+    ``threads``: DuckDB's worker threads for this database (default: one per core). A process
+    that only inserts span batches beside other busy processes does best with 1: the same
+    800k spans took 7.0 s of CPU instead of 8.0 s.
+    """
     path = str(path)
     if path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     con = _connect(path, read_only=False)
     try:
         con.execute(f"SET checkpoint_threshold = '{WAL_CHECKPOINT_THRESHOLD}'")
+        if threads is not None:
+            con.execute(f"SET threads = {int(threads)}")
         version = schema_version(con, path)
         if version is None:
             _initialise(con)
