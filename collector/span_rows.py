@@ -28,6 +28,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from kvscope.collector.convert import _attrs as attrs_to_rows
 from kvscope.collector.convert import spans_to_rows
@@ -164,6 +165,10 @@ class RowSink(SpanProcessor):
 
 _KIND_NAMES = {kind: SPAN_KIND_NAMES.get(kind.value + 1, "") for kind in SpanKind}
 _STATUS_NAMES = {code: STATUS_CODE_NAMES.get(code.value, "") for code in StatusCode}
+_UNSET_CODE = StatusCode.UNSET
+_UNSET_NAME = _STATUS_NAMES[_UNSET_CODE]
+# Span kind names by the kind's id(): an enum's own hash is a Python call.
+_KIND_NAMES_BY_ID = {id(kind): name for kind, name in _KIND_NAMES.items()}
 _INTERNAL_NAME = _KIND_NAMES[SpanKind.INTERNAL]
 _MAP_TYPE = TRACES_ARROW.field("SpanAttributes").type
 
@@ -270,7 +275,9 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
         pa.MapArray.from_arrays(attr_offsets, attr_keys, attr_values, type=_MAP_TYPE),
         pa.array([e - s if e > s else 0 for s, e in zip(starts, ends, strict=True)],
                  type=pa.uint64()),
-        pa.array([_STATUS_NAMES[c] for c in codes], type=string),
+        # (An enum's hash is a Python call: compare with the common code by identity first.)
+        pa.array([_UNSET_NAME if c is _UNSET_CODE else _STATUS_NAMES[c] for c in codes],
+                 type=string),
         pa.array(messages, type=string),
         _events(events),
         pa.array([[]] * n, type=TRACES_ARROW.field("Links").type),
@@ -364,15 +371,16 @@ def proxy_rows(proxy: ProxyTelemetry, sink: RowTarget) -> None:
     resource = resource_row(proxy._resource)
     scope = scope_row(proxy._scope)
     row = sink.row
-    kinds = _KIND_NAMES
+    kinds = _KIND_NAMES_BY_ID
+    no_state = DEFAULT_TRACE_STATE  # what a SpanContext made without one holds
 
     def span(name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
              start_ns: int, end_ns: int, attributes: dict[str, Any], events: tuple[Event, ...],
              status: Status) -> None:
         state = context.trace_state
+        header = "" if state is no_state or not state else state.to_header()
         row(name, context.trace_id, context.span_id, None if parent is None else parent.span_id,
-            state.to_header() if state else "", kinds[kind], resource, scope, attributes, start_ns,
-            max(end_ns, start_ns),
+            header, kinds[id(kind)], resource, scope, attributes, start_ns, max(end_ns, start_ns),
             [(e.timestamp, e.name, dict(e.attributes or {})) for e in events] if events else (),
             status.status_code, status.description or "")
 

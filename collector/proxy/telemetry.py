@@ -54,6 +54,7 @@ BOUNDARY_HASHES_KEPT = 16
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET_STATUS = Status(StatusCode.UNSET)  # immutable: one for every span without a status
 
 
 # --- message boundaries ---------------------------------------------------------------------------
@@ -353,11 +354,6 @@ class TurnRecord:
         self.status_code = status_code
 
 
-def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
-    if value is not None:
-        attrs[key] = value
-
-
 class _ConversationClock:
     """Bounded map: conversation id → (turn index so far, end of its last turn or None)."""
 
@@ -531,19 +527,30 @@ class ProxyTelemetry:
             semconv.TURN_INDEX: record.turn_index,
             semconv.STREAM_REQUESTED: record.stream,
         }
-        _put(turn_attrs, semconv.GEN_AI_CONVERSATION_ID, conv_id)
+        if conv_id is not None:
+            turn_attrs[semconv.GEN_AI_CONVERSATION_ID] = conv_id
         if conversation is not None:
             turn_attrs[semconv.CONVERSATION_ID_SOURCE] = conversation.source
-            _put(turn_attrs, semconv.CONVERSATION_ID_REJECTED, conversation.rejected)
-        _put(turn_attrs, semconv.GEN_AI_REQUEST_MODEL, record.model)
-        _put(turn_attrs, semconv.GEN_AI_USAGE_INPUT_TOKENS, record.prompt_tokens)
-        _put(turn_attrs, semconv.GEN_AI_USAGE_OUTPUT_TOKENS, record.output_tokens)
-        _put(turn_attrs, semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, record.cached_tokens)
-        _put(turn_attrs, semconv.ROUTER_LOOKUP, record.lookup)
-        _put(turn_attrs, semconv.ROUTER_ENTRY_AGE_S, record.lookup_age_s)
-        _put(turn_attrs, semconv.ROUTER_TTL_S, self.router_ttl_s)
-        _put(turn_attrs, semconv.PREFILL_INSTANCE, record.prefill_instance)
-        _put(turn_attrs, semconv.DECODE_INSTANCE, record.decode_instance)
+            if conversation.rejected is not None:
+                turn_attrs[semconv.CONVERSATION_ID_REJECTED] = conversation.rejected
+        if record.model is not None:
+            turn_attrs[semconv.GEN_AI_REQUEST_MODEL] = record.model
+        if record.prompt_tokens is not None:
+            turn_attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = record.prompt_tokens
+        if record.output_tokens is not None:
+            turn_attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = record.output_tokens
+        if record.cached_tokens is not None:
+            turn_attrs[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = record.cached_tokens
+        if record.lookup is not None:
+            turn_attrs[semconv.ROUTER_LOOKUP] = record.lookup
+        if record.lookup_age_s is not None:
+            turn_attrs[semconv.ROUTER_ENTRY_AGE_S] = record.lookup_age_s
+        if self.router_ttl_s is not None:
+            turn_attrs[semconv.ROUTER_TTL_S] = self.router_ttl_s
+        if record.prefill_instance is not None:
+            turn_attrs[semconv.PREFILL_INSTANCE] = record.prefill_instance
+        if record.decode_instance is not None:
+            turn_attrs[semconv.DECODE_INSTANCE] = record.decode_instance
         if record.boundary_hashes:
             hashes = record.boundary_hashes.split(",")
             turn_attrs[semconv.MESSAGE_COUNT] = len(hashes)
@@ -562,11 +569,12 @@ class ProxyTelemetry:
             )
         if record.client_disconnected:
             turn_attrs[semconv.CLIENT_DISCONNECTED] = True
-        _put(turn_attrs, semconv.ERROR_KIND, record.error_kind)
+        if record.error_kind is not None:
+            turn_attrs[semconv.ERROR_KIND] = record.error_kind
         turn_status = (
             Status(StatusCode.ERROR, record.error_message or record.error_kind)
             if record.error_kind is not None
-            else Status(StatusCode.UNSET)
+            else _UNSET_STATUS
         )
         spans = [
             self._span(
@@ -580,12 +588,18 @@ class ProxyTelemetry:
                 semconv.X_REQUEST_ID: record.x_request_id,
                 semconv.D_METADATA_ATTACHED: record.d_metadata_attached,
             }
-            _put(attrs, semconv.PREFILL_INSTANCE, record.prefill_instance)
-            _put(attrs, semconv.PROMPT_TOKENS, record.prompt_tokens)
-            _put(attrs, semconv.CACHED_TOKENS, record.cached_tokens)
-            _put(attrs, semconv.VLLM_REQUEST_ID, record.prefill_request_id)
-            _put(attrs, semconv.OFFERED_REQUEST_ID, record.offered_request_id)
-            _put(attrs, semconv.REMOTE_OFFERED_TOKENS, record.offered_tokens)
+            if record.prefill_instance is not None:
+                attrs[semconv.PREFILL_INSTANCE] = record.prefill_instance
+            if record.prompt_tokens is not None:
+                attrs[semconv.PROMPT_TOKENS] = record.prompt_tokens
+            if record.cached_tokens is not None:
+                attrs[semconv.CACHED_TOKENS] = record.cached_tokens
+            if record.prefill_request_id is not None:
+                attrs[semconv.VLLM_REQUEST_ID] = record.prefill_request_id
+            if record.offered_request_id is not None:
+                attrs[semconv.OFFERED_REQUEST_ID] = record.offered_request_id
+            if record.offered_tokens is not None:
+                attrs[semconv.REMOTE_OFFERED_TOKENS] = record.offered_tokens
             spans.append(
                 self._leg(record, semconv.SPAN_INPUT_PROCESSING, record.prefill_span_id,
                           turn_ctx, record.prefill_start_ns, record.prefill_end_ns, attrs,
@@ -597,11 +611,16 @@ class ProxyTelemetry:
                 semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
                 semconv.STREAM_CHUNKS: record.chunks,
             }
-            _put(attrs, semconv.DECODE_INSTANCE, record.decode_instance)
-            _put(attrs, semconv.GEN_AI_USAGE_OUTPUT_TOKENS, record.output_tokens)
-            _put(attrs, semconv.VLLM_REQUEST_ID, record.decode_request_id)
-            _put(attrs, semconv.REMOTE_NUM_TOKENS, record.remote_num_tokens)
-            _put(attrs, semconv.RETENTION_BLOCKS, record.retention_blocks)
+            if record.decode_instance is not None:
+                attrs[semconv.DECODE_INSTANCE] = record.decode_instance
+            if record.output_tokens is not None:
+                attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = record.output_tokens
+            if record.decode_request_id is not None:
+                attrs[semconv.VLLM_REQUEST_ID] = record.decode_request_id
+            if record.remote_num_tokens is not None:
+                attrs[semconv.REMOTE_NUM_TOKENS] = record.remote_num_tokens
+            if record.retention_blocks is not None:
+                attrs[semconv.RETENTION_BLOCKS] = record.retention_blocks
             if record.client_disconnected:
                 attrs[semconv.CLIENT_DISCONNECTED] = True
             spans.append(
@@ -623,7 +642,7 @@ class ProxyTelemetry:
             spans.append(
                 self._span(semconv.SPAN_TOOL_WAIT, ctx, turn_ctx, SpanKind.INTERNAL,
                            record.previous_end_ns, record.arrival_ns, attrs, (),
-                           Status(StatusCode.UNSET))
+                           _UNSET_STATUS)
             )
         return spans
 
@@ -639,7 +658,7 @@ class ProxyTelemetry:
         events: tuple[Event, ...],
         leg: str,
     ) -> ReadableSpan:
-        status = Status(StatusCode.UNSET)
+        status = _UNSET_STATUS
         if record.error_leg == leg and record.error_kind is not None:
             attrs[semconv.ERROR_KIND] = record.error_kind
             status = Status(StatusCode.ERROR, record.error_message or record.error_kind)
