@@ -3,7 +3,8 @@
 The proxy's export process and the simulator's row writer both run a function in a spawned
 child connected by a duplex pipe, and both must know before going on whether the child got its
 destination open. :func:`start_child` spawns ``target(conn, *args)`` and waits until the child
-calls :func:`report_ready` or :func:`report_error`; :func:`raise_reported` re-raises a reported
+calls :func:`report_ready` or :func:`report_error` (or :func:`spawn_child` now and
+:func:`wait_ready` later); :func:`raise_reported` re-raises a reported
 error in the parent as the child's own kvscope error class (``StoreLockedError`` stays
 ``StoreLockedError``), anything else as :class:`KvscopeError`.
 """
@@ -28,17 +29,33 @@ class ChildStartError(KvscopeError):
 
 def start_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str,
                 timeout_s: float = READY_TIMEOUT_S) -> tuple[BaseProcess, Connection]:
-    """Spawn ``target(conn, *args)`` and return once it reported ready.
-
-    Raises :class:`ChildStartError` when the child exits or stays silent first (under spawn, a
-    calling script without an ``if __name__ == "__main__":`` guard ends that way), and the
-    child's reported error otherwise; the child is stopped in both cases.
+    """Spawn ``target(conn, *args)`` and return once it reported ready (see :func:`wait_ready`).
     """
+    process, conn = spawn_child(target, args, name=name)
+    wait_ready(process, conn, name=name, timeout_s=timeout_s)
+    return process, conn
+
+
+def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
+                ) -> tuple[BaseProcess, Connection]:
+    """Spawn ``target(conn, *args)`` without waiting for it (call :func:`wait_ready` before
+    relying on it: the parent can do other work while the child imports and opens)."""
     ctx = mp.get_context("spawn")  # fork would copy the parent's threads' locks
     conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=True)
     process.start()
     child_conn.close()
+    return process, conn
+
+
+def wait_ready(process: BaseProcess, conn: Connection, *, name: str,
+               timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until a spawned child reported ready.
+
+    Raises :class:`ChildStartError` when the child exits or stays silent first (under spawn, a
+    calling script without an ``if __name__ == "__main__":`` guard ends that way), and the
+    child's reported error otherwise; the child is stopped in both cases.
+    """
     try:
         if not conn.poll(timeout_s):
             raise ChildStartError(f"{name}: no answer in {timeout_s:.0f} s")
@@ -55,7 +72,6 @@ def start_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
     if status != "ready":
         stop_child(process, conn)
         raise_reported(detail, name)
-    return process, conn
 
 
 def stop_child(process: BaseProcess, conn: Connection) -> None:

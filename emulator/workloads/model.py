@@ -59,11 +59,11 @@ class BlockChain:
     base: BlockChain | None
     kept: int
     runs: tuple[tuple[int, int], ...]
+    # Number of full blocks in the sequence (derived; read several times a simulated turn).
+    num_blocks: int = field(init=False, repr=False)
 
-    @property
-    def num_blocks(self) -> int:
-        """Number of full blocks in the sequence."""
-        return self.kept + sum(count for _, count in self.runs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_blocks", self.kept + sum(count for _, count in self.runs))
 
     def block_id(self, position: int) -> int:
         """Return the id of the block at ``position`` (0-based)."""
