@@ -8,17 +8,19 @@ prefix caching on at P and D) into a new DuckDB file in a temporary directory:
     weka        the full shipped WEKA CSV (~49k turns of ~122k-token prompts)
 
 Each workload runs twice per round, alternating: as ``simulate`` does by default (from
-``PROCESS_ROWS_MIN_TURNS`` turns, rows are appended, converted and inserted by a row writer
-process while this one simulates; "convert" is then the pickling and sending of batches, and
-"insert wait" the final wait for the writer) and with every row written in the simulating
-process ("/rows here"). Each (workload, round) runs in its own process, so peak RSS
-(``ru_maxrss``) belongs to that workload alone (the row writer's is "writer RSS"); with
-``--rounds 2`` (the default) the best time of the rounds is reported, since
+``PROCESS_ROWS_MIN_TURNS`` turns, the turn and engine records go to a span process, which
+builds the spans, converts and inserts them while this one simulates; "convert" is then the
+pickling and sending of record batches, blocked while the span process is behind, and "insert
+wait" the wait for the span process to start and, at the end, to finish) and with every span
+built and written in the simulating process ("/rows here"). Each (workload, round) runs in its
+own process, so peak RSS (``ru_maxrss``) belongs to that workload alone (the span process's is
+"writer RSS"); with ``--rounds 2`` (the default) the best time of the rounds is reported, since
 the machine is shared. Per run it prints the workload build seconds, the simulate seconds split
 into the reuse model + span building and row appends ("model+spans"), row → Arrow conversion
 ("convert") and the time spent waiting for DuckDB inserts ("insert wait"; the inserts run on a
-writer thread while the next batch is simulated), turns/s, µs/turn, spans written, file size
-and peak RSS.
+writer thread while the next batch is simulated), turns/s, µs/turn, spans written, file size,
+peak RSS, and the CPU seconds of the simulating process and of the span process ("cpu here",
+"cpu child": on 2 cores the wall time cannot fall below half their sum).
 
 First it prints the prefix cache micro-benchmark of the emulated HTTP servers' shape: one
 lookup + two touches of a 7,556-block prompt of random chained hashes (every consecutive-id run
@@ -131,8 +133,8 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
              rows_here: bool, stub: str | None = None) -> dict[str, Any]:
     """Build one workload, simulate it into a fresh file, and return the measurements.
 
-    ``rows_here``: append, convert and insert the rows in this process even when the workload
-    is large enough for the row writer process (the simulator's default from
+    ``rows_here``: build, convert and insert the spans in this process even when the workload
+    is large enough for the span process (the simulator's default from
     ``PROCESS_ROWS_MIN_TURNS`` turns).
     """
     from kvscope.collector import span_rows
@@ -152,11 +154,13 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     span_rows.rows_to_arrow = _timed(span_rows.rows_to_arrow, phases, "convert")
     sink = span_rows.RowSink
     sink._wait = _timed(sink._wait, phases, "insert")
-    # With the row writer process, this process only pickles and sends each batch ("convert":
-    # blocked when the writer is behind) and waits for the writer at the end ("insert").
-    process_sink = simulator._ProcessRowSink
-    process_sink.flush = _timed(process_sink.flush, phases, "convert")
-    process_sink.close = _timed(process_sink.close, phases, "insert")
+    # With the span process, this process only pickles and sends record batches ("convert":
+    # blocked when the span process is behind) and waits for it to start (what is left after
+    # the block view is built) and, at the end, to finish ("insert").
+    span_process = simulator._SpanProcess
+    span_process.flush = _timed(span_process.flush, phases, "convert")
+    span_process.ready = _timed(span_process.ready, phases, "insert")
+    span_process.close = _timed(span_process.close, phases, "insert")
 
     start = time.perf_counter()
     if kind == "synthetic":
@@ -168,13 +172,16 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
 
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-sim-") as tmp:
         db = Path(tmp) / "sim.duckdb"
+        cpu_here = time.process_time()
         start = time.perf_counter()
         result = simulator.simulate(workload, db, simulator.SimulationSettings())
         simulate_s = time.perf_counter() - start
+        cpu_here = time.process_time() - cpu_here
         wal = db.with_name(db.name + ".wal")
         size = db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    writer_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    writer_kib = children.ru_maxrss
     return {
         "workload": kind + (f"/{stub}" if stub else "/rows here" if rows_here else ""),
         "conversations": len(workload.conversations),
@@ -189,6 +196,8 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
         "file_mib": size / 2**20,
         "peak_rss_mib": peak_kib / 1024,
         "writer_rss_mib": writer_kib / 1024 if not rows_here else 0.0,
+        "cpu_here_s": cpu_here,
+        "cpu_child_s": children.ru_utime + children.ru_stime,
     }
 
 
@@ -236,14 +245,15 @@ def _in_process(kind: str, turns: int, weka_conversations: int | None,
 def _print(rows: list[dict[str, Any]]) -> None:
     header = (f"{'workload':<10} {'turns':>7} {'build s':>8} {'simulate s':>10} "
               f"{'model+spans':>11} {'convert':>8} {'ins.wait':>8} {'turns/s':>8} {'us/turn':>8} "
-              f"{'spans':>8} {'file MiB':>8} {'peak RSS MiB':>12} {'writer RSS':>10}")
+              f"{'spans':>8} {'file MiB':>8} {'peak RSS MiB':>12} {'writer RSS':>10} "
+              f"{'cpu here':>8} {'cpu child':>9}")
     print(header)
     for r in rows:
         print(f"{r['workload']:<10} {r['turns']:>7} {r['build_s']:>8.2f} {r['simulate_s']:>10.2f} "
               f"{r['model_spans_s']:>11.2f} {r['convert_s']:>8.2f} {r['insert_s']:>8.2f} "
               f"{r['turns'] / r['simulate_s']:>8.0f} {r['simulate_s'] / r['turns'] * 1e6:>8.0f} "
               f"{r['spans']:>8} {r['file_mib']:>8.1f} {r['peak_rss_mib']:>12.0f} "
-              f"{r['writer_rss_mib']:>10.0f}")
+              f"{r['writer_rss_mib']:>10.0f} {r['cpu_here_s']:>8.1f} {r['cpu_child_s']:>9.1f}")
 
 
 def main() -> None:
