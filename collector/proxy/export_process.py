@@ -5,13 +5,18 @@ OTLP) costs ~180 µs of CPU per turn. In the proxy's own process that work holds
 event loop needs, so under load every turn waits for it. :class:`TurnExportProcess` moves all
 of it to a child process: the event loop appends the finished :class:`TurnRecord` to a bounded
 deque (no lock, nothing built); a sender thread, every few milliseconds, flattens the queued
-records to tuples (hashing their message boundaries first: see
-:meth:`ProxyTelemetry.message_boundaries`) and writes them to a pipe as one pickled batch
-(~8 µs a turn); the child rebuilds each record and runs the same
-:meth:`ProxyTelemetry.spans_for`. To a store file (``--db``) it takes the direct row path of
-:mod:`~kvscope.collector.span_rows` (each span's pieces appended straight to the table's
-columns: about half the CPU of building ``ReadableSpan`` objects and converting them); to OTLP
-it uses the SDK exporters. Either way the stored spans equal the in-process path's (tested).
+records to tuples, each with its request's messages (see
+:meth:`ProxyTelemetry.message_boundaries`), and writes them to a pipe as one pickled batch;
+the child hashes the message boundaries, rebuilds each record and runs the same
+:meth:`ProxyTelemetry.spans_for`. The sender thread holds the GIL the event loop needs, and at
+saturation the event loop is what sets a turn's latency: with the boundary hashing (~5 µs a turn
+of Python for a few short messages) in the sender, telemetry still added ~0.7 ms p50 at 64
+conversations when the child discarded everything it received. The messages' text crosses
+only this local pipe: the child keeps their hashes, never the text. To a store file
+(``--db``) the child takes the direct row path of :mod:`~kvscope.collector.span_rows` (each
+span's pieces kept as a row and converted by column: about half the CPU of building
+``ReadableSpan`` objects and converting them); to OTLP it uses the SDK exporters. Either way
+the stored spans equal the in-process path's (tested).
 
 The child runs at a lower CPU priority (``nice`` +10): when the proxy's machine is saturated
 the scheduler serves requests first and the child catches up when there is room, its backlog
@@ -36,6 +41,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
@@ -53,7 +59,7 @@ CHILD_NICE = 10
 SEND_INTERVAL_S = 0.02
 MAX_QUEUED_RECORDS = 65536
 
-# boundary_source stays behind: it is turned into boundary_hashes before sending.
+# boundary_source travels last, as the messages (or prompt) only: see boundary_input.
 _FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "boundary_source")
 _CONVERSATION = _FIELDS.index("conversation")
 _values = operator.attrgetter(*_FIELDS)
@@ -71,20 +77,47 @@ _ROW_FLUSH_INTERVAL_S = 1.0
 
 
 def record_to_tuple(record: TurnRecord) -> tuple[Any, ...]:
-    """A record as plain values in field order (pickles ~3× faster than the dataclass)."""
+    """A record as plain values in field order (pickles ~3× faster than the dataclass), its
+    ``boundary_source`` last as only what the boundaries are hashed from."""
     values = list(_values(record))
     conversation = values[_CONVERSATION]
     if conversation is not None:
         values[_CONVERSATION] = (conversation.value, conversation.source, conversation.rejected)
+    source = record.boundary_source
+    values.append(None if source is None else boundary_input(source))
     return tuple(values)
 
 
 def record_from_tuple(values: tuple[Any, ...]) -> TurnRecord:
-    """The record :func:`record_to_tuple` flattened."""
+    """The record :func:`record_to_tuple` flattened (``boundary_source`` still to hash: see
+    :func:`resolve_boundaries`)."""
     record = TurnRecord(*values)
     if record.conversation is not None:
         record.conversation = ConversationId(*record.conversation)
     return record
+
+
+def boundary_input(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a request body its message boundaries are hashed from (the messages, or a
+    completions prompt), so that a record carries no more of the body than that."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return {"messages": messages}
+    return {"prompt": body.get("prompt")}
+
+
+def resolve_boundaries(record: TurnRecord) -> None:
+    """Hash a record's ``boundary_source`` into ``boundary_hashes``/``boundary_roles`` and drop
+    it (a body that does not hash leaves the turn without boundaries)."""
+    source = record.boundary_source
+    if source is None:
+        return
+    record.boundary_source = None
+    try:
+        record.boundary_hashes = boundary_hashes(source)
+        record.boundary_roles = boundary_roles(source)
+    except Exception:
+        logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
 
 
 def span_count(record: TurnRecord) -> int:
@@ -194,16 +227,6 @@ class TurnExportProcess:
                 self._broken = True
 
     def _send(self, batch: list[TurnRecord]) -> None:
-        for record in batch:
-            source = record.boundary_source
-            if source is not None:
-                record.boundary_source = None
-                try:
-                    record.boundary_hashes = boundary_hashes(source)
-                    record.boundary_roles = boundary_roles(source)
-                except Exception:  # a body that does not hash: the turn keeps no boundaries
-                    logger.debug("kvscope proxy telemetry: message boundaries failed",
-                                 exc_info=True)
         if not self._broken:
             try:
                 payload = pickle.dumps([record_to_tuple(r) for r in batch],
@@ -395,7 +418,9 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
             for values in pickle.loads(data):
                 counters[_RECEIVED] += 1
                 try:
-                    built += export.add(record_from_tuple(values))
+                    record = record_from_tuple(values)
+                    resolve_boundaries(record)
+                    built += export.add(record)
                 except Exception:
                     counters[_BUILD_FAILED] += 1
                     if not warned:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import time
@@ -19,10 +20,11 @@ from kvscope.collector.proxy.export_process import (
     TurnExportProcess,
     record_from_tuple,
     record_to_tuple,
+    resolve_boundaries,
     span_count,
 )
 from kvscope.collector.proxy.router import ConversationId
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.errors import StoreLockedError
 
 COLUMNS = ("SpanName, TraceId, SpanId, ParentSpanId, SpanKind, ServiceName, ResourceAttributes, "
@@ -92,11 +94,32 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.client_disconnected, record.error_leg = True, "prefill"
     record.error_kind, record.error_message, record.status_code = "x", "y", 502
     record.boundary_hashes, record.boundary_roles = "00aa,00bb", "su"
-    record.boundary_source = None  # never sent: hashed into the two fields above first
+    body = {"model": "m", "stream": True, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    record.boundary_source = body
     for f in fields(TurnRecord):  # a new field must be filled here too
-        if f.name != "boundary_source":
-            assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
-    assert record_from_tuple(record_to_tuple(record)) == record
+        assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
+    received = record_from_tuple(pickle.loads(pickle.dumps(record_to_tuple(record))))
+    # Only the messages travel with it (not the rest of the body); hashed on arrival.
+    assert received.boundary_source == {"messages": body["messages"]}
+    resolve_boundaries(received)
+    assert received.boundary_source is None
+    assert received.boundary_hashes == boundary_hashes(body)
+    assert received.boundary_roles == "su"
+    record.boundary_source = None
+    record.boundary_hashes = received.boundary_hashes
+    assert received == record
+
+
+def test_a_completions_prompt_is_hashed_as_one_user_message() -> None:
+    record = _turns(ProxyTelemetry(None), 1)[0]
+    record.boundary_source = {"prompt": "once upon a time", "max_tokens": 5}
+    received = record_from_tuple(record_to_tuple(record))
+    assert received.boundary_source == {"prompt": "once upon a time"}
+    resolve_boundaries(received)
+    assert received.boundary_hashes == boundary_hashes({"prompt": "once upon a time"})
+    assert received.boundary_roles == "u"
 
 
 def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path) -> None:
@@ -122,7 +145,7 @@ def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path
     assert rows == _rows(inproc_db)
     hashes = {r[9].get(semconv.MESSAGE_BOUNDARY_HASHES) for r in rows
               if r[0] == semconv.SPAN_TURN}
-    assert len(hashes) == 40 and None not in hashes  # hashed by the sender thread, per turn
+    assert len(hashes) == 40 and None not in hashes  # hashed by the export process, per turn
 
 
 def test_close_exports_everything_submitted(tmp_path: Path) -> None:
