@@ -3,7 +3,8 @@
 :class:`RowSink` collects rows and writes them in large batches through a :class:`StoreWriter`.
 A span reaches it either as an SDK ``ReadableSpan`` (:meth:`RowSink.on_end`; converted by
 ``spans_to_rows`` at flush) or, on the direct path, as the pieces it would be built from
-(:attr:`RowSink.row`), appended straight to the columns as ``spans_to_rows`` would. The pieces
+(:attr:`RowSink.row`), kept as one tuple and converted with its batch (:func:`rows_to_arrow`)
+to the values ``spans_to_rows`` would store. The pieces
 come from the one place each span is shaped: :func:`proxy_rows` replaces only the last step of
 :meth:`ProxyTelemetry.spans_for` (pieces → ``ReadableSpan``) and :class:`EngineRows` only
 :meth:`_DirectSpans.finish` of :class:`EngineTelemetry`, so attributes, statuses, events and ids
@@ -41,8 +42,7 @@ from kvscope.store.writer import StoreWriter
 
 
 class RowTarget(Protocol):
-    """Anything with the direct path's ``row`` function (a :class:`RowSink`, or a sink that
-    ships the pieces to another process)."""
+    """Anything with the direct path's ``row`` function (a :class:`RowSink`)."""
 
     row: Callable[..., None]
 
@@ -52,9 +52,9 @@ class RowSink(SpanProcessor):
 
     Spans arrive either as SDK ``ReadableSpan`` objects (:meth:`on_end`, :meth:`add`; converted
     by ``spans_to_rows`` at flush) or, on the simulator's direct path, as the pieces a span is
-    built from (:meth:`row`, appended straight to the columns, as ``spans_to_rows`` would). The
-    DuckDB insert runs on a :class:`StoreWriter` thread (DuckDB releases the GIL), overlapping
-    the simulation of the next batch. Waiting for the previous batch before handing over the
+    built from (:meth:`row`, converted per batch by :func:`rows_to_arrow`). The DuckDB insert
+    runs on a :class:`StoreWriter` thread (DuckDB releases the GIL), overlapping the building of
+    the next batch. Waiting for the previous batch before handing over the
     next keeps at most one batch queued, so the writer's bounded queue never drops; a failed or
     dropped insert raises :class:`StoreError` at the next flush.
     """
@@ -70,9 +70,8 @@ class RowSink(SpanProcessor):
         self._rows: list[tuple[Any, ...]] = []
         # row(name, trace_id, span_id, parent span id or None, trace_state, kind name,
         # resource row, scope, attributes, start_ns, end_ns, events as (timestamp, name,
-        # attributes) tuples, status code, status message): append one span's row as
-        # spans_to_rows would for the ReadableSpan those pieces make (the direct path). Plain
-        # values only, so a _ProcessRowSink can ship them to another process.
+        # attributes) tuples, status code, status message): one span's row, stored as
+        # spans_to_rows would store the ReadableSpan those pieces make (the direct path).
         self.row = self._appender()
         self.written = 0
         # Its own cursor: closing the writer leaves the caller's connection open.

@@ -1,0 +1,82 @@
+"""The direct row path's batch conversion stores what the SDK path stores, value for value."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from kvscope.collector.convert import spans_to_rows
+from kvscope.collector.span_rows import resource_row, rows_to_arrow, scope_row
+from kvscope.store.schema import SPAN_KIND_NAMES
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+# Every value type an attribute can hold, and strings that look like what others become.
+_ATTRIBUTES: list[dict[str, Any]] = [
+    {"s": "True", "t": "False", "b": True, "f": False, "n": 7, "neg": -12},
+    {"float": 0.1, "whole": 2.0, "big": 1e300, "tiny": 5e-324, "huge": 2**70},
+    {"list": ["a", 1], "tuple": (1.5, 2), "enum": _Level.HIGH, "empty": ""},
+    {},
+    {"only": "text"},
+]
+
+
+def _spans() -> list[ReadableSpan]:
+    resources = [Resource({"service.name": "a", "k": 1}), Resource({"service.name": "b"})]
+    scopes = [InstrumentationScope("kvscope", "1.0"), InstrumentationScope("other")]
+    spans = []
+    for i, attributes in enumerate(_ATTRIBUTES):
+        trace_id = 1 if i % 2 else (1 << 128) - 1 - i  # leading zeros, and the widest ids
+        context = SpanContext(trace_id, 1 + i if i % 2 else (1 << 64) - 1 - i, False,
+                              TraceFlags(TraceFlags.SAMPLED))
+        parent = None if i % 3 == 0 else SpanContext(trace_id, 255, False)
+        events = (Event("first_token", {"ms": 1.5, "ok": True}, timestamp=10 + i),
+                  Event("later", {}, timestamp=20 + i)) if i % 2 == 0 else ()
+        status = Status(StatusCode.ERROR, "bad") if i == 1 else Status(StatusCode.UNSET)
+        spans.append(ReadableSpan(
+            f"span-{i}", context=context, parent=parent, resource=resources[i % 2],
+            attributes=attributes, events=events, kind=list(SpanKind)[i % 5], status=status,
+            start_time=100 + i, end_time=100 + i * (i % 2), instrumentation_scope=scopes[i % 2]))
+    return spans
+
+
+def _pieces(span: ReadableSpan) -> tuple[Any, ...]:
+    """The row function's arguments for ``span`` (what proxy_rows' span() passes)."""
+    context, parent = span.context, span.parent
+    assert context is not None and span.start_time is not None and span.end_time is not None
+    return (span.name, context.trace_id, context.span_id,
+            None if parent is None else parent.span_id, "",
+            SPAN_KIND_NAMES.get(span.kind.value + 1, ""), resource_row(span.resource),
+            scope_row(span.instrumentation_scope), dict(span.attributes or {}),
+            span.start_time, span.end_time,
+            [(e.timestamp, e.name, dict(e.attributes or {})) for e in span.events],
+            span.status.status_code, span.status.description or "")
+
+
+def test_a_batch_of_every_value_type_converts_as_the_sdk_path_stores_it() -> None:
+    spans = _spans()
+    # The same resource and scope objects on many rows, as the builders pass them.
+    pieces = [_pieces(span) for span in spans]
+    shared = {id(s.resource): p[6] for s, p in zip(spans, pieces, strict=True)}
+    pieces = [(*p[:6], shared[id(s.resource)], *p[7:])
+              for s, p in zip(spans, pieces, strict=True)]
+    direct = rows_to_arrow(pieces)
+    expected = spans_to_rows(spans).to_arrow()
+    for name in expected.column_names:  # column by column: a failure names the column
+        assert direct[name].to_pylist() == expected[name].to_pylist() if name not in (
+            "Timestamp", "Events") else direct[name].equals(expected[name]), name
+    assert direct.equals(expected)
+    values = dict(direct["SpanAttributes"][0].as_py())
+    assert (values["s"], values["t"], values["b"], values["f"]) == ("True", "False", "true",
+                                                                    "false")
+    assert dict(direct["SpanAttributes"][1].as_py())["huge"] == str(2**70)
+    assert direct["TraceId"][1].as_py() == f"{1:032x}"
+    assert direct["SpanId"][0].as_py() == "f" * 16
