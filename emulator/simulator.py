@@ -12,11 +12,12 @@ handles and prefix-cache eviction interact as they do in a deployment.
 It writes the spans a real deployment would produce, built by the same code: proxy spans by
 :meth:`ProxyTelemetry.spans_for` and engine spans by :class:`EngineTelemetry`, stamped with
 virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store: only the last
-step differs, the pieces each builder would make a ``ReadableSpan`` of are appended as the row
-``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares both paths row for
-row). It also returns the ground truth of every turn (:func:`reuse_model.account_turn`), which
-tests compare the ledger with. Not modelled: queueing and batching contention (each request is
-timed as if alone).
+step differs, the pieces each builder would make a ``ReadableSpan`` of are kept as the row
+``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares the paths row for
+row). Large runs build and write the spans in a span process (:class:`_SpanProcess`) from the
+records this one ships, so the model and the spans use both cores. It also returns the ground
+truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger with.
+Not modelled: queueing and batching contention (each request is timed as if alone).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ SIM_FAULTS = (
 
 # A client gives up on a stalled request after this long (vLLM's benchmark: 120 s).
 CLIENT_TIMEOUT_S = 120.0
-# From this many turns on, rows are appended, converted and inserted in a child process.
+# From this many turns on, spans are built, converted and inserted by a child process.
 PROCESS_ROWS_MIN_TURNS = 10_000
 _NS = 1_000_000_000
 
