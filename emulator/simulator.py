@@ -478,6 +478,7 @@ class Simulator:
         # starts (~0.6 s) while the workload's block view is built here.
         spec = self._telemetry_spec(run_id, ids=True)
         span_process: _SpanProcess | None = None
+        view: BlockView | None = None
         try:
             span_process = _SpanProcess(db, spec)
             view = block_view(workload)
@@ -489,13 +490,15 @@ class Simulator:
             if span_process is not None:
                 span_process.abort()
             raise
+        if view is None:  # the child could not even be spawned
+            view = block_view(workload)
         if span_process is not None:
             result = self._simulate_into(span_process, workload, view, run_id, epoch_ns, spec)
         con = open_store(db)
         try:
             if span_process is None:
-                result = self._simulate_into(RowSink(con), workload, block_view(workload),
-                                             run_id, epoch_ns, spec)
+                result = self._simulate_into(RowSink(con), workload, view, run_id, epoch_ns,
+                                             spec)
             end_run(con, run_id)
         finally:
             con.close()
