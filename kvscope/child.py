@@ -11,7 +11,10 @@ error in the parent as the child's own kvscope error class (``StoreLockedError``
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
+import os
+import socket
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -19,6 +22,8 @@ from typing import Any, NoReturn
 
 from kvscope import errors
 from kvscope.errors import KvscopeError
+
+logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0
 
@@ -46,6 +51,17 @@ def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
     process.start()
     child_conn.close()
     return process, conn
+
+
+def set_send_buffer(conn: Connection, size: int) -> None:
+    """Ask the kernel for a ``size``-byte send buffer on ``conn`` (a duplex pipe is a Unix
+    socket pair): a sender of large messages then blocks less often. Best effort: the kernel
+    caps it (``net.core.wmem_max``) and a failure only leaves the default."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except OSError:
+        logger.debug("could not set the send buffer of a child pipe", exc_info=True)
 
 
 def wait_ready(process: BaseProcess, conn: Connection, *, name: str,
