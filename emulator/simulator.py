@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-import marshal
 import os
-import pickle
 import random
 import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,11 +40,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from kvscope import semconv
 from kvscope.child import (
     ChildStartError,
+    pack,
     report_error,
     report_ready,
     set_send_buffer,
     spawn_child,
     stop_child,
+    unpack,
     wait_ready,
 )
 from kvscope.collector.engine_telemetry import (
@@ -273,7 +273,7 @@ class _SpanProcess:
     """The run's spans built, converted and inserted by a child process, from its records.
 
     The simulating process only runs the model: each finished turn's :class:`TurnRecord` and
-    each engine record go to the child as plain tuples, in batches of ``batch`` (one pickle
+    each engine record go to the child as plain tuples, in batches of ``batch`` (one message
     each). The child rebuilds them and runs the same builders the in-process path runs
     (:func:`_telemetry`: ``ProxyTelemetry.spans_for``, ``EngineTelemetry.emit``, direct rows)
     into a :class:`RowSink` on its own connection. It continues the id streams of ``spec``,
@@ -320,7 +320,7 @@ class _SpanProcess:
     def flush(self) -> None:
         if self._items:
             try:
-                self._conn.send_bytes(_dump_batch(self._items))
+                self._conn.send_bytes(pack(self._items))
             except (OSError, ValueError) as exc:
                 raise StoreError(self._child_error() or "simulator: the span process "
                                  "is gone") from exc
@@ -356,21 +356,6 @@ class _SpanProcess:
         stop_child(self._process, self._conn)
 
 
-def _dump_batch(items: list[tuple[int, int, tuple[Any, ...]]]) -> bytes:
-    """A batch of records for the span process: ``marshal`` (these are plain tuples of str,
-    int, float, bool and None: half pickle's time), pickle should a value be of another type."""
-    try:
-        return b"M" + marshal.dumps(items)
-    except ValueError:
-        return b"P" + pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _load_batch(data: bytes) -> list[tuple[int, int, tuple[Any, ...]]]:
-    body = memoryview(data)[1:]
-    items = marshal.loads(body) if data[:1] == b"M" else pickle.loads(body)
-    return items
-
-
 def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
     """The span process: records → spans → rows → store until the end marker, then report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it in order
@@ -391,7 +376,7 @@ def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
                 classes = _ENGINE_RECORDS
                 with cyclic_gc_per_batch():
                     while data := conn.recv_bytes():
-                        for index, code, values in _load_batch(data):
+                        for index, code, values in unpack(data):
                             if index == _TURN:
                                 spans_for(record_from_tuple(values))
                             else:

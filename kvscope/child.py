@@ -12,8 +12,10 @@ error in the parent as the child's own kvscope error class (``StoreLockedError``
 from __future__ import annotations
 
 import logging
+import marshal
 import multiprocessing as mp
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -51,6 +53,27 @@ def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
     process.start()
     child_conn.close()
     return process, conn
+
+
+def pack(value: Any) -> bytes:
+    """``value`` as one message for a child: ``marshal`` when it holds only plain values (str,
+    bytes, int, float, bool, None, tuples, lists, dicts, sets: about twice as fast as pickle
+    both ways, and the same interpreter reads it), pickle otherwise. The first byte says which,
+    so a message never starts with ``b"F"`` or is empty (free for control messages)."""
+    try:
+        return b"M" + marshal.dumps(value)
+    except ValueError:  # a value of another type
+        return b"P" + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes) -> Any:
+    """The value :func:`pack` made ``data`` from."""
+    body = memoryview(data)[1:]
+    if data[:1] == b"M":
+        return marshal.loads(body)
+    if data[:1] == b"P":
+        return pickle.loads(body)
+    raise ValueError(f"not a packed message (first byte {data[:1]!r})")
 
 
 def set_send_buffer(conn: Connection, size: int) -> None:

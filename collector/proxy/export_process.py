@@ -6,7 +6,8 @@ event loop needs, so under load every turn waits for it. :class:`TurnExportProce
 of it to a child process: the event loop appends the finished :class:`TurnRecord` to a bounded
 deque (no lock, nothing built); a sender thread, every 250 ms, flattens the queued
 records to tuples, each with its request's messages (see
-:meth:`ProxyTelemetry.message_boundaries`), and writes them to a pipe as one pickled batch;
+:meth:`ProxyTelemetry.message_boundaries`), and writes them to a pipe as one packed batch
+(:func:`~kvscope.child.pack`: marshal);
 the child hashes the message boundaries, rebuilds each record and runs the same
 :meth:`ProxyTelemetry.spans_for`. The sender thread holds the GIL the event loop needs, and at
 saturation the event loop is what sets a turn's latency: with the boundary hashing (~5 µs a turn
@@ -36,7 +37,6 @@ import logging
 import multiprocessing as mp
 import operator
 import os
-import pickle
 import signal
 import threading
 import time
@@ -46,7 +46,7 @@ from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvscope.child import report_error, report_ready, start_child
+from kvscope.child import pack, report_error, report_ready, start_child, unpack
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import TurnRecord, boundary_hashes, boundary_roles
 from kvscope.errors import KvscopeError
@@ -71,7 +71,7 @@ _values = operator.attrgetter(*_FIELDS)
 # Slots of the shared counter array the child publishes.
 (_RECEIVED, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
  _FLUSHED) = range(8)
-# Control messages on the pipe (record batches are pickles, which never start with these).
+# Control messages on the pipe (record batches are packed: they never start with these).
 _END = b""
 _FLUSH = b"F"
 # How often an idle child publishes its exporter's counters.
@@ -81,8 +81,8 @@ _ROW_FLUSH_INTERVAL_S = 1.0
 
 
 def record_to_tuple(record: TurnRecord) -> tuple[Any, ...]:
-    """A record as plain values in field order (pickles ~3× faster than the dataclass), its
-    ``boundary_source`` last as only what the boundaries are hashed from."""
+    """A record as plain values in field order (packed several times faster than the
+    dataclass), its ``boundary_source`` last as only what the boundaries are hashed from."""
     values = list(_values(record))
     conversation = values[_CONVERSATION]
     if conversation is not None:
@@ -233,8 +233,7 @@ class TurnExportProcess:
     def _send(self, batch: list[TurnRecord]) -> None:
         if not self._broken:
             try:
-                payload = pickle.dumps([record_to_tuple(r) for r in batch],
-                                       protocol=pickle.HIGHEST_PROTOCOL)
+                payload = pack([record_to_tuple(r) for r in batch])
                 self._conn.send_bytes(payload)  # blocks (GIL released) while the child is behind
                 self.stats.sent += len(batch)
                 return
@@ -243,7 +242,7 @@ class TurnExportProcess:
                 logger.error("kvscope proxy telemetry: the export process is gone (exit code "
                              "%s); spans are dropped and counted from now on",
                              self._process.exitcode)
-            except Exception:  # a record that does not pickle: count, never raise
+            except Exception:  # a record that does not pack: count, never raise
                 logger.exception("kvscope proxy telemetry: could not send a batch")
         self._dropped(batch)
 
@@ -419,7 +418,7 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
                 export.publish(counters, built)
                 counters[_FLUSHED] += 1
                 continue
-            for values in pickle.loads(data):
+            for values in unpack(data):
                 counters[_RECEIVED] += 1
                 try:
                     record = record_from_tuple(values)

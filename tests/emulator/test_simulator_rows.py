@@ -130,19 +130,6 @@ def test_without_a_span_process_the_spans_are_written_here(
     assert _normalised(rows, result.run_id) == _normalised(expected_rows, expected.run_id)
 
 
-def test_record_batches_round_trip_and_fall_back_to_pickle() -> None:
-    plain = [(-1, 0, ("id", 1, 2.5, None, True, ("c", "body", None), ["stop"])),
-             (0, 1, ("req", 10**30, -3, ""))]
-    data = simulator._dump_batch(plain)
-    assert data[:1] == b"M"
-    assert simulator._load_batch(data) == plain
-    # A value marshal cannot write (an instance of a class) goes through pickle instead.
-    odd = [(0, 2, (semconv.ID_SOURCE_BODY, Path("x")))]
-    data = simulator._dump_batch(odd)
-    assert data[:1] == b"P"
-    assert simulator._load_batch(data) == odd
-
-
 def test_span_process_runs_at_lower_priority_with_a_wide_pipe(tmp_path: Path) -> None:
     settings = SimulationSettings(profile="tiny", seed=2)
     spec = Simulator(settings)._telemetry_spec("r", ids=True)
