@@ -484,7 +484,7 @@ class Simulator:
             run_id = begin_run(con, self.settings.label, run_settings)
             if not self._direct_rows or turns < self._process_rows_min_turns:
                 sink: _AnySink = RowSink(con)
-                result = self._simulate_into(sink, workload, block_view(workload), run_id,
+                result = self._simulate_into(sink, workload, _block_view(workload), run_id,
                                              epoch_ns, self._telemetry_spec(run_id, ids=False))
                 end_run(con, run_id)
                 return result
@@ -497,7 +497,7 @@ class Simulator:
         view: BlockView | None = None
         try:
             span_process = _SpanProcess(db, spec)
-            view = block_view(workload)
+            view = _block_view(workload)
             span_process.ready()
         except ChildStartError as exc:
             logger.warning("simulator: %s; building and writing spans in this process", exc)
@@ -507,7 +507,7 @@ class Simulator:
                 span_process.abort()
             raise
         if view is None:  # the child could not even be spawned
-            view = block_view(workload)
+            view = _block_view(workload)
         if span_process is not None:
             result = self._simulate_into(span_process, workload, view, run_id, epoch_ns, spec)
         con = open_store(db)
@@ -837,6 +837,14 @@ class Simulator:
                      if record.first_token_ns is not None else None),
             errored=bool(result is not None and (result.errored or result.stalled)),
         ))
+
+
+def _block_view(workload: Workload) -> BlockView:
+    """The workload's block view, built with automatic cyclic collection paused: its ~2 chains
+    a turn are long-lived and acyclic, yet on a large heap each collection they trigger walks
+    it (100k turns: 0.84 s to build with collection, 0.51 s without)."""
+    with cyclic_gc_per_batch():
+        return block_view(workload)
 
 
 def _continues(turns: Sequence[Turn], pos: int) -> bool:

@@ -63,7 +63,10 @@ class BlockChain:
     num_blocks: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_blocks", self.kept + sum(count for _, count in self.runs))
+        blocks = self.kept
+        for _, count in self.runs:  # mostly one run: a loop beats sum() over a generator
+            blocks += count
+        object.__setattr__(self, "num_blocks", blocks)
 
     def block_id(self, position: int) -> int:
         """Return the id of the block at ``position`` (0-based)."""
