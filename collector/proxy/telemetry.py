@@ -454,8 +454,8 @@ class ProxyTelemetry:
 
         Hashing is proportional to the prompt (~0.9 ms for 500 KB of messages). With an export
         process it is left to that process: the record keeps a reference to ``body``, which the
-        proxy does not change after forwarding it, until the sender thread ships its messages
-        (copied by pickle, several times cheaper than hashing them; no GIL-holding Python loop
+        proxy does not change after forwarding it, until the finished turn is packed with its
+        messages (copied by marshal, several times cheaper than hashing them; no Python loop
         per message in the proxy's process). In-process, they are computed now.
         """
         if self.export_process is not None:

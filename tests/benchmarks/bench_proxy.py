@@ -176,10 +176,11 @@ def telemetry_cost_us(db: str, process: bool, turns: int = 5000
                       ) -> tuple[float, float, float]:
     """CPU µs per turn: on the calling (event-loop) thread, and in the whole proxy process.
 
-    The first is begin_turn + record fill + finish_turn; the second adds the proxy process's
-    other threads, measured after a flush: in-process, the exporter thread's conversion to rows
-    and the DuckDB insert; with the export process, only the sender thread (records → pickled
-    batch → pipe). The third is the export process's own CPU, 0 in-process.
+    The first is begin_turn + record fill + finish_turn (with the export process, the record
+    packed there); the second adds the proxy process's other threads, measured after a flush:
+    in-process, the exporter thread's conversion to rows and the DuckDB insert; with the export
+    process, only the sender thread (packed records → one batch → pipe). The third is the
+    export process's own CPU, 0 in-process.
     """
     from kvscope.collector.proxy.router import ConversationId
 
@@ -300,8 +301,9 @@ def main() -> int:
     _, _, idle_us = telemetry_cost_us(str(tmp / "cost-idle.duckdb"), True, turns=1)
     child_us -= idle_us / 5000
     print(f"telemetry CPU per turn in the proxy's process, export process, mean of 5000 turns: "
-          f"{loop_us:.1f} us on the event loop thread (record -> queue); {process_us:.1f} us "
-          f"in the whole process (+ sender thread: tuples, pickle, pipe); {child_us:.1f} us in "
+          f"{loop_us:.1f} us on the event loop thread (record -> packed -> queue); "
+          f"{process_us:.1f} us "
+          f"in the whole process (+ sender thread: batch -> pipe); {child_us:.1f} us in "
           f"the export process (spans -> rows -> DuckDB, start-up taken off)")
     loop_us, process_us, _ = telemetry_cost_us(str(tmp / "cost-inproc.duckdb"), False)
     print(f"telemetry CPU per turn in the proxy's process, in-process, mean of 5000 turns: "

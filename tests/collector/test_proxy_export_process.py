@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import time
@@ -15,6 +14,7 @@ import duckdb
 import pytest
 
 from kvscope import semconv
+from kvscope.child import pack, unpack
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy.export_process import (
     TurnExportProcess,
@@ -100,7 +100,9 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.boundary_source = body
     for f in fields(TurnRecord):  # a new field must be filled here too
         assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
-    received = record_from_tuple(pickle.loads(pickle.dumps(record_to_tuple(record))))
+    packed = pack(record_to_tuple(record))
+    assert packed[:1] == b"M"  # plain values: marshalled
+    received = record_from_tuple(unpack(packed))
     # Only the messages travel with it (not the rest of the body); hashed on arrival.
     assert received.boundary_source == {"messages": body["messages"]}
     resolve_boundaries(received)
@@ -157,6 +159,25 @@ def test_close_exports_everything_submitted(tmp_path: Path) -> None:
         telemetry.finish_turn(record)
     telemetry.shutdown()  # no flush first: close itself sends and waits
     assert len(_rows(db)) == sum(span_count(r) for r in records)
+
+
+def test_a_submitted_turn_keeps_nothing_of_itself_on_the_proxys_heap(tmp_path: Path) -> None:
+    # The queue holds packed bytes: the record (and the request body it references) go as
+    # soon as the turn is submitted, not when the sender thread ships it.
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(tmp_path / "heap.duckdb"),
+                                send_interval_s=5.0)
+    telemetry = ProxyTelemetry(None, export_process=process)
+    try:
+        record = _turns(telemetry, 1)[0]
+        spans = span_count(record)
+        body = record.boundary_source
+        before = sys.getrefcount(record), sys.getrefcount(body)
+        telemetry.finish_turn(record)
+        assert (sys.getrefcount(record), sys.getrefcount(body)) == before
+        assert telemetry.telemetry_counts()["pending_turns"] == 1  # still queued, as bytes
+    finally:
+        telemetry.shutdown()
+    assert len(_rows(tmp_path / "heap.duckdb")) == spans
 
 
 def test_a_locked_store_fails_at_start_with_the_store_error(tmp_path: Path) -> None:
