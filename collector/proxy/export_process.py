@@ -179,10 +179,12 @@ class TurnExportProcess:
             name="kvscope-proxy-telemetry",
         )
         self.stats = ExportProcessStats()
-        # Each finished turn as (its packed record, the spans it makes): bytes, which the
-        # cyclic garbage collector never visits, so that nothing of a turn (record, request
-        # body) outlives it on the proxy's heap while it waits for the sender.
-        self._queue: deque[tuple[bytes, int]] = deque()
+        # Each finished turn as its packed record: bytes, which the cyclic garbage collector
+        # never visits, so that nothing of a turn (record, request body, not even a tuple)
+        # outlives it on the proxy's heap while it waits for the sender; beside it, in the same
+        # order, the spans it makes (small ints: shared objects), counted if it is dropped.
+        self._queue: deque[bytes] = deque()
+        self._queue_spans: deque[int] = deque()
         self._max_queue = max_queue
         self._wake_at = max(max_queue // 2, 1)
         self._interval = send_interval_s
@@ -211,7 +213,9 @@ class TurnExportProcess:
             logger.debug("kvscope proxy telemetry: could not pack a record", exc_info=True)
             self._dropped(1, spans)
             return
-        queue.append((packed, spans))  # atomic under the GIL
+        # Atomic under the GIL; spans first, so that the sender finds them for every record.
+        self._queue_spans.append(spans)
+        queue.append(packed)
         self.stats.submitted += 1
         if len(queue) == self._wake_at:
             with self._cond:
@@ -219,18 +223,20 @@ class TurnExportProcess:
 
     # --- the sender thread --------------------------------------------------------------------
     def _send_loop(self) -> None:
-        queue = self._queue
+        queue, queue_spans = self._queue, self._queue_spans
         while True:
             with self._cond:
                 if not self._closed:
                     self._cond.wait(self._interval)
                 closed = self._closed
                 flushes = self._flushes_requested
-            batch: list[tuple[bytes, int]] = []
+            batch: list[bytes] = []
+            spans = 0
             while queue:
                 batch.append(queue.popleft())
+                spans += queue_spans.popleft()
             if batch:
-                self._send(batch)
+                self._send(batch, spans)
             if flushes > self._flushes_sent:
                 self._control(_FLUSH)
                 self._flushes_sent = flushes
@@ -245,10 +251,10 @@ class TurnExportProcess:
             except (OSError, ValueError):
                 self._broken = True
 
-    def _send(self, batch: list[tuple[bytes, int]]) -> None:
+    def _send(self, batch: list[bytes], spans: int) -> None:
         if not self._broken:
             try:
-                payload = pack([packed for packed, _ in batch])  # a list of bytes: copies
+                payload = pack(batch)  # a list of bytes: copies
                 self._conn.send_bytes(payload)  # blocks (GIL released) while the child is behind
                 self.stats.sent += len(batch)
                 return
@@ -259,7 +265,7 @@ class TurnExportProcess:
                              self._process.exitcode)
             except Exception:  # never raise from the sender thread: count
                 logger.exception("kvscope proxy telemetry: could not send a batch")
-        self._dropped(len(batch), sum(spans for _, spans in batch))
+        self._dropped(len(batch), spans)
 
     def _dropped(self, records: int, spans: int) -> None:
         # Both the event loop and the sender thread drop: count under a lock (a rare path).
