@@ -28,9 +28,8 @@ import os
 import random
 import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
@@ -81,7 +80,6 @@ from kvscope.emulator.reuse_model import (
     NodeConfig,
     PrefillNode,
     PrefillResult,
-    Retention,
     account_turn,
     vllm_request_id,
 )
@@ -200,19 +198,58 @@ class SimulationResult:
 
 
 class _Emitter(Protocol):
-    """What the simulation emits engine records to: an :class:`EngineTelemetry` (in this
-    process) or a :class:`_SpanProcess` stand-in that ships them."""
+    """What the simulation emits engine records to, each as (type index into
+    :data:`_ENGINE_RECORDS`, its field values in order): an :class:`EngineTelemetry` in this
+    process (:class:`_LocalEmitter`) or a :class:`_SpanProcess` stand-in that ships them."""
 
-    def emit(self, record: EngineRecord) -> None: ...
+    def emit(self, code: int, values: tuple[Any, ...]) -> None: ...
 
 
-# Engine records travel to the span process as (engine index, type index, field values).
+# Engine records as the simulation makes them: the values of a record's fields in order (what
+# the span process receives), from the helpers below (a tuple from keyword arguments is a fifth
+# of the cost of the record itself; the records are built where they are used, once).
 _ENGINE_RECORDS: tuple[type[EngineRecord], ...] = (
     ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
-_RECORD_VALUES = {
-    cls: (code, attrgetter(*(f.name for f in fields(cls))))
-    for code, cls in enumerate(_ENGINE_RECORDS)
-}
+_DECISION, _TRANSFER, _RETENTION = range(3)
+
+
+def _decision_values(*, request_id: str, time_ns: int, local_hit_tokens: int,
+                     remote_offered_tokens: int | None, to_pull_tokens: int,
+                     threshold_tokens: int, decision: str, bidirectional: bool,
+                     prompt_tokens: int | None, remote_engine_id: str | None
+                     ) -> tuple[Any, ...]:
+    """A :class:`ReuseDecisionRecord`'s field values (a test holds the names to its fields)."""
+    return (request_id, time_ns, local_hit_tokens, remote_offered_tokens, to_pull_tokens,
+            threshold_tokens, decision, bidirectional, prompt_tokens, remote_engine_id)
+
+
+def _transfer_values(*, request_id: str, start_ns: int, end_ns: int, direction: str,
+                     status: str, size_bytes: int, blocks: int, remote_engine_id: str | None,
+                     request_outcome: str | None = None) -> tuple[Any, ...]:
+    """A :class:`KvTransferRecord`'s field values."""
+    return (request_id, start_ns, end_ns, direction, status, size_bytes, blocks,
+            remote_engine_id, request_outcome)
+
+
+def _retention_values(*, request_id: str, start_ns: int, end_ns: int | None, blocks: int,
+                      size_bytes: int, ttl_s: float, release_reason: str,
+                      remote_num_tokens: int | None) -> tuple[Any, ...]:
+    """A :class:`KvRetentionRecord`'s field values."""
+    return (request_id, start_ns, end_ns, blocks, size_bytes, ttl_s, release_reason,
+            remote_num_tokens)
+
+
+class _LocalEmitter:
+    """An engine's telemetry in this process: each record built and emitted at once."""
+
+    __slots__ = ("_emit",)
+
+    def __init__(self, telemetry: EngineTelemetry) -> None:
+        self._emit = telemetry.emit
+
+    def emit(self, code: int, values: tuple[Any, ...]) -> None:
+        self._emit(_ENGINE_RECORDS[code](*values))
+
 _TURN = -1  # the engine index of a proxy TurnRecord
 _SPAN_PROCESS = "kvscope-simulator-spans"
 # The span process runs at a lower CPU priority: the simulating process is the run's critical
@@ -304,14 +341,13 @@ class _SpanProcess:
 
     def engine(self, index: int) -> _Emitter:
         """The stand-in for engine ``index``'s telemetry: its ``emit`` ships the record."""
-        items, batch, flush, values = self._items, self._batch, self.flush, _RECORD_VALUES
+        items, batch, flush = self._items, self._batch, self.flush
 
         class _Ship:
             __slots__ = ()
 
-            def emit(self, record: EngineRecord) -> None:
-                code, getter = values[type(record)]
-                items.append((index, code, getter(record)))
+            def emit(self, code: int, values: tuple[Any, ...]) -> None:
+                items.append((index, code, values))
                 if len(items) >= batch:
                     flush()
 
@@ -567,7 +603,8 @@ class Simulator:
         spans_for: Callable[[TurnRecord], Any]
         engines: Sequence[_Emitter]
         if isinstance(sink, RowSink):
-            spans_for, engines = _telemetry(sink, spec, self._direct_rows)
+            spans_for, local = _telemetry(sink, spec, self._direct_rows)
+            engines = [_LocalEmitter(tel) for tel in local]
         else:
             spans_for = sink.turn
             engines = [sink.engine(i) for i in range(len(spec.engines))]
@@ -676,7 +713,7 @@ class Simulator:
             transfer_s = 0.0
             if result.transfer is not None:
                 transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
-                p_tel.emit(KvTransferRecord(
+                p_tel.emit(_TRANSFER, _transfer_values(
                     request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
                     direction=result.transfer.direction, status=result.transfer.status,
                     size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
@@ -714,7 +751,7 @@ class Simulator:
                 turn.prompt_tokens) / 1000.0
             if p_to_d is not None:
                 d_tel = decode_tel[di]
-                d_tel.emit(KvTransferRecord(
+                d_tel.emit(_TRANSFER, _transfer_values(
                     request_id=d_rid, start_ns=ns(p_end),
                     end_ns=ns(p_end + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
                     direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
@@ -747,7 +784,7 @@ class Simulator:
             if decision is None:
                 continue
             offered = params.get("remote_num_tokens")
-            tel.emit(ReuseDecisionRecord(
+            tel.emit(_DECISION, _decision_values(
                 request_id=decision.request_id, time_ns=ns(t),
                 local_hit_tokens=decision.local_hit_tokens,
                 remote_offered_tokens=int(offered) if isinstance(offered, int) else None,
@@ -768,7 +805,11 @@ class Simulator:
 
     def _drain(self, node: DecodeNode, tel: _Emitter, ns: Any) -> None:
         for retention in node.released:
-            tel.emit(_retention_record(retention, ns))
+            tel.emit(_RETENTION, _retention_values(
+                request_id=retention.request_id, start_ns=ns(retention.start),
+                end_ns=ns(retention.end) if retention.end is not None else None,
+                blocks=retention.blocks, size_bytes=retention.bytes, ttl_s=retention.ttl_s,
+                release_reason=retention.release_reason, remote_num_tokens=retention.tokens))
         node.released.clear()
 
     def _finish(self, turn: _Turn, t: float, ns: Any, spans_for: Callable[[TurnRecord], Any],
@@ -926,14 +967,6 @@ class _Messages:
 
 def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
-
-
-def _retention_record(r: Retention, ns: Any) -> KvRetentionRecord:
-    return KvRetentionRecord(
-        request_id=r.request_id, start_ns=ns(r.start),
-        end_ns=ns(r.end) if r.end is not None else None, blocks=r.blocks, size_bytes=r.bytes,
-        ttl_s=r.ttl_s, release_reason=r.release_reason, remote_num_tokens=r.tokens,
-    )
 
 
 class _ChainRuns:

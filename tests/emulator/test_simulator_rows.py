@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import socket
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,11 @@ import pytest
 
 from kvscope import semconv
 from kvscope.child import ChildStartError
+from kvscope.collector.engine_telemetry import (
+    KvRetentionRecord,
+    KvTransferRecord,
+    ReuseDecisionRecord,
+)
 from kvscope.collector.proxy.telemetry import ProxyTelemetry
 from kvscope.emulator import simulator
 from kvscope.emulator.simulator import (
@@ -148,3 +155,19 @@ def test_span_process_runs_at_lower_priority_with_a_wide_pipe(tmp_path: Path) ->
     finally:
         process.abort()
     assert process.written == 0
+
+
+@pytest.mark.parametrize(("code", "helper", "record"), [
+    (simulator._DECISION, simulator._decision_values, ReuseDecisionRecord),
+    (simulator._TRANSFER, simulator._transfer_values, KvTransferRecord),
+    (simulator._RETENTION, simulator._retention_values, KvRetentionRecord),
+])
+def test_engine_record_values_follow_the_record_fields(code: int, helper: Any,
+                                                       record: type) -> None:
+    # The simulation builds a record's field values by keyword; the span process (and the
+    # in-process emitter) rebuild the record from them by position.
+    assert simulator._ENGINE_RECORDS[code] is record
+    names = list(inspect.signature(helper).parameters)
+    assert names == [f.name for f in fields(record)][:len(names)]
+    given = {name: f"v{i}" for i, name in enumerate(names)}
+    assert record(*helper(**given)) == record(**given)
