@@ -15,6 +15,9 @@ the rows with the SDK path's column for column.
 from __future__ import annotations
 
 import gc
+import struct
+from array import array
+from binascii import hexlify
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -263,7 +266,7 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
         pa.array(starts, type=TRACES_ARROW.field("Timestamp").type),
         _hex_ids(trace_ids, 16),
         _hex_ids(span_ids, 8),
-        pa.array(["" if p is None else f"{p:016x}" for p in parents], type=string),
+        _parent_ids(parents),
         pa.array(states, type=string),
         pa.array(names, type=string),
         pa.array(kinds, type=string),
@@ -286,10 +289,37 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
 
 def _hex_ids(ids: Sequence[int], width: int) -> pa.Array:
     """Ids of ``width`` bytes as fixed-width lower-case hex strings (``f"{id:0{2*width}x}"``),
-    converted as one byte string: no Python string per id."""
-    text = b"".join(map(methodcaller("to_bytes", width, "big"), ids)).hex().encode("ascii")
-    offsets = pa.array(range(0, 2 * width * len(ids) + 1, 2 * width), type=pa.int32())
-    return pa.StringArray.from_buffers(len(ids), offsets.buffers()[1], pa.py_buffer(text))
+    converted as one byte string: no Python string per id (8-byte ids packed by ``struct`` in
+    one call, a seventh of the time of ``int.to_bytes`` per id)."""
+    try:
+        if width != 8:
+            raise struct.error("not an 8-byte id")
+        raw = struct.pack(f">{len(ids)}Q", *ids)
+    except struct.error:  # wider ids (trace ids), or a value that does not fit
+        raw = b"".join(map(methodcaller("to_bytes", width, "big"), ids))
+    return pa.StringArray.from_buffers(len(ids), _fixed_offsets(len(ids), 2 * width),
+                                       pa.py_buffer(hexlify(raw)))
+
+
+def _parent_ids(parents: Sequence[int | None]) -> pa.Array:
+    """Parent span ids as hex, "" for a root span."""
+    present = pa.array(parents, type=pa.uint64())  # None -> null
+    if not present.null_count:
+        return _hex_ids(parents, 8)  # type: ignore[arg-type]
+    return pc.if_else(present.is_valid(), _hex_ids([p or 0 for p in parents], 8), "")
+
+
+# int32 offsets 0, step, 2 * step, ... by step (shared: Arrow buffers are immutable).
+_FIXED_OFFSETS: dict[int, pa.Buffer] = {}
+
+
+def _fixed_offsets(n: int, step: int) -> pa.Buffer:
+    """A buffer of at least ``n + 1`` offsets of strings ``step`` bytes long each."""
+    buffer = _FIXED_OFFSETS.get(step)
+    if buffer is None or buffer.size < 4 * (n + 1):
+        count = max(n + 1, 1 << 15)
+        buffer = _FIXED_OFFSETS[step] = pa.py_buffer(array("i", range(0, step * count, step)))
+    return buffer
 
 
 _EVENTS_TYPE = TRACES_ARROW.field("Events").type

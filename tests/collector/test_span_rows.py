@@ -11,7 +11,13 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvscope.collector.convert import spans_to_rows
-from kvscope.collector.span_rows import resource_row, rows_to_arrow, scope_row
+from kvscope.collector.span_rows import (
+    _hex_ids,
+    _parent_ids,
+    resource_row,
+    rows_to_arrow,
+    scope_row,
+)
 from kvscope.store.schema import SPAN_KIND_NAMES
 
 
@@ -80,3 +86,15 @@ def test_a_batch_of_every_value_type_converts_as_the_sdk_path_stores_it() -> Non
     assert dict(direct["SpanAttributes"][1].as_py())["huge"] == str(2**70)
     assert direct["TraceId"][1].as_py() == f"{1:032x}"
     assert direct["SpanId"][0].as_py() == "f" * 16
+
+
+def test_ids_convert_to_fixed_width_hex_at_both_widths_and_every_batch_size() -> None:
+    ids8 = [1, 0xABCDEF, 2**64 - 1, 2**63]
+    ids16 = [1, 2**64, 2**128 - 1]
+    for n in (0, 1, 4, 40_000):  # the shared offsets buffer grows past its first size
+        batch8 = (ids8 * (n // 4 + 1))[:n]
+        assert _hex_ids(batch8, 8).to_pylist() == [f"{i:016x}" for i in batch8]
+    assert _hex_ids(ids16, 16).to_pylist() == [f"{i:032x}" for i in ids16]
+    parents = [None, 5, None, 2**64 - 1]
+    assert _parent_ids(parents).to_pylist() == ["", f"{5:016x}", "", "f" * 16]
+    assert _parent_ids([7]).to_pylist() == [f"{7:016x}"]
