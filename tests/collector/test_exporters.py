@@ -212,6 +212,9 @@ def test_the_parquet_route_stores_what_the_arrow_scan_stores(tmp_path: Path,
         con.close()
         return rows
 
+    spill_dir = tmp_path / "spill"  # this test's own temp dir: other runs may spill in /tmp
+    spill_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill_dir))
     spills: list[str] = []
     real_spill = writer_module._spill
     monkeypatch.setattr(writer_module, "_spill",
@@ -220,7 +223,7 @@ def test_the_parquet_route_stores_what_the_arrow_scan_stores(tmp_path: Path,
     assert spills  # the file route really ran
     assert parquet == stored(tmp_path / "scan.duckdb", writer_module.insert_arrow_scan)
     assert len(parquet) == len(spans)
-    assert not list(Path(tempfile.gettempdir()).glob("kvscope-batch-*.parquet"))  # cleaned up
+    assert not list(spill_dir.iterdir())  # cleaned up
 
 
 def test_an_unwritable_temp_dir_falls_back_to_the_arrow_scan(tmp_path: Path,
