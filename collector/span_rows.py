@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import methodcaller
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import duckdb
 import pyarrow as pa
@@ -291,11 +291,13 @@ def _hex_ids(ids: Sequence[int], width: int) -> pa.Array:
     """Ids of ``width`` bytes as fixed-width lower-case hex strings (``f"{id:0{2*width}x}"``),
     converted as one byte string: no Python string per id (8-byte ids packed by ``struct`` in
     one call, a seventh of the time of ``int.to_bytes`` per id)."""
-    try:
-        if width != 8:
-            raise struct.error("not an 8-byte id")
-        raw = struct.pack(f">{len(ids)}Q", *ids)
-    except struct.error:  # wider ids (trace ids), or a value that does not fit
+    raw = None
+    if width == 8:
+        try:
+            raw = struct.pack(f">{len(ids)}Q", *ids)
+        except struct.error:  # a value that does not fit: to_bytes raises the right error
+            pass
+    if raw is None:
         raw = b"".join(map(methodcaller("to_bytes", width, "big"), ids))
     return pa.StringArray.from_buffers(len(ids), _fixed_offsets(len(ids), 2 * width),
                                        pa.py_buffer(hexlify(raw)))
@@ -305,7 +307,7 @@ def _parent_ids(parents: Sequence[int | None]) -> pa.Array:
     """Parent span ids as hex, "" for a root span."""
     present = pa.array(parents, type=pa.uint64())  # None -> null
     if not present.null_count:
-        return _hex_ids(parents, 8)  # type: ignore[arg-type]
+        return _hex_ids(cast(Sequence[int], parents), 8)
     return pc.if_else(present.is_valid(), _hex_ids([p or 0 for p in parents], 8), "")
 
 
