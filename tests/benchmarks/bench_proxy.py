@@ -16,7 +16,7 @@ prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then
 telemetry adds (on − off) and that the proxy adds (off − direct). It also times the telemetry
 work a turn does on the event loop (record → spans → queue) in-process.
 
-Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 3]
+Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 3] [--gc]
 Not a test: nothing here asserts a time.
 """
 
@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +74,40 @@ def _serve_upstream(p_port: int, d_port: int) -> None:
     asyncio.run(main())
 
 
-def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: bool) -> None:
+def _record_gc(path: str) -> None:
+    """Count this process's garbage collections and their seconds, per generation, into the
+    JSON file ``path`` (rewritten every 0.25 s) for ``--gc``."""
+    counts = [[0, 0.0] for _ in range(3)]
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            count = counts[info["generation"]]
+            count[0] += 1
+            count[1] += time.perf_counter() - started[0]
+
+    def dump() -> None:
+        while True:
+            time.sleep(0.25)
+            Path(path + ".tmp").write_text(json.dumps(counts))
+            os.replace(path + ".tmp", path)
+
+    gc.callbacks.append(callback)
+    threading.Thread(target=dump, daemon=True).start()
+
+
+def _gc_counts(path: Path) -> list[list[float]]:
+    time.sleep(0.6)  # a fresh dump
+    counts: list[list[float]] = json.loads(path.read_text())
+    return counts
+
+
+def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: bool,
+                 gc_log: str | None = None) -> None:
+    if gc_log is not None:
+        _record_gc(gc_log)
     config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
     if db is None:
         telemetry = ProxyTelemetry(None)
@@ -227,20 +263,29 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="length of one round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--gc", action="store_true",
+                        help="also count each proxy process's garbage collections while measured")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
     p_port, d_port, off_port, on_port, inproc_port = (free_port() for _ in range(5))
     ctx = mp.get_context("spawn")
+    gc_files = {mode: tmp / f"gc-{mode}.json" for mode in ("proxy-off", "proxy-on", "in-process")}
+
+    def gc_log(mode: str) -> str | None:
+        return str(gc_files[mode]) if args.gc else None
+
     procs = [
         ctx.Process(target=_serve_upstream, args=(p_port, d_port), daemon=True),
-        ctx.Process(target=_serve_proxy, args=(off_port, p_port, d_port, None, False),
+        ctx.Process(target=_serve_proxy,
+                    args=(off_port, p_port, d_port, None, False, gc_log("proxy-off")),
                     daemon=True),
         # Not a daemon: it starts its own export process.
+        ctx.Process(target=_serve_proxy, args=(on_port, p_port, d_port, str(tmp / "on.duckdb"),
+                                               True, gc_log("proxy-on"))),
         ctx.Process(target=_serve_proxy,
-                    args=(on_port, p_port, d_port, str(tmp / "on.duckdb"), True)),
-        ctx.Process(target=_serve_proxy,
-                    args=(inproc_port, p_port, d_port, str(tmp / "inproc-on.duckdb"), False),
+                    args=(inproc_port, p_port, d_port, str(tmp / "inproc-on.duckdb"), False,
+                          gc_log("in-process")),
                     daemon=True),
     ]
     for proc in procs:
@@ -252,6 +297,8 @@ def main() -> int:
         asyncio.run(_wait_ready(urls))
         for mode in MODES:  # warm up connections and imports
             asyncio.run(_measure(mode, urls, 4, 0.5))
+        gc_before = {mode: _gc_counts(path) for mode, path in gc_files.items()} if args.gc else {}
+        served = dict.fromkeys(MODES, 0)
         print(f"kvscope proxy benchmark: {OUTPUT_TOKENS} output tokens/turn, fast local upstream, "
               f"{args.rounds} alternating rounds x {args.seconds:g}s per mode and level")
         header = (f"{'conc':>4} {'mode':<10} {'turns/s':>8} {'ttft p50':>9} {'ttft p99':>9} "
@@ -268,6 +315,7 @@ def main() -> int:
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
                     round_p50[mode] = _pct(sample.turn_s, .5)
                     results[mode].extend(sample)
+                    served[mode] += len(sample.turn_s)
                 for mode, diffs in paired.items():
                     diffs.append((round_p50[mode] - round_p50["proxy-off"]) * 1e3)
             for mode in MODES:
@@ -291,6 +339,13 @@ def main() -> int:
         for mode in ("proxy-on", "in-process"):
             health = asyncio.run(_health(urls[mode]))
             print(f"{mode} telemetry counters at the end: {health['telemetry']}")
+        for mode, path in gc_files.items() if args.gc else ():
+            after = _gc_counts(path)
+            n = [after[g][0] - gc_before[mode][g][0] for g in range(3)]
+            seconds = sum(after[g][1] - gc_before[mode][g][1] for g in range(3))
+            print(f"garbage collection in the {mode} proxy while measured: {seconds:.3f} s "
+                  f"({n[0]:.0f} young, {n[1]:.0f} middle, {n[2]:.0f} full) over {served[mode]} "
+                  f"turns: {seconds / max(served[mode], 1) * 1e6:.1f} us/turn")
     finally:
         for proc in procs:
             proc.terminate()
