@@ -58,7 +58,8 @@ def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
 def pack(value: Any) -> bytes:
     """``value`` as one message for a child: ``marshal`` when it holds only plain values (str,
     bytes, int, float, bool, None, tuples, lists, dicts, sets: about twice as fast as pickle
-    both ways, and the same interpreter reads it), pickle otherwise. The first byte says which,
+    both ways, and the same interpreter reads it), pickle otherwise (subclasses of those types
+    included; any other bytes-like object comes back as ``bytes``). The first byte says which,
     so a message never starts with ``b"F"`` or is empty (free for control messages)."""
     try:
         return b"M" + marshal.dumps(value)
