@@ -17,8 +17,9 @@ it received). And records kept as objects until the sender took them (a record, 
 it references) survived into older garbage-collector generations, so the loop's collections
 traversed more and ran more often: measured at 64 conversations, 0.55 s of collection in the
 on-rounds against 0.34 s with telemetry off. Queued as packed bytes, which the collector never
-visits (span counts beside them), the on-rounds collect as often per turn as the off-rounds
-(0.41 against 0.46 s, with 6% fewer turns). The messages' text crosses
+visits (span counts beside them), the on-rounds collect about as often per turn as the
+off-rounds (young collections per turn within 5%; collection time per turn, from
+``bench_proxy.py --gc``, 28-33 µs on against 23-31 µs off). The messages' text crosses
 only this local pipe: the child keeps their hashes, never the text. To a store file
 (``--db``) the child takes the direct row path of :mod:`~kvscope.collector.span_rows` (each
 span's pieces kept as a row and converted by column: about half the CPU of building
