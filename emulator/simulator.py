@@ -276,8 +276,9 @@ class _TelemetrySpec:
 
 
 def _telemetry(sink: RowSink, spec: _TelemetrySpec, direct: bool
-               ) -> tuple[Callable[[TurnRecord], Any], list[EngineTelemetry]]:
-    """The proxy's span builder and each engine's telemetry, writing into ``sink``.
+               ) -> tuple[Callable[[TurnRecord], Any], list[_LocalEmitter]]:
+    """The proxy's span builder and each engine's telemetry (as its emitter), writing into
+    ``sink``.
 
     ``direct``: rows straight from the builders' pieces (no ReadableSpan, no spans_to_rows);
     otherwise SDK spans, which tests compare the direct rows with.
@@ -294,7 +295,7 @@ def _telemetry(sink: RowSink, spec: _TelemetrySpec, direct: bool
                               role=role, background=False)
         if direct and not EngineRows.attach(tel, sink):
             raise RuntimeError("simulator: an engine tracer needs the SDK span path")
-        engines.append(tel)
+        engines.append(_LocalEmitter(tel))
     if direct:
         # Rows straight from the span builders' pieces: no ReadableSpan, no spans_to_rows.
         proxy_rows(proxy, sink)
@@ -408,15 +409,14 @@ def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
             sink = RowSink(con)
             try:
                 spans_for, engines = _telemetry(sink, spec, direct=True)
-                emits = [tel.emit for tel in engines]
-                classes = _ENGINE_RECORDS
+                emits = [engine.emit for engine in engines]
                 with cyclic_gc_per_batch():
                     while data := conn.recv_bytes():
                         for index, code, values in unpack(data):
                             if index == _TURN:
                                 spans_for(record_from_tuple(values))
                             else:
-                                emits[index](classes[code](*values))
+                                emits[index](code, values)
                 sink.close()
                 written = sink.written
             finally:
@@ -603,8 +603,7 @@ class Simulator:
         spans_for: Callable[[TurnRecord], Any]
         engines: Sequence[_Emitter]
         if isinstance(sink, RowSink):
-            spans_for, local = _telemetry(sink, spec, self._direct_rows)
-            engines = [_LocalEmitter(tel) for tel in local]
+            spans_for, engines = _telemetry(sink, spec, self._direct_rows)
         else:
             spans_for = sink.turn
             engines = [sink.engine(i) for i in range(len(spec.engines))]
