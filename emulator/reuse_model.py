@@ -359,7 +359,8 @@ class Retention:
         return None if self.end is None else self.end - self.start
 
 
-@dataclass(frozen=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class ReadReply:
     """What decode's side of one READ or notify saw."""
 
@@ -526,7 +527,8 @@ class Faults:
 NO_FAULTS = Faults()
 
 
-@dataclass(frozen=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class ReuseDecision:
     """P scheduler's decision for one schedule of a request (get_num_new_matched_tokens + alloc)."""
 
@@ -545,7 +547,8 @@ class ReuseDecision:
     bidirectional_kv_xfer: bool
 
 
-@dataclass(frozen=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class TransferRecord:
     """One D→P READ attempt (or decline) by P's worker."""
 
@@ -558,7 +561,8 @@ class TransferRecord:
     stale_handle: bool = False
 
 
-@dataclass(frozen=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class PrefillResult:
     """Everything one prefill request did about reuse, for spans and ground truth."""
 
@@ -840,7 +844,8 @@ class PrefillNode:
         return params
 
 
-@dataclass(frozen=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class TurnAccounting:
     """Ground truth for one turn: the token split (DESIGN §5) and its outcome label."""
 

@@ -162,7 +162,8 @@ class SimulationSettings:
         return values
 
 
-@dataclass(frozen=True, slots=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class TruthRow:
     """The true per-turn outcome of a simulated turn (what the ledger must reproduce)."""
 

@@ -236,7 +236,8 @@ class BlockSeq:
         return lo
 
 
-@dataclass(frozen=True, slots=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class BlockRuns:
     """A sequence given by runs of consecutive block ids, never expanded block by block.
 

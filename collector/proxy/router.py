@@ -65,7 +65,8 @@ def conversation_id_from(body: dict[str, Any], session_header: str | None) -> Co
     return ConversationId(value, source)
 
 
-@dataclass(frozen=True, slots=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class Lookup:
     """The result of one router lookup: a ``semconv.ROUTER_*`` value, entry age and params."""
 
