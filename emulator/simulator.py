@@ -62,7 +62,12 @@ from kvscope.collector.proxy.router import (
     Lookup,
     prefill_params,
 )
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, chain_boundary
+from kvscope.collector.proxy.telemetry import (
+    BOUNDARY_HASHES_KEPT,
+    ProxyTelemetry,
+    TurnRecord,
+    chain_boundary,
+)
 from kvscope.collector.span_rows import (
     EngineRows,
     RowSink,
@@ -612,7 +617,12 @@ class Simulator:
         decode_tel = list(engines[len(self.prefillers):])
         runs = _ChainRuns()
         conversations = workload.conversations
-        sends_id = [not self._fault(FAULT_NO_CONVERSATION_ID) for _ in conversations]
+        no_id = ConversationId(None, semconv.ID_SOURCE_NONE)
+        conversation_ids = [
+            ConversationId(conv.id, semconv.ID_SOURCE_BODY)
+            if not self._fault(FAULT_NO_CONVERSATION_ID) else no_id
+            for conv in conversations
+        ]
         previous_end: dict[int, float] = {}
         events: list[tuple[float, int, int, int, _Turn | None]] = []
         seq = 0
@@ -668,16 +678,14 @@ class Simulator:
             record.arrival_ns = ns(t)
             record.model = s.model
             record.stream = True
-            conversation = (
-                ConversationId(conv.id, semconv.ID_SOURCE_BODY) if sends_id[ci]
-                else ConversationId(None, semconv.ID_SOURCE_NONE)
-            )
+            conversation = conversation_ids[ci]
             record.conversation = conversation
             # Without an id the proxy cannot number turns: every request looks like a turn 1.
             record.turn_index = turn.index if conversation.value is not None else 1
             if conversation.value is not None and ci in previous_end:
                 record.previous_end_ns = ns(previous_end[ci])
-            record.boundary_hashes = self._messages.boundaries(ci, conv, pos)
+            record.message_count, record.boundary_hashes = self._messages.boundaries(ci, conv,
+                                                                                     pos)
             record.boundary_roles = self._messages.roles(ci)
             lookup = self.router.lookup(conversation.value)
             record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
@@ -931,7 +939,8 @@ class _Messages:
         return (ci, pos) in self._diverged
 
     def roles(self, ci: int) -> str:
-        return "".join(self._roles.get(ci, ()))
+        """The role initials of the last BOUNDARY_HASHES_KEPT messages."""
+        return "".join(self._roles.get(ci, [])[-BOUNDARY_HASHES_KEPT:])
 
     def _add(self, ci: int, role: str, text: str) -> None:
         self._roles[ci].append(role[0])
@@ -945,7 +954,8 @@ class _Messages:
         del self._chains[ci][keep:]
         del self._hashes[ci][keep:]
 
-    def boundaries(self, ci: int, conv: Conversation, pos: int) -> str:
+    def boundaries(self, ci: int, conv: Conversation, pos: int) -> tuple[int, str]:
+        """The message count of turn ``pos`` and its last BOUNDARY_HASHES_KEPT hashes."""
         turn = conv.turns[pos]
         if pos == 0 or turn.reset or ci not in self._hashes:
             self._hashes[ci], self._chains[ci], self._roles[ci] = [], [], []
@@ -962,7 +972,8 @@ class _Messages:
             self._truncate(ci, max(len(self._hashes[ci]) - 1, 0))
             self._add(ci, "assistant", f"edited:{conv.id}:{turn.index - 1}")
             self._add(ci, "tool", f"result:{conv.id}:{turn.index}")
-        return ",".join(self._hashes[ci])
+        hashes = self._hashes[ci]
+        return len(hashes), ",".join(hashes[-BOUNDARY_HASHES_KEPT:])
 
 
 def _str_or_none(value: object) -> str | None:

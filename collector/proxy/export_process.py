@@ -55,7 +55,7 @@ from typing import Any
 
 from kvscope.child import pack, report_error, report_ready, start_child, unpack
 from kvscope.collector.proxy.router import ConversationId
-from kvscope.collector.proxy.telemetry import TurnRecord, boundary_hashes, boundary_roles
+from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries
 from kvscope.errors import KvscopeError
 
 logger = logging.getLogger(__name__)
@@ -118,15 +118,14 @@ def boundary_input(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def resolve_boundaries(record: TurnRecord) -> None:
-    """Hash a record's ``boundary_source`` into ``boundary_hashes``/``boundary_roles`` and drop
+    """Hash a record's ``boundary_source`` into its boundaries (``set_boundaries``) and drop
     it (a body that does not hash leaves the turn without boundaries)."""
     source = record.boundary_source
     if source is None:
         return
     record.boundary_source = None
     try:
-        record.boundary_hashes = boundary_hashes(source)
-        record.boundary_roles = boundary_roles(source)
+        set_boundaries(record, source)
     except Exception:
         logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
 

@@ -33,7 +33,8 @@ MISS_PARAMS: Mapping[str, Any] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
 class ConversationId:
     """The conversation id of one request, where it came from, and why it was refused if so."""
 

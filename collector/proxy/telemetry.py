@@ -51,6 +51,8 @@ BOUNDARY_HASH_HEX = 16
 # turn k extends turn k-1 iff k-1's last hash is among k's; storing every hash would grow each
 # span with the conversation's length.
 BOUNDARY_HASHES_KEPT = 16
+# Characters of that many comma-separated hashes.
+_KEPT_HASH_CHARS = BOUNDARY_HASHES_KEPT * (BOUNDARY_HASH_HEX + 1) - 1
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -58,20 +60,22 @@ _UNSET_STATUS = Status(StatusCode.UNSET)  # immutable: one for every span withou
 
 
 # --- message boundaries ---------------------------------------------------------------------------
-def boundary_hashes(body: Mapping[str, Any]) -> str:
-    """Chained blake2b hashes of each message (role, content), comma separated; never the text.
+def boundary_hashes(body: Mapping[str, Any], keep: int | None = None) -> tuple[int, str]:
+    """The number of messages and the chained blake2b hashes of the last ``keep`` of them (all
+    by default), comma separated; never the text.
 
     Hash i covers messages 0..i, so two prompts share exactly as many leading hashes as they share
     leading messages: the ledger can detect edited or truncated history without seeing it. A
-    completions ``prompt`` counts as one user message.
+    completions ``prompt`` counts as one user message. Every message is hashed (the chain needs
+    them all); only the kept ones are written out.
     """
     messages = body.get("messages")
     if not isinstance(messages, list):
         prompt = body.get("prompt")
         if prompt is None:
-            return ""
+            return 0, ""
         messages = [{"role": "user", "content": prompt}]
-    out: list[str] = []
+    digests: list[bytes] = []
     chain = b""
     for message in messages:
         if isinstance(message, Mapping):
@@ -80,12 +84,14 @@ def boundary_hashes(body: Mapping[str, Any]) -> str:
             role, content = "", message
         text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
         chain = chain_boundary(chain, str(role), text)
-        out.append(chain.hex())
-    return ",".join(out)
+        digests.append(chain)
+    kept = digests if keep is None else digests[max(len(digests) - keep, 0):]
+    return len(digests), ",".join(d.hex() for d in kept)
 
 
-def boundary_roles(body: Mapping[str, Any]) -> str:
-    """The role initial of each message (``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ...).
+def boundary_roles(body: Mapping[str, Any], keep: int | None = None) -> str:
+    """The role initial of each message (``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ...), of
+    the last ``keep`` messages (all by default).
 
     With the hashes it tells whether the message right after the previous turn's messages is
     the assistant's reply (a continuation) or something else (a reset's summary).
@@ -93,9 +99,18 @@ def boundary_roles(body: Mapping[str, Any]) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return "u" if body.get("prompt") is not None else ""
+    if keep is not None:
+        messages = messages[max(len(messages) - keep, 0):]
     return "".join(
         (str(m.get("role", "")) or "?")[0] if isinstance(m, Mapping) else "?" for m in messages
     )
+
+
+def set_boundaries(record: TurnRecord, body: Mapping[str, Any]) -> None:
+    """Give ``record`` the message count of ``body`` and the hashes and roles of its last
+    :data:`BOUNDARY_HASHES_KEPT` messages (what its turn span stores)."""
+    record.message_count, record.boundary_hashes = boundary_hashes(body, BOUNDARY_HASHES_KEPT)
+    record.boundary_roles = boundary_roles(body, BOUNDARY_HASHES_KEPT)
 
 
 def chain_boundary(chain: bytes, role: str, text: str) -> bytes:
@@ -307,8 +322,11 @@ class TurnRecord:
     previous_end_ns: int | None = None
     model: str | None = None
     stream: bool = False
+    # The last BOUNDARY_HASHES_KEPT message-boundary hashes (comma separated), their roles'
+    # initials, and how many messages the prompt has.
     boundary_hashes: str = ""
     boundary_roles: str = ""
+    message_count: int = 0
     lookup: str | None = None
     lookup_age_s: float | None = None
     offered_request_id: str | None = None
@@ -461,8 +479,7 @@ class ProxyTelemetry:
         if self.export_process is not None:
             record.boundary_source = body
         else:
-            record.boundary_hashes = boundary_hashes(body)
-            record.boundary_roles = boundary_roles(body)
+            set_boundaries(record, body)
 
     def finish_turn(self, record: TurnRecord) -> None:
         """Record the ended turn: metrics now, spans onto the export queue. Never raises."""
@@ -552,12 +569,16 @@ class ProxyTelemetry:
             turn_attrs[semconv.PREFILL_INSTANCE] = record.prefill_instance
         if record.decode_instance is not None:
             turn_attrs[semconv.DECODE_INSTANCE] = record.decode_instance
-        if record.boundary_hashes:
-            hashes = record.boundary_hashes.split(",")
-            turn_attrs[semconv.MESSAGE_COUNT] = len(hashes)
-            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = ",".join(hashes[-BOUNDARY_HASHES_KEPT:])
-            if len(record.boundary_roles) == len(hashes):
-                turn_attrs[semconv.MESSAGE_ROLES] = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
+        if record.message_count:
+            # The record holds the last hashes only; a longer list (a caller of its own) is cut.
+            hashes = record.boundary_hashes
+            if len(hashes) > _KEPT_HASH_CHARS:
+                hashes = hashes[len(hashes) - _KEPT_HASH_CHARS:]
+            turn_attrs[semconv.MESSAGE_COUNT] = record.message_count
+            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = hashes
+            roles = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
+            if len(roles) == min(record.message_count, BOUNDARY_HASHES_KEPT):
+                turn_attrs[semconv.MESSAGE_ROLES] = roles
         if record.finish_reasons:
             turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
         first_token_events: tuple[Event, ...] = ()

@@ -614,11 +614,17 @@ messages = st.lists(
 @settings(max_examples=100, deadline=None)
 @given(messages, messages)
 def test_boundary_hashes_share_exactly_the_common_prefix(a: list[dict], b: list[dict]) -> None:
-    ha = boundary_hashes({"messages": a}).split(",")
-    hb = boundary_hashes({"messages": a + b}).split(",")
-    assert hb[: len(ha)] == ha and len(hb) == len(a) + len(b)
+    count_a, joined_a = boundary_hashes({"messages": a})
+    ha = joined_a.split(",")
+    count_b, joined_b = boundary_hashes({"messages": a + b})
+    hb = joined_b.split(",")
+    assert hb[: len(ha)] == ha and len(hb) == count_b == len(a) + len(b) and count_a == len(a)
+    # Keeping the last k hashes keeps exactly those.
+    assert boundary_hashes({"messages": a + b}, keep=len(b)) == (count_b, ",".join(hb[len(a):]))
+    assert boundary_hashes({"messages": a}, keep=len(a) + 5) == (count_a, joined_a)
+    assert boundary_hashes({"messages": a}, keep=0) == (count_a, "")
     edited = [dict(a[0], content=a[0]["content"] + "!")] + a[1:]
-    he = boundary_hashes({"messages": edited}).split(",")
+    he = boundary_hashes({"messages": edited})[1].split(",")
     assert all(x != y for x, y in zip(he, ha, strict=True))  # the chain carries the edit
     joined = ",".join(ha)
     assert all(m["content"] not in joined for m in a if len(m["content"]) >= 17)
@@ -715,17 +721,30 @@ def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
 
 
 def test_long_histories_store_only_the_last_boundary_hashes() -> None:
-    from kvscope.collector.proxy.telemetry import BOUNDARY_HASHES_KEPT, ProxyTelemetry
+    from kvscope.collector.proxy.telemetry import (
+        BOUNDARY_HASHES_KEPT,
+        ProxyTelemetry,
+        set_boundaries,
+    )
 
     messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(40)]
     proxy = ProxyTelemetry(None)
     record = proxy.begin_turn("/v1/chat/completions", "x1", None, None)
-    record.boundary_hashes = boundary_hashes({"messages": messages})
+    everything = boundary_hashes({"messages": messages})[1].split(",")
+    set_boundaries(record, {"messages": messages})
+    assert record.message_count == 40
+    assert record.boundary_hashes.split(",") == everything[-BOUNDARY_HASHES_KEPT:]
+    assert record.boundary_roles == "au" * (BOUNDARY_HASHES_KEPT // 2)
     record.end_ns = record.arrival_ns + 1
     turn = next(s for s in proxy.spans_for(record) if s.name == semconv.SPAN_TURN)
     kept = turn.attributes[semconv.MESSAGE_BOUNDARY_HASHES].split(",")
     assert turn.attributes[semconv.MESSAGE_COUNT] == 40
-    assert kept == record.boundary_hashes.split(",")[-BOUNDARY_HASHES_KEPT:]
+    assert kept == everything[-BOUNDARY_HASHES_KEPT:]
+    assert turn.attributes[semconv.MESSAGE_ROLES] == record.boundary_roles
     # The previous turn's last hash is found among the next turn's: history continues.
-    earlier = boundary_hashes({"messages": messages[:38]}).split(",")[-1]
+    earlier = boundary_hashes({"messages": messages[:38]})[1].split(",")[-1]
     assert earlier in kept
+    # A record given every hash (a caller of its own) still stores the last ones only.
+    record.boundary_hashes = ",".join(everything)
+    turn = next(s for s in proxy.spans_for(record) if s.name == semconv.SPAN_TURN)
+    assert turn.attributes[semconv.MESSAGE_BOUNDARY_HASHES].split(",") == kept

@@ -93,7 +93,7 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.remote_num_tokens, record.retention_blocks = 175, 11
     record.client_disconnected, record.error_leg = True, "prefill"
     record.error_kind, record.error_message, record.status_code = "x", "y", 502
-    record.boundary_hashes, record.boundary_roles = "00aa,00bb", "su"
+    record.boundary_hashes, record.boundary_roles, record.message_count = "00aa,00bb", "su", 2
     body = {"model": "m", "stream": True, "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
@@ -107,7 +107,7 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     assert received.boundary_source == {"messages": body["messages"]}
     resolve_boundaries(received)
     assert received.boundary_source is None
-    assert received.boundary_hashes == boundary_hashes(body)
+    assert (received.message_count, received.boundary_hashes) == boundary_hashes(body)
     assert received.boundary_roles == "su"
     record.boundary_source = None
     record.boundary_hashes = received.boundary_hashes
@@ -120,7 +120,8 @@ def test_a_completions_prompt_is_hashed_as_one_user_message() -> None:
     received = record_from_tuple(record_to_tuple(record))
     assert received.boundary_source == {"prompt": "once upon a time"}
     resolve_boundaries(received)
-    assert received.boundary_hashes == boundary_hashes({"prompt": "once upon a time"})
+    assert (received.message_count, received.boundary_hashes) == boundary_hashes(
+        {"prompt": "once upon a time"})
     assert received.boundary_roles == "u"
 
 
