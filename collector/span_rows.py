@@ -258,10 +258,6 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
     scope_take = pa.array([scope_ids.setdefault(scope, len(scope_ids)) for scope in scopes],
                           type=pa.int32())
     distinct_scopes = list(scope_ids)
-    # Attribute maps flat: keys in order (a dict iterates its keys), values as stored, offsets.
-    attr_keys = pa.array(list(chain.from_iterable(attributes)), type=string)
-    attr_values = _stored_values(list(chain.from_iterable(map(dict.values, attributes))))
-    attr_offsets = pa.array(list(accumulate(map(len, attributes), initial=0)), type=pa.int32())
     arrays = [
         pa.array(starts, type=TRACES_ARROW.field("Timestamp").type),
         _hex_ids(trace_ids, 16),
@@ -274,7 +270,7 @@ def rows_to_arrow(rows: Sequence[tuple[Any, ...]]) -> pa.Table:
         resource_maps.take(resource_take),
         pa.array([s[0] for s in distinct_scopes], type=string).take(scope_take),
         pa.array([s[1] for s in distinct_scopes], type=string).take(scope_take),
-        pa.MapArray.from_arrays(attr_offsets, attr_keys, attr_values, type=_MAP_TYPE),
+        _attribute_maps(attributes),
         pa.array([e - s if e > s else 0 for s, e in zip(starts, ends, strict=True)],
                  type=pa.uint64()),
         # (An enum's hash is a Python call: compare with the common code by identity first.)
@@ -329,7 +325,7 @@ _EVENTS_TYPE = TRACES_ARROW.field("Events").type
 
 def _events(events: Sequence[Sequence[tuple[int, str, Mapping[str, Any]]]]) -> pa.Array:
     """Each row's (timestamp, name, attributes) events as the Events column, built flat (most
-    rows have none)."""
+    rows have none; attribute maps the way span attributes are built)."""
     offsets = pa.array(list(accumulate(map(len, events), initial=0)), type=pa.int32())
     flat = list(chain.from_iterable(events))
     struct_type = _EVENTS_TYPE.value_type
@@ -337,16 +333,21 @@ def _events(events: Sequence[Sequence[tuple[int, str, Mapping[str, Any]]]]) -> p
         return pa.ListArray.from_arrays(offsets, pa.array([], type=struct_type),
                                         type=_EVENTS_TYPE)
     times, names, attributes = zip(*flat, strict=True)
-    stored = [attrs_to_rows(attrs) for attrs in attributes]
-    maps = pa.MapArray.from_arrays(
-        pa.array(list(accumulate(map(len, stored), initial=0)), type=pa.int32()),
-        pa.array([k for attrs in stored for k, _ in attrs], type=pa.string()),
-        pa.array([v for attrs in stored for _, v in attrs], type=pa.string()), type=_MAP_TYPE)
     structs = pa.StructArray.from_arrays(
         [pa.array(times, type=struct_type.field("Timestamp").type),
-         pa.array(names, type=pa.string()), maps],
+         pa.array(names, type=pa.string()), _attribute_maps(attributes)],
         fields=list(struct_type))
     return pa.ListArray.from_arrays(offsets, structs, type=_EVENTS_TYPE)
+
+
+def _attribute_maps(attributes: Sequence[Mapping[str, Any]]) -> pa.MapArray:
+    """Attribute dicts as one MAP array, built flat: keys in order (a dict iterates its keys),
+    values as stored, offsets."""
+    return pa.MapArray.from_arrays(
+        pa.array(list(accumulate(map(len, attributes), initial=0)), type=pa.int32()),
+        pa.array(list(chain.from_iterable(attributes)), type=pa.string()),
+        _stored_values(list(chain.from_iterable(map(methodcaller("values"), attributes)))),
+        type=_MAP_TYPE)
 
 
 def scope_row(scope: InstrumentationScope | None) -> tuple[str, str]:
