@@ -63,11 +63,17 @@ class RowSink(SpanProcessor):
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, batch: int = 20_000, *,
-                 strict: bool = True, name: str = "kvscope-simulator-writer") -> None:
+                 strict: bool = True, name: str = "kvscope-simulator-writer",
+                 insert_rows: int = 0) -> None:
         # strict: a lost batch raises StoreError at the next flush (a simulation must be
         # whole); otherwise it is only counted in writer_stats (a long-running exporter).
         self._strict = strict
         self._batch = batch
+        # Converted batches are held and inserted by whole multiples of this many rows (0: each
+        # batch at once). See ROW_GROUP_ROWS.
+        self._insert_rows = insert_rows
+        self._tables: list[pa.Table] = []
+        self._table_rows = 0
         self._spans: list[ReadableSpan] = []
         # The direct path's rows, each the tuple of pieces ``row`` was called with.
         self._rows: list[tuple[Any, ...]] = []
@@ -78,7 +84,8 @@ class RowSink(SpanProcessor):
         self.row = self._appender()
         self.written = 0
         # Its own cursor: closing the writer leaves the caller's connection open.
-        self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * batch, name=name)
+        self._writer = StoreWriter(con.cursor(), max_queue_rows=4 * max(batch, insert_rows),
+                                   name=name)
         self.writer_stats = self._writer.stats
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -110,29 +117,54 @@ class RowSink(SpanProcessor):
         return row
 
     def flush(self) -> None:
-        pending = self.pending
-        if pending:
-            tables = []
-            if self._spans:
-                tables.append(spans_to_rows(self._spans).to_arrow())
-            if self._rows:
-                tables.append(rows_to_arrow(self._rows))
-            table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-            # Drop the batch's Python rows (Arrow holds copies) before the collection below.
-            self._spans = []
-            self._rows.clear()
-            self._wait()
-            if not self._writer.submit_traces(table) and self._strict:  # else counted there
-                raise StoreError(f"simulator: the store writer refused {table.num_rows} span rows")
-            self.written += pending
-            if not gc.isenabled():
-                # Reclaim this batch's few reference cycles (see cyclic_gc_per_batch).
-                gc.collect(1)
+        """Convert what is collected; with ``insert_rows``, insert whole multiples of it from
+        what is held (:meth:`sync` and :meth:`close` insert everything)."""
+        self._convert()
+        if not self._insert_rows:
+            if self._table_rows:
+                self._submit()
+        elif self._table_rows >= self._insert_rows:
+            self._submit(self._table_rows - self._table_rows % self._insert_rows)
+
+    def _convert(self) -> None:
+        if not self.pending:
+            return
+        if self._spans:
+            self._tables.append(spans_to_rows(self._spans).to_arrow())
+        if self._rows:
+            self._tables.append(rows_to_arrow(self._rows))
+        self._table_rows += len(self._spans) + len(self._rows)
+        # Drop the batch's Python rows (Arrow holds copies) before the collection below.
+        self._spans = []
+        self._rows.clear()
+        if not gc.isenabled():
+            # Reclaim this batch's few reference cycles (see cyclic_gc_per_batch).
+            gc.collect(1)
+
+    def _submit(self, rows: int | None = None) -> None:
+        """Hand the first ``rows`` held rows (all by default) to the writer; keep the rest."""
+        tables = self._tables
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        if rows is None or rows >= table.num_rows:
+            rows = table.num_rows
+            self._tables, self._table_rows = [], 0
+        else:
+            self._tables, self._table_rows = [table.slice(rows)], table.num_rows - rows
+            table = table.slice(0, rows)
+        self._wait()
+        if not self._writer.submit_traces(table) and self._strict:  # else counted there
+            raise StoreError(f"simulator: the store writer refused {table.num_rows} span rows")
+        self.written += rows
 
     @property
     def pending(self) -> int:
-        """Rows collected and not yet handed to the writer."""
+        """Rows collected and not yet converted."""
         return len(self._spans) + len(self._rows)
+
+    @property
+    def held(self) -> int:
+        """Rows converted and held for a larger insert (see ``insert_rows``)."""
+        return self._table_rows
 
     def _wait(self) -> None:
         self._writer.flush()
@@ -143,15 +175,20 @@ class RowSink(SpanProcessor):
                 f"{stats.dropped_rows} dropped); see the log for the database error"
             )
 
+    def _flush_all(self) -> None:
+        self._convert()
+        if self._table_rows:
+            self._submit()
+
     def sync(self) -> None:
         """Write everything collected so far and wait until it is stored (the writer stays)."""
-        self.flush()
+        self._flush_all()
         self._wait()
 
     def close(self) -> None:
         """Write everything collected, wait for it, and stop the writer thread."""
         try:
-            self.flush()
+            self._flush_all()
             self._wait()
         finally:
             self._writer.close()
@@ -161,7 +198,7 @@ class RowSink(SpanProcessor):
         self._writer.close()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self.flush()
+        self._flush_all()
         return True
 
 

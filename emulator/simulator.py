@@ -99,6 +99,7 @@ from kvscope.emulator.workloads.model import (
 )
 from kvscope.errors import StoreError
 from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.store.writer import ROW_GROUP_ROWS
 
 # Fault names the simulator understands, each applied per turn with its probability.
 logger = logging.getLogger(__name__)
@@ -412,7 +413,7 @@ def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
         con = open_store(db, threads=1)  # it only inserts, beside the busy simulation
         report_ready(conn)
         try:
-            sink = RowSink(con)
+            sink = RowSink(con, insert_rows=ROW_GROUP_ROWS)
             try:
                 spans_for, engines = _telemetry(sink, spec, direct=True)
                 emits = [engine.emit for engine in engines]
@@ -525,7 +526,7 @@ class Simulator:
         try:
             run_id = begin_run(con, self.settings.label, run_settings)
             if not self._direct_rows or turns < self._process_rows_min_turns:
-                sink: _AnySink = RowSink(con)
+                sink: _AnySink = RowSink(con, insert_rows=ROW_GROUP_ROWS)
                 result = self._simulate_into(sink, workload, _block_view(workload), run_id,
                                              epoch_ns, self._telemetry_spec(run_id, ids=False))
                 end_run(con, run_id)
@@ -555,8 +556,8 @@ class Simulator:
         con = open_store(db)
         try:
             if span_process is None:
-                result = self._simulate_into(RowSink(con), workload, view, run_id, epoch_ns,
-                                             spec)
+                result = self._simulate_into(RowSink(con, insert_rows=ROW_GROUP_ROWS), workload,
+                                             view, run_id, epoch_ns, spec)
             end_run(con, run_id)
         finally:
             con.close()

@@ -46,7 +46,12 @@ from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.exporters import DuckDBSpanExporter
 from kvscope.collector.otlp_decode import decode_trace_bytes
 from kvscope.store.database import open_store
-from kvscope.store.writer import StoreWriter, insert_arrow, insert_arrow_scan
+from kvscope.store.writer import (
+    ROW_GROUP_ROWS,
+    StoreWriter,
+    insert_arrow,
+    insert_arrow_scan,
+)
 
 BATCH = 8192
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +109,32 @@ def bench_raw(spans: list[ReadableSpan], workdir: Path, insert: Any = insert_arr
     elapsed = time.perf_counter() - start
     con.close()
     return elapsed
+
+
+def bench_insert_sizes(spans: list[ReadableSpan], workdir: Path, rows: int,
+                       sizes: Sequence[int]) -> list[tuple[int, float, float]]:
+    """Per insert size: CPU µs a span to insert ``rows`` rows (the spans' table repeated) into a
+    fresh file with ``threads=1``, closing (the last checkpoint) included, and the file's MiB.
+
+    An insert of a whole DuckDB row group (``ROW_GROUP_ROWS``) is written to the file at once;
+    a smaller one goes through the write-ahead log and is written again at a checkpoint.
+    """
+    import pyarrow as pa
+
+    one = spans_to_rows(spans).to_arrow()
+    table = pa.concat_tables([one] * -(-rows // one.num_rows)).slice(0, rows).combine_chunks()
+    out = []
+    for size in sizes:
+        path = workdir / f"sizes-{size}.duckdb"
+        con = open_store(path, threads=1)
+        start = time.process_time()
+        for offset in range(0, rows, size):
+            insert_arrow(con, "otel_traces", table.slice(offset, size))
+        con.close()
+        cpu = time.process_time() - start
+        out.append((size, cpu / rows * 1e6, path.stat().st_size / 2**20))
+        path.unlink()
+    return out
 
 
 def bench_in_process(spans: list[ReadableSpan], workdir: Path) -> tuple[float, int]:
@@ -252,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-exporter", action="store_true", help="skip the official-exporter receiver runs"
     )
+    parser.add_argument("--sizes-rows", type=int, default=491_520,
+                        help="rows inserted per insert size (0: skip that part)")
     args = parser.parse_args(argv)
     n = args.spans
 
@@ -279,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"receiver, pre-encoded x{senders} ...", file=sys.stderr, flush=True)
             elapsed, busy = bench_receiver_preencoded(spans, workdir, senders)
             results.append((f"receiver, pre-encoded protobuf x{senders}", elapsed, f"{busy} x 503"))
+        sizes: list[tuple[int, float, float]] = []
+        if args.sizes_rows:
+            print("insert sizes ...", file=sys.stderr, flush=True)
+            sizes = bench_insert_sizes(spans, workdir, args.sizes_rows,
+                                       (4_000, 20_000, ROW_GROUP_ROWS))
     print("stage costs ...", file=sys.stderr, flush=True)
     stages = stage_costs(spans)
 
@@ -287,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds, note in results:
         rate = n / seconds
         print(f"{name:<40} {seconds:8.2f} {rate:10,.0f} {raw / seconds:7.2f}  {note}")
+    if sizes:
+        print(f"\n{args.sizes_rows} rows by insert size (one thread, CPU, close included)")
+        print(f"{'rows per insert':>16} {'us/span':>8} {'file MiB':>9}")
+        for size, us, mib in sizes:
+            print(f"{size:>16,} {us:8.2f} {mib:9.1f}")
     print(f"\n{'stage (one thread, CPU time)':<40} {'seconds':>8} {'spans/s':>10}")
     for name, seconds in stages:
         print(f"{name:<40} {seconds:8.2f} {n / seconds:10,.0f}")

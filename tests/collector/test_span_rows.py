@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -12,12 +13,14 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.span_rows import (
+    RowSink,
     _hex_ids,
     _parent_ids,
     resource_row,
     rows_to_arrow,
     scope_row,
 )
+from kvscope.store.database import open_store
 from kvscope.store.schema import SPAN_KIND_NAMES
 
 
@@ -98,3 +101,33 @@ def test_ids_convert_to_fixed_width_hex_at_both_widths_and_every_batch_size() ->
     parents = [None, 5, None, 2**64 - 1]
     assert _parent_ids(parents).to_pylist() == ["", f"{5:016x}", "", "f" * 16]
     assert _parent_ids([7]).to_pylist() == [f"{7:016x}"]
+
+
+def test_a_sink_with_insert_rows_inserts_whole_multiples_of_it(
+        tmp_path: Path) -> None:
+    con = open_store(tmp_path / "held.duckdb")
+    sink = RowSink(con, batch=4, insert_rows=10)
+    try:
+        pieces = [_pieces(span) for span in _spans()]  # 5 rows
+
+        def stored() -> int:
+            sink._wait()
+            row = con.execute("SELECT count(*) FROM otel_traces").fetchone()
+            assert row is not None
+            return int(row[0])
+
+        for row in pieces + pieces[:3]:  # 8 rows: two batches of 4 converted, none inserted
+            sink.row(*row)
+        assert (sink.pending, sink.held, sink.written, stored()) == (0, 8, 0, 0)
+        for row in pieces[:4]:  # the third batch makes 12 held rows: 10 inserted, 2 kept
+            sink.row(*row)
+        assert (sink.pending, sink.held, sink.written, stored()) == (0, 2, 10, 10)
+        assert sink.writer_stats.batches_written == 1
+        for row in pieces[:3]:
+            sink.row(*row)
+        assert (sink.pending, sink.held, stored()) == (3, 2, 10)
+        sink.sync()  # everything, below the threshold too
+        assert (sink.pending, sink.held, sink.written, stored()) == (0, 0, 15, 15)
+    finally:
+        sink.close()
+        con.close()
