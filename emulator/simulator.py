@@ -526,7 +526,8 @@ class Simulator:
         try:
             run_id = begin_run(con, self.settings.label, run_settings)
             if not self._direct_rows or turns < self._process_rows_min_turns:
-                sink: _AnySink = RowSink(con, insert_rows=ROW_GROUP_ROWS)
+                # Fewer spans than a few row groups: each batch inserted while the next is made.
+                sink: _AnySink = RowSink(con)
                 result = self._simulate_into(sink, workload, _block_view(workload), run_id,
                                              epoch_ns, self._telemetry_spec(run_id, ids=False))
                 end_run(con, run_id)
