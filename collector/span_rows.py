@@ -120,11 +120,11 @@ class RowSink(SpanProcessor):
         """Convert what is collected; with ``insert_rows``, insert whole multiples of it from
         what is held (:meth:`sync` and :meth:`close` insert everything)."""
         self._convert()
-        if not self._insert_rows:
-            if self._table_rows:
-                self._submit()
-        elif self._table_rows >= self._insert_rows:
-            self._submit(self._table_rows - self._table_rows % self._insert_rows)
+        rows = self._table_rows
+        if self._insert_rows:
+            rows -= rows % self._insert_rows
+        if rows:
+            self._submit(rows)
 
     def _convert(self) -> None:
         if not self.pending:

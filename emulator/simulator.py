@@ -932,7 +932,6 @@ class _Messages:
 
     def __init__(self, conversations: Sequence[Conversation]) -> None:
         self._conversations = conversations
-        self._hashes: dict[int, list[str]] = {}
         self._chains: dict[int, list[bytes]] = {}
         self._roles: dict[int, list[str]] = {}
         self._diverged: set[tuple[int, int]] = set()
@@ -946,21 +945,18 @@ class _Messages:
 
     def _add(self, ci: int, role: str, text: str) -> None:
         self._roles[ci].append(role[0])
-        chains, hashes = self._chains[ci], self._hashes[ci]
-        chain = chain_boundary(chains[-1] if chains else b"", role, text)
-        chains.append(chain)
-        hashes.append(chain.hex())
+        chains = self._chains[ci]
+        chains.append(chain_boundary(chains[-1] if chains else b"", role, text))
 
     def _truncate(self, ci: int, keep: int) -> None:
         del self._roles[ci][keep:]
         del self._chains[ci][keep:]
-        del self._hashes[ci][keep:]
 
     def boundaries(self, ci: int, conv: Conversation, pos: int) -> tuple[int, str]:
         """The message count of turn ``pos`` and its last BOUNDARY_HASHES_KEPT hashes."""
         turn = conv.turns[pos]
-        if pos == 0 or turn.reset or ci not in self._hashes:
-            self._hashes[ci], self._chains[ci], self._roles[ci] = [], [], []
+        if pos == 0 or turn.reset or ci not in self._chains:
+            self._chains[ci], self._roles[ci] = [], []
             self._add(ci, "system", f"system:{conv.system_seed}:{conv.system_prompt_tokens}")
             self._add(ci, "user", f"task:{conv.id}")
             if pos > 0:
@@ -971,11 +967,11 @@ class _Messages:
             self._add(ci, "tool", f"result:{conv.id}:{turn.index}")
         else:
             self._diverged.add((ci, pos))
-            self._truncate(ci, max(len(self._hashes[ci]) - 1, 0))
+            self._truncate(ci, max(len(self._chains[ci]) - 1, 0))
             self._add(ci, "assistant", f"edited:{conv.id}:{turn.index - 1}")
             self._add(ci, "tool", f"result:{conv.id}:{turn.index}")
-        hashes = self._hashes[ci]
-        return len(hashes), ",".join(hashes[-BOUNDARY_HASHES_KEPT:])
+        chains = self._chains[ci]
+        return len(chains), ",".join(c.hex() for c in chains[-BOUNDARY_HASHES_KEPT:])
 
 
 def _str_or_none(value: object) -> str | None:
