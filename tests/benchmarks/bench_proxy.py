@@ -10,13 +10,17 @@ process, 16 output tokens, no artificial delay):
     in-process  the same, but spans built and written inside the proxy's process (the
                 ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
 
-Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the three modes are
-run in alternating rounds (so drift on a shared machine hits all of them alike), and the script
-prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50 that
-telemetry adds (on − off) and that the proxy adds (off − direct). It also times the telemetry
-work a turn does on the event loop (record → spans → queue) in-process.
+Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the modes are run
+in alternating rounds (so drift on a shared machine hits all of them alike), each round in a
+rotated order (every mode takes every position equally often: a mode's round is not always
+preceded by the same one), and before each round the telemetry proxies are let catch up (their
+backlog at the end of a round, printed, would otherwise run in the next mode's round). The
+script prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50
+that telemetry adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
+and as the median of the per-round differences with a distribution-free 95% interval. It also
+times the telemetry work a turn does on the event loop (record → spans → queue) in-process.
 
-Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 3] [--gc]
+Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 4] [--gc]
 Not a test: nothing here asserts a time.
 """
 
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -207,6 +212,41 @@ async def _health(url: str) -> dict[str, Any]:
         return dict(await resp.json())
 
 
+SETTLE_TIMEOUT_S = 15.0
+
+
+async def _settle(url: str) -> tuple[int, float]:
+    """Wait until the telemetry proxy at ``url`` has stored every span of the turns it served:
+    nothing queued in the proxy, every span built also exported, and the count unchanged over
+    0.3 s (a batch still in the pipe would change it). Spans built meanwhile, and seconds."""
+    start = time.perf_counter()
+    first = last = None
+    async with aiohttp.ClientSession() as session:
+        while time.perf_counter() - start < SETTLE_TIMEOUT_S:
+            async with session.get(url + "/health") as resp:
+                counts = (await resp.json())["telemetry"]
+            built = counts["queued_spans"]
+            first = built if first is None else first
+            if (counts.get("pending_turns", 0) == 0 and built == counts["exported_spans"]
+                    and built == last):
+                break
+            last = built
+            await asyncio.sleep(0.3)
+    return (last or 0) - (first or 0), time.perf_counter() - start
+
+
+def _median_interval(values: list[float]) -> tuple[float, float, float]:
+    """Median of ``values`` and a distribution-free ~95% interval for it (order statistics of
+    the binomial(n, 1/2); the whole range when n < 6)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    k = 0  # largest k with P(Binomial(n, 1/2) < k) <= 2.5%
+    while k < n and sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n <= 0.025:
+        k += 1
+    median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    return median, ordered[k - 1 if k else 0], ordered[n - k if k else n - 1]
+
+
 # --- in-process CPU cost of a turn's telemetry -------------------------------------------------
 def telemetry_cost_us(db: str, process: bool, turns: int = 5000
                       ) -> tuple[float, float, float]:
@@ -261,7 +301,8 @@ def _pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="length of one round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="alternating rounds per mode (a multiple of 4 balances the order)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--gc", action="store_true",
                         help="also count each proxy process's garbage collections while measured")
@@ -309,13 +350,17 @@ def main() -> int:
             # Per round, each telemetry mode's p50 turn minus proxy-off's p50 turn in the same
             # round: drift between rounds cancels in these paired differences.
             paired: dict[str, list[float]] = {"proxy-on": [], "in-process": []}
-            for _ in range(args.rounds):
+            # Spans a telemetry proxy built after its round ended, and seconds to catch up.
+            backlog: dict[str, list[tuple[int, float]]] = {"proxy-on": [], "in-process": []}
+            for r in range(args.rounds):
                 round_p50 = {}
-                for mode in MODES:
+                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
                     round_p50[mode] = _pct(sample.turn_s, .5)
                     results[mode].extend(sample)
                     served[mode] += len(sample.turn_s)
+                    if mode in backlog:
+                        backlog[mode].append(asyncio.run(_settle(urls[mode])))
                 for mode, diffs in paired.items():
                     diffs.append((round_p50[mode] - round_p50["proxy-off"]) * 1e3)
             for mode in MODES:
@@ -329,11 +374,16 @@ def main() -> int:
                 tel_turn = (_pct(on.turn_s, .5) - _pct(off.turn_s, .5)) * 1e3
                 tel_ttft = (_pct(on.ttft_s, .5) - _pct(off.ttft_s, .5)) * 1e3
                 thr = (len(on.turn_s) / on.wall_s) / (len(off.turn_s) / off.wall_s)
-                diffs = sorted(paired[mode])
+                median, low, high = _median_interval(paired[mode])
+                spans = [b for b, _ in backlog[mode]]
+                waits = [w for _, w in backlog[mode]]
                 print(f"{concurrency:>4} telemetry ({mode}) adds p50 turn {tel_turn:+.2f} ms, "
                       f"p50 TTFT {tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x; per round "
-                      f"(paired with proxy-off) median {_pct(diffs, .5):+.2f} ms, range "
-                      f"{diffs[0]:+.2f} .. {diffs[-1]:+.2f} ms")
+                      f"(paired with proxy-off, {len(paired[mode])} rounds) median "
+                      f"{median:+.2f} ms, {'95% interval' if len(spans) >= 6 else 'range'} "
+                      f"{low:+.2f} .. {high:+.2f} ms; "
+                      f"after its rounds it built {min(spans)}..{max(spans)} more spans and "
+                      f"caught up in {min(waits):.1f}..{max(waits):.1f} s")
             proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
             print(f"{concurrency:>4} proxy (off) adds p50 turn {proxy_turn:+.2f} ms vs direct")
         for mode in ("proxy-on", "in-process"):
