@@ -11,10 +11,10 @@ process, 16 output tokens, no artificial delay):
                 ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
 
 Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the modes are run
-in alternating rounds (so drift on a shared machine hits all of them alike), each round in a
-rotated order (every mode takes every position equally often: a mode's round is not always
-preceded by the same one), and before each round the telemetry proxies are let catch up (their
-backlog at the end of a round, printed, would otherwise run in the next mode's round). The
+in alternating rounds (so drift on a shared machine hits all of them alike): proxy-off and
+proxy-on next to each other in alternating order (see ``_round_order``), and after its round a
+telemetry proxy is let catch up (its backlog at the end of a round, printed, would otherwise
+run in the next mode's round). The
 script prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50
 that telemetry adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
 and as the median of the per-round differences with a distribution-free 95% interval. It also
@@ -291,6 +291,16 @@ def telemetry_cost_us(db: str, process: bool, turns: int = 5000
     return loop_cpu / turns * 1e6, process_cpu / turns * 1e6, child_cpu / turns * 1e6
 
 
+def _round_order(r: int) -> tuple[str, ...]:
+    """The modes of round ``r``: proxy-off and proxy-on last and next to each other (their
+    per-round difference is the estimate; adjacent rounds share more of the machine's drift),
+    in alternating order, as are direct and in-process before them. Over four rounds every
+    combination runs once."""
+    others = ("direct", "in-process") if r % 2 == 0 else ("in-process", "direct")
+    pair = ("proxy-off", "proxy-on") if r // 2 % 2 == 0 else ("proxy-on", "proxy-off")
+    return others + pair
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -354,7 +364,7 @@ def main() -> int:
             backlog: dict[str, list[tuple[int, float]]] = {"proxy-on": [], "in-process": []}
             for r in range(args.rounds):
                 round_p50 = {}
-                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                for mode in _round_order(r):
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
                     round_p50[mode] = _pct(sample.turn_s, .5)
                     results[mode].extend(sample)
@@ -363,6 +373,8 @@ def main() -> int:
                         backlog[mode].append(asyncio.run(_settle(urls[mode])))
                 for mode, diffs in paired.items():
                     diffs.append((round_p50[mode] - round_p50["proxy-off"]) * 1e3)
+            print(f"{concurrency:>4} per-round p50 turn, proxy-on − proxy-off (ms): "
+                  + " ".join(f"{d:+.1f}" for d in paired["proxy-on"]))
             for mode in MODES:
                 s = results[mode]
                 print(f"{concurrency:>4} {mode:<10} {len(s.turn_s) / s.wall_s:>8.0f} "
