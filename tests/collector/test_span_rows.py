@@ -30,7 +30,7 @@ class _Level(enum.IntEnum):
 
 # Every value type an attribute can hold, and strings that look like what others become.
 _ATTRIBUTES: list[dict[str, Any]] = [
-    {"s": "True", "t": "False", "b": True, "f": False, "n": 7, "neg": -12},
+    {"s": "True", "t": "False", "b": True, "f": False, "n": 7, "neg": -12, "one": 1, "zero": 0},
     {"float": 0.1, "whole": 2.0, "big": 1e300, "tiny": 5e-324, "huge": 2**70},
     {"list": ["a", 1], "tuple": (1.5, 2), "enum": _Level.HIGH, "empty": ""},
     {},
@@ -86,6 +86,7 @@ def test_a_batch_of_every_value_type_converts_as_the_sdk_path_stores_it() -> Non
     values = dict(direct["SpanAttributes"][0].as_py())
     assert (values["s"], values["t"], values["b"], values["f"]) == ("True", "False", "true",
                                                                     "false")
+    assert (values["one"], values["zero"]) == ("1", "0")  # equal to True/False, not bools
     assert dict(direct["SpanAttributes"][1].as_py())["huge"] == str(2**70)
     assert direct["TraceId"][1].as_py() == f"{1:032x}"
     assert direct["SpanId"][0].as_py() == "f" * 16
