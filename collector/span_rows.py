@@ -29,10 +29,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
-from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 from kvscope.collector.convert import _attrs as attrs_to_rows
 from kvscope.collector.convert import spans_to_rows
@@ -435,23 +434,21 @@ def proxy_rows(proxy: ProxyTelemetry, sink: RowTarget) -> None:
     """Make ``proxy.spans_for`` append its spans' rows to ``sink`` (it then returns no spans).
 
     :meth:`ProxyTelemetry.spans_for` stays the one place the turn's spans are shaped: only its
-    last step, ``_span`` (pieces → ReadableSpan), is replaced on this instance.
+    last step, ``_span`` (pieces → ReadableSpan), is replaced on this instance. Its pieces are
+    already what a row holds (ids, (timestamp, name, attributes) events; no trace state).
     """
     resource = resource_row(proxy._resource)
     scope = scope_row(proxy._scope)
     row = sink.row
     kinds = _KIND_NAMES_BY_ID
-    no_state = DEFAULT_TRACE_STATE  # what a SpanContext made without one holds
 
-    def span(name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
-             start_ns: int, end_ns: int, attributes: dict[str, Any], events: tuple[Event, ...],
+    def span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
+             parent_is_remote: bool, kind: SpanKind, start_ns: int, end_ns: int,
+             attributes: dict[str, Any], events: tuple[tuple[int, str, dict[str, Any]], ...],
              status: Status) -> None:
-        state = context.trace_state
-        header = "" if state is no_state or not state else state.to_header()
-        row(name, context.trace_id, context.span_id, None if parent is None else parent.span_id,
-            header, kinds[id(kind)], resource, scope, attributes, start_ns, max(end_ns, start_ns),
-            [(e.timestamp, e.name, dict(e.attributes or {})) for e in events] if events else (),
-            status.status_code, status.description or "")
+        row(name, trace_id, span_id, parent_span_id, "", kinds[id(kind)], resource, scope,
+            attributes, start_ns, max(end_ns, start_ns), events, status.status_code,
+            status.description or "")
 
     proxy._span = span
 

@@ -57,6 +57,8 @@ _KEPT_HASH_CHARS = BOUNDARY_HASHES_KEPT * (BOUNDARY_HASH_HEX + 1) - 1
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET_STATUS = Status(StatusCode.UNSET)  # immutable: one for every span without a status
+# A span event as spans_for shapes it: (timestamp ns, name, attributes).
+SpanEvent = tuple[int, str, dict[str, Any]]
 
 
 # --- message boundaries ---------------------------------------------------------------------------
@@ -528,13 +530,7 @@ class ProxyTelemetry:
     # -- spans ---------------------------------------------------------------------------------
     def spans_for(self, record: TurnRecord) -> list[ReadableSpan]:
         """The finished OTel spans of one turn record."""
-        trace_id = record.trace_id
-        turn_ctx = SpanContext(trace_id, record.turn_span_id, False, _SAMPLED)
-        remote_parent = (
-            SpanContext(trace_id, record.remote_parent_span_id, True, _SAMPLED)
-            if record.remote_parent_span_id is not None
-            else None
-        )
+        trace_id, turn_span_id = record.trace_id, record.turn_span_id
         conversation = record.conversation
         conv_id = conversation.value if conversation is not None else None
 
@@ -581,13 +577,12 @@ class ProxyTelemetry:
                 turn_attrs[semconv.MESSAGE_ROLES] = roles
         if record.finish_reasons:
             turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
-        first_token_events: tuple[Event, ...] = ()
+        first_token_events: tuple[SpanEvent, ...] = ()
         if record.first_token_ns is not None:
             ttft_ms = (record.first_token_ns - record.arrival_ns) / 1e6
             turn_attrs[semconv.TTFT_MS] = ttft_ms
             first_token_events = (
-                Event(semconv.EVENT_FIRST_TOKEN, {semconv.TTFT_MS: ttft_ms},
-                      timestamp=record.first_token_ns),
+                (record.first_token_ns, semconv.EVENT_FIRST_TOKEN, {semconv.TTFT_MS: ttft_ms}),
             )
         if record.client_disconnected:
             turn_attrs[semconv.CLIENT_DISCONNECTED] = True
@@ -600,8 +595,9 @@ class ProxyTelemetry:
         )
         spans = [
             self._span(
-                semconv.SPAN_TURN, turn_ctx, remote_parent, SpanKind.SERVER,
-                record.arrival_ns, record.end_ns, turn_attrs, first_token_events, turn_status,
+                semconv.SPAN_TURN, trace_id, turn_span_id, record.remote_parent_span_id, True,
+                SpanKind.SERVER, record.arrival_ns, record.end_ns, turn_attrs,
+                first_token_events, turn_status,
             )
         ]
 
@@ -624,8 +620,8 @@ class ProxyTelemetry:
                 attrs[semconv.REMOTE_OFFERED_TOKENS] = record.offered_tokens
             spans.append(
                 self._leg(record, semconv.SPAN_INPUT_PROCESSING, record.prefill_span_id,
-                          turn_ctx, record.prefill_start_ns, record.prefill_end_ns, attrs,
-                          (), semconv.LEG_PREFILL)
+                          record.prefill_start_ns, record.prefill_end_ns, attrs, (),
+                          semconv.LEG_PREFILL)
             )
         if record.decode_start_ns is not None:
             attrs = {
@@ -646,7 +642,7 @@ class ProxyTelemetry:
             if record.client_disconnected:
                 attrs[semconv.CLIENT_DISCONNECTED] = True
             spans.append(
-                self._leg(record, semconv.SPAN_GENERATION, record.decode_span_id, turn_ctx,
+                self._leg(record, semconv.SPAN_GENERATION, record.decode_span_id,
                           record.decode_start_ns, record.decode_end_ns, attrs,
                           first_token_events, semconv.LEG_DECODE)
             )
@@ -660,11 +656,10 @@ class ProxyTelemetry:
                 semconv.TURN_INDEX: record.turn_index,
                 semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,
             }
-            ctx = SpanContext(trace_id, self._rand.getrandbits(64) or 1, False, _SAMPLED)
             spans.append(
-                self._span(semconv.SPAN_TOOL_WAIT, ctx, turn_ctx, SpanKind.INTERNAL,
-                           record.previous_end_ns, record.arrival_ns, attrs, (),
-                           _UNSET_STATUS)
+                self._span(semconv.SPAN_TOOL_WAIT, trace_id, self._rand.getrandbits(64) or 1,
+                           turn_span_id, False, SpanKind.INTERNAL, record.previous_end_ns,
+                           record.arrival_ns, attrs, (), _UNSET_STATUS)
             )
         return spans
 
@@ -673,40 +668,46 @@ class ProxyTelemetry:
         record: TurnRecord,
         name: str,
         span_id: int,
-        parent: SpanContext,
         start_ns: int,
         end_ns: int | None,
         attrs: dict[str, Any],
-        events: tuple[Event, ...],
+        events: tuple[SpanEvent, ...],
         leg: str,
     ) -> ReadableSpan:
         status = _UNSET_STATUS
         if record.error_leg == leg and record.error_kind is not None:
             attrs[semconv.ERROR_KIND] = record.error_kind
             status = Status(StatusCode.ERROR, record.error_message or record.error_kind)
-        ctx = SpanContext(record.trace_id, span_id, False, _SAMPLED)
-        return self._span(name, ctx, parent, SpanKind.CLIENT, start_ns, end_ns or record.end_ns,
-                          attrs, events, status)
+        return self._span(name, record.trace_id, span_id, record.turn_span_id, False,
+                          SpanKind.CLIENT, start_ns, end_ns or record.end_ns, attrs, events,
+                          status)
 
     def _span(
         self,
         name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
+        trace_id: int,
+        span_id: int,
+        parent_span_id: int | None,
+        parent_is_remote: bool,
         kind: SpanKind,
         start_ns: int,
         end_ns: int,
         attributes: dict[str, Any],
-        events: tuple[Event, ...],
+        events: tuple[SpanEvent, ...],
         status: Status,
     ) -> ReadableSpan:
+        """One finished span from its pieces: ids (every span of a turn is sampled and carries
+        no trace state), events as (timestamp, name, attributes). :func:`proxy_rows` replaces
+        this step on the direct row path, so the pieces are plain values, not SDK objects."""
         return ReadableSpan(
             name,
-            context=context,
-            parent=parent,
+            context=SpanContext(trace_id, span_id, False, _SAMPLED),
+            parent=(None if parent_span_id is None
+                    else SpanContext(trace_id, parent_span_id, parent_is_remote, _SAMPLED)),
             resource=self._resource,
             attributes=attributes,
-            events=events,
+            events=[Event(event_name, event_attributes, timestamp=timestamp)
+                    for timestamp, event_name, event_attributes in events],
             kind=kind,
             status=status,
             start_time=start_ns,

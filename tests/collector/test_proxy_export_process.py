@@ -57,6 +57,8 @@ def _turns(telemetry: ProxyTelemetry, n: int, *, seed: int = 7) -> list[TurnReco
             record.decode_start_ns = record.arrival_ns + 30
             record.first_token_ns, record.decode_end_ns = record.arrival_ns + 40, base + 90
             record.output_tokens, record.chunks, record.finish_reasons = 16, 17, ["stop"]
+        if i % 5 == 2:  # an agent's traceparent: the turn span's parent is remote
+            record.remote_parent_span_id = 1000 + i
         record.end_ns = record.arrival_ns + 100
         records.append(record)
     return records
@@ -149,6 +151,32 @@ def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path
     hashes = {r[9].get(semconv.MESSAGE_BOUNDARY_HASHES) for r in rows
               if r[0] == semconv.SPAN_TURN}
     assert len(hashes) == 40 and None not in hashes  # hashed by the export process, per turn
+
+
+def test_sdk_spans_carry_the_ids_parents_and_first_token_event_of_the_record() -> None:
+    telemetry = ProxyTelemetry(None, router_ttl_s=450.0)
+    records = _turns(telemetry, 3)
+    for record in records:
+        resolve_boundaries(record)
+    turn, prefill, decode, *tool_wait = telemetry.spans_for(records[2])
+    record = records[2]
+    assert turn.context is not None and turn.parent is not None
+    assert (turn.context.trace_id, turn.context.span_id, turn.context.is_remote) == (
+        record.trace_id, record.turn_span_id, False)
+    assert (turn.parent.span_id, turn.parent.is_remote) == (1002, True)
+    for span in (turn, prefill, decode, *tool_wait):
+        assert span.context is not None and span.context.trace_flags.sampled
+    for span, span_id in ((prefill, record.prefill_span_id), (decode, record.decode_span_id)):
+        assert span.context is not None and span.parent is not None
+        assert span.context.span_id == span_id
+        assert (span.parent.span_id, span.parent.is_remote) == (record.turn_span_id, False)
+    assert record.first_token_ns is not None
+    for span in (turn, decode):
+        (event,) = span.events
+        assert (event.name, event.timestamp) == (semconv.EVENT_FIRST_TOKEN,
+                                                 record.first_token_ns)
+        assert dict(event.attributes or {}) == {semconv.TTFT_MS: 40 / 1e6}
+    assert prefill.events == ()
 
 
 def test_close_exports_everything_submitted(tmp_path: Path) -> None:
