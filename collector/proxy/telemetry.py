@@ -71,48 +71,54 @@ def boundary_hashes(body: Mapping[str, Any], keep: int | None = None) -> tuple[i
     completions ``prompt`` counts as one user message. Every message is hashed (the chain needs
     them all); only the kept ones are written out.
     """
+    count, hashes, _ = message_boundaries(body, keep)
+    return count, hashes
+
+
+def message_boundaries(body: Mapping[str, Any], keep: int | None = None
+                       ) -> tuple[int, str, str]:
+    """The number of messages, the hashes (:func:`boundary_hashes`) and the role initials of
+    the last ``keep`` of them (all by default), in one pass over the messages.
+
+    A role initial is ``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ... (``?`` when a message
+    has none). With the hashes it tells whether the message right after the previous turn's
+    messages is the assistant's reply (a continuation) or something else (a reset's summary).
+    """
     messages = body.get("messages")
     if not isinstance(messages, list):
         prompt = body.get("prompt")
         if prompt is None:
-            return 0, ""
+            return 0, "", ""
         messages = [{"role": "user", "content": prompt}]
     digests: list[bytes] = []
+    initials: list[str] = []
     chain = b""
     for message in messages:
-        if isinstance(message, Mapping):
-            role, content = message.get("role", ""), message.get("content", "")
+        if type(message) is dict or isinstance(message, Mapping):
+            role = str(message.get("role", ""))
+            content = message.get("content", "")
+            initials.append(role[:1] or "?")
         else:
             role, content = "", message
-        text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
-        chain = chain_boundary(chain, str(role), text)
+            initials.append("?")
+        chain = chain_boundary(chain, role, _text(content))
         digests.append(chain)
-    kept = digests if keep is None else digests[max(len(digests) - keep, 0):]
-    return len(digests), ",".join(d.hex() for d in kept)
-
-
-def boundary_roles(body: Mapping[str, Any], keep: int | None = None) -> str:
-    """The role initial of each message (``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ...), of
-    the last ``keep`` messages (all by default).
-
-    With the hashes it tells whether the message right after the previous turn's messages is
-    the assistant's reply (a continuation) or something else (a reset's summary).
-    """
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return "u" if body.get("prompt") is not None else ""
     if keep is not None:
-        messages = messages[max(len(messages) - keep, 0):]
-    return "".join(
-        (str(m.get("role", "")) or "?")[0] if isinstance(m, Mapping) else "?" for m in messages
-    )
+        start = max(len(digests) - keep, 0)
+        digests, initials = digests[start:], initials[start:]
+    return len(messages), ",".join(d.hex() for d in digests), "".join(initials)
+
+
+def _text(content: Any) -> str:
+    """What a message's content is hashed as: a string itself, anything else as sorted JSON."""
+    return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
 
 
 def set_boundaries(record: TurnRecord, body: Mapping[str, Any]) -> None:
     """Give ``record`` the message count of ``body`` and the hashes and roles of its last
     :data:`BOUNDARY_HASHES_KEPT` messages (what its turn span stores)."""
-    record.message_count, record.boundary_hashes = boundary_hashes(body, BOUNDARY_HASHES_KEPT)
-    record.boundary_roles = boundary_roles(body, BOUNDARY_HASHES_KEPT)
+    record.message_count, record.boundary_hashes, record.boundary_roles = message_boundaries(
+        body, BOUNDARY_HASHES_KEPT)
 
 
 def chain_boundary(chain: bytes, role: str, text: str) -> bytes:

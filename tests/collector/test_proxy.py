@@ -36,7 +36,13 @@ from kvscope.collector.proxy import (
 )
 from kvscope.collector.proxy.app import config_from_args
 from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS, MISS_PARAMS
-from kvscope.collector.proxy.telemetry import Histogram, format_traceparent, parse_traceparent
+from kvscope.collector.proxy.telemetry import (
+    Histogram,
+    chain_boundary,
+    format_traceparent,
+    message_boundaries,
+    parse_traceparent,
+)
 from kvscope.errors import SettingError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -609,6 +615,21 @@ messages = st.lists(
                            "content": st.text(min_size=4, max_size=30)}),
     min_size=1, max_size=8,
 )
+
+
+def test_odd_messages_hash_and_name_their_roles_as_documented() -> None:
+    parts = [{"content": "no role"}, "bare text", {"role": "tool", "content": [{"x": 1}]},
+             {"role": None, "content": "none"}, {"role": "", "content": "empty"}]
+    chain, expected = b"", []
+    for role, text in (("", "no role"), ("", "bare text"), ("tool", '[{"x": 1}]'),
+                       ("None", "none"), ("", "empty")):
+        chain = chain_boundary(chain, role, text)
+        expected.append(chain.hex())
+    assert message_boundaries({"messages": parts}) == (5, ",".join(expected), "??tN?")
+    assert message_boundaries({"messages": parts}, keep=2) == (5, ",".join(expected[3:]), "N?")
+    assert message_boundaries({"prompt": "once"}) == (
+        1, chain_boundary(b"", "user", "once").hex(), "u")
+    assert message_boundaries({"prompt": None}) == message_boundaries({}) == (0, "", "")
 
 
 @settings(max_examples=100, deadline=None)
