@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -693,6 +694,15 @@ def test_telemetry_disabled_still_serves_and_counts(tmp_path: Path) -> None:
         assert dep.chat("c").status_code == 200
         assert dep.client.get("/health").json()["telemetry"] == {"enabled": False}
         assert "kvscope_proxy_turns_total" in dep.client.get("/metrics").text
+
+
+def test_the_proxy_leaves_its_startup_heap_out_of_later_collections(tmp_path: Path) -> None:
+    built_before = [object() for _ in range(100)] + [[] for _ in range(100)]  # tracked
+    frozen_before = gc.get_freeze_count()
+    with deployment(tmp_path, spans=False) as dep:
+        assert dep.chat("c").status_code == 200
+        assert gc.get_freeze_count() >= frozen_before + 100
+    assert built_before
 
 
 def test_span_kinds_are_the_designed_ones() -> None:
