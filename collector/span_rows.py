@@ -36,7 +36,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 from kvscope.collector.convert import _attrs as attrs_to_rows
 from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.engine_telemetry import EngineTelemetry, _DirectSpans
-from kvscope.collector.proxy.telemetry import ProxyTelemetry
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, SpanEvent
 from kvscope.errors import StoreError
 from kvscope.store.rows import stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES, TRACES_ARROW
@@ -444,7 +444,7 @@ def proxy_rows(proxy: ProxyTelemetry, sink: RowTarget) -> None:
 
     def span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
              parent_is_remote: bool, kind: SpanKind, start_ns: int, end_ns: int,
-             attributes: dict[str, Any], events: tuple[tuple[int, str, dict[str, Any]], ...],
+             attributes: dict[str, Any], events: tuple[SpanEvent, ...],
              status: Status) -> None:
         row(name, trace_id, span_id, parent_span_id, "", kinds[id(kind)], resource, scope,
             attributes, start_ns, max(end_ns, start_ns), events, status.status_code,
