@@ -243,7 +243,6 @@ class Proxy:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
-        app.on_startup.append(_freeze_startup_heap)
         return app
 
     # -- routes ----------------------------------------------------------------------------------
@@ -579,10 +578,12 @@ def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None
                           f"{leg} {upstream.name} answered {status}")
 
 
-async def _freeze_startup_heap(app: web.Application) -> None:
-    """Leave what start-up built (modules, the application, the upstream client session) out
-    of every later garbage collection: a full collection then traverses only what serving
-    created since, not the whole heap of imported code (``gc.freeze``)."""
+async def freeze_startup_heap(app: web.Application) -> None:
+    """A start-up hook for a process that only serves the proxy (``kvscope proxy``): leave what
+    start-up built (modules, the application, the upstream client session) out of every later
+    garbage collection, so a full collection traverses only what serving created since, not the
+    whole heap of imported code (``gc.freeze``). Not added by :func:`build_app`: freezing is a
+    decision about the whole process, which an embedding application makes for itself."""
     gc.collect()
     gc.freeze()
 
@@ -697,6 +698,7 @@ def main_proxy(args: argparse.Namespace) -> int:
             # Flushing waits on the export process; keep the loop free while it does.
             await asyncio.get_running_loop().run_in_executor(None, telemetry.shutdown)
 
+    app.on_startup.append(freeze_startup_heap)
     app.on_cleanup.append(_close_telemetry)
     host = settings.resolve("host", args.host)
     logger.warning("kvscope proxy on http://%s:%d: %d prefill, %d decode instances", host,

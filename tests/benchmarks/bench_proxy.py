@@ -58,6 +58,7 @@ from kvscope.collector.proxy import (  # noqa: E402
     Upstream,
     build_app,
 )
+from kvscope.collector.proxy.app import freeze_startup_heap  # noqa: E402
 from kvscope.collector.proxy.export_process import TurnExportProcess  # noqa: E402
 
 OUTPUT_TOKENS = 16
@@ -121,8 +122,9 @@ def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: b
             semconv.SERVICE_PROXY, db=db, router_ttl_s=config.router_ttl_s))
     else:
         telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db))
-    web.run_app(build_app(config, telemetry), host="127.0.0.1", port=port,
-                print=None, access_log=None, backlog=1024)
+    app = build_app(config, telemetry)
+    app.on_startup.append(freeze_startup_heap)  # as kvscope proxy does
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
 
 
 # --- client ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import SpanKind
@@ -35,7 +36,7 @@ from kvscope.collector.proxy import (
     build_app,
     conversation_id_from,
 )
-from kvscope.collector.proxy.app import config_from_args
+from kvscope.collector.proxy.app import config_from_args, freeze_startup_heap
 from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS, MISS_PARAMS
 from kvscope.collector.proxy.telemetry import (
     Histogram,
@@ -696,13 +697,30 @@ def test_telemetry_disabled_still_serves_and_counts(tmp_path: Path) -> None:
         assert "kvscope_proxy_turns_total" in dep.client.get("/metrics").text
 
 
-def test_the_proxy_leaves_its_startup_heap_out_of_later_collections(tmp_path: Path) -> None:
+def test_the_startup_hook_leaves_the_startup_heap_out_of_later_collections() -> None:
     built_before = [object() for _ in range(100)] + [[] for _ in range(100)]  # tracked
+    frozen_before = gc.get_freeze_count()
+    prefill, decode = StubState(), StubState()
+    with ServerThread(lambda: prefill_app(prefill)) as p, \
+            ServerThread(lambda: decode_app(decode)) as d:
+        cfg = ProxyConfig([Upstream(PREFILL_HOST, p.port)], [Upstream(PREFILL_HOST, d.port)])
+
+        def app() -> web.Application:
+            application = build_app(cfg)
+            application.on_startup.append(freeze_startup_heap)
+            return application
+
+        with ServerThread(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/health").status_code == 200
+            assert gc.get_freeze_count() >= frozen_before + 100
+    assert built_before
+
+
+def test_build_app_leaves_the_processes_collector_alone(tmp_path: Path) -> None:
     frozen_before = gc.get_freeze_count()
     with deployment(tmp_path, spans=False) as dep:
         assert dep.chat("c").status_code == 200
-        assert gc.get_freeze_count() >= frozen_before + 100
-    assert built_before
+        assert gc.get_freeze_count() == frozen_before
 
 
 def test_span_kinds_are_the_designed_ones() -> None:
