@@ -58,7 +58,7 @@ from kvscope.collector.proxy import (  # noqa: E402
     Upstream,
     build_app,
 )
-from kvscope.collector.proxy.app import freeze_startup_heap  # noqa: E402
+from kvscope.collector.proxy.app import configure_serving_gc  # noqa: E402
 from kvscope.collector.proxy.export_process import TurnExportProcess  # noqa: E402
 
 OUTPUT_TOKENS = 16
@@ -123,7 +123,7 @@ def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: b
     else:
         telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db))
     app = build_app(config, telemetry)
-    app.on_startup.append(freeze_startup_heap)  # as kvscope proxy does
+    app.on_startup.append(configure_serving_gc)  # as kvscope proxy does
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
 
 

@@ -36,7 +36,11 @@ from kvscope.collector.proxy import (
     build_app,
     conversation_id_from,
 )
-from kvscope.collector.proxy.app import config_from_args, freeze_startup_heap
+from kvscope.collector.proxy.app import (
+    SERVING_GC_THRESHOLD,
+    config_from_args,
+    configure_serving_gc,
+)
 from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS, MISS_PARAMS
 from kvscope.collector.proxy.telemetry import (
     Histogram,
@@ -697,30 +701,37 @@ def test_telemetry_disabled_still_serves_and_counts(tmp_path: Path) -> None:
         assert "kvscope_proxy_turns_total" in dep.client.get("/metrics").text
 
 
-def test_the_startup_hook_leaves_the_startup_heap_out_of_later_collections() -> None:
+def test_the_startup_hook_freezes_the_startup_heap_and_raises_the_young_threshold() -> None:
     built_before = [object() for _ in range(100)] + [[] for _ in range(100)]  # tracked
     frozen_before = gc.get_freeze_count()
+    threshold_before = gc.get_threshold()
     prefill, decode = StubState(), StubState()
-    with ServerThread(lambda: prefill_app(prefill)) as p, \
-            ServerThread(lambda: decode_app(decode)) as d:
-        cfg = ProxyConfig([Upstream(PREFILL_HOST, p.port)], [Upstream(PREFILL_HOST, d.port)])
+    try:
+        with ServerThread(lambda: prefill_app(prefill)) as p, \
+                ServerThread(lambda: decode_app(decode)) as d:
+            cfg = ProxyConfig([Upstream(PREFILL_HOST, p.port)], [Upstream(PREFILL_HOST, d.port)])
 
-        def app() -> web.Application:
-            application = build_app(cfg)
-            application.on_startup.append(freeze_startup_heap)
-            return application
+            def app() -> web.Application:
+                application = build_app(cfg)
+                application.on_startup.append(configure_serving_gc)
+                return application
 
-        with ServerThread(app) as proxy, httpx.Client(base_url=proxy.url) as client:
-            assert client.get("/health").status_code == 200
-            assert gc.get_freeze_count() >= frozen_before + 100
+            with ServerThread(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+                assert client.get("/health").status_code == 200
+                assert gc.get_freeze_count() >= frozen_before + 100
+                assert gc.get_threshold() == (SERVING_GC_THRESHOLD, *threshold_before[1:])
+    finally:
+        gc.set_threshold(*threshold_before)  # the rest of the suite keeps its own
     assert built_before
 
 
 def test_build_app_leaves_the_processes_collector_alone(tmp_path: Path) -> None:
     frozen_before = gc.get_freeze_count()
+    threshold_before = gc.get_threshold()
     with deployment(tmp_path, spans=False) as dep:
         assert dep.chat("c").status_code == 200
         assert gc.get_freeze_count() == frozen_before
+        assert gc.get_threshold() == threshold_before
 
 
 def test_span_kinds_are_the_designed_ones() -> None:
