@@ -6,21 +6,24 @@ event loop needs, so under load every turn waits for it. :class:`TurnExportProce
 of it to a child process: when a turn finishes, the event loop flattens its
 :class:`TurnRecord` to a tuple with the request's messages (see
 :meth:`ProxyTelemetry.message_boundaries`), packs it to bytes (:func:`~kvscope.child.pack`:
-marshal: ~4 µs for a few short messages) and appends that to a bounded deque (no lock); a
-sender thread, every 250 ms, writes what is queued to a pipe as one batch. The child hashes the
-message boundaries, rebuilds each record and runs the same :meth:`ProxyTelemetry.spans_for`.
+marshal: ~4.5 µs for a few short messages in a tight loop, ~12 µs timed inside a serving
+proxy, where its code and the record are out of the CPU's caches) and appends that to a bounded
+deque (no lock); a sender thread, every 250 ms, writes what is queued to a pipe as one batch.
+The child hashes the message boundaries, rebuilds each record and runs the same
+:meth:`ProxyTelemetry.spans_for`.
 
 Both choices come from the event loop setting a turn's latency at saturation. Any Python work in
 the sender thread holds the GIL the loop needs (with the records flattened and boundaries hashed
 there, telemetry still added ~0.7 ms p50 at 64 conversations when the child discarded everything
-it received). And records kept as objects until the sender took them (a record, the request body
-it references) survived into older garbage-collector generations, so the loop's collections
-traversed more and ran more often: measured at 64 conversations, 0.55 s of collection in the
-on-rounds against 0.34 s with telemetry off. Queued as packed bytes, which the collector never
-visits (span counts beside them), the on-rounds collect about as often per turn as the
-off-rounds (young collections per turn within 5%; collection time per turn, from
-``bench_proxy.py --gc``, 28-33 µs on against 23-31 µs off). The messages' text crosses
-only this local pipe: the child keeps their hashes, never the text. To a store file
+it received; queueing the records themselves and packing each batch in one call in the sender
+cost the proxy's process the same CPU a turn as packing each turn on the loop, 735 against 735
+µs, as the sender then reads records gone cold). And records kept as objects until the sender
+took them (a record, the request body it references) survived into older garbage-collector
+generations, so the loop's collections traversed more and ran more often at CPython's default
+thresholds (0.55 s of collection in the on-rounds against 0.34 s off); queued as packed bytes,
+which the collector never visits (span counts beside them), they do not. ``kvscope proxy``
+also collects its young generation rarely (``configure_serving_gc``: below 1 µs of collection
+a turn, telemetry on or off). The messages' text crosses only this local pipe: the child keeps their hashes, never the text. To a store file
 (``--db``) the child takes the direct row path of :mod:`~kvscope.collector.span_rows` (each
 span's pieces kept as a row and converted by column: about half the CPU of building
 ``ReadableSpan`` objects and converting them); to OTLP it uses the SDK exporters. Either way
@@ -66,8 +69,10 @@ CHILD_NICE = 10
 # How often the sender thread ships what is queued (a half-full queue, or a flush, ships at
 # once). Each wake-up takes the GIL from the event loop, which at saturation sets every turn's
 # latency; at 64 conversations (bench_proxy.py, 5 runs each) telemetry added a median +0.63 ms
-# p50 shipping every 250 ms against +1.18 ms every 20 ms. Spans still reach the store within
-# about a second and a quarter.
+# p50 shipping every 250 ms against +1.18 ms every 20 ms (before bench_proxy.py let the child
+# catch up between rounds; measured since, 50 ms against 250 ms side by side over 36 rounds:
+# +0.27 ms, interval -0.67 .. +0.74). Spans still reach the store within about a second and a
+# quarter.
 SEND_INTERVAL_S = 0.25
 MAX_QUEUED_RECORDS = 65536
 

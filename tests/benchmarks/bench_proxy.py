@@ -17,8 +17,11 @@ telemetry proxy is let catch up (its backlog at the end of a round, printed, wou
 run in the next mode's round). The
 script prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50
 that telemetry adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
-and as the median of the per-round differences with a distribution-free 95% interval. It also
-times the telemetry work a turn does on the event loop (record → spans → queue) in-process.
+and as the median of the per-round differences with a distribution-free 95% interval; and the CPU
+a turn took in each process in each mode's rounds (client, upstream, the proxy, proxy-on's
+export process; from ``/proc``, catch-up included), which shows where the machine's two cores
+go. It also times the telemetry work a turn does on the event loop (record → spans → queue)
+in-process.
 
 Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 4] [--gc]
 Not a test: nothing here asserts a time.
@@ -303,6 +306,31 @@ def _round_order(r: int) -> tuple[str, ...]:
     return others + pair
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (Linux ``/proc``; None when
+    it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _child_pid(pid: int) -> int | None:
+    """The first child of process ``pid`` (the proxy's export process), if Linux says."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+# Whose CPU each mode's rounds are charged with (besides the client, this process).
+_CPU_OF = {"direct": ("upstream",), "proxy-off": ("upstream", "proxy-off"),
+           "proxy-on": ("upstream", "proxy-on", "export child"),
+           "in-process": ("upstream", "in-process")}
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -357,8 +385,14 @@ def main() -> int:
         header = (f"{'conc':>4} {'mode':<10} {'turns/s':>8} {'ttft p50':>9} {'ttft p99':>9} "
                   f"{'turn p50':>9} {'turn p99':>9}   (ms)")
         print(header)
+        pids: dict[str, int | None] = {
+            "client": os.getpid(), "upstream": procs[0].pid, "proxy-off": procs[1].pid,
+            "proxy-on": procs[2].pid, "in-process": procs[3].pid}
+        pids["export child"] = _child_pid(procs[2].pid or 0)
         for concurrency in args.concurrency:
             results = {mode: Sample() for mode in MODES}
+            # CPU seconds each process used in each mode's rounds (and its catch-up after).
+            cpu: dict[str, dict[str, float | None]] = {mode: {} for mode in MODES}
             # Per round, each telemetry mode's p50 turn minus proxy-off's p50 turn in the same
             # round: drift between rounds cancels in these paired differences.
             paired: dict[str, list[float]] = {"proxy-on": [], "in-process": []}
@@ -367,12 +401,18 @@ def main() -> int:
             for r in range(args.rounds):
                 round_p50 = {}
                 for mode in _round_order(r):
+                    before = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid}
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
                     round_p50[mode] = _pct(sample.turn_s, .5)
                     results[mode].extend(sample)
                     served[mode] += len(sample.turn_s)
                     if mode in backlog:
                         backlog[mode].append(asyncio.run(_settle(urls[mode])))
+                    for name, start in before.items():
+                        end = _cpu_seconds(pids[name] or 0)
+                        used = cpu[mode].get(name, 0.0)
+                        cpu[mode][name] = (None if start is None or end is None or used is None
+                                           else used + end - start)
                 for mode, diffs in paired.items():
                     diffs.append((round_p50[mode] - round_p50["proxy-off"]) * 1e3)
             print(f"{concurrency:>4} per-round p50 turn, proxy-on − proxy-off (ms): "
@@ -382,6 +422,12 @@ def main() -> int:
                 print(f"{concurrency:>4} {mode:<10} {len(s.turn_s) / s.wall_s:>8.0f} "
                       f"{_pct(s.ttft_s, .5) * 1e3:>9.2f} {_pct(s.ttft_s, .99) * 1e3:>9.2f} "
                       f"{_pct(s.turn_s, .5) * 1e3:>9.2f} {_pct(s.turn_s, .99) * 1e3:>9.2f}")
+            for mode in MODES:
+                turns = max(len(results[mode].turn_s), 1)
+                parts = [(name, cpu[mode].get(name)) for name in ("client", *_CPU_OF[mode])]
+                print(f"{concurrency:>4} {mode:<10} CPU us/turn: " + ", ".join(
+                    f"{name} " + ("not measured" if used is None else f"{used / turns * 1e6:.0f}")
+                    for name, used in parts))
             off, direct = results["proxy-off"], results["direct"]
             for mode in ("proxy-on", "in-process"):
                 on = results[mode]
