@@ -23,11 +23,11 @@ generations, so the loop's collections traversed more and ran more often at CPyt
 thresholds (0.55 s of collection in the on-rounds against 0.34 s off); queued as packed bytes,
 which the collector never visits (span counts beside them), they do not. ``kvscope proxy``
 also collects its young generation rarely (``configure_serving_gc``: below 1 µs of collection
-a turn, telemetry on or off). The messages' text crosses only this local pipe: the child keeps their hashes, never the text. To a store file
-(``--db``) the child takes the direct row path of :mod:`~kvscope.collector.span_rows` (each
-span's pieces kept as a row and converted by column: about half the CPU of building
-``ReadableSpan`` objects and converting them); to OTLP it uses the SDK exporters. Either way
-the stored spans equal the in-process path's (tested).
+a turn, telemetry on or off). The messages' text crosses only this local pipe: the child
+keeps their hashes, never the text. To a store file (``--db``) the child takes the direct row
+path of :mod:`~kvscope.collector.span_rows` (each span's pieces kept as a row and converted by
+column: about half the CPU of building ``ReadableSpan`` objects and converting them); to OTLP it
+uses the SDK exporters. Either way the stored spans equal the in-process path's (tested).
 
 The child runs at a lower CPU priority (``nice`` +10): when the proxy's machine is saturated
 the scheduler serves requests first and the child catches up when there is room, its backlog
