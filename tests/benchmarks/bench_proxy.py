@@ -1,20 +1,28 @@
 """Benchmark: what ``kvscope proxy`` and its telemetry add per turn, side by side in one run.
 
-Three ways to serve the same turns against one fast upstream (prefill + decode stubs in their own
+Four ways to serve the same turns against one fast upstream (prefill + decode stubs in their own
 process, 16 output tokens, no artificial delay):
 
     direct      the client calls prefill, then streams from decode itself (no proxy)
-    proxy-off   through the proxy with telemetry disabled (``--no-telemetry``)
+    proxy-off   through the proxy with telemetry disabled (the ``ProxyTelemetry`` that
+                ``--no-telemetry`` runs)
     proxy-on    through the proxy writing spans to a DuckDB file as ``kvscope proxy --db`` does:
                 records go to the export process, which builds, converts and inserts the spans
     in-process  the same, but spans built and written inside the proxy's process (the
                 ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
 
-Each proxy runs in its own process. For 1, 16 and 64 concurrent conversations the modes are run
-in alternating rounds (so drift on a shared machine hits all of them alike): proxy-off and
-proxy-on next to each other in alternating order (see ``_round_order``), and after its round a
-telemetry proxy is let catch up (its backlog at the end of a round, printed, would otherwise
-run in the next mode's round). The
+proxy-off and proxy-on are one proxy process whose telemetry the benchmark swaps between rounds
+(``POST /bench/mode``, a route only this script adds; the export process idles in proxy-off
+rounds, and its CPU there is printed). Two separate processes would differ on their own: two
+identical telemetry proxies, side by side over 12 rounds at 64 conversations, differed by a
+median -1.22 ms (interval -2.17 .. +0.07), and by -0.16 ms (-0.74 .. +0.75) with
+``PYTHONHASHSEED`` fixed, so each process's own hash seed, among others, moves its p50 by about
+as much as telemetry does. The in-process proxy and the upstream run in their own processes. For
+1, 16 and 64 concurrent conversations the modes are run in alternating rounds (so drift on a
+shared machine hits all of them alike): proxy-off and proxy-on next to each other in alternating
+order (see ``_round_order``), and after its round a telemetry proxy is let catch up (its backlog
+at the end of a round, printed, would otherwise run in the next mode's round). The upstream stub
+keeps nothing of what it serves (``StubState(keep=False)``). The
 script prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50
 that telemetry adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
 and as the median of the per-round differences with a distribution-free 95% interval; and the CPU
@@ -59,9 +67,8 @@ from kvscope.collector.proxy import (  # noqa: E402
     ProxyConfig,
     ProxyTelemetry,
     Upstream,
-    build_app,
 )
-from kvscope.collector.proxy.app import configure_serving_gc  # noqa: E402
+from kvscope.collector.proxy.app import Proxy, configure_serving_gc  # noqa: E402
 from kvscope.collector.proxy.export_process import TurnExportProcess  # noqa: E402
 
 OUTPUT_TOKENS = 16
@@ -72,8 +79,8 @@ MODES = ("direct", "proxy-off", "proxy-on", "in-process")
 def _serve_upstream(p_port: int, d_port: int) -> None:
     async def main() -> None:
         runners = []
-        for app, port in ((prefill_app(StubState(tokens=OUTPUT_TOKENS)), p_port),
-                          (decode_app(StubState(tokens=OUTPUT_TOKENS)), d_port)):
+        for app, port in ((prefill_app(StubState(tokens=OUTPUT_TOKENS, keep=False)), p_port),
+                          (decode_app(StubState(tokens=OUTPUT_TOKENS, keep=False)), d_port)):
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
@@ -83,17 +90,22 @@ def _serve_upstream(p_port: int, d_port: int) -> None:
     asyncio.run(main())
 
 
+# In a proxy process: the mode the current round measures (set by the benchmark's /bench/mode).
+_MODE = ["?"]
+
+
 def _record_gc(path: str) -> None:
-    """Count this process's garbage collections and their seconds, per generation, into the
-    JSON file ``path`` (rewritten every 0.25 s) for ``--gc``."""
-    counts = [[0, 0.0] for _ in range(3)]
+    """Count this process's garbage collections and their seconds, per mode measured and per
+    generation, into the JSON file ``path`` (rewritten every 0.25 s) for ``--gc``."""
+    counts: dict[str, list[list[float]]] = {}
     started = [0.0]
 
     def callback(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
         else:
-            count = counts[info["generation"]]
+            per_mode = counts.setdefault(_MODE[0], [[0, 0.0] for _ in range(3)])
+            count = per_mode[info["generation"]]
             count[0] += 1
             count[1] += time.perf_counter() - started[0]
 
@@ -107,25 +119,44 @@ def _record_gc(path: str) -> None:
     threading.Thread(target=dump, daemon=True).start()
 
 
-def _gc_counts(path: Path) -> list[list[float]]:
+def _gc_counts(path: Path, mode: str) -> list[list[float]]:
     time.sleep(0.6)  # a fresh dump
-    counts: list[list[float]] = json.loads(path.read_text())
-    return counts
+    counts: dict[str, list[list[float]]] = json.loads(path.read_text())
+    return counts.get(mode, [[0, 0.0] for _ in range(3)])
 
 
-def _serve_proxy(port: int, p_port: int, d_port: int, db: str | None, process: bool,
+def _serve_proxy(port: int, p_port: int, d_port: int, db: str, process: bool,
                  gc_log: str | None = None) -> None:
+    """A proxy as ``kvscope proxy --db`` runs it (``process``), serving the modes proxy-on and
+    proxy-off: between rounds the benchmark swaps its ``ProxyTelemetry`` (``POST /bench/mode``)
+    for the one ``--no-telemetry`` runs, so that both modes are measured in one process (see
+    the module docstring); or the in-process embedding, serving the mode in-process."""
     if gc_log is not None:
         _record_gc(gc_log)
     config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
-    if db is None:
-        telemetry = ProxyTelemetry(None)
-    elif process:
-        telemetry = ProxyTelemetry(None, export_process=TurnExportProcess(
-            semconv.SERVICE_PROXY, db=db, router_ttl_s=config.router_ttl_s))
+    modes: dict[str, ProxyTelemetry]
+    if process:
+        modes = {
+            "proxy-on": ProxyTelemetry(None, router_ttl_s=config.router_ttl_s,
+                                       export_process=TurnExportProcess(
+                                           semconv.SERVICE_PROXY, db=db,
+                                           router_ttl_s=config.router_ttl_s)),
+            "proxy-off": ProxyTelemetry(None, router_ttl_s=config.router_ttl_s),
+        }
     else:
-        telemetry = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db))
-    app = build_app(config, telemetry)
+        modes = {"in-process": ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db),
+                                              router_ttl_s=config.router_ttl_s)}
+    _MODE[0] = next(iter(modes))
+    proxy = Proxy(config, modes[_MODE[0]])
+    app = proxy.application()
+
+    async def switch(request: web.Request) -> web.Response:
+        mode = await request.text()
+        proxy.telemetry = modes[mode]
+        _MODE[0] = mode
+        return web.Response(text=mode)
+
+    app.router.add_post("/bench/mode", switch)
     app.on_startup.append(configure_serving_gc)  # as kvscope proxy does
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
 
@@ -210,6 +241,15 @@ async def _wait_ready(urls: dict[str, str]) -> None:
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.05)
+
+
+async def _switch(urls: dict[str, str], mode: str) -> None:
+    """Make the proxy serving ``mode`` serve it (proxy-on and proxy-off share one process)."""
+    if mode == "direct":
+        return
+    async with aiohttp.ClientSession() as session, \
+            session.post(urls[mode] + "/bench/mode", data=mode) as resp:
+        assert resp.status == 200, await resp.text()
 
 
 async def _health(url: str) -> dict[str, Any]:
@@ -326,8 +366,8 @@ def _child_pid(pid: int) -> int | None:
 
 
 # Whose CPU each mode's rounds are charged with (besides the client, this process).
-_CPU_OF = {"direct": ("upstream",), "proxy-off": ("upstream", "proxy-off"),
-           "proxy-on": ("upstream", "proxy-on", "export child"),
+_CPU_OF = {"direct": ("upstream",), "proxy-off": ("upstream", "proxy", "export child"),
+           "proxy-on": ("upstream", "proxy", "export child"),
            "in-process": ("upstream", "in-process")}
 
 
@@ -349,21 +389,20 @@ def main() -> int:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-bench-"))
-    p_port, d_port, off_port, on_port, inproc_port = (free_port() for _ in range(5))
+    p_port, d_port, proxy_port, inproc_port = (free_port() for _ in range(4))
     ctx = mp.get_context("spawn")
-    gc_files = {mode: tmp / f"gc-{mode}.json" for mode in ("proxy-off", "proxy-on", "in-process")}
+    # One file per proxy process; proxy-on and proxy-off are counted apart in theirs.
+    gc_files = {"proxy": tmp / "gc-proxy.json", "in-process": tmp / "gc-in-process.json"}
+    gc_of = {"proxy-off": "proxy", "proxy-on": "proxy", "in-process": "in-process"}
 
-    def gc_log(mode: str) -> str | None:
-        return str(gc_files[mode]) if args.gc else None
+    def gc_log(process: str) -> str | None:
+        return str(gc_files[process]) if args.gc else None
 
     procs = [
         ctx.Process(target=_serve_upstream, args=(p_port, d_port), daemon=True),
-        ctx.Process(target=_serve_proxy,
-                    args=(off_port, p_port, d_port, None, False, gc_log("proxy-off")),
-                    daemon=True),
         # Not a daemon: it starts its own export process.
-        ctx.Process(target=_serve_proxy, args=(on_port, p_port, d_port, str(tmp / "on.duckdb"),
-                                               True, gc_log("proxy-on"))),
+        ctx.Process(target=_serve_proxy, args=(proxy_port, p_port, d_port,
+                                               str(tmp / "on.duckdb"), True, gc_log("proxy"))),
         ctx.Process(target=_serve_proxy,
                     args=(inproc_port, p_port, d_port, str(tmp / "inproc-on.duckdb"), False,
                           gc_log("in-process")),
@@ -372,13 +411,16 @@ def main() -> int:
     for proc in procs:
         proc.start()
     urls = {"prefill": f"http://127.0.0.1:{p_port}", "decode": f"http://127.0.0.1:{d_port}",
-            "proxy-off": f"http://127.0.0.1:{off_port}", "proxy-on": f"http://127.0.0.1:{on_port}",
+            "proxy-off": f"http://127.0.0.1:{proxy_port}",
+            "proxy-on": f"http://127.0.0.1:{proxy_port}",
             "in-process": f"http://127.0.0.1:{inproc_port}"}
     try:
         asyncio.run(_wait_ready(urls))
         for mode in MODES:  # warm up connections and imports
+            asyncio.run(_switch(urls, mode))
             asyncio.run(_measure(mode, urls, 4, 0.5))
-        gc_before = {mode: _gc_counts(path) for mode, path in gc_files.items()} if args.gc else {}
+        gc_before = ({mode: _gc_counts(gc_files[gc_of[mode]], mode) for mode in gc_of}
+                     if args.gc else {})
         served = dict.fromkeys(MODES, 0)
         print(f"kvscope proxy benchmark: {OUTPUT_TOKENS} output tokens/turn, fast local upstream, "
               f"{args.rounds} alternating rounds x {args.seconds:g}s per mode and level")
@@ -386,9 +428,9 @@ def main() -> int:
                   f"{'turn p50':>9} {'turn p99':>9}   (ms)")
         print(header)
         pids: dict[str, int | None] = {
-            "client": os.getpid(), "upstream": procs[0].pid, "proxy-off": procs[1].pid,
-            "proxy-on": procs[2].pid, "in-process": procs[3].pid}
-        pids["export child"] = _child_pid(procs[2].pid or 0)
+            "client": os.getpid(), "upstream": procs[0].pid, "proxy": procs[1].pid,
+            "in-process": procs[2].pid}
+        pids["export child"] = _child_pid(procs[1].pid or 0)
         for concurrency in args.concurrency:
             results = {mode: Sample() for mode in MODES}
             # CPU seconds each process used in each mode's rounds (and its catch-up after).
@@ -401,6 +443,7 @@ def main() -> int:
             for r in range(args.rounds):
                 round_p50 = {}
                 for mode in _round_order(r):
+                    asyncio.run(_switch(urls, mode))
                     before = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid}
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
                     round_p50[mode] = _pct(sample.turn_s, .5)
@@ -447,13 +490,14 @@ def main() -> int:
             proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
             print(f"{concurrency:>4} proxy (off) adds p50 turn {proxy_turn:+.2f} ms vs direct")
         for mode in ("proxy-on", "in-process"):
+            asyncio.run(_switch(urls, mode))
             health = asyncio.run(_health(urls[mode]))
             print(f"{mode} telemetry counters at the end: {health['telemetry']}")
-        for mode, path in gc_files.items() if args.gc else ():
-            after = _gc_counts(path)
+        for mode in gc_of if args.gc else ():
+            after = _gc_counts(gc_files[gc_of[mode]], mode)
             n = [after[g][0] - gc_before[mode][g][0] for g in range(3)]
             seconds = sum(after[g][1] - gc_before[mode][g][1] for g in range(3))
-            print(f"garbage collection in the {mode} proxy while measured: {seconds:.3f} s "
+            print(f"garbage collection in the proxy while {mode} was measured: {seconds:.3f} s "
                   f"({n[0]:.0f} young, {n[1]:.0f} middle, {n[2]:.0f} full) over {served[mode]} "
                   f"turns: {seconds / max(served[mode], 1) * 1e6:.1f} us/turn")
     finally:

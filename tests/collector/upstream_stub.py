@@ -59,6 +59,9 @@ class StubState:
     received: list[Received] = field(default_factory=list)
     # Exact bytes decode wrote per request, to compare with what the proxy's client got.
     sent: list[bytes] = field(default_factory=list)
+    # Keep what was received and sent (tests read it). A benchmark serving ~100k turns a
+    # minute turns it off: kept, it grows without bound, and so does every full collection.
+    keep: bool = True
     disconnects: int = 0
     completed: int = 0
     engine_id: str = "engine"
@@ -67,7 +70,8 @@ class StubState:
 
 
 def _record(state: StubState, request: web.Request, body: dict[str, Any]) -> None:
-    state.received.append(Received(request.path, CIMultiDict(request.headers), body))
+    if state.keep:
+        state.received.append(Received(request.path, CIMultiDict(request.headers), body))
 
 
 async def _misbehave(state: StubState) -> web.Response | None:
@@ -215,7 +219,8 @@ def decode_app(state: StubState) -> web.Application:
         if bad is not None:
             return bad
         events = decode_events(body, request.headers.get("X-Request-Id", "?"), state)
-        state.sent.append(b"".join(events))
+        if state.keep:
+            state.sent.append(b"".join(events))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
