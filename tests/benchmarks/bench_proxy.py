@@ -20,18 +20,23 @@ median -1.22 ms (interval -2.17 .. +0.07), and by -0.16 ms (-0.74 .. +0.75) with
 as much as telemetry does. The in-process proxy and the upstream run in their own processes. For
 1, 16 and 64 concurrent conversations the modes are run in alternating rounds (so drift on a
 shared machine hits all of them alike): proxy-off and proxy-on next to each other in alternating
-order (see ``_round_order``), and after its round a telemetry proxy is let catch up (its backlog
-at the end of a round, printed, would otherwise run in the next mode's round). The upstream stub
-keeps nothing of what it serves (``StubState(keep=False)``). The
-script prints turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50
-that telemetry adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
+order (see ``_round_order``). Each round first runs ``--warmup`` seconds unmeasured (1.5 s):
+telemetry's pipeline holds up to ~1.25 s of turns (250 ms in the proxy's queue, up to 1 s of rows
+in the export process), so that in the measured seconds the export process does the work of as
+many turns as are served, as under sustained load; without it a round's last second of telemetry
+work fell into its catch-up, unmeasured. After its round a telemetry proxy is let catch up (its
+backlog at the end of a round, printed, would otherwise run in the next mode's round). The
+upstream stub keeps nothing of what it serves (``StubState(keep=False)``). The script prints
+turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50 that telemetry
+adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
 and as the median of the per-round differences with a distribution-free 95% interval; and the CPU
 a turn took in each process in each mode's rounds (client, upstream, the proxy, proxy-on's
 export process; from ``/proc``, catch-up included), which shows where the machine's two cores
 go. It also times the telemetry work a turn does on the event loop (record → spans → queue)
 in-process.
 
-Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--rounds 4] [--gc]
+Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--warmup 1.5] [--rounds 4]
+      [--concurrency 1 16 64] [--gc]
 Not a test: nothing here asserts a time.
 """
 
@@ -167,11 +172,13 @@ class Sample:
     ttft_s: list[float] = field(default_factory=list)
     turn_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    served: int = 0  # turns served, the warm-up's included
 
     def extend(self, other: Sample) -> None:
         self.ttft_s += other.ttft_s
         self.turn_s += other.turn_s
         self.wall_s += other.wall_s
+        self.served += other.served
 
 
 async def _timed_stream(resp: aiohttp.ClientResponse, t0: float) -> float:
@@ -183,7 +190,8 @@ async def _timed_stream(resp: aiohttp.ClientResponse, t0: float) -> float:
 
 
 async def _turn(session: aiohttp.ClientSession, mode: str, urls: dict[str, str],
-                conversation: str, messages: list[dict[str, str]], sample: Sample) -> None:
+                conversation: str, messages: list[dict[str, str]], sample: Sample | None
+                ) -> None:
     body: dict[str, Any] = {"model": "m", "messages": messages, "stream": True,
                             "max_tokens": OUTPUT_TOKENS}
     t0 = time.perf_counter()
@@ -201,32 +209,39 @@ async def _turn(session: aiohttp.ClientSession, mode: str, urls: dict[str, str],
                                 data=json.dumps(dict(body, conversation_id=conversation))) as resp:
             assert resp.status == 200
             ttft = await _timed_stream(resp, t0)
-    sample.ttft_s.append(ttft)
-    sample.turn_s.append(time.perf_counter() - t0)
+    if sample is not None:  # None: a warm-up turn
+        sample.ttft_s.append(ttft)
+        sample.turn_s.append(time.perf_counter() - t0)
 
 
 async def _conversation(session: aiohttp.ClientSession, mode: str, urls: dict[str, str],
-                        n: int, deadline: float, sample: Sample) -> None:
+                        n: int, measure_from: float, deadline: float, sample: Sample) -> None:
     messages = [{"role": "user", "content": f"conversation {n} starts with a task"}]
     turn = 0
-    while time.perf_counter() < deadline:
-        await _turn(session, mode, urls, f"bench-{n}", messages, sample)
+    while (now := time.perf_counter()) < deadline:
+        await _turn(session, mode, urls, f"bench-{n}", messages,
+                    sample if now >= measure_from else None)
+        sample.served += 1
         turn += 1
         # Keep prompts short and bounded: the upstream is meant to be fast.
         messages = messages[:1] + [{"role": "assistant", "content": "ok"},
                                    {"role": "user", "content": f"tool result {turn}"}]
 
 
-async def _measure(mode: str, urls: dict[str, str], concurrency: int, seconds: float) -> Sample:
+async def _measure(mode: str, urls: dict[str, str], concurrency: int, seconds: float,
+                   warmup_s: float = 0.0) -> Sample:
+    """Run ``concurrency`` conversations for ``warmup_s`` unmeasured, then measure the turns
+    that start in the next ``seconds``."""
     sample = Sample()
     headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        start = time.perf_counter()
-        deadline = start + seconds
-        await asyncio.gather(*(_conversation(session, mode, urls, n, deadline, sample)
+        measure_from = time.perf_counter() + warmup_s
+        deadline = measure_from + seconds
+        await asyncio.gather(*(_conversation(session, mode, urls, n, measure_from, deadline,
+                                             sample)
                                for n in range(concurrency)))
-        sample.wall_s = time.perf_counter() - start
+        sample.wall_s = time.perf_counter() - measure_from
     return sample
 
 
@@ -381,6 +396,10 @@ def _pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="length of one round")
+    parser.add_argument("--warmup", type=float, default=1.5,
+                        help="seconds each round first runs unmeasured: long enough for the "
+                        "telemetry pipeline (250 ms in the proxy's queue, up to 1 s of rows in "
+                        "the export process) to be doing its steady-state work when measured")
     parser.add_argument("--rounds", type=int, default=4,
                         help="alternating rounds per mode (a multiple of 4 balances the order)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
@@ -423,7 +442,8 @@ def main() -> int:
                      if args.gc else {})
         served = dict.fromkeys(MODES, 0)
         print(f"kvscope proxy benchmark: {OUTPUT_TOKENS} output tokens/turn, fast local upstream, "
-              f"{args.rounds} alternating rounds x {args.seconds:g}s per mode and level")
+              f"{args.rounds} alternating rounds x {args.seconds:g}s (after {args.warmup:g}s "
+              f"unmeasured) per mode and level")
         header = (f"{'conc':>4} {'mode':<10} {'turns/s':>8} {'ttft p50':>9} {'ttft p99':>9} "
                   f"{'turn p50':>9} {'turn p99':>9}   (ms)")
         print(header)
@@ -445,10 +465,11 @@ def main() -> int:
                 for mode in _round_order(r):
                     asyncio.run(_switch(urls, mode))
                     before = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid}
-                    sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds))
+                    sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds,
+                                                  args.warmup))
                     round_p50[mode] = _pct(sample.turn_s, .5)
                     results[mode].extend(sample)
-                    served[mode] += len(sample.turn_s)
+                    served[mode] += sample.served
                     if mode in backlog:
                         backlog[mode].append(asyncio.run(_settle(urls[mode])))
                     for name, start in before.items():
@@ -466,7 +487,7 @@ def main() -> int:
                       f"{_pct(s.ttft_s, .5) * 1e3:>9.2f} {_pct(s.ttft_s, .99) * 1e3:>9.2f} "
                       f"{_pct(s.turn_s, .5) * 1e3:>9.2f} {_pct(s.turn_s, .99) * 1e3:>9.2f}")
             for mode in MODES:
-                turns = max(len(results[mode].turn_s), 1)
+                turns = max(results[mode].served, 1)
                 parts = [(name, cpu[mode].get(name)) for name in ("client", *_CPU_OF[mode])]
                 print(f"{concurrency:>4} {mode:<10} CPU us/turn: " + ", ".join(
                     f"{name} " + ("not measured" if used is None else f"{used / turns * 1e6:.0f}")
