@@ -11,29 +11,30 @@ process, 16 output tokens, no artificial delay):
     in-process  the same, but spans built and written inside the proxy's process (the
                 ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
 
-proxy-off and proxy-on are one proxy process whose telemetry the benchmark swaps between rounds
-(``POST /bench/mode``, a route only this script adds; the export process idles in proxy-off
-rounds, and its CPU there is printed). Two separate processes would differ on their own: two
-identical telemetry proxies, side by side over 12 rounds at 64 conversations, differed by a
-median -1.22 ms (interval -2.17 .. +0.07), and by -0.16 ms (-0.74 .. +0.75) with
-``PYTHONHASHSEED`` fixed, so each process's own hash seed, among others, moves its p50 by about
-as much as telemetry does. The in-process proxy and the upstream run in their own processes. For
-1, 16 and 64 concurrent conversations the modes are run in alternating rounds (so drift on a
-shared machine hits all of them alike): proxy-off and proxy-on next to each other in alternating
-order (see ``_round_order``). Each round first runs ``--warmup`` seconds unmeasured (1.5 s):
-telemetry's pipeline holds up to ~1.25 s of turns (250 ms in the proxy's queue, up to 1 s of rows
-in the export process), so that in the measured seconds the export process does the work of as
-many turns as are served, as under sustained load; without it a round's last second of telemetry
-work fell into its catch-up, unmeasured. After its round a telemetry proxy is let catch up (its
-backlog at the end of a round, printed, would otherwise run in the next mode's round). The
-upstream stub keeps nothing of what it serves (``StubState(keep=False)``). The script prints
-turns/s and p50/p99 of TTFT (first body byte) and of the whole turn, then the p50 that telemetry
-adds (on − off) and that the proxy adds (off − direct): over all rounds pooled,
-and as the median of the per-round differences with a distribution-free 95% interval; and the CPU
-a turn took in each process in each mode's rounds (client, upstream, the proxy, proxy-on's
-export process; from ``/proc``, catch-up included), which shows where the machine's two cores
-go. It also times the telemetry work a turn does on the event loop (record → spans → queue)
-in-process.
+proxy-off and proxy-on are one proxy process, switched before each round (``POST /bench/mode``, a
+route only this script adds): for a proxy-on round it starts the telemetry ``kvscope proxy --db``
+starts (export process, sender thread), for a proxy-off round it closes it again and serves with the
+``ProxyTelemetry`` that ``--no-telemetry`` runs. Two separate processes would differ on their own:
+two identical telemetry proxies, side by side over 12 rounds at 64 conversations, differed by a
+median -1.22 ms (interval -2.17 .. +0.07), and by -0.16 ms (-0.74 .. +0.75) with ``PYTHONHASHSEED``
+fixed, so a process's own hash seed, among others, moves its p50 by about as much as telemetry does;
+one process, with telemetry's whole machinery there in proxy-on rounds only, leaves telemetry the
+one difference. The in-process proxy and the upstream run in their own processes. For 1, 16 and 64
+concurrent conversations the modes are run in alternating rounds (so drift on a shared machine hits
+all of them alike): proxy-off and proxy-on next to each other in alternating order (see
+``_round_order``). Each round first runs ``--warmup`` seconds unmeasured (1.5 s): telemetry's
+pipeline holds up to ~1.25 s of turns (250 ms in the proxy's queue, up to 1 s of rows in the export
+process), so that in the measured seconds the export process does the work of as many turns as are
+served, as under sustained load; without it a round's last second of telemetry work fell into its
+catch-up, unmeasured. After its round a telemetry proxy is let catch up (its backlog at the end of a
+round, printed, would otherwise run in the next mode's round). The upstream stub keeps nothing of
+what it serves (``StubState(keep=False)``). The script prints turns/s and p50/p99 of TTFT (first
+body byte) and of the whole turn, then the p50 that telemetry adds (on − off) and that the proxy
+adds (off − direct): over all rounds pooled, and as the median of the per-round differences with a
+distribution-free 95% interval; and the CPU a turn took in each process in each mode's rounds
+(client, upstream, the proxy, proxy-on's export process; from ``/proc``, catch-up included), which
+shows where the machine's two cores go. It also times the telemetry work a turn does on the event
+loop (record → spans → queue) in-process.
 
 Run:  .venv/bin/python tests/benchmarks/bench_proxy.py [--seconds 2] [--warmup 1.5] [--rounds 4]
       [--concurrency 1 16 64] [--gc]
@@ -133,33 +134,41 @@ def _gc_counts(path: Path, mode: str) -> list[list[float]]:
 def _serve_proxy(port: int, p_port: int, d_port: int, db: str, process: bool,
                  gc_log: str | None = None) -> None:
     """A proxy as ``kvscope proxy --db`` runs it (``process``), serving the modes proxy-on and
-    proxy-off: between rounds the benchmark swaps its ``ProxyTelemetry`` (``POST /bench/mode``)
-    for the one ``--no-telemetry`` runs, so that both modes are measured in one process (see
-    the module docstring); or the in-process embedding, serving the mode in-process."""
+    proxy-off: before each round the benchmark switches it (``POST /bench/mode``), starting the
+    telemetry ``kvscope proxy --db`` starts (its export process and sender thread) for a
+    proxy-on round and closing it again for proxy-off, which then serves with the
+    ``ProxyTelemetry`` that ``--no-telemetry`` runs (see the module docstring); or the
+    in-process embedding, serving the mode in-process."""
     if gc_log is not None:
         _record_gc(gc_log)
     config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
-    modes: dict[str, ProxyTelemetry]
+    ttl = config.router_ttl_s
+    off = ProxyTelemetry(None, router_ttl_s=ttl)
     if process:
-        modes = {
-            "proxy-on": ProxyTelemetry(None, router_ttl_s=config.router_ttl_s,
-                                       export_process=TurnExportProcess(
-                                           semconv.SERVICE_PROXY, db=db,
-                                           router_ttl_s=config.router_ttl_s)),
-            "proxy-off": ProxyTelemetry(None, router_ttl_s=config.router_ttl_s),
-        }
+        _MODE[0] = "proxy-off"
+        proxy = Proxy(config, off)
     else:
-        modes = {"in-process": ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db),
-                                              router_ttl_s=config.router_ttl_s)}
-    _MODE[0] = next(iter(modes))
-    proxy = Proxy(config, modes[_MODE[0]])
+        _MODE[0] = "in-process"
+        proxy = Proxy(config, ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db),
+                                             router_ttl_s=ttl))
     app = proxy.application()
 
     async def switch(request: web.Request) -> web.Response:
+        """Serve the mode named in the body; answer the export process's pid (proxy-on) and
+        the counts of the telemetry just closed (proxy-off). Blocks the loop: no round runs."""
         mode = await request.text()
-        proxy.telemetry = modes[mode]
+        answer: dict[str, Any] = {}
+        if mode == "proxy-on" and proxy.telemetry is off:
+            proxy.telemetry = ProxyTelemetry(None, router_ttl_s=ttl, export_process=(
+                TurnExportProcess(semconv.SERVICE_PROXY, db=db, router_ttl_s=ttl)))
+        elif mode == "proxy-off" and proxy.telemetry is not off:
+            closing, proxy.telemetry = proxy.telemetry, off
+            closing.shutdown()  # flushes and stops the export process and the sender thread
+            answer["closed"] = closing.telemetry_counts()
+        export = proxy.telemetry.export_process
+        answer["export_pid"] = export._process.pid if export is not None else None
         _MODE[0] = mode
-        return web.Response(text=mode)
+        return web.json_response(answer)
 
     app.router.add_post("/bench/mode", switch)
     app.on_startup.append(configure_serving_gc)  # as kvscope proxy does
@@ -258,13 +267,15 @@ async def _wait_ready(urls: dict[str, str]) -> None:
                 await asyncio.sleep(0.05)
 
 
-async def _switch(urls: dict[str, str], mode: str) -> None:
-    """Make the proxy serving ``mode`` serve it (proxy-on and proxy-off share one process)."""
-    if mode == "direct":
-        return
+async def _switch(urls: dict[str, str], mode: str) -> dict[str, Any]:
+    """Make the proxy serving ``mode`` serve it (proxy-on and proxy-off share one process); its
+    answer (see ``_serve_proxy``)."""
+    if mode in ("direct", "in-process"):
+        return {}
     async with aiohttp.ClientSession() as session, \
             session.post(urls[mode] + "/bench/mode", data=mode) as resp:
         assert resp.status == 200, await resp.text()
+        return dict(await resp.json())
 
 
 async def _health(url: str) -> dict[str, Any]:
@@ -371,17 +382,8 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def _child_pid(pid: int) -> int | None:
-    """The first child of process ``pid`` (the proxy's export process), if Linux says."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return None
-    return int(children[0]) if children else None
-
-
 # Whose CPU each mode's rounds are charged with (besides the client, this process).
-_CPU_OF = {"direct": ("upstream",), "proxy-off": ("upstream", "proxy", "export child"),
+_CPU_OF = {"direct": ("upstream",), "proxy-off": ("upstream", "proxy"),
            "proxy-on": ("upstream", "proxy", "export child"),
            "in-process": ("upstream", "in-process")}
 
@@ -438,6 +440,7 @@ def main() -> int:
         for mode in MODES:  # warm up connections and imports
             asyncio.run(_switch(urls, mode))
             asyncio.run(_measure(mode, urls, 4, 0.5))
+        asyncio.run(_switch(urls, "proxy-off"))  # the warm-up's telemetry closed, uncounted
         gc_before = ({mode: _gc_counts(gc_files[gc_of[mode]], mode) for mode in gc_of}
                      if args.gc else {})
         served = dict.fromkeys(MODES, 0)
@@ -449,8 +452,17 @@ def main() -> int:
         print(header)
         pids: dict[str, int | None] = {
             "client": os.getpid(), "upstream": procs[0].pid, "proxy": procs[1].pid,
-            "in-process": procs[2].pid}
-        pids["export child"] = _child_pid(procs[1].pid or 0)
+            "in-process": procs[2].pid, "export child": None}
+        # The proxy-on telemetry's counters, summed over its rounds (each round has its own).
+        closed: dict[str, int] = {"queued_spans": 0, "exported_spans": 0, "dropped_spans": 0}
+
+        def switch(mode: str) -> None:
+            answer = asyncio.run(_switch(urls, mode))
+            for key, value in answer.get("closed", {}).items():
+                if key in closed:
+                    closed[key] += value
+            pids["export child"] = answer.get("export_pid")
+
         for concurrency in args.concurrency:
             results = {mode: Sample() for mode in MODES}
             # CPU seconds each process used in each mode's rounds (and its catch-up after).
@@ -463,7 +475,7 @@ def main() -> int:
             for r in range(args.rounds):
                 round_p50 = {}
                 for mode in _round_order(r):
-                    asyncio.run(_switch(urls, mode))
+                    switch(mode)
                     before = {name: _cpu_seconds(pid) for name, pid in pids.items() if pid}
                     sample = asyncio.run(_measure(mode, urls, concurrency, args.seconds,
                                                   args.warmup))
@@ -510,10 +522,11 @@ def main() -> int:
                       f"caught up in {min(waits):.1f}..{max(waits):.1f} s")
             proxy_turn = (_pct(off.turn_s, .5) - _pct(direct.turn_s, .5)) * 1e3
             print(f"{concurrency:>4} proxy (off) adds p50 turn {proxy_turn:+.2f} ms vs direct")
-        for mode in ("proxy-on", "in-process"):
-            asyncio.run(_switch(urls, mode))
-            health = asyncio.run(_health(urls[mode]))
-            print(f"{mode} telemetry counters at the end: {health['telemetry']}")
+        switch("proxy-off")  # closes the last proxy-on telemetry: its counts join the sums
+        print(f"proxy-on telemetry over its rounds: {closed['queued_spans']} spans built, "
+              f"{closed['exported_spans']} stored, {closed['dropped_spans']} dropped")
+        health = asyncio.run(_health(urls["in-process"]))
+        print(f"in-process telemetry counters at the end: {health['telemetry']}")
         for mode in gc_of if args.gc else ():
             after = _gc_counts(gc_files[gc_of[mode]], mode)
             n = [after[g][0] - gc_before[mode][g][0] for g in range(3)]
