@@ -385,9 +385,10 @@ class _RowExport:
         """Store collected rows at least every second (what a killed child can lose), and wait
         for the insert: building rows and DuckDB's insert (which releases the GIL, on the
         writer's thread) then take turns, so the child never holds both of a small machine's
-        CPUs at once. At 64 conversations on 2 cores, telemetry's added p50 was lower waiting
-        than overlapping in two runs side by side (median per-round differences -0.42 and
-        -0.30 ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms), at the same CPU a turn."""
+        CPUs at once, at the same CPU a turn. Measured against overlapping them, in separate
+        proxy processes side by side at 64 conversations: median per-round differences of
+        -0.42 and -0.30 ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant,
+        as two identical proxy processes differ by as much (see ``bench_proxy.py``)."""
         if self._sink.pending and time.monotonic() - self._flushed_at >= _ROW_FLUSH_INTERVAL_S:
             self._sink.sync()
             self._flushed_at = time.monotonic()
