@@ -9,7 +9,8 @@ process, 16 output tokens, no artificial delay):
     proxy-on    through the proxy writing spans to a DuckDB file as ``kvscope proxy --db`` does:
                 records go to the export process, which builds, converts and inserts the spans
     in-process  the same, but spans built and written inside the proxy's process (the
-                ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison)
+                ``ProxyTelemetry(setup_telemetry(...))`` embedding; for comparison: a process
+                of its own, so its difference from proxy-off carries the process effect below)
 
 proxy-off and proxy-on are one proxy process, switched before each round (``POST /bench/mode``, a
 route only this script adds): for a proxy-on round it starts the telemetry ``kvscope proxy --db``
@@ -143,34 +144,36 @@ def _serve_proxy(port: int, p_port: int, d_port: int, db: str, process: bool,
         _record_gc(gc_log)
     config = ProxyConfig([Upstream("127.0.0.1", p_port)], [Upstream("127.0.0.1", d_port)])
     ttl = config.router_ttl_s
-    off = ProxyTelemetry(None, router_ttl_s=ttl)
-    if process:
-        _MODE[0] = "proxy-off"
-        proxy = Proxy(config, off)
-    else:
+    if not process:
         _MODE[0] = "in-process"
         proxy = Proxy(config, ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=db),
                                              router_ttl_s=ttl))
-    app = proxy.application()
+        app = proxy.application()
+    else:
+        _MODE[0] = "proxy-off"
+        off = ProxyTelemetry(None, router_ttl_s=ttl)
+        proxy = Proxy(config, off)
+        app = proxy.application()
 
-    async def switch(request: web.Request) -> web.Response:
-        """Serve the mode named in the body; answer the export process's pid (proxy-on) and
-        the counts of the telemetry just closed (proxy-off). Blocks the loop: no round runs."""
-        mode = await request.text()
-        answer: dict[str, Any] = {}
-        if mode == "proxy-on" and proxy.telemetry is off:
-            proxy.telemetry = ProxyTelemetry(None, router_ttl_s=ttl, export_process=(
-                TurnExportProcess(semconv.SERVICE_PROXY, db=db, router_ttl_s=ttl)))
-        elif mode == "proxy-off" and proxy.telemetry is not off:
-            closing, proxy.telemetry = proxy.telemetry, off
-            closing.shutdown()  # flushes and stops the export process and the sender thread
-            answer["closed"] = closing.telemetry_counts()
-        export = proxy.telemetry.export_process
-        answer["export_pid"] = export._process.pid if export is not None else None
-        _MODE[0] = mode
-        return web.json_response(answer)
+        async def switch(request: web.Request) -> web.Response:
+            """Serve the mode named in the body; answer the export process's pid (proxy-on)
+            and the counts of the telemetry just closed (proxy-off). Blocks the loop: no round
+            runs meanwhile."""
+            mode = await request.text()
+            answer: dict[str, Any] = {}
+            if mode == "proxy-on" and proxy.telemetry is off:
+                proxy.telemetry = ProxyTelemetry(None, router_ttl_s=ttl, export_process=(
+                    TurnExportProcess(semconv.SERVICE_PROXY, db=db, router_ttl_s=ttl)))
+            elif mode == "proxy-off" and proxy.telemetry is not off:
+                closing, proxy.telemetry = proxy.telemetry, off
+                closing.shutdown()  # flushes and stops the export process and sender thread
+                answer["closed"] = closing.telemetry_counts()
+            export = proxy.telemetry.export_process
+            answer["export_pid"] = export._process.pid if export is not None else None
+            _MODE[0] = mode
+            return web.json_response(answer)
 
-    app.router.add_post("/bench/mode", switch)
+        app.router.add_post("/bench/mode", switch)
     app.on_startup.append(configure_serving_gc)  # as kvscope proxy does
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)
 
@@ -516,7 +519,8 @@ def main() -> int:
                 print(f"{concurrency:>4} telemetry ({mode}) adds p50 turn {tel_turn:+.2f} ms, "
                       f"p50 TTFT {tel_ttft:+.2f} ms, throughput on/off {thr:.2f}x; per round "
                       f"(paired with proxy-off, {len(paired[mode])} rounds) median "
-                      f"{median:+.2f} ms, {'95% interval' if len(spans) >= 6 else 'range'} "
+                      f"{median:+.2f} ms, "
+                      f"{'95% interval' if len(paired[mode]) >= 6 else 'range'} "
                       f"{low:+.2f} .. {high:+.2f} ms; "
                       f"after its rounds it built {min(spans)}..{max(spans)} more spans and "
                       f"caught up in {min(waits):.1f}..{max(waits):.1f} s")
