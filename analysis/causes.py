@@ -8,7 +8,7 @@ from typing import Any
 import polars as pl
 
 from kvscope.analysis.registry import AnalysisContext, Param, register
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 # The configuration change (or investigation) each miss cause suggests.
 SUGGESTIONS: dict[str, str] = {

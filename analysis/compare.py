@@ -31,7 +31,7 @@ import polars as pl
 from kvscope.analysis import registry
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
 from kvscope.analysis.reuse import reuse_table
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 FEATURE_ON = "on"
 FEATURE_OFF = "off"
@@ -529,7 +529,7 @@ def compare_by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.Dat
 
 def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int:
     """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
-    from kvscope.cli import format_rows  # the CLI imports this module: import it late
+    from kvscope.tables import format_rows
 
     with AnalysisContext.open(db) as ctx:
         summary, by_prompt = comparison(ctx, list(runs) if runs else None)

@@ -32,8 +32,8 @@ import polars as pl
 
 from kvscope.analysis import whatif
 from kvscope.analysis.registry import AnalysisContext, Param, register
-from kvscope.emulator import outcomes
-from kvscope.emulator.reuse_model import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+from kvscope.reuse import outcomes
+from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 
 STEPS = ("ideal", "ttl_bounded", "threshold_bounded", "capacity_bounded", "observed")
 CAUSES = (None, "ttl", "threshold", "memory", "system")

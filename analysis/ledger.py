@@ -21,8 +21,8 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
   tokenizer: null, and the outcome is ``prefix_diverged``.
 * ``local_hit_tokens`` / ``remote_reused_tokens`` / ``recomputed_reusable_tokens`` from P's
   reuse decision and the D→P transfer (a read that moved bytes and finished ``ok``).
-* ``outcome`` — one label from :data:`kvscope.emulator.outcomes.OUTCOMES`, decided in the order
-  of :mod:`kvscope.emulator.outcomes`, with ``evidence`` saying what decided it and which
+* ``outcome`` — one label from :data:`kvscope.reuse.outcomes.OUTCOMES`, decided in the order
+  of :mod:`kvscope.reuse.outcomes`, with ``evidence`` saying what decided it and which
   evidence was missing when it is ``unknown``.
 """
 
@@ -35,7 +35,14 @@ import duckdb
 import polars as pl
 
 from kvscope import semconv
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
+from kvscope.reuse.router import GUARD_EDITED
+from kvscope.reuse.validity import (
+    INVALID_AFTER_RELEASE,
+    INVALID_BEYOND_PREFIX,
+    INVALID_EDITED,
+    INVALID_MISALIGNED,
+)
 from kvscope.store.database import open_store
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import quote
@@ -60,6 +67,7 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "output_tokens": pl.Int64(),
     "router_lookup": pl.String(),
     "router_entry_age_s": pl.Float64(),
+    "reuse_guard": pl.String(),
     "d_metadata_attached": pl.Boolean(),
     "prefill_request_id": pl.String(),
     "decode_request_id": pl.String(),
@@ -86,9 +94,16 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "remote_reused_tokens": pl.Int64(),
     "recomputed_reusable_tokens": pl.Int64(),
     "errored": pl.Boolean(),
+    "invalid_tokens": pl.Int64(),
+    "reuse_validity": pl.String(),
     "outcome": pl.String(),
     "evidence": pl.String(),
 }
+
+# Whether the KV a turn loaded from decode belongs to its prompt (kvscope.reuse.validity).
+VALIDITY_VALID = "valid"
+VALIDITY_INVALID = "invalid"
+VALIDITY_NOT_VERIFIED = "not_verified"  # loaded KV, but no boundary hashes to check it against
 
 # History relation of turn k to turn k-1, from message-boundary hashes.
 HISTORY_FIRST = "first"
@@ -129,6 +144,7 @@ _TURN_COLUMNS = {
     "output_tokens": _a(semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
     "router_lookup": _a(semconv.ROUTER_LOOKUP),
     "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
+    "reuse_guard": _a(semconv.REUSE_GUARD),
     "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
     "messages": _a(semconv.MESSAGE_COUNT),
     "roles": _a(semconv.MESSAGE_ROLES),
@@ -183,6 +199,7 @@ _RETENTION_COLUMNS = {
     "duration_ns": "Duration",
     "size_bytes": _a(semconv.RETENTION_BYTES),
     "reason": _a(semconv.RETENTION_RELEASE_REASON),
+    "tokens": _a(semconv.REMOTE_NUM_TOKENS),
 }
 
 QUERIES: dict[str, str] = {
@@ -307,6 +324,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.col("engine").first().alias("prefill_engine"),
         pl.len().alias("decisions"),
         pl.col("local_hit").last().alias("final_local_hit"),
+        pl.col("decision").last().alias("last_decision"),
     )
     transfers = frames["transfers"].with_columns(
         request_key("request_id").alias("x_request_id"), _int("size_bytes"),
@@ -337,7 +355,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.col("engine").first().alias("decode_engine"),
     )
     retentions = frames["retentions"].with_columns(
-        _int("size_bytes"),
+        _int("size_bytes"), _int("tokens"),
         (pl.col("start") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("released_at"),
         (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),
     )
@@ -349,12 +367,17 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.col("reason").alias("retention_release"),
         pl.col("released_at").alias("retention_released_at"),
     ).unique("retention_id", keep="first")
+    # What decode holds KV for after this turn (remote_num_tokens of its own retention).
+    held = retentions.select(
+        pl.col("request_id").alias("decode_request_id"), pl.col("tokens").alias("held_tokens"),
+    ).unique("decode_request_id", keep="first")
 
     ledger = (
         ledger.join(first_decisions, on="x_request_id", how="left")
         .join(d2p, on="x_request_id", how="left")
         .join(p2d, on="x_request_id", how="left")
         .join(offered, on="retention_id", how="left")
+        .join(held, on="decode_request_id", how="left")
     )
 
     # Previous turn of the same conversation in the same run.
@@ -373,6 +396,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         previous("messages").alias("prev_messages"),
         previous("metadata_returned").alias("prev_returned"),
         previous("turn_index").alias("prev_index"),
+        previous("held_tokens").alias("prev_held"),
     )
     has_prev = pl.col("prev_index").is_not_null() & (
         pl.col("prev_index") == pl.col("turn_index") - 1
@@ -392,14 +416,19 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     )
     ledger = ledger.with_columns(history.alias("history"))
     offered_tokens = pl.coalesce(pl.col("offered_tokens"), pl.col("offered_tokens_proxy"))
+    held_tokens = pl.coalesce(offered_tokens, pl.col("prev_held"),
+                              pl.col("prev_prompt") + pl.col("prev_output") - 1)
     reusable = (
         pl.when(pl.col("history") == HISTORY_FIRST).then(pl.lit(0, pl.Int64))
         .when(pl.col("history") == HISTORY_CONTINUES)
-        # Null when the previous turn left no output count (it failed): min_horizontal would
-        # skip the null and return the prompt length, a guess.
-        .then(pl.when(pl.col("prev_output").is_not_null()).then(
-            pl.min_horizontal(pl.col("prev_prompt") + pl.col("prev_output") - 1,
-                              pl.col("prompt_tokens"))))
+        # What decode holds KV for: its offer, else its retention's remote_num_tokens (one
+        # less than prompt + output under the synchronous scheduler, equal under the async one
+        # after a stop token). Without either (decode kept nothing: bidir off there), prompt +
+        # output − 1, what every scheduler computed (a lower bound: async may have computed one
+        # more, which no span of such a run shows). Null when the previous turn left no output
+        # count (it failed): min_horizontal would skip the null and return the prompt length.
+        .then(pl.when(held_tokens.is_not_null()).then(
+            pl.min_horizontal(held_tokens, pl.col("prompt_tokens"))))
         .when(pl.col("history") == HISTORY_UNKNOWN)
         .then(pl.when(offered_tokens.is_not_null()).then(
             pl.min_horizontal(offered_tokens, pl.col("prompt_tokens"))))
@@ -427,6 +456,8 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.when(pl.col("errored") | ~read_ok.fill_null(False) | stale.fill_null(False)
                 | preempted.fill_null(False))
         .then(pl.lit(0, pl.Int64))
+        # min_horizontal skips nulls: an unmeasured reusable span leaves remote unmeasured.
+        .when(reusable_col.is_null()).then(pl.lit(None, pl.Int64))
         .otherwise((pl.min_horizontal(reach, reusable_col) - local).clip(lower_bound=0))
     )
     ledger = ledger.with_columns(
@@ -438,6 +469,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         (reusable_col - pl.col("local_hit_tokens").fill_null(0)
          - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
     )
+    ledger = _validity(ledger)
     ledger = _label(ledger)
     ledger = ledger.with_columns(
         (pl.col("arrival")).alias("arrival"),
@@ -448,11 +480,49 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
 
 
+def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
+    """Whether the KV each turn loaded from decode belongs to its prompt (spans alone).
+
+    Invalid when the read came after decode released the blocks (TTL reaper), when the
+    history was edited since the previous turn (message-boundary hashes), when a continuing
+    history's read reached past the reusable span, or — without hashes — when decode's sequence
+    is longer than the prompt (the read takes decode's last blocks). ``invalid_tokens`` is null
+    where the count is not measurable from counts alone (an edited history).
+    """
+    c = pl.col
+    loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("errored")
+    reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
+    history = c("history")
+    longer = c("offered_tokens") > c("prompt_tokens")
+    kind = (
+        pl.when(~loaded).then(pl.lit(None, pl.String))
+        .when(c("_stale")).then(pl.lit(INVALID_AFTER_RELEASE))
+        .when(history == HISTORY_EDITED).then(pl.lit(INVALID_EDITED))
+        .when((history == HISTORY_CONTINUES) & (reach > c("reusable_tokens")))
+        .then(pl.lit(INVALID_BEYOND_PREFIX))
+        .when((history == HISTORY_UNKNOWN) & longer.fill_null(False))
+        .then(pl.lit(INVALID_MISALIGNED))
+    )
+    count = (
+        pl.when(c("_invalid_kind") == INVALID_AFTER_RELEASE).then(c("to_pull_tokens"))
+        .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - c("reusable_tokens"))
+        .when(c("_invalid_kind").is_null() & loaded & (history == HISTORY_CONTINUES))
+        .then(pl.lit(0, pl.Int64))
+    )
+    validity = (
+        pl.when(~loaded).then(pl.lit(None, pl.String))
+        .when(c("_invalid_kind").is_not_null()).then(pl.lit(VALIDITY_INVALID))
+        .when(history == HISTORY_CONTINUES).then(pl.lit(VALIDITY_VALID))
+        .otherwise(pl.lit(VALIDITY_NOT_VERIFIED))
+    )
+    return ledger.with_columns(kind.alias("_invalid_kind")).with_columns(
+        count.alias("invalid_tokens"), validity.alias("reuse_validity"))
+
+
 def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Decide each turn's outcome and its evidence, in the order of :mod:`outcomes`."""
     c = pl.col
     reusable, local, remote = c("reusable_tokens"), c("local_hit_tokens"), c("remote_reused_tokens")
-    reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
     offered = c("offered_tokens")
     target = pl.when(offered.fill_null(0) > 0).then(
         pl.min_horizontal(reusable, pl.max_horizontal(offered, local))).otherwise(reusable)
@@ -460,15 +530,26 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     engine_seen = c("decision").is_not_null()
     lookup = c("router_lookup")
     status = c("d2p_status")
+    kind = c("_invalid_kind")
     rules: list[tuple[pl.Expr, str, pl.Expr]] = [
         # Without a conversation id no turn can be linked to another, the first included.
         (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
          pl.lit("request had no conversation id")),
         (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit("turn 1")),
+        (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
+         pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
+        (kind == INVALID_EDITED, outcomes.REUSED_INVALID,
+         pl.format(outcomes.EVIDENCE_INVALID[INVALID_EDITED], c("to_pull_tokens"))),
+        (kind == INVALID_BEYOND_PREFIX, outcomes.REUSED_INVALID,
+         pl.format(outcomes.EVIDENCE_INVALID[INVALID_BEYOND_PREFIX], c("to_pull_tokens"),
+                   c("invalid_tokens"), reusable)),
+        (kind == INVALID_MISALIGNED, outcomes.REUSED_INVALID,
+         pl.format(outcomes.EVIDENCE_INVALID[INVALID_MISALIGNED], c("to_pull_tokens"),
+                   c("offered_tokens"), c("prompt_tokens"))),
         (c("history") == HISTORY_EDITED, outcomes.PREFIX_DIVERGED,
-         pl.lit("message-boundary hashes: history edited since the previous turn")),
-        (c("_read_ok") & (reach > reusable) & (reusable > 0), outcomes.PREFIX_DIVERGED,
-         pl.format("pulled up to {} > reusable {}", reach, reusable)),
+         pl.when(c("reuse_guard") == GUARD_EDITED)
+         .then(pl.lit(outcomes.EVIDENCE_EDITED + "; the proxy's reuse guard sent MISS params"))
+         .otherwise(pl.lit(outcomes.EVIDENCE_EDITED + " (message-boundary hashes)"))),
         (engine_seen & (done >= target) & (done > 0) & (remote > 0), outcomes.REUSED_REMOTE,
          pl.format("pulled {}, local {}", remote, local)),
         (engine_seen & (done >= target) & (done > 0), outcomes.REUSED_LOCAL,
@@ -498,12 +579,15 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
          pl.format("{} < {}", c("offered_tokens") - c("decision_local_hit"),
                    c("threshold_tokens"))),
-        (c("_stale"), outcomes.DECODE_TTL_EXPIRED,
-         pl.lit("read hit a handle decode had already reaped")),
+        (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
+         pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
         (c("_preempted"), outcomes.PREEMPTED, pl.lit("rescheduled after its read")),
         (status.is_not_null() & (status != semconv.TRANSFER_OK)
          & c("load_errored").fill_null(False),
-         outcomes.LOAD_FAILED_ERRORED, pl.format("read {}, policy fail", status)),
+         outcomes.LOAD_FAILED_ERRORED, pl.format(outcomes.EVIDENCE_LOAD_FAILED, status)),
+        (status.is_not_null() & (status != semconv.TRANSFER_OK)
+         & (c("last_decision") == semconv.DECISION_REISSUED),
+         outcomes.LOAD_STALLED, pl.format(outcomes.EVIDENCE_LOAD_STALLED, status)),
         (status == semconv.TRANSFER_DECLINED_EXPIRED, outcomes.DECODE_TTL_EXPIRED,
          pl.lit("read declined as expired")),
         (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,

@@ -34,7 +34,7 @@ import polars as pl
 
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, Param, register
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 GIB = float(1 << 30)
 _NS = 1_000_000_000

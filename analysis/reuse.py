@@ -8,7 +8,7 @@ from typing import Any
 import polars as pl
 
 from kvscope.analysis.registry import AnalysisContext, Param, register
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 REUSED = (outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL)
 GROUPINGS = ("run", "conversation", "turn_index", "engine", "window")

@@ -21,7 +21,7 @@ from kvscope.analysis import compare
 from kvscope.analysis.causes import cause_table
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.reuse import reuse_table
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 TOP_CAUSES = 3
 # Outcomes that are not misses: the first turn and full reuse.
@@ -40,6 +40,9 @@ COLUMNS: dict[str, pl.DataType] = {
     "local_share": pl.Float64(),
     "remote_share": pl.Float64(),
     "turns_unknown": pl.Int64(),
+    "turns_reused_invalid": pl.Int64(),
+    "invalid_tokens": pl.Int64(),
+    "invalid_tokens_unmeasured_turns": pl.Int64(),
     **{f"cause_{i}{suffix}": dtype for i in range(1, TOP_CAUSES + 1)
        for suffix, dtype in (("", pl.String()), ("_share", pl.Float64()))},
     "retained_gib_s": pl.Float64(),
@@ -74,6 +77,17 @@ def _top_causes(causes: pl.DataFrame) -> pl.DataFrame:
     return wide
 
 
+def _invalid(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Per run: turns that loaded KV not matching their prompt, and the tokens where counted."""
+    bad = pl.col("outcome") == outcomes.REUSED_INVALID
+    return ledger.group_by("run_id").agg(
+        bad.sum().cast(pl.Int64).alias("turns_reused_invalid"),
+        pl.col("invalid_tokens").filter(bad).sum().cast(pl.Int64).alias("invalid_tokens"),
+        (bad & pl.col("invalid_tokens").is_null()).sum().cast(pl.Int64)
+        .alias("invalid_tokens_unmeasured_turns"),
+    )
+
+
 def _change(new: Any, old: Any) -> float | None:
     """Relative change new vs old (-0.3 = 30 % lower); None where either is not measured."""
     if new is None or old is None or old == 0:
@@ -100,6 +114,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         .join(reuse, on="run_id", how="left")
         .join(_top_causes(cause_table(ledger)), on="run_id", how="left")
         .join(totals, on="run_id", how="left")
+        .join(_invalid(ledger), on="run_id", how="left")
         .with_columns(pl.col("later_turns").fill_null(
             pl.when(pl.col("turns").is_not_null()).then(0)))
     )
@@ -149,6 +164,17 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
     state = (f"bidirectional KV transfer {feature} ({row.get('feature_source')})" if feature
              else "bidirectional KV transfer on/off not recorded")
     out = [f"Run {name} ({row['run_id']}): {state}; {row.get('turns') or 0} turns."]
+    invalid = row.get("turns_reused_invalid") or 0
+    if invalid:
+        # A correctness alarm before anything else: these turns ran on KV of other tokens.
+        unmeasured = row.get("invalid_tokens_unmeasured_turns") or 0
+        tokens = row.get("invalid_tokens") or 0
+        counted = (f"{tokens:,} tokens counted" + (f", {unmeasured} turn(s) not countable from "
+                                                   "hashes" if unmeasured else ""))
+        out.append(f"CORRECTNESS ALARM: {invalid} later turn(s) loaded decode KV that does not "
+                   f"match their prompt (reused_invalid: edited or truncated history under the "
+                   f"same conversation id, or a read after decode released the blocks; "
+                   f"{counted}). Their output was computed on the wrong context.")
     later = row.get("later_turns")
     remote = row.get("turns_reused_remote") or 0
     local = row.get("turns_reused_local") or 0

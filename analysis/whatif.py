@@ -52,9 +52,9 @@ import polars as pl
 
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
-from kvscope.emulator import outcomes
-from kvscope.emulator.cost_model import solve_linear
-from kvscope.emulator.reuse_model import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+from kvscope.fit import solve_linear
+from kvscope.reuse import outcomes
+from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 
 DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
 DEFAULT_THRESHOLDS = (0, 64, 256)
@@ -73,6 +73,7 @@ _VALID_OFFER = (semconv.DECISION_PULL, semconv.DECISION_LOCAL_COVERS,
                 semconv.DECISION_BELOW_THRESHOLD)
 # Turns left out of the prefill cost fit: their prefill leg is not "compute the rest".
 _FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREFIX_DIVERGED,
+                 outcomes.REUSED_INVALID, outcomes.LOAD_STALLED,
                  outcomes.HANDSHAKE_FAILED, outcomes.TRANSFER_FAILED, outcomes.UNKNOWN)
 
 
@@ -860,7 +861,7 @@ def main_whatif(
 ) -> int:
     """``kvscope whatif``: print the what-if table (and, as a table, the cost fit); exit code."""
     from kvscope.analysis import registry
-    from kvscope.cli import format_rows
+    from kvscope.tables import format_rows
 
     with AnalysisContext.open(db, runs=runs) as ctx:
         result = registry.run(ctx, "whatif", {

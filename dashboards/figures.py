@@ -203,7 +203,7 @@ def reuse_by_turn(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-# Outcomes that are not misses (plain strings, as kvscope.emulator.outcomes spells them).
+# Outcomes that are not misses (plain strings, as kvscope.reuse.outcomes spells them).
 NOT_MISSES = ("first_turn", "reused_remote", "reused_local")
 
 

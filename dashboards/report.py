@@ -285,7 +285,7 @@ def main_analyze(db: str, name: str | None, runs: Sequence[str] | None = None,
     Without a name: list the analyses with their titles and parameters. With one: print its
     result as a table, JSON or CSV.
     """
-    from kvscope.cli import format_rows  # the CLI imports this module: import it late
+    from kvscope.tables import format_rows
 
     if name is None:
         rows = [

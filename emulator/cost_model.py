@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE
+from kvscope.fit import solve_linear
 
 
 @dataclass(frozen=True)
@@ -135,23 +136,6 @@ GLM5_FP8_BLOG = Calibration(
     ttft_off_ms=(500.0, 2334.0),
     ttft_on_ms=(358.0, 702.0),
 )
-
-
-def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """Solve a small square system (Gauss-Jordan, partial pivoting); None when singular."""
-    n = len(rhs)
-    m = [row[:] + [r] for row, r in zip(matrix, rhs, strict=True)]
-    scale = max((abs(m[i][i]) for i in range(n)), default=0.0)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-10 * max(scale, 1e-300):
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                k = m[r][col] / m[col][col]
-                m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:

@@ -1,16 +1,16 @@
 """The ground truth of an HTTP emulation: the true outcome and token split of every turn.
 
 The emulated servers never see a conversation id (the proxy strips it), so turns are keyed by the
-``X-Request-Id`` the proxy sends to both legs, and the previous turn is found by content: a
-process-wide :class:`SequenceOracle` indexes every sequence decode finished (prompt + output) by
-its chained block hashes. Turn k's prompt begins with turn k-1's whole prompt + output when the
-client re-sends the history, so the match is the longest finished sequence the prompt *contains*
-entirely; its length is ``reusable_tokens`` and the turn index is its turn index + 1. A prompt
-that contains no finished sequence is turn 1 — also when it only shares a prefix (a system
-prompt shared across conversations, a context reset that dropped the history, a sub-agent's
-first turn): without the conversation id such turns cannot be told apart here; the
-virtual-time simulator (``kvscope.emulator.simulator``), which also plays the proxy, has exact
-truth for them.
+``X-Request-Id`` the proxy sends to both legs, and the previous turn is found the way the
+conversation id finds it (docs/architecture.md, "One vocabulary"): when prefill got decode's
+params, the turn those params came from (``remote_request_id``), whatever the prompt holds — an
+edited, truncated or foreign history included; ``reusable_tokens`` is then the prompt's common
+prefix with that turn's prompt + output. Without an offer it is found by content: a process-wide
+:class:`SequenceOracle` indexes every sequence decode finished by its chained block hashes, and
+the match is the longest finished sequence the prompt *contains* entirely. A prompt with neither
+is turn 1 — also when it only shares a prefix (a system prompt shared across conversations, a
+context reset whose router entry was gone); the virtual-time simulator
+(``kvscope.emulator.simulator``), which also plays the proxy, has exact truth for those.
 
 Labels come from :func:`kvscope.emulator.reuse_model.account_turn`. Router-side causes
 (``no_conversation_id``, router miss / stale / consumed) are invisible to the servers: such a
@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvscope.emulator import outcomes, reuse_model
+from kvscope.emulator import reuse_model
 from kvscope.emulator.tokens import BlockSeq, common_prefix_len
+from kvscope.reuse import outcomes
 
 
 @dataclass
@@ -61,11 +62,13 @@ class SequenceOracle:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._hashes: set[int] = set()
+        self.by_decode_request: dict[str, FinishedSequence] = {}
         # Last full-block hash of a finished sequence → the latest such sequence.
         self._ends: dict[int, FinishedSequence] = {}
 
     def add(self, finished: FinishedSequence) -> None:
         """Index a sequence decode finished."""
+        self.by_decode_request[finished.decode_request_id] = finished
         if not finished.seq.block_hashes:
             return
         self._hashes.update(finished.seq.block_hashes)
@@ -93,6 +96,24 @@ class SequenceOracle:
             if common_prefix_len(tail, prompt_ids[m * bs : m * bs + len(tail)]) == len(tail):
                 return Match(candidate, candidate.seq.num_tokens, shared)
         return Match(None, 0, shared)
+
+
+def common_prefix_tokens(finished: FinishedSequence, prompt: BlockSeq,
+                         prompt_ids: Sequence[int]) -> int:
+    """Tokens ``prompt`` shares with a finished sequence from its start.
+
+    Exact through the shared full blocks, and through the finished sequence's partial last block
+    (its tokens are kept); inside a full block that differs, counted to the block's start (the
+    oracle keeps hashes, not tokens).
+    """
+    seq = finished.seq
+    bs = seq.block_size
+    blocks = seq.common_prefix_blocks(prompt)
+    if blocks < seq.num_blocks:
+        return blocks * bs
+    tail = seq.tail
+    start = blocks * bs
+    return start + common_prefix_len(tail, prompt_ids[start : start + len(tail)])
 
 
 @dataclass
@@ -152,9 +173,15 @@ class TruthRecorder:
         result: reuse_model.PrefillResult,
         faults: Sequence[str],
         error: str | None,
+        offered_request_id: str | None = None,
     ) -> TruthRow:
         """Label the turn at prefill: previous turn, reusable tokens and outcome."""
         match = self.oracle.match(prompt, prompt_ids)
+        offered = self.oracle.by_decode_request.get(offered_request_id or "")
+        if offered is not None and offered is not match.previous:
+            # The router's entry names the previous turn, whatever the prompt holds.
+            match = Match(offered, common_prefix_tokens(offered, prompt, prompt_ids),
+                          match.shared_prefix_tokens)
         previous = match.previous
         turn_index = previous.turn_index + 1 if previous is not None else 1
         accounting = reuse_model.account_turn(

@@ -63,6 +63,7 @@ class EmulatedCluster:
         run_label: str = "emulate",
         proxy: bool = False,
         router_ttl_s: float | None = None,
+        reuse_guard: bool = False,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise SettingError("kvscope emulate needs at least one prefill and one decode server")
@@ -82,6 +83,7 @@ class EmulatedCluster:
         # The kvscope proxy in front, on the same loop (tests, the demo); its router TTL is in
         # wall seconds, so it shrinks by time_scale like decode's TTL.
         self._with_proxy = proxy
+        self._reuse_guard = reuse_guard
         self.router_ttl_s = (
             router_ttl_s if router_ttl_s is not None
             else settings.resolve("router_ttl") / self.config.time_scale
@@ -190,6 +192,7 @@ class EmulatedCluster:
             prefillers=[upstream(u) for u in self.prefill_urls],
             decoders=[upstream(u) for u in self.decode_urls],
             router_ttl_s=self.router_ttl_s,
+            reuse_guard=self._reuse_guard,
         )
         telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
                                    router_ttl_s=self.router_ttl_s)

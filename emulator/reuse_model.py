@@ -40,7 +40,7 @@ What it mirrors (read from the 0.33.0 wheel; paths under
   the first read or notify releases them; the reaper releases at ``now_D >= expiry``.
 
 Ground-truth accounting and the outcome label are decided by :func:`account_turn`, following
-:mod:`kvscope.emulator.outcomes`.
+:mod:`kvscope.reuse.outcomes`.
 """
 
 from __future__ import annotations
@@ -50,44 +50,27 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from kvscope import semconv
-from kvscope.emulator import outcomes
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks, BlockSeq
-
-KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S = 5.0
-TRANSFER_MODE_PULL = "pull"
-FAILURE_POLICY_FAIL = "fail"
-FAILURE_POLICY_RECOMPUTE = "recompute"
-FailurePolicy = Literal["fail", "recompute"]
-# vLLM's RequestStatus values that keep blocks for a later reader.
-STATUS_STOPPED = "finished_stopped"
-STATUS_LENGTH_CAPPED = "finished_length_capped"
-STATUS_ABORTED = "finished_aborted"
-STATUS_ERROR = "finished_error"
-_RETAINING_STATUSES = (STATUS_STOPPED, STATUS_LENGTH_CAPPED)
-# Keys get_num_new_matched_tokens requires to be present (presence, not truthiness, in 0.33.0).
-D_TO_P_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-# The dict NixlPullConnectorScheduler.request_finished returns in 0.33.0, in its order.
-PARAMS_FIELDS = (
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "tp_size",
-    "dcp_size",
-    "pp_size",
-    "remote_num_tokens",
-    "remote_blocks_expiry_time",
-    "remote_registration_generation",
-    "transfer_mode",
+from kvscope.reuse import outcomes
+from kvscope.reuse.params import (
+    FAILURE_POLICY_FAIL,
+    RETAINING_STATUSES,
+    SCHEDULING_ASYNC,
+    TRANSFER_MODE_PULL,
+    FailurePolicy,
+    answer_offer,
+    read_declined_expired,
+    remote_num_tokens,
 )
-# The scheduler adds this to a finished P request's params (P-side cache hits, for D's usage).
-P_PARAMS_EXTRA_FIELDS = ("remote_prefill_cached_tokens",)
+from kvscope.reuse.validity import (
+    INVALID_AFTER_RELEASE,
+    INVALID_BEYOND_PREFIX,
+    INVALID_MISALIGNED,
+    invalid_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +97,8 @@ class NodeConfig:
     # This engine's perf_counter = global time + offset (each process has its own epoch).
     clock_offset_s: float = 0.0
     stall_on_reissued_load: bool = True
+    # SchedulerConfig.async_scheduling (vLLM's default: async); it sets remote_num_tokens.
+    scheduling: str = SCHEDULING_ASYNC
 
     @property
     def block_bytes(self) -> int:
@@ -397,9 +382,9 @@ class DecodeNode:
         """
         cfg = self.config
         self.cache.touch(sequence)
-        if not cfg.bidirectional_kv_xfer or status not in _RETAINING_STATUSES:
+        if not cfg.bidirectional_kv_xfer or status not in RETAINING_STATUSES:
             return None, None
-        num_computed = max(sequence.num_tokens - 1, 0)
+        num_computed = remote_num_tokens(sequence.num_tokens, cfg.scheduling, status)
         blocks = math.ceil(num_computed / cfg.block_size)
         if blocks == 0:
             return None, None
@@ -545,6 +530,7 @@ class ReuseDecision:
     notify_only: bool
     stalled: bool
     bidirectional_kv_xfer: bool
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
@@ -625,16 +611,6 @@ def vllm_request_id(base: str, rng: random.Random, *, chat: bool = True,
     return f"{response_id}-{rng.getrandbits(32):08x}" if randomize else response_id
 
 
-def d_to_p_offer_valid(params: Mapping[str, Any] | None) -> bool:
-    """Whether ``params`` pass get_num_new_matched_tokens's D→P check."""
-    return bool(
-        params is not None
-        and params.get("do_remote_decode")
-        and params.get("remote_block_ids")
-        and all(key in params for key in D_TO_P_REQUIRED_KEYS)
-    )
-
-
 class PrefillNode:
     """A prefill engine: prefix cache, the scheduler's reuse decision and the worker's read.
 
@@ -666,29 +642,15 @@ class PrefillNode:
         cfg = self.config
         local = self.cache.longest_hit_blocks(prompt) * prompt.block_size
         params = state.params
-        offered = int((params or {}).get("remote_num_tokens") or 0)
-        threshold = cfg.kv_recompute_threshold
-        count, load_async = 0, False
-        if d_to_p_offer_valid(params):
-            count = min(offered, prompt.num_tokens) - local
-            if count > 0 and not (threshold > 0 and count < threshold):
-                load_async = True
-            decision = (
-                semconv.DECISION_PULL
-                if load_async
-                else semconv.DECISION_LOCAL_COVERS
-                if count <= 0
-                else semconv.DECISION_BELOW_THRESHOLD
-            )
-        elif (
-            params is not None and params.get("do_remote_decode") and params.get("remote_block_ids")
-        ):
-            decision = semconv.DECISION_INVALID_PARAMS  # ids present, a required key missing
-        elif params is not None and params.get("do_remote_decode") and offered > 0:
-            decision = semconv.DECISION_INVALID_PARAMS  # an offer without block ids
-        else:
-            decision = semconv.DECISION_NO_OFFER
+        decision, offered, count, load_async = answer_offer(
+            params, local, prompt.num_tokens, cfg.kv_recompute_threshold
+        )
         pulled = count if load_async else 0
+        reissued = load_async and state.processed and cfg.bidirectional_kv_xfer
+        if reissued:
+            # _remote_blocks_processed: a second schedule registers no read; the request waits
+            # for a load that never comes (vLLM 0.33.0 has no timeout there).
+            decision = semconv.DECISION_REISSUED
         # update_state_after_alloc: the read (or notify-only) is registered once per request.
         registered = bool(
             decision
@@ -710,12 +672,13 @@ class PrefillNode:
             count=count,
             tokens_to_pull=pulled,
             load_async=load_async,
-            threshold=threshold,
+            threshold=cfg.kv_recompute_threshold,
             decision=decision,
             read_registered=registered,
             notify_only=registered and not load_async,
             stalled=load_async and not registered,
             bidirectional_kv_xfer=cfg.bidirectional_kv_xfer,
+            block_size=prompt.block_size,
         )
 
     def prefill(
@@ -806,6 +769,10 @@ class PrefillNode:
             )
 
         if node is None or faults.handshake_fails:
+            if decision.notify_only:
+                # Not in _recving_metadata: vLLM drops the failure; D is never notified and
+                # keeps the handle until its reaper.
+                return None, None
             return (record(semconv.TRANSFER_HANDSHAKE_FAILED, False), None)
         expiry = params.get("remote_blocks_expiry_time")
         if decision.notify_only:
@@ -814,7 +781,7 @@ class PrefillNode:
         if expiry is not None:
             # P's estimate of D's offset (remote perf_counter − local), from the handshake.
             offset = node.config.clock_offset_s - cfg.clock_offset_s + faults.clock_offset_error_s
-            if cfg.local_time(now) + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= float(expiry) - offset:
+            if read_declined_expired(cfg.local_time(now), float(expiry), offset):
                 # Declined reads neither read nor notify: D keeps the blocks until its reaper.
                 return record(semconv.TRANSFER_DECLINED_EXPIRED, False), None
         if faults.transfer_fails:
@@ -858,14 +825,6 @@ class TurnAccounting:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_ROUTER_OUTCOMES = {
-    semconv.ROUTER_NO_CONVERSATION_ID: outcomes.NO_CONVERSATION_ID,
-    semconv.ROUTER_STALE: outcomes.ROUTER_TTL_EXPIRED,
-    semconv.ROUTER_CONSUMED: outcomes.HANDLE_CONSUMED,
-    semconv.ROUTER_MISS: outcomes.ROUTER_NO_ENTRY,
-}
-
-
 def account_turn(
     turn_index: int,
     reusable_tokens: int,
@@ -874,14 +833,28 @@ def account_turn(
     router_lookup: str = semconv.ROUTER_HIT,
     decode_returned_params: bool = True,
 ) -> TurnAccounting:
-    """Split turn ``turn_index``'s reusable tokens and label it (see :mod:`outcomes`)."""
+    """Split turn ``turn_index``'s reusable tokens and label it (see :mod:`outcomes`).
+
+    ``reusable_tokens`` is the common prefix of the prompt with decode's sequence, capped at the
+    tokens decode holds KV for. ``extra`` carries ``invalid_tokens`` and ``invalid_kind`` when a
+    read loaded KV that does not match the prompt (:mod:`kvscope.reuse.validity`).
+    """
     if turn_index <= 1:
-        return TurnAccounting(0, 0, 0, 0, outcomes.FIRST_TURN, "turn 1")
+        return TurnAccounting(0, 0, 0, 0, outcomes.FIRST_TURN, outcomes.EVIDENCE_FIRST_TURN)
     reusable = max(reusable_tokens, 0)
+    ran = result is not None and not (result.errored or result.stalled)
+    invalid, kind, loaded = 0, None, 0
+    if ran and result is not None and result.transfer is not None and result.transfer.tokens:
+        decision = result.decision
+        loaded = result.transfer.tokens
+        invalid, kind = invalid_tokens(
+            decision.local_hit_tokens, loaded, decision.remote_offered_tokens, reusable,
+            decision.block_size, after_release=result.transfer.stale_handle,
+        )
     local = remote = 0
-    if result is not None and not (result.errored or result.stalled):
+    if ran and result is not None:
         local = min(result.local_hit_tokens, reusable)
-        if result.remote_reused_tokens:
+        if result.remote_reused_tokens and kind in (None, INVALID_BEYOND_PREFIX):
             reach = result.local_hit_tokens + result.remote_reused_tokens
             remote = max(min(reach, reusable) - local, 0)
     recomputed = reusable - local - remote
@@ -890,59 +863,69 @@ def account_turn(
         return TurnAccounting(reusable, local, remote, recomputed, outcome, evidence)
 
     offered = result.decision.remote_offered_tokens if result is not None else 0
-    if result is not None and result.transfer is not None and result.remote_reused_tokens:
-        reach = result.local_hit_tokens + result.remote_reused_tokens
-        if reach > reusable:
-            return done(outcomes.PREFIX_DIVERGED, f"pulled up to {reach} > reusable {reusable}")
+    if invalid > 0 and result is not None:
+        prompt = result.decision.prompt_tokens
+        args = {
+            INVALID_BEYOND_PREFIX: (loaded, invalid, reusable),
+            INVALID_MISALIGNED: (loaded, offered, prompt),
+            INVALID_AFTER_RELEASE: (loaded,),
+        }[str(kind)]
+        accounting = done(outcomes.REUSED_INVALID,
+                          outcomes.EVIDENCE_INVALID[str(kind)].format(*args))
+        accounting.extra = {"invalid_tokens": invalid, "invalid_kind": kind}
+        return accounting
     if reusable == 0:
         label = outcomes.PREFIX_DIVERGED if offered else outcomes.UNKNOWN
-        return done(label, "no common prefix with the previous turn")
-    # D never offers its last output token (num_computed = prompt + output − 1): a turn that
-    # reused everything offered inside the reusable span counts as fully reused.
+        return done(label, outcomes.EVIDENCE_NO_COMMON_PREFIX)
     target = min(reusable, max(offered, local)) if offered else reusable
     if local + remote >= target and local + remote > 0:
         if remote > 0:
-            return done(outcomes.REUSED_REMOTE, f"pulled {remote}, local {local}")
-        return done(outcomes.REUSED_LOCAL, f"local hit {local}")
+            return done(outcomes.REUSED_REMOTE,
+                        outcomes.EVIDENCE_REUSED_REMOTE.format(remote, local))
+        return done(outcomes.REUSED_LOCAL, outcomes.EVIDENCE_REUSED_LOCAL.format(local))
     cause = _miss_cause(result, router_lookup, decode_returned_params)
     if cause is not None:
         return done(*cause)
     if local + remote > 0:
-        return done(outcomes.PARTIAL, f"reused {local + remote} of {reusable}")
-    return done(outcomes.UNKNOWN, "no rule explains the miss")
+        return done(outcomes.PARTIAL, outcomes.EVIDENCE_PARTIAL.format(local + remote, reusable))
+    return done(outcomes.UNKNOWN, outcomes.EVIDENCE_UNEXPLAINED)
 
 
 def _miss_cause(
     result: PrefillResult | None, router_lookup: str, decode_returned: bool
 ) -> tuple[str, str] | None:
     if router_lookup == semconv.ROUTER_NO_CONVERSATION_ID:
-        return outcomes.NO_CONVERSATION_ID, "request had no conversation id"
+        return outcomes.NO_CONVERSATION_ID, outcomes.EVIDENCE_NO_CONVERSATION_ID
     if not decode_returned:
-        return outcomes.NO_DECODE_METADATA, "decode returned no kv_transfer_params"
-    if router_lookup in _ROUTER_OUTCOMES:
-        return _ROUTER_OUTCOMES[router_lookup], f"router lookup {router_lookup}"
+        return outcomes.NO_DECODE_METADATA, outcomes.EVIDENCE_NO_DECODE_METADATA
+    if router_lookup in outcomes.ROUTER_OUTCOMES:
+        return outcomes.ROUTER_OUTCOMES[router_lookup], f"router lookup {router_lookup}"
     if result is None:
         return None
     decision = result.decision
     if decision.decision == semconv.DECISION_INVALID_PARAMS:
-        return outcomes.INVALID_PARAMS, "offer failed the D->P key check"
+        return outcomes.INVALID_PARAMS, outcomes.EVIDENCE_INVALID_PARAMS
     if decision.decision == semconv.DECISION_NO_OFFER:
-        return outcomes.ROUTER_NO_ENTRY, "prefill got no offer"
+        return outcomes.ROUTER_NO_ENTRY, outcomes.EVIDENCE_NO_OFFER
     if not decision.bidirectional_kv_xfer and decision.decision != semconv.DECISION_LOCAL_COVERS:
-        return outcomes.PREFILL_BIDIR_DISABLED, "bidirectional_kv_xfer off at prefill"
+        return outcomes.PREFILL_BIDIR_DISABLED, outcomes.EVIDENCE_BIDIR_OFF
     if decision.decision == semconv.DECISION_BELOW_THRESHOLD:
-        return outcomes.BELOW_THRESHOLD, f"{decision.count} < {decision.threshold}"
-    if result.transfer is not None and result.transfer.stale_handle:
-        return outcomes.DECODE_TTL_EXPIRED, "read hit a handle decode had already reaped"
+        return outcomes.BELOW_THRESHOLD, outcomes.EVIDENCE_BELOW_THRESHOLD.format(
+            decision.count, decision.threshold)
+    if decision.decision == semconv.DECISION_SCHEDULER_SKIPPED:
+        return outcomes.SCHEDULER_SKIPPED, outcomes.EVIDENCE_SCHEDULER_SKIPPED
     if result.preempted:
-        return outcomes.PREEMPTED, "preempted after its read"
-    if result.load_failed and result.transfer is not None:
+        return outcomes.PREEMPTED, outcomes.EVIDENCE_PREEMPTED
+    transfer = result.transfer
+    if result.load_failed and transfer is not None:
         if result.errored:
-            return outcomes.LOAD_FAILED_ERRORED, f"read {result.transfer.status}, policy fail"
-        status = result.transfer.status
-        if status == semconv.TRANSFER_DECLINED_EXPIRED or result.transfer.stale_handle:
-            return outcomes.DECODE_TTL_EXPIRED, "read declined or handle already reaped"
-        if status == semconv.TRANSFER_HANDSHAKE_FAILED:
-            return outcomes.HANDSHAKE_FAILED, "handshake to decode failed"
-        return outcomes.TRANSFER_FAILED, "NIXL READ failed"
+            return outcomes.LOAD_FAILED_ERRORED, outcomes.EVIDENCE_LOAD_FAILED.format(
+                transfer.status)
+        if result.stalled:
+            return outcomes.LOAD_STALLED, outcomes.EVIDENCE_LOAD_STALLED.format(transfer.status)
+        if transfer.status == semconv.TRANSFER_DECLINED_EXPIRED:
+            return outcomes.DECODE_TTL_EXPIRED, outcomes.EVIDENCE_DECLINED
+        if transfer.status == semconv.TRANSFER_HANDSHAKE_FAILED:
+            return outcomes.HANDSHAKE_FAILED, outcomes.EVIDENCE_HANDSHAKE
+        return outcomes.TRANSFER_FAILED, outcomes.EVIDENCE_TRANSFER
     return None

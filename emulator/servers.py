@@ -53,6 +53,7 @@ from kvscope.emulator.cost_model import CostProfile, profile
 from kvscope.emulator.faults import FAULT_BODY_FIELD, FAULT_HEADER, FaultMix
 from kvscope.emulator.ground_truth import TruthRecorder
 from kvscope.emulator.reuse_model import DecodeNode, Fabric, NodeConfig, PrefillNode, PrefixCache
+from kvscope.reuse import params as reuse_params
 
 logger = logging.getLogger(__name__)
 
@@ -554,8 +555,8 @@ class _EngineServer:
         """
         cfg, clock, cost = self.emulation.config, self.emulation.clock, self.emulation.cost
         words, reason = plan_output(req, cfg.seed)
-        status = (reuse_model.STATUS_STOPPED if reason == "stop"
-                  else reuse_model.STATUS_LENGTH_CAPPED)
+        status = (reuse_params.STATUS_STOPPED if reason == "stop"
+                  else reuse_params.STATUS_LENGTH_CAPPED)
         prompt_n = req.prompt.num_tokens
         details = cfg.enable_prompt_tokens_details
         if not req.stream:
@@ -602,7 +603,7 @@ class _EngineServer:
             await response.write_eof()
         except ConnectionResetError:
             # The client left: vLLM aborts the request (no retention, no params).
-            return response, sent, reuse_model.STATUS_ABORTED
+            return response, sent, reuse_params.STATUS_ABORTED
         return response, sent, status
 
     @staticmethod
@@ -672,7 +673,7 @@ class PrefillServer(_EngineServer):
         if fault_names.PREFILL_NO_BIDIR in hit:
             changes["bidirectional_kv_xfer"] = False
         if fault_names.LOAD_FAILURE_POLICY_FAIL in hit:
-            changes["kv_load_failure_policy"] = reuse_model.FAILURE_POLICY_FAIL
+            changes["kv_load_failure_policy"] = reuse_params.FAILURE_POLICY_FAIL
         if fault_names.EVICT_PREFIX_CACHE in hit:
             self.node.cache = PrefixCache(self.node.cache.capacity_blocks)
         injected = reuse_model.Faults(
@@ -717,9 +718,11 @@ class PrefillServer(_EngineServer):
         elif result.errored:
             error = "Internal server error"
         cached = result.local_hit_tokens + result.remote_reused_tokens
+        offered_id = (params or {}).get("remote_request_id")
         truth = em.truth.prefill_done(
             req.x_request_id, req.request_id, self.engine_id, req.prompt, req.prompt_ids,
             result, sorted(hit), error,
+            offered_request_id=offered_id if isinstance(offered_id, str) else None,
         )
         if error is not None:
             logger.info("prefill %s failed: %s (%s)", req.request_id, error, truth.outcome)
@@ -809,7 +812,7 @@ class DecodeServer(_EngineServer):
                 end = now + (cost.transfer_ms(transfer.bytes) if ok
                              else cost.transfer_latency_ms) / 1000
                 p_to_d_bytes = transfer.bytes
-                fail_policy = cfg.kv_load_failure_policy == reuse_model.FAILURE_POLICY_FAIL
+                fail_policy = cfg.kv_load_failure_policy == reuse_params.FAILURE_POLICY_FAIL
                 await em.clock.sleep_until(end)
                 self._record(KvTransferRecord(
                     request_id=req.request_id, start_ns=em.clock.wall_ns(now),
@@ -859,7 +862,7 @@ class DecodeServer(_EngineServer):
             return out
 
         response, sent, status = await self._generate(request, req, None, finish)
-        if status == reuse_model.STATUS_ABORTED and "sequence" not in state:
+        if status == reuse_params.STATUS_ABORTED and "sequence" not in state:
             words, _ = plan_output(req, cfg.seed)
             sequence = req.prompt.extend([tokens.token_id(w) for w in words[:sent]])
             self.node.finish_request(req.request_id, sequence, status, em.clock.now())

@@ -2,7 +2,7 @@
 
 It replays a :class:`~kvscope.emulator.workloads.model.Workload` through the same pure reuse
 model the emulated servers use (:mod:`kvscope.emulator.reuse_model`), with vLLM's multi-turn
-proxy router (:class:`~kvscope.collector.proxy.router.ConversationRouter` on a virtual clock),
+proxy router (:class:`~kvscope.reuse.router.ConversationRouter` on a virtual clock),
 timed by a cost profile (:mod:`kvscope.emulator.cost_model`). Events run in global virtual time:
 a turn *arrives* (router lookup, prefill decision, D→P read, prefill), its decode *finishes*
 (decode pins blocks and returns params the router caches), and the conversation's next turn
@@ -56,12 +56,7 @@ from kvscope.collector.engine_telemetry import (
     ReuseDecisionRecord,
 )
 from kvscope.collector.proxy.export_process import record_from_tuple, record_to_tuple
-from kvscope.collector.proxy.router import (
-    ConversationId,
-    ConversationRouter,
-    Lookup,
-    prefill_params,
-)
+from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,
@@ -74,11 +69,9 @@ from kvscope.collector.span_rows import (
     cyclic_gc_per_batch,
     proxy_rows,
 )
-from kvscope.emulator import cost_model, outcomes
+from kvscope.emulator import cost_model
 from kvscope.emulator.reuse_model import (
-    FAILURE_POLICY_FAIL,
     NO_FAULTS,
-    STATUS_STOPPED,
     DecodeNode,
     Fabric,
     Faults,
@@ -98,6 +91,15 @@ from kvscope.emulator.workloads.model import (
     block_view,
 )
 from kvscope.errors import StoreError
+from kvscope.reuse import outcomes
+from kvscope.reuse.params import (
+    FAILURE_POLICY_FAIL,
+    SCHEDULING_ASYNC,
+    SCHEDULING_MODES,
+    STATUS_STOPPED,
+    remote_num_tokens,
+)
+from kvscope.reuse.router import ConversationRouter, Lookup, prefill_params
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import ROW_GROUP_ROWS
 
@@ -144,6 +146,8 @@ class SimulationSettings:
     decoder_kv_blocks_ttl: float = 480.0
     router_ttl: float = 450.0
     kv_load_failure_policy: str = FAILURE_POLICY_FAIL
+    # The engines' SchedulerConfig.async_scheduling (vLLM's default: async).
+    scheduling: str = SCHEDULING_ASYNC
     prefill_prefix_caching: bool = True
     prefill_cache_blocks: int = 1 << 22
     decode_cache_blocks: int = 1 << 22
@@ -156,6 +160,9 @@ class SimulationSettings:
         unknown = sorted(set(self.faults) - set(SIM_FAULTS))
         if unknown:
             raise ValueError(f"unknown fault(s) {unknown}; known: {', '.join(SIM_FAULTS)}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling {self.scheduling!r}: not one of "
+                             f"{', '.join(SCHEDULING_MODES)}")
         for name, p in self.faults.items():
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"fault {name}: probability {p} is not within [0, 1]")
@@ -474,6 +481,7 @@ class Simulator:
                 kv_bytes_per_token=self.cost.kv_bytes_per_token,
                 block_size=self.cost.block_size,
                 clock_offset_s=s.decode_clock_offset_s * (i + 1),
+                scheduling=s.scheduling,
             ), compact_block_ids=True)
             # vLLM's proxy rewrites remote_host to the decode HTTP host; here both resolve.
             self.fabric.register(node, hosts=(self._decode_http_host(i),))
@@ -489,6 +497,7 @@ class Simulator:
                 cache_capacity_blocks=s.prefill_cache_blocks,
                 kv_bytes_per_token=self.cost.kv_bytes_per_token,
                 block_size=self.cost.block_size,
+                scheduling=s.scheduling,
             ), self.fabric, compact_block_ids=True)
             for i in range(s.prefill_nodes)
         ]
@@ -641,7 +650,7 @@ class Simulator:
         self._returned = {}
         self._messages = _Messages(conversations)
         self._reusable = {
-            (ci, pos): _reusable_tokens(conv.turns, pos)
+            (ci, pos): _reusable_tokens(conv.turns, pos, s.scheduling)
             for ci, conv in enumerate(conversations)
             for pos in range(len(conv.turns))
         }
@@ -855,16 +864,17 @@ class Simulator:
             router_lookup=turn.truth_args["router_lookup"],
             decode_returned_params=self._returned.get(turn.conversation_index, True),
         )
-        # Two rules come before account_turn's (see outcomes.py): a request without a
+        # Two rules account_turn cannot see (see outcomes.py): a request without a
         # conversation id can be linked to nothing, its first turn included; and a prompt that
-        # does not extend the previous turn (history edited, reset) diverged, whatever else.
+        # does not extend the previous turn (history edited, reset) diverged — unless its read
+        # loaded KV that does not match the prompt, the alarm that comes first.
         if turn.conversation.value is None:
             accounting = replace(accounting, outcome=outcomes.NO_CONVERSATION_ID,
-                                 evidence="request had no conversation id")
-        elif conv_turn > 1 and self._messages.diverged(turn.conversation_index,
-                                                       turn.turn_position):
+                                 evidence=outcomes.EVIDENCE_NO_CONVERSATION_ID)
+        elif (conv_turn > 1 and accounting.outcome != outcomes.REUSED_INVALID
+              and self._messages.diverged(turn.conversation_index, turn.turn_position)):
             accounting = replace(accounting, outcome=outcomes.PREFIX_DIVERGED,
-                                 evidence="history edited since the previous turn")
+                                 evidence=outcomes.EVIDENCE_EDITED)
         self._returned[turn.conversation_index] = returned
         result = turn.result
         truth.append(TruthRow(
@@ -907,18 +917,19 @@ def _continues(turns: Sequence[Turn], pos: int) -> bool:
     return not turn.reset and turn.shared_prefix_tokens >= sequence - 1
 
 
-def _reusable_tokens(turns: Sequence[Turn], pos: int) -> int:
+def _reusable_tokens(turns: Sequence[Turn], pos: int, scheduling: str) -> int:
     """Tokens of turn ``pos``'s prompt whose KV an earlier turn computed (DESIGN §5).
 
-    The common prefix with the previous turn's prompt + output, capped at what decode computed:
-    decode never runs its last output token, so that token's KV exists nowhere.
+    The common prefix with the previous turn's prompt + output, capped at what decode holds KV
+    for (``remote_num_tokens``: under the synchronous scheduler decode never runs its last output
+    token; the asynchronous one has scheduled it).
     """
     if pos == 0:
         return 0
     turn, prev = turns[pos], turns[pos - 1]
     if _continues(turns, pos):
-        return min(turn.shared_prefix_tokens, prev.prompt_tokens + prev.output_tokens - 1,
-                   turn.prompt_tokens)
+        held = remote_num_tokens(prev.prompt_tokens + prev.output_tokens, scheduling)
+        return min(turn.shared_prefix_tokens, held, turn.prompt_tokens)
     return turn.shared_prefix_tokens
 
 

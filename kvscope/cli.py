@@ -8,19 +8,15 @@ become one-line messages here and nowhere else; exit status 2 for user mistakes.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
-import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime
-from decimal import Decimal
 from typing import Any
 
 from kvscope import __version__, settings
 from kvscope.errors import KvscopeError, SettingError
+from kvscope.tables import format_rows
 
 EXIT_USER_ERROR = 2
 
@@ -45,58 +41,6 @@ def add_setting(parser: argparse.ArgumentParser, name: str, **overrides: Any) ->
 def resolved(args: argparse.Namespace, name: str) -> Any:
     """The value of a setting option after explicit → environment → default resolution."""
     return settings.resolve(name, getattr(args, name, None))
-
-
-# --- output formatting ----------------------------------------------------------------------
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, dict | list):
-        return json.dumps(value, default=str, separators=(",", ":"))
-    return str(value)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    return value
-
-
-def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
-    """Render a result as an aligned text table, CSV or JSON (a list of objects)."""
-    if fmt == "json":
-        records = [
-            {c: _jsonable(v) for c, v in zip(columns, row, strict=True)} for row in rows
-        ]
-        return json.dumps(records, indent=2, default=str) + "\n"
-    if fmt == "csv":
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(columns)
-        for row in rows:
-            writer.writerow([_cell(v) for v in row])
-        return buffer.getvalue()
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [len(c) for c in columns]
-    for row in cells:
-        widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += [
-        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(lines) + "\n"
 
 
 # --- commands -------------------------------------------------------------------------------

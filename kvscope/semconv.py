@@ -105,6 +105,11 @@ CONVERSATION_ID_SOURCE = _attr(
 ROUTER_LOOKUP = _attr(
     "kvscope.router.lookup", "", "Router cache lookup result: hit, miss, stale, consumed, ..."
 )
+REUSE_GUARD = _attr(
+    "kvscope.reuse_guard", "",
+    "kvscope proxy --reuse-guard's verdict: continues, history_edited (MISS params sent), "
+    "no_history",
+)
 ROUTER_ENTRY_AGE_S = _attr("kvscope.router.entry_age_s", "s", "Age of the router entry looked up.")
 ROUTER_TTL_S = _attr("kvscope.router.ttl_s", "s", "The proxy's router-cache TTL.")
 PREFILL_INSTANCE = _attr("kvscope.prefill.instance", "", "host:port of the prefill server used.")
@@ -237,12 +242,20 @@ DECISION_BELOW_THRESHOLD = "below_threshold"
 DECISION_LOCAL_COVERS = "local_covers"
 DECISION_NO_OFFER = "no_offer"
 DECISION_INVALID_PARAMS = "invalid_params"
+# The connector accepted a pull, the scheduler then allocated no external tokens
+# (skip_reading_prefix_cache: prompt_logprobs; hybrid partial tails): notify-only.
+DECISION_SCHEDULER_SKIPPED = "scheduler_skipped"
+# A second schedule of a request whose load was already registered (recompute after a failed
+# read, preemption): vLLM registers no new read.
+DECISION_REISSUED = "reissued"
 DECISIONS = (
     DECISION_PULL,
     DECISION_BELOW_THRESHOLD,
     DECISION_LOCAL_COVERS,
     DECISION_NO_OFFER,
     DECISION_INVALID_PARAMS,
+    DECISION_SCHEDULER_SKIPPED,
+    DECISION_REISSUED,
 )
 
 DIRECTION_D_TO_P = "d_to_p"

@@ -16,7 +16,8 @@ KEY = re.compile(r"^(kvscope|gen_ai)\.[a-z0-9_.]+$")
 # Module paths are not telemetry keys.
 MODULE_PREFIXES = ("kvscope.collector", "kvscope.analysis", "kvscope.dashboards",
                    "kvscope.emulator", "kvscope.store", "kvscope.cli", "kvscope.settings",
-                   "kvscope.semconv", "kvscope.errors")
+                   "kvscope.semconv", "kvscope.errors", "kvscope.reuse", "kvscope.demo",
+                   "kvscope.fit", "kvscope.tables")
 
 
 def _literal_keys(path: Path) -> list[tuple[int, str]]:

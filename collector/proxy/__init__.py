@@ -1,6 +1,6 @@
 """``kvscope proxy``: an instrumented drop-in for vLLM's multi-turn P/D disaggregation proxy.
 
-    router.py      per-conversation cache of decode's kv_transfer_params (single use, TTL)
+    router.py      the conversation id of a request (the router is kvscope.reuse.router)
     telemetry.py   per-turn records → kvscope.turn / input_processing / generation / tool_wait
                    spans, and the Prometheus metrics behind GET /metrics
     app.py         the aiohttp server (routes, both legs, streaming) and the command line
@@ -16,8 +16,9 @@ from kvscope.collector.proxy.app import (
     build_app,
     main_proxy,
 )
-from kvscope.collector.proxy.router import ConversationRouter, Lookup, conversation_id_from
+from kvscope.collector.proxy.router import conversation_id_from
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+from kvscope.reuse.router import ConversationRouter, Lookup
 
 __all__ = [
     "ConversationRouter",

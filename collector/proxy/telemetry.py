@@ -340,6 +340,10 @@ class TurnRecord:
     offered_request_id: str | None = None
     offered_tokens: int | None = None
     d_metadata_attached: bool = False
+    # --reuse-guard's verdict on the router entry (None: guard off or nothing looked up) and
+    # this turn's last boundary hash, kept with decode's params for the next turn's check.
+    reuse_guard: str | None = None
+    history_last: str | None = None
     prefill_instance: str | None = None
     decode_instance: str | None = None
     prefill_start_ns: int | None = None
@@ -565,6 +569,8 @@ class ProxyTelemetry:
             turn_attrs[semconv.ROUTER_LOOKUP] = record.lookup
         if record.lookup_age_s is not None:
             turn_attrs[semconv.ROUTER_ENTRY_AGE_S] = record.lookup_age_s
+        if record.reuse_guard is not None:
+            turn_attrs[semconv.REUSE_GUARD] = record.reuse_guard
         if self.router_ttl_s is not None:
             turn_attrs[semconv.ROUTER_TTL_S] = self.router_ttl_s
         if record.prefill_instance is not None:

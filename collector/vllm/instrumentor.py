@@ -24,9 +24,10 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
-  ``_log_failure``: ``handshake_failed`` / ``failed``); they are wrapped only on the vLLM
-  versions in :data:`PRIVATE_HOOK_VERSIONS`, elsewhere a warning is logged once and failed reads
-  are reported as plain ``failed``.
+  ``_log_failure``: ``handshake_failed`` / ``failed``); they are wrapped where they exist with
+  0.33.0's parameters (:data:`PRIVATE_HOOK_SIGNATURES`, so 0.33.x patch releases keep them),
+  elsewhere a warning is logged once and failed reads are reported as plain ``failed``. A missing
+  target leaves every other hook installed.
 
 Decode cannot see whether the consumer's notification followed a READ or was notify-only (both
 arrive as the same ``"<req>:<n>"`` NIXL notification), so a handle released by a notification
@@ -39,10 +40,11 @@ This module imports vLLM only inside :meth:`NixlConnectorInstrumentor.instrument
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,7 @@ from kvscope.collector.engine_telemetry import (
     KvTransferRecord,
     ReuseDecisionRecord,
 )
+from kvscope.reuse.params import classify_observed
 
 logger = logging.getLogger(__name__)
 
@@ -66,46 +69,30 @@ SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_sched
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 SCHEDULER_CLASS = "NixlPullConnectorScheduler"
 WORKER_CLASS = "NixlPullConnectorWorker"
-# Private worker methods are wrapped only where their signatures were read.
-PRIVATE_HOOK_VERSIONS = frozenset({"0.33.0"})
-# D→P offers carry these keys (presence is what 0.33.0 checks).
-D_TO_P_REQUIRED_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-_REQUIRED = frozenset(D_TO_P_REQUIRED_KEYS)
+# Private worker methods, wrapped where they exist with the parameters 0.33.0 gives them
+# (name -> leading parameter names after ``self``): 0.33.x patch releases keep them.
+PRIVATE_HOOK_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "_read_blocks_for_req": ("req_id", "meta"),
+    "_is_turn2_read_expired": ("meta",),
+    "_log_failure": ("failure_type", "req_id"),
+}
 _KV_ROLE_TO_ENGINE_ROLE = {"kv_producer": semconv.ROLE_PREFILL, "kv_consumer": semconv.ROLE_DECODE}
-_RETAINING_STATUSES = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
 """Given an engine role, the tracer and meter providers its telemetry goes to."""
 
 
-def classify_decision(
-    params: Mapping[str, Any] | None,
-    num_computed_tokens: int,
-    result: tuple[int | None, bool],
-    num_prompt_tokens: int,
-) -> tuple[str, int | None, int]:
-    """The reuse decision prefill made: ``(decision, offered tokens, tokens to pull)``.
-
-    Mirrors the D→P branch of ``NixlPullConnectorScheduler.get_num_new_matched_tokens``: a valid
-    offer whose remainder ``min(offered, prompt) - local`` is ≤ 0 is covered locally, one the
-    scheduler declined (``(0, False)``) is below the threshold, an accepted one is pulled.
-    """
-    params = params or {}
-    offered_raw = params.get("remote_num_tokens")
-    offered = int(offered_raw) if isinstance(offered_raw, (int, float)) else None
-    count, load_async = result
-    if params.get("remote_block_ids"):
-        if not params.keys() >= _REQUIRED:
-            return semconv.DECISION_INVALID_PARAMS, offered, 0
-        if load_async and count:
-            return semconv.DECISION_PULL, offered, int(count)
-        remainder = min(offered or 0, num_prompt_tokens) - num_computed_tokens
-        if remainder <= 0:
-            return semconv.DECISION_LOCAL_COVERS, offered, 0
-        return semconv.DECISION_BELOW_THRESHOLD, offered, 0
-    if offered:
-        return semconv.DECISION_INVALID_PARAMS, offered, 0  # an offer without block ids
-    return semconv.DECISION_NO_OFFER, offered, 0
+def private_hook_matches(cls: type, name: str) -> bool:
+    """Whether ``cls.name`` exists and takes 0.33.0's leading parameters (after ``self``)."""
+    method = getattr(cls, name, None)
+    if method is None:
+        return False
+    try:
+        params = list(inspect.signature(method).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    want = PRIVATE_HOOK_SIGNATURES[name]
+    return tuple(params[: len(want)]) == want
 
 
 def request_outcome(status: object) -> str:
@@ -291,7 +278,7 @@ class NixlConnectorInstrumentor:
     ) -> bool:
         """Wrap the role classes; a second call is a no-op. Returns whether hooks are installed.
 
-        ``private_hooks`` forces the version check either way (None: by vLLM's version).
+        ``private_hooks`` forces the private hooks on or off (None: where their signatures match).
         Raises ImportError when vLLM's NIXL connector is not importable; the plugin catches it.
         """
         with self._lock:
@@ -304,16 +291,6 @@ class NixlConnectorInstrumentor:
             scheduler_cls = getattr(importlib.import_module(SCHEDULER_MODULE), SCHEDULER_CLASS)
             worker_cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS)
             version = str(getattr(vllm, "__version__", "unknown"))
-            if private_hooks is None:
-                private_hooks = version in PRIVATE_HOOK_VERSIONS
-                if not private_hooks:
-                    self._warn_once(
-                        "version",
-                        "kvscope: vLLM %s is not one of %s; failed reads are reported as "
-                        "'failed' without their cause (declined_expired, handshake_failed)",
-                        version,
-                        sorted(PRIVATE_HOOK_VERSIONS),
-                    )
             self._tracer_provider = tracer_provider
             self._meter_provider = meter_provider
             self._factory = provider_factory
@@ -326,24 +303,35 @@ class NixlConnectorInstrumentor:
                 (worker_cls, "start_load_kv", self._wrap_start_load),
                 (worker_cls, "get_transfer_results", self._wrap_transfer_results),
             ]
+            private = {
+                "_read_blocks_for_req": self._wrap_read_blocks,
+                "_is_turn2_read_expired": self._wrap_is_expired,
+                "_log_failure": self._wrap_log_failure,
+            }
+            unmatched = [name for name in private if not private_hook_matches(worker_cls, name)]
+            if private_hooks is None:
+                private_hooks = not unmatched
+                if unmatched:
+                    self._warn_once(
+                        "private",
+                        "kvscope: vLLM %s's NIXL worker lacks %s with 0.33.0's parameters; "
+                        "failed reads are reported as 'failed' without their cause "
+                        "(declined_expired, handshake_failed)",
+                        version, ", ".join(unmatched),
+                    )
             if private_hooks:
-                hooks += [
-                    (worker_cls, "_read_blocks_for_req", self._wrap_read_blocks),
-                    (worker_cls, "_is_turn2_read_expired", self._wrap_is_expired),
-                    (worker_cls, "_log_failure", self._wrap_log_failure),
-                ]
-            try:
-                for cls, name, make in hooks:
-                    original = getattr(cls, name)
-                    own = name in cls.__dict__
-                    wrapper = make(original)
-                    functools.update_wrapper(wrapper, original)
-                    wrapper._kvscope_wrapper = True
-                    self._originals.append((cls, name, cls.__dict__.get(name), own))
-                    setattr(cls, name, wrapper)
-            except Exception:
+                hooks += [(worker_cls, name, make) for name, make in private.items()]
+            installed = 0
+            for cls, name, make in hooks:
+                # One missing target leaves the others installed (a public one is warned).
+                if not self._install(cls, name, make):
+                    self._warn_once(f"missing:{name}", "kvscope: %s.%s not found in vLLM %s; "
+                                    "its telemetry is off", cls.__name__, name, version)
+                    continue
+                installed += 1
+            if installed == 0:
                 self._restore()
-                raise
+                return False
             self._private_hooks = bool(private_hooks)
             self._instrumented = True
             return True
@@ -463,6 +451,19 @@ class NixlConnectorInstrumentor:
         )
 
     # --- scheduler hooks ------------------------------------------------------------------
+    def _install(self, cls: type, name: str, make: Callable[..., Any]) -> bool:
+        """Wrap ``cls.name`` with ``make(original)``; False when the target does not exist."""
+        original = getattr(cls, name, None)
+        if original is None or not callable(original):
+            return False
+        own = name in cls.__dict__
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        wrapper._kvscope_wrapper = True
+        self._originals.append((cls, name, cls.__dict__.get(name), own))
+        setattr(cls, name, wrapper)
+        return True
+
     def _wrap_matched(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def get_num_new_matched_tokens(
             sched: Any, request: Any, num_computed_tokens: int, *args: Any, **kwargs: Any
@@ -485,25 +486,37 @@ class NixlConnectorInstrumentor:
             sched: Any, request: Any, blocks: Any, num_external_tokens: int, *args: Any,
             **kwargs: Any,
         ) -> Any:
+            # vLLM marks the params processed inside the call: read the mark before it.
+            try:
+                params = request.kv_transfer_params
+                reissued = bool(params and params.get("_remote_blocks_processed"))
+            except Exception:
+                reissued = False
             result = original(sched, request, blocks, num_external_tokens, *args, **kwargs)
             try:
-                self._after_alloc(sched, request)
+                self._after_alloc(sched, request, num_external_tokens, reissued)
             except Exception:
                 self._hook_failed("update_state_after_alloc")
             return result
 
         return update_state_after_alloc
 
-    def _after_alloc(self, sched: Any, request: Any) -> None:
+    def _after_alloc(self, sched: Any, request: Any, num_external_tokens: int,
+                     reissued: bool = False) -> None:
         state = self._state(sched)
         pending = state.pending_decisions.pop(request.request_id, None)
         if pending is None:
             return
         time_ns, local, result = pending
         params = request.kv_transfer_params or {}
-        decision, offered, to_pull = classify_decision(
-            params, local, result, request.num_prompt_tokens
+        # The scheduler's num_external_tokens, not the connector's answer: it may override it.
+        decision, offered, to_pull = classify_observed(
+            params, local, result, request.num_prompt_tokens, num_external_tokens
         )
+        if reissued and decision == semconv.DECISION_PULL:
+            # A second schedule (recompute after a failed read, preemption): vLLM registers no
+            # read, the request waits in WAITING_FOR_REMOTE_KVS for one that never comes.
+            decision, to_pull = semconv.DECISION_REISSUED, 0
         remote_engine = params.get("remote_engine_id")
         remote_engine = str(remote_engine) if remote_engine else None
         if decision == semconv.DECISION_PULL:
@@ -766,15 +779,18 @@ class NixlConnectorInstrumentor:
     def _wrap_log_failure(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _log_failure(worker: Any, failure_type: str, *args: Any, **kwargs: Any) -> Any:
             try:
-                req_id = kwargs.get("req_id")
-                if req_id is not None:
+                req_id = kwargs.get("req_id", args[0] if args else None)
+                state = self._state(worker)
+                # Only reads: a notify-only request's failure is dropped by vLLM (it is not in
+                # _recving_metadata), so nothing would ever take its entry out again.
+                if req_id is not None and str(req_id) in state.reads:
                     status = (
                         semconv.TRANSFER_HANDSHAKE_FAILED
                         if str(failure_type).startswith("handshake")
                         else semconv.TRANSFER_FAILED
                     )
                     # Called from the handshake thread too: one dict store, atomic in CPython.
-                    self._state(worker).read_failures.setdefault(str(req_id), status)
+                    state.read_failures.setdefault(str(req_id), status)
             except Exception:
                 self._hook_failed("_log_failure")
             return original(worker, failure_type, *args, **kwargs)

@@ -15,9 +15,9 @@ from kvscope.analysis import compare, registry
 from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.registry import AnalysisContext, AnalysisError
 from kvscope.analysis.verdict import verdict_sentences, verdict_table
-from kvscope.emulator import outcomes
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
+from kvscope.reuse import outcomes
 
 T0 = datetime(2026, 1, 1)
 

@@ -13,7 +13,6 @@ import polars as pl
 import pytest
 
 from kvscope.analysis.ledger import HISTORY_CONTINUES, ledger
-from kvscope.emulator import outcomes
 from kvscope.emulator.simulator import (
     FAULT_CLOCK_SKEW,
     FAULT_HANDSHAKE,
@@ -29,6 +28,7 @@ from kvscope.emulator.simulator import (
 )
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
+from kvscope.reuse import outcomes
 from kvscope.store import StoreReader
 
 SPLIT = ["reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
@@ -72,6 +72,14 @@ def _assert_matches(joined: pl.DataFrame) -> None:
     unmeasured = joined.filter((pl.col("history") == HISTORY_CONTINUES)
                                & pl.col("reusable_tokens_ledger").is_null())
     assert unmeasured["outcome"].is_in([outcomes.NO_DECODE_METADATA]).all()
+    # Where decode kept nothing (no offer, no retention) the ledger counts prompt + output − 1,
+    # a lower bound: the async scheduler computed one token more, which no span shows.
+    bound = pl.col("offered_tokens").is_null() & pl.col("retention_id").is_null() & (
+        pl.col("decision").is_null() | (pl.col("decision") == "no_offer"))
+    short = measured.filter(bound & (pl.col("reusable_tokens") != pl.col("reusable_tokens_ledger")))
+    assert (short["reusable_tokens"] - short["reusable_tokens_ledger"]).is_in([1]).all()
+    measured = measured.filter(~bound | (pl.col("reusable_tokens")
+                                         == pl.col("reusable_tokens_ledger")))
     for column in SPLIT:
         off = measured.filter(pl.col(column) != pl.col(f"{column}_ledger"))
         assert off.height == 0, (column, off.select(
@@ -134,12 +142,12 @@ def test_a_failed_read_reported_twice_keeps_the_specific_status() -> None:
             "status_code": "STATUS_CODE_ERROR", "ttft_ms": None, "prompt_tokens": "100",
             "output_tokens": None, "router_lookup": semconv.ROUTER_HIT,
             "router_entry_age_s": "1.0", "boundary_hashes": None, "messages": None,
-            "roles": None, "error_kind": "kv_load_failed"}
+            "roles": None, "error_kind": "kv_load_failed", "reuse_guard": None}
     frames["turns"] = pl.DataFrame([turn]).with_columns(
         pl.col("arrival").cast(pl.Datetime("ns")), pl.col("duration_ns").cast(pl.UInt64),
         pl.col("ttft_ms").cast(pl.String), pl.col("output_tokens").cast(pl.String),
         pl.col("boundary_hashes").cast(pl.String), pl.col("messages").cast(pl.String),
-        pl.col("roles").cast(pl.String))
+        pl.col("roles").cast(pl.String), pl.col("reuse_guard").cast(pl.String))
     frames["decisions"] = pl.DataFrame([{
         "request_id": "chatcmpl-x1-abcdef12", "engine": "p0", "time": 1,
         "decision": semconv.DECISION_PULL, "local_hit": "0", "offered": "99", "to_pull": "99",
@@ -159,7 +167,7 @@ def test_a_failed_read_reported_twice_keeps_the_specific_status() -> None:
                                       "decode_request_id", "metadata_returned"]),
                           ("waits", ["trace_id", "parent_span_id", "tool_wait_ns"]),
                           ("retentions", ["request_id", "engine", "start", "duration_ns",
-                                          "size_bytes", "reason"])):
+                                          "size_bytes", "reason", "tokens"])):
         frames[name] = pl.DataFrame({c: pl.Series([], dtype=pl.String) for c in columns})
     frames["prefill"] = frames["prefill"].with_columns(pl.col("prefill_ns").cast(pl.UInt64))
     frames["decode"] = frames["decode"].with_columns(pl.col("decode_ns").cast(pl.UInt64))

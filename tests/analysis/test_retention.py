@@ -29,9 +29,9 @@ from kvscope.analysis.retention import (
     retained_series,
     retention_cost_table,
 )
-from kvscope.emulator import outcomes
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
+from kvscope.reuse import outcomes
 from kvscope.store.database import open_store
 from kvscope.store.rows import GaugeRows, TraceRows
 from kvscope.store.schema import GAUGE_TABLE, TRACES_TABLE

@@ -31,9 +31,7 @@ from hypothesis import strategies as st
 from kvscope import semconv
 from kvscope.analysis import whatif
 from kvscope.analysis.registry import AnalysisContext, run
-from kvscope.collector.proxy.router import ConversationRouter, prefill_params
 from kvscope.emulator.reuse_model import (
-    STATUS_STOPPED,
     DecodeNode,
     Fabric,
     NodeConfig,
@@ -44,6 +42,8 @@ from kvscope.emulator.simulator import SimulationResult, SimulationSettings, sim
 from kvscope.emulator.tokens import BlockSeq
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
+from kvscope.reuse.params import STATUS_STOPPED, remote_num_tokens
+from kvscope.reuse.router import ConversationRouter, prefill_params
 
 BS = 16
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
@@ -90,7 +90,8 @@ def drive(conversations: list[list[tuple[float, int, int]]], ttl: float, thresho
             lookup = router.lookup(conv)
             params = prefill_params(lookup)
             result = prefill.prefill(f"p-{ci}-{k}", _seq(ci, prompt_tokens), params, t)
-            reusable = min(total - 1, prompt_tokens) if k > 1 else 0
+            # What decode holds after a stop token (the async scheduler, vLLM's default).
+            reusable = min(remote_num_tokens(total), prompt_tokens) if k > 1 else 0
             acct = account_turn(k, reusable, result, router_lookup=lookup.result,
                                 decode_returned_params=returned)
             failed = result.errored or result.stalled

@@ -41,7 +41,7 @@ from kvscope.collector.proxy.app import (
     config_from_args,
     configure_serving_gc,
 )
-from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS, MISS_PARAMS
+from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS
 from kvscope.collector.proxy.telemetry import (
     Histogram,
     chain_boundary,
@@ -50,6 +50,7 @@ from kvscope.collector.proxy.telemetry import (
     parse_traceparent,
 )
 from kvscope.errors import SettingError
+from kvscope.reuse.router import MISS_PARAMS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from upstream_stub import (  # noqa: E402

@@ -90,6 +90,7 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.turn_index, record.previous_end_ns, record.lookup_age_s = 5, 12, 1.5
     record.offered_request_id, record.offered_tokens = "chatcmpl-x", 160
     record.d_metadata_attached, record.retention_returned = True, True
+    record.reuse_guard, record.history_last = "history_edited", "00cc"
     record.prefill_instance, record.decode_instance = "127.0.0.1:1", "127.0.0.1:2"
     record.prefill_request_id, record.decode_request_id = "p-1", "d-1"
     record.remote_num_tokens, record.retention_blocks = 175, 11

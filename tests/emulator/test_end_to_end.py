@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from kvscope import semconv
-from kvscope.emulator import outcomes
 from kvscope.emulator.ground_truth import read_truth
 from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.replay import replay
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.emulator.workloads.model import Workload
 from kvscope.emulator.workloads.synthetic import generate
+from kvscope.reuse import outcomes
 from kvscope.store import open_readonly
 
 TIME_SCALE = 50.0

@@ -9,14 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope import semconv
-from kvscope.emulator import outcomes
 from kvscope.emulator.reuse_model import (
-    D_TO_P_REQUIRED_KEYS,
-    PARAMS_FIELDS,
-    STATUS_ABORTED,
-    STATUS_ERROR,
-    STATUS_LENGTH_CAPPED,
-    STATUS_STOPPED,
     DecodeNode,
     Fabric,
     Faults,
@@ -26,6 +19,16 @@ from kvscope.emulator.reuse_model import (
     account_turn,
 )
 from kvscope.emulator.tokens import BlockSeq
+from kvscope.reuse import outcomes
+from kvscope.reuse.params import (
+    D_TO_P_REQUIRED_KEYS,
+    PARAMS_FIELDS,
+    SCHEDULING_SYNC,
+    STATUS_ABORTED,
+    STATUS_ERROR,
+    STATUS_LENGTH_CAPPED,
+    STATUS_STOPPED,
+)
 
 BS = 16
 TTL = 480.0
@@ -46,7 +49,9 @@ def deployment(
     p_offset: float = 0.0,
     d_offset: float = 0.0,
     stall: bool = True,
+    scheduling: str = SCHEDULING_SYNC,
 ) -> tuple[PrefillNode, DecodeNode]:
+    """One P and one D; synchronous scheduling unless asked (D offers prompt + output − 1)."""
     fabric = Fabric()
     d = DecodeNode(
         NodeConfig(
@@ -56,6 +61,7 @@ def deployment(
             decoder_kv_blocks_ttl=TTL,
             kv_bytes_per_token=100,
             clock_offset_s=d_offset,
+            scheduling=scheduling,
         )
     )
     fabric.register(d)
@@ -141,7 +147,9 @@ def test_pull_reads_and_releases_the_handle_once() -> None:
     # Single use: the same params again find no handle (a stale read of freed blocks).
     again = p.prefill("p-3", seq(1150), params, now=31.0)
     assert again.transfer is not None and again.transfer.stale_handle
-    assert account_turn(2, 1000, again).outcome == outcomes.DECODE_TTL_EXPIRED
+    stale = account_turn(2, 1000, again)
+    assert stale.outcome == outcomes.REUSED_INVALID and stale.remote_reused_tokens == 0
+    assert stale.extra == {"invalid_tokens": 999, "invalid_kind": "after_release"}
 
 
 @pytest.mark.parametrize(
@@ -327,10 +335,68 @@ def test_preemption_with_prefix_caching_reuses_the_pulled_blocks_locally() -> No
     assert not result.stalled and result.local_hit_tokens == 992
 
 
-def test_prefix_diverged_when_offer_reaches_past_reusable() -> None:
+def test_a_read_past_the_common_prefix_is_invalid_reuse() -> None:
+    """Edited history: decode's tokens past the edit land in the prompt's positions."""
     p, d = deployment()
     result = p.prefill("p-2", seq(1100), finished_turn(d, 1000), now=1.0)
-    assert account_turn(2, 400, result).outcome == outcomes.PREFIX_DIVERGED
+    accounting = account_turn(2, 400, result)
+    assert accounting.outcome == outcomes.REUSED_INVALID
+    assert accounting.extra == {"invalid_tokens": 599, "invalid_kind": "beyond_prefix"}
+    # The valid part is still reuse: the first 400 tokens matched.
+    assert accounting.remote_reused_tokens == 400 and accounting.recomputed_reusable_tokens == 0
+
+
+def test_a_prompt_shorter_than_decode_reads_decode_s_last_blocks() -> None:
+    """Truncated history: the end-trimmed block list puts decode's tail at the prompt's start."""
+    p, d = deployment()
+    params = finished_turn(d, 1000)  # D offers 999 tokens: 63 blocks
+    result = p.prefill("p-2", seq(300), params, now=1.0)  # 19 blocks of prompt
+    assert result.decision.decision == semconv.DECISION_PULL and result.transfer is not None
+    accounting = account_turn(2, 300, result)
+    assert accounting.outcome == outcomes.REUSED_INVALID
+    assert accounting.extra == {"invalid_tokens": 300, "invalid_kind": "misaligned"}
+    assert accounting.remote_reused_tokens == 0 and accounting.recomputed_reusable_tokens == 300
+
+
+def test_a_whole_valid_read_is_reused_remote_not_invalid() -> None:
+    p, d = deployment()
+    result = p.prefill("p-2", seq(1100), finished_turn(d, 1000), now=1.0)
+    accounting = account_turn(2, 999, result)
+    assert accounting.outcome == outcomes.REUSED_REMOTE and accounting.extra == {}
+
+
+@pytest.mark.parametrize(("scheduling", "status", "offered"), [
+    (SCHEDULING_SYNC, STATUS_STOPPED, 999), (SCHEDULING_SYNC, STATUS_LENGTH_CAPPED, 999),
+    ("async", STATUS_STOPPED, 1000), ("async", STATUS_LENGTH_CAPPED, 999),
+])
+def test_decode_offers_what_its_scheduler_computed(scheduling: str, status: str,
+                                                   offered: int) -> None:
+    """The measured table of tests/vllm_contract/test_real_scheduler_claims.py."""
+    _, d = deployment(scheduling=scheduling)
+    _, params = d.finish_request("d-1", seq(1000), status, 0.0)
+    assert params is not None and params["remote_num_tokens"] == offered
+
+
+def test_notify_only_with_a_failed_handshake_is_dropped() -> None:
+    """Below threshold, the handshake fails: vLLM drops it; the turn runs, D is not told."""
+    p, d = deployment(threshold=2000)
+    params = finished_turn(d, 1000)
+    result = p.prefill("p-2", seq(1100), params, now=1.0, faults=Faults(handshake_fails=True))
+    assert result.decision.notify_only and result.transfer is None
+    assert not (result.errored or result.load_failed) and result.computed_tokens == 1100
+    assert d.handles  # still pinned: the reaper frees it at the TTL
+    assert account_turn(2, 999, result).outcome == outcomes.BELOW_THRESHOLD
+
+
+def test_a_reissued_load_is_its_own_decision_and_stalls() -> None:
+    """Policy recompute: the second schedule registers no read (_remote_blocks_processed)."""
+    p, d = deployment(policy="recompute")
+    result = p.prefill("p-2", seq(1100), finished_turn(d, 1000), now=1.0,
+                       faults=Faults(transfer_fails=True))
+    assert result.rescheduled_decision is not None
+    assert result.rescheduled_decision.decision == semconv.DECISION_REISSUED
+    assert result.stalled and not result.errored
+    assert account_turn(2, 999, result).outcome == outcomes.LOAD_STALLED
 
 
 def test_router_and_decode_causes() -> None:

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from kvscope.emulator.launcher import EmulatedCluster
-from kvscope.emulator.reuse_model import P_PARAMS_EXTRA_FIELDS, PARAMS_FIELDS
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.emulator.tokens import apply_chat_template
+from kvscope.reuse.params import P_PARAMS_EXTRA_FIELDS, PARAMS_FIELDS
 
 MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -21,6 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvscope import semconv
 from kvscope.emulator import reuse_model as model
 from kvscope.emulator.tokens import BlockSeq
+from kvscope.reuse import params as rules
 from tests.vllm_contract.conftest import BLOCK_SIZE, Captured, block_bytes
 
 _connectors: dict[tuple[Any, ...], Any] = {}
@@ -38,8 +39,8 @@ def real_scheduler(make: Any, kv_role: str, bidir: bool, threshold: int) -> Any:
 @st.composite
 def prefill_cases(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 400))
-    keys = draw(st.sets(st.sampled_from(model.D_TO_P_REQUIRED_KEYS))
-                | st.just(set(model.D_TO_P_REQUIRED_KEYS)))
+    keys = draw(st.sets(st.sampled_from(rules.D_TO_P_REQUIRED_KEYS))
+                | st.just(set(rules.D_TO_P_REQUIRED_KEYS)))
     params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
     for key in keys:
         params[key] = draw(st.sampled_from([None, "x", 5600])) if key != "remote_engine_id" \
@@ -100,10 +101,10 @@ def test_prefill_decision_matches_the_model(
 
 
 _STATUSES = {
-    model.STATUS_STOPPED: RequestStatus.FINISHED_STOPPED,
-    model.STATUS_LENGTH_CAPPED: RequestStatus.FINISHED_LENGTH_CAPPED,
-    model.STATUS_ABORTED: RequestStatus.FINISHED_ABORTED,
-    model.STATUS_ERROR: RequestStatus.FINISHED_ERROR,
+    rules.STATUS_STOPPED: RequestStatus.FINISHED_STOPPED,
+    rules.STATUS_LENGTH_CAPPED: RequestStatus.FINISHED_LENGTH_CAPPED,
+    rules.STATUS_ABORTED: RequestStatus.FINISHED_ABORTED,
+    rules.STATUS_ERROR: RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -118,7 +119,8 @@ def test_decode_finish_matches_the_model(
     req_id = f"d-{next(_counter)}"
     node = model.DecodeNode(model.NodeConfig(
         engine_id="decode-engine", bidirectional_kv_xfer=bidir, side_channel_host="localhost",
-        side_channel_port=5600, kv_bytes_per_token=block_bytes() // BLOCK_SIZE))
+        side_channel_port=5600, kv_bytes_per_token=block_bytes() // BLOCK_SIZE,
+        scheduling=rules.SCHEDULING_SYNC))  # the request below is finished as sync leaves it
     retention, expected = node.finish_request(req_id, BlockSeq.from_tokens(range(n)), status,
                                               now=0.0)
 
@@ -132,7 +134,7 @@ def test_decode_finish_matches_the_model(
     assert delay_free == (retention is not None)
     assert (params is None) == (expected is None)
     if params is not None and expected is not None:
-        assert tuple(params) == model.PARAMS_FIELDS
+        assert tuple(params) == rules.PARAMS_FIELDS
         assert [len(g) for g in params["remote_block_ids"]] == \
             [len(g) for g in expected["remote_block_ids"]]
         skip = {"remote_block_ids", "remote_blocks_expiry_time"}

@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 
 from kvscope import semconv
-from kvscope.emulator import outcomes
+from kvscope.reuse import outcomes
 
 CLIENTS = Path(sys.prefix) / "vllm-sdist" / "vllm-0.33.0"
 PROXY_SCRIPT = CLIENTS / "examples" / "disaggregated" / "disaggregated_serving" / (

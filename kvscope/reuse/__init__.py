@@ -1,0 +1,11 @@
+"""The reuse rules of vLLM 0.33.0's NIXL D→P readback, written once for every layer of kvscope.
+
+    params.py     kv_transfer_params fields and keys, the offer check, the threshold, the
+                  pull count, the worker's expiry guard, remote_num_tokens by scheduling mode
+    router.py     the proxy's per-conversation cache of decode's params (single use, TTL)
+    validity.py   which of decode's blocks a read puts where, and whether they match the prompt
+    outcomes.py   the closed list of per-turn outcomes, their order and evidence
+
+Pure: no I/O, no clock, nothing above ``kvscope.semconv``. The emulator's model, the vLLM
+instrumentor, the proxy, the ledger and what-if import these; none re-spells them.
+"""

@@ -1,0 +1,132 @@
+"""Reuse of KV that does not match the prompt, through kvscope proxy to the emulated P and D.
+
+vLLM's D→P pull is decided by token counts, and its proxy finds decode's params by conversation
+id alone (both confirmed on the real classes: tests/vllm_contract/test_real_*_claims.py). A
+client that edits or truncates its history under the same id, or a second client that sends the
+same id, gets decode's KV loaded for positions where its prompt has other tokens. The ground
+truth marks those turns ``reused_invalid``; the ledger, from spans alone, says the same; and
+``kvscope proxy --reuse-guard`` sends MISS params instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import httpx
+import polars as pl
+
+from kvscope.analysis.ledger import ledger
+from kvscope.emulator.launcher import EmulatedCluster
+from kvscope.emulator.servers import EmulatorConfig
+from kvscope.reuse import outcomes
+from kvscope.reuse.router import GUARD_EDITED, GUARD_PASSED
+from kvscope.store import StoreReader
+
+MODEL = "kvscope-emulated"
+_ids = itertools.count()
+
+
+def _config() -> EmulatorConfig:
+    return EmulatorConfig(time_scale=50.0, prefill_prefix_caching=False, stall_timeout_s=0.2)
+
+
+def _ask(url: str, cid: str, messages: list[dict[str, str]]) -> str:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 60,
+                            "stream": False, "conversation_id": cid}
+    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def _edited_conversation(url: str) -> str:
+    """Two append-only turns, turn 3 with turn 1's answer rewritten, turn 4 cut to turn 1."""
+    cid = f"edit-{next(_ids)}"
+    system = {"role": "system", "content": "you are a coding agent " + "rules " * 150}
+    task = {"role": "user", "content": "fix the failing test " + "context " * 60}
+    messages = [system, task]
+    reply1 = _ask(url, cid, messages)
+    messages += [{"role": "assistant", "content": reply1},
+                 {"role": "user", "content": "tool result " + "line " * 80}]
+    reply2 = _ask(url, cid, messages)
+    edited = [system, task, {"role": "assistant", "content": "[compacted]"},
+              {"role": "user", "content": "tool result " + "line " * 80},
+              {"role": "assistant", "content": reply2},
+              {"role": "user", "content": "next step " + "more " * 40}]
+    _ask(url, cid, edited)
+    _ask(url, cid, [system, task, {"role": "assistant", "content": reply1},
+                    {"role": "user", "content": "start over"}])
+    return cid
+
+
+def _rows(db: Path) -> pl.DataFrame:
+    reader = StoreReader.open(db)
+    try:
+        return ledger(reader).sort("conversation_id", "turn_index")
+    finally:
+        reader.close()
+
+
+def test_edited_and_truncated_histories_are_invalid_reuse(tmp_path: Path) -> None:
+    db = tmp_path / "edit.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        _edited_conversation(cluster.proxy_url)
+        truth = list(cluster.emulation.truth.rows)
+    assert [r.outcome for r in truth] == [
+        outcomes.FIRST_TURN, outcomes.REUSED_REMOTE, outcomes.REUSED_INVALID,
+        outcomes.REUSED_INVALID]
+    # Linked by the router's entry, not by content: turns 3 and 4 are turns 3 and 4.
+    assert [r.turn_index for r in truth] == [1, 2, 3, 4]
+    assert "past the prompt's common prefix" in truth[2].evidence
+    assert "misaligned" in truth[3].evidence
+    rows = _rows(db)
+    assert rows["outcome"].to_list() == [r.outcome for r in truth]
+    assert rows["reuse_validity"].to_list() == [None, "valid", "invalid", "invalid"]
+    assert rows["history"].to_list()[2:] == ["edited", "edited"]
+
+
+def test_the_reuse_guard_sends_miss_params_for_an_edited_history(tmp_path: Path) -> None:
+    db = tmp_path / "guard.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True, reuse_guard=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        _edited_conversation(cluster.proxy_url)
+        truth = list(cluster.emulation.truth.rows)
+    # Turn 2 continues: reused. Turns 3 and 4 got no offer: nothing loaded, nothing invalid.
+    assert truth[1].outcome == outcomes.REUSED_REMOTE
+    assert [r.transfer_status for r in truth[2:]] == [None, None]
+    assert outcomes.REUSED_INVALID not in {r.outcome for r in truth}
+    rows = _rows(db)
+    assert rows["reuse_guard"].to_list() == [None, GUARD_PASSED, GUARD_EDITED, GUARD_EDITED]
+    assert rows["outcome"].to_list()[2] == outcomes.PREFIX_DIVERGED
+    assert "reuse guard sent MISS params" in rows["evidence"].to_list()[2]
+
+
+def _two_clients(url: str) -> None:
+    """Client A runs a turn; client B, another task, sends A's conversation id."""
+    cid = f"shared-{next(_ids)}"
+    a = [{"role": "system", "content": "agent A " + "alpha " * 150},
+         {"role": "user", "content": "task A"}]
+    _ask(url, cid, a)
+    b = [{"role": "system", "content": "agent B " + "beta " * 200},
+         {"role": "user", "content": "task B " + "bravo " * 40}]
+    _ask(url, cid, b)
+
+
+def test_another_client_with_the_same_id_loads_foreign_kv_unless_guarded(tmp_path: Path) -> None:
+    for guarded in (False, True):
+        db = tmp_path / f"shared-{guarded}.duckdb"
+        with EmulatedCluster(_config(), db=db, proxy=True, reuse_guard=guarded) as cluster:
+            assert cluster.proxy_url is not None and cluster.emulation is not None
+            _two_clients(cluster.proxy_url)
+            truth = list(cluster.emulation.truth.rows)
+        rows = _rows(db)
+        second = rows.row(1, named=True)
+        if guarded:
+            assert truth[1].transfer_status is None and second["reuse_guard"] == GUARD_EDITED
+            assert second["outcome"] == outcomes.PREFIX_DIVERGED
+        else:
+            # B's prompt shares nothing with A's sequence, yet A's KV was pulled into it.
+            assert truth[1].outcome == second["outcome"] == outcomes.REUSED_INVALID
+            assert truth[1].remote_reused_tokens == 0 and truth[1].transfer_bytes > 0

@@ -1,0 +1,131 @@
+"""Imports go down the layers only: core < collector < emulator; core < analysis < dashboards < cli.
+
+Every ``import`` in kvscope's packages is read from the source (lazy imports inside functions
+included). A module may import its own package and the layers below it; ``analysis`` never
+imports the emulator or the collector (it reads spans, and the reuse rules from core).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"kvscope": "kvscope", "collector": "kvscope.collector", "analysis": "kvscope.analysis",
+           "dashboards": "kvscope.dashboards", "emulator": "kvscope.emulator"}
+
+CORE, COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS, CLI = (
+    "core", "collector", "emulator", "analysis", "dashboards", "cli")
+# What each layer may import besides itself.
+ALLOWED: dict[str, set[str]] = {
+    CORE: set(),
+    COLLECTOR: {CORE},
+    EMULATOR: {CORE, COLLECTOR},
+    ANALYSIS: {CORE},
+    DASHBOARDS: {CORE, ANALYSIS},
+    CLI: {CORE, COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS},
+}
+# Known exceptions, each with the issue that removes it (a new one fails the test).
+EXCEPTIONS = {
+    # Issue #21: the `serve --dashboard` composition belongs to the CLI.
+    ("kvscope.dashboards.app", "kvscope.collector.receiver"),
+}
+
+
+def layer(module: str) -> str | None:
+    """The layer of a kvscope module name, or None for anything outside kvscope."""
+    parts = module.split(".")
+    if parts[0] != "kvscope":
+        return None
+    if len(parts) == 1:
+        return CORE
+    second = parts[1]
+    if second in (COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS):
+        return second
+    if second in ("cli", "demo", "__main__"):
+        return CLI
+    return CORE
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    dotted = ".".join((FOLDERS[rel.parts[0]], *rel.parts[1:]))[: -len(".py")]
+    return dotted.removesuffix(".__init__")
+
+
+def imports(path: Path, module: str) -> set[str]:
+    """Every kvscope module ``path`` imports (absolute and relative, at any depth)."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("kvscope")}
+
+
+def sources() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+def violations() -> list[str]:
+    found = []
+    for path in sources():
+        module = module_name(path)
+        own = layer(module)
+        assert own is not None
+        for target in sorted(imports(path, module)):
+            other = layer(target)
+            if other is None or other == own or other in ALLOWED[own]:
+                continue
+            if any(module == a and target.startswith(b) for a, b in EXCEPTIONS):
+                continue
+            found.append(f"{module} ({own}) imports {target} ({other})")
+    return found
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    assert violations() == []
+
+
+@pytest.mark.parametrize(("module", "expected"), [
+    ("kvscope.reuse.params", CORE), ("kvscope.store.writer", CORE), ("kvscope.cli", CLI),
+    ("kvscope.demo", CLI), ("kvscope.collector.proxy.app", COLLECTOR),
+    ("kvscope.analysis.ledger", ANALYSIS), ("opentelemetry.trace", None),
+])
+def test_layer_of_a_module(module: str, expected: str | None) -> None:
+    assert layer(module) == expected
+
+
+def test_the_check_sees_a_lazy_upward_import(tmp_path: Path) -> None:
+    """The scan reads imports inside functions (the kind that dodged cycles before)."""
+    source = ROOT / "analysis" / "ledger.py"
+    text = "def f():\n    from kvscope.emulator import reuse_model\n"
+    fake = tmp_path / "ledger.py"
+    fake.write_text(text, encoding="utf-8")
+    assert "kvscope.emulator.reuse_model" in imports(fake, "kvscope.analysis.ledger")
+    assert source.exists()
+
+
+def test_every_reuse_rule_name_is_defined_once() -> None:
+    """The params keys, the expiry margin and the outcome labels are assigned in one module."""
+    names = ("D_TO_P_REQUIRED_KEYS", "PARAMS_FIELDS", "KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S",
+             "MISS_PARAMS", "REUSED_INVALID", "PREFIX_DIVERGED", "OUTCOMES")
+    homes: dict[str, list[str]] = {name: [] for name in names}
+    for path in sources():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AnnAssign) else [])
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in homes:
+                    homes[target.id].append(module_name(path))
+    assert {name: where for name, where in homes.items() if len(where) != 1} == {}
+    assert all(where[0].startswith("kvscope.reuse.") for where in homes.values())
