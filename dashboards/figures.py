@@ -205,6 +205,7 @@ def reuse_by_turn(frame: pl.DataFrame | None) -> go.Figure:
 
 # Outcomes that are not misses (plain strings, as kvscope.reuse.outcomes spells them).
 NOT_MISSES = ("first_turn", "reused_remote", "reused_local")
+INVALID = "reused_invalid"
 
 
 def miss_causes(frame: pl.DataFrame | None) -> go.Figure:
@@ -221,6 +222,10 @@ def miss_causes(frame: pl.DataFrame | None) -> go.Figure:
         return missing(title, "no missed reuse: every later turn reused its earlier KV")
     order = (data.group_by("outcome").agg(pl.col("share").sum()).sort("share")["outcome"]
              .to_list())
+    if INVALID in order:
+        # A correctness alarm, not a miss: on top, and named in the title.
+        order = [o for o in order if o != INVALID] + [INVALID]
+        title += f" — ALARM: {INVALID} (KV loaded that does not match the prompt)"
     fig = go.Figure()
     for i, (name, rows) in enumerate(_groups(data)):
         custom = rows["turns"].to_list() if "turns" in rows.columns else None

@@ -16,6 +16,7 @@ from kvscope.dashboards.pages import (
     table,
     with_labels,
 )
+from kvscope.reuse import outcomes
 
 CONTENT = "overview-content"
 WINDOW_S = 60.0
@@ -34,6 +35,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                  and ledger.height else "no turns stored yet")
     parts: list[Any] = [
         filter_note(filters),
+        invalid_alarm(ledger),
         html.P(f"{data.name}: {ledger.height:,} turns; {freshness}; data read at "
                f"{data.built_at().isoformat(timespec='seconds')}"
                + (" (live: refreshes as spans arrive)" if data.live else ""),
@@ -52,6 +54,22 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
         figure_of("overview-memory", "retained memory", memory, figures.retained_memory, labels),
     ]
     return [p for p in parts if p is not None]
+
+
+def invalid_alarm(ledger: Any) -> Any:
+    """A banner above everything when turns loaded decode KV that does not match their prompt."""
+    if "outcome" not in getattr(ledger, "columns", ()):
+        return None
+    bad = ledger.filter(ledger["outcome"] == outcomes.REUSED_INVALID)
+    if bad.height == 0:
+        return None
+    counted = bad["invalid_tokens"].drop_nulls().sum() if "invalid_tokens" in bad.columns else 0
+    return html.Div(
+        f"Correctness alarm: {bad.height:,} turn(s) loaded decode KV that does not match their "
+        f"prompt (reused_invalid; {counted:,} tokens counted). Edited or truncated histories, or "
+        "another client, under the same conversation id; see Missed reuse for the evidence, and "
+        "kvscope proxy --reuse-guard.", id="overview-alarm", className="alarm",
+        style={"border": "2px solid #d62728", "padding": ".5rem 1rem", "color": "#d62728"})
 
 
 PAGE = filtered_page("/", "Overview", CONTENT, content)

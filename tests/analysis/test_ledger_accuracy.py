@@ -110,6 +110,12 @@ FAULT_CASES = {
                        FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
                        FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
             "decoder_kv_blocks_ttl": 20.0, "kv_load_failure_policy": "recompute"},
+    # The synchronous scheduler (vLLM on CPU, or async scheduling off): D offers one less.
+    "sync": {"scheduling": "sync"},
+    "mix_sync": {"faults": {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1,
+                            FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
+                            FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
+                 "decoder_kv_blocks_ttl": 20.0, "scheduling": "sync"},
 }
 
 
@@ -118,6 +124,22 @@ def test_ledger_equals_ground_truth(workload: Workload, tmp_path: Path, case: st
     settings = SimulationSettings(profile="tiny", label=case, seed=17, **FAULT_CASES[case])
     joined = _compare(workload, tmp_path / "acc.duckdb", settings)
     _assert_matches(joined)
+
+
+def test_the_runs_hold_the_hard_cases(workload: Workload, tmp_path: Path) -> None:
+    """Edited histories (a reset keeps the id: decode's KV is pulled anyway), hence invalid
+    reuse, are in the compared runs; the ledger names the edit from hashes alone."""
+    result = simulate(workload, tmp_path / "hard.duckdb",
+                      SimulationSettings(profile="tiny", seed=17))
+    truth = list(iter_truth(result))
+    assert sum(t["outcome"] == outcomes.REUSED_INVALID for t in truth) >= 3
+    reader = StoreReader.open(tmp_path / "hard.duckdb")
+    try:
+        observed = ledger(reader)
+    finally:
+        reader.close()
+    evidence = observed.filter(pl.col("outcome") == outcomes.REUSED_INVALID)["evidence"]
+    assert evidence.str.contains("longer than the prompt|history was edited").all()
 
 
 def test_several_runs_in_one_store_stay_apart(workload: Workload, tmp_path: Path) -> None:

@@ -379,9 +379,11 @@ def test_recompute_policy_after_a_failed_load_reissues_a_load_nobody_serves(
     assert p.step(failed_recving={"p-t2"}) == []
     reissued(p)
     decisions = captured.spans(semconv.SPAN_REUSE_DECISION)
-    # The connector answers (160, async) twice; the second schedule is labelled a pull too.
-    assert [s.attributes[semconv.DECISION] for s in decisions] == [semconv.DECISION_PULL] * 2
-    assert [s.attributes[semconv.TOKENS_TO_PULL] for s in decisions] == [160, 160]
+    # The connector answers (160, async) twice; the second schedule registers no read: it is
+    # recorded as its own decision, so the ledger tells a stall from a recompute.
+    assert [s.attributes[semconv.DECISION] for s in decisions] == [
+        semconv.DECISION_PULL, semconv.DECISION_REISSUED]
+    assert [s.attributes[semconv.TOKENS_TO_PULL] for s in decisions] == [160, 0]
     assert captured.spans(semconv.SPAN_KV_TRANSFER) == []  # the turn has not ended
     p.scheduler.finish_requests({"p-t2"}, RequestStatus.FINISHED_ABORTED)
     span = the_span(captured, semconv.SPAN_KV_TRANSFER)
@@ -411,4 +413,5 @@ def test_preemption_after_the_read(captured: Captured, engines: Any,
     else:
         reissued(p)
         decisions = [s.attributes for s in captured.spans(semconv.SPAN_REUSE_DECISION)]
-        assert [d[semconv.DECISION] for d in decisions] == [semconv.DECISION_PULL] * 2
+        assert [d[semconv.DECISION] for d in decisions] == [
+            semconv.DECISION_PULL, semconv.DECISION_REISSUED]
