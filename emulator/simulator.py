@@ -99,7 +99,13 @@ from kvscope.reuse.params import (
     STATUS_STOPPED,
     remote_num_tokens,
 )
-from kvscope.reuse.router import ConversationRouter, Lookup, prefill_params
+from kvscope.reuse.router import (
+    GUARD_EDITED,
+    GUARD_PASSED,
+    ConversationRouter,
+    Lookup,
+    prefill_params,
+)
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import ROW_GROUP_ROWS
 
@@ -148,6 +154,8 @@ class SimulationSettings:
     kv_load_failure_policy: str = FAILURE_POLICY_FAIL
     # The engines' SchedulerConfig.async_scheduling (vLLM's default: async).
     scheduling: str = SCHEDULING_ASYNC
+    # kvscope proxy --reuse-guard: MISS params for a history that does not continue the turn.
+    reuse_guard: bool = False
     prefill_prefix_caching: bool = True
     prefill_cache_blocks: int = 1 << 22
     decode_cache_blocks: int = 1 << 22
@@ -700,6 +708,13 @@ class Simulator:
             record.boundary_roles = self._messages.roles(ci)
             lookup = self.router.lookup(conversation.value)
             record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+            if s.reuse_guard and lookup.params is not None:
+                # kvscope proxy --reuse-guard: the entry is the previous turn's; a history that
+                # does not continue it gets MISS params.
+                edited = self._messages.diverged(ci, pos)
+                record.reuse_guard = GUARD_EDITED if edited else GUARD_PASSED
+                if edited:
+                    lookup = Lookup(lookup.result, lookup.age_s)
             params = prefill_params(lookup)
             record.d_metadata_attached = bool(lookup.params)
             if lookup.params:
