@@ -110,6 +110,8 @@ FAULT_CASES = {
                        FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
                        FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
             "decoder_kv_blocks_ttl": 20.0, "kv_load_failure_policy": "recompute"},
+    # kvscope proxy --reuse-guard: edited histories get MISS params instead of decode's KV.
+    "reuse_guard": {"reuse_guard": True},
     # The synchronous scheduler (vLLM on CPU, or async scheduling off): D offers one less.
     "sync": {"scheduling": "sync"},
     "mix_sync": {"faults": {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1,
