@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import zlib
@@ -53,7 +54,8 @@ from kvscope.collector.otlp_decode import (
     decode_metrics_request,
     decode_trace_request,
 )
-from kvscope.errors import KvscopeError, PayloadError
+from kvscope.errors import PayloadError
+from kvscope.listen import bind, bound_port, close_all
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -165,22 +167,23 @@ class _OtlpServer:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, sockets: list[socket.socket]) -> None:
+        """Start accepting on sockets bound by :func:`kvscope.listen.bind` (taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
         runner = web.AppRunner(
             self.application(), auto_decompress=False, access_log=None, shutdown_timeout=30.0
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
         try:
-            await site.start()
-        except OSError as exc:
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
+        except BaseException:
             await runner.cleanup()
-            raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            close_all(sockets)
+            raise
         self._runner = runner
-        # The bound address tells the real port when 0 was asked for.
-        self.port = int(runner.addresses[0][1]) if runner.addresses else port
+        self.port = bound_port(sockets)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then write and close the store."""
@@ -340,7 +343,6 @@ class _OtlpServer:
 
 
 def _open_writer(db_path: str | Path, max_queue_rows: int) -> StoreWriter:
-    # Opening first means a locked, foreign or newer file is refused before anything listens.
     return StoreWriter(open_store(db_path), max_queue_rows=max_queue_rows)
 
 
@@ -355,13 +357,39 @@ def _begin_run(writer: StoreWriter, host: str, port: int) -> str:
         cursor.close()
 
 
+def _bind_then_open(
+    db_path: str | Path, host: str, port: int, max_queue_rows: int, record_run: bool
+) -> tuple[list[socket.socket], StoreWriter, str | None]:
+    """Bind the address, then open the store (and record the run when asked).
+
+    The address comes first so that a start that cannot listen leaves the store untouched (no
+    new file, no run row that never ends); nothing is accepted until the store is open, so a
+    locked, foreign or newer file is still refused before any request is answered.
+    """
+    sockets = bind(host, port)
+    try:
+        writer = _open_writer(db_path, max_queue_rows)
+    except BaseException:
+        close_all(sockets)
+        raise
+    try:
+        run_id = _begin_run(writer, host, bound_port(sockets)) if record_run else None
+    except BaseException:
+        writer.close()
+        close_all(sockets)
+        raise
+    return sockets, writer, run_id
+
+
 class Receiver:
     """A receiver on a background thread with its own event loop (tests, embedding).
 
-    ``Receiver(path).start()`` opens the store (raising :class:`~kvscope.errors.StoreError`
-    subclasses such as ``StoreLockedError`` before listening), binds ``host:port`` (0 picks a free
-    port) and returns once requests are accepted; ``.url`` is then its base URL. ``.writer`` is
-    the store writer, which a dashboard may share (``.writer.connection.cursor()`` for reads).
+    ``Receiver(path).start()`` binds ``host:port`` (0 picks a free port; a port in use raises
+    :class:`~kvscope.errors.KvscopeError` before the store is touched), opens the store
+    (raising :class:`~kvscope.errors.StoreError` subclasses such as ``StoreLockedError`` before
+    accepting) and returns once requests are accepted; ``.url`` is then its base URL.
+    ``.writer`` is the store writer, which a dashboard may share (``.writer.connection.cursor()``
+    for reads).
     """
 
     def __init__(
@@ -414,11 +442,11 @@ class Receiver:
         """Open the store, start listening, and return self."""
         if self._server is not None:
             return self
-        writer = _open_writer(self.db_path, self.max_queue_rows)
+        sockets, writer, run_id = _bind_then_open(
+            self.db_path, self.host, self._requested_port, self.max_queue_rows, self.record_run)
         server = _OtlpServer(
             writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows,
-            run_id=(_begin_run(writer, self.host, self._requested_port)
-                    if self.record_run else None),
+            run_id=run_id,
         )
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -427,7 +455,7 @@ class Receiver:
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                loop.run_until_complete(server.start(self.host, self._requested_port))
+                loop.run_until_complete(server.start(sockets))
             except BaseException as exc:
                 failure.append(exc)
                 ready.set()
@@ -443,6 +471,8 @@ class Receiver:
         ready.wait()
         if failure:
             thread.join()
+            if run_id is not None:
+                server._end_run()
             writer.close()
             raise failure[0]
         self._server, self._loop, self._thread = server, loop, thread
@@ -479,14 +509,15 @@ def run_receiver(
     """
     limit = settings.resolve("max_request_bytes", max_request_bytes)
     queue_rows = settings.resolve("export_queue_size", max_queue_rows)
-    writer = _open_writer(db_path, queue_rows)
+    sockets, writer, run_id = _bind_then_open(db_path, host, port, queue_rows, True)
 
     async def serve() -> None:
         server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows,
-                             run_id=_begin_run(writer, host, port))
+                             run_id=run_id)
         try:
-            await server.start(host, port)
+            await server.start(sockets)
         except BaseException:
+            server._end_run()
             writer.close()
             raise
         stop = asyncio.Event()

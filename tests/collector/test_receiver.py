@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -483,3 +484,48 @@ def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Pa
     reader.close()
     assert len(runs) == 1 and runs[0][1].startswith("kvscope serve") and runs[0][2]
     assert spans == [("anonymous", runs[0][0]), ("named", "their-run")]
+
+
+# --- a failed start leaves the store untouched (issue 22, defect 5) ----------------------------
+
+
+def _busy_port() -> socket.socket:
+    """A listening socket on an ephemeral loopback port (the port a second server cannot take)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_start_on_a_busy_port_creates_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "never.duckdb"
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            Receiver(path, port=port, record_run=True).start()
+        result = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
+             str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_start_on_a_busy_port_adds_no_run_to_an_existing_store(tmp_path: Path) -> None:
+    path = tmp_path / "existing.duckdb"
+    with Receiver(path, record_run=True):
+        pass
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match="cannot listen"):
+            Receiver(path, port=port, record_run=True).start()
+        result = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
+             str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 2, result.stderr
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        runs = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
+    finally:
+        con.close()
+    assert runs == (1, 1)
