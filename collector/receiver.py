@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import socket
 import sys
 import threading
@@ -55,7 +54,7 @@ from kvscope.collector.otlp_decode import (
     decode_trace_request,
 )
 from kvscope.errors import PayloadError
-from kvscope.listen import bind, bound_port, close_all
+from kvscope.serving import bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -168,7 +167,7 @@ class _OtlpServer:
         return app
 
     async def start(self, sockets: list[socket.socket]) -> None:
-        """Start accepting on sockets bound by :func:`kvscope.listen.bind` (taken over)."""
+        """Start accepting on sockets bound by :func:`kvscope.serving.bind` (taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
         runner = web.AppRunner(
@@ -478,7 +477,7 @@ class Receiver:
         self._server, self._loop, self._thread = server, loop, thread
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float | None = 60.0) -> None:
         """Stop accepting, finish in-flight requests, write everything queued, close the store."""
         if self._loop is None or self._thread is None:
             return
@@ -503,37 +502,21 @@ def run_receiver(
     max_queue_rows: int | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking; for the CLI).
+    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
-    ``on_ready(url)`` is called once the receiver listens.
+    ``on_ready(url)`` is called once the receiver listens. The stop is the one every serving
+    process takes (:func:`kvscope.serving.stop_signals`): stop accepting, finish in-flight
+    requests, write everything acknowledged, end the run, close the store.
     """
-    limit = settings.resolve("max_request_bytes", max_request_bytes)
-    queue_rows = settings.resolve("export_queue_size", max_queue_rows)
-    sockets, writer, run_id = _bind_then_open(db_path, host, port, queue_rows, True)
-
-    async def serve() -> None:
-        server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows,
-                             run_id=run_id)
-        try:
-            await server.start(sockets)
-        except BaseException:
-            server._end_run()
-            writer.close()
-            raise
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+    with stop_signals() as wait_for_stop:
+        receiver = Receiver(db_path, host, port, max_request_bytes=max_request_bytes,
+                            max_queue_rows=max_queue_rows, record_run=True).start()
         try:
             if on_ready is not None:
-                on_ready(f"http://{host}:{server.port}")
-            await stop.wait()
+                on_ready(receiver.url)
+            wait_for_stop()
         finally:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
-            await server.stop()
-
-    asyncio.run(serve())
+            receiver.stop(timeout=None)
 
 
 def main_serve(db: str, host: str | None, port: int | None) -> int:

@@ -1,14 +1,23 @@
-"""Binding a server's listening address before anything else starts.
+"""How a process that serves a store starts and stops: bind first, stop on a signal.
 
 A server that owns a store binds its port first and opens the store after: a start that fails
 because the port is taken must leave the file as it was (no new file, no run that never ends).
 :func:`bind` takes the address and nothing more; the server starts accepting on the returned
 sockets once everything else is ready.
+
+Whatever a process serves (the receiver alone, or with the dashboard beside it), SIGINT and
+SIGTERM take the same orderly path: :func:`stop_signals` turns them into a wake-up of the main
+thread, which then stops each server and closes the store. A signal never ends the process
+with acknowledged rows still queued.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvscope.errors import KvscopeError
 
@@ -60,4 +69,38 @@ def close_all(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
-__all__ = ["bind", "bound_port", "close_all"]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def stop_signals() -> Iterator[Callable[[], int]]:
+    """Catch SIGINT and SIGTERM while inside; yield a function that waits for one of them.
+
+    The waiting function blocks the (main) thread until a signal arrives and returns its number;
+    one that arrived earlier, since the block was entered, returns at once. The handler only
+    writes a byte to a pipe: it takes no lock, so a signal landing anywhere on the main thread
+    cannot deadlock it. The previous handlers are restored on the way out.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            os.write(write_fd, bytes([signum]))
+        except OSError:
+            pass  # the pipe is full: a wake-up is already waiting
+
+    def wait() -> int:
+        return os.read(read_fd, 1)[0]
+
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    try:
+        yield wait
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, before)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+__all__ = ["STOP_SIGNALS", "bind", "bound_port", "close_all", "stop_signals"]
