@@ -279,18 +279,31 @@ class Proxy:
         try:
             return await self._turn(request, api_path, record)
         except asyncio.CancelledError:
-            record.client_disconnected = True
-            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, "client disconnected")
+            self._client_left(request, record, "during the turn")
             raise
         finally:
             record.end_ns = time.time_ns()
             self.telemetry.finish_turn(record)
+
+    @staticmethod
+    def _client_left(request: web.Request, record: TurnRecord, when: str) -> None:
+        """Record that the client disconnected (the first failure stays the turn's cause)."""
+        if record.error_kind is None:
+            logger.info("kvscope proxy: client %s disconnected %s (X-Request-Id %s)",
+                        request.remote, when, record.x_request_id)
+        record.client_disconnected = True
+        record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, f"client disconnected {when}")
 
     async def _turn(
         self, request: web.Request, api_path: str, record: TurnRecord
     ) -> web.StreamResponse:
         try:
             body = json.loads(await request.read())
+        except ConnectionError:
+            # The client went while sending its body: its turn, and one line to say so (not
+            # aiohttp's traceback). Nothing reaches the client; the answer only ends the handler.
+            self._client_left(request, record, "while sending its request")
+            return web.Response(status=499)
         except web.HTTPRequestEntityTooLarge:
             record.fail(None, semconv.ERROR_BAD_REQUEST, 413, "request body too large")
             return _error_response(413, "request body too large", "BadRequestError")
@@ -487,8 +500,7 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
             # The client left: closing (not releasing) drops the upstream connection, which is
             # how vLLM learns to abort the request.
-            record.client_disconnected = True
-            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, str(exc) or "client left")
+            self._client_left(request, record, f"during decode's stream ({exc or 'reset'})")
         except TimeoutError:
             record.fail(semconv.LEG_DECODE, semconv.ERROR_TIMEOUT, 200,
                         f"decode {decode.name} went silent mid-stream")

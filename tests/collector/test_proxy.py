@@ -808,3 +808,47 @@ def test_long_histories_store_only_the_last_boundary_hashes() -> None:
     record.boundary_hashes = ",".join(everything)
     turn = next(s for s in proxy.spans_for(record) if s.name == semconv.SPAN_TURN)
     assert turn.attributes[semconv.MESSAGE_BOUNDARY_HASHES].split(",") == kept
+
+
+# --- clients that leave early (issue 22, defects 3 and 4) -------------------------------------
+
+
+def _turn_until_stored(dep: Deployment, deadline_s: float = 10.0) -> dict[str, Any]:
+    """The one turn span, once the proxy has finished and stored it."""
+    deadline = time.monotonic() + deadline_s
+    while not turn_spans(dep.spans()):
+        assert time.monotonic() < deadline, "no turn span stored"
+        time.sleep(0.05)
+    (turn,) = turn_spans(dep.spans())
+    return turn
+
+
+_PARTIAL_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "'
+_UPLOADS = {
+    "content-length": b"Content-Length: 100000\r\n\r\n" + _PARTIAL_BODY,
+    "chunked": b"Transfer-Encoding: chunked\r\n\r\n"
+               + f"{100000:x}\r\n".encode() + _PARTIAL_BODY,
+}
+
+
+@pytest.mark.parametrize("framing", sorted(_UPLOADS))
+def test_a_client_that_aborts_its_upload_is_an_error_turn_logged_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, framing: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with deployment(tmp_path) as dep:
+        with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n" + _UPLOADS[framing])
+            time.sleep(0.2)  # the proxy is reading the body when the client goes
+        turn = _turn_until_stored(dep)
+        assert turn["status"] == "STATUS_CODE_ERROR"
+        assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CLIENT_DISCONNECTED
+        assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
+        assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
+        assert dep.prefill.received == [] and dep.decode.received == []
+    # One line says so; no traceback, nothing logged as an error.
+    said = [r.getMessage() for r in caplog.records if "disconnected" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.ERROR or r.exc_info] == []
