@@ -7,7 +7,8 @@ client's stream is decode's bytes, written as they arrive; non-streaming clients
 vLLM's proxy rebuilds (``usage: None``). kvscope adds: errors as OpenAI-style JSON with 400/502/504
 instead of hangs or bare 500s, one ``X-Request-Id`` and a W3C ``traceparent`` per leg, the
 ``X-Session-ID`` header as a fallback conversation id, ``GET /metrics``, and telemetry drops in
-``GET /health``.
+``GET /health``. A client that disconnects, at any point of its turn, ends the turn's upstream
+calls (:data:`SERVER_OPTIONS`) and its turn is recorded as ``client_disconnected`` (499).
 
 One shared :class:`aiohttp.ClientSession` pools upstream connections. Telemetry on the request
 path is a plain record (:class:`~kvscope.collector.proxy.telemetry.TurnRecord`); no store or
@@ -25,8 +26,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -279,7 +281,11 @@ class Proxy:
         try:
             return await self._turn(request, api_path, record)
         except asyncio.CancelledError:
-            self._client_left(request, record, "during the turn")
+            # The client disconnected (SERVER_OPTIONS), or the server is stopping.
+            leg = ("decode" if record.decode_start_ns is not None
+                   else "prefill" if record.prefill_start_ns is not None else None)
+            self._client_left(request, record,
+                              f"during the {leg} leg" if leg else "during the turn")
             raise
         finally:
             record.end_ns = time.time_ns()
@@ -590,6 +596,16 @@ def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None
                           f"{leg} {upstream.name} answered {status}")
 
 
+# How the proxy's HTTP server runs (kvscope proxy, the emulator's launcher, and whoever serves
+# build_app's application: pass these to aiohttp's AppRunner or run_app). A turn's handler is
+# cancelled when its client disconnects (aiohttp's default since 3.9 is not to): the
+# cancellation reaches the upstream call in flight, aiohttp closes that connection, and vLLM
+# aborts the request. Otherwise a client that leaves during the prefill leg (where nothing is
+# written to it, so nothing notices) leaves prefill running until --prefill-timeout, and a
+# stop waits for it. The turn is recorded as the client's disconnect (Proxy._handle).
+SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True})
+
+
 # Young-generation collection threshold while serving (CPython's default is 700). A turn leaves
 # only a few tracked objects behind for good, but 64 turns in flight hold thousands that come
 # and go: at the default, a young collection ran every ~35 turns and traversed all of them
@@ -727,5 +743,5 @@ def main_proxy(args: argparse.Namespace) -> int:
     host = settings.resolve("host", args.host)
     logger.warning("kvscope proxy on http://%s:%d: %d prefill, %d decode instances", host,
                    args.port, len(config.prefillers), len(config.decoders))
-    web.run_app(app, host=host, port=args.port, print=None, access_log=None)
+    web.run_app(app, host=host, port=args.port, print=None, access_log=None, **SERVER_OPTIONS)
     return 0

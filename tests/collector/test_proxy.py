@@ -37,6 +37,7 @@ from kvscope.collector.proxy import (
     conversation_id_from,
 )
 from kvscope.collector.proxy.app import (
+    SERVER_OPTIONS,
     SERVING_GC_THRESHOLD,
     config_from_args,
     configure_serving_gc,
@@ -129,7 +130,8 @@ def deployment(tmp_path: Path, *, prefillers: list[Upstream] | None = None,
                 if spans else None)
         telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
         try:
-            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+            with ServerThread(lambda: build_app(cfg, telemetry),
+                              runner_options=SERVER_OPTIONS) as proxy, \
                     httpx.Client(base_url=proxy.url, timeout=20) as client:
                 yield Deployment(prefill, decode, proxy, telemetry, client)
         finally:
@@ -756,7 +758,8 @@ def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
         otel = setup_telemetry(semconv.SERVICE_PROXY, db=str(tmp_path / "emu.duckdb"))
         telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
         try:
-            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+            with ServerThread(lambda: build_app(cfg, telemetry),
+                              runner_options=SERVER_OPTIONS) as proxy, \
                     httpx.Client(base_url=proxy.url, timeout=20) as client:
                 messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}]
                 for turn in range(3):
@@ -852,3 +855,29 @@ def test_a_client_that_aborts_its_upload_is_an_error_turn_logged_in_one_line(
     assert len(said) == 1 and "\n" not in said[0], said
     assert [r.getMessage() for r in caplog.records
             if r.levelno >= logging.ERROR or r.exc_info] == []
+
+
+def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.prefill.mode = "hang"  # prefill would answer only after --prefill-timeout (600 s)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "stream": True, "max_tokens": 8, "conversation_id": "c"}).encode()
+        with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 5
+            while not dep.prefill.received:  # the prefill leg is in flight
+                assert time.monotonic() < deadline, "prefill never called"
+                time.sleep(0.02)
+        # The client is gone: prefill's request is cancelled, not left to its timeout.
+        deadline = time.monotonic() + 5
+        while dep.prefill.disconnects == 0:
+            assert time.monotonic() < deadline, "the prefill call outlived its client"
+            time.sleep(0.02)
+        turn = _turn_until_stored(dep)
+        assert turn["status"] == "STATUS_CODE_ERROR"
+        assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CLIENT_DISCONNECTED
+        assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
+        assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
+        assert dep.decode.received == []
