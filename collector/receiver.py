@@ -438,7 +438,7 @@ class Receiver:
         return self._server
 
     def start(self) -> Receiver:
-        """Open the store, start listening, and return self."""
+        """Bind the address, open the store, start accepting, and return self."""
         if self._server is not None:
             return self
         sockets, writer, run_id = _bind_then_open(

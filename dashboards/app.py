@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from dash import Dash, Input, Output, State, dcc, html
-from werkzeug.serving import BaseWSGIServer, make_server
+from werkzeug.serving import BaseWSGIServer, make_server, select_address_family
 
 from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
@@ -305,9 +305,13 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
             close_all(dashboard_sockets)
             raise
         try:
-            close_all(dashboard_sockets[1:])  # the WSGI server serves one address
+            # The WSGI server serves one address: the one it would have bound itself.
+            family = select_address_family(host, 0)
+            served = next((s for s in dashboard_sockets if s.family == family),
+                          dashboard_sockets[0])
+            close_all([s for s in dashboard_sockets if s is not served])
             server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
-                                     sock=dashboard_sockets[0]).start()
+                                     sock=served).start()
             try:
                 print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, writing {db}; "
                       f"dashboard on {server.url}", file=sys.stderr, flush=True)

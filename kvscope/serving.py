@@ -13,6 +13,7 @@ with acknowledged rows still queued.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -49,8 +50,18 @@ def bind(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address[0], chosen, *address[2:]))
+            try:
+                sock.bind((address[0], chosen, *address[2:]))
+            except OSError as exc:
+                # IPv6 switched off on this machine: serve the other addresses (as asyncio's
+                # create_server does), unless there are none.
+                if family != socket.AF_INET6 or exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()
+                continue
             chosen = int(sock.getsockname()[1])
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of this machine")
     except OSError as exc:
         for sock in sockets:
             sock.close()
