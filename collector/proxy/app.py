@@ -282,10 +282,15 @@ class Proxy:
             return await self._turn(request, api_path, record)
         except asyncio.CancelledError:
             # The client disconnected (SERVER_OPTIONS), or the server is stopping.
-            leg = ("decode" if record.decode_start_ns is not None
-                   else "prefill" if record.prefill_start_ns is not None else None)
-            self._client_left(request, record,
-                              f"during the {leg} leg" if leg else "during the turn")
+            if record.decode_start_ns is not None:
+                when = "during the decode leg"
+            elif record.prefill_start_ns is not None:
+                when = "during the prefill leg"
+            elif not request.content.is_eof():
+                when = "while sending its request"
+            else:
+                when = "during the turn"
+            self._client_left(request, record, when)
             raise
         finally:
             record.end_ns = time.time_ns()

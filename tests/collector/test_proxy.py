@@ -104,12 +104,12 @@ def read_spans(telemetry: ProxyTelemetry) -> list[dict[str, Any]]:
     cur = tel.writer.connection.cursor()
     rows = cur.execute(
         "SELECT SpanName, SpanKind, TraceId, SpanId, ParentSpanId, "
-        "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events "
+        "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events, StatusMessage "
         "FROM otel_traces ORDER BY Timestamp"
     ).fetchall()
     cur.close()
     names = ["name", "kind", "trace", "span", "parent", "start", "duration", "attrs",
-             "status", "events"]
+             "status", "events", "status_message"]
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
@@ -853,6 +853,7 @@ def test_a_client_that_aborts_its_upload_is_an_error_turn_logged_in_one_line(
     # One line says so; no traceback, nothing logged as an error.
     said = [r.getMessage() for r in caplog.records if "disconnected" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0], said
+    assert "while sending its request" in said[0]
     assert [r.getMessage() for r in caplog.records
             if r.levelno >= logging.ERROR or r.exc_info] == []
 
@@ -880,4 +881,5 @@ def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: 
         assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CLIENT_DISCONNECTED
         assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
         assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
+        assert "during the prefill leg" in turn["status_message"]
         assert dep.decode.received == []
