@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
+import socket
 import sys
 import threading
 import zlib
@@ -53,7 +53,8 @@ from kvscope.collector.otlp_decode import (
     decode_metrics_request,
     decode_trace_request,
 )
-from kvscope.errors import KvscopeError, PayloadError
+from kvscope.errors import PayloadError
+from kvscope.serving import bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -165,22 +166,23 @@ class _OtlpServer:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, sockets: list[socket.socket]) -> None:
+        """Start accepting on sockets bound by :func:`kvscope.serving.bind` (taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
         runner = web.AppRunner(
             self.application(), auto_decompress=False, access_log=None, shutdown_timeout=30.0
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
         try:
-            await site.start()
-        except OSError as exc:
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
+        except BaseException:
             await runner.cleanup()
-            raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            close_all(sockets)
+            raise
         self._runner = runner
-        # The bound address tells the real port when 0 was asked for.
-        self.port = int(runner.addresses[0][1]) if runner.addresses else port
+        self.port = bound_port(sockets)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then write and close the store."""
@@ -340,7 +342,6 @@ class _OtlpServer:
 
 
 def _open_writer(db_path: str | Path, max_queue_rows: int) -> StoreWriter:
-    # Opening first means a locked, foreign or newer file is refused before anything listens.
     return StoreWriter(open_store(db_path), max_queue_rows=max_queue_rows)
 
 
@@ -355,13 +356,39 @@ def _begin_run(writer: StoreWriter, host: str, port: int) -> str:
         cursor.close()
 
 
+def _bind_then_open(
+    db_path: str | Path, host: str, port: int, max_queue_rows: int, record_run: bool
+) -> tuple[list[socket.socket], StoreWriter, str | None]:
+    """Bind the address, then open the store (and record the run when asked).
+
+    The address comes first so that a start that cannot listen leaves the store untouched (no
+    new file, no run row that never ends); nothing is accepted until the store is open, so a
+    locked, foreign or newer file is still refused before any request is answered.
+    """
+    sockets = bind(host, port)
+    try:
+        writer = _open_writer(db_path, max_queue_rows)
+    except BaseException:
+        close_all(sockets)
+        raise
+    try:
+        run_id = _begin_run(writer, host, bound_port(sockets)) if record_run else None
+    except BaseException:
+        writer.close()
+        close_all(sockets)
+        raise
+    return sockets, writer, run_id
+
+
 class Receiver:
     """A receiver on a background thread with its own event loop (tests, embedding).
 
-    ``Receiver(path).start()`` opens the store (raising :class:`~kvscope.errors.StoreError`
-    subclasses such as ``StoreLockedError`` before listening), binds ``host:port`` (0 picks a free
-    port) and returns once requests are accepted; ``.url`` is then its base URL. ``.writer`` is
-    the store writer, which a dashboard may share (``.writer.connection.cursor()`` for reads).
+    ``Receiver(path).start()`` binds ``host:port`` (0 picks a free port; a port in use raises
+    :class:`~kvscope.errors.KvscopeError` before the store is touched), opens the store
+    (raising :class:`~kvscope.errors.StoreError` subclasses such as ``StoreLockedError`` before
+    accepting) and returns once requests are accepted; ``.url`` is then its base URL.
+    ``.writer`` is the store writer, which a dashboard may share (``.writer.connection.cursor()``
+    for reads).
     """
 
     def __init__(
@@ -411,14 +438,14 @@ class Receiver:
         return self._server
 
     def start(self) -> Receiver:
-        """Open the store, start listening, and return self."""
+        """Bind the address, open the store, start accepting, and return self."""
         if self._server is not None:
             return self
-        writer = _open_writer(self.db_path, self.max_queue_rows)
+        sockets, writer, run_id = _bind_then_open(
+            self.db_path, self.host, self._requested_port, self.max_queue_rows, self.record_run)
         server = _OtlpServer(
             writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows,
-            run_id=(_begin_run(writer, self.host, self._requested_port)
-                    if self.record_run else None),
+            run_id=run_id,
         )
         loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -427,7 +454,7 @@ class Receiver:
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                loop.run_until_complete(server.start(self.host, self._requested_port))
+                loop.run_until_complete(server.start(sockets))
             except BaseException as exc:
                 failure.append(exc)
                 ready.set()
@@ -443,12 +470,14 @@ class Receiver:
         ready.wait()
         if failure:
             thread.join()
+            if run_id is not None:
+                server._end_run()
             writer.close()
             raise failure[0]
         self._server, self._loop, self._thread = server, loop, thread
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float | None = 60.0) -> None:
         """Stop accepting, finish in-flight requests, write everything queued, close the store."""
         if self._loop is None or self._thread is None:
             return
@@ -473,36 +502,21 @@ def run_receiver(
     max_queue_rows: int | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking; for the CLI).
+    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
-    ``on_ready(url)`` is called once the receiver listens.
+    ``on_ready(url)`` is called once the receiver listens. The stop is the one every serving
+    process takes (:func:`kvscope.serving.stop_signals`): stop accepting, finish in-flight
+    requests, write everything acknowledged, end the run, close the store.
     """
-    limit = settings.resolve("max_request_bytes", max_request_bytes)
-    queue_rows = settings.resolve("export_queue_size", max_queue_rows)
-    writer = _open_writer(db_path, queue_rows)
-
-    async def serve() -> None:
-        server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows,
-                             run_id=_begin_run(writer, host, port))
-        try:
-            await server.start(host, port)
-        except BaseException:
-            writer.close()
-            raise
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+    with stop_signals() as wait_for_stop:
+        receiver = Receiver(db_path, host, port, max_request_bytes=max_request_bytes,
+                            max_queue_rows=max_queue_rows, record_run=True).start()
         try:
             if on_ready is not None:
-                on_ready(f"http://{host}:{server.port}")
-            await stop.wait()
+                on_ready(receiver.url)
+            wait_for_stop()
         finally:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
-            await server.stop()
-
-    asyncio.run(serve())
+            receiver.stop(timeout=None)
 
 
 def main_serve(db: str, host: str | None, port: int | None) -> int:

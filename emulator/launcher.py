@@ -181,7 +181,7 @@ class EmulatedCluster:
         return f"http://{self.host}:{bound}"
 
     async def _start_proxy(self, runners: list[web.AppRunner]) -> str:
-        from kvscope.collector.proxy.app import ProxyConfig, Upstream, build_app
+        from kvscope.collector.proxy.app import SERVER_OPTIONS, ProxyConfig, Upstream, build_app
         from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
         def upstream(url: str) -> Upstream:
@@ -197,7 +197,7 @@ class EmulatedCluster:
         telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
                                    router_ttl_s=self.router_ttl_s)
         runner = web.AppRunner(build_app(config, telemetry), access_log=None,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0, **SERVER_OPTIONS)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, self.host, 0)
