@@ -39,6 +39,7 @@ from kvscope.emulator.servers import (
     PrefillServer,
 )
 from kvscope.errors import SettingError
+from kvscope.reuse import params as reuse_params
 from kvscope.store import StoreWriter, begin_run, end_run
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,10 @@ def add_emulate_arguments(parser: argparse.ArgumentParser) -> None:
                         default="recompute",
                         help="what P does after a failed load (vLLM's default is fail; the "
                              "emulator's recompute keeps each failure's own outcome)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="the engines' scheduler (vLLM's default off CPU: "
+                        "async; decode then offers prompt + output after a stop token, the "
+                        "synchronous one prompt + output - 1)")
     parser.add_argument("--no-enable-prefix-caching", action="store_true",
                         help="prefix caching off on the prefill servers (as the blog's P)")
     parser.add_argument("--prefix-cache-blocks", type=int, default=1 << 20,
@@ -364,6 +369,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_load_failure_policy=args.kv_load_failure_policy,
         block_size=args.block_size,
         prefill_prefix_caching=not args.no_enable_prefix_caching,
+        scheduling=(reuse_params.SCHEDULING_ASYNC if args.async_scheduling
+                    else reuse_params.SCHEDULING_SYNC),
         cache_capacity_blocks=args.prefix_cache_blocks,
         decode_clock_offset_s=args.decode_clock_offset,
         side_channel_port=args.side_channel_port,

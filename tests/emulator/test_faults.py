@@ -162,3 +162,15 @@ def test_parse_fault_names_probabilities_and_errors() -> None:
         parse_fault("transfer_fail=x")
     assert faults.names_in("transfer_fail, nope,clock_skew") == {"transfer_fail", "clock_skew"}
     assert faults.names_in(None) == frozenset()
+
+
+def test_async_scheduling_flag_sets_what_decode_offers() -> None:
+    """``--async-scheduling`` (default) / ``--no-async-scheduling`` reach the engines' config
+    (what each offers is tested on the model: test_reuse_model)."""
+    parser = argparse.ArgumentParser()
+    add_emulate_arguments(parser)
+    assert config_from_args(parser.parse_args([])).scheduling == "async"
+    sync = config_from_args(parser.parse_args(["--no-async-scheduling"]))
+    assert sync.scheduling == "sync"
+    nodes = EmulatedCluster(sync)
+    assert nodes.config.scheduling == "sync"
