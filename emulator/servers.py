@@ -687,7 +687,11 @@ class PrefillServer(_EngineServer):
             clock_offset_error_s=cfg.decoder_kv_blocks_ttl if fault_names.CLOCK_SKEW in hit
             else 0.0,
         )
-        now = em.clock.now()
+        # Admission: the scheduler takes the request up when the prefills ahead of it are done,
+        # and the worker checks the offer's deadline then (start_load_kv), not on arrival — time
+        # queued here eats the 5 s margin (tests/vllm_contract/test_real_worker_claims.py).
+        async with self.compute_lock:
+            now = em.clock.now()
         with _overridden(self.node, **changes):
             result = self.node.prefill(req.request_id, req.prompt, params, now, injected)
         em.drain_retentions()
