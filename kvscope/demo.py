@@ -133,9 +133,9 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
             ttft = [v for v in later["ttft_ms"].to_list() if v is not None]
             rate = reuse.filter(reuse["run_id"] == rid)["token_reuse_rate"].to_list()
             invalid = later.filter(later["outcome"] == outcomes.REUSED_INVALID).height
+            shown_apart = [outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL, outcomes.REUSED_INVALID]
             top = causes.filter((causes["run_id"] == rid)
-                                & ~causes["outcome"].is_in(["reused_remote", "reused_local",
-                                                            outcomes.REUSED_INVALID]))
+                                & ~causes["outcome"].is_in(shown_apart))
             top_text = ", ".join(
                 f"{o} {100 * s:.0f} %" for o, s in zip(top["outcome"][:3], top["share"][:3],
                                                        strict=False)
