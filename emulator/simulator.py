@@ -89,6 +89,7 @@ from kvscope.emulator.workloads.model import (
     Turn,
     Workload,
     block_view,
+    send_time,
 )
 from kvscope.errors import StoreError
 from kvscope.reuse import outcomes
@@ -669,8 +670,7 @@ class Simulator:
                              previous_end)
                 if pos + 1 < len(conv.turns):
                     nxt = conv.turns[pos + 1]
-                    heapq.heappush(events, (t + max(nxt.think_time_s, 0.0), seq, ci, pos + 1,
-                                            None))
+                    heapq.heappush(events, (send_time(nxt, t), seq, ci, pos + 1, None))
                     seq += 1
                 continue
             turns += 1
