@@ -1,20 +1,18 @@
-"""``kvscope simulate``: the virtual-time simulator on a workload, one run or a sweep, into a store.
+"""The options and runs of ``kvscope simulate``: settings, sweeps, workloads, progress.
 
 Every :class:`~kvscope.emulator.simulator.SimulationSettings` field is an option, named as vLLM
 names it where vLLM has the knob (:data:`OPTIONS`). ``--sweep KEY=V1,V2`` (repeatable) runs every
-combination of the listed values into the same store, each run labelled with its values; a
-progress line on stderr follows each run (turns sent / total, virtual time, turns a second), and
-a summary per run ends the command, read back from the store through the analysis registry (the
-``verdict`` analysis: reuse, top miss causes, retained GiB·s, TTFT p50 / p90), so the numbers
-are those ``kvscope report`` shows for the same store.
+combination of the listed values into the same store, each run labelled with its values
+(:func:`expand`); :func:`run_all` runs them with a progress line on stderr (turns sent / total,
+virtual time, turns a second). The command itself, which ends with a summary read back through
+the analysis registry, is composed in :mod:`kvscope.simulate` (the emulator never imports the
+analyses).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -27,7 +25,6 @@ from kvscope.emulator.simulator import (
     SIM_FAULTS,
     SimulationResult,
     SimulationSettings,
-    iter_truth,
     simulate,
 )
 from kvscope.emulator.workloads.model import Workload
@@ -381,53 +378,6 @@ class ProgressLine:
         self.stream.flush()
 
 
-# --- summary ------------------------------------------------------------------------------------
-
-SUMMARY_COLUMNS = ("label", "turns", "reuse", "top miss causes", "retained GiB·s",
-                   "TTFT p50 ms", "TTFT p90 ms")
-
-
-def _pct(value: float | None) -> str:
-    return "not measured" if value is None else f"{100 * value:.1f}%"
-
-
-def _num(value: float | None, digits: int) -> str:
-    return "not measured" if value is None else f"{value:,.{digits}f}"
-
-
-def summary_rows(db: str | Path, run_ids: Sequence[str]) -> list[tuple[str, ...]]:
-    """Per run: reuse, top miss causes, retained GiB·s, TTFT p50 / p90, from the ``verdict``
-    analysis of the registry (the numbers ``kvscope report`` shows)."""
-    from kvscope.analysis import registry
-    from kvscope.analysis.verdict import TOP_CAUSES
-
-    with registry.AnalysisContext.open(db, runs=list(run_ids)) as ctx:
-        verdict = registry.run(ctx, "verdict")
-    by_id = {row["run_id"]: row for row in verdict.iter_rows(named=True)}
-    rows: list[tuple[str, ...]] = []
-    for run_id in run_ids:
-        row = by_id.get(run_id, {})
-        causes = ", ".join(
-            f"{row[f'cause_{i}']} {_pct(row[f'cause_{i}_share'])}"
-            for i in range(1, TOP_CAUSES + 1) if row.get(f"cause_{i}")
-        ) or "none"
-        rows.append((str(row.get("label") or run_id), f"{row.get('turns') or 0:,}",
-                     _pct(row.get("token_reuse_rate")), causes,
-                     _num(row.get("retained_gib_s"), 1), _num(row.get("ttft_p50_ms"), 0),
-                     _num(row.get("ttft_p90_ms"), 0)))
-    return rows
-
-
-def _write_truth(path: Path, results: Sequence[SimulationResult]) -> int:
-    count = 0
-    with path.open("w") as out:
-        for result in results:
-            for row in iter_truth(result):
-                out.write(json.dumps(row) + "\n")
-                count += 1
-    return count
-
-
 def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSettings],
             db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
     """Simulate each plan into ``db`` in turn (``workloads`` gives the workload for a profile's
@@ -446,33 +396,6 @@ def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSett
         yield result
 
 
-def main_simulate(args: argparse.Namespace) -> int:
-    """Run ``kvscope simulate``: the runs, the truth file, then one summary row per run."""
-    from kvscope.tables import format_rows
-
-    base = base_settings(args)
-    plans = expand(base, [parse_sweep(s) for s in args.sweep])
-    loaded: dict[int, Workload] = {}
-
-    def workload_for(block_size: int) -> Workload:
-        if block_size not in loaded:
-            loaded[block_size] = load_workload(args, block_size)
-            print(describe(loaded[block_size]), file=sys.stderr)
-        return loaded[block_size]
-
-    started = time.monotonic()
-    stream = None if args.quiet else sys.stderr
-    results = list(run_all(workload_for, plans, args.db, stream=stream))
-    if args.truth:
-        rows = _write_truth(Path(args.truth), results)
-        print(f"truth: {rows:,} rows in {args.truth}", file=sys.stderr)
-    print(f"{len(results)} run(s) into {args.db} in {time.monotonic() - started:.1f} s")
-    sys.stdout.write(format_rows(list(SUMMARY_COLUMNS),
-                                 summary_rows(args.db, [r.run_id for r in results]), "table"))
-    print(f"report: kvscope report {args.db} -o report.html")
-    return 0
-
-
 __all__ = [
     "OPTIONS",
     "ProgressLine",
@@ -481,7 +404,6 @@ __all__ = [
     "base_settings",
     "expand",
     "load_workload",
-    "main_simulate",
+    "run_all",
     "parse_sweep",
-    "summary_rows",
 ]

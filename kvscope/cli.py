@@ -193,7 +193,7 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from kvscope.emulator.simulate_command import main_simulate
+    from kvscope.simulate import main_simulate
 
     return main_simulate(args)
 
