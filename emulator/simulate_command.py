@@ -155,8 +155,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
                         default=None, help="set bidirectional KV transfer on both prefill "
                                            "and decode (the feature on/off)")
-    parser.add_argument("--fault", action="append", default=[], metavar="NAME=P",
-                        help="inject a fault into a share P of turns (repeatable); one of: "
+    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
+                        help="inject a fault into a share P of turns (default 1; repeatable); "
+                             "one of: "
                              + ", ".join(SIM_FAULTS))
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="one run per value (repeatable: every combination); KEY is an "
