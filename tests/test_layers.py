@@ -44,7 +44,7 @@ def layer(module: str) -> str | None:
     second = parts[1]
     if second in (COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS):
         return second
-    if second in ("cli", "demo", "__main__"):
+    if second in ("cli", "demo", "simulate", "__main__"):
         return CLI
     return CORE
 
