@@ -97,6 +97,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("scheduling", "--scheduling", str,
            "the engines' scheduler (vLLM's default: async; sync never runs decode's last token)",
            SCHEDULING_MODES),
+    Option("reuse_guard", "--reuse-guard", _bool,
+           "the proxy sends MISS params when a history does not continue the turn whose "
+           "decode KV it holds (kvscope proxy --reuse-guard)"),
     Option("prefill_prefix_caching", "--enable-prefix-caching", _bool,
            "prefix caching on the prefill engines (--no-enable-prefix-caching: off, as the "
            "vLLM blog's P)"),
