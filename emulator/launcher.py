@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -65,6 +65,7 @@ class EmulatedCluster:
         proxy: bool = False,
         router_ttl_s: float | None = None,
         reuse_guard: bool = False,
+        run_settings: Mapping[str, Any] | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise SettingError("kvscope emulate needs at least one prefill and one decode server")
@@ -85,6 +86,8 @@ class EmulatedCluster:
         # wall seconds, so it shrinks by time_scale like decode's TTL.
         self._with_proxy = proxy
         self._reuse_guard = reuse_guard
+        # Recorded with the run beside the emulator's own settings (the workload, for baselines).
+        self._run_settings = dict(run_settings or {})
         self.router_ttl_s = (
             router_ttl_s if router_ttl_s is not None
             else settings.resolve("router_ttl") / self.config.time_scale
@@ -107,7 +110,8 @@ class EmulatedCluster:
         if self.writer is not None:
             cursor = self.writer.connection.cursor()
             try:
-                begin_run(cursor, self.run_label, self.config.settings(), self.run_id)
+                begin_run(cursor, self.run_label, {**self.config.settings(), **self._run_settings},
+                          self.run_id)
             finally:
                 cursor.close()
         if self.writer is None and self._otlp is None:

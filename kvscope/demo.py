@@ -92,8 +92,9 @@ def _run_one(label: str, config: EmulatorConfig, workload: Workload, options: De
     router_ttl = settings.resolve("router_ttl") / options.time_scale
     started = time.monotonic()
     print(f"  [{label}] starting emulated 1P1D + kvscope proxy ...", flush=True)
-    with EmulatedCluster(config, db=db, proxy=True, run_label=label,
-                         router_ttl_s=router_ttl) as cluster:
+    with EmulatedCluster(config, db=db, proxy=True, run_label=label, router_ttl_s=router_ttl,
+                         run_settings={"workload": workload.name,
+                                       "workload_settings": dict(workload.settings)}) as cluster:
         assert cluster.proxy_url is not None
         result = asyncio.run(replay(
             workload, cluster.proxy_url, concurrency=options.concurrency,
