@@ -124,7 +124,9 @@ class EmulatedCluster:
                 service,
                 writer=self.writer,
                 otlp_endpoint=None if self.writer is not None else self._otlp,
-                run_id=self.run_id,
+                # Over OTLP the receiver that owns the store stamps its run on every process's
+                # spans: one experiment stays one run however many processes export to it.
+                run_id=self.run_id if self.writer is not None else None,
             ))
 
     def _engine(self, index: int, engine_id: str, role: str) -> EngineTelemetry | None:
