@@ -188,11 +188,14 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
         out.append(f"Reuse did not happen: none of the reusable tokens of its {later} later turns "
                    "were reused.")
     else:
+        # Tokens and turns said separately: a turn that pulled from decode usually also hit
+        # prefill's own cache, so the turn counts are not a split of the tokens.
         out.append(
-            f"Reuse happened: {_pct(rate)} of reusable tokens were reused (remote "
-            f"{_pct(row.get('remote_share'))}, local {_pct(row.get('local_share'))}); "
-            f"{remote + local} of {later} later turns reused all of it ({remote} pulled from "
-            f"decode, {local} from prefill's own prefix cache)."
+            f"Reuse happened: {_pct(rate)} of reusable tokens were reused "
+            f"(pulled from decode: {_pct(row.get('remote_share'))}, "
+            f"from prefill's own prefix cache: {_pct(row.get('local_share'))}). "
+            f"{remote + local} of {later} later turns reused all they could: {remote} with a "
+            f"pull from decode, {local} from prefill's cache alone."
         )
     causes = [(row.get(f"cause_{i}"), row.get(f"cause_{i}_share"))
               for i in range(1, TOP_CAUSES + 1)]
