@@ -22,6 +22,7 @@ from kvscope.analysis.causes import cause_table
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.reuse import reuse_table
 from kvscope.reuse import outcomes
+from kvscope.tables import NOT_MEASURED
 
 TOP_CAUSES = 3
 # Outcomes that are not misses: the first turn and full reuse.
@@ -140,7 +141,6 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
 
 # --- sentences --------------------------------------------------------------------------------
 
-NOT_MEASURED = "not measured"
 
 
 def _pct(value: float | None, signed: bool = False) -> str:

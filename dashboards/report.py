@@ -38,12 +38,11 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
 from kvscope.store.reader import StoreReader
-from kvscope.tables import round_float
+from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 200
-NOT_MEASURED = "not measured"
 TITLE = "kvscope report"
 VERDICT = "verdict"
 

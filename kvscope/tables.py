@@ -10,6 +10,9 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
+# What a figure, table or sentence says instead of a number nobody measured (never 0).
+NOT_MEASURED = "not measured"
+
 
 def _cell(value: Any) -> str:
     if value is None:
