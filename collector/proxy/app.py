@@ -53,6 +53,8 @@ from kvscope.reuse.router import (
 )
 
 logger = logging.getLogger(__name__)
+# Per-turn lines in vLLM's disagg_proxy_multiturn.py words (its troubleshooting greps them).
+turn_log = logging.getLogger("kvscope.collector.proxy.turns")
 
 # Fields vLLM's proxy removes from the prefill request (prefill produces one token only).
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options")
@@ -96,10 +98,37 @@ class ProxyConfig:
     max_request_bytes: int = MAX_REQUEST_BYTES
     # Send MISS params when the history does not continue the turn decode's params came from.
     reuse_guard: bool = False
+    # Log each turn's cache HIT / MISS, "Prefill done in N ms", cached D blocks, as vLLM's proxy.
+    log_turns: bool = True
 
     def __post_init__(self) -> None:
         if not self.prefillers or not self.decoders:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
+
+
+def _log_lookup(request_id: str, conversation_id: str | None, lookup: Lookup,
+                ttl_s: float) -> None:
+    """The router's own lines, as vLLM's ConversationKVCache.get and request handler log them."""
+    if conversation_id is None:
+        turn_log.warning(
+            "[%s] No conversation_id provided — KV cache reuse disabled for this request. Add "
+            "a 'conversation_id' field to enable cross-turn KV sharing.", request_id)
+    elif lookup.result == semconv.ROUTER_HIT:
+        turn_log.info("conv=%s: cache HIT (age=%.1fs)", conversation_id, lookup.age_s or 0.0)
+    elif lookup.result == semconv.ROUTER_STALE:
+        turn_log.info("conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding",
+                      conversation_id, lookup.age_s or 0.0, ttl_s)
+
+
+def _log_offer(request_id: str, conversation_id: str | None, lookup: Lookup) -> None:
+    """What prefill is sent: decode's cached blocks, or vLLM's MISS params."""
+    if conversation_id is None:
+        return
+    if lookup.params:
+        turn_log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
+                      request_id, conversation_id, lookup.params.get("remote_request_id"))
+    else:
+        turn_log.info("[%s] conv=%s: cache MISS", request_id, conversation_id)
 
 
 class UpstreamFailure(Exception):
@@ -251,6 +280,7 @@ class Proxy:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
         return app
 
     # -- routes ----------------------------------------------------------------------------------
@@ -270,6 +300,22 @@ class Proxy:
                 "telemetry": self.telemetry.telemetry_counts(),
             }
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` (what OpenAI clients and gateways probe): decode's answer, relayed."""
+        decode = self.config.decoders[0]
+        try:
+            async with self._session_or_fail().get(
+                decode.url("/models"), timeout=self._prefill_timeout,
+                headers=({"Authorization": f"Bearer {self.config.api_key}"}
+                         if self.config.api_key else None),
+            ) as resp:
+                body = await resp.read()
+                return web.Response(body=body, status=resp.status,
+                                    content_type=resp.content_type or "application/json")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return _error_response(502, f"decode {decode.name} unreachable: {exc}",
+                                   "BadGatewayError")
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.telemetry.render_metrics(self.router.size)
@@ -343,8 +389,12 @@ class Proxy:
 
         lookup = self.router.lookup(conversation.value)
         record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+        if self.config.log_turns:
+            _log_lookup(record.x_request_id, conversation.value, lookup, self.router.ttl_s)
         if self.config.reuse_guard:
             lookup = self._guard(body, lookup, record)
+        if self.config.log_turns:
+            _log_offer(record.x_request_id, conversation.value, lookup)
         body["kv_transfer_params"] = prefill_params(lookup)
         if lookup.params is not None:
             record.d_metadata_attached = True
@@ -436,6 +486,9 @@ class Proxy:
                                   f"prefill {prefill.name} unreachable: {exc}") from exc
         finally:
             record.prefill_end_ns = time.time_ns()
+        if self.config.log_turns:
+            turn_log.info("[%s] Prefill done in %.0fms", record.x_request_id,
+                          (record.prefill_end_ns - record.prefill_start_ns) / 1e6)
         _check_status(leg, prefill, status, raw)
         try:
             answer = json.loads(raw)
@@ -506,6 +559,10 @@ class Proxy:
             record.decode_request_id = request_id if isinstance(request_id, str) else None
             if conversation_id is not None:
                 self.router.put(conversation_id, params, decode.host, record.history_last)
+                if self.config.log_turns:
+                    turn_log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)",
+                                  conversation_id, params.get("remote_request_id", "?"),
+                                  record.retention_blocks or 0)
 
     def _stream_ended(self, stream: DecodeStream, record: TurnRecord) -> None:
         record.decode_end_ns = time.time_ns()
@@ -708,6 +765,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                      "continue the turn whose decode KV the router holds (edited or truncated "
                      "history, another client's request under the same conversation id); off "
                      "by default, so the proxy behaves exactly as vLLM's")
+    own.add_argument("--no-log-turns", dest="log_turns", action="store_false",
+                     help="do not log each turn's cache HIT / MISS and prefill time (logged by "
+                     "default, in vLLM's proxy's words)")
     own.add_argument("--no-telemetry", action="store_true",
                      help="serve without spans (Prometheus /metrics stays on)")
     own.add_argument("--connect-timeout", type=float, default=10.0,
@@ -746,6 +806,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_timeout_s=args.prefill_timeout,
         decode_idle_timeout_s=args.decode_idle_timeout,
         reuse_guard=bool(getattr(args, "reuse_guard", False)),
+        log_turns=bool(getattr(args, "log_turns", True)),
     )
 
 

@@ -11,11 +11,13 @@ truth marks those turns ``reused_invalid``; the ledger, from spans alone, says t
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Any
 
 import httpx
 import polars as pl
+import pytest
 
 from kvscope.analysis.ledger import ledger
 from kvscope.emulator.launcher import EmulatedCluster
@@ -130,3 +132,27 @@ def test_another_client_with_the_same_id_loads_foreign_kv_unless_guarded(tmp_pat
             # B's prompt shares nothing with A's sequence, yet A's KV was pulled into it.
             assert truth[1].outcome == second["outcome"] == outcomes.REUSED_INVALID
             assert truth[1].remote_reused_tokens == 0 and truth[1].transfer_bytes > 0
+
+
+def test_the_proxy_logs_each_turn_in_vllms_words_and_lists_models(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The lines vLLM's multi-turn proxy logs (and its troubleshooting greps), and
+    ``GET /v1/models`` relayed from decode."""
+    caplog.set_level(logging.INFO, logger="kvscope.collector.proxy.turns")
+    with EmulatedCluster(_config(), proxy=True) as cluster:
+        assert cluster.proxy_url is not None
+        cid = f"log-{next(_ids)}"
+        messages = [{"role": "system", "content": "rules " * 100},
+                    {"role": "user", "content": "task"}]
+        reply = _ask(cluster.proxy_url, cid, messages)
+        _ask(cluster.proxy_url, cid, messages + [{"role": "assistant", "content": reply},
+                                                  {"role": "user", "content": "go on"}])
+        models = httpx.get(cluster.proxy_url + "/v1/models", timeout=10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvscope.collector.proxy.turns"]
+    assert any(line.endswith(f"conv={cid}: cache MISS") for line in lines), lines
+    assert any(line.startswith(f"conv={cid}: cache HIT (age=") for line in lines), lines
+    assert sum("Prefill done in" in line for line in lines) == 2
+    assert sum(line.startswith(f"conv={cid}: cached D blocks (remote_request_id=")
+               for line in lines) == 2
+    assert models.status_code == 200 and models.json()["object"] == "list"
+    assert models.json()["data"][0]["id"] == MODEL
