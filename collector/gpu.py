@@ -43,10 +43,10 @@ class GpuMemorySample:
 
 
 def load_nvml() -> Any:
-    """The pynvml module, or None when it is not installed."""
+    """The pynvml module (from nvidia-ml-py), or None when it is not installed."""
     try:
         with warnings.catch_warnings():
-            # pynvml's own deprecation notice; the module it wraps is NVIDIA's NVML binding.
+            # The deprecated "pynvml" shim, if a user installed it, warns on import.
             warnings.simplefilter("ignore", FutureWarning)
             import pynvml
     except Exception:  # not installed, or broken: the sampler stays idle

@@ -56,7 +56,7 @@ pip "nixl==1.5.1"
 # 5. kvscope itself, without plotly/dash: only what the hooks and OTLP export import.
 pip "opentelemetry-api>=1.27,<2" "opentelemetry-sdk>=1.27,<2" \
   "opentelemetry-exporter-otlp-proto-http>=1.27,<2" "opentelemetry-proto>=1.27,<2" \
-  "protobuf>=5,<8" "duckdb>=2.0,<3" "pyarrow>=16" "polars>=1.0,<3" "pynvml>=11.5" \
+  "protobuf>=5,<8" "duckdb>=2.0,<3" "pyarrow>=16" "polars>=1.0,<3" "nvidia-ml-py>=12.535" \
   pytest "hypothesis>=6.100" "pytest-benchmark>=4"
 pip --no-deps -e .
 
