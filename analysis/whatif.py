@@ -57,6 +57,10 @@ from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 
 DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
+# Bounds of one what-if request (each setting replays the whole timeline).
+MAX_SETTINGS = 64
+MAX_SECONDS = 30 * 86400.0
+MAX_TOKENS = 10_000_000
 DEFAULT_THRESHOLDS = (0, 64, 256)
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -802,11 +806,19 @@ def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFra
     }
 
 
-def _floats(values: Sequence[Any], name: str) -> list[float]:
-    try:
-        return [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise AnalysisError(f"parameter {name}={list(values)!r}: numbers expected") from None
+def _floats(values: Sequence[Any], name: str, low: float, high: float) -> list[float]:
+    """Distinct finite numbers within [low, high], in order; AnalysisError naming the value."""
+    out: list[float] = []
+    for v in values:
+        try:
+            number = float(v)
+        except (TypeError, ValueError):
+            raise AnalysisError(f"parameter {name}: {v!r} is not a number") from None
+        if not math.isfinite(number) or not low <= number <= high:
+            raise AnalysisError(f"parameter {name}: {v!r} is not within [{low:g}, {high:g}]")
+        if number not in out:
+            out.append(number)
+    return out
 
 
 @register(
@@ -836,11 +848,17 @@ def cost_fit(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
 )
 def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     data = inputs(ctx, params["run"])
-    ttls = _floats(params["ttl"], "ttl")
-    thresholds = [int(v) for v in _floats(params["threshold"], "threshold")]
-    routers = _floats(params["router_ttl"], "router_ttl") if params["router_ttl"] else None
-    if any(t <= 0 for t in ttls) or any(h < 0 for h in thresholds):
-        raise AnalysisError("whatif: ttl must be > 0 and threshold >= 0")
+    ttls = _floats(params["ttl"], "ttl", 1e-3, MAX_SECONDS)
+    thresholds = [int(v) for v in _floats(params["threshold"], "threshold", 0, MAX_TOKENS)]
+    routers = (_floats(params["router_ttl"], "router_ttl", 1e-3, MAX_SECONDS)
+               if params["router_ttl"] else None)
+    settings = len(ttls) * len(thresholds) * (len(routers) if routers else 1)
+    if settings > MAX_SETTINGS:
+        # Each setting replays every observed turn: an unbounded grid (one dashboard request of
+        # 400 TTLs x 25 thresholds) ran for minutes past 8 GiB and starved the receiver.
+        raise AnalysisError(
+            f"whatif: {settings} settings asked (ttl x threshold x router_ttl); at most "
+            f"{MAX_SETTINGS} per request, since each one replays every observed turn")
     fits = ctx.cached(f"whatif:fits:{params['run']!r}",
                       lambda: fit_costs(data["ledger"], data["transfers"]))
     return whatif_table(

@@ -8,6 +8,7 @@ from typing import Any
 import polars as pl
 from dash import Dash, Input, Output, dcc, html
 
+from kvscope.analysis.whatif import MAX_SETTINGS
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
@@ -39,6 +40,8 @@ def content(data: DashboardData, filters: Filters, ttl: str | None,
     result = data.result("whatif", params, filters)
     labels = data.labels()
     parts: list[Any] = [filter_note(filters),
+                        html.P(f"At most {MAX_SETTINGS} settings (TTLs x thresholds) a request: "
+                               "each one replays every observed turn.", className="meta"),
                         figure_of("whatif-curves", "what-if", result, figures.whatif_curves,
                                   labels)]
     if result.frame is None:

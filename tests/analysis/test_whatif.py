@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from kvscope import semconv
 from kvscope.analysis import whatif
-from kvscope.analysis.registry import AnalysisContext, run
+from kvscope.analysis.registry import AnalysisContext, AnalysisError, run
 from kvscope.emulator.reuse_model import (
     DecodeNode,
     Fabric,
@@ -419,3 +419,21 @@ def test_main_whatif_prints_json_csv_and_a_table(tmp_path: Path,
 def test_semconv_values_name_the_replayed_paths() -> None:
     # The replay's path labels reuse the decision values the spans carry.
     assert {semconv.DECISION_PULL, semconv.DECISION_NO_OFFER} <= set(semconv.DECISIONS)
+
+
+@pytest.mark.parametrize(("params", "why"), [
+    ({"ttl": ["nan"]}, "is not within"), ({"ttl": ["inf"]}, "is not within"),
+    ({"ttl": ["1e308"]}, "is not within"), ({"threshold": ["-1"]}, "is not within"),
+    ({"ttl": ["x"]}, "is not a number"),
+    ({"ttl": [str(t) for t in range(1, 401)], "threshold": [str(h) for h in range(25)]},
+     "10000 settings asked"),
+])
+def test_bad_or_unbounded_settings_are_refused_by_name(
+        tmp_path: Path, params: dict[str, list[str]], why: str) -> None:
+    """The dashboard's callback passes typed text through: every value is checked, the grid is
+    capped (one request of 400 x 25 once ran for minutes past 8 GiB)."""
+    db = tmp_path / "w.duckdb"
+    simulate(synthetic.generate(conversations=2, seed=1), db,
+             SimulationSettings(profile="tiny", seed=1))
+    with AnalysisContext.open(db) as ctx, pytest.raises(AnalysisError, match=why):
+        run(ctx, "whatif", params)
