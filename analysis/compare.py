@@ -526,6 +526,23 @@ def compare_by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.Dat
     return comparison(ctx, params["runs"], params["bins"])[1]
 
 
+@register(
+    "by_prompt",
+    "TTFT p50/p90 and prefill compute vs transfer per prompt-length bin, every selected run",
+    params=(Param("bins", int, 8, "number of prompt-length bins (quantiles)"),),
+    columns=BY_PROMPT_COLUMNS,
+)
+def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
+    """What a single run (a production store's usual case) shows instead of an A/B overlay."""
+    ledger = ctx.ledger()
+    if ledger.is_empty():
+        raise AnalysisError("no turns in the selected runs")
+    info = context_run_info(ctx)
+    labels = {row["run_id"]: row["label"] or row["run_id"] for row in info.iter_rows(named=True)}
+    edges = prompt_bins(ledger["prompt_tokens"], params["bins"])
+    return by_prompt_table(ledger, labels, edges)
+
+
 def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int:
     """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
     from kvscope.tables import format_rows

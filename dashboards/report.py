@@ -203,6 +203,9 @@ def _figures_html(ctx: AnalysisContext, labels: Mapping[str, str]) -> str:
     parts = []
     for spec in FIGURES:
         frame, why = _result(ctx, spec.analysis, spec.params)
+        if frame is None and spec.analysis == "compare_by_prompt":
+            # No A/B pair (one run, the common production store): the runs themselves.
+            frame, why = _result(ctx, "by_prompt", {})
         if frame is None:
             fig = figures.missing(spec.id.replace("-", " "), f"not measured: {why}")
         else:
