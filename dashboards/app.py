@@ -272,7 +272,8 @@ def main_dashboard(db: str, host: str | None = None, port: int | None = None) ->
 
 def main_serve_dashboard(db: str, host: str | None = None, port: int | None = None,
                          dashboard_port: int | None = None,
-                         refresh_s: float = DEFAULT_REFRESH_S) -> int:
+                         refresh_s: float = DEFAULT_REFRESH_S, *,
+                         grpc_port: int | None = None) -> int:
     """``kvscope serve --db FILE --dashboard [--dashboard-port P]``: receiver plus live pages.
 
     The receiver owns the file; the dashboard reads through a cursor of its writer's connection
@@ -280,11 +281,13 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
     """
     from kvscope.collector.receiver import Receiver
 
-    receiver = Receiver(db, host, settings.resolve("port", port), record_run=True).start()
+    receiver = Receiver(db, host, settings.resolve("port", port),
+                        grpc_port=settings.resolve("grpc_port", grpc_port), record_run=True).start()
     try:
         server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
                                  DEFAULT_PORT if dashboard_port is None else dashboard_port)
-        print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, writing {db}; "
+        print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
+              f"{receiver.grpc_url}, writing {db}; "
               f"dashboard on {server.url}", file=sys.stderr, flush=True)
         try:
             server.serve_forever()

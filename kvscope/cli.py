@@ -113,6 +113,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "db")
     add_setting(parser, "host")
     add_setting(parser, "port")
+    add_setting(parser, "grpc_port")
     parser.add_argument("--dashboard", action="store_true",
                         help="also serve the live dashboard from the same store")
     parser.add_argument("--dashboard-port", type=int, default=None,
@@ -129,13 +130,14 @@ def _required(args: argparse.Namespace, name: str) -> Any:
 
 def _run_serve(args: argparse.Namespace) -> int:
     db, host, port = _required(args, "db"), resolved(args, "host"), resolved(args, "port")
+    grpc_port = resolved(args, "grpc_port")
     if args.dashboard:
         from kvscope.dashboards.app import main_serve_dashboard
 
-        return main_serve_dashboard(db, host, port, args.dashboard_port)
+        return main_serve_dashboard(db, host, port, args.dashboard_port, grpc_port=grpc_port)
     from kvscope.collector.receiver import main_serve
 
-    return main_serve(db, host, port)
+    return main_serve(db, host, port, grpc_port)
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
@@ -330,7 +332,7 @@ COMMANDS: list[Command] = [
     Command("settings", "show every setting with its resolved value (or the docs table)",
             _configure_settings, _run_settings),
     Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
-    Command("serve", "receive OTLP/HTTP traces and metrics into a store",
+    Command("serve", "receive OTLP/HTTP and OTLP/gRPC traces and metrics into a store",
             _configure_serve, _run_serve),
     Command("proxy", "run the instrumented drop-in for vLLM's multi-turn P/D proxy",
             _configure_proxy, _run_proxy),
