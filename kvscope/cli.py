@@ -304,6 +304,29 @@ def _run_gpu_sampler(args: argparse.Namespace) -> int:
     return main_gpu_sampler(args)
 
 
+def _configure_ingest(parser: argparse.ArgumentParser) -> None:
+    from kvscope.collector.ingest import KINDS
+
+    add_setting(parser, "db")
+    add_setting(parser, "run_label")
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None,
+                        help="kind of every source (default: detected from each file: "
+                        + "; ".join(f"{k.name}: {k.description}" for k in KINDS.values()) + ")")
+    parser.add_argument("sources", nargs="+", metavar="SOURCE",
+                        help="files the run left (ingested together as one run)")
+
+
+def _run_ingest(args: argparse.Namespace) -> int:
+    from kvscope.collector.ingest import ingest
+
+    db = _required(args, "db")
+    result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
+    for source in result.sources:
+        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans")
+    print(f"run {result.run_id} ({result.label!r}) written to {db}")
+    return 0
+
+
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out", help="folder for kvscope.duckdb and report.html")
     parser.add_argument("--conversations", type=int, default=10,
@@ -353,6 +376,8 @@ COMMANDS: list[Command] = [
             _configure_whatif, _run_whatif),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
+    Command("ingest", "store a run's own files (vLLM benchmark stats) as a kvscope run",
+            _configure_ingest, _run_ingest),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
 ]
 
