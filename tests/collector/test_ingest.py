@@ -192,6 +192,31 @@ def test_times_keep_their_differences_and_end_at_the_files_mtime(
     assert recorded["clock_offset_ns"] == mtime_ns - round((CLOCK0_MS + 2020.0) * 1e6)
 
 
+# Written by vLLM 0.33.0's benchmark_serving_multi_turn.py itself, unchanged, through vLLM's
+# disagg_proxy_multiturn.py against `kvscope emulate` (the contract tier's
+# test_bidir_on_turns_after_the_first_are_pulled_from_decode, --send-conversation-id): 3
+# conversations of 3 turns, times from perf_counter (about 2342 s after that machine's boot).
+RECORDED = Path(__file__).parent / "data" / "vllm_0_33_0_bench_stats.json"
+
+
+def test_a_file_the_real_benchmark_wrote(tmp_path: Path) -> None:
+    records = json.loads(RECORDED.read_text())
+    db = tmp_path / "run.duckdb"
+
+    result = ingest(db, [RECORDED])
+
+    assert (result.sources[0].records, result.sources[0].spans) == (9, 9 + 6)
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    for record in records:
+        row = rows[(record["conversation_id"], (record["input_num_turns"] + 1) // 2)]
+        assert row["ttft_ms"] == record["ttft_ms"]
+        assert row["turn_ms"] == pytest.approx(record["latency_ms"], abs=1e-6)
+        assert row["outcome"] == (outcomes.FIRST_TURN if row["turn_index"] == 1
+                                  else outcomes.UNKNOWN)
+    waits = [row["tool_wait_s"] for key, row in sorted(rows.items()) if key[1] > 1]
+    assert len(waits) == 6 and all(w is not None and w >= 0 for w in waits)
+
+
 def test_a_client_that_sent_no_conversation_id_writes_the_same_file(tmp_path: Path) -> None:
     # Without --send-conversation-id the benchmark still records its own conversation id
     # (bsmt.py:460 sends it or not; bsmt.py:521 records it always), so the file cannot tell
