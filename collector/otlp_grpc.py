@@ -26,11 +26,9 @@ from google.rpc.error_details_pb2 import RetryInfo
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from kvscope.collector.otlp_intake import Intake, Refused, Signal
+from kvscope.collector.otlp_intake import RETRY_AFTER_S, Intake, Refused, Signal
 from kvscope.errors import KvscopeError
 
-# How long a busy writer asks exporters to wait (the HTTP side's Retry-After).
-RETRY_AFTER_S = 1
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
@@ -131,4 +129,4 @@ class GrpcListener:
             self._server = None
 
 
-__all__ = ["RETRY_AFTER_S", "GrpcListener", "grpc_target"]
+__all__ = ["GrpcListener", "grpc_target"]

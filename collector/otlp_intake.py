@@ -38,6 +38,8 @@ from kvscope.store.writer import StoreWriter
 logger = logging.getLogger(__name__)
 
 Signal = Literal["traces", "metrics"]
+# How long a busy writer asks senders to wait: HTTP's Retry-After, gRPC's RetryInfo.
+RETRY_AFTER_S = 1
 # Decoding is CPU work under the GIL: one thread keeps the event loop answering (health, new
 # requests) while a second would only contend with it; DuckDB's insert runs in parallel on the
 # writer thread with the GIL released.
@@ -204,4 +206,7 @@ class Intake:
         return table, table.num_rows, batch.rejected_points, batch.error_message
 
 
-__all__ = ["Intake", "ReceiverStats", "Refused", "Signal", "gunzip_limited", "too_large"]
+__all__ = [
+    "RETRY_AFTER_S", "Intake", "ReceiverStats", "Refused", "Signal", "gunzip_limited",
+    "too_large",
+]

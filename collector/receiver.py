@@ -41,8 +41,15 @@ from google.rpc import status_pb2
 
 from kvscope import settings
 from kvscope.collector.otlp_decode import Encoding
-from kvscope.collector.otlp_grpc import RETRY_AFTER_S, GrpcListener, grpc_target
-from kvscope.collector.otlp_intake import Intake, ReceiverStats, Refused, Signal, too_large
+from kvscope.collector.otlp_grpc import GrpcListener, grpc_target
+from kvscope.collector.otlp_intake import (
+    RETRY_AFTER_S,
+    Intake,
+    ReceiverStats,
+    Refused,
+    Signal,
+    too_large,
+)
 from kvscope.errors import KvscopeError
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter

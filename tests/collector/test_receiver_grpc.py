@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -326,3 +328,67 @@ def test_sigterm_stops_both_listeners_and_writes_what_both_acknowledged(tmp_path
                            ).fetchone() == (1,)
     finally:
         con.close()
+
+
+def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "busy.duckdb"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def send(name: str, exporter: Any) -> None:
+        for i in range(10_000):
+            conversation = f"{name}-{i}"
+            if stop.is_set() or exporter.export(_spans(2, conversation)) is not \
+                    SpanExportResult.SUCCESS:
+                return
+            acknowledged.append(conversation)
+
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
+        grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
+        senders = [
+            threading.Thread(target=send, args=(f"grpc{n}", GrpcSpanExporter(
+                endpoint=grpc_url, timeout=2, compression=grpc.Compression.Gzip)))
+            for n in range(2)
+        ] + [threading.Thread(target=send, args=("http", HttpSpanExporter(
+            endpoint=f"{http_url}/v1/traces", timeout=2)))]
+        for thread in senders:
+            thread.start()
+        while len(acknowledged) < 30 and all(t.is_alive() for t in senders):
+            time.sleep(0.05)
+        # Stopped while all three are sending: what each was told is stored must be stored.
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        stop.set()
+        for thread in senders:
+            thread.join(30)
+    finally:
+        stop.set()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        stored = dict(con.execute(
+            "SELECT SpanAttributes[?], count(*) FROM otel_traces GROUP BY 1",
+            [semconv.GEN_AI_CONVERSATION_ID]).fetchall())
+    finally:
+        con.close()
+    assert len(acknowledged) >= 30
+    assert {name.split("-")[0] for name in acknowledged} >= {"grpc0", "grpc1", "http"}
+    # OTLP delivery is at least once (an exporter retries a call whose answer it lost), so
+    # an acknowledged conversation has at least its two turn spans.
+    missing = [c for c in acknowledged if stored.get(c, 0) < 2]
+    assert missing == []
