@@ -181,7 +181,6 @@ def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
     fingerprint = ledger.group_by("run_id").agg(
         pl.col("conversation_id").n_unique().alias("_conversations"),
         pl.len().alias("_turns"),
-        pl.col("prompt_tokens").sum().alias("_prompt_tokens"),
         pl.col("prefill_bidirectional").drop_nulls().all().alias("_bidir_all"),
         pl.col("prefill_bidirectional").is_not_null().any().alias("_bidir_seen"),
     )
@@ -196,8 +195,8 @@ def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
             workload = json.dumps({k: settings.get(k) for k in _WORKLOAD_KEYS}, sort_keys=True,
                                   default=str)
         elif seen:
-            workload = (f"{seen['_conversations']} conversations, {seen['_turns']} turns, "
-                        f"{seen['_prompt_tokens']} prompt tokens")
+            # Counts a fault cannot change (a failed turn still counts; its tokens may not).
+            workload = f"{seen['_conversations']} conversations, {seen['_turns']} turns"
         else:
             workload = None
         rows.append({"run_id": run["run_id"], "label": run["label"], "feature": feature,

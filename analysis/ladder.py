@@ -34,12 +34,12 @@ from kvscope.analysis import whatif
 from kvscope.analysis.registry import AnalysisContext, Param, register
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+from kvscope.tables import NOT_MEASURED
 
 STEPS = ("ideal", "ttl_bounded", "threshold_bounded", "capacity_bounded", "observed")
 CAUSES = (None, "ttl", "threshold", "memory", "system")
 MEASURED = "measured"
 ESTIMATED = "estimated"
-NOT_MEASURED = "not measured"
 
 COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),

@@ -453,8 +453,13 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     # the request ran with); a read counts when it moved bytes and finished ok.
     read_ok = (pl.col("d2p_status") == semconv.TRANSFER_OK) & (
         pl.col("d2p_bytes").fill_null(0) > 0)
+    # Decode's reaper released the handle before the READ finished (D frees blocks on the
+    # READ's notification, so a release by the reaper before then left the READ reading freed
+    # blocks: P reports success, D logs "Potentially invalid KV blocks").
+    read_end = pl.col("d2p_start") + pl.duration(microseconds=(pl.col("d2p_ms") * 1000).cast(
+        pl.Int64))
     stale = read_ok & (pl.col("retention_release") == semconv.RELEASE_EXPIRED) & (
-        pl.col("retention_released_at") <= pl.col("d2p_start"))
+        pl.col("retention_released_at") <= read_end)
     preempted = read_ok & (pl.col("decisions").fill_null(0) > 1)
     reusable_col = pl.col("reusable_tokens")
     local = pl.when(pl.col("errored")).then(pl.lit(0, pl.Int64)).otherwise(

@@ -22,6 +22,7 @@ from kvscope.analysis.causes import cause_table
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.reuse import reuse_table
 from kvscope.reuse import outcomes
+from kvscope.tables import NOT_MEASURED
 
 TOP_CAUSES = 3
 # Outcomes that are not misses: the first turn and full reuse.
@@ -140,7 +141,6 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
 
 # --- sentences --------------------------------------------------------------------------------
 
-NOT_MEASURED = "not measured"
 
 
 def _pct(value: float | None, signed: bool = False) -> str:
@@ -188,11 +188,14 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
         out.append(f"Reuse did not happen: none of the reusable tokens of its {later} later turns "
                    "were reused.")
     else:
+        # Tokens and turns said separately: a turn that pulled from decode usually also hit
+        # prefill's own cache, so the turn counts are not a split of the tokens.
         out.append(
-            f"Reuse happened: {_pct(rate)} of reusable tokens were reused (remote "
-            f"{_pct(row.get('remote_share'))}, local {_pct(row.get('local_share'))}); "
-            f"{remote + local} of {later} later turns reused all of it ({remote} pulled from "
-            f"decode, {local} from prefill's own prefix cache)."
+            f"Reuse happened: {_pct(rate)} of reusable tokens were reused "
+            f"(pulled from decode: {_pct(row.get('remote_share'))}, "
+            f"from prefill's own prefix cache: {_pct(row.get('local_share'))}). "
+            f"{remote + local} of {later} later turns reused all they could: {remote} with a "
+            f"pull from decode, {local} from prefill's cache alone."
         )
     causes = [(row.get(f"cause_{i}"), row.get(f"cause_{i}_share"))
               for i in range(1, TOP_CAUSES + 1)]

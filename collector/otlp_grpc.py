@@ -84,29 +84,28 @@ def _handler(service: Any, servicer: Any, response_class: Any) -> grpc.GenericRp
 
 
 class GrpcListener:
-    """The OTLP/gRPC server of one receiver (start and stop on the receiver's event loop)."""
+    """The OTLP/gRPC server of one receiver (bind, start and stop on the receiver's event loop).
 
-    def __init__(self, intake: Intake) -> None:
-        self.intake = intake
+    :meth:`bind` takes the port and nothing more (grpc binds when a port is added); the receiver
+    opens its store only after both of its ports are bound, then :meth:`start` serves the
+    intake. A start that cannot bind its gRPC port therefore leaves the store untouched.
+    """
+
+    def __init__(self, max_request_bytes: int) -> None:
+        self.max_request_bytes = max_request_bytes
         self.port = 0
         self._server: grpc.aio.Server | None = None
+        self._started = False
 
-    async def start(self, host: str, port: int) -> None:
-        """Listen on ``host:port`` (0 picks a free port; :attr:`port` is then the bound one)."""
-        limit = self.intake.max_request_bytes
+    async def bind(self, host: str, port: int) -> int:
+        """Bind ``host:port`` without serving yet (0 picks a free port; returned and kept in
+        :attr:`port`). Raises :class:`~kvscope.errors.KvscopeError` when it cannot be bound."""
         server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_receive_message_length", self.max_request_bytes),
             # grpc sets SO_REUSEPORT by default, so a second server on a busy port would share
             # it silently instead of failing to start.
             ("grpc.so_reuseport", 0),
         ])
-        server.add_generic_rpc_handlers((
-            _handler(trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"],
-                     _TraceService(self.intake), trace_service_pb2.ExportTraceServiceResponse),
-            _handler(metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
-                     _MetricsService(self.intake),
-                     metrics_service_pb2.ExportMetricsServiceResponse),
-        ))
         target = grpc_target(host, port)
         try:
             bound = server.add_insecure_port(target)
@@ -118,13 +117,33 @@ class GrpcListener:
         if not bound:
             await server.stop(None)
             raise KvscopeError(f"cannot listen for OTLP/gRPC on {target}: {reason}")
-        await server.start()
         self._server = server
         self.port = bound
+        return bound
 
-    async def stop(self, grace_s: float) -> None:
-        """Refuse new calls at once and let calls in flight finish within ``grace_s``."""
+    async def start(self, intake: Intake) -> None:
+        """Serve the trace and metrics services over ``intake`` on the port :meth:`bind` took."""
+        if self._server is None:
+            raise RuntimeError("OTLP/gRPC listener not bound")
+        self._server.add_generic_rpc_handlers((
+            _handler(trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"],
+                     _TraceService(intake), trace_service_pb2.ExportTraceServiceResponse),
+            _handler(metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
+                     _MetricsService(intake), metrics_service_pb2.ExportMetricsServiceResponse),
+        ))
+        await self._server.start()
+        self._started = True
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Refuse new calls at once and let calls in flight finish within ``grace_s`` (also
+        releases a port bound but never served)."""
         if self._server is not None:
+            if not self._started:
+                # grpc releases a port it bound only when a started server stops (a server
+                # stopped before it started keeps listening until the process ends); with no
+                # services registered, a call in this instant is answered UNIMPLEMENTED.
+                await self._server.start()
+                self._started = True
             await self._server.stop(grace_s)
             self._server = None
 

@@ -15,10 +15,13 @@ JSON bodies, gzip or identity encoding, responses in the request's encoding with
          content encoding
     503  the store writer's queue is full (``Retry-After`` says when to try again)
 
-A request is decoded completely before anything is queued, so a bad request never touches rows
-already stored. Rows are acknowledged once queued; a clean stop (SIGINT/SIGTERM for
-:func:`run_receiver`, :meth:`Receiver.stop`) stops both listeners accepting, lets their in-flight
-requests finish, and only then writes everything acknowledged and closes the store.
+Both ports are bound before the store is opened (:mod:`kvscope.serving`), so a start that
+cannot listen on either leaves the file untouched. A request is decoded completely before
+anything is queued, so a bad request never touches rows already stored. Rows are acknowledged
+once queued; a clean stop (SIGINT/SIGTERM for :func:`run_receiver`, through
+:func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`) stops both listeners accepting,
+lets their in-flight requests finish, and only then writes everything acknowledged and closes
+the store.
 ``GET /health`` reports the counters of both transports.
 """
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -50,7 +53,7 @@ from kvscope.collector.otlp_intake import (
     Signal,
     too_large,
 )
-from kvscope.errors import KvscopeError
+from kvscope.serving import bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -106,33 +109,35 @@ class _OtlpServer:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str, port: int, grpc_port: int | None = None) -> None:
-        """Listen for OTLP/HTTP on ``port`` and, unless ``grpc_port`` is None, OTLP/gRPC."""
+    async def start(self, sockets: list[socket.socket], grpc: GrpcListener | None = None
+                    ) -> None:
+        """Start accepting OTLP/HTTP on sockets bound by :func:`kvscope.serving.bind` and, when
+        given, OTLP/gRPC on a bound :class:`GrpcListener` (both taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
         runner = web.AppRunner(
             self.application(), auto_decompress=False, access_log=None, shutdown_timeout=_GRACE_S
         )
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
         try:
-            await site.start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self._runner = runner
-        # The bound address tells the real port when 0 was asked for.
-        self.port = int(runner.addresses[0][1]) if runner.addresses else port
-        if grpc_port is not None:
-            listener = GrpcListener(self.intake)
+            await runner.setup()
             try:
-                await listener.start(host, grpc_port)
+                for sock in sockets:
+                    await web.SockSite(runner, sock).start()
+                if grpc is not None:
+                    await grpc.start(self.intake)
             except BaseException:
-                self._runner = None
                 await runner.cleanup()
                 raise
-            self._grpc = listener
-            self.grpc_port = listener.port
+        except BaseException:
+            close_all(sockets)
+            if grpc is not None:
+                await grpc.stop(None)
+            raise
+        self._runner = runner
+        self.port = bound_port(sockets)
+        if grpc is not None:
+            self._grpc = grpc
+            self.grpc_port = grpc.port
 
     async def stop(self) -> None:
         """Stop accepting on both listeners, let in-flight requests finish on each, then write
@@ -218,7 +223,6 @@ class _OtlpServer:
 
 
 def _open_writer(db_path: str | Path, max_queue_rows: int) -> StoreWriter:
-    # Opening first means a locked, foreign or newer file is refused before anything listens.
     return StoreWriter(open_store(db_path), max_queue_rows=max_queue_rows)
 
 
@@ -234,15 +238,53 @@ def _begin_run(writer: StoreWriter, host: str, port: int, grpc_port: int | None)
         cursor.close()
 
 
+async def _bind_then_open(
+    db_path: str | Path, host: str, port: int, grpc_port: int | None, max_request_bytes: int,
+    max_queue_rows: int, record_run: bool,
+) -> tuple[list[socket.socket], GrpcListener | None, StoreWriter, str | None]:
+    """Bind both addresses (OTLP/HTTP, then OTLP/gRPC unless ``grpc_port`` is None), then open
+    the store (and record the run when asked).
+
+    The addresses come first so that a start that cannot listen on either leaves the store
+    untouched (no new file, no run row that never ends); nothing is accepted until the store is
+    open, so a locked, foreign or newer file is still refused before any request is answered.
+    Runs on the receiver's event loop (grpc binds its port on the loop that will serve it).
+    """
+    sockets = bind(host, port)
+    grpc: GrpcListener | None = None
+    try:
+        if grpc_port is not None:
+            grpc = GrpcListener(max_request_bytes)
+            await grpc.bind(host, grpc_port)
+        writer = _open_writer(db_path, max_queue_rows)
+    except BaseException:
+        close_all(sockets)
+        if grpc is not None:
+            await grpc.stop(None)
+        raise
+    try:
+        run_id = (_begin_run(writer, host, bound_port(sockets),
+                             None if grpc is None else grpc.port)
+                  if record_run else None)
+    except BaseException:
+        writer.close()
+        close_all(sockets)
+        if grpc is not None:
+            await grpc.stop(None)
+        raise
+    return sockets, grpc, writer, run_id
+
+
 class Receiver:
     """A receiver on a background thread with its own event loop (tests, embedding).
 
-    ``Receiver(path).start()`` opens the store (raising :class:`~kvscope.errors.StoreError`
-    subclasses such as ``StoreLockedError`` before listening), binds ``host:port`` (0 picks a free
-    port) and, when ``grpc_port`` is given, OTLP/gRPC on it (0 picks one too), and returns once
-    requests are accepted; ``.url`` is then the HTTP base URL and ``.grpc_url`` the gRPC
-    endpoint. ``.writer`` is the store writer, which a dashboard may share
-    (``.writer.connection.cursor()`` for reads).
+    ``Receiver(path).start()`` binds ``host:port`` (0 picks a free port) and, when ``grpc_port``
+    is given, OTLP/gRPC on it (0 picks one too); a port in use raises
+    :class:`~kvscope.errors.KvscopeError` before the store is touched. It then opens the store
+    (raising :class:`~kvscope.errors.StoreError` subclasses such as ``StoreLockedError`` before
+    accepting) and returns once requests are accepted on both; ``.url`` is then the HTTP base
+    URL and ``.grpc_url`` the gRPC endpoint. ``.writer`` is the store writer, which a dashboard
+    may share (``.writer.connection.cursor()`` for reads).
     """
 
     def __init__(
@@ -309,30 +351,41 @@ class Receiver:
         return self._server
 
     def start(self) -> Receiver:
-        """Open the store, start listening, and return self."""
+        """Bind both addresses, open the store, start accepting, and return self."""
         if self._server is not None:
             return self
-        writer = _open_writer(self.db_path, self.max_queue_rows)
-        server = _OtlpServer(
-            writer, max_request_bytes=self.max_request_bytes, max_queue_rows=self.max_queue_rows,
-            run_id=(_begin_run(writer, self.host, self._requested_port,
-                               self._requested_grpc_port)
-                    if self.record_run else None),
-        )
         loop = asyncio.new_event_loop()
         ready = threading.Event()
+        started: list[_OtlpServer] = []
         failure: list[BaseException] = []
+
+        async def launch() -> _OtlpServer:
+            sockets, grpc, writer, run_id = await _bind_then_open(
+                self.db_path, self.host, self._requested_port, self._requested_grpc_port,
+                self.max_request_bytes, self.max_queue_rows, self.record_run)
+            server = _OtlpServer(
+                writer, max_request_bytes=self.max_request_bytes,
+                max_queue_rows=self.max_queue_rows, run_id=run_id,
+            )
+            try:
+                await server.start(sockets, grpc)
+            except BaseException:
+                if run_id is not None:
+                    server._end_run()
+                writer.close()
+                raise
+            return server
 
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                loop.run_until_complete(
-                    server.start(self.host, self._requested_port, self._requested_grpc_port))
+                server = loop.run_until_complete(launch())
             except BaseException as exc:
                 failure.append(exc)
                 ready.set()
                 loop.close()
                 return
+            started.append(server)
             ready.set()
             loop.run_forever()
             loop.run_until_complete(server.stop())
@@ -343,12 +396,11 @@ class Receiver:
         ready.wait()
         if failure:
             thread.join()
-            writer.close()
             raise failure[0]
-        self._server, self._loop, self._thread = server, loop, thread
+        self._server, self._loop, self._thread = started[0], loop, thread
         return self
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float | None = 60.0) -> None:
         """Stop accepting, finish in-flight requests, write everything queued, close the store."""
         if self._loop is None or self._thread is None:
             return
@@ -382,41 +434,25 @@ def run_receiver(
     max_queue_rows: int | None = None,
     on_ready: Callable[[Listening], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking; for the CLI).
+    """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
-    OTLP/gRPC listens on ``grpc_port`` unless it is None. ``on_ready(listening)`` is called once
-    both listeners accept requests.
+    OTLP/gRPC listens on ``grpc_port`` unless it is None; both ports are bound before the store
+    is opened. ``on_ready(listening)`` is called once both listeners accept requests. The stop is
+    the one every serving process takes (:func:`kvscope.serving.stop_signals`): both listeners
+    stop accepting and finish their in-flight requests, then everything acknowledged is written,
+    the run ended and the store closed.
     """
-    limit = settings.resolve("max_request_bytes", max_request_bytes)
-    queue_rows = settings.resolve("export_queue_size", max_queue_rows)
-    writer = _open_writer(db_path, queue_rows)
-
-    async def serve() -> None:
-        server = _OtlpServer(writer, max_request_bytes=limit, max_queue_rows=queue_rows,
-                             run_id=_begin_run(writer, host, port, grpc_port))
-        try:
-            await server.start(host, port, grpc_port)
-        except BaseException:
-            writer.close()
-            raise
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+    with stop_signals() as wait_for_stop:
+        receiver = Receiver(db_path, host, port, grpc_port=grpc_port,
+                            max_request_bytes=max_request_bytes, max_queue_rows=max_queue_rows,
+                            record_run=True).start()
         try:
             if on_ready is not None:
                 on_ready(Listening(
-                    f"http://{host}:{server.port}",
-                    None if server.grpc_port is None
-                    else f"http://{grpc_target(host, server.grpc_port)}",
-                ))
-            await stop.wait()
+                    receiver.url, None if receiver.grpc_port is None else receiver.grpc_url))
+            wait_for_stop()
         finally:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
-            await server.stop()
-
-    asyncio.run(serve())
+            receiver.stop(timeout=None)
 
 
 def main_serve(db: str, host: str | None, port: int | None, grpc_port: int | None = None

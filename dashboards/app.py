@@ -17,6 +17,7 @@ Servers bind 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Mapping
@@ -25,11 +26,12 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from dash import Dash, Input, Output, State, dcc, html
-from werkzeug.serving import BaseWSGIServer, make_server
+from werkzeug.serving import BaseWSGIServer, make_server, select_address_family
 
 from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
+from kvscope.serving import bind, close_all, stop_signals
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -211,15 +213,24 @@ def selection(data: DashboardData, runs: list[str] | None, engine: str | None,
 class DashboardServer:
     """A dashboard on a WSGI server thread (tests, ``serve --dashboard``); ``port=0`` picks one."""
 
-    def __init__(self, app: Dash, host: str | None = None, port: int = 0) -> None:
+    def __init__(self, app: Dash, host: str | None = None, port: int = 0,
+                 sock: socket.socket | None = None) -> None:
         self.app = app
         self.host = settings.resolve("host", host)
-        self._server: BaseWSGIServer = make_server(self.host, port, app.server, threaded=True)
+        if sock is None:
+            self._server: BaseWSGIServer = make_server(self.host, port, app.server,
+                                                       threaded=True)
+        else:
+            # A socket bound earlier (kvscope.serving.bind): the server takes over a copy.
+            sock.listen()
+            self._server = make_server(self.host, int(sock.getsockname()[1]), app.server,
+                                       threaded=True, fd=sock.fileno())
+            sock.close()
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return int(self._server.server_port)
+        return int(self._server.socket.getsockname()[1])
 
     @property
     def url(self) -> str:
@@ -277,26 +288,42 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
     """``kvscope serve --db FILE --dashboard [--dashboard-port P]``: receiver plus live pages.
 
     The receiver owns the file; the dashboard reads through a cursor of its writer's connection
-    and refreshes when rows arrive. Ctrl-C stops both; everything acknowledged is written.
+    and refreshes when rows arrive. All three ports (dashboard, OTLP/HTTP, OTLP/gRPC) are bound
+    before the store is opened, so a start that cannot listen leaves the file untouched. SIGINT
+    and SIGTERM stop it the way they stop plain ``serve`` (:func:`kvscope.serving.stop_signals`):
+    the dashboard stops, then the receiver stops both listeners, writes everything acknowledged,
+    ends its run and closes the store.
     """
     from kvscope.collector.receiver import Receiver
 
-    receiver = Receiver(db, host, settings.resolve("port", port),
-                        grpc_port=settings.resolve("grpc_port", grpc_port), record_run=True).start()
-    try:
-        server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
-                                 DEFAULT_PORT if dashboard_port is None else dashboard_port)
-        print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
-              f"{receiver.grpc_url}, writing {db}; "
-              f"dashboard on {server.url}", file=sys.stderr, flush=True)
+    host = settings.resolve("host", host)
+    with stop_signals() as wait_for_stop:
+        dashboard_sockets = bind(host, DEFAULT_PORT if dashboard_port is None
+                                 else dashboard_port)
         try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
+            receiver = Receiver(db, host, settings.resolve("port", port),
+                                grpc_port=settings.resolve("grpc_port", grpc_port),
+                                record_run=True).start()
+        except BaseException:
+            close_all(dashboard_sockets)
+            raise
+        try:
+            # The WSGI server serves one address: the one it would have bound itself.
+            family = select_address_family(host, 0)
+            served = next((s for s in dashboard_sockets if s.family == family),
+                          dashboard_sockets[0])
+            close_all([s for s in dashboard_sockets if s is not served])
+            server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
+                                     sock=served).start()
+            try:
+                print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
+                      f"{receiver.grpc_url}, writing {db}; dashboard on {server.url}",
+                      file=sys.stderr, flush=True)
+                wait_for_stop()
+            finally:
+                server.stop()
         finally:
-            server.stop()
-    finally:
-        receiver.stop()
+            receiver.stop(timeout=None)
     print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
           flush=True)
     return 0

@@ -41,10 +41,10 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError
 from kvscope.store.reader import StoreReader
 from kvscope.store.writer import StoreWriter
+from kvscope.tables import NOT_MEASURED
 
 logger = logging.getLogger(__name__)
 
-NOT_MEASURED = "not measured"
 DEFAULT_REFRESH_S = 5.0
 # Scoped contexts kept per data version: each holds its filter selection's analysis results.
 MAX_SCOPES = 32

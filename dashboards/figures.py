@@ -16,6 +16,8 @@ from typing import Any
 import plotly.graph_objects as go
 import polars as pl
 
+from kvscope.reuse import outcomes
+
 GIB = float(1 << 30)
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf",
             "#7f7f7f")
@@ -203,9 +205,9 @@ def reuse_by_turn(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-# Outcomes that are not misses (plain strings, as kvscope.reuse.outcomes spells them).
-NOT_MISSES = ("first_turn", "reused_remote", "reused_local")
-INVALID = "reused_invalid"
+# Outcomes that are not misses, and the correctness alarm.
+NOT_MISSES = (outcomes.FIRST_TURN, outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL)
+INVALID = outcomes.REUSED_INVALID
 
 
 def miss_causes(frame: pl.DataFrame | None) -> go.Figure:

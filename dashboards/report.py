@@ -38,11 +38,11 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
 from kvscope.store.reader import StoreReader
+from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 200
-NOT_MEASURED = "not measured"
 TITLE = "kvscope report"
 VERDICT = "verdict"
 
@@ -96,7 +96,7 @@ def format_cell(value: Any) -> tuple[str, str]:
     if isinstance(value, bool):
         return str(value).lower(), ""
     if isinstance(value, float):
-        return (f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"), "num"
+        return round_float(value), "num"
     if isinstance(value, int):
         return f"{value:,}" if abs(value) >= 10_000 else str(value), "num"
     if isinstance(value, datetime):

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,6 +39,7 @@ from kvscope.emulator.servers import (
     PrefillServer,
 )
 from kvscope.errors import SettingError
+from kvscope.reuse import params as reuse_params
 from kvscope.store import StoreWriter, begin_run, end_run
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class EmulatedCluster:
         proxy: bool = False,
         router_ttl_s: float | None = None,
         reuse_guard: bool = False,
+        run_settings: Mapping[str, Any] | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise SettingError("kvscope emulate needs at least one prefill and one decode server")
@@ -84,6 +86,8 @@ class EmulatedCluster:
         # wall seconds, so it shrinks by time_scale like decode's TTL.
         self._with_proxy = proxy
         self._reuse_guard = reuse_guard
+        # Recorded with the run beside the emulator's own settings (the workload, for baselines).
+        self._run_settings = dict(run_settings or {})
         self.router_ttl_s = (
             router_ttl_s if router_ttl_s is not None
             else settings.resolve("router_ttl") / self.config.time_scale
@@ -106,7 +110,8 @@ class EmulatedCluster:
         if self.writer is not None:
             cursor = self.writer.connection.cursor()
             try:
-                begin_run(cursor, self.run_label, self.config.settings(), self.run_id)
+                begin_run(cursor, self.run_label, {**self.config.settings(), **self._run_settings},
+                          self.run_id)
             finally:
                 cursor.close()
         if self.writer is None and self._otlp is None:
@@ -119,7 +124,9 @@ class EmulatedCluster:
                 service,
                 writer=self.writer,
                 otlp_endpoint=None if self.writer is not None else self._otlp,
-                run_id=self.run_id,
+                # Over OTLP the receiver that owns the store stamps its run on every process's
+                # spans: one experiment stays one run however many processes export to it.
+                run_id=self.run_id if self.writer is not None else None,
             ))
 
     def _engine(self, index: int, engine_id: str, role: str) -> EngineTelemetry | None:
@@ -181,7 +188,7 @@ class EmulatedCluster:
         return f"http://{self.host}:{bound}"
 
     async def _start_proxy(self, runners: list[web.AppRunner]) -> str:
-        from kvscope.collector.proxy.app import ProxyConfig, Upstream, build_app
+        from kvscope.collector.proxy.app import SERVER_OPTIONS, ProxyConfig, Upstream, build_app
         from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
         def upstream(url: str) -> Upstream:
@@ -197,7 +204,7 @@ class EmulatedCluster:
         telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
                                    router_ttl_s=self.router_ttl_s)
         runner = web.AppRunner(build_app(config, telemetry), access_log=None,
-                               shutdown_timeout=1.0)
+                               shutdown_timeout=1.0, **SERVER_OPTIONS)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, self.host, 0)
@@ -311,6 +318,10 @@ def add_emulate_arguments(parser: argparse.ArgumentParser) -> None:
                         default="recompute",
                         help="what P does after a failed load (vLLM's default is fail; the "
                              "emulator's recompute keeps each failure's own outcome)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="the engines' scheduler (vLLM's default off CPU: "
+                        "async; decode then offers prompt + output after a stop token, the "
+                        "synchronous one prompt + output - 1)")
     parser.add_argument("--no-enable-prefix-caching", action="store_true",
                         help="prefix caching off on the prefill servers (as the blog's P)")
     parser.add_argument("--prefix-cache-blocks", type=int, default=1 << 20,
@@ -364,6 +375,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         kv_load_failure_policy=args.kv_load_failure_policy,
         block_size=args.block_size,
         prefill_prefix_caching=not args.no_enable_prefix_caching,
+        scheduling=(reuse_params.SCHEDULING_ASYNC if args.async_scheduling
+                    else reuse_params.SCHEDULING_SYNC),
         cache_capacity_blocks=args.prefix_cache_blocks,
         decode_clock_offset_s=args.decode_clock_offset,
         side_channel_port=args.side_channel_port,

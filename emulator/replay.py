@@ -10,7 +10,8 @@ produce exactly ``max_tokens``), ``conversation_id`` in the body and the ``X-Ses
 
 Timing: conversation ``c`` starts ``c.start_s / time_scale`` after the run starts; turn k is sent
 ``think_time_s / time_scale`` after turn k-1's response ended (strictly sequential per
-conversation by default). ``overlap_turns`` instead sends turn k that long after turn k-1 was
+conversation by default), or, when the trace records its send time (``sent_at_s``), then or at
+that response's end if later. ``overlap_turns`` instead sends turn k that long after turn k-1 was
 *sent*, without waiting for it, and ``retries`` re-sends a failed turn at once: both make a turn
 arrive while its conversation's router entry is already consumed (``handle_consumed``). At most
 ``concurrency`` requests are in flight; tool waits hold no slot.
@@ -270,6 +271,8 @@ class _Driver:
                     history.add_reply(pending.result() if pending.done() else "")
                 else:
                     history.add_reply(await pending)
+                    if turn.sent_at_s is not None:  # the trace's send time, once answered
+                        think = max(0.0, t0 + turn.sent_at_s / self.time_scale - loop.time())
                     await asyncio.sleep(think)
             messages = history.messages(turn)
             pending = asyncio.create_task(self._turn(conv, turn, messages, think))

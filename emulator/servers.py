@@ -86,6 +86,9 @@ class EmulatorConfig:
     # (switch with the load_failure_policy_fail fault or this field).
     kv_load_failure_policy: reuse_model.FailurePolicy = "recompute"
     block_size: int = tokens.DEFAULT_BLOCK_SIZE
+    # vLLM's --async-scheduling (on by default off CPU): decode offers prompt + output after a
+    # stop token, one less under the synchronous scheduler.
+    scheduling: str = reuse_params.SCHEDULING_ASYNC
     prefill_prefix_caching: bool = True
     cache_capacity_blocks: int = 1 << 20
     decode_clock_offset_s: float = 0.0
@@ -168,6 +171,7 @@ class Emulation:
             cache_capacity_blocks=cfg.cache_capacity_blocks,
             kv_bytes_per_token=self.cost.kv_bytes_per_token,
             clock_offset_s=0.0 if prefill else cfg.decode_clock_offset_s,
+            scheduling=cfg.scheduling,
         )
 
     def add_prefill(self, telemetry: EngineTelemetry | None = None) -> PrefillServer:
@@ -683,7 +687,11 @@ class PrefillServer(_EngineServer):
             clock_offset_error_s=cfg.decoder_kv_blocks_ttl if fault_names.CLOCK_SKEW in hit
             else 0.0,
         )
-        now = em.clock.now()
+        # Admission: the scheduler takes the request up when the prefills ahead of it are done,
+        # and the worker checks the offer's deadline then (start_load_kv), not on arrival — time
+        # queued here eats the 5 s margin (tests/vllm_contract/test_real_worker_claims.py).
+        async with self.compute_lock:
+            now = em.clock.now()
         with _overridden(self.node, **changes):
             result = self.node.prefill(req.request_id, req.prompt, params, now, injected)
         em.drain_retentions()

@@ -89,6 +89,7 @@ from kvscope.emulator.workloads.model import (
     Turn,
     Workload,
     block_view,
+    send_time,
 )
 from kvscope.errors import StoreError
 from kvscope.reuse import outcomes
@@ -99,7 +100,13 @@ from kvscope.reuse.params import (
     STATUS_STOPPED,
     remote_num_tokens,
 )
-from kvscope.reuse.router import ConversationRouter, Lookup, prefill_params
+from kvscope.reuse.router import (
+    GUARD_EDITED,
+    GUARD_PASSED,
+    ConversationRouter,
+    Lookup,
+    prefill_params,
+)
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import ROW_GROUP_ROWS
 
@@ -129,6 +136,11 @@ SIM_FAULTS = (
 CLIENT_TIMEOUT_S = 120.0
 # From this many turns on, spans are built, converted and inserted by a child process.
 PROCESS_ROWS_MIN_TURNS = 10_000
+# A progress callback hears every this many turns sent (a power of two: one AND a turn).
+PROGRESS_EVERY_TURNS = 1024
+
+# Told (turns sent, virtual seconds) as a run goes, and once when its model has finished.
+Progress: TypeAlias = "Callable[[int, float], None]"
 _NS = 1_000_000_000
 
 
@@ -148,6 +160,8 @@ class SimulationSettings:
     kv_load_failure_policy: str = FAILURE_POLICY_FAIL
     # The engines' SchedulerConfig.async_scheduling (vLLM's default: async).
     scheduling: str = SCHEDULING_ASYNC
+    # kvscope proxy --reuse-guard: MISS params for a history that does not continue the turn.
+    reuse_guard: bool = False
     prefill_prefix_caching: bool = True
     prefill_cache_blocks: int = 1 << 22
     decode_cache_blocks: int = 1 << 22
@@ -515,6 +529,7 @@ class Simulator:
         # Workloads this large have their spans built and written by a child process (starting
         # one costs ~1 s; a smaller run is done sooner in this one).
         self._process_rows_min_turns = PROCESS_ROWS_MIN_TURNS
+        self._progress: Progress | None = None
 
     @staticmethod
     def _decode_http_host(i: int) -> str:
@@ -524,9 +539,14 @@ class Simulator:
         p = self.settings.faults.get(name, 0.0)
         return p > 0.0 and self._rng.random() < p
 
-    def run(self, workload: Workload, db: str | Path, *, epoch_ns: int = 1_767_225_600 * _NS
-            ) -> SimulationResult:
-        """Simulate ``workload`` and write its spans as a new run into the store at ``db``."""
+    def run(self, workload: Workload, db: str | Path, *, epoch_ns: int = 1_767_225_600 * _NS,
+            progress: Progress | None = None) -> SimulationResult:
+        """Simulate ``workload`` and write its spans as a new run into the store at ``db``.
+
+        ``progress`` hears (turns sent, virtual seconds) every :data:`PROGRESS_EVERY_TURNS`
+        turns and when the model has finished (the spans may still be being written then).
+        """
+        self._progress = progress
         run_settings = self.settings.as_run_settings()
         run_settings["workload"] = workload.name
         run_settings["workload_settings"] = dict(workload.settings)
@@ -655,6 +675,7 @@ class Simulator:
             for pos in range(len(conv.turns))
         }
         ns = self._ns
+        progress, progress_mask = self._progress, PROGRESS_EVERY_TURNS - 1
         read_faults = any(
             s.faults.get(name, 0.0) > 0.0
             for name in (FAULT_HANDSHAKE, FAULT_TRANSFER, FAULT_PREEMPT, FAULT_CLOCK_SKEW)
@@ -669,11 +690,12 @@ class Simulator:
                              previous_end)
                 if pos + 1 < len(conv.turns):
                     nxt = conv.turns[pos + 1]
-                    heapq.heappush(events, (t + max(nxt.think_time_s, 0.0), seq, ci, pos + 1,
-                                            None))
+                    heapq.heappush(events, (send_time(nxt, t), seq, ci, pos + 1, None))
                     seq += 1
                 continue
             turns += 1
+            if progress is not None and not turns & progress_mask:
+                progress(turns, t)
             turn = conv.turns[pos]
             if self._fault(FAULT_PROXY_RESTART):
                 self.router = ConversationRouter(s.router_ttl, clock=lambda: self._now)
@@ -700,6 +722,13 @@ class Simulator:
             record.boundary_roles = self._messages.roles(ci)
             lookup = self.router.lookup(conversation.value)
             record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+            if s.reuse_guard and lookup.params is not None:
+                # kvscope proxy --reuse-guard: the entry is the previous turn's; a history that
+                # does not continue it gets MISS params.
+                edited = self._messages.diverged(ci, pos)
+                record.reuse_guard = GUARD_EDITED if edited else GUARD_PASSED
+                if edited:
+                    lookup = Lookup(lookup.result, lookup.age_s)
             params = prefill_params(lookup)
             record.d_metadata_attached = bool(lookup.params)
             if lookup.params:
@@ -795,6 +824,8 @@ class Simulator:
             node.reap(final + s.decoder_kv_blocks_ttl + 1e-6)
             self._drain(node, tel, ns)
         sink.flush()
+        if progress is not None:
+            progress(turns, final)
         return SimulationResult(run_id, turns, 0, truth, final)  # spans: once all are stored
 
     def _emit_decisions(self, tel: _Emitter, result: PrefillResult, prompt: BlockRuns,
@@ -1030,10 +1061,10 @@ class _ChainRuns:
 
 
 def simulate(workload: Workload, db: str | Path, settings: SimulationSettings | None = None,
-             ) -> SimulationResult:
+             *, progress: Progress | None = None) -> SimulationResult:
     """Simulate ``workload`` under ``settings`` and append it as one run to the store ``db``."""
     sim = Simulator(settings or SimulationSettings())
-    return sim.run(workload, db)
+    return sim.run(workload, db, progress=progress)
 
 
 def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:
@@ -1043,7 +1074,9 @@ def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:
 
 
 __all__ = [
+    "PROGRESS_EVERY_TURNS",
     "SIM_FAULTS",
+    "Progress",
     "SimulationResult",
     "SimulationSettings",
     "Simulator",

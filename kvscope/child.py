@@ -11,13 +11,16 @@ error in the parent as the child's own kvscope error class (``StoreLockedError``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import marshal
 import multiprocessing as mp
 import os
 import pickle
 import socket
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
@@ -50,9 +53,35 @@ def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
     ctx = mp.get_context("spawn")  # fork would copy the parent's threads' locks
     conn, child_conn = ctx.Pipe(duplex=True)
     process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=True)
-    process.start()
-    child_conn.close()
+    try:
+        with _main_left_out(target):
+            process.start()
+    finally:
+        child_conn.close()
     return process, conn
+
+
+@contextlib.contextmanager
+def _main_left_out(target: Callable[..., None]) -> Iterator[None]:
+    """Start a spawned child without the caller's main module, when its target lives elsewhere.
+
+    Under spawn, a child first re-runs the parent's main script (as ``__mp_main__``) so that
+    objects defined there can be unpickled. A script without an ``if __name__ ==
+    "__main__":`` guard then runs its work again in the child, which tries to start its own
+    child while still importing and exits with multiprocessing's bootstrapping RuntimeError (a
+    traceback per start). kvscope's children run kvscope functions on plain arguments and need
+    nothing of the main module, so while the child is started ``sys.modules["__main__"]`` is a
+    bare module: multiprocessing then tells the child to import no main at all.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or target.__module__ == "__main__":
+        yield
+        return
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def pack(value: Any) -> bytes:
@@ -92,8 +121,7 @@ def wait_ready(process: BaseProcess, conn: Connection, *, name: str,
                timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait until a spawned child reported ready.
 
-    Raises :class:`ChildStartError` when the child exits or stays silent first (under spawn, a
-    calling script without an ``if __name__ == "__main__":`` guard ends that way), and the
+    Raises :class:`ChildStartError` when the child exits or stays silent first, and the
     child's reported error otherwise; the child is stopped in both cases.
     """
     try:
@@ -102,10 +130,7 @@ def wait_ready(process: BaseProcess, conn: Connection, *, name: str,
         status, detail = conn.recv()
     except (EOFError, OSError) as exc:
         stop_child(process, conn)
-        raise ChildStartError(
-            f"{name} exited at start (code {process.exitcode}; a script that starts it needs "
-            f"`if __name__ == '__main__':`)"
-        ) from exc
+        raise ChildStartError(f"{name} exited at start (code {process.exitcode})") from exc
     except ChildStartError:
         stop_child(process, conn)
         raise

@@ -188,6 +188,18 @@ def _run_replay(args: argparse.Namespace) -> int:
     return main_replay(args)
 
 
+def _configure_simulate(parser: argparse.ArgumentParser) -> None:
+    from kvscope.emulator.simulate_command import add_simulate_arguments
+
+    add_simulate_arguments(parser)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from kvscope.simulate import main_simulate
+
+    return main_simulate(args)
+
+
 def _floats(text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
@@ -363,6 +375,8 @@ COMMANDS: list[Command] = [
             _configure_emulate, _run_emulate),
     Command("replay", "drive a multi-turn agentic workload against an OpenAI-compatible URL",
             _configure_replay, _run_replay),
+    Command("simulate", "simulate a P/D deployment in virtual time on a workload (runs, sweeps) "
+            "into a store", _configure_simulate, _run_simulate),
     Command("dashboard", "browse a store in the Dash dashboard (read-only)",
             _configure_dashboard, _run_dashboard),
     Command("analyze", "run one registered analysis (or list them)",

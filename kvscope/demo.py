@@ -28,6 +28,7 @@ from kvscope.emulator.replay import replay
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.emulator.workloads import weka
 from kvscope.emulator.workloads.model import Workload
+from kvscope.reuse import outcomes
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ def _run_one(label: str, config: EmulatorConfig, workload: Workload, options: De
     router_ttl = settings.resolve("router_ttl") / options.time_scale
     started = time.monotonic()
     print(f"  [{label}] starting emulated 1P1D + kvscope proxy ...", flush=True)
-    with EmulatedCluster(config, db=db, proxy=True, run_label=label,
-                         router_ttl_s=router_ttl) as cluster:
+    with EmulatedCluster(config, db=db, proxy=True, run_label=label, router_ttl_s=router_ttl,
+                         run_settings={"workload": workload.name,
+                                       "workload_settings": dict(workload.settings)}) as cluster:
         assert cluster.proxy_url is not None
         result = asyncio.run(replay(
             workload, cluster.proxy_url, concurrency=options.concurrency,
@@ -131,8 +133,10 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
             later = rows.filter(rows["turn_index"] >= 2)
             ttft = [v for v in later["ttft_ms"].to_list() if v is not None]
             rate = reuse.filter(reuse["run_id"] == rid)["token_reuse_rate"].to_list()
+            invalid = later.filter(later["outcome"] == outcomes.REUSED_INVALID).height
+            shown_apart = [outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL, outcomes.REUSED_INVALID]
             top = causes.filter((causes["run_id"] == rid)
-                                & ~causes["outcome"].is_in(["reused_remote", "reused_local"]))
+                                & ~causes["outcome"].is_in(shown_apart))
             top_text = ", ".join(
                 f"{o} {100 * s:.0f} %" for o, s in zip(top["outcome"][:3], top["share"][:3],
                                                        strict=False)
@@ -141,6 +145,9 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
                     f"TTFT p50 {_fmt_ms(_median(ttft)):>8} p90 "
                     f"{_fmt_ms(_percentile(ttft, 0.9)):>8}  misses: {top_text}")
             print(line)
+            if invalid:
+                print(f"  {'':<22} ALARM: {invalid} turn(s) loaded decode KV that does not "
+                      "match their prompt (reused_invalid: history edited under the same id)")
             if retention is not None and retention.height:
                 held = retention.filter(retention["run_id"] == rid)
                 if held.height:

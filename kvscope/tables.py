@@ -10,6 +10,9 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
+# What a figure, table or sentence says instead of a number nobody measured (never 0).
+NOT_MEASURED = "not measured"
+
 
 def _cell(value: Any) -> str:
     if value is None:
@@ -19,6 +22,22 @@ def _cell(value: Any) -> str:
     if isinstance(value, dict | list):
         return json.dumps(value, default=str, separators=(",", ":"))
     return str(value)
+
+
+def round_float(value: float) -> str:
+    """A float as people read it: 4 significant digits, thousands separated, and float noise
+    (|x| < 1e-9, e.g. 3.553e-15 left by a subtraction) as 0."""
+    if value != value:  # NaN
+        return "nan"
+    if abs(value) < 1e-9:
+        return "0"
+    if abs(value) >= 1e6:
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
+def _text_cell(value: Any) -> str:
+    return round_float(value) if isinstance(value, float) else _cell(value)
 
 
 def _jsonable(value: Any) -> Any:
@@ -45,7 +64,7 @@ def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
         for row in rows:
             writer.writerow([_cell(v) for v in row])
         return buffer.getvalue()
-    cells = [[_cell(v) for v in row] for row in rows]
+    cells = [[_text_cell(v) for v in row] for row in rows]
     widths = [len(c) for c in columns]
     for row in cells:
         widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]

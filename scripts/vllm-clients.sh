@@ -2,13 +2,16 @@
 # Fetch vLLM 0.33.0's multi-turn proxy and benchmark client, unchanged, for the contract tier
 # (tests/vllm_contract/test_vllm_clients.py), and install what they import into .venv-vllm.
 #
-# The two scripts ship only in vLLM's sdist on PyPI (not in the wheel), and vLLM's code is never
-# copied into this repository: the sdist is downloaded (sha256-checked) into the venv's cache
-# folder, and just these files are extracted next to it:
+# The two scripts ship only in vLLM's sdist (not in the wheel), and vLLM's code is never copied
+# into this repository: the sdist is downloaded (sha256-checked) into the venv's cache folder,
+# and just these files are extracted next to it:
 #   examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py
 #   benchmarks/multi_turn/{benchmark_serving_multi_turn,bench_dataset,bench_utils}.py
-# `pip download --no-binary` cannot fetch it (pip builds the sdist's metadata, which needs
-# CUDA torch), hence curl and the release's pinned URL and digest.
+# pip resolves the sdist from the machine's configured package index (so a mirror works; no
+# index is named here) and checks its sha256 before running anything from it. pip then
+# prepares the sdist's metadata, which runs vLLM's setup.py: without build isolation, on
+# .venv-vllm's CPU torch, with no target device and the version pinned (so no CUDA toolkit is
+# asked for and the metadata's version is the one requested), that is a few seconds of Python.
 #
 # VLLM_SDIST=/path/to/vllm-0.33.0.tar.gz uses a local copy instead (checked against the same
 # digest). Idempotent: a stamp holding this script's hash marks a complete set-up; when it
@@ -23,7 +26,7 @@ CACHE="$VENV/vllm-sdist"
 ROOT="$CACHE/vllm-0.33.0"
 TARBALL="$CACHE/vllm-0.33.0.tar.gz"
 STAMP="$CACHE/.kvscope-clients-complete"
-SDIST_URL="https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz"
+DOWNLOAD="$CACHE/download"
 SDIST_SHA256="f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 FILES=(
   examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py
@@ -55,11 +58,25 @@ if ! { test -f "$TARBALL" && digest_ok "$TARBALL"; }; then
   if [ -n "${VLLM_SDIST:-}" ]; then
     cp "$VLLM_SDIST" "$TARBALL.part"
   else
-    curl --fail --silent --show-error --location --retry 3 -o "$TARBALL.part" "$SDIST_URL"
+    # What vLLM's setup.py imports at metadata time beyond .venv-vllm (torch, packaging and
+    # jinja2 are there already); its build-system pins setuptools below 81.
+    "$PY" -m pip install --quiet "setuptools>=77.0.3,<81" "setuptools-scm>=8" setuptools-rust \
+      2> >(grep -v "^WARNING: Location" >&2)
+    rm -rf "$DOWNLOAD"
+    mkdir -p "$DOWNLOAD"
+    # --require-hashes: pip checks the archive before it runs the sdist's setup.py.
+    echo "vllm==0.33.0 --hash=sha256:$SDIST_SHA256" >"$DOWNLOAD/requirement.txt"
+    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=0.33.0 \
+      "$PY" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+      --require-hashes -r "$DOWNLOAD/requirement.txt" -d "$DOWNLOAD" \
+      2> >(grep -v "^WARNING: Location" >&2)
+    mv "$DOWNLOAD/vllm-0.33.0.tar.gz" "$TARBALL.part"
+    rm -rf "$DOWNLOAD"
   fi
   if ! digest_ok "$TARBALL.part"; then
     rm -f "$TARBALL.part"
-    echo "vllm-clients: the sdist's sha256 is not $SDIST_SHA256 (${VLLM_SDIST:-$SDIST_URL})" >&2
+    echo "vllm-clients: the sdist's sha256 is not $SDIST_SHA256" \
+      "(${VLLM_SDIST:-from the configured package index})" >&2
     exit 1
   fi
   mv "$TARBALL.part" "$TARBALL"

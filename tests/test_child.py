@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -46,3 +48,22 @@ def test_send_buffer_is_widened() -> None:
     finally:
         for end in (parent, child, left, right):
             end.close()
+
+
+def test_a_script_without_a_main_guard_starts_the_span_process(tmp_path: Path) -> None:
+    # Under spawn the child used to re-run such a script, fail to start its own child while
+    # importing and print a traceback, and the simulator fell back to building in-process.
+    script = tmp_path / "plain_script.py"
+    script.write_text(
+        "from kvscope.emulator.simulator import SimulationSettings, Simulator\n"
+        "from kvscope.emulator.workloads import synthetic\n"
+        "sim = Simulator(SimulationSettings(profile='tiny'))\n"
+        "sim._process_rows_min_turns = 0  # the span process even for a small run\n"
+        "result = sim.run(synthetic.generate(conversations=2, seed=1, max_turns=3), 'out.duckdb')\n"
+        "print('spans', result.spans)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "building and writing spans" not in done.stderr
+    assert done.stdout.startswith("spans ") and int(done.stdout.split()[1]) > 0

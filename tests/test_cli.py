@@ -40,6 +40,13 @@ def test_every_command_has_help() -> None:
                 assert action.help, f"{name} {action.dest} lacks help"
 
 
+def test_every_command_is_in_the_readme_table() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = [line for line in readme.splitlines() if line.startswith("| `kvscope ")]
+    listed = {line.split("`")[1].split()[1] for line in table}
+    assert listed == {c.name for c in cli.COMMANDS}
+
+
 def test_version() -> None:
     result = run("version")
     assert result.returncode == 0

@@ -44,7 +44,7 @@ def layer(module: str) -> str | None:
     second = parts[1]
     if second in (COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS):
         return second
-    if second in ("cli", "demo", "__main__"):
+    if second in ("cli", "demo", "simulate", "__main__"):
         return CLI
     return CORE
 
@@ -129,3 +129,19 @@ def test_every_reuse_rule_name_is_defined_once() -> None:
                     homes[target.id].append(module_name(path))
     assert {name: where for name, where in homes.items() if len(where) != 1} == {}
     assert all(where[0].startswith("kvscope.reuse.") for where in homes.values())
+
+
+def test_no_module_spells_an_outcome_label() -> None:
+    """Outcome labels are written in kvscope/reuse/outcomes.py only (a label that is also a
+    semconv value, such as the decision ``below_threshold``, is that value there)."""
+    from kvscope import semconv
+    from kvscope.reuse import outcomes
+
+    shared = {v for k, v in vars(semconv).items() if k.isupper() and isinstance(v, str)}
+    labels = set(outcomes.OUTCOMES) - shared - {"unknown"}  # also a history state, a word
+    home = ROOT / "kvscope" / "reuse" / "outcomes.py"
+    found = [f"{module_name(path)}:{node.lineno}: {node.value!r}"
+             for path in sources() if path != home
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and node.value in labels]
+    assert found == []

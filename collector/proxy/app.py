@@ -7,7 +7,8 @@ client's stream is decode's bytes, written as they arrive; non-streaming clients
 vLLM's proxy rebuilds (``usage: None``). kvscope adds: errors as OpenAI-style JSON with 400/502/504
 instead of hangs or bare 500s, one ``X-Request-Id`` and a W3C ``traceparent`` per leg, the
 ``X-Session-ID`` header as a fallback conversation id, ``GET /metrics``, and telemetry drops in
-``GET /health``.
+``GET /health``. A client that disconnects, at any point of its turn, ends the turn's upstream
+calls (:data:`SERVER_OPTIONS`) and its turn is recorded as ``client_disconnected`` (499).
 
 One shared :class:`aiohttp.ClientSession` pools upstream connections. Telemetry on the request
 path is a plain record (:class:`~kvscope.collector.proxy.telemetry.TurnRecord`); no store or
@@ -25,8 +26,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -285,18 +287,40 @@ class Proxy:
         try:
             return await self._turn(request, api_path, record)
         except asyncio.CancelledError:
-            record.client_disconnected = True
-            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, "client disconnected")
+            # The client disconnected (SERVER_OPTIONS), or the server is stopping.
+            if record.decode_start_ns is not None:
+                when = "during the decode leg"
+            elif record.prefill_start_ns is not None:
+                when = "during the prefill leg"
+            elif not request.content.is_eof():
+                when = "while sending its request"
+            else:
+                when = "during the turn"
+            self._client_left(request, record, when)
             raise
         finally:
             record.end_ns = time.time_ns()
             self.telemetry.finish_turn(record)
+
+    @staticmethod
+    def _client_left(request: web.Request, record: TurnRecord, when: str) -> None:
+        """Record that the client disconnected (the first failure stays the turn's cause)."""
+        if record.error_kind is None:
+            logger.info("kvscope proxy: client %s disconnected %s (X-Request-Id %s)",
+                        request.remote, when, record.x_request_id)
+        record.client_disconnected = True
+        record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, f"client disconnected {when}")
 
     async def _turn(
         self, request: web.Request, api_path: str, record: TurnRecord
     ) -> web.StreamResponse:
         try:
             body = json.loads(await request.read())
+        except ConnectionError:
+            # The client went while sending its body: its turn, and one line to say so (not
+            # aiohttp's traceback). Nothing reaches the client; the answer only ends the handler.
+            self._client_left(request, record, "while sending its request")
+            return web.Response(status=499)
         except web.HTTPRequestEntityTooLarge:
             record.fail(None, semconv.ERROR_BAD_REQUEST, 413, "request body too large")
             return _error_response(413, "request body too large", "BadRequestError")
@@ -514,8 +538,7 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
             # The client left: closing (not releasing) drops the upstream connection, which is
             # how vLLM learns to abort the request.
-            record.client_disconnected = True
-            record.fail(None, semconv.ERROR_CLIENT_DISCONNECTED, 499, str(exc) or "client left")
+            self._client_left(request, record, f"during decode's stream ({exc or 'reset'})")
         except TimeoutError:
             record.fail(semconv.LEG_DECODE, semconv.ERROR_TIMEOUT, 200,
                         f"decode {decode.name} went silent mid-stream")
@@ -603,6 +626,16 @@ def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None
                               f"{leg} {upstream.name} answered {status}", body=raw)
     raise UpstreamFailure(leg, semconv.ERROR_UPSTREAM_STATUS, 502,
                           f"{leg} {upstream.name} answered {status}")
+
+
+# How the proxy's HTTP server runs (kvscope proxy, the emulator's launcher, and whoever serves
+# build_app's application: pass these to aiohttp's AppRunner or run_app). A turn's handler is
+# cancelled when its client disconnects (aiohttp's default since 3.9 is not to): the
+# cancellation reaches the upstream call in flight, aiohttp closes that connection, and vLLM
+# aborts the request. Otherwise a client that leaves during the prefill leg (where nothing is
+# written to it, so nothing notices) leaves prefill running until --prefill-timeout, and a
+# stop waits for it. The turn is recorded as the client's disconnect (Proxy._handle).
+SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True})
 
 
 # Young-generation collection threshold while serving (CPython's default is 700). A turn leaves
@@ -748,5 +781,5 @@ def main_proxy(args: argparse.Namespace) -> int:
     host = settings.resolve("host", args.host)
     logger.warning("kvscope proxy on http://%s:%d: %d prefill, %d decode instances", host,
                    args.port, len(config.prefillers), len(config.decoders))
-    web.run_app(app, host=host, port=args.port, print=None, access_log=None)
+    web.run_app(app, host=host, port=args.port, print=None, access_log=None, **SERVER_OPTIONS)
     return 0

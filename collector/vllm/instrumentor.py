@@ -44,7 +44,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,22 @@ def private_hook_matches(cls: type, name: str) -> bool:
         return False
     want = PRIVATE_HOOK_SIGNATURES[name]
     return tuple(params[: len(want)]) == want
+
+
+def expired_releases(output: Any) -> int | None:
+    """How many sends the worker's TTL reaper released in the step of ``output``.
+
+    From the NIXL connector's stats carried by the same ``KVConnectorOutput``
+    (``num_kv_expired_reqs``); None when the output carries no stats.
+    """
+    stats = getattr(output, "kv_connector_stats", None)
+    data = getattr(stats, "data", None)
+    if not isinstance(data, Mapping) or "num_kv_expired_reqs" not in data:
+        return None
+    try:
+        return len(data["num_kv_expired_reqs"])
+    except TypeError:
+        return None
 
 
 def request_outcome(status: object) -> str:
@@ -565,12 +581,18 @@ class NixlConnectorInstrumentor:
         sending = getattr(output, "finished_sending", None)
         if sending and state.pins:
             now_perf, now_ns = time.perf_counter(), time.time_ns()
+            # The worker's stats of the same step say how many of these its TTL reaper released
+            # (num_kv_expired_reqs, base_worker.py _reap_expired_send_leases): none or all of
+            # them is an observation; only a mix falls back to comparing with the deadline.
+            expired = expired_releases(output)
+            observed = (semconv.RELEASE_NOTIFIED if expired == 0
+                        else semconv.RELEASE_EXPIRED if expired == len(sending) else None)
             for req_id in sending:
                 pin = state.pins.pop(req_id, None)
                 if pin is None:
                     continue
                 # The worker's reaper fires at its rebased deadline, never before ours.
-                reason = (
+                reason = observed or (
                     semconv.RELEASE_EXPIRED if now_perf >= pin.expiry_perf
                     else semconv.RELEASE_NOTIFIED
                 )

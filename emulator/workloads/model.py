@@ -114,6 +114,21 @@ class BlockChain:
         return BlockChain(base if kept else None, kept, _runs(ids[kept:]))
 
 
+    def runs_from(self, start: int) -> tuple[tuple[int, int], ...]:
+        """The runs of the ids from position ``start`` on (O(runs) past the kept prefix)."""
+        if start < self.kept:
+            return _runs(self.ids()[start:])
+        offset = start - self.kept
+        out: list[tuple[int, int]] = []
+        for first, count in self.runs:
+            if offset >= count:
+                offset -= count
+                continue
+            out.append((first + offset, count - offset))
+            offset = 0
+        return tuple(out)
+
+
 def _runs(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
     runs: list[tuple[int, int]] = []
     for block in ids:
@@ -154,6 +169,8 @@ class Turn:
     after that prefix. ``reset`` marks a context reset (history dropped or compacted; the prompt
     keeps only the system prompt and task, plus a summary). ``blocks`` carries explicit block ids
     when a trace provides them (raw WEKA, Mooncake); otherwise :func:`block_view` derives them.
+    ``sent_at_s`` is the send time a trace records (Mooncake), which then places the turn instead
+    of ``think_time_s`` (see :func:`send_time`).
     """
 
     index: int
@@ -164,6 +181,9 @@ class Turn:
     new_input_tokens: int
     reset: bool = False
     blocks: BlockChain | None = field(default=None, compare=False, repr=False)
+    # When a trace records the send time (workload seconds, the clock of start_s): the turn is
+    # sent then, or when the previous turn ends if that is later. None: think_time_s after it.
+    sent_at_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -272,6 +292,9 @@ def block_view(workload: Workload) -> BlockView:
             full = turn.prompt_tokens // bs
             if turn.blocks is not None:
                 chain = turn.blocks
+                if previous_seq is not None and turn.shared_prefix_tokens:
+                    kept = min(turn.shared_prefix_tokens // bs, previous_seq.num_blocks, full)
+                    chain = _continue_explicit(previous_seq, chain, kept)
             elif previous_seq is None:
                 key = (conv.system_seed, conv.system_prompt_tokens)
                 system = systems.get(key)
@@ -292,6 +315,30 @@ def block_view(workload: Workload) -> BlockView:
             )
             sequences[(conv.id, turn.index)] = previous_seq
     return BlockView(bs, prompts, sequences)
+
+
+def _continue_explicit(previous_seq: BlockChain, chain: BlockChain, kept: int) -> BlockChain:
+    """An explicit prompt chain whose first ``kept`` blocks are the previous turn's sequence.
+
+    A trace that hashes coarser blocks than ours (Mooncake: 512 tokens) cannot say that a
+    follow-up re-sends the previous prompt's partial last block and the reply; its
+    ``shared_prefix_tokens`` can, so those blocks are taken from the previous prompt + output
+    and the trace's own ids follow. A chain that already shares them (raw WEKA) is kept as is.
+    """
+    if kept <= common_prefix_blocks(previous_seq, chain):
+        return chain
+    return BlockChain(previous_seq, kept, chain.runs_from(kept))
+
+
+def send_time(turn: Turn, previous_end_s: float) -> float:
+    """When ``turn`` is sent, its previous turn having ended at ``previous_end_s``.
+
+    At the trace's send time when it records one (never before the previous turn ends: a chat
+    client sends after the answer), else ``think_time_s`` after the previous turn ended.
+    """
+    if turn.sent_at_s is not None:
+        return max(previous_end_s, turn.sent_at_s)
+    return previous_end_s + max(turn.think_time_s, 0.0)
 
 
 # --- chat view ----------------------------------------------------------------------------------

@@ -1,23 +1,47 @@
 """Import Mooncake-format traces: JSON lines of ``timestamp`` (ms), lengths and block hash ids.
 
 Each row is one request: ``timestamp`` (ms since the trace start), ``input_length``,
-``output_length`` and ``hash_ids`` (one id per full ``trace_block_size``-token block of the
-prompt; Mooncake uses 512). Equal hash ids are equal token blocks: each id ``h`` becomes
-``trace_block_size / B`` sub-block ids ``h·ratio + j`` at our block size ``B``, and prompts render
-block by block, so equal ids also give equal text over HTTP.
+``output_length`` and ``hash_ids``: one chained id per ``trace_block_size``-token block of the
+prompt (Mooncake uses 512) *including the last, partial one*. Equal hash ids are equal token
+blocks: each id ``h`` becomes ``trace_block_size / B`` sub-block ids ``h·ratio + j`` at our block
+size ``B`` (a partial block keeps its full sub-blocks), and prompts render block by block, so
+equal ids also give equal text over HTTP.
 
-Grouping heuristic (``group=True``): rows are read in timestamp order; a row continues the open
-conversation whose latest prompt's hash ids are *all* a prefix of this row's hash ids (the longest
-such prompt wins; an append-only chat re-sends its whole history). Any other row opens a new
-conversation. A shared system prompt alone therefore never merges two users' sessions, and
-context resets are not detected (they start a new conversation). ``group=False`` makes each row a
-one-turn session. The think time of a follow-up is the gap between the two timestamps (the trace
-has no response end, so it includes the previous request's service time).
+Grouping (``group=True``; :func:`read_sessions`). A chat's next turn re-sends the previous prompt
+and answer and adds new text, so the previous prompt's partial last block changes: a follow-up
+starts with the previous prompt's *full* blocks (``input_length // 512`` ids), never with all of
+its ids. Rows are read in timestamp order (equal timestamps keep file order); a row continues
+the session whose latest request is the deepest, then most recent, whose full-block prefix this
+row starts with, provided that
+
+- the row is at least that request's prompt plus its answer long (a chat re-sends the answer;
+  this also keeps a repeated identical prompt from being read as a follow-up), and
+- that full-block prefix is not *shared*: seen in more than one session. A prompt whose full
+  blocks are all a system prompt that other users' prompts start with too (in the FAST'25
+  conversation trace, every prompt's first block) tells nothing about who sent the next one.
+  The first pass can only know a prefix is shared once two sessions have used it, so grouping
+  runs twice, the second pass knowing the prefixes the first found shared.
+
+Sessions are linear: a request, once continued, is no longer a candidate. Every other row opens a
+new session. What the grouping found is in :class:`ImportSummary` (also in the workload's
+``settings``): sessions, follow-ups, turns per session, and the new sessions that start with an
+earlier prompt's blocks but were not linked to it.
+``group=False`` makes each row a one-turn session.
+
+A follow-up's ``shared_prefix_tokens`` is the previous prompt plus its answer (what the chat
+re-sent), so its first blocks are the previous turn's prompt and output in the block view, and its
+trace ids follow. Time: the trace records when each request was *sent* and nothing about when its
+answer ended, so the gap between two sends also holds the previous request's service time (and
+timestamps are quantised, ~3 s in the FAST'25 traces). A follow-up keeps its send time
+(``Turn.sent_at_s``): the simulator and the replay driver send it then, or as soon as the previous
+turn ends when that is later, rather than adding the whole gap after the answer. ``think_time_s``
+is the gap itself, an upper bound of the user's think time.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,29 +99,147 @@ def _read(path: Path) -> list[_Row]:
     return rows
 
 
-def _group(rows: Sequence[_Row]) -> list[list[_Row]]:
-    """Group rows into conversations by full-prefix continuation (see the module docstring)."""
+@dataclass(frozen=True)
+class ImportSummary:
+    """What grouping found in a whole trace (before ``conversations`` / ``max_turns`` cuts)."""
+
+    requests: int
+    sessions: int
+    follow_ups: int
+    multi_turn_sessions: int
+    turns_per_session_p50: float
+    turns_per_session_p90: float
+    turns_per_session_max: int
+    # New sessions that start with an earlier prompt's full blocks and were not linked to it:
+    # the blocks are shared by several sessions (mostly first turns after a shared system
+    # prompt; a follow-up of a prompt that held nothing of its own is among them), or the row
+    # is shorter than that prompt and its answer.
+    unlinked_on_prefix: int
+
+    def as_settings(self) -> dict[str, int | float]:
+        """The summary as flat workload settings (recorded with each run)."""
+        return {
+            "requests": self.requests,
+            "sessions": self.sessions,
+            "follow_ups": self.follow_ups,
+            "multi_turn_sessions": self.multi_turn_sessions,
+            "turns_per_session_p50": self.turns_per_session_p50,
+            "turns_per_session_p90": self.turns_per_session_p90,
+            "turns_per_session_max": self.turns_per_session_max,
+            "unlinked_on_prefix": self.unlinked_on_prefix,
+        }
+
+    def line(self) -> str:
+        """One line for a person: sessions, follow-ups, turns per session, what was not linked."""
+        return (f"{self.requests} requests -> {self.sessions} sessions ({self.multi_turn_sessions} "
+                f"with follow-ups), {self.follow_ups} follow-ups; turns per session p50 "
+                f"{self.turns_per_session_p50:g}, p90 {self.turns_per_session_p90:g}, max "
+                f"{self.turns_per_session_max}; {self.unlinked_on_prefix} new sessions start with "
+                f"an earlier prompt's blocks but were not linked to it")
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """A trace's rows grouped into sessions: each session's file line numbers, in turn order."""
+
+    lines: tuple[tuple[int, ...], ...]
+    summary: ImportSummary
+
+
+_SHARED = -1  # owner of a prefix seen in more than one session
+
+
+def _prefix_keys(ids: Sequence[int]) -> list[int]:
+    """Chained keys of every prefix of ``ids`` (key i names ``ids[:i + 1]``)."""
+    keys, key = [], 0
+    for block in ids:
+        key = hash((key, block))
+        keys.append(key)
+    return keys
+
+
+def _group(rows: Sequence[_Row], trace_block_size: int, known_shared: frozenset[int]
+           ) -> tuple[list[list[_Row]], set[int], int]:
+    """One grouping pass (see the module docstring).
+
+    Returns the groups, the prefix keys found shared, and how many new sessions start with an
+    earlier prompt's full blocks.
+    """
     groups: list[list[_Row]] = []
-    # Key: the chained hash of an open conversation's latest prompt ids → group index.
-    open_by_chain: dict[int, int] = {}
+    # Full-prefix key of each session's latest request -> those sessions (mostly one).
+    tails: dict[int, list[int]] = {}
+    tail_key: dict[int, int] = {}  # session -> the key it is listed under in tails
+    owner: dict[int, int] = {}
+    unlinked = 0
     for row in rows:
-        chain, prefixes = 0, []
-        for block in row.hash_ids:
-            chain = hash((chain, block))
-            prefixes.append(chain)
+        keys = _prefix_keys(row.hash_ids)
         target = None
-        # Strict extension only (the last prefix is the whole prompt: a repeat, not a follow-up).
-        for key in reversed(prefixes[:-1] if prefixes else []):
-            if key in open_by_chain:
-                target = open_by_chain.pop(key)
+        candidate = False
+        for depth in range(len(keys), 0, -1):  # deepest first
+            key = keys[depth - 1]
+            found = tails.get(key)
+            if not found:
+                continue
+            if key in known_shared or owner.get(key) == _SHARED:
+                candidate = True
+                continue
+            for g in reversed(found):  # most recent first
+                previous = groups[g][-1]
+                if row.input_length < previous.input_length + previous.output_length:
+                    candidate = True
+                    continue
+                target = g
+                break
+            if target is not None:
                 break
         if target is None:
+            unlinked += candidate
             target = len(groups)
             groups.append([])
+        elif (old := tail_key.pop(target, None)) is not None:
+            tails[old].remove(target)  # sessions are linear: continued once
         groups[target].append(row)
-        if prefixes:
-            open_by_chain[prefixes[-1]] = target
-    return groups
+        full = min(row.input_length // trace_block_size, len(keys))
+        if full:
+            tails.setdefault(keys[full - 1], []).append(target)
+            tail_key[target] = keys[full - 1]
+        for key in keys[:full]:
+            seen = owner.setdefault(key, target)
+            if seen != target:
+                owner[key] = _SHARED
+    shared = {key for key, g in owner.items() if g == _SHARED}
+    return groups, shared, unlinked
+
+
+def _percentile(values: Sequence[int], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))]) if ordered else 0.0
+
+
+def _sessions(rows: Sequence[_Row], trace_block_size: int
+              ) -> tuple[list[list[_Row]], ImportSummary]:
+    """Group rows into sessions (two passes; see the module docstring) and summarise."""
+    _, shared, _ = _group(rows, trace_block_size, frozenset())
+    groups, _, unlinked = _group(rows, trace_block_size, frozenset(shared))
+    sizes = [len(g) for g in groups]
+    summary = ImportSummary(
+        requests=len(rows),
+        sessions=len(groups),
+        follow_ups=len(rows) - len(groups),
+        multi_turn_sessions=sum(1 for n in sizes if n > 1),
+        turns_per_session_p50=statistics.median(sizes) if sizes else 0.0,
+        turns_per_session_p90=_percentile(sizes, 0.9),
+        turns_per_session_max=max(sizes, default=0),
+        unlinked_on_prefix=unlinked,
+    )
+    return groups, summary
+
+
+def read_sessions(path: str | Path, *, trace_block_size: int = MOONCAKE_BLOCK_SIZE) -> Sessions:
+    """Group a trace's rows into sessions: each session's file line numbers, and the summary."""
+    rows = _read(Path(path))
+    groups, summary = _sessions(rows, trace_block_size)
+    return Sessions(tuple(tuple(r.line for r in g) for g in groups), summary)
 
 
 def _sub_blocks(row: _Row, trace_block_size: int, block_size: int, source: Path) -> list[int]:
@@ -134,9 +276,15 @@ def load(
         raise WorkloadError(f"mooncake workload: time_compression must be > 0: {time_compression}")
     if max_turns is not None and max_turns < 1:
         raise WorkloadError(f"mooncake workload: max_turns must be >= 1, got {max_turns}")
+    if conversations is not None and conversations < 0:
+        raise WorkloadError(f"mooncake workload: conversations must be >= 0, got {conversations}")
     source = Path(path)
     rows = _read(source)
-    groups = _group(rows) if group else [[row] for row in rows]
+    if group:
+        groups, summary = _sessions(rows, trace_block_size)
+    else:
+        groups = [[row] for row in rows]
+        summary = ImportSummary(len(rows), len(rows), 0, 0, 1.0, 1.0, 1 if rows else 0, 0)
     if conversations is not None:
         groups = groups[:conversations]
     out: list[Conversation] = []
@@ -148,16 +296,18 @@ def load(
         for index, row in enumerate(members, start=1):
             ids = _sub_blocks(row, trace_block_size, block_size, source)
             chain = BlockChain.from_ids(ids, previous)
+            prompt = max(1, row.input_length)
+            sent_at = round(row.timestamp_ms / 1000.0 / time_compression, 6)
             if previous_row is None:
                 shared, think = 0, 0.0
             else:
-                shared = min(chain.kept * block_size, row.input_length)
-                gap_s = (row.timestamp_ms - previous_row.timestamp_ms) / 1000.0
-                think = round(gap_s / time_compression, 6)
-            prompt = max(1, row.input_length)
+                # Grouping guarantees the row re-sends the previous prompt and its answer.
+                shared = min(previous_row.input_length + previous_row.output_length, prompt)
+                think = round((row.timestamp_ms - previous_row.timestamp_ms) / 1000.0
+                              / time_compression, 6)
             turns.append(
                 Turn(index, think, prompt, max(1, row.output_length), shared, prompt - shared,
-                     False, chain)
+                     False, chain, sent_at)
             )
             previous, previous_row = chain, row
         conv_id = f"mooncake-{number:06d}"
@@ -183,5 +333,14 @@ def load(
             "conversations": len(out),
             "max_turns": max_turns or 0,
             "time_compression": time_compression,
+            **summary.as_settings(),
         },
     )
+
+
+def import_summary(workload: Workload) -> ImportSummary | None:
+    """The grouping summary a Mooncake workload was loaded with (None for other workloads)."""
+    settings = workload.settings
+    if settings.get("format") != "mooncake":
+        return None
+    return ImportSummary(**{name: settings[name] for name in ImportSummary.__dataclass_fields__})

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -34,6 +35,43 @@ _NOT_DUCKDB_MARKERS = ("not a valid DuckDB database", "database file", "Invalid 
 # grows dearer as the table does: 800k spans took 17.7 s to insert in 20k-row batches, against
 # 8.7-9.1 s at 64 MiB (checkpoints every ~100k spans at a steady ~0.3 s). The log stays bounded.
 WAL_CHECKPOINT_THRESHOLD = "64MiB"
+# Temporary Parquet batch files (store/writer.py) live in a folder beside their store, named
+# with their process id, so that the next writer to open the store finds and removes what an
+# abrupt end (SIGKILL, power loss) left behind; the system temp dir would keep them forever.
+BATCH_FOLDER_SUFFIX = ".kvscope-tmp"
+BATCH_FILE_PREFIX = "kvscope-batch-"
+
+
+def batch_folder(path: str | Path) -> Path:
+    """The folder beside the store at ``path`` that holds its temporary batch files."""
+    return Path(f"{path}{BATCH_FOLDER_SUFFIX}")
+
+
+def batch_file_prefix() -> str:
+    """The name prefix of this process's batch files (the pid tells whose a file is)."""
+    return f"{BATCH_FILE_PREFIX}{os.getpid()}-"
+
+
+def _remove_stale_batch_files(path: str) -> None:
+    """Remove batch files that other (ended) processes left beside the store at ``path``.
+
+    Called once the store is open for writing: DuckDB's lock means no other process writes this
+    store now. This process's own files are kept (another connection of it may be inserting).
+    """
+    folder = batch_folder(path)
+    if not folder.is_dir():
+        return
+    mine = batch_file_prefix()
+    for stale in folder.glob(f"{BATCH_FILE_PREFIX}*.parquet"):
+        if not stale.name.startswith(mine):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
+    try:
+        folder.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 def _connect(path: str, read_only: bool) -> duckdb.DuckDBPyConnection:
@@ -130,6 +168,8 @@ def open_store(path: str | Path, *, threads: int | None = None) -> duckdb.DuckDB
     except BaseException:
         con.close()
         raise
+    if path != ":memory:":
+        _remove_stale_batch_files(path)
     return con
 
 

@@ -3,13 +3,14 @@
 Producers (exporters, the receiver) call :meth:`StoreWriter.submit`, which never blocks and never
 raises: it enqueues the batch when the bounded queue has room and otherwise drops it and counts
 the rows. The writer thread concatenates what is queued and inserts it with one
-``INSERT ... SELECT`` per target table (through a temporary Parquet file, or DuckDB's Arrow scan
-for small batches; never row by row: see :func:`insert_arrow`). :meth:`flush` waits until
-everything submitted so far is written.
+``INSERT ... SELECT`` per target table (through a temporary Parquet file beside the store, or
+DuckDB's Arrow scan for small batches; never row by row: see :func:`insert_arrow`).
+:meth:`flush` waits until everything submitted so far is written.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -23,7 +24,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvscope.store.database import open_store
+from kvscope.store.database import batch_file_prefix, batch_folder, open_store
 from kvscope.store.schema import GAUGE_TABLE, RAW_TABLES, TRACES_TABLE, quote
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,20 @@ PARQUET_MIN_ROWS = 256
 ROW_GROUP_ROWS = 122_880
 
 
-def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+def batch_folder_of(con: duckdb.DuckDBPyConnection) -> Path | None:
+    """The folder for ``con``'s temporary batch files, beside its store; None in memory.
+
+    A catalog query (~0.5 ms): look it up once per connection, not per batch.
+    """
+    rows = con.execute(
+        "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
+    ).fetchall()
+    path = rows[0][0] if rows else None
+    return batch_folder(path) if path else None
+
+
+def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, *,
+                 spill_folder: Path | None = None) -> None:
     """Insert an Arrow table into one raw table in a single statement.
 
     DuckDB builds MAP values (every span's attribute maps) about 2× faster from its Parquet
@@ -59,12 +73,16 @@ def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> 
     through Arrow, 7.6 µs written to an uncompressed Parquet file and read back (1.9 + 5.7 µs),
     with identical rows (``tests/benchmarks/bench_store_throughput.py`` prints both). So a batch
     of at least :data:`PARQUET_MIN_ROWS` goes through a temporary Parquet file, removed right
-    after; if that file cannot be written, the Arrow scan is used.
+    after; if that file cannot be written, the Arrow scan is used. The file goes in
+    ``spill_folder`` (:func:`batch_folder_of`, looked up from ``con`` when not given), where the
+    next :func:`~kvscope.store.database.open_store` removes it if this process ends before it
+    does; an in-memory store takes the Arrow scan.
     """
     if table not in RAW_TABLES:
         raise ValueError(f"not a raw table: {table}")
     if rows.num_rows >= PARQUET_MIN_ROWS:
-        path = _spill(rows)
+        folder = spill_folder or batch_folder_of(con)
+        path = _spill(rows, folder) if folder is not None else None
         if path is not None:
             try:
                 con.execute(f"INSERT INTO {quote(table)} SELECT * FROM read_parquet(?)", [path])
@@ -85,14 +103,16 @@ def insert_arrow_scan(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table
         con.unregister("_kvscope_batch")
 
 
-def _spill(rows: pa.Table) -> str | None:
-    """Write ``rows`` to a new uncompressed Parquet file in the temp directory; None on failure."""
+def _spill(rows: pa.Table, folder: Path) -> str | None:
+    """Write ``rows`` to a new uncompressed Parquet file in ``folder``; None on failure."""
     try:
-        fd, path = tempfile.mkstemp(prefix="kvscope-batch-", suffix=".parquet")
+        folder.mkdir(exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix=batch_file_prefix(), suffix=".parquet",
+                                    dir=folder)
         os.close(fd)
     except OSError:
-        logger.warning("kvscope: no temporary file for a batch; inserting through Arrow",
-                       exc_info=True)
+        logger.warning("kvscope: no temporary file for a batch in %s; inserting through Arrow",
+                       folder, exc_info=True)
         return None
     try:
         # A path, not a Python file object: Arrow's own file writes never take the GIL.
@@ -123,11 +143,16 @@ class StoreWriter:
         *,
         max_queue_rows: int = 65536,
         name: str = "kvscope-store-writer",
-        insert: Callable[[duckdb.DuckDBPyConnection, str, pa.Table], None] = insert_arrow,
+        insert: Callable[[duckdb.DuckDBPyConnection, str, pa.Table], None] | None = None,
     ) -> None:
         self._con = con
         # Inserts run on their own cursor so readers sharing ``con`` never collide with them.
         self._insert_con = con.cursor()
+        # The batch folder is looked up once here, not per batch (insert_arrow's default).
+        self._batch_folder = batch_folder_of(con)
+        if insert is None:
+            insert = (insert_arrow_scan if self._batch_folder is None
+                      else functools.partial(insert_arrow, spill_folder=self._batch_folder))
         self._insert = insert
         self._max_queue_rows = max_queue_rows
         self._queue: deque[tuple[str, pa.Table]] = deque()
@@ -200,6 +225,11 @@ class StoreWriter:
             self._con.close()
         except duckdb.Error:
             logger.exception("closing the store connection failed")
+        if self._batch_folder is not None:
+            try:
+                self._batch_folder.rmdir()  # only when empty: leave no clutter beside the store
+            except OSError:
+                pass
 
     def _take(self) -> list[tuple[str, pa.Table]] | None:
         with self._cond:

@@ -93,6 +93,23 @@ def test_workload_fingerprint_without_settings() -> None:
     assert compare.baseline_for(info, "x") == "y"
 
 
+def test_a_faults_run_finds_the_off_run_of_its_workload() -> None:
+    """``make demo``'s ON + faults run: its faults and failed turns are not its workload."""
+    wl = {"workload": "weka", "workload_settings": {"conversations": 12}}
+    runs = _runs(("off", "feature OFF", {**wl, "bidirectional_kv_xfer": False, "faults": {}}),
+                 ("on", "feature ON", {**wl, "bidirectional_kv_xfer": True, "faults": {}}),
+                 ("f", "feature ON + faults", {**wl, "bidirectional_kv_xfer": True,
+                                               "faults": {"transfer_fail": 0.08}}))
+    info = compare.run_info(runs, _ledger([]))
+    assert compare.baseline_for(info, "f") == compare.baseline_for(info, "on") == "off"
+    # Without recorded settings, a failed turn (no prompt tokens reported) does not change
+    # the fingerprint either.
+    turns = [_turn("x", "c1", 1, 0, 1, prompt_tokens=100),
+             _turn("y", "c1", 1, 0, 1, prompt_tokens=0)]
+    info = compare.run_info(_runs(("x", "x on", {}), ("y", "y off", {})), _ledger(turns))
+    assert compare.baseline_for(info, "x") == "y"
+
+
 # --- shaping ----------------------------------------------------------------------------------
 
 

@@ -110,6 +110,8 @@ FAULT_CASES = {
                        FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
                        FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
             "decoder_kv_blocks_ttl": 20.0, "kv_load_failure_policy": "recompute"},
+    # kvscope proxy --reuse-guard: edited histories get MISS params instead of decode's KV.
+    "reuse_guard": {"reuse_guard": True},
     # The synchronous scheduler (vLLM on CPU, or async scheduling off): D offers one less.
     "sync": {"scheduling": "sync"},
     "mix_sync": {"faults": {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1,
@@ -218,3 +220,53 @@ def test_the_ledger_table_is_rebuilt_idempotently(workload: Workload, tmp_path: 
         assert [r[columns.index("outcome")] for r in rows] == again["outcome"].to_list()
     finally:
         reader.close()
+
+
+def test_a_read_the_reaper_overtook_is_invalid_reuse() -> None:
+    """Decode's TTL reaper released the handle while the READ was in flight (D frees blocks on
+    the READ's notification): P's read reports ok, but it read freed blocks."""
+    from kvscope import semconv
+    from kvscope.analysis.ledger import QUERIES, build
+
+    ns = pl.Datetime("ns")
+    frames = {name: pl.DataFrame() for name in QUERIES}
+    frames["turns"] = pl.DataFrame([{
+        "run_id": "r", "trace_id": "t", "span_id": "s", "x_request_id": "x2",
+        "conversation_id": "c", "turn_index": "2", "arrival": 0, "duration_ns": 10_000_000,
+        "status_code": "STATUS_CODE_UNSET", "ttft_ms": "5", "prompt_tokens": "400",
+        "output_tokens": "10", "router_lookup": semconv.ROUTER_HIT, "router_entry_age_s": "1.0",
+        "boundary_hashes": None, "messages": None, "roles": None, "error_kind": None,
+        "reuse_guard": None}], schema_overrides={"boundary_hashes": pl.String,
+                                                 "messages": pl.String, "roles": pl.String,
+                                                 "error_kind": pl.String,
+                                                 "reuse_guard": pl.String}).with_columns(
+        pl.col("arrival").cast(ns), pl.col("duration_ns").cast(pl.UInt64))
+    frames["prefill"] = pl.DataFrame([{
+        "trace_id": "t", "parent_span_id": "s", "prefill_ns": 1000, "prefill_request_id": "p",
+        "d_metadata_attached": "true", "offered_tokens_proxy": "300", "retention_id": "d1"}]
+    ).with_columns(pl.col("prefill_ns").cast(pl.UInt64))
+    frames["decisions"] = pl.DataFrame([{
+        "request_id": "chatcmpl-x2-abcdef12", "engine": "p0", "time": 1,
+        "decision": semconv.DECISION_PULL, "local_hit": "0", "offered": "300", "to_pull": "300",
+        "threshold": "64", "bidir": "true"}]).with_columns(pl.col("time").cast(ns))
+    # The READ runs from 2 ms to 7 ms; the reaper released decode's handle at 4 ms.
+    frames["transfers"] = pl.DataFrame([{
+        "request_id": "chatcmpl-x2-abcdef12", "engine": "p0",
+        "direction": semconv.DIRECTION_D_TO_P, "status": semconv.TRANSFER_OK,
+        "size_bytes": "1000", "start": 2_000_000, "duration_ns": 5_000_000,
+        "request_outcome": None}], schema_overrides={"request_outcome": pl.String}
+    ).with_columns(pl.col("start").cast(ns), pl.col("duration_ns").cast(pl.UInt64))
+    frames["retentions"] = pl.DataFrame([{
+        "request_id": "d1", "engine": "d0", "start": 0, "duration_ns": 4_000_000,
+        "size_bytes": "1000", "reason": semconv.RELEASE_EXPIRED, "tokens": "300"}]
+    ).with_columns(pl.col("start").cast(ns), pl.col("duration_ns").cast(pl.UInt64))
+    for name, columns in (("decode", ["trace_id", "parent_span_id", "decode_ns",
+                                      "decode_request_id", "metadata_returned"]),
+                          ("waits", ["trace_id", "parent_span_id", "tool_wait_ns"])):
+        frames[name] = pl.DataFrame({c: pl.Series([], dtype=pl.String) for c in columns})
+    frames["decode"] = frames["decode"].with_columns(pl.col("decode_ns").cast(pl.UInt64))
+    frames["waits"] = frames["waits"].with_columns(pl.col("tool_wait_ns").cast(pl.UInt64))
+    row = build(frames).row(0, named=True)
+    assert row["outcome"] == outcomes.REUSED_INVALID, row["evidence"]
+    assert row["invalid_tokens"] == 300 and row["remote_reused_tokens"] == 0
+    assert "after decode released the blocks" in row["evidence"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -212,26 +211,31 @@ def test_the_parquet_route_stores_what_the_arrow_scan_stores(tmp_path: Path,
         con.close()
         return rows
 
-    spill_dir = tmp_path / "spill"  # this test's own temp dir: other runs may spill in /tmp
-    spill_dir.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(spill_dir))
     spills: list[str] = []
     real_spill = writer_module._spill
     monkeypatch.setattr(writer_module, "_spill",
-                        lambda rows: spills.append("x") or real_spill(rows))
+                        lambda rows, folder: spills.append(str(folder)) or real_spill(rows, folder))
     parquet = stored(tmp_path / "parquet.duckdb", insert_arrow)
-    assert spills  # the file route really ran
+    # The file route really ran, in the folder beside the store, and left nothing there.
+    assert spills == [str(tmp_path / "parquet.duckdb.kvscope-tmp")]
     assert parquet == stored(tmp_path / "scan.duckdb", writer_module.insert_arrow_scan)
     assert len(parquet) == len(spans)
-    assert not list(spill_dir.iterdir())  # cleaned up
+    assert not list((tmp_path / "parquet.duckdb.kvscope-tmp").iterdir())  # cleaned up
 
 
-def test_an_unwritable_temp_dir_falls_back_to_the_arrow_scan(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
-    con = open_store(tmp_path / "fallback.duckdb")
+def test_an_unwritable_batch_folder_falls_back_to_the_arrow_scan(tmp_path: Path) -> None:
+    path = tmp_path / "fallback.duckdb"
+    con = open_store(path)
+    (tmp_path / "fallback.duckdb.kvscope-tmp").write_text("a file where the folder would be")
     table = _rows(writer_module.PARQUET_MIN_ROWS + 10)
-    insert_arrow(con, "otel_traces", table)  # mkstemp fails: no raise, the scan inserts
+    insert_arrow(con, "otel_traces", table)  # no folder, no file: no raise, the scan inserts
     assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (table.num_rows,)
     con.close()
+
+
+def test_a_writer_leaves_no_batch_folder_beside_its_store(tmp_path: Path) -> None:
+    writer = StoreWriter.open(tmp_path / "tidy.duckdb")
+    assert writer.submit_traces(_rows(writer_module.PARQUET_MIN_ROWS * 2))
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tidy.duckdb"]

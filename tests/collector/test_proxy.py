@@ -37,6 +37,7 @@ from kvscope.collector.proxy import (
     conversation_id_from,
 )
 from kvscope.collector.proxy.app import (
+    SERVER_OPTIONS,
     SERVING_GC_THRESHOLD,
     config_from_args,
     configure_serving_gc,
@@ -104,12 +105,12 @@ def read_spans(telemetry: ProxyTelemetry) -> list[dict[str, Any]]:
     cur = tel.writer.connection.cursor()
     rows = cur.execute(
         "SELECT SpanName, SpanKind, TraceId, SpanId, ParentSpanId, "
-        "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events "
+        "epoch_ns(Timestamp), Duration, SpanAttributes, StatusCode, Events, StatusMessage "
         "FROM otel_traces ORDER BY Timestamp"
     ).fetchall()
     cur.close()
     names = ["name", "kind", "trace", "span", "parent", "start", "duration", "attrs",
-             "status", "events"]
+             "status", "events", "status_message"]
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
@@ -130,7 +131,8 @@ def deployment(tmp_path: Path, *, prefillers: list[Upstream] | None = None,
                 if spans else None)
         telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
         try:
-            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+            with ServerThread(lambda: build_app(cfg, telemetry),
+                              runner_options=SERVER_OPTIONS) as proxy, \
                     httpx.Client(base_url=proxy.url, timeout=20) as client:
                 yield Deployment(prefill, decode, proxy, telemetry, client)
         finally:
@@ -757,7 +759,8 @@ def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
         otel = setup_telemetry(semconv.SERVICE_PROXY, db=str(tmp_path / "emu.duckdb"))
         telemetry = ProxyTelemetry(otel, router_ttl_s=cfg.router_ttl_s)
         try:
-            with ServerThread(lambda: build_app(cfg, telemetry)) as proxy, \
+            with ServerThread(lambda: build_app(cfg, telemetry),
+                              runner_options=SERVER_OPTIONS) as proxy, \
                     httpx.Client(base_url=proxy.url, timeout=20) as client:
                 messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}]
                 for turn in range(3):
@@ -809,3 +812,75 @@ def test_long_histories_store_only_the_last_boundary_hashes() -> None:
     record.boundary_hashes = ",".join(everything)
     turn = next(s for s in proxy.spans_for(record) if s.name == semconv.SPAN_TURN)
     assert turn.attributes[semconv.MESSAGE_BOUNDARY_HASHES].split(",") == kept
+
+
+# --- clients that leave early (issue 22, defects 3 and 4) -------------------------------------
+
+
+def _turn_until_stored(dep: Deployment, deadline_s: float = 10.0) -> dict[str, Any]:
+    """The one turn span, once the proxy has finished and stored it."""
+    deadline = time.monotonic() + deadline_s
+    while not turn_spans(dep.spans()):
+        assert time.monotonic() < deadline, "no turn span stored"
+        time.sleep(0.05)
+    (turn,) = turn_spans(dep.spans())
+    return turn
+
+
+_PARTIAL_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "'
+_UPLOADS = {
+    "content-length": b"Content-Length: 100000\r\n\r\n" + _PARTIAL_BODY,
+    "chunked": b"Transfer-Encoding: chunked\r\n\r\n"
+               + f"{100000:x}\r\n".encode() + _PARTIAL_BODY,
+}
+
+
+@pytest.mark.parametrize("framing", sorted(_UPLOADS))
+def test_a_client_that_aborts_its_upload_is_an_error_turn_logged_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, framing: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with deployment(tmp_path) as dep:
+        with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n" + _UPLOADS[framing])
+            time.sleep(0.2)  # the proxy is reading the body when the client goes
+        turn = _turn_until_stored(dep)
+        assert turn["status"] == "STATUS_CODE_ERROR"
+        assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CLIENT_DISCONNECTED
+        assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
+        assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
+        assert dep.prefill.received == [] and dep.decode.received == []
+    # One line says so; no traceback, nothing logged as an error.
+    said = [r.getMessage() for r in caplog.records if "disconnected" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "while sending its request" in said[0]
+    assert [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.ERROR or r.exc_info] == []
+
+
+def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: Path) -> None:
+    with deployment(tmp_path) as dep:
+        dep.prefill.mode = "hang"  # prefill would answer only after --prefill-timeout (600 s)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           "stream": True, "max_tokens": 8, "conversation_id": "c"}).encode()
+        with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 5
+            while not dep.prefill.received:  # the prefill leg is in flight
+                assert time.monotonic() < deadline, "prefill never called"
+                time.sleep(0.02)
+        # The client is gone: prefill's request is cancelled, not left to its timeout.
+        deadline = time.monotonic() + 5
+        while dep.prefill.disconnects == 0:
+            assert time.monotonic() < deadline, "the prefill call outlived its client"
+            time.sleep(0.02)
+        turn = _turn_until_stored(dep)
+        assert turn["status"] == "STATUS_CODE_ERROR"
+        assert turn["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CLIENT_DISCONNECTED
+        assert turn["attrs"][semconv.CLIENT_DISCONNECTED] == "true"
+        assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
+        assert "during the prefill leg" in turn["status_message"]
+        assert dep.decode.received == []

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -483,3 +484,130 @@ def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Pa
     reader.close()
     assert len(runs) == 1 and runs[0][1].startswith("kvscope serve") and runs[0][2]
     assert spans == [("anonymous", runs[0][0]), ("named", "their-run")]
+
+
+# --- a failed start leaves the store untouched (issue 22, defect 5) ----------------------------
+
+
+def _busy_port() -> socket.socket:
+    """A listening socket on an ephemeral loopback port (the port a second server cannot take)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_start_on_a_busy_port_creates_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "never.duckdb"
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            Receiver(path, port=port, record_run=True).start()
+        result = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
+             str(port), "--grpc-port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_serve_dashboard_on_a_busy_dashboard_port_creates_no_file(tmp_path: Path) -> None:
+    path = tmp_path / "never.duckdb"
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
+             "--grpc-port", "0", "--dashboard", "--dashboard-port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_start_on_a_busy_port_adds_no_run_to_an_existing_store(tmp_path: Path) -> None:
+    path = tmp_path / "existing.duckdb"
+    with Receiver(path, record_run=True):
+        pass
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match="cannot listen"):
+            Receiver(path, port=port, record_run=True).start()
+        result = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
+             str(port), "--grpc-port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 2, result.stderr
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        runs = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
+    finally:
+        con.close()
+    assert runs == (1, 1)
+
+
+# --- SIGTERM stops serve and serve --dashboard the same orderly way (issue 22, defect 1) -------
+
+
+def _span_request(n: int, tag: str) -> bytes:
+    """One OTLP protobuf request with ``n`` spans (enough to go through a Parquet batch)."""
+    return encode_spans(_spans(n, tag)).SerializeToString()
+
+
+@pytest.mark.parametrize("dashboard", [False, True], ids=["serve", "serve-dashboard"])
+def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
+    tmp_path: Path, dashboard: bool
+) -> None:
+    path = tmp_path / "served.duckdb"
+    spill = tmp_path / "system-tmp"
+    spill.mkdir()
+    argv = [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
+            "--grpc-port", "0"]
+    if dashboard:
+        argv += ["--dashboard", "--dashboard-port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(spill)}
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    acknowledged = 0
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert "receiving OTLP/HTTP on http://127.0.0.1:" in line, line
+        url = line.split(" on ", 1)[1].split(",", 1)[0]
+        # Each request carries 300 turns (600 spans): inserted through a Parquet batch file.
+        bodies = [_span_request(300, f"sigterm-{i}") for i in range(4)]
+        lock = threading.Lock()
+
+        def send(bodies: list[bytes]) -> None:
+            nonlocal acknowledged
+            with httpx.Client(timeout=30) as client:
+                for _ in range(10):
+                    for body in bodies:
+                        response = client.post(f"{url}/v1/traces", content=body,
+                                               headers=PROTOBUF)
+                        assert response.status_code == 200
+                        with lock:
+                            acknowledged += 600
+
+        senders = [threading.Thread(target=send, args=(bodies,)) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        # Stopped right after the last answer: rows acknowledged but maybe not yet written.
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        assert "stopped; everything acknowledged is written" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    assert acknowledged == 2 * 10 * 4 * 600
+    assert not Path(f"{path}.wal").exists()
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (acknowledged,)
+        assert con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone() \
+            == (1, 1)
+    finally:
+        con.close()
+    assert list(spill.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if "kvscope-batch" in p.name] == []

@@ -47,7 +47,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from kvscope import semconv
 from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.collector.receiver import Receiver
-from kvscope.errors import KvscopeError
+from kvscope.errors import KvscopeError, StoreError
 from kvscope.store.writer import StoreWriter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,6 +273,72 @@ def test_grpc_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path
     # The HTTP listener that the failed start had opened is closed again, and the file free.
     with Receiver(tmp_path / "other.duckdb", grpc_port=0) as again:
         assert again.grpc_port
+
+
+def _busy_port() -> socket.socket:
+    """A listening socket on an ephemeral loopback port (the port a second server cannot take)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _serve(path: Path, grpc_port: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
+         "--grpc-port", str(grpc_port), *extra],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_a_start_on_a_busy_grpc_port_creates_no_file(tmp_path: Path) -> None:
+    # Both ports are bound before the store is opened: a gRPC port in use stops the start
+    # before the file exists, for Receiver, plain serve and serve --dashboard alike.
+    path = tmp_path / "never.duckdb"
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        refusal = f"cannot listen for OTLP/gRPC on 127.0.0.1:{port}"
+        with pytest.raises(KvscopeError, match=refusal):
+            Receiver(path, grpc_port=port, record_run=True).start()
+        for extra in ([], ["--dashboard", "--dashboard-port", "0"]):
+            result = _serve(path, port, *extra)
+            assert result.returncode == 2, result.stderr
+            assert refusal in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_start_on_a_busy_grpc_port_adds_no_run_to_an_existing_store(tmp_path: Path) -> None:
+    path = tmp_path / "existing.duckdb"
+    with Receiver(path, grpc_port=0, record_run=True):
+        pass
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match="cannot listen for OTLP/gRPC"):
+            Receiver(path, grpc_port=port, record_run=True).start()
+        assert _serve(path, port).returncode == 2
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        runs = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
+    finally:
+        con.close()
+    assert runs == (1, 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_store_refused_after_both_ports_are_bound_releases_both(tmp_path: Path) -> None:
+    path = tmp_path / "foreign.duckdb"
+    path.write_bytes(b"not a store")
+    http_port, grpc_port = _free_port(), _free_port()
+    with pytest.raises(StoreError):
+        Receiver(path, port=http_port, grpc_port=grpc_port, record_run=True).start()
+    assert path.read_bytes() == b"not a store"
+    # Neither listener outlives the failed start: a new receiver takes both ports at once.
+    with Receiver(tmp_path / "ok.duckdb", port=http_port, grpc_port=grpc_port) as again:
+        assert (again.port, again.grpc_port) == (http_port, grpc_port)
 
 
 # --- a served process --------------------------------------------------------------------------

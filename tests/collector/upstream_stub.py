@@ -18,7 +18,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,11 @@ def _record(state: StubState, request: web.Request, body: dict[str, Any]) -> Non
 
 async def _misbehave(state: StubState) -> web.Response | None:
     if state.mode == "hang":
-        await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # the caller went away (see ServerThread)
+            state.disconnects += 1
+            raise
     if state.mode == "error500":
         return web.json_response({"error": {"message": "engine dead", "code": 500}}, status=500)
     if state.mode == "error400":
@@ -249,10 +253,18 @@ def decode_app(state: StubState) -> web.Application:
 
 
 class ServerThread:
-    """Runs an aiohttp application on 127.0.0.1 (ephemeral port) in a background thread."""
+    """Runs an aiohttp application on 127.0.0.1 (ephemeral port) in a background thread.
 
-    def __init__(self, app_factory: Callable[[], web.Application], port: int = 0) -> None:
+    By default a handler is cancelled when its client disconnects (``handler_cancellation``),
+    as vLLM's server aborts a request whose client went; ``runner_options`` replaces that (the
+    proxy runs with its own ``SERVER_OPTIONS``, as ``kvscope proxy`` does).
+    """
+
+    def __init__(self, app_factory: Callable[[], web.Application], port: int = 0, *,
+                 runner_options: Mapping[str, Any] | None = None) -> None:
         self._factory = app_factory
+        self._runner_options = dict(
+            {"handler_cancellation": True} if runner_options is None else runner_options)
         self._requested_port = port
         self.port = 0
         self.loop = asyncio.new_event_loop()
@@ -292,7 +304,8 @@ class ServerThread:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self._factory(), access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(self._factory(), access_log=None, shutdown_timeout=1.0,
+                               **self._runner_options)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self._requested_port)
         await site.start()

@@ -116,3 +116,30 @@ def test_truth_is_deterministic_under_seed(tmp_path: Path) -> None:
     _, second = _run(tmp_path / "b", bidir=True, seed=5)
     assert signature(first) == signature(second)
     assert not any("content" in json.dumps(r) for r in first)  # ids and counts only
+
+
+def test_engines_and_proxy_exporting_to_one_receiver_are_one_run(tmp_path: Path) -> None:
+    """The README's shape: engines and proxy in other processes send OTLP to one ``kvscope
+    serve``; its run is every span's run (the emulator stamps none of its own over OTLP)."""
+    from kvscope.collector.receiver import Receiver
+
+    db = tmp_path / "served.duckdb"
+    with Receiver(db, port=0, record_run=True) as rx:
+        config = EmulatorConfig(time_scale=TIME_SCALE, prefill_prefix_caching=False, seed=3)
+        with EmulatedCluster(config, otlp_endpoint=rx.url, proxy=True) as cluster:
+            assert cluster.proxy_url is not None
+            result = asyncio.run(replay(_workload(3), cluster.proxy_url,
+                                        time_scale=TIME_SCALE, concurrency=2))
+            assert result.summary()["errors"] == 0
+    con = open_readonly(db)
+    try:
+        runs = con.execute(
+            "SELECT ServiceName, list(DISTINCT ResourceAttributes[?]) FROM otel_traces "
+            "GROUP BY 1 ORDER BY 1", [semconv.RUN_ID]).fetchall()
+        recorded = [r[0] for r in con.execute("SELECT run_id FROM kvscope_runs").fetchall()]
+    finally:
+        con.close()
+    assert len(recorded) == 1
+    assert {service for service, _ in runs} == {
+        semconv.SERVICE_PROXY, semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE}
+    assert all(ids == recorded for _, ids in runs), runs

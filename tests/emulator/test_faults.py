@@ -162,3 +162,46 @@ def test_parse_fault_names_probabilities_and_errors() -> None:
         parse_fault("transfer_fail=x")
     assert faults.names_in("transfer_fail, nope,clock_skew") == {"transfer_fail", "clock_skew"}
     assert faults.names_in(None) == frozenset()
+
+
+def test_async_scheduling_flag_sets_what_decode_offers() -> None:
+    """``--async-scheduling`` (default) / ``--no-async-scheduling`` reach the engines' config
+    (what each offers is tested on the model: test_reuse_model)."""
+    parser = argparse.ArgumentParser()
+    add_emulate_arguments(parser)
+    assert config_from_args(parser.parse_args([])).scheduling == "async"
+    sync = config_from_args(parser.parse_args(["--no-async-scheduling"]))
+    assert sync.scheduling == "sync"
+    nodes = EmulatedCluster(sync)
+    assert nodes.config.scheduling == "sync"
+
+
+@pytest.mark.parametrize(("queued_wall_s", "status"), [(0.0, semconv.TRANSFER_OK),
+                                                       (0.12, semconv.TRANSFER_DECLINED_EXPIRED)])
+def test_time_queued_at_prefill_eats_the_expiry_margin(queued_wall_s: float,
+                                                        status: str) -> None:
+    """The deadline is checked when prefill takes the request up (vLLM's start_load_kv), not
+    when it arrives: an offer good on arrival is declined after queueing behind other work.
+
+    TTL 8 model seconds at time scale 50: read at once, 8 > 5 s of margin; queued 0.12 wall
+    seconds (6 model seconds) behind a busy prefill, 6 + 5 ≥ 8.
+    """
+    import asyncio
+    import threading
+
+    with EmulatedCluster(_config(decoder_kv_blocks_ttl=8.0), proxy=True) as c:
+        assert c.proxy_url is not None and c.emulation is not None and c._loop is not None
+        lock = c.emulation.prefill_nodes[0].compute_lock
+        n = next(_conversations)
+        messages = [{"role": "system", "content": f"agent {n} " + "rules " * 120},
+                    {"role": "user", "content": f"task {n}"}]
+        first = _turn(c.proxy_url, f"q-{n}", messages, [])
+        reply = first.json()["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go"}]
+        if queued_wall_s:
+            asyncio.run_coroutine_threadsafe(lock.acquire(), c._loop).result(5)
+            threading.Timer(queued_wall_s,
+                            lambda: c._loop.call_soon_threadsafe(lock.release)).start()
+        _turn(c.proxy_url, f"q-{n}", messages, [])
+        row = c.emulation.truth.rows[-1]
+    assert row.turn_index == 2 and row.transfer_status == status, row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -195,6 +196,21 @@ def test_think_times_and_start_offsets_are_scaled(stub: Stub) -> None:
         gap = after.arrived - before.ended
         assert 0.29 <= gap < 2.0  # think 3.0 / 10, measured from the previous response's end
     assert [r.think_time_s for r in result.records] == [0.0, 0.3, 0.3]
+
+
+def test_a_recorded_send_time_places_the_turn_once_answered(stub: Stub) -> None:
+    # As the Mooncake importer gives: send times on the trace's clock (quantised, so a turn can
+    # be due before its previous answer has ended; it is then sent at that end).
+    conv = _conv("sent", turns=3, start_s=0.2)
+    turns = [dataclasses.replace(t, sent_at_s=at, think_time_s=99.0)
+             for t, at in zip(conv.turns, (0.2, 0.8, 0.8), strict=True)]
+    work = _workload(dataclasses.replace(conv, turns=tuple(turns)))
+    stub.delay_s = 0.3
+    started = time.monotonic()
+    asyncio.run(replay(work, stub.url))
+    first, second, third = stub.seen
+    assert 0.75 <= second.arrived - started < 1.2  # at its send time, the answer being in
+    assert 0.0 <= third.arrived - second.ended < 0.2  # due already: right after the answer
 
 
 def test_concurrency_limit_holds(stub: Stub) -> None:

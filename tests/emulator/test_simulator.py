@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from kvscope.emulator.simulator import (
     SimulationSettings,
     simulate,
 )
-from kvscope.emulator.workloads import synthetic
+from kvscope.emulator.workloads import mooncake, mooncake_synthetic, synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
 from kvscope.store import StoreReader
@@ -145,3 +146,29 @@ def test_unknown_faults_are_refused() -> None:
         SimulationSettings(faults={"gremlins": 1.0})
     with pytest.raises(ValueError, match="probability"):
         SimulationSettings(faults={FAULT_TRANSFER: 2.0})
+
+
+def test_mooncake_follow_ups_continue_and_are_sent_at_their_trace_time(tmp_path: Path) -> None:
+    trace = mooncake_synthetic.generate(sessions=40, seed=1)
+    # Trace time compressed: some follow-ups are due before their previous answer has ended.
+    work = mooncake.load(trace.write(tmp_path / "trace.jsonl"), time_compression=20.0)
+    result = simulate(work, tmp_path / "mooncake.duckdb", SimulationSettings())
+    truth = {(row.conversation_id, row.turn_index): row for row in result.truth}
+    on_time = late = 0
+    for conv in work.conversations:
+        for prev, turn in itertools.pairwise(conv.turns):
+            assert turn.sent_at_s is not None
+            arrival = truth[(conv.id, turn.index)].arrival_s
+            # Never before the trace's send time; later only when the previous answer ran past
+            # it (the quantised timestamps put some follow-ups in their parent's 3 s slot).
+            assert arrival >= turn.sent_at_s - 1e-6
+            assert arrival > truth[(conv.id, prev.index)].arrival_s
+            if arrival == pytest.approx(turn.sent_at_s):
+                on_time += 1
+            else:
+                late += 1
+    assert on_time > 10 and late > 10
+    # A follow-up re-sends the previous prompt and answer: a continuation, reused from decode.
+    later = _later_outcomes(result)
+    assert outcomes.PREFIX_DIVERGED not in later
+    assert later[outcomes.REUSED_REMOTE] >= 0.9 * sum(later.values())

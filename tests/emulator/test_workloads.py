@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -23,6 +24,7 @@ from kvscope.emulator.workloads import (
     common_prefix_blocks,
     messages,
     mooncake,
+    mooncake_synthetic,
     synthetic,
     weka,
 )
@@ -297,36 +299,102 @@ def test_weka_bad_files_name_the_place(tmp_path: Path) -> None:
 # --- Mooncake -----------------------------------------------------------------------------------
 
 
-def _mooncake_file(tmp_path: Path) -> Path:
-    rows = [
-        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
-        {"timestamp": 500, "input_length": 700, "output_length": 5, "hash_ids": [1, 9]},
-        {"timestamp": 2000, "input_length": 1600, "output_length": 20, "hash_ids": [1, 2, 3, 4]},
-        {"timestamp": 2500, "input_length": 1200, "output_length": 7, "hash_ids": [1, 9, 7]},
-        {"timestamp": 9000, "input_length": 600, "output_length": 3, "hash_ids": [5, 6]},
-    ]
+def _mooncake_file(tmp_path: Path, rows: list[dict[str, object]]) -> Path:
     path = tmp_path / "mooncake.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
-def test_mooncake_groups_by_full_prefix_continuation(tmp_path: Path) -> None:
-    work = mooncake.load(_mooncake_file(tmp_path))
-    shapes = [[t.prompt_tokens for t in c.turns] for c in work.conversations]
-    assert shapes == [[1100, 1600], [700, 1200], [600]]
-    first = work.conversations[0]
-    assert first.turns[1].think_time_s == 2.0 and work.conversations[1].start_s == 0.5
+def _found_links(sessions: mooncake.Sessions) -> set[tuple[int, int]]:
+    """(earlier row, follow-up row) pairs the importer linked, as 0-based row indices."""
+    return {(a - 1, b - 1) for lines in sessions.lines for a, b in itertools.pairwise(lines)}
+
+
+def test_mooncake_finds_the_sessions_of_a_trace_shaped_like_the_real_one(tmp_path: Path) -> None:
+    trace = mooncake_synthetic.generate(sessions=300, seed=3)
+    path = trace.write(tmp_path / "conversation_trace.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # The real trace's shape: a follow-up never carries its previous prompt's last id, sessions
+    # share system-prompt blocks, timestamps fall on a 3 s grid.
+    for a, b in trace.links():
+        full = rows[a]["input_length"] // 512
+        assert rows[b]["hash_ids"][:full] == rows[a]["hash_ids"][:full]
+        assert rows[a]["hash_ids"][-1] not in rows[b]["hash_ids"]
+    firsts = [rows[s[0]]["hash_ids"][0] for s in trace.sessions]
+    assert len(set(firsts)) == 3
+    assert {r["timestamp"] % 3000 for r in rows} == {0}
+
+    found = mooncake.read_sessions(path)
+    links = _found_links(found)
+    # Every link found is one the generator made, and every link the ids can tell is found; the
+    # rest (an earlier prompt whose full blocks are all system prompt) cannot be told apart.
+    assert links <= trace.links()
+    assert links == trace.identifiable_links()
+    assert len(links) >= 0.95 * len(trace.links())
+    unlinkable = len(trace.links()) - len(links)
+    summary = found.summary
+    assert summary.requests == len(rows) == 758
+    assert summary.sessions == len(trace.sessions) + unlinkable == 305
+    assert summary.follow_ups == len(links) == 453
+    assert summary.multi_turn_sessions == sum(1 for lines in found.lines if len(lines) > 1)
+    assert (summary.turns_per_session_p50, summary.turns_per_session_max) == (2, 12)
+    assert summary.unlinked_on_prefix == 235  # first turns after a shared system prompt, mostly
+
+    work = mooncake.load(path)
+    assert mooncake.import_summary(work) == summary
+    assert work.settings["sessions"] == 305 and work.num_requests == 758
     view = block_view(work)
-    # Equal hash ids are equal blocks, across conversations too (the shared leading id 1).
-    a, b = view.prompt(work.conversations[0].id, 1), view.prompt(work.conversations[1].id, 1)
-    assert common_prefix_blocks(a, b) == 512 // 16
-    assert first.turns[1].shared_prefix_tokens == 1100 // 16 * 16
-    single = mooncake.load(_mooncake_file(tmp_path), group=False)
-    assert [len(c.turns) for c in single.conversations] == [1, 1, 1, 1, 1]
-    text_a = ChatHistory(work.conversations[0]).messages(first.turns[0])[0]["content"].split()
-    text_b = ChatHistory(work.conversations[1]).messages(
-        work.conversations[1].turns[0])[0]["content"].split()
+    for conv in work.conversations:
+        for prev, turn in itertools.pairwise(conv.turns):
+            # A follow-up re-sends the previous prompt and answer: the blocks decode holds.
+            sent = prev.prompt_tokens + prev.output_tokens
+            assert turn.shared_prefix_tokens == sent
+            held = view.sequence(conv.id, prev.index)
+            assert common_prefix_blocks(held, view.prompt(conv.id, turn.index)) == sent // 16
+            assert turn.sent_at_s is not None and prev.sent_at_s is not None
+            assert turn.think_time_s == pytest.approx(turn.sent_at_s - prev.sent_at_s)
+
+
+def test_mooncake_links_on_full_blocks_only(tmp_path: Path) -> None:
+    system = {"timestamp": 0, "input_length": 900, "output_length": 50, "hash_ids": [0, 1]}
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 2, 3]},
+        system,  # its only full block is the shared system prompt: no follow-up can be told
+        {"timestamp": 3000, "input_length": 1200, "output_length": 20, "hash_ids": [0, 4, 5]},
+        # Follows row 1: its full blocks [0, 2], not its partial id 3.
+        {"timestamp": 6000, "input_length": 1600, "output_length": 20, "hash_ids": [0, 2, 6, 7]},
+        # Starts with row 3's full blocks but is shorter than its prompt and answer: a new one.
+        {"timestamp": 9000, "input_length": 1210, "output_length": 5, "hash_ids": [0, 4, 8]},
+        {"timestamp": 12000, "input_length": 2600, "output_length": 5,
+         "hash_ids": [0, 2, 6, 9, 10, 11]},
+    ]
+    path = _mooncake_file(tmp_path, rows)
+    found = mooncake.read_sessions(path)
+    assert found.lines == ((1, 4, 6), (2,), (3,), (5,))
+    assert found.summary.unlinked_on_prefix == 2  # rows 3 and 5
+    work = mooncake.load(path)
+    first = work.conversations[0]
+    assert [t.sent_at_s for t in first.turns] == [0.0, 6.0, 12.0]
+    assert [t.think_time_s for t in first.turns] == [0.0, 6.0, 6.0]
+    assert first.turns[1].shared_prefix_tokens == 1110
+    single = mooncake.load(path, group=False)
+    assert [len(c.turns) for c in single.conversations] == [1] * 6
+    # Equal hash ids are equal blocks, across conversations too (the shared leading id 0), and
+    # render as equal text.
+    view = block_view(work)
+    a, b = work.conversations[0], work.conversations[2]
+    assert common_prefix_blocks(view.prompt(a.id, 1), view.prompt(b.id, 1)) == 512 // 16
+    text_a = ChatHistory(a).messages(a.turns[0])[0]["content"].split()
+    text_b = ChatHistory(b).messages(b.turns[0])[0]["content"].split()
     assert tokens.common_prefix_len(text_a, text_b) == 512
+
+
+def test_mooncake_generator_is_seeded() -> None:
+    one = mooncake_synthetic.generate(sessions=20, seed=5)
+    assert one == mooncake_synthetic.generate(sessions=20, seed=5)
+    assert one != mooncake_synthetic.generate(sessions=20, seed=6)
+    with pytest.raises(WorkloadError, match="continue_probability"):
+        mooncake_synthetic.generate(continue_probability=1.0)
 
 
 def test_mooncake_bad_rows_name_the_line(tmp_path: Path) -> None:

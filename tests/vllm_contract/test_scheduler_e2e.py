@@ -415,3 +415,31 @@ def test_preemption_after_the_read(captured: Captured, engines: Any,
         decisions = [s.attributes for s in captured.spans(semconv.SPAN_REUSE_DECISION)]
         assert [d[semconv.DECISION] for d in decisions] == [
             semconv.DECISION_PULL, semconv.DECISION_REISSUED]
+
+
+@pytest.mark.parametrize(("expired", "reason"), [(1, semconv.RELEASE_EXPIRED),
+                                                  (0, semconv.RELEASE_NOTIFIED)])
+def test_the_release_cause_comes_from_the_workers_stats(
+    captured: Captured, engines: Any, expired: int, reason: str
+) -> None:
+    """The worker's TTL reaper counts each release in ``num_kv_expired_reqs``
+    (base_worker.py ``_reap_expired_send_leases``), carried by the same KVConnectorOutput as
+    ``finished_sending``: the retention's release reason is that observation, not a guess from
+    the deadline (a reaper release before our perf_counter reaches it still reads expired)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    d = engines("kv_consumer", engine_id="decode-engine")
+    d.add("d-t1", 100, p_params(100), max_tokens=4)
+    d.step()
+    d.step(finished_recving={"d-t1"})
+    d.run("d-t1")
+    stats = NixlKVConnectorStats()
+    stats.data["num_kv_expired_reqs"] = [1] * expired
+    out = d.scheduler.schedule()
+    d.scheduler.update_from_output(out, ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+        kv_connector_output=KVConnectorOutput(finished_sending={"d-t1"},
+                                              kv_connector_stats=stats)))
+    span = the_span(captured, semconv.SPAN_KV_RETENTION)
+    # 480 s before the deadline: the old guess said "notified" for both.
+    assert span.attributes[semconv.RETENTION_RELEASE_REASON] == reason

@@ -1,0 +1,413 @@
+"""The options and runs of ``kvscope simulate``: settings, sweeps, workloads, progress.
+
+Every :class:`~kvscope.emulator.simulator.SimulationSettings` field is an option, named as vLLM
+names it where vLLM has the knob (:data:`OPTIONS`). ``--sweep KEY=V1,V2`` (repeatable) runs every
+combination of the listed values into the same store, each run labelled with its values
+(:func:`expand`); :func:`run_all` runs them with a progress line on stderr (turns sent / total,
+virtual time, turns a second). The command itself, which ends with a summary read back through
+the analysis registry, is composed in :mod:`kvscope.simulate` (the emulator never imports the
+analyses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvscope import settings
+from kvscope.emulator.cost_model import PROFILES
+from kvscope.emulator.simulator import (
+    SIM_FAULTS,
+    SimulationResult,
+    SimulationSettings,
+    simulate,
+)
+from kvscope.emulator.workloads.model import Workload
+from kvscope.errors import SettingError
+from kvscope.reuse.params import FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE, SCHEDULING_MODES
+
+WORKLOADS = ("synthetic", "weka", "mooncake")
+_DEFAULTS = SimulationSettings()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true/false, on/off)")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One :class:`SimulationSettings` field as a command-line option."""
+
+    field: str
+    flag: str
+    parse: Callable[[str], Any]
+    help: str
+    choices: tuple[str, ...] | None = None
+    setting: str | None = None  # the kvscope setting that gives its default (env var too)
+
+    @property
+    def default(self) -> Any:
+        if self.setting is not None:
+            return settings.resolve(self.setting)
+        return getattr(_DEFAULTS, self.field)
+
+    def value(self, raw: str, where: str) -> Any:
+        """``raw`` parsed and checked; SettingError naming ``where`` otherwise."""
+        try:
+            value = self.parse(raw)
+        except ValueError as exc:
+            raise SettingError(f"{where}: {exc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise SettingError(f"{where}: choose one of {', '.join(self.choices)}")
+        return value
+
+
+# Every SimulationSettings field but ``faults`` (``--fault NAME=P``); a test holds this to the
+# dataclass. Flags are vLLM's where vLLM has the knob.
+OPTIONS: tuple[Option, ...] = (
+    Option("label", "--label", str,
+           "run label (a sweep appends each run's KEY=VALUE pairs)"),
+    Option("profile", "--profile", str, "cost-model profile timing prefill, transfer, decode",
+           tuple(sorted(PROFILES))),
+    Option("prefill_nodes", "--prefill-nodes", int, "prefill engines (round robin)"),
+    Option("decode_nodes", "--decode-nodes", int, "decode engines (round robin)"),
+    Option("prefill_bidirectional_kv_xfer", "--prefill-bidirectional-kv-xfer", _bool,
+           "prefill reads KV back from decode (kv_connector_extra_config bidirectional_kv_xfer)"),
+    Option("decode_bidirectional_kv_xfer", "--decode-bidirectional-kv-xfer", _bool,
+           "decode keeps finished turns' KV and offers it (bidirectional_kv_xfer)"),
+    Option("kv_recompute_threshold", "--kv-recompute-threshold", int,
+           "fewest reusable tokens worth pulling from decode", setting="kv_recompute_threshold"),
+    Option("decoder_kv_blocks_ttl", "--decoder-kv-blocks-ttl", float,
+           "seconds decode keeps a finished turn's KV blocks", setting="decoder_kv_blocks_ttl"),
+    Option("router_ttl", "--router-ttl", float,
+           "seconds the proxy keeps decode's metadata per conversation", setting="router_ttl"),
+    Option("kv_load_failure_policy", "--kv-load-failure-policy", str,
+           "what prefill does after a failed KV load (vLLM's default: fail)",
+           (FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE)),
+    Option("scheduling", "--scheduling", str,
+           "the engines' scheduler (vLLM's default: async; sync never runs decode's last token)",
+           SCHEDULING_MODES),
+    Option("reuse_guard", "--reuse-guard", _bool,
+           "the proxy sends MISS params when a history does not continue the turn whose "
+           "decode KV it holds (kvscope proxy --reuse-guard)"),
+    Option("prefill_prefix_caching", "--enable-prefix-caching", _bool,
+           "prefix caching on the prefill engines (--no-enable-prefix-caching: off, as the "
+           "vLLM blog's P)"),
+    Option("prefill_cache_blocks", "--prefill-cache-blocks", int,
+           "KV blocks each prefill engine's prefix cache may hold (vLLM: num_gpu_blocks)"),
+    Option("decode_cache_blocks", "--decode-cache-blocks", int,
+           "KV blocks each decode engine may hold (vLLM: num_gpu_blocks)"),
+    Option("decode_clock_offset_s", "--decode-clock-offset", float,
+           "seconds decode's clock is ahead of prefill's (times the decode index)"),
+    Option("seed", "--seed", int, "seed of fault draws and request-id suffixes"),
+    Option("model", "--served-model-name", str, "model name the runs record (vLLM's flag)"),
+)
+_BY_FIELD = {o.field: o for o in OPTIONS}
+_BY_NAME = {**_BY_FIELD, **{o.flag.removeprefix("--"): o for o in OPTIONS}}
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the ``kvscope simulate`` options on ``parser``."""
+    parser.add_argument("--workload", choices=WORKLOADS, default="synthetic",
+                        help="workload source (default: synthetic)")
+    parser.add_argument("--trace", default=None,
+                        help="weka: traces_flat.csv (default: the shipped copy), a raw "
+                             "trace_*.json or a folder of them; mooncake: the JSONL trace "
+                             "(required)")
+    parser.add_argument("--db", required=True, help="DuckDB store the runs are added to")
+    parser.add_argument("--truth", default=None,
+                        help="also write every turn's ground truth here, as JSON lines")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="sessions (synthetic, default 8), first traces (weka) or first "
+                             "sessions (mooncake); default: all of a trace")
+    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="multiply weka CSV token counts")
+    parser.add_argument("--arrival-rate", type=float, default=0.0,
+                        help="sessions a second for weka traces (0: all start at once)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="divide a trace's waits and start times by this (weka, mooncake)")
+    parser.add_argument("--workload-seed", type=int, default=0,
+                        help="seed of the synthetic workload and of weka arrivals")
+    for option in OPTIONS:
+        kwargs: dict[str, Any] = {"dest": option.field, "default": None}
+        if option.parse is _bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            help_default = "on" if option.default else "off"
+        else:
+            kwargs["type"] = str
+            kwargs["metavar"] = option.field.upper()
+            if option.choices is not None:
+                kwargs["choices"] = option.choices
+                kwargs.pop("metavar")
+            help_default = repr(option.default)
+        env = (f"; env {settings.SETTINGS[option.setting].env_var}"
+               if option.setting is not None else "")
+        parser.add_argument(option.flag, help=f"{option.help} (default {help_default}{env})",
+                            **kwargs)
+    parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
+                        default=None, help="set bidirectional KV transfer on both prefill "
+                                           "and decode (the feature on/off)")
+    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
+                        help="inject a fault into a share P of turns (default 1; repeatable); "
+                             "one of: "
+                             + ", ".join(SIM_FAULTS))
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="one run per value (repeatable: every combination); KEY is an "
+                             "option above, e.g. decoder-kv-blocks-ttl=60,480 or "
+                             "bidirectional-kv-xfer=on,off")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _faults(items: Sequence[str]) -> dict[str, float]:
+    faults: dict[str, float] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if name not in SIM_FAULTS:
+            raise SettingError(f"--fault {item!r}: unknown fault; known: {', '.join(SIM_FAULTS)}")
+        try:
+            p = float(raw) if sep else 1.0
+        except ValueError:
+            raise SettingError(f"--fault {item!r}: {raw!r} is not a probability") from None
+        if not 0.0 <= p <= 1.0:
+            raise SettingError(f"--fault {item!r}: the probability must be within [0, 1]")
+        faults[name] = p
+    return faults
+
+
+def base_settings(args: argparse.Namespace) -> SimulationSettings:
+    """The settings the options give (before any sweep)."""
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw = getattr(args, option.field, None)
+        if raw is None:
+            values[option.field] = option.default
+        elif isinstance(raw, bool):
+            values[option.field] = raw
+        else:
+            values[option.field] = option.value(raw, f"{option.flag}={raw}")
+    if args.bidirectional_kv_xfer is not None:
+        for name in ("prefill_bidirectional_kv_xfer", "decode_bidirectional_kv_xfer"):
+            if getattr(args, name, None) is None:
+                values[name] = args.bidirectional_kv_xfer
+    values["faults"] = _faults(args.fault)
+    return _checked(values, "options")
+
+
+def _checked(values: Mapping[str, Any], where: str) -> SimulationSettings:
+    for name in ("prefill_nodes", "decode_nodes"):
+        if values[name] < 1:
+            raise SettingError(f"{where}: {_BY_FIELD[name].flag} must be >= 1")
+    try:
+        return SimulationSettings(**values)
+    except ValueError as exc:
+        raise SettingError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One swept setting: the field and its values, parsed."""
+
+    field: str
+    values: tuple[Any, ...]
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``KEY=V1,V2,...`` as a :class:`Sweep` (KEY: a field or flag name, or
+    ``bidirectional-kv-xfer`` for both sides)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().removeprefix("--")
+    values = [v.strip() for v in raw.split(",") if v.strip()]
+    if not sep or not values:
+        raise SettingError(f"--sweep {text!r}: expected KEY=V1,V2,...")
+    if key.replace("_", "-") == "bidirectional-kv-xfer":
+        return Sweep("bidirectional_kv_xfer",
+                     tuple(_BY_FIELD["prefill_bidirectional_kv_xfer"].value(v, f"--sweep {text!r}")
+                           for v in values))
+    option = _BY_NAME.get(key) or _BY_NAME.get(key.replace("_", "-"))
+    if option is None or option.field == "label":
+        known = ", ".join(o.flag.removeprefix("--") for o in OPTIONS if o.field != "label")
+        raise SettingError(f"--sweep {text!r}: unknown key {key!r}; known: {known}, "
+                           "bidirectional-kv-xfer")
+    return Sweep(option.field, tuple(option.value(v, f"--sweep {text!r}") for v in values))
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def expand(base: SimulationSettings, sweeps: Sequence[Sweep]) -> list[SimulationSettings]:
+    """One settings per combination of swept values, each labelled with its values."""
+    if not sweeps:
+        return [base]
+    out = []
+    for combo in itertools.product(*(s.values for s in sweeps)):
+        values = {f.name: getattr(base, f.name) for f in fields(base)}
+        parts = []
+        for sweep, value in zip(sweeps, combo, strict=True):
+            if sweep.field == "bidirectional_kv_xfer":
+                values["prefill_bidirectional_kv_xfer"] = value
+                values["decode_bidirectional_kv_xfer"] = value
+                name = "bidirectional-kv-xfer"
+            else:
+                values[sweep.field] = value
+                name = _BY_FIELD[sweep.field].flag.removeprefix("--")
+            parts.append(f"{name}={_show(value)}")
+        values["label"] = " ".join([base.label, *parts])
+        out.append(_checked(values, "--sweep " + " ".join(parts)))
+    return out
+
+
+# --- workload -----------------------------------------------------------------------------------
+
+
+def load_workload(args: argparse.Namespace, block_size: int) -> Workload:
+    """The workload the options describe, at ``block_size`` tokens a block."""
+    if args.time_scale <= 0:
+        raise SettingError(f"--time-scale={args.time_scale}: must be > 0")
+    if args.conversations is not None and args.conversations < 0:
+        raise SettingError(f"--conversations={args.conversations}: must be >= 0")
+    if args.workload == "synthetic":
+        from kvscope.emulator.workloads.synthetic import generate
+
+        overrides: dict[str, object] = {"seed": args.workload_seed, "block_size": block_size}
+        if args.conversations is not None:
+            overrides["conversations"] = args.conversations
+        if args.max_turns is not None:
+            overrides["max_turns"] = args.max_turns
+        return generate(**overrides)
+    if args.workload == "weka":
+        from kvscope.emulator.workloads import weka
+
+        trace = Path(args.trace) if args.trace is not None else None
+        if trace is not None and (trace.is_dir() or trace.suffix == ".json"):
+            files = sorted(trace.glob("trace_*.json")) if trace.is_dir() else [trace]
+            if not files:
+                raise SettingError(f"--trace {trace}: no trace_*.json files in this folder")
+            if args.conversations is not None:
+                files = files[:args.conversations]
+            return weka.load_raw(files, max_turns=args.max_turns,
+                                 time_compression=args.time_scale,
+                                 arrival_rate_per_s=args.arrival_rate, seed=args.workload_seed,
+                                 block_size=block_size)
+        return weka.load_csv(trace, conversations=args.conversations, max_turns=args.max_turns,
+                             token_scale=args.token_scale, time_compression=args.time_scale,
+                             arrival_rate_per_s=args.arrival_rate, seed=args.workload_seed,
+                             block_size=block_size)
+    from kvscope.emulator.workloads import mooncake
+
+    if args.trace is None:
+        raise SettingError("--trace is required with --workload mooncake")
+    return mooncake.load(args.trace, conversations=args.conversations, max_turns=args.max_turns,
+                         time_compression=args.time_scale, block_size=block_size)
+
+
+def describe(workload: Workload) -> str:
+    """One line about a workload (with the Mooncake grouping summary where there is one)."""
+    from kvscope.emulator.workloads.mooncake import import_summary
+
+    summary = workload.summary()
+    line = (f"workload {workload.name}: {summary['conversations']} conversations, "
+            f"{summary['requests']:,} turns, {summary['prompt_tokens']:,} prompt tokens")
+    grouping = import_summary(workload)
+    if grouping is not None:
+        line += f"\n  mooncake grouping: {grouping.line()}"
+    return line
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+def _virtual(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = seconds / 60
+    return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
+
+
+class ProgressLine:
+    """The progress of one run on a stream: turns sent / total, virtual time, turns a second.
+
+    On a terminal the line is redrawn in place (at most 10 times a second); elsewhere a line is
+    written at most every ``every_s`` seconds, so logs stay short.
+    """
+
+    def __init__(self, prefix: str, total: int, stream: TextIO, every_s: float = 5.0) -> None:
+        self.prefix = prefix
+        self.total = total
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every_s = 0.1 if self.tty else every_s
+        self.started = time.monotonic()
+        self._last = self.started
+
+    def _text(self, turns: int, virtual_s: float, now: float) -> str:
+        elapsed = max(now - self.started, 1e-9)
+        share = f" ({100 * turns / self.total:.0f}%)" if self.total else ""
+        return (f"{self.prefix} {turns:,}/{self.total:,} turns{share}, virtual "
+                f"{_virtual(virtual_s)}, {turns / elapsed:,.0f} turns/s")
+
+    def __call__(self, turns: int, virtual_s: float) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s and turns < self.total:
+            return
+        self._last = now
+        text = self._text(turns, virtual_s, now)
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self, result: SimulationResult) -> None:
+        """The run's closing line: turns, spans, wall time, rate."""
+        elapsed = time.monotonic() - self.started
+        text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
+                f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
+                f"virtual {_virtual(result.virtual_seconds)}")
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSettings],
+            db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
+    """Simulate each plan into ``db`` in turn (``workloads`` gives the workload for a profile's
+    block size); with ``stream``, a progress line per run."""
+    from kvscope.emulator.cost_model import profile
+
+    for number, plan in enumerate(plans, start=1):
+        workload = workloads(profile(plan.profile).block_size)
+        line = None
+        if stream is not None:
+            line = ProgressLine(f"[{number}/{len(plans)} {plan.label}]", workload.num_requests,
+                                stream)
+        result = simulate(workload, db, plan, progress=line)
+        if line is not None:
+            line.done(result)
+        yield result
+
+
+__all__ = [
+    "OPTIONS",
+    "ProgressLine",
+    "Sweep",
+    "add_simulate_arguments",
+    "base_settings",
+    "expand",
+    "load_workload",
+    "run_all",
+    "parse_sweep",
+]

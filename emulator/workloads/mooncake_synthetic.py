@@ -1,0 +1,194 @@
+"""Seeded generator of Mooncake-format traces shaped like the FAST'25 conversation trace.
+
+It writes what the real trace holds and keeps what the real trace does not say: which session
+each request belongs to. Shape, as in the real trace:
+
+- **chained ids** numbered in order of first appearance: a block's id stands for its content and
+  everything before it, so equal ids at one position mean an equal prefix;
+- one id per 512-token block of the prompt **including the last, partial one**, whose id changes
+  when the next turn fills it (the previous answer and new text follow);
+- **shared system prompts**: each session starts with one of a few system prompts, so its first
+  blocks are those of other users' sessions (not block-aligned: the block holding the system
+  prompt's end and the first message is the session's own);
+- a follow-up re-sends the previous prompt and answer and adds one message;
+- ``timestamp`` in ms, **quantised** to 3 s, rows in send order.
+
+Same config (seed included) ⇒ identical trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvscope.emulator.workloads.model import WorkloadError
+
+TRACE_BLOCK_SIZE = 512
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Knobs of the generated trace; sizes in tokens, times in seconds."""
+
+    sessions: int = 300
+    seed: int = 0
+    arrival_rate_per_s: float = 0.5
+    # One of these system prompts starts each session (picked uniformly).
+    system_prompt_tokens: tuple[int, ...] = (700, 1_300, 2_100)
+    first_message_p50: int = 2_500
+    first_message_sigma: float = 1.2
+    follow_up_message_p50: int = 150
+    follow_up_message_sigma: float = 1.2
+    max_message_tokens: int = 60_000
+    output_p50: int = 350
+    output_sigma: float = 0.7
+    max_output_tokens: int = 2_000
+    # Chat template tokens around one message.
+    message_overhead_tokens: int = 4
+    continue_probability: float = 0.6
+    max_turns: int = 12
+    think_time_p50_s: float = 30.0
+    think_time_sigma: float = 1.3
+    max_think_time_s: float = 1_800.0
+    timestamp_quantum_ms: int = 3_000
+
+    def validate(self) -> None:
+        """Raise :class:`WorkloadError` naming the first invalid field."""
+        checks = {
+            "sessions": self.sessions >= 0,
+            "arrival_rate_per_s": self.arrival_rate_per_s > 0,
+            "system_prompt_tokens": bool(self.system_prompt_tokens)
+            and min(self.system_prompt_tokens) > 0,
+            "continue_probability": 0.0 <= self.continue_probability < 1.0,
+            "max_turns": self.max_turns >= 1,
+            "timestamp_quantum_ms": self.timestamp_quantum_ms >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise WorkloadError(f"mooncake trace generator: invalid {name}="
+                                    f"{getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class GeneratedTrace:
+    """A generated trace: its rows in file order and the sessions that made them.
+
+    ``sessions`` holds each session's row indices (0-based, file order) in turn order;
+    ``system_tokens`` the system prompt size of each row's session.
+    """
+
+    rows: tuple[dict[str, Any], ...]
+    sessions: tuple[tuple[int, ...], ...]
+    system_tokens: tuple[int, ...]
+
+    def write(self, path: str | Path) -> Path:
+        """Write the rows as JSON lines (the Mooncake format) and return the path."""
+        out = Path(path)
+        out.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        return out
+
+    def links(self) -> set[tuple[int, int]]:
+        """Every (earlier row, follow-up row) pair of consecutive turns of a session."""
+        return {(a, b) for turns in self.sessions for a, b in itertools.pairwise(turns)}
+
+    def identifiable_links(self) -> set[tuple[int, int]]:
+        """The links the ids can tell: the earlier prompt's full blocks hold some of the
+        session's own text (full blocks that are all system prompt start other users' prompts
+        too, so they cannot say whose next request follows)."""
+        out = set()
+        for a, b in self.links():
+            full_tokens = self.rows[a]["input_length"] // TRACE_BLOCK_SIZE * TRACE_BLOCK_SIZE
+            if full_tokens > self.system_tokens[a]:
+                out.add((a, b))
+        return out
+
+
+def _lognormal(rng: random.Random, p50: float, sigma: float, high: float) -> int:
+    return max(1, min(int(high), round(p50 * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+
+
+# A segment of a prompt: (what it is, its tokens). Blocks are named by the slices they cover.
+_Segment = tuple[tuple[Any, ...], int]
+
+
+def _block_contents(segments: list[_Segment]) -> list[tuple[tuple[Any, ...], ...]]:
+    """Each 512-token block's content (the segment slices it covers), the last maybe partial."""
+    blocks: list[tuple[tuple[Any, ...], ...]] = []
+    current: list[tuple[Any, ...]] = []
+    room = TRACE_BLOCK_SIZE
+    for key, tokens in segments:
+        offset = 0
+        while offset < tokens:
+            take = min(room, tokens - offset)
+            current.append((key, offset, take))
+            offset += take
+            room -= take
+            if room == 0:
+                blocks.append(tuple(current))
+                current, room = [], TRACE_BLOCK_SIZE
+    if current:
+        blocks.append(tuple(current))
+    return blocks
+
+
+def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTrace:
+    """Generate a trace (see the module docstring); ``overrides`` replace config fields."""
+    base = config or TraceConfig()
+    cfg = TraceConfig(**{**base.__dict__, **overrides}) if overrides else base
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    # (send time s, session, turn, segments, output tokens)
+    requests: list[tuple[float, int, int, list[_Segment], int]] = []
+    systems: list[int] = []
+    start = 0.0
+    for session in range(cfg.sessions):
+        start += rng.expovariate(cfg.arrival_rate_per_s)
+        system = rng.choice(cfg.system_prompt_tokens)
+        systems.append(system)
+        segments: list[_Segment] = [(("system", system), system)]
+        sent = start
+        for turn in range(1, cfg.max_turns + 1):
+            p50 = cfg.first_message_p50 if turn == 1 else cfg.follow_up_message_p50
+            sigma = cfg.first_message_sigma if turn == 1 else cfg.follow_up_message_sigma
+            words = _lognormal(rng, p50, sigma, cfg.max_message_tokens)
+            segments = [*segments, (("user", session, turn), words + cfg.message_overhead_tokens)]
+            output = _lognormal(rng, cfg.output_p50, cfg.output_sigma, cfg.max_output_tokens)
+            requests.append((sent, session, turn, segments, output))
+            if rng.random() >= cfg.continue_probability:
+                break
+            prompt = sum(tokens for _, tokens in segments)
+            # The answer takes its time (the trace never says how long), then the user thinks.
+            service = 0.3 + prompt / 20_000 + output * 0.02
+            think = min(cfg.max_think_time_s,
+                        cfg.think_time_p50_s * math.exp(cfg.think_time_sigma * rng.gauss(0, 1)))
+            sent += service + think
+            answer = output + cfg.message_overhead_tokens
+            segments = [*segments, (("answer", session, turn), answer)]
+    requests.sort(key=lambda r: (r[0], r[1], r[2]))
+    ids: dict[tuple[int, tuple[tuple[Any, ...], ...]], int] = {}
+    rows: list[dict[str, Any]] = []
+    by_session: dict[int, list[int]] = {}
+    row_systems: list[int] = []
+    for sent, session, _turn, segments, output in requests:
+        hash_ids: list[int] = []
+        previous = -1
+        for content in _block_contents(segments):
+            # Chained: a block's id names its content and every block before it.
+            previous = ids.setdefault((previous, content), len(ids))
+            hash_ids.append(previous)
+        quantum = cfg.timestamp_quantum_ms
+        rows.append({
+            "timestamp": int(sent * 1000) // quantum * quantum,
+            "input_length": sum(tokens for _, tokens in segments),
+            "output_length": output,
+            "hash_ids": hash_ids,
+        })
+        by_session.setdefault(session, []).append(len(rows) - 1)
+        row_systems.append(systems[session])
+    sessions = tuple(tuple(by_session[s]) for s in sorted(by_session))
+    return GeneratedTrace(tuple(rows), sessions, tuple(row_systems))

@@ -1,0 +1,117 @@
+"""How a process that serves a store starts and stops: bind first, stop on a signal.
+
+A server that owns a store binds its port first and opens the store after: a start that fails
+because the port is taken must leave the file as it was (no new file, no run that never ends).
+:func:`bind` takes the address and nothing more; the server starts accepting on the returned
+sockets once everything else is ready.
+
+Whatever a process serves (the receiver alone, or with the dashboard beside it), SIGINT and
+SIGTERM take the same orderly path: :func:`stop_signals` turns them into a wake-up of the main
+thread, which then stops each server and closes the store. A signal never ends the process
+with acknowledged rows still queued.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvscope.errors import KvscopeError
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Bind ``host:port`` (every address ``host`` resolves to) without listening yet.
+
+    ``port`` 0 picks a free port, the same one on every address. Raises
+    :class:`~kvscope.errors.KvscopeError` naming the address when it cannot be bound (in use,
+    not an address of this machine, unknown host).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, object]] = set()
+    chosen = port
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address[0]) in seen:
+                continue
+            seen.add((family, address[0]))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # A restart must not wait for the previous process's connections in TIME_WAIT;
+            # on Linux this still refuses a port another socket listens on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((address[0], chosen, *address[2:]))
+            except OSError as exc:
+                # IPv6 switched off on this machine: serve the other addresses (as asyncio's
+                # create_server does), unless there are none.
+                if family != socket.AF_INET6 or exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                sockets.pop().close()
+                continue
+            chosen = int(sock.getsockname()[1])
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of this machine")
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise KvscopeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
+def bound_port(sockets: list[socket.socket]) -> int:
+    """The port the sockets from :func:`bind` hold."""
+    return int(sockets[0].getsockname()[1])
+
+
+def close_all(sockets: list[socket.socket]) -> None:
+    """Close sockets from :func:`bind` that will not be served after all."""
+    for sock in sockets:
+        sock.close()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def stop_signals() -> Iterator[Callable[[], int]]:
+    """Catch SIGINT and SIGTERM while inside; yield a function that waits for one of them.
+
+    The waiting function blocks the (main) thread until a signal arrives and returns its number;
+    one that arrived earlier, since the block was entered, returns at once. The handler only
+    writes a byte to a pipe: it takes no lock, so a signal landing anywhere on the main thread
+    cannot deadlock it. The previous handlers are restored on the way out.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            os.write(write_fd, bytes([signum]))
+        except OSError:
+            pass  # the pipe is full: a wake-up is already waiting
+
+    def wait() -> int:
+        return os.read(read_fd, 1)[0]
+
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    try:
+        yield wait
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, before)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+__all__ = ["STOP_SIGNALS", "bind", "bound_port", "close_all", "stop_signals"]
