@@ -98,6 +98,8 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "reuse_validity": pl.String(),
     "outcome": pl.String(),
     "evidence": pl.String(),
+    # Who recorded the turn: null for the proxy, semconv.OBSERVER_CLIENT for a client's record.
+    "observer": pl.String(),
 }
 
 # Whether the KV a turn loaded from decode belongs to its prompt (kvscope.reuse.validity).
@@ -149,6 +151,7 @@ _TURN_COLUMNS = {
     "messages": _a(semconv.MESSAGE_COUNT),
     "roles": _a(semconv.MESSAGE_ROLES),
     "error_kind": _a(semconv.ERROR_KIND),
+    "observer": _a(semconv.TURN_OBSERVER),
 }
 _PREFILL_COLUMNS = {
     "trace_id": "TraceId",
@@ -284,7 +287,12 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
 
 
 def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
-    turns = frames["turns"].with_columns(
+    turns = frames["turns"]
+    if "observer" not in turns.collect_schema().names():
+        # Turn frames made without the column (callers shaping frames themselves): every turn
+        # is then the proxy's.
+        turns = turns.with_columns(pl.lit(None, pl.String).alias("observer"))
+    turns = turns.with_columns(
         _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
         _int("messages"),
         pl.col("boundary_hashes").str.count_matches(",").add(1).alias("hashes_kept"),
@@ -541,6 +549,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
          pl.lit("request had no conversation id")),
         (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit("turn 1")),
+        # A client's own record (kvscope ingest) with no proxy or engine span joined to it:
+        # nothing says whether or why the turn reused, so no miss cause is claimed.
+        ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
+         outcomes.UNKNOWN, pl.lit(outcomes.EVIDENCE_CLIENT_ONLY)),
         (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
          pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
         (kind == INVALID_EDITED, outcomes.REUSED_INVALID,
@@ -562,7 +574,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         # The previous turn gave the router nothing to keep: decode returned no params, or the
         # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
         # or "consumed" when the previous turn's own lookup took the last one).
-        (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False),
+        # Only where the proxy saw the previous turn: for a client's record, a missing decode
+        # leg is evidence not collected, not a turn that never reached decode.
+        (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False)
+         & c("observer").is_null(),
          outcomes.NO_DECODE_METADATA,
          pl.when(c("prev_returned").is_null())
          .then(pl.lit("previous turn never reached decode"))

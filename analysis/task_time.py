@@ -7,7 +7,7 @@ Per conversation (DESIGN §5, task time): first arrival → last byte, split int
 * ``generation`` — the decode legs minus the P→D pulls inside them,
 * ``tool_wait`` — the gaps between a turn's last byte and the next turn's arrival (the proxy's
   ``kvscope.tool_wait`` span; inferred from the turns' times where that span is missing),
-* ``proxy_overhead`` — each turn's duration minus its two legs,
+* ``proxy_overhead`` — each turn's duration minus its two legs (turns the proxy recorded),
 
 and ``unaccounted`` = task − the five parts: about 0 when turns run one after another,
 negative when turns of one conversation overlap. Σ TTFT and its share of the task say how much
@@ -87,8 +87,10 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
         (c("prefill_ms") - d2p).alias("_input_ms"),
         (d2p.fill_null(0.0) + p2d.fill_null(0.0)).alias("_transfer_ms"),
         (c("decode_ms") - p2d).alias("_generation_ms"),
-        # The proxy runs the legs it can; a leg span that is missing did not run.
-        (c("turn_ms") - c("prefill_ms").fill_null(0.0) - c("decode_ms").fill_null(0.0))
+        # The proxy runs the legs it can; a leg span that is missing did not run. A turn only
+        # its client recorded has no legs to subtract: its overhead is not measured.
+        pl.when(c("observer").is_null()).then(
+            c("turn_ms") - c("prefill_ms").fill_null(0.0) - c("decode_ms").fill_null(0.0))
         .alias("_overhead_ms"),
         pl.coalesce(c("tool_wait_s"), gap_s.clip(lower_bound=0.0)).alias("_wait_s"),
     )

@@ -283,14 +283,16 @@ def main_dashboard(db: str, host: str | None = None, port: int | None = None) ->
 
 def main_serve_dashboard(db: str, host: str | None = None, port: int | None = None,
                          dashboard_port: int | None = None,
-                         refresh_s: float = DEFAULT_REFRESH_S) -> int:
+                         refresh_s: float = DEFAULT_REFRESH_S, *,
+                         grpc_port: int | None = None) -> int:
     """``kvscope serve --db FILE --dashboard [--dashboard-port P]``: receiver plus live pages.
 
     The receiver owns the file; the dashboard reads through a cursor of its writer's connection
-    and refreshes when rows arrive. Both ports are bound before the store is opened, so a start
-    that cannot listen leaves the file untouched. SIGINT and SIGTERM stop it the way they stop
-    plain ``serve`` (:func:`kvscope.serving.stop_signals`): the dashboard stops, then the receiver
-    writes everything acknowledged, ends its run and closes the store.
+    and refreshes when rows arrive. All three ports (dashboard, OTLP/HTTP, OTLP/gRPC) are bound
+    before the store is opened, so a start that cannot listen leaves the file untouched. SIGINT
+    and SIGTERM stop it the way they stop plain ``serve`` (:func:`kvscope.serving.stop_signals`):
+    the dashboard stops, then the receiver stops both listeners, writes everything acknowledged,
+    ends its run and closes the store.
     """
     from kvscope.collector.receiver import Receiver
 
@@ -300,6 +302,7 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
                                  else dashboard_port)
         try:
             receiver = Receiver(db, host, settings.resolve("port", port),
+                                grpc_port=settings.resolve("grpc_port", grpc_port),
                                 record_run=True).start()
         except BaseException:
             close_all(dashboard_sockets)
@@ -313,8 +316,9 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
             server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
                                      sock=served).start()
             try:
-                print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, writing {db}; "
-                      f"dashboard on {server.url}", file=sys.stderr, flush=True)
+                print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
+                      f"{receiver.grpc_url}, writing {db}; dashboard on {server.url}",
+                      file=sys.stderr, flush=True)
                 wait_for_stop()
             finally:
                 server.stop()

@@ -113,6 +113,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "db")
     add_setting(parser, "host")
     add_setting(parser, "port")
+    add_setting(parser, "grpc_port")
     parser.add_argument("--dashboard", action="store_true",
                         help="also serve the live dashboard from the same store")
     parser.add_argument("--dashboard-port", type=int, default=None,
@@ -129,13 +130,14 @@ def _required(args: argparse.Namespace, name: str) -> Any:
 
 def _run_serve(args: argparse.Namespace) -> int:
     db, host, port = _required(args, "db"), resolved(args, "host"), resolved(args, "port")
+    grpc_port = resolved(args, "grpc_port")
     if args.dashboard:
         from kvscope.dashboards.app import main_serve_dashboard
 
-        return main_serve_dashboard(db, host, port, args.dashboard_port)
+        return main_serve_dashboard(db, host, port, args.dashboard_port, grpc_port=grpc_port)
     from kvscope.collector.receiver import main_serve
 
-    return main_serve(db, host, port)
+    return main_serve(db, host, port, grpc_port)
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
@@ -314,6 +316,29 @@ def _run_gpu_sampler(args: argparse.Namespace) -> int:
     return main_gpu_sampler(args)
 
 
+def _configure_ingest(parser: argparse.ArgumentParser) -> None:
+    from kvscope.collector.ingest import KINDS
+
+    add_setting(parser, "db")
+    add_setting(parser, "run_label")
+    parser.add_argument("--kind", choices=sorted(KINDS), default=None,
+                        help="kind of every source (default: detected from each file: "
+                        + "; ".join(f"{k.name}: {k.description}" for k in KINDS.values()) + ")")
+    parser.add_argument("sources", nargs="+", metavar="SOURCE",
+                        help="files the run left (ingested together as one run)")
+
+
+def _run_ingest(args: argparse.Namespace) -> int:
+    from kvscope.collector.ingest import ingest
+
+    db = _required(args, "db")
+    result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
+    for source in result.sources:
+        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans")
+    print(f"run {result.run_id} ({result.label!r}) written to {db}")
+    return 0
+
+
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out", help="folder for kvscope.duckdb and report.html")
     parser.add_argument("--conversations", type=int, default=10,
@@ -342,7 +367,7 @@ COMMANDS: list[Command] = [
     Command("settings", "show every setting with its resolved value (or the docs table)",
             _configure_settings, _run_settings),
     Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
-    Command("serve", "receive OTLP/HTTP traces and metrics into a store",
+    Command("serve", "receive OTLP/HTTP and OTLP/gRPC traces and metrics into a store",
             _configure_serve, _run_serve),
     Command("proxy", "run the instrumented drop-in for vLLM's multi-turn P/D proxy",
             _configure_proxy, _run_proxy),
@@ -365,6 +390,8 @@ COMMANDS: list[Command] = [
             _configure_whatif, _run_whatif),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
+    Command("ingest", "store a run's own files (vLLM benchmark stats) as a kvscope run",
+            _configure_ingest, _run_ingest),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
 ]
 

@@ -6,7 +6,9 @@
     │   ├── NotAKvscopeStore     the file is not DuckDB, or a DuckDB file of something else
     │   ├── NewerSchemaError     written by a newer kvscope; refused, never rewritten
     │   └── StoreLockedError     another process holds the file for writing
-    └── PayloadError             an OTLP payload that cannot be decoded (receiver → HTTP 400)
+    ├── PayloadError             an OTLP payload that cannot be decoded (receiver → HTTP 400)
+    └── IngestError              a source file that cannot be ingested (names file and line),
+                                 or one already in the store
 
 Third-party errors (duckdb, protobuf) are translated into these at one boundary each; the CLI
 turns them into one-line messages.
@@ -41,3 +43,7 @@ class StoreLockedError(StoreError):
 
 class PayloadError(KvscopeError, ValueError):
     """An OTLP request body is malformed."""
+
+
+class IngestError(KvscopeError, ValueError):
+    """A source file for ``kvscope ingest`` is malformed, of no known kind, or already stored."""

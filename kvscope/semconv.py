@@ -58,6 +58,8 @@ SERVICE_PROXY = "kvscope-proxy"
 SERVICE_PREFILL = "vllm-prefill"
 SERVICE_DECODE = "vllm-decode"
 SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
+# Turns read from vLLM's multi-turn benchmark's --stats-json-output (kvscope ingest).
+SERVICE_VLLM_BENCHMARK = "vllm-multi-turn-benchmark"
 
 # Instrumentation scope name used by every kvscope tracer and meter.
 SCOPE_NAME = "kvscope"
@@ -114,7 +116,29 @@ ROUTER_ENTRY_AGE_S = _attr("kvscope.router.entry_age_s", "s", "Age of the router
 ROUTER_TTL_S = _attr("kvscope.router.ttl_s", "s", "The proxy's router-cache TTL.")
 PREFILL_INSTANCE = _attr("kvscope.prefill.instance", "", "host:port of the prefill server used.")
 DECODE_INSTANCE = _attr("kvscope.decode.instance", "", "host:port of the decode server used.")
-TTFT_MS = _attr("kvscope.ttft_ms", "ms", "Time to first token as seen by the proxy.")
+TTFT_MS = _attr(
+    "kvscope.ttft_ms", "ms",
+    "Time to first token as seen by the proxy (by the client where kvscope.turn.observer says).",
+)
+TURN_OBSERVER = _attr(
+    "kvscope.turn.observer", "",
+    "Who recorded a kvscope.turn: absent for the proxy; client for a client's own record "
+    "(kvscope ingest), which carries no router, decode or engine evidence.",
+)
+CLIENT_ID = _attr("kvscope.client.id", "", "The benchmark client (process) that sent the turn.")
+CLIENT_INPUT_TOKENS = _attr(
+    "kvscope.client.input_tokens", "tokens",
+    "Prompt tokens as a client counted them (its messages' contents, no chat template).",
+)
+CLIENT_OUTPUT_TOKENS = _attr(
+    "kvscope.client.output_tokens", "tokens",
+    "Output tokens as a client counted them (the streamed text, tokenized again).",
+)
+CLIENT_TPOT_MS = _attr(
+    "kvscope.client.tpot_ms", "ms", "Time per output token after the first, as a client saw it."
+)
+INGEST_KIND = _attr("kvscope.ingest.kind", "", "Kind of source a span was ingested from.")
+INGEST_FILE = _attr("kvscope.ingest.file", "", "File name a span was ingested from.")
 X_REQUEST_ID = _attr("kvscope.x_request_id", "", "X-Request-Id the proxy sent to both legs.")
 MESSAGE_BOUNDARY_HASHES = _attr(
     "kvscope.prompt.boundary_hashes",
@@ -281,6 +305,9 @@ RELEASE_REASONS = (RELEASE_READ, RELEASE_NOTIFIED, RELEASE_EXPIRED, RELEASE_OPEN
 # kvscope.request.outcome of a vLLM request after a failed load (other statuses: the vLLM
 # status name without FINISHED_, lower case: stopped, length_capped, aborted).
 OUTCOME_ERROR = "error"
+
+# kvscope.turn.observer of turns a client recorded (kvscope ingest).
+OBSERVER_CLIENT = "client"
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"

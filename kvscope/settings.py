@@ -111,6 +111,14 @@ _DECLARED = [
     Setting("host", str, "127.0.0.1", "Address servers bind to."),
     Setting("port", int, 4318, "Port of the OTLP/HTTP receiver (`kvscope serve`).", _port),
     Setting(
+        "grpc_port",
+        int,
+        4317,
+        "Port of the OTLP/gRPC receiver (`kvscope serve`; vLLM's `--otlp-traces-endpoint` "
+        "default protocol).",
+        _port,
+    ),
+    Setting(
         "max_request_bytes",
         int,
         64 * 1024 * 1024,

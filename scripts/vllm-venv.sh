@@ -54,8 +54,11 @@ pip packaging psutil "pyzmq>=25" urllib3 regex numpy "transformers>=5.16.1,<5.21
 # 4. NIXL (after CPU torch, so it does not drag a CUDA stack).
 pip "nixl==1.5.1"
 # 5. kvscope itself, without plotly/dash: only what the hooks and OTLP export import.
+#    grpcio and the OTLP/gRPC exporter: kvscope serve's gRPC listener, and vLLM's own tracing
+#    (vllm/tracing/otel.py imports the gRPC exporter; without it tracing is unavailable).
 pip "opentelemetry-api>=1.27,<2" "opentelemetry-sdk>=1.27,<2" \
   "opentelemetry-exporter-otlp-proto-http>=1.27,<2" "opentelemetry-proto>=1.27,<2" \
+  "grpcio>=1.63" "opentelemetry-exporter-otlp-proto-grpc>=1.27,<2" \
   "protobuf>=5,<8" "duckdb>=2.0,<3" "pyarrow>=16" "polars>=1.0,<3" "nvidia-ml-py>=12.535" \
   pytest "hypothesis>=6.100" "pytest-benchmark>=4"
 pip --no-deps -e .

@@ -139,4 +139,7 @@ EVIDENCE_DECLINED = "read declined as expired"
 EVIDENCE_HANDSHAKE = "handshake to decode failed"
 EVIDENCE_TRANSFER = "NIXL READ failed"
 EVIDENCE_PARTIAL = "reused {} of {}"
+# A turn only its client recorded (kvscope ingest): no span of the proxy or the engines says why.
+EVIDENCE_CLIENT_ONLY = ("client-side record only: router lookup, decode's params, reuse "
+                        "decision and transfers not measured")
 EVIDENCE_UNEXPLAINED = "no rule explains the miss"

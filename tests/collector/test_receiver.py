@@ -410,7 +410,7 @@ def test_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path) -> 
 _LAUNCHER = (
     "import sys\n"
     "from kvscope.collector.receiver import main_serve\n"
-    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0))\n"
+    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
 )
 
 
@@ -505,7 +505,7 @@ def test_a_start_on_a_busy_port_creates_no_file(tmp_path: Path) -> None:
             Receiver(path, port=port, record_run=True).start()
         result = subprocess.run(
             [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
-             str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+             str(port), "--grpc-port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -517,7 +517,7 @@ def test_serve_dashboard_on_a_busy_dashboard_port_creates_no_file(tmp_path: Path
         port = busy.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
-             "--dashboard", "--dashboard-port", str(port)],
+             "--grpc-port", "0", "--dashboard", "--dashboard-port", str(port)],
             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
@@ -534,7 +534,7 @@ def test_a_start_on_a_busy_port_adds_no_run_to_an_existing_store(tmp_path: Path)
             Receiver(path, port=port, record_run=True).start()
         result = subprocess.run(
             [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
-             str(port)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+             str(port), "--grpc-port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2, result.stderr
     con = duckdb.connect(str(path), read_only=True)
     try:
@@ -559,7 +559,8 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
     path = tmp_path / "served.duckdb"
     spill = tmp_path / "system-tmp"
     spill.mkdir()
-    argv = [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0"]
+    argv = [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
+            "--grpc-port", "0"]
     if dashboard:
         argv += ["--dashboard", "--dashboard-port", "0"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(spill)}

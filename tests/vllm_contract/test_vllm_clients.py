@@ -27,6 +27,7 @@ What each case must show, from the ground truth and the emulator's spans in its 
 
 from __future__ import annotations
 
+import ast
 import collections
 import importlib.util
 import json
@@ -359,6 +360,48 @@ def _check_workload(run: Run) -> None:
         f"CONV_ID_{i}" for i in range(CONVERSATIONS)}
 
 
+def _check_ingested(tmp_path: Path, run: Run) -> None:
+    """The benchmark's own stats file through ``kvscope ingest``: one client-side turn per
+    record with its TTFT and latency; turn 1 ``first_turn``, later turns ``unknown`` (the file
+    has no router, decode or engine evidence); a second ingest is refused."""
+    from kvscope.analysis import ledger
+    from kvscope.collector.ingest import ingest
+    from kvscope.errors import IngestError
+    from kvscope.store import StoreReader
+
+    db, stats = tmp_path / "ingested.duckdb", tmp_path / "stats.json"
+    result = ingest(db, [stats])
+    assert result.sources[0].records == len(run.stats)
+    reader = StoreReader.open(db)
+    try:
+        rows = {(r["conversation_id"], r["turn_index"]): r
+                for r in ledger.ledger(reader).to_dicts()}
+    finally:
+        reader.close()
+    assert len(rows) == len(run.stats)
+    for record in run.stats:
+        row = rows[(record["conversation_id"], (record["input_num_turns"] + 1) // 2)]
+        assert row["ttft_ms"] == pytest.approx(record["ttft_ms"]), (row, record)
+        assert row["turn_ms"] == pytest.approx(record["latency_ms"], abs=1e-6), (row, record)
+        assert row["outcome"] == (outcomes.FIRST_TURN if row["turn_index"] == 1
+                                  else outcomes.UNKNOWN), row
+    with pytest.raises(IngestError, match="already in"):
+        ingest(db, [stats])
+
+
+def test_the_ingested_field_list_is_the_benchmarks_request_stats() -> None:
+    from kvscope.collector.ingest import bench_stats
+
+    tree = ast.parse(BENCHMARK_SCRIPT.read_text())
+    (request_stats,) = [node for node in tree.body
+                        if isinstance(node, ast.ClassDef) and node.name == "RequestStats"]
+    fields = {node.target.id: ast.unparse(node.annotation) for node in request_stats.body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    json_types = {"float": "number", "int": "integer", "str": "string"}
+    assert list(fields) == list(bench_stats.FIELDS)
+    assert {name: json_types[kind] for name, kind in fields.items()} == bench_stats.FIELDS
+
+
 def _pulls(run: Run) -> list[Span]:
     return run.named(semconv.SPAN_KV_TRANSFER, **{
         semconv.TRANSFER_DIRECTION: semconv.DIRECTION_D_TO_P})
@@ -371,6 +414,7 @@ def test_bidir_on_turns_after_the_first_are_pulled_from_decode(
         tmp_path: Path, workload: Workload) -> None:
     run = _run(tmp_path, workload)
     _check_workload(run)
+    _check_ingested(tmp_path, run)
     by_id = {r["x_request_id"]: r for r in run.truth}
     for row in run.later:
         assert row["outcome"] == outcomes.REUSED_REMOTE, row
@@ -417,6 +461,9 @@ def test_without_conversation_id_the_proxy_cannot_link_turns(
         tmp_path: Path, workload: Workload) -> None:
     run = _run(tmp_path, workload, send_conversation_id=False)
     _check_workload(run)
+    # The benchmark records its own conversation ids even when it sends none: the stats file
+    # looks the same, and its ingested turns claim no cause either way.
+    _check_ingested(tmp_path, run)
     # Decode still returns its params; the proxy has no key to keep them under.
     assert all(r["params_returned"] for r in run.truth), run.truth
     for row in run.later:

@@ -1,0 +1,177 @@
+"""``kvscope ingest``: make a store from files a run left behind when kvscope did not watch it.
+
+Each source's kind is detected from its first bytes (or named with ``--kind``); every source of
+one command becomes one run in ``kvscope_runs``, whose settings list each file's name, kind and
+SHA-256. Kinds:
+
+    vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
+
+All sources are parsed and checked before the store is opened, and their spans are written in
+one transaction with the run's record, so a malformed file (a one-line :class:`IngestError`
+naming file and line) or any failure leaves the store as it was. A file whose SHA-256 is already
+recorded in the store (under any name) is refused, so nothing is ever stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvscope.collector.ingest import bench_stats
+from kvscope.errors import IngestError
+from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.store.rows import TraceRows
+from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE, quote
+from kvscope.store.writer import insert_arrow
+
+_SOURCE = "kvscope ingest"
+# Enough of a file to tell its kind.
+_HEAD_CHARS = 4096
+
+
+class Parsed(Protocol):
+    """A parsed source, whatever its kind."""
+
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def records(self) -> int: ...
+
+    def run_settings(self) -> dict[str, Any]:
+        """What the run records about this file besides its name, kind and SHA-256."""
+        ...
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of source: how to recognise, read and turn it into spans."""
+
+    name: str
+    description: str
+    looks_like: Callable[[str], bool]
+    read: Callable[[Path], Parsed]
+    add_spans: Callable[[Any, str, TraceRows], int]
+
+
+KINDS: dict[str, Kind] = {
+    bench_stats.KIND: Kind(
+        bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
+        bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What one source added to the store."""
+
+    path: Path
+    kind: str
+    sha256: str
+    records: int
+    spans: int
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """The run one ``kvscope ingest`` recorded and what each source added."""
+
+    run_id: str
+    label: str
+    sources: tuple[Ingested, ...]
+
+
+def detect(path: Path) -> Kind:
+    """The kind of ``path`` from its first bytes; IngestError when no kind matches."""
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as handle:
+            head = handle.read(_HEAD_CHARS)
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    for kind in KINDS.values():
+        if kind.looks_like(head):
+            return kind
+    raise IngestError(f"{path}: not a kind of source kvscope knows; name its kind with --kind "
+                      f"(known: {', '.join(KINDS)})")
+
+
+def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
+    """SHA-256 of every file already ingested → (run id, label, file name)."""
+    found: dict[str, tuple[str, str, str]] = {}
+    rows = con.execute(f"SELECT run_id, label, settings FROM {quote(RUNS_TABLE)}").fetchall()
+    for run_id, label, settings in rows:
+        try:
+            recorded = json.loads(settings or "{}")
+        except json.JSONDecodeError:
+            continue  # a run of another writer with settings kvscope did not write
+        if not isinstance(recorded, dict) or recorded.get("source") != _SOURCE:
+            continue
+        for entry in recorded.get("files", []):
+            if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+                found[entry["sha256"]] = (str(run_id), str(label), str(entry.get("name", "")))
+    return found
+
+
+def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None = None,
+           kind: str | None = None) -> IngestResult:
+    """Ingest ``sources`` into the store ``db`` as one run; return what was added.
+
+    Raises IngestError (malformed, unknown or already stored source: nothing is written) or a
+    StoreError from opening the store.
+    """
+    if not sources:
+        raise IngestError("no source files given")
+    if kind is not None and kind not in KINDS:
+        raise IngestError(f"unknown --kind {kind!r} (known: {', '.join(KINDS)})")
+    parsed: list[tuple[Path, Kind, Parsed]] = []
+    first_seen: dict[str, Path] = {}
+    for source in sources:
+        path = Path(source)
+        source_kind = KINDS[kind] if kind is not None else detect(path)
+        content = source_kind.read(path)
+        if content.sha256 in first_seen:
+            raise IngestError(f"{path}: same content as {first_seen[content.sha256]}, given "
+                              "twice; nothing was written")
+        first_seen[content.sha256] = path
+        parsed.append((path, source_kind, content))
+    label = run_label or f"{_SOURCE} {', '.join(path.name for path, _, _ in parsed)}"
+
+    con = open_store(db)
+    try:
+        already = _recorded(con)
+        for path, _, content in parsed:
+            if content.sha256 in already:
+                run_id, run_label_found, name = already[content.sha256]
+                raise IngestError(
+                    f"{path}: already in {db} as {name or 'a file'} of run {run_id} "
+                    f"({run_label_found!r}); nothing was written")
+        con.execute("BEGIN TRANSACTION")
+        try:
+            files = [{"name": path.name, "kind": source_kind.name, "sha256": content.sha256,
+                      **content.run_settings()}
+                     for path, source_kind, content in parsed]
+            run_id = begin_run(con, label, {"source": _SOURCE, "files": files})
+            rows = TraceRows()
+            added: list[Ingested] = []
+            for path, source_kind, content in parsed:
+                before = len(rows)
+                source_kind.add_spans(content, run_id, rows)
+                added.append(Ingested(path, source_kind.name, content.sha256,
+                                      content.records, len(rows) - before))
+            if len(rows):
+                insert_arrow(con, TRACES_TABLE, rows.to_arrow())
+            end_run(con, run_id)
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    finally:
+        con.close()
+    return IngestResult(run_id, label, tuple(added))
+
+
+__all__ = ["KINDS", "IngestResult", "Ingested", "Kind", "Parsed", "detect", "ingest"]

@@ -1,0 +1,460 @@
+"""OTLP/gRPC into ``kvscope serve``: the official gRPC exporters and raw gRPC calls on 127.0.0.1,
+real store files, and the same refusals as OTLP/HTTP with gRPC status codes."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import grpc
+import httpx
+import pytest
+from google.rpc.error_details_pb2 import RetryInfo
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+    OTLPMetricExporter as GrpcMetricExporter,
+)
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+    OTLPSpanExporter as GrpcSpanExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+    OTLPSpanExporter as HttpSpanExporter,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from kvscope import semconv
+from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
+from kvscope.collector.receiver import Receiver
+from kvscope.errors import KvscopeError, StoreError
+from kvscope.store.writer import StoreWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+LIMIT = 256 * 1024
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver(tmp_path / "received.duckdb", grpc_port=0, max_request_bytes=LIMIT) as rx:
+        yield rx
+
+
+def _spans(n: int = 3, conversation: str = "conv") -> list[ReadableSpan]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": semconv.SERVICE_PROXY}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer(semconv.SCOPE_NAME, "0.1")
+    for i in range(n):
+        with tracer.start_as_current_span(
+            semconv.SPAN_TURN,
+            kind=SpanKind.SERVER,
+            attributes={
+                semconv.GEN_AI_CONVERSATION_ID: conversation,
+                semconv.TURN_INDEX: i + 1,
+                semconv.TTFT_MS: 12.5 + i,
+                semconv.MESSAGE_BOUNDARY_HASHES: ["a1", "b2"],
+            },
+        ) as turn:
+            turn.add_event(semconv.EVENT_FIRST_TOKEN, {"chunk": 1})
+            with tracer.start_as_current_span(
+                semconv.SPAN_GENERATION, links=[Link(turn.get_span_context())]
+            ) as leg:
+                leg.set_status(Status(StatusCode.ERROR, "boom"))
+    provider.shutdown()
+    return list(memory.get_finished_spans())
+
+
+def _traces(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+    return con.execute("SELECT * FROM otel_traces ORDER BY SpanId").fetchall()
+
+
+def _live_traces(rx: Receiver) -> list[tuple[Any, ...]]:
+    assert rx.writer.flush(10)
+    return _traces(rx.writer.connection.cursor())
+
+
+def _in_process(tmp_path: Path, spans: list[ReadableSpan]) -> list[tuple[Any, ...]]:
+    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
+    assert DuckDBSpanExporter(writer).export(spans) is SpanExportResult.SUCCESS
+    writer.flush(10)
+    try:
+        return _traces(writer.connection.cursor())
+    finally:
+        writer.close()
+
+
+def _raw_export(rx: Receiver, body: bytes, compression: grpc.Compression | None = None
+                ) -> ExportTraceServiceResponse:
+    """One TraceService/Export call carrying ``body`` as it is (a gRPC client sending bytes)."""
+    with grpc.insecure_channel(f"127.0.0.1:{rx.grpc_port}") as channel:
+        call = channel.unary_unary(
+            TRACE_EXPORT, request_serializer=None,
+            response_deserializer=ExportTraceServiceResponse.FromString,
+        )
+        response: ExportTraceServiceResponse = call(body, timeout=10, compression=compression)
+        return response
+
+
+# --- the official exporters --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.NoCompression, grpc.Compression.Gzip])
+def test_official_grpc_span_exporter_rows_equal_the_in_process_rows(
+    receiver: Receiver, tmp_path: Path, compression: grpc.Compression
+) -> None:
+    spans = _spans(4)
+    # The endpoint as vLLM's --otlp-traces-endpoint passes it: http:// means no TLS.
+    exporter = GrpcSpanExporter(endpoint=receiver.grpc_url, compression=compression)
+
+    assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+
+    received = _live_traces(receiver)
+    assert len(received) == 8
+    assert received == _in_process(tmp_path, spans)
+    assert receiver.stats.spans_accepted == 8
+
+
+def test_official_grpc_metric_exporter_rows_equal_the_in_process_rows(
+    receiver: Receiver, tmp_path: Path
+) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(
+        metric_readers=[reader],
+        resource=Resource.create({"service.name": semconv.SERVICE_GPU_SAMPLER}),
+    )
+    meter = provider.get_meter(semconv.SCOPE_NAME)
+    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By").set(
+        123.0, {semconv.GPU_INDEX: 0}
+    )
+    meter.create_counter("not_stored").add(1)
+    data = reader.get_metrics_data()
+    provider.shutdown()
+    assert data is not None
+    exporter = GrpcMetricExporter(endpoint=receiver.grpc_url, compression=grpc.Compression.Gzip)
+
+    assert exporter.export(data) is MetricExportResult.SUCCESS
+    exporter.shutdown()
+
+    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
+    assert DuckDBMetricExporter(writer).export(data) is MetricExportResult.SUCCESS
+    writer.flush(10)
+    query = "SELECT * FROM otel_metrics_gauge ORDER BY MetricName"
+    expected = writer.connection.cursor().execute(query).fetchall()
+    writer.close()
+    receiver.writer.flush(10)
+    received = receiver.writer.connection.cursor().execute(query).fetchall()
+    assert len(received) == 1
+    assert received == expected
+    assert receiver.stats.points_rejected == 1
+
+
+def test_http_and_grpc_land_in_one_store(receiver: Receiver) -> None:
+    assert HttpSpanExporter(endpoint=f"{receiver.url}/v1/traces").export(
+        _spans(1, "over-http")) is SpanExportResult.SUCCESS
+    # The exporter exactly as vLLM 0.33.0 builds it for --otlp-traces-endpoint with its default
+    # protocol (vllm/tracing/otel.py:95-97: OTLPGrpcExporter(endpoint=endpoint, insecure=True)).
+    vllm_like = GrpcSpanExporter(endpoint=f"127.0.0.1:{receiver.grpc_port}", insecure=True)
+    assert vllm_like.export(_spans(2, "over-grpc")) is SpanExportResult.SUCCESS
+    vllm_like.shutdown()
+
+    rows = receiver.writer.flush(10) and receiver.writer.connection.cursor().execute(
+        "SELECT SpanAttributes[?], count(*) FROM otel_traces GROUP BY 1 ORDER BY 1 NULLS FIRST",
+        [semconv.GEN_AI_CONVERSATION_ID]).fetchall()
+    assert rows == [(None, 3), ("over-grpc", 2), ("over-http", 1)]
+
+
+# --- partial success and refusals --------------------------------------------------------------
+
+
+def test_bad_ids_get_partial_success(receiver: Receiver) -> None:
+    good = Span(trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)), name="good")
+    bad = Span(trace_id=b"short", span_id=bytes(range(1, 9)), name="bad")
+    request = ExportTraceServiceRequest(
+        resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[good, bad])])]
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{receiver.grpc_port}") as channel:
+        response = TraceServiceStub(channel).Export(request, timeout=10)
+
+    assert response.partial_success.rejected_spans == 1
+    assert "traceId is 5 bytes, expected 16" in response.partial_success.error_message
+    assert [row[5] for row in _live_traces(receiver)] == ["good"]
+
+
+def _refusal(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    return raised.value
+
+
+def test_refused_calls_get_grpc_status_codes_and_keep_stored_rows(receiver: Receiver) -> None:
+    good = encode_spans(_spans(2)).SerializeToString()
+    _raw_export(receiver, good)
+    cases: list[tuple[str, bytes, grpc.Compression | None, grpc.StatusCode, str]] = [
+        ("garbage", b"\xff\xff\xff", None, grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
+        ("truncated", good[: len(good) // 2], None, grpc.StatusCode.INVALID_ARGUMENT,
+         "truncated"),
+        # grpc enforces max_request_bytes itself, on the wire and after inflating.
+        ("oversized", b"\x00" * (LIMIT + 1), None, grpc.StatusCode.RESOURCE_EXHAUSTED,
+         f"larger than max ({LIMIT + 1} vs. {LIMIT})"),
+        ("gzip bomb", b"\x00" * (64 * LIMIT), grpc.Compression.Gzip,
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "Decompressed message larger than max"),
+    ]
+    for name, body, compression, code, reason in cases:
+        error = _refusal(lambda b=body, c=compression: _raw_export(receiver, b, c))  # type: ignore[misc]
+        assert error.code() is code, (name, error.code(), error.details())
+        assert reason in (error.details() or ""), (name, error.details())
+
+    assert len(_live_traces(receiver)) == 4
+    health = httpx.get(f"{receiver.url}/health").json()
+    assert health["status"] == "ok"
+    assert health["rows_written"] == 4
+    # The size refusals of grpc's own limit are answered before the receiver sees the call.
+    assert health["bad_requests"] == 2
+
+
+def test_a_gzip_body_is_inflated_by_grpc(receiver: Receiver) -> None:
+    body = encode_spans(_spans(3)).SerializeToString()
+    assert len(gzip.compress(body)) < len(body)
+
+    _raw_export(receiver, body, grpc.Compression.Gzip)
+
+    assert len(_live_traces(receiver)) == 6
+
+
+def test_a_request_larger_than_the_whole_queue_is_resource_exhausted(tmp_path: Path) -> None:
+    with Receiver(tmp_path / "small.duckdb", grpc_port=0, max_queue_rows=3) as rx:
+        body = encode_spans(_spans(2)).SerializeToString()
+        error = _refusal(lambda: _raw_export(rx, body))
+        assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "exceed the receiver's queue of 3" in (error.details() or "")
+        assert rx.stats.too_large == 1
+
+
+def test_a_busy_writer_is_unavailable_with_retry_info(receiver: Receiver) -> None:
+    receiver.writer.close()  # a closed writer refuses like a full one: submit() is False
+
+    error = _refusal(lambda: _raw_export(receiver, encode_spans(_spans(1)).SerializeToString()))
+
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert "busy" in (error.details() or "")
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    retry = RetryInfo.FromString(trailers["google.rpc.retryinfo-bin"])
+    assert retry.retry_delay.seconds == 1
+    assert receiver.stats.busy == 1
+
+
+def test_grpc_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path) -> None:
+    with pytest.raises(KvscopeError, match=f"cannot listen for OTLP/gRPC on 127.0.0.1:"
+                                           f"{receiver.grpc_port}"):
+        Receiver(tmp_path / "other.duckdb", grpc_port=receiver.grpc_port).start()
+    # The HTTP listener that the failed start had opened is closed again, and the file free.
+    with Receiver(tmp_path / "other.duckdb", grpc_port=0) as again:
+        assert again.grpc_port
+
+
+def _busy_port() -> socket.socket:
+    """A listening socket on an ephemeral loopback port (the port a second server cannot take)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _serve(path: Path, grpc_port: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
+         "--grpc-port", str(grpc_port), *extra],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_a_start_on_a_busy_grpc_port_creates_no_file(tmp_path: Path) -> None:
+    # Both ports are bound before the store is opened: a gRPC port in use stops the start
+    # before the file exists, for Receiver, plain serve and serve --dashboard alike.
+    path = tmp_path / "never.duckdb"
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        refusal = f"cannot listen for OTLP/gRPC on 127.0.0.1:{port}"
+        with pytest.raises(KvscopeError, match=refusal):
+            Receiver(path, grpc_port=port, record_run=True).start()
+        for extra in ([], ["--dashboard", "--dashboard-port", "0"]):
+            result = _serve(path, port, *extra)
+            assert result.returncode == 2, result.stderr
+            assert refusal in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_start_on_a_busy_grpc_port_adds_no_run_to_an_existing_store(tmp_path: Path) -> None:
+    path = tmp_path / "existing.duckdb"
+    with Receiver(path, grpc_port=0, record_run=True):
+        pass
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(KvscopeError, match="cannot listen for OTLP/gRPC"):
+            Receiver(path, grpc_port=port, record_run=True).start()
+        assert _serve(path, port).returncode == 2
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        runs = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
+    finally:
+        con.close()
+    assert runs == (1, 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_store_refused_after_both_ports_are_bound_releases_both(tmp_path: Path) -> None:
+    path = tmp_path / "foreign.duckdb"
+    path.write_bytes(b"not a store")
+    http_port, grpc_port = _free_port(), _free_port()
+    with pytest.raises(StoreError):
+        Receiver(path, port=http_port, grpc_port=grpc_port, record_run=True).start()
+    assert path.read_bytes() == b"not a store"
+    # Neither listener outlives the failed start: a new receiver takes both ports at once.
+    with Receiver(tmp_path / "ok.duckdb", port=http_port, grpc_port=grpc_port) as again:
+        assert (again.port, again.grpc_port) == (http_port, grpc_port)
+
+
+# --- a served process --------------------------------------------------------------------------
+
+_LAUNCHER = (
+    "import sys\n"
+    "from kvscope.collector.receiver import main_serve\n"
+    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
+)
+
+
+def _refuses_connections(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_sigterm_stops_both_listeners_and_writes_what_both_acknowledged(tmp_path: Path) -> None:
+    path = tmp_path / "served.duckdb"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert "receiving OTLP/HTTP on http://127.0.0.1:" in line, line
+        http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
+        grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
+        http = HttpSpanExporter(endpoint=f"{http_url}/v1/traces")
+        over_grpc = GrpcSpanExporter(endpoint=grpc_url, compression=grpc.Compression.Gzip)
+        for i in range(10):
+            assert http.export(_spans(5, f"http-{i}")) is SpanExportResult.SUCCESS
+            assert over_grpc.export(_spans(5, f"grpc-{i}")) is SpanExportResult.SUCCESS
+        over_grpc.shutdown()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert "stopped" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    assert _refuses_connections(int(http_url.rsplit(":", 1)[1]))
+    assert _refuses_connections(int(grpc_url.rsplit(":", 1)[1]))
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert con.execute("SELECT count(*), count(DISTINCT SpanId) FROM otel_traces").fetchone() \
+            == (200, 200)
+        assert con.execute("SELECT count(*) FROM kvscope_runs WHERE ended_at IS NOT NULL"
+                           ).fetchone() == (1,)
+    finally:
+        con.close()
+
+
+def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "busy.duckdb"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def send(name: str, exporter: Any) -> None:
+        for i in range(10_000):
+            conversation = f"{name}-{i}"
+            if stop.is_set() or exporter.export(_spans(2, conversation)) is not \
+                    SpanExportResult.SUCCESS:
+                return
+            acknowledged.append(conversation)
+
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
+        grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
+        senders = [
+            threading.Thread(target=send, args=(f"grpc{n}", GrpcSpanExporter(
+                endpoint=grpc_url, timeout=2, compression=grpc.Compression.Gzip)))
+            for n in range(2)
+        ] + [threading.Thread(target=send, args=("http", HttpSpanExporter(
+            endpoint=f"{http_url}/v1/traces", timeout=2)))]
+        for thread in senders:
+            thread.start()
+        while len(acknowledged) < 30 and all(t.is_alive() for t in senders):
+            time.sleep(0.05)
+        # Stopped while all three are sending: what each was told is stored must be stored.
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        stop.set()
+        for thread in senders:
+            thread.join(30)
+    finally:
+        stop.set()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        stored = dict(con.execute(
+            "SELECT SpanAttributes[?], count(*) FROM otel_traces GROUP BY 1",
+            [semconv.GEN_AI_CONVERSATION_ID]).fetchall())
+    finally:
+        con.close()
+    assert len(acknowledged) >= 30
+    assert {name.split("-")[0] for name in acknowledged} >= {"grpc0", "grpc1", "http"}
+    # OTLP delivery is at least once (an exporter retries a call whose answer it lost), so
+    # an acknowledged conversation has at least its two turn spans.
+    missing = [c for c in acknowledged if stored.get(c, 0) < 2]
+    assert missing == []
