@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY
@@ -27,9 +27,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
 from kvscope import __version__, semconv, settings
-from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.errors import SettingError
-from kvscope.store.writer import StoreWriter
+
+if TYPE_CHECKING:
+    from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,11 @@ def setup_telemetry(
         span_exporter, metric_exporter = _otlp_exporters(settings.resolve("otlp_endpoint",
                                                                           otlp_endpoint))
     else:
+        # The store (DuckDB, Arrow, polars) only where spans go into a file: a vLLM process
+        # exporting OTLP never imports it.
+        from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
+        from kvscope.store.writer import StoreWriter
+
         if writer is None:
             writer = StoreWriter.open(
                 str(db), max_queue_rows=settings.resolve("export_queue_size") * 4

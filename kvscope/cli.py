@@ -406,9 +406,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         child = sub.add_parser(command.name, help=command.help, description=command.help)
-        command.configure(child)
+        try:
+            command.configure(child)
+        except ModuleNotFoundError as exc:
+            # The base install (what a vLLM process needs) lacks this command's extra: the
+            # command stays listed and says which extra to install when run.
+            if missing_extra(exc) is None:
+                raise
+            child.set_defaults(_run=_needs_extra(exc))
+            continue
         child.set_defaults(_run=command.run)
     return parser
+
+
+# Packages of the extras, and the extra that brings each (pyproject.toml).
+_EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
+             "grpc": "store", "plotly": "dashboard", "dash": "dashboard"}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The kvscope extra whose package ``exc`` did not find, if it is one of them."""
+    return _EXTRA_OF.get((exc.name or "").split(".")[0])
+
+
+def _needs_extra(exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise exc
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -423,6 +447,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except KvscopeError as exc:
         print(f"kvscope {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc)
+        if extra is None:
+            raise
+        print(f"kvscope {args.command}: error: needs the '{extra}' extra ({exc.name} is not "
+              f"installed): pip install 'kvscope[{extra}]'", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130

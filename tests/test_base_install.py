@@ -1,0 +1,64 @@
+"""The base install is what a vLLM process needs, and the plugin imports nothing heavier.
+
+A vLLM process with kvscope's plugin loads the plugin, the instrumentor, OTLP export and the GPU
+sampler. Those run in a subprocess here whose imports of the extras' packages fail (as they do
+where only ``pip install kvscope`` ran), and must neither fail nor load any of them; the CLI
+lists every command and names the extra a command needs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("duckdb", "pyarrow", "polars", "dash", "plotly", "aiohttp", "grpc", "pandas")
+
+BLOCK = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {HEAVY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_the_plugin_path_loads_no_extra() -> None:
+    done = _run(f"""
+from kvscope.collector.vllm import plugin
+from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
+from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.gpu import GpuSampler
+plugin.enable("http://127.0.0.1:9")  # vLLM is absent here: off, and says so
+telemetry = setup_telemetry("vllm-prefill", otlp_endpoint="http://127.0.0.1:9")
+telemetry.shutdown()
+print(sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r}))
+""")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_cli_names_the_extra_a_command_needs() -> None:
+    done = _run("""
+from kvscope import cli
+print("rc", cli.main(["serve", "--db", "unused.duckdb"]))
+""")
+    assert done.stdout.strip() == "rc 2", done.stderr
+    assert ("kvscope serve: error: needs the 'store' extra (aiohttp is not installed): "
+            "pip install 'kvscope[store]'") in done.stderr
+
+
+def test_the_base_dependencies_hold_none_of_the_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    base = " ".join(project["dependencies"])
+    assert not [p for p in ("duckdb", "pyarrow", "polars", "plotly", "dash", "aiohttp", "grpcio")
+                if p in base]
+    assert set(project["optional-dependencies"]) >= {"store", "analysis", "dashboard", "all"}
