@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvscope import __version__, settings
@@ -114,6 +116,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "host")
     add_setting(parser, "port")
     add_setting(parser, "grpc_port")
+    add_setting(parser, "run_label")
     parser.add_argument("--dashboard", action="store_true",
                         help="also serve the live dashboard from the same store")
     parser.add_argument("--dashboard-port", type=int, default=None,
@@ -131,6 +134,11 @@ def _required(args: argparse.Namespace, name: str) -> Any:
 def _run_serve(args: argparse.Namespace) -> int:
     db, host, port = _required(args, "db"), resolved(args, "host"), resolved(args, "port")
     grpc_port = resolved(args, "grpc_port")
+    label = getattr(args, "run_label", None)
+    if label:
+        # The receiver records its run under the run_label setting: the flag wins over the
+        # environment, as every setting's flag does.
+        os.environ[settings.SETTINGS["run_label"].env_var] = str(label)
     if args.dashboard:
         from kvscope.dashboards.app import main_serve_dashboard
 
@@ -255,6 +263,9 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
 def _run_ledger(args: argparse.Namespace) -> int:
     from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
 
+    if not Path(args.file).is_file():
+        # Opening for writing would create an empty store and report 0 turns.
+        raise SettingError(f"{args.file}: no such kvscope store")
     rows = rebuild(args.file)
     print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
     return 0

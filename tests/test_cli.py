@@ -110,3 +110,11 @@ def test_demo_writes_a_store(tmp_path: Path) -> None:
     count = run("sql", str(tmp_path / "out" / "kvscope.duckdb"),
                 "SELECT count(*) > 0 AS ok FROM otel_traces", "--format", "csv")
     assert count.stdout == "ok\nTrue\n"
+
+
+def test_ledger_refuses_a_missing_store_and_creates_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.duckdb"
+    assert cli.main(["ledger", str(missing)]) == 2
+    assert "no such kvscope store" in capsys.readouterr().err
+    assert not missing.exists()

@@ -560,7 +560,7 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
     spill = tmp_path / "system-tmp"
     spill.mkdir()
     argv = [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port", "0",
-            "--grpc-port", "0"]
+            "--grpc-port", "0", "--run-label", "sigterm run"]
     if dashboard:
         argv += ["--dashboard", "--dashboard-port", "0"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(spill)}
@@ -605,8 +605,8 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (acknowledged,)
-        assert con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone() \
-            == (1, 1)
+        assert con.execute("SELECT count(*), count(ended_at), any_value(label) "
+                           "FROM kvscope_runs").fetchone() == (1, 1, "sigterm run")
     finally:
         con.close()
     assert list(spill.iterdir()) == []
