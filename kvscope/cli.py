@@ -77,7 +77,7 @@ def _configure_settings(parser: argparse.ArgumentParser) -> None:
 
 def _run_settings(args: argparse.Namespace) -> int:
     if args.markdown:
-        sys.stdout.write(settings.markdown_table())
+        sys.stdout.write(settings.markdown_table(setting_commands()))
         return 0
     values = settings.resolve_all()
     rows = [(name, values[name], s.env_var) for name, s in settings.SETTINGS.items()]
@@ -428,6 +428,20 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         child.set_defaults(_run=command.run)
     return parser
+
+
+def setting_commands() -> dict[str, list[str]]:
+    """Setting name → the sub-commands that take its option (for docs/settings.md)."""
+    found: dict[str, list[str]] = {}
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, child in action.choices.items():
+                for option in child._actions:
+                    setting = settings.SETTINGS.get(option.dest)
+                    if setting is not None and setting.cli_flag in option.option_strings:
+                        found.setdefault(option.dest, []).append(command)
+    return found
 
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,21 +213,28 @@ def resolve_all(
     return {name: resolve(name, given.get(name), environ) for name in SETTINGS}
 
 
-def markdown_table() -> str:
-    """The settings reference as a Markdown table (docs/settings.md is this text)."""
+def markdown_table(commands: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The settings reference as a Markdown table (docs/settings.md is this text).
+
+    ``commands``: setting name → the sub-commands whose option sets it (the CLI's parser knows);
+    a setting no command takes reads "environment only".
+    """
     lines = [
         "# kvscope settings",
         "",
         "Generated from `kvscope/settings.py` by `kvscope settings --markdown`; do not edit.",
         "Resolution: explicit option → environment variable → default.",
         "",
-        "| setting | option | environment | type | default | meaning |",
+        "| setting | option (commands) | environment | type | default | meaning |",
         "|---|---|---|---|---|---|",
     ]
     for s in SETTINGS.values():
         default = "" if s.default == "" else f"`{s.default}`"
+        taking = (commands or {}).get(s.name, ())
+        option = (f"`{s.cli_flag}` ({', '.join(sorted(taking))})" if taking
+                  else "environment only")
         lines.append(
-            f"| `{s.name}` | `{s.cli_flag}` | `{s.env_var}` | {s.type.__name__} | {default} "
+            f"| `{s.name}` | {option} | `{s.env_var}` | {s.type.__name__} | {default} "
             f"| {s.help} |"
         )
     return "\n".join(lines) + "\n"
