@@ -844,7 +844,11 @@ def main_proxy(args: argparse.Namespace) -> int:
         # its four lines; --no-log-turns removes them).
         turn_log.setLevel(logging.INFO)
     host = settings.resolve("host", args.host)
-    logger.warning("kvscope proxy on http://%s:%d: %d prefill, %d decode instances", host,
-                   args.port, len(config.prefillers), len(config.decoders))
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    (turn_log if turn_log.isEnabledFor(logging.INFO) else logger).log(
+        logging.INFO if turn_log.isEnabledFor(logging.INFO) else logging.WARNING,
+        "kvscope proxy on http://%s:%d%s: %d prefill, %d decode instances", host, args.port,
+        " (loopback only, kvscope's default; --host 0.0.0.0 listens on every address, as "
+        "vLLM's proxy does)" if loopback else "", len(config.prefillers), len(config.decoders))
     web.run_app(app, host=host, port=args.port, print=None, access_log=None, **SERVER_OPTIONS)
     return 0

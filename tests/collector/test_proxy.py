@@ -884,3 +884,29 @@ def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: 
         assert turn["attrs"][semconv.HTTP_RESPONSE_STATUS_CODE] == "499"
         assert "during the prefill leg" in turn["status_message"]
         assert dep.decode.received == []
+
+
+def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
+    """The start-up line is INFO (shown, like vLLM's proxy's "Ready"), and says that the default
+    address is loopback only."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "kvscope.cli", "proxy", "--port", str(port), "--no-telemetry",
+            "--prefiller-port", "1", "--decoder-port", "2"]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
+    assert " INFO kvscope.collector.proxy.turns: kvscope proxy on http://127.0.0.1:" in line, line
+    assert "loopback only" in line
