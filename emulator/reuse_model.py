@@ -570,6 +570,7 @@ class _RequestState:
     params: dict[str, Any] | None
     processed: bool = False
     schedules: int = 0
+    skip: bool = False
 
 
 def kv_transfer_params(
@@ -629,22 +630,31 @@ class PrefillNode:
         self._requests: dict[str, _RequestState] = {}
 
     def decide(
-        self, request_id: str, prompt: Blocks, params: Mapping[str, Any] | None
+        self, request_id: str, prompt: Blocks, params: Mapping[str, Any] | None,
+        skip_reading_prefix_cache: bool = False,
     ) -> ReuseDecision:
-        """One schedule of ``request_id`` (``num_computed_tokens == 0``): local hit, then offer."""
+        """One schedule of ``request_id`` (``num_computed_tokens == 0``): local hit, then offer.
+
+        ``skip_reading_prefix_cache`` (a request with ``prompt_logprobs``): the scheduler reads
+        no local prefix and turns the connector's accepted pull into notify-only (confirmed on
+        the real scheduler: tests/vllm_contract/test_real_scheduler_claims.py).
+        """
         state = self._requests.setdefault(
             request_id, _RequestState(dict(params) if params is not None else None)
         )
         state.schedules += 1
+        state.skip = skip_reading_prefix_cache
         return self._decide(request_id, prompt, state)
 
     def _decide(self, request_id: str, prompt: Blocks, state: _RequestState) -> ReuseDecision:
         cfg = self.config
-        local = self.cache.longest_hit_blocks(prompt) * prompt.block_size
+        local = 0 if state.skip else self.cache.longest_hit_blocks(prompt) * prompt.block_size
         params = state.params
         decision, offered, count, load_async = answer_offer(
             params, local, prompt.num_tokens, cfg.kv_recompute_threshold
         )
+        if state.skip and load_async:
+            decision, load_async = semconv.DECISION_SCHEDULER_SKIPPED, False
         pulled = count if load_async else 0
         reissued = load_async and state.processed and cfg.bidirectional_kv_xfer
         if reissued:
@@ -658,6 +668,7 @@ class PrefillNode:
                 semconv.DECISION_PULL,
                 semconv.DECISION_LOCAL_COVERS,
                 semconv.DECISION_BELOW_THRESHOLD,
+                semconv.DECISION_SCHEDULER_SKIPPED,
             )
             and cfg.bidirectional_kv_xfer
             and not state.processed
@@ -688,6 +699,8 @@ class PrefillNode:
         params: Mapping[str, Any] | None,
         now: float,
         faults: Faults = NO_FAULTS,
+        *,
+        skip_reading_prefix_cache: bool = False,
     ) -> PrefillResult:
         """Schedule, read (if registered) and compute one prefill request at global time ``now``.
 
@@ -695,7 +708,7 @@ class PrefillNode:
         state is dropped at the end (call :meth:`finish_request` for P→D params).
         """
         cfg = self.config
-        decision = self.decide(request_id, prompt, params)
+        decision = self.decide(request_id, prompt, params, skip_reading_prefix_cache)
         state = self._requests[request_id]
         transfer: TransferRecord | None = None
         release: str | None = None

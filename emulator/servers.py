@@ -270,6 +270,8 @@ class EmulatedRequest:
     fault_names: frozenset[str]
     key: int
     created: int = field(default_factory=lambda: int(time.time()))
+    # prompt_logprobs asked: vLLM's scheduler reads no cached prefix (skip_reading_prefix_cache).
+    skip_reading_prefix_cache: bool = False
 
 
 def _int_field(body: Mapping[str, Any], name: str) -> int | None:
@@ -356,6 +358,7 @@ def parse_request(
         traceparent=headers.get("traceparent"),
         fault_names=requested,
         key=fault_names.turn_key(prompt_ids),
+        skip_reading_prefix_cache=body.get("prompt_logprobs") is not None,
     )
 
 
@@ -693,7 +696,8 @@ class PrefillServer(_EngineServer):
         async with self.compute_lock:
             now = em.clock.now()
         with _overridden(self.node, **changes):
-            result = self.node.prefill(req.request_id, req.prompt, params, now, injected)
+            result = self.node.prefill(req.request_id, req.prompt, params, now, injected,
+                                       skip_reading_prefix_cache=req.skip_reading_prefix_cache)
         em.drain_retentions()
         decided_ns = em.clock.wall_ns(now)
         self._record(self._decision_record(req, result.decision, params, decided_ns))

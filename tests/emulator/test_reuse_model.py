@@ -499,3 +499,16 @@ def test_deterministic(n: int, new: int, t: float) -> None:
         result = p.prefill("p-2", seq(n + new), finished_turn(d, n), now=t)
         runs.append((dataclasses.asdict(result), account_turn(2, n, result)))
     assert runs[0] == runs[1]
+
+
+def test_prompt_logprobs_turn_a_pull_into_notify_only() -> None:
+    """skip_reading_prefix_cache: no local hit is read, the accepted pull becomes notify-only
+    (the real scheduler's override: tests/vllm_contract/test_real_scheduler_claims.py)."""
+    p, d = deployment(p_caching=True)
+    result = p.prefill("p-2", seq(1100), finished_turn(d, 1000), now=1.0,
+                       skip_reading_prefix_cache=True)
+    decision = result.decision
+    assert decision.decision == semconv.DECISION_SCHEDULER_SKIPPED and decision.notify_only
+    assert decision.tokens_to_pull == 0 and result.transfer is None
+    assert d.released[-1].release_reason == semconv.RELEASE_NOTIFIED
+    assert account_turn(2, 999, result).outcome == outcomes.SCHEDULER_SKIPPED

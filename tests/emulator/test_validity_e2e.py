@@ -156,3 +156,24 @@ def test_the_proxy_logs_each_turn_in_vllms_words_and_lists_models(
                for line in lines) == 2
     assert models.status_code == 200 and models.json()["object"] == "list"
     assert models.json()["data"][0]["id"] == MODEL
+
+
+def test_a_turn_with_prompt_logprobs_is_scheduler_skipped_in_truth_and_ledger(
+        tmp_path: Path) -> None:
+    db = tmp_path / "logprobs.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        cid = f"lp-{next(_ids)}"
+        messages = [{"role": "system", "content": "rules " * 100},
+                    {"role": "user", "content": "task"}]
+        reply = _ask(cluster.proxy_url, cid, messages)
+        body: dict[str, Any] = {
+            "model": MODEL, "stream": False, "conversation_id": cid, "max_tokens": 20,
+            "prompt_logprobs": 1,
+            "messages": messages + [{"role": "assistant", "content": reply},
+                                    {"role": "user", "content": "go on"}]}
+        assert httpx.post(cluster.proxy_url + "/v1/chat/completions", json=body,
+                          timeout=30).status_code == 200
+        truth = list(cluster.emulation.truth.rows)
+    assert truth[1].outcome == outcomes.SCHEDULER_SKIPPED
+    assert _rows(db)["outcome"].to_list()[1] == outcomes.SCHEDULER_SKIPPED
