@@ -333,6 +333,11 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
                     )
                 elif start > _MAX_TIME_NS or end > _MAX_TIME_NS:
                     problem = "start or end time is past the year 2262"
+                elif end < start:
+                    # A negative duration would be stored as 0 without a word.
+                    problem = (f"endTimeUnixNano {end} is before startTimeUnixNano {start}")
+                elif span.kind not in kind_names:
+                    problem = f"kind {span.kind} is not a SpanKind"
                 events: list[dict[str, Any]] = []
                 links: list[dict[str, Any]] = []
                 if problem is None and span.events:
@@ -379,7 +384,7 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
                 put_parent(parent_id.hex())
                 put_trace_state(span.trace_state)
                 put_name(span.name)
-                put_kind(kind_names.get(span.kind, ""))
+                put_kind(kind_names[span.kind])
                 put_service(service)
                 put_resource(res_attrs)
                 put_scope_name(scope_name)

@@ -292,6 +292,24 @@ def test_spans_with_bad_ids_are_rejected_one_by_one() -> None:
     assert "(and " in message  # the rest is summarised, not listed
 
 
+def test_negative_durations_and_unknown_kinds_are_rejected_and_counted() -> None:
+    """Stored before as a 0 duration and an empty kind, without a word."""
+    request = _request(
+        _span(name="good"),
+        _span(name="backwards", start_time_unix_nano=20, end_time_unix_nano=10),
+        _span(name="odd kind", kind=9),
+    )
+    batch = decode_trace_request(request.SerializeToString(), "protobuf")
+    assert batch.rows.span_name == ["good"]
+    assert batch.rejected_spans == 2
+    assert "spans[1]: endTimeUnixNano 10 is before startTimeUnixNano 20" in batch.error_message
+    assert "spans[2]: kind 9 is not a SpanKind" in batch.error_message
+    json_body = (b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":'
+                 b'"0102030405060708090a0b0c0d0e0f10","spanId":"0102030405060708","name":"j",'
+                 b'"kind":7,"startTimeUnixNano":"5","endTimeUnixNano":"6"}]}]}]}')
+    assert decode_trace_request(json_body, "json").rejected_spans == 1
+
+
 def test_a_repeated_attribute_key_keeps_its_last_value() -> None:
     span = _span(
         attributes=[
