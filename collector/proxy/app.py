@@ -131,6 +131,28 @@ def _log_offer(request_id: str, conversation_id: str | None, lookup: Lookup) -> 
         turn_log.info("[%s] conv=%s: cache MISS", request_id, conversation_id)
 
 
+async def _stream_error(response: web.StreamResponse, message: str, code: int,
+                        error_type: str) -> None:
+    """The error event vLLM's OpenAI server sends when a stream fails, then ``[DONE]``.
+
+    Same shape as vLLM's ``create_streaming_error_response`` (an ``ErrorResponse``:
+    ``{"error": {"message", "type", "param", "code"}}``), so a client can tell a broken
+    stream from a finished one.
+    """
+    event = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+async def _end_broken_stream(response: web.StreamResponse, message: str, code: int,
+                             error_type: str) -> None:
+    """Tell the client its stream broke and end it; a client already gone is no error."""
+    try:
+        await _stream_error(response, message, code, error_type)
+        await response.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+        pass
+
+
 class UpstreamFailure(Exception):
     """A leg failed before anything was sent to the client; becomes an error response."""
 
@@ -591,6 +613,10 @@ class Proxy:
                 if found:
                     self._keep_params(found, conversation_id, decode, record)
             self._keep_params(stream.close(), conversation_id, decode, record)
+            if not stream.done:
+                record.fail(semconv.LEG_DECODE, semconv.ERROR_PROTOCOL, 200,
+                            f"decode {decode.name} ended its stream without [DONE]")
+                await _stream_error(response, record.error_message, 502, "BadGatewayError")
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
             # The client left: closing (not releasing) drops the upstream connection, which is
@@ -599,9 +625,11 @@ class Proxy:
         except TimeoutError:
             record.fail(semconv.LEG_DECODE, semconv.ERROR_TIMEOUT, 200,
                         f"decode {decode.name} went silent mid-stream")
+            await _end_broken_stream(response, record.error_message, 504, "GatewayTimeoutError")
         except aiohttp.ClientError as exc:
             record.fail(semconv.LEG_DECODE, semconv.ERROR_CONNECT, 200,
                         f"decode {decode.name} failed mid-stream: {exc}")
+            await _end_broken_stream(response, record.error_message, 502, "BadGatewayError")
         finally:
             upstream.close()
             self._stream_ended(stream, record)

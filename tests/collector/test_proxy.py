@@ -419,14 +419,32 @@ def test_decode_silent_mid_stream(tmp_path: Path) -> None:
     with deployment(tmp_path, decode_idle_timeout_s=0.5) as dep:
         dep.decode.mode = "mid_stream_hang"
         streamed = dep.chat("c", stream=True)
-        # Headers were already sent: the stream ends early, the span says why.
+        # Headers were already sent: the stream ends with vLLM's error event, the span says why.
         assert streamed.status_code == 200
-        assert streamed.content == dep.decode.sent[0][: len(streamed.content)]
-        assert b"[DONE]" not in streamed.content
+        relayed, _, tail = streamed.content.partition(b'data: {"error"')
+        assert relayed == dep.decode.sent[0][: len(relayed)] and b"[DONE]" not in relayed
+        error = json.loads(b'{"error"' + tail.split(b"\n\n")[0])["error"]
+        assert error["code"] == 504 and "went silent mid-stream" in error["message"]
+        assert tail.endswith(b"data: [DONE]\n\n")
         collected = dep.chat("c", stream=False)
         assert collected.status_code == 504
         turns = turn_spans(dep.spans())
         assert [t["attrs"][semconv.ERROR_KIND] for t in turns] == [semconv.ERROR_TIMEOUT] * 2
+
+
+@pytest.mark.parametrize("mode", ["mid_stream_cut"])
+def test_a_decode_that_dies_mid_stream_ends_the_clients_stream_with_an_error(
+        tmp_path: Path, mode: str) -> None:
+    """Before, the client read a clean end without [DONE] and could not tell it from success."""
+    with deployment(tmp_path) as dep:
+        dep.decode.mode = mode
+        streamed = dep.chat("c", stream=True)
+        assert streamed.status_code == 200
+        assert b'data: {"error": {"message": "decode ' in streamed.content
+        assert streamed.content.endswith(b"data: [DONE]\n\n")
+        [turn] = turn_spans(dep.spans())
+        assert turn["attrs"][semconv.ERROR_KIND] in (semconv.ERROR_CONNECT,
+                                                     semconv.ERROR_PROTOCOL)
 
 
 def test_client_disconnect_cancels_upstream(tmp_path: Path) -> None:
