@@ -40,7 +40,7 @@ from pathlib import Path
 from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from google.rpc import status_pb2
+from google.rpc import code_pb2, status_pb2
 
 from kvscope import settings
 from kvscope.collector.otlp_decode import Encoding
@@ -56,6 +56,9 @@ from kvscope.collector.otlp_intake import (
 from kvscope.serving import bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
+
+# Longest a client may take to send one request body.
+BODY_READ_TIMEOUT_S = 30.0
 
 _CONTENT_TYPES: dict[str, Encoding] = {
     "application/x-protobuf": "protobuf",
@@ -214,11 +217,18 @@ class _OtlpServer:
             raise refusal
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.content.iter_chunked(_READ_CHUNK):
-            total += len(chunk)
-            if total > limit:
-                raise refusal
-            chunks.append(chunk)
+        try:
+            # A client holding a partial body must not hold a connection (and its buffer) for
+            # ever: 300 such connections once stayed open indefinitely.
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                async for chunk in request.content.iter_chunked(_READ_CHUNK):
+                    total += len(chunk)
+                    if total > limit:
+                        raise refusal
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise Refused(408, f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
+                          code_pb2.DEADLINE_EXCEEDED) from None
         return b"".join(chunks)
 
 

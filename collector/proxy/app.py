@@ -53,6 +53,8 @@ from kvscope.reuse.router import (
 )
 
 logger = logging.getLogger(__name__)
+# Longest a client may take to send one request body.
+BODY_READ_TIMEOUT_S = 30.0
 # Per-turn lines in vLLM's disagg_proxy_multiturn.py words (its troubleshooting greps them).
 turn_log = logging.getLogger("kvscope.collector.proxy.turns")
 
@@ -383,7 +385,12 @@ class Proxy:
         self, request: web.Request, api_path: str, record: TurnRecord
     ) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
+            body = json.loads(await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S))
+        except TimeoutError:
+            # A client holding a partial body must not hold a connection for ever.
+            record.fail(None, semconv.ERROR_TIMEOUT, 408,
+                        f"request body not received within {BODY_READ_TIMEOUT_S:g} s")
+            return _error_response(408, record.error_message, "RequestTimeoutError")
         except ConnectionError:
             # The client went while sending its body: its turn, and one line to say so (not
             # aiohttp's traceback). Nothing reaches the client; the answer only ends the handler.

@@ -928,3 +928,19 @@ def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
         process.wait(30)
     assert " INFO kvscope.collector.proxy.turns: kvscope proxy on http://127.0.0.1:" in line, line
     assert "loopback only" in line
+
+
+def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """300 connections holding partial bodies once stayed open indefinitely."""
+    from kvscope.collector.proxy import app as proxy_app
+
+    monkeypatch.setattr(proxy_app, "BODY_READ_TIMEOUT_S", 0.3)
+    with deployment(tmp_path) as dep, socket.create_connection(
+            ("127.0.0.1", dep.proxy.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mo")
+        sock.settimeout(10)
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert b"request body not received within 0.3 s" in answer

@@ -611,3 +611,17 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
         con.close()
     assert list(spill.iterdir()) == []
     assert [p.name for p in tmp_path.iterdir() if "kvscope-batch" in p.name] == []
+
+
+def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvscope.collector import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "BODY_READ_TIMEOUT_S", 0.3)
+    with Receiver(tmp_path / "slow.duckdb") as rx, socket.create_connection(
+            ("127.0.0.1", rx.port)) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/x-protobuf\r\nContent-Length: 1000\r\n\r\nab")
+        sock.settimeout(10)
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
