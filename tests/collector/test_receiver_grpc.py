@@ -39,16 +39,16 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from kvscope import semconv
-from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
+from kvscope.collector.exporters import DuckDBMetricExporter
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreError
 from kvscope.store.writer import StoreWriter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_receiver import _busy_port, _in_process, _live_traces, _spans  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -59,50 +59,6 @@ LIMIT = 256 * 1024
 def receiver(tmp_path: Path) -> Iterator[Receiver]:
     with Receiver(tmp_path / "received.duckdb", grpc_port=0, max_request_bytes=LIMIT) as rx:
         yield rx
-
-
-def _spans(n: int = 3, conversation: str = "conv") -> list[ReadableSpan]:
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": semconv.SERVICE_PROXY}))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer(semconv.SCOPE_NAME, "0.1")
-    for i in range(n):
-        with tracer.start_as_current_span(
-            semconv.SPAN_TURN,
-            kind=SpanKind.SERVER,
-            attributes={
-                semconv.GEN_AI_CONVERSATION_ID: conversation,
-                semconv.TURN_INDEX: i + 1,
-                semconv.TTFT_MS: 12.5 + i,
-                semconv.MESSAGE_BOUNDARY_HASHES: ["a1", "b2"],
-            },
-        ) as turn:
-            turn.add_event(semconv.EVENT_FIRST_TOKEN, {"chunk": 1})
-            with tracer.start_as_current_span(
-                semconv.SPAN_GENERATION, links=[Link(turn.get_span_context())]
-            ) as leg:
-                leg.set_status(Status(StatusCode.ERROR, "boom"))
-    provider.shutdown()
-    return list(memory.get_finished_spans())
-
-
-def _traces(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
-    return con.execute("SELECT * FROM otel_traces ORDER BY SpanId").fetchall()
-
-
-def _live_traces(rx: Receiver) -> list[tuple[Any, ...]]:
-    assert rx.writer.flush(10)
-    return _traces(rx.writer.connection.cursor())
-
-
-def _in_process(tmp_path: Path, spans: list[ReadableSpan]) -> list[tuple[Any, ...]]:
-    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
-    assert DuckDBSpanExporter(writer).export(spans) is SpanExportResult.SUCCESS
-    writer.flush(10)
-    try:
-        return _traces(writer.connection.cursor())
-    finally:
-        writer.close()
 
 
 def _raw_export(rx: Receiver, body: bytes, compression: grpc.Compression | None = None
@@ -273,14 +229,6 @@ def test_grpc_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path
     # The HTTP listener that the failed start had opened is closed again, and the file free.
     with Receiver(tmp_path / "other.duckdb", grpc_port=0) as again:
         assert again.grpc_port
-
-
-def _busy_port() -> socket.socket:
-    """A listening socket on an ephemeral loopback port (the port a second server cannot take)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    return sock
 
 
 def _serve(path: Path, grpc_port: int, *extra: str) -> subprocess.CompletedProcess[str]:
