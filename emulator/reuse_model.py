@@ -1,4 +1,7 @@
-"""The pure reuse-semantics model of vLLM 0.33.0's NIXL pull connector with D→P readback.
+"""The nodes, caches and handles of vLLM 0.33.0's NIXL pull connector with D→P readback.
+
+The rules themselves (params, offer check, threshold, expiry guard, ``remote_num_tokens``,
+validity, outcomes) are :mod:`kvscope.reuse`'s; this module applies them to state.
 
 One model serves the emulated HTTP servers (real time), the virtual-time simulator and the
 what-if analysis: nothing here does I/O, reads a clock or starts a thread. Every time-dependent
@@ -6,8 +9,9 @@ call takes ``now``, one *global* time in seconds; each node adds its own ``clock
 get its local ``perf_counter`` domain, exactly the quantity vLLM exports as
 ``remote_blocks_expiry_time``. Sequences are described at block level (:class:`BlockSeq`).
 
-What it mirrors (read from the 0.33.0 wheel; paths under
-``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
+What it mirrors (read from the 0.33.0 wheel, paths under
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``; each claim checked on the real classes in
+``tests/vllm_contract/test_real_*_claims.py``):
 
 * :meth:`PrefillNode.decide` = scheduler local hit (``get_computed_blocks``: longest cached
   chain of full blocks within the first ``num_tokens - 1`` tokens, so a full hit still computes
@@ -16,7 +20,8 @@ What it mirrors (read from the 0.33.0 wheel; paths under
   min(remote_num_tokens, num_prompt_tokens) - local``; ``(0, False)`` when ``threshold > 0 and
   0 < count < threshold``; no bidir check here) + ``update_state_after_alloc`` (registers the
   read only with bidir on at P and not ``_remote_blocks_processed``; zero external tokens →
-  notify-only, which releases D's handle).
+  notify-only, which releases D's handle). ``prompt_logprobs`` (``skip_reading_prefix_cache``):
+  no local hit is read and an accepted pull becomes notify-only (``scheduler_skipped``).
 * Bidir off at P, D offering ≥ threshold: P still answers ``(count, True)``, the scheduler parks
   the request in WAITING_FOR_REMOTE_KVS, nothing registers a read, no ``finished_recving`` ever
   arrives: the request stalls until the client gives up (``stalled=True``). D is never
@@ -25,17 +30,21 @@ What it mirrors (read from the 0.33.0 wheel; paths under
 * A second schedule of the same request (preemption after the read, or ``recompute`` after a
   failed load, which resets ``num_computed_tokens`` to 0) runs the same decision with
   ``_remote_blocks_processed`` set: when it again answers ``(count > 0, async)`` no read is
-  registered and, by the same code path, the request stalls (``NodeConfig.
-  stall_on_reissued_load``; code-reading, not yet confirmed on hardware: set it False to model
+  registered (decision ``reissued``) and the request stalls in WAITING_FOR_REMOTE_KVS for good
+  (``NodeConfig.stall_on_reissued_load``; confirmed on the real scheduler; set it False to model
   the documented "falls back to local prefill"). When P's prefix cache now covers the span
   (pulled blocks are cached after a successful load) it proceeds locally.
 * Worker read: handshake (peer found at ``remote_host:remote_port`` with that engine id, no
-  injected fault) → expiry guard ``now_P + 5.0 >= expiry - offset`` → ``declined_expired``
-  (skipped when expiry is ``None`` or notify-only) → READ of whole blocks. A failure is handled
+  injected fault; a notify-only request's failed handshake is dropped) → expiry guard
+  ``now_P + 5.0 >= expiry - offset`` → ``declined_expired`` (skipped when expiry is ``None`` or
+  notify-only) → READ of whole blocks. The caller passes ``now`` as the time the request is
+  admitted (the worker checks at ``start_load_kv``, after queueing and the handshake). A failure is handled
   by ``kv_load_failure_policy``: ``fail`` ends the turn with an error; ``recompute`` reschedules.
 * Decode ``request_finished``: with bidir on and status stopped/length-capped, pins the blocks,
   ``expiry = now_D + decoder_kv_blocks_ttl`` (never renewed), ``remote_num_tokens =
-  num_computed_tokens`` (prompt + output − 1) and returns the exact 0.33.0 params dict
+  num_computed_tokens`` (:func:`kvscope.reuse.params.remote_num_tokens`: prompt + output after
+  a stop token under the async scheduler, else prompt + output − 1) and returns the exact 0.33.0
+  params dict
   (:data:`PARAMS_FIELDS`); aborted/errored or bidir off → no params. Handles are single-use:
   the first read or notify releases them; the reaper releases at ``now_D >= expiry``.
 
