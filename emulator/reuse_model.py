@@ -38,8 +38,9 @@ What it mirrors (read from the 0.33.0 wheel, paths under
   injected fault; a notify-only request's failed handshake is dropped) → expiry guard
   ``now_P + 5.0 >= expiry - offset`` → ``declined_expired`` (skipped when expiry is ``None`` or
   notify-only) → READ of whole blocks. The caller passes ``now`` as the time the request is
-  admitted (the worker checks at ``start_load_kv``, after queueing and the handshake). A failure is handled
-  by ``kv_load_failure_policy``: ``fail`` ends the turn with an error; ``recompute`` reschedules.
+  admitted (the worker checks at ``start_load_kv``, after queueing and the handshake). A
+  failure is handled by ``kv_load_failure_policy``: ``fail`` ends the turn with an error;
+  ``recompute`` reschedules.
 * Decode ``request_finished``: with bidir on and status stopped/length-capped, pins the blocks,
   ``expiry = now_D + decoder_kv_blocks_ttl`` (never renewed), ``remote_num_tokens =
   num_computed_tokens`` (:func:`kvscope.reuse.params.remote_num_tokens`: prompt + output after
