@@ -7,8 +7,13 @@
     │   ├── NewerSchemaError     written by a newer kvscope; refused, never rewritten
     │   └── StoreLockedError     another process holds the file for writing
     ├── PayloadError             an OTLP payload that cannot be decoded (receiver → HTTP 400)
-    └── IngestError              a source file that cannot be ingested (names file and line),
-                                 or one already in the store
+    ├── IngestError              a source file that cannot be ingested (names file and line),
+    │                            or one already in the store
+    ├── ChildStartError          a helper process did not start (kvscope.child)
+    ├── AnalysisError            an analysis cannot run on these runs or parameters
+    │                            (kvscope.analysis.registry)
+    └── WorkloadError            a workload or trace file that cannot be read
+                                 (kvscope.emulator.workloads.model)
 
 Third-party errors (duckdb, protobuf) are translated into these at one boundary each; the CLI
 turns them into one-line messages.

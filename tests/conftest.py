@@ -1,4 +1,5 @@
-"""Shared fixtures: real DuckDB stores in tmp_path, seeded span generators."""
+"""Shared fixtures: real DuckDB stores in tmp_path (seeded generators live in the packages:
+``kvscope.emulator.workloads``, ``kvscope.emulator.simulator``)."""
 
 from __future__ import annotations
 

@@ -769,7 +769,8 @@ def test_span_kinds_are_the_designed_ones() -> None:
 
 # --- through the emulator's vLLM-shaped servers ---------------------------------------------------
 def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
-    servers = pytest.importorskip("kvscope.emulator.servers")
+    from kvscope.emulator import servers  # an import error must fail, not read as a skip
+
     emulation = servers.Emulation(servers.EmulatorConfig(enable_prompt_tokens_details=True))
     prefill, decode = emulation.add_prefill(), emulation.add_decode()
     with ServerThread(prefill.application) as p, ServerThread(decode.application) as d:
