@@ -24,8 +24,10 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
-  ``_log_failure``: ``handshake_failed`` / ``failed``); they are wrapped where they exist with
-  0.33.0's parameters (:data:`PRIVATE_HOOK_SIGNATURES`, so 0.33.x patch releases keep them),
+  ``_log_failure``'s record, read by a logging filter on vLLM's ``base_worker`` logger, not a
+  wrapper, so vLLM's records keep their call site: ``handshake_failed`` / ``failed``); they are
+  wrapped where they exist with 0.33.0's parameters (:data:`PRIVATE_HOOK_SIGNATURES`, so 0.33.x
+  patch releases keep them),
   elsewhere a warning is logged once and failed reads are reported as plain ``failed``. A missing
   target leaves every other hook installed.
 
@@ -74,8 +76,11 @@ WORKER_CLASS = "NixlPullConnectorWorker"
 PRIVATE_HOOK_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_read_blocks_for_req": ("req_id", "meta"),
     "_is_turn2_read_expired": ("meta",),
-    "_log_failure": ("failure_type", "req_id"),
 }
+# vLLM's base_worker logs each transfer failure as this record (its _log_failure), with args
+# (failure_type, context); the context names the request and the worker's engine.
+FAILURE_LOGGER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+FAILURE_MESSAGE = "NIXL transfer failure: %s | Context: %s"
 _KV_ROLE_TO_ENGINE_ROLE = {"kv_producer": semconv.ROLE_PREFILL, "kv_consumer": semconv.ROLE_DECODE}
 
 ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
@@ -228,6 +233,22 @@ class _EngineState:
     telemetry: dict[str, EngineTelemetry] = field(default_factory=dict)
 
 
+class _FailureRecords(logging.Filter):
+    """Hands vLLM's transfer-failure log records to the instrumentor; never drops a record."""
+
+    def __init__(self, instrumentor: NixlConnectorInstrumentor) -> None:
+        super().__init__()
+        self._instrumentor = instrumentor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == FAILURE_MESSAGE:
+            try:
+                self._instrumentor._failure_logged(record)
+            except Exception:
+                self._instrumentor._hook_failed("failure log record")
+        return True
+
+
 @dataclass
 class InstrumentorStats:
     """Counters of the instrumentor (hook failures never reach vLLM; they are counted here)."""
@@ -271,6 +292,9 @@ class NixlConnectorInstrumentor:
         self._meters_by_engine: dict[str, int] = {}
         self.retained_bytes: dict[str, int] = {}
         self.stats = InstrumentorStats()
+        # Worker states by engine id, for failure records that name only the engine.
+        self._worker_states: dict[str, _EngineState] = {}
+        self._failure_filter = _FailureRecords(self)
         self._warned: set[str] = set()
 
     # --- public API -----------------------------------------------------------------------
@@ -322,7 +346,6 @@ class NixlConnectorInstrumentor:
             private = {
                 "_read_blocks_for_req": self._wrap_read_blocks,
                 "_is_turn2_read_expired": self._wrap_is_expired,
-                "_log_failure": self._wrap_log_failure,
             }
             unmatched = [name for name in private if not private_hook_matches(worker_cls, name)]
             if private_hooks is None:
@@ -348,6 +371,8 @@ class NixlConnectorInstrumentor:
             if installed == 0:
                 self._restore()
                 return False
+            if private_hooks:
+                logging.getLogger(FAILURE_LOGGER).addFilter(self._failure_filter)
             self._private_hooks = bool(private_hooks)
             self._instrumented = True
             return True
@@ -358,6 +383,8 @@ class NixlConnectorInstrumentor:
             if not self._instrumented:
                 return
             self._restore()
+            logging.getLogger(FAILURE_LOGGER).removeFilter(self._failure_filter)
+            self._worker_states.clear()
             self._instrumented = False
             self._private_hooks = False
             self._generation += 1
@@ -710,6 +737,7 @@ class NixlConnectorInstrumentor:
         if not reqs:
             return
         state = self._state(worker)
+        self._worker_states[state.engine_id] = state
         now = time.time_ns()
         for req_id, meta in reqs.items():
             local = meta.local_block_ids
@@ -798,23 +826,25 @@ class NixlConnectorInstrumentor:
 
         return _is_turn2_read_expired
 
-    def _wrap_log_failure(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def _log_failure(worker: Any, failure_type: str, *args: Any, **kwargs: Any) -> Any:
-            try:
-                req_id = kwargs.get("req_id", args[0] if args else None)
-                state = self._state(worker)
-                # Only reads: a notify-only request's failure is dropped by vLLM (it is not in
-                # _recving_metadata), so nothing would ever take its entry out again.
-                if req_id is not None and str(req_id) in state.reads:
-                    status = (
-                        semconv.TRANSFER_HANDSHAKE_FAILED
-                        if str(failure_type).startswith("handshake")
-                        else semconv.TRANSFER_FAILED
-                    )
-                    # Called from the handshake thread too: one dict store, atomic in CPython.
-                    state.read_failures.setdefault(str(req_id), status)
-            except Exception:
-                self._hook_failed("_log_failure")
-            return original(worker, failure_type, *args, **kwargs)
+    def _failure_logged(self, record: logging.LogRecord) -> None:
+        """vLLM's ``_log_failure`` record: why a read failed (handshake or transfer).
 
-        return _log_failure
+        Observed on the record rather than by wrapping the method: a wrapper is one more frame
+        between vLLM's caller and its ``logger.error(..., stacklevel=2)``, which then named
+        kvscope's file as the failure's call site.
+        """
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 2 or not isinstance(args[1], Mapping):
+            return
+        failure_type = args[0]
+        context: Mapping[str, Any] = args[1]
+        req_id = context.get("request_id")
+        state = self._worker_states.get(str(context.get("engine_id")))
+        # Only reads: a notify-only request's failure is dropped by vLLM (it is not in
+        # _recving_metadata), so nothing would ever take its entry out again.
+        if req_id is None or state is None or str(req_id) not in state.reads:
+            return
+        status = (semconv.TRANSFER_HANDSHAKE_FAILED if str(failure_type).startswith("handshake")
+                  else semconv.TRANSFER_FAILED)
+        # Logged from the handshake thread too: one dict store, atomic in CPython.
+        state.read_failures.setdefault(str(req_id), status)
