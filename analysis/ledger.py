@@ -415,6 +415,10 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         .when(pl.col("boundary_hashes").is_null() | pl.col("prev_hashes").is_null()
               | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
         .then(pl.lit(HISTORY_UNKNOWN))
+        # A completions prompt is one message whose text grows turn by turn: one hash each
+        # cannot show a continuation (nor an edit).
+        .when((pl.col("messages") <= 1) & (pl.col("prev_messages") <= 1))
+        .then(pl.lit(HISTORY_UNKNOWN))
         .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes"),
                          pl.col("prev_messages"), pl.col("messages"), pl.col("roles")))
         .then(pl.lit(HISTORY_CONTINUES))

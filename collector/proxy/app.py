@@ -45,6 +45,7 @@ from kvscope.collector.proxy.telemetry import (
 from kvscope.errors import SettingError
 from kvscope.reuse.router import (
     GUARD_EDITED,
+    GUARD_UNCHECKED,
     ConversationRouter,
     Lookup,
     blocks_in,
@@ -457,6 +458,11 @@ class Proxy:
         edited history, a retry from an earlier point or another client's request under the
         same conversation id gets vLLM's MISS params: prefill computes, nothing is loaded.
         """
+        if not isinstance(body.get("messages"), list):
+            # A completions prompt is one message whose text grows: its hash cannot show a
+            # continuation, so the guard does not judge it.
+            record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
+            return lookup
         _, hashes, roles = message_boundaries(body)
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None

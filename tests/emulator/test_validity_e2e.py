@@ -177,3 +177,26 @@ def test_a_turn_with_prompt_logprobs_is_scheduler_skipped_in_truth_and_ledger(
         truth = list(cluster.emulation.truth.rows)
     assert truth[1].outcome == outcomes.SCHEDULER_SKIPPED
     assert _rows(db)["outcome"].to_list()[1] == outcomes.SCHEDULER_SKIPPED
+
+
+def test_completions_turns_are_not_judged_by_one_hash(tmp_path: Path) -> None:
+    """/v1/completions sends one growing prompt: its single boundary hash changes every turn,
+    which says nothing about edits. The guard lets it through unjudged, and the ledger raises
+    no alarm for a read that continues the text."""
+    db = tmp_path / "completions.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True, reuse_guard=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        cid = f"cmpl-{next(_ids)}"
+        prompt = "system rules " * 120 + "task one"
+        for extra in ("", " next step please"):
+            body = {"model": MODEL, "prompt": prompt + extra, "max_tokens": 30,
+                    "conversation_id": cid}
+            resp = httpx.post(cluster.proxy_url + "/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 200, resp.text
+            prompt = prompt + extra + resp.json()["choices"][0]["text"]
+        truth = list(cluster.emulation.truth.rows)
+    rows = _rows(db)
+    assert rows["reuse_guard"].to_list() == [None, "no_history"]
+    assert truth[1].transfer_status is not None  # the guard did not block the pull
+    assert rows["history"].to_list()[1] == "unknown"
+    assert rows["outcome"].to_list()[1] != outcomes.REUSED_INVALID
