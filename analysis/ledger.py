@@ -218,13 +218,10 @@ QUERIES: dict[str, str] = {
 
 def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
     """Run the extraction queries; one frame of string-typed attributes per span kind."""
-    frames = {}
-    for name, sql in QUERIES.items():
-        if isinstance(reader, StoreReader):
-            frames[name] = reader.frame(sql)
-        else:
-            frames[name] = pl.DataFrame(reader.sql(sql).to_arrow_table())
-    return frames
+    # A bare connection (the store's own writer, rebuilding) still goes through the reader's
+    # seam for its error translation; it has no time limit, as rebuilding may take a while.
+    seam = reader if isinstance(reader, StoreReader) else StoreReader(reader, time_limit_s=None)
+    return {name: seam.frame(sql) for name, sql in QUERIES.items()}
 
 
 # --- shaping ----------------------------------------------------------------------------------

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import polars as pl
 
 from kvscope.errors import StoreError
 from kvscope.store.database import open_readonly
+
+T = TypeVar("T")
 
 
 class StoreReader:
@@ -28,13 +30,33 @@ class StoreReader:
 
     def execute(self, sql: str, params: Sequence[Any] | None = None) -> duckdb.DuckDBPyConnection:
         """Run one statement with bound parameters; interrupt it past the time limit."""
+        return self._limited(lambda: self._con.execute(sql, list(params) if params else None))
+
+    def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
+        """Run one query and return its result as a polars DataFrame (same limit and errors)."""
+        # The relation is lazy: building its Arrow table is where the query runs, so that is
+        # what the time limit and the error translation must cover.
+        table = self._limited(
+            lambda: self._con.sql(sql, params=list(params) if params else None).to_arrow_table())
+        return pl.DataFrame(table)
+
+    def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
+        """Run one query and return (column names, rows)."""
+        def run() -> tuple[list[str], list[tuple]]:
+            result = self._con.execute(sql, list(params) if params else None)
+            return [d[0] for d in result.description or []], result.fetchall()
+        return self._limited(run)
+
+    def _limited(self, run: Callable[[], T]) -> T:
+        """``run()`` interrupted past the time limit; DuckDB errors become StoreError (the one
+        seam every query of a reader passes)."""
         timer: threading.Timer | None = None
         if self.time_limit_s:
             timer = threading.Timer(self.time_limit_s, self._con.interrupt)
             timer.daemon = True
             timer.start()
         try:
-            return self._con.execute(sql, list(params) if params else None)
+            return run()
         except duckdb.InterruptException:
             raise StoreError(f"query exceeded the {self.time_limit_s:g} s time limit") from None
         except duckdb.Error as exc:
@@ -42,22 +64,6 @@ class StoreReader:
         finally:
             if timer is not None:
                 timer.cancel()
-
-    def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
-        """Run one query and return its result as a polars DataFrame."""
-        return pl.DataFrame(self._relation(sql, params).to_arrow_table())
-
-    def _relation(self, sql: str, params: Sequence[Any] | None) -> duckdb.DuckDBPyRelation:
-        try:
-            return self._con.sql(sql, params=list(params) if params else None)
-        except duckdb.Error as exc:
-            raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
-
-    def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
-        """Run one query and return (column names, rows)."""
-        result = self.execute(sql, params)
-        names = [d[0] for d in result.description or []]
-        return names, result.fetchall()
 
     def close(self) -> None:
         """Close the connection."""
