@@ -921,13 +921,18 @@ def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
             "--prefiller-port", "1", "--decoder-port", "2"]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
     try:
         assert process.stderr is not None
-        line = process.stderr.readline()
+        for _ in range(20):  # the start-up line, after anything else a process may print first
+            lines.append(process.stderr.readline())
+            if "kvscope proxy on" in lines[-1] or not lines[-1]:
+                break
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(30)
-    assert " INFO kvscope.collector.proxy.turns: kvscope proxy on http://127.0.0.1:" in line, line
+    line = lines[-1]
+    assert " INFO kvscope.collector.proxy.turns: kvscope proxy on http://127.0.0.1:" in line, lines
     assert "loopback only" in line
 
 

@@ -177,19 +177,20 @@ def test_async_scheduling_flag_sets_what_decode_offers() -> None:
 
 
 @pytest.mark.parametrize(("queued_wall_s", "status"), [(0.0, semconv.TRANSFER_OK),
-                                                       (0.12, semconv.TRANSFER_DECLINED_EXPIRED)])
+                                                       (1.0, semconv.TRANSFER_DECLINED_EXPIRED)])
 def test_time_queued_at_prefill_eats_the_expiry_margin(queued_wall_s: float,
                                                         status: str) -> None:
     """The deadline is checked when prefill takes the request up (vLLM's start_load_kv), not
     when it arrives: an offer good on arrival is declined after queueing behind other work.
 
-    TTL 8 model seconds at time scale 50: read at once, 8 > 5 s of margin; queued 0.12 wall
-    seconds (6 model seconds) behind a busy prefill, 6 + 5 ≥ 8.
+    TTL 40 model seconds at time scale 50: read at once (within 0.7 wall seconds of turn 1's
+    end, room for a slow machine), 40 > 5 s of margin; queued 1 wall second (50 model seconds)
+    behind a busy prefill, 50 + 5 ≥ 40.
     """
     import asyncio
     import threading
 
-    with EmulatedCluster(_config(decoder_kv_blocks_ttl=8.0), proxy=True) as c:
+    with EmulatedCluster(_config(decoder_kv_blocks_ttl=40.0), proxy=True) as c:
         assert c.proxy_url is not None and c.emulation is not None and c._loop is not None
         lock = c.emulation.prefill_nodes[0].compute_lock
         n = next(_conversations)
