@@ -548,8 +548,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     rules: list[tuple[pl.Expr, str, pl.Expr]] = [
         # Without a conversation id no turn can be linked to another, the first included.
         (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
-         pl.lit("request had no conversation id")),
-        (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit("turn 1")),
+         pl.lit(outcomes.EVIDENCE_NO_CONVERSATION_ID)),
+        (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit(outcomes.EVIDENCE_FIRST_TURN)),
         # A client's own record (kvscope ingest) with no proxy or engine span joined to it:
         # nothing says whether or why the turn reused, so no miss cause is claimed.
         ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
@@ -569,9 +569,9 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
          .then(pl.lit(outcomes.EVIDENCE_EDITED + "; the proxy's reuse guard sent MISS params"))
          .otherwise(pl.lit(outcomes.EVIDENCE_EDITED + " (message-boundary hashes)"))),
         (engine_seen & (done >= target) & (done > 0) & (remote > 0), outcomes.REUSED_REMOTE,
-         pl.format("pulled {}, local {}", remote, local)),
+         pl.format(outcomes.EVIDENCE_REUSED_REMOTE, remote, local)),
         (engine_seen & (done >= target) & (done > 0), outcomes.REUSED_LOCAL,
-         pl.format("local hit {}", local)),
+         pl.format(outcomes.EVIDENCE_REUSED_LOCAL, local)),
         # The previous turn gave the router nothing to keep: decode returned no params, or the
         # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
         # or "consumed" when the previous turn's own lookup took the last one).
@@ -582,7 +582,7 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
          outcomes.NO_DECODE_METADATA,
          pl.when(c("prev_returned").is_null())
          .then(pl.lit("previous turn never reached decode"))
-         .otherwise(pl.lit("previous turn: decode returned no params"))),
+         .otherwise(pl.lit(outcomes.EVIDENCE_NO_DECODE_METADATA))),
         (lookup == semconv.ROUTER_MISS, outcomes.ROUTER_NO_ENTRY, pl.lit("router lookup miss")),
         (lookup == semconv.ROUTER_STALE, outcomes.ROUTER_TTL_EXPIRED,
          pl.format("router entry {} s old", c("router_entry_age_s").round(1))),
@@ -591,18 +591,18 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (~engine_seen, outcomes.UNKNOWN,
          pl.lit("no engine hooks: prefill's reuse decision not observed")),
         (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
-         pl.lit("offer failed the D->P key check")),
+         pl.lit(outcomes.EVIDENCE_INVALID_PARAMS)),
         (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
-         pl.lit("prefill got no offer")),
+         pl.lit(outcomes.EVIDENCE_NO_OFFER)),
         (~c("prefill_bidirectional").fill_null(True)
          & (c("decision") != semconv.DECISION_LOCAL_COVERS), outcomes.PREFILL_BIDIR_DISABLED,
-         pl.lit("bidirectional_kv_xfer off at prefill")),
+         pl.lit(outcomes.EVIDENCE_BIDIR_OFF)),
         (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
-         pl.format("{} < {}", c("offered_tokens") - c("decision_local_hit"),
-                   c("threshold_tokens"))),
+         pl.format(outcomes.EVIDENCE_BELOW_THRESHOLD,
+                   c("offered_tokens") - c("decision_local_hit"), c("threshold_tokens"))),
         (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
          pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
-        (c("_preempted"), outcomes.PREEMPTED, pl.lit("rescheduled after its read")),
+        (c("_preempted"), outcomes.PREEMPTED, pl.lit(outcomes.EVIDENCE_PREEMPTED)),
         (status.is_not_null() & (status != semconv.TRANSFER_OK)
          & c("load_errored").fill_null(False),
          outcomes.LOAD_FAILED_ERRORED, pl.format(outcomes.EVIDENCE_LOAD_FAILED, status)),
@@ -610,17 +610,17 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
          & (c("last_decision") == semconv.DECISION_REISSUED),
          outcomes.LOAD_STALLED, pl.format(outcomes.EVIDENCE_LOAD_STALLED, status)),
         (status == semconv.TRANSFER_DECLINED_EXPIRED, outcomes.DECODE_TTL_EXPIRED,
-         pl.lit("read declined as expired")),
+         pl.lit(outcomes.EVIDENCE_DECLINED)),
         (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
-         pl.lit("handshake to decode failed")),
+         pl.lit(outcomes.EVIDENCE_HANDSHAKE)),
         (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
-         pl.lit("NIXL READ failed")),
+         pl.lit(outcomes.EVIDENCE_TRANSFER)),
         (reusable.is_null(), outcomes.UNKNOWN,
          pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
-        (done > 0, outcomes.PARTIAL, pl.format("reused {} of {}", done, reusable)),
+        (done > 0, outcomes.PARTIAL, pl.format(outcomes.EVIDENCE_PARTIAL, done, reusable)),
     ]
     label: pl.Expr = pl.lit(outcomes.UNKNOWN)
-    evidence: pl.Expr = pl.lit("no rule explains the miss")
+    evidence: pl.Expr = pl.lit(outcomes.EVIDENCE_UNEXPLAINED)
     for condition, name, why in reversed(rules):
         label = pl.when(condition.fill_null(False)).then(pl.lit(name)).otherwise(label)
         evidence = pl.when(condition.fill_null(False)).then(why).otherwise(evidence)

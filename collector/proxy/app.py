@@ -38,6 +38,7 @@ from kvscope import semconv, settings
 from kvscope.collector.proxy.export_process import TurnExportProcess
 from kvscope.collector.proxy.router import conversation_id_from
 from kvscope.collector.proxy.telemetry import (
+    BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,
     TurnRecord,
     message_boundaries,
@@ -463,9 +464,15 @@ class Proxy:
             # continuation, so the guard does not judge it.
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
             return lookup
-        _, hashes, roles = message_boundaries(body)
+        count, hashes, roles = message_boundaries(body)
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None
+        if self.telemetry.enabled:
+            # The turn's span keeps the last hashes: hashed here once, not again for telemetry.
+            record.message_count = count
+            record.boundary_hashes = ",".join(chain[-BOUNDARY_HASHES_KEPT:])
+            record.boundary_roles = roles[-BOUNDARY_HASHES_KEPT:]
+            record.boundary_source = None
         if lookup.params is None:
             return lookup
         record.reuse_guard = guard(lookup, chain, roles)

@@ -97,8 +97,6 @@ OUTCOMES: tuple[str, ...] = (
 )
 # Outcomes that count as reuse; every other label after turn 1 is a miss cause.
 REUSE_OUTCOMES: tuple[str, ...] = (REUSED_REMOTE, REUSED_LOCAL, PARTIAL)
-# Outcomes that are correctness alarms: KV was loaded that does not belong to the prompt.
-ALARM_OUTCOMES: tuple[str, ...] = (REUSED_INVALID,)
 # Every label after turn 1 that is not a valid reuse: the alarm first, then the miss causes.
 MISS_CAUSES: tuple[str, ...] = tuple(o for o in OUTCOMES if o not in REUSE_OUTCOMES + (FIRST_TURN,))
 

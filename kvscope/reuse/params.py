@@ -144,8 +144,8 @@ def classify_observed(
     ``answer`` is the connector's ``(count, load_async)``; ``num_external_tokens`` is what the
     scheduler passed to ``update_state_after_alloc`` (None when not seen). The scheduler may
     override the connector (``skip_reading_prefix_cache``, hybrid partial tails): an accepted
-    pull that reaches allocation with 0 external tokens becomes notify-only, which is
-    :data:`semconv.DECISION_LOCAL_COVERS`'s path in the connector (nothing read, D notified).
+    pull that reaches allocation with 0 external tokens becomes notify-only (nothing read, D
+    notified): :data:`semconv.DECISION_SCHEDULER_SKIPPED`.
     """
     offered = offered_tokens(params)
     if not d_to_p_offer_valid(params):

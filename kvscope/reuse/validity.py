@@ -28,7 +28,6 @@ INVALID_AFTER_RELEASE = "after_release"
 # What the ledger can say from message-boundary hashes alone: the history was edited, so the
 # tokens loaded past the edit do not match (how many is not measurable without a tokenizer).
 INVALID_EDITED = "edited"
-INVALID_KINDS = (INVALID_BEYOND_PREFIX, INVALID_MISALIGNED, INVALID_AFTER_RELEASE, INVALID_EDITED)
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
