@@ -609,8 +609,10 @@ class NixlConnectorInstrumentor:
         if sending and state.pins:
             now_perf, now_ns = time.perf_counter(), time.time_ns()
             # The worker's stats of the same step say how many of these its TTL reaper released
-            # (num_kv_expired_reqs, base_worker.py _reap_expired_send_leases): none or all of
-            # them is an observation; only a mix falls back to comparing with the deadline.
+            # (num_kv_expired_reqs, base_worker.py _reap_expired_send_leases; the model runner
+            # puts both in one KVConnectorOutput: kv_connector_model_runner_mixin.py): none or
+            # all of them is an observation; a mix, or counts summed over TP workers, falls
+            # back to comparing with the deadline.
             expired = expired_releases(output)
             observed = (semconv.RELEASE_NOTIFIED if expired == 0
                         else semconv.RELEASE_EXPIRED if expired == len(sending) else None)
