@@ -645,9 +645,10 @@ class PrefillNode:
     ) -> ReuseDecision:
         """One schedule of ``request_id`` (``num_computed_tokens == 0``): local hit, then offer.
 
-        ``skip_reading_prefix_cache`` (a request with ``prompt_logprobs``): the scheduler reads
-        no local prefix and turns the connector's accepted pull into notify-only (confirmed on
-        the real scheduler: tests/vllm_contract/test_real_scheduler_claims.py).
+        ``skip_reading_prefix_cache`` (a request with ``prompt_logprobs``): no local prefix is
+        read (``kv_cache_manager.py``, read from the source) and the scheduler turns the
+        connector's accepted pull into notify-only (confirmed on the real scheduler:
+        tests/vllm_contract/test_real_scheduler_claims.py).
         """
         state = self._requests.setdefault(
             request_id, _RequestState(dict(params) if params is not None else None)
