@@ -172,8 +172,10 @@ def test_async_scheduling_flag_sets_what_decode_offers() -> None:
     assert config_from_args(parser.parse_args([])).scheduling == "async"
     sync = config_from_args(parser.parse_args(["--no-async-scheduling"]))
     assert sync.scheduling == "sync"
-    nodes = EmulatedCluster(sync)
-    assert nodes.config.scheduling == "sync"
+    from kvscope.emulator.servers import Emulation
+
+    decode = Emulation(sync).add_decode().node  # the engine the flag reaches
+    assert decode.config.scheduling == "sync"
 
 
 @pytest.mark.parametrize(("queued_wall_s", "status"), [(0.0, semconv.TRANSFER_OK),
