@@ -147,7 +147,7 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
             print(line)
             if invalid:
                 print(f"  {'':<22} ALARM: {invalid} turn(s) loaded decode KV that does not "
-                      "match their prompt (reused_invalid: history edited under the same id)")
+                      "match their prompt (reused_invalid; the report gives each one's evidence)")
             if retention is not None and retention.height:
                 held = retention.filter(retention["run_id"] == rid)
                 if held.height:
