@@ -55,11 +55,15 @@ class FigureSpec:
     analysis: str
     build: Callable[[pl.DataFrame | None], go.Figure]
     params: Mapping[str, Any] = field(default_factory=dict)
+    # Shown instead when ``analysis`` cannot run here (an A/B pair's figure on one run).
+    fallback: str | None = None
 
 
 FIGURES: tuple[FigureSpec, ...] = (
-    FigureSpec("ttft-vs-prompt", "compare_by_prompt", figures.ttft_vs_prompt),
-    FigureSpec("prefill-split", "compare_by_prompt", figures.prefill_split),
+    FigureSpec("ttft-vs-prompt", "compare_by_prompt", figures.ttft_vs_prompt,
+               fallback="by_prompt"),
+    FigureSpec("prefill-split", "compare_by_prompt", figures.prefill_split,
+               fallback="by_prompt"),
     FigureSpec("reuse-by-turn", "reuse_rate", figures.reuse_by_turn, {"by": "turn_index"}),
     FigureSpec("miss-causes", "miss_causes", figures.miss_causes),
     FigureSpec("retained-memory", "retained_memory", figures.retained_memory),
@@ -203,9 +207,9 @@ def _figures_html(ctx: AnalysisContext, labels: Mapping[str, str]) -> str:
     parts = []
     for spec in FIGURES:
         frame, why = _result(ctx, spec.analysis, spec.params)
-        if frame is None and spec.analysis == "compare_by_prompt":
+        if frame is None and spec.fallback is not None:
             # No A/B pair (one run, the common production store): the runs themselves.
-            frame, why = _result(ctx, "by_prompt", {})
+            frame, why = _result(ctx, spec.fallback, {})
         if frame is None:
             fig = figures.missing(spec.id.replace("-", " "), f"not measured: {why}")
         else:
