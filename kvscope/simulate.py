@@ -25,17 +25,19 @@ from kvscope.emulator.simulate_command import (
 )
 from kvscope.emulator.simulator import SimulationResult, iter_truth
 from kvscope.emulator.workloads.model import Workload
+from kvscope.tables import NOT_MEASURED
 
 SUMMARY_COLUMNS = ("label", "turns", "reuse", "top miss causes", "retained GiB·s",
                    "TTFT p50 ms", "TTFT p90 ms")
 
 
 def _pct(value: float | None) -> str:
-    return "not measured" if value is None else f"{100 * value:.1f}%"
+    # One decimal (the verdict rounds to whole percents): a planner compares settings here.
+    return NOT_MEASURED if value is None else f"{100 * value:.1f}%"
 
 
 def _num(value: float | None, digits: int) -> str:
-    return "not measured" if value is None else f"{value:,.{digits}f}"
+    return NOT_MEASURED if value is None else f"{value:,.{digits}f}"
 
 
 def summary_rows(db: str | Path, run_ids: Sequence[str]) -> list[tuple[str, ...]]:
@@ -53,8 +55,10 @@ def summary_rows(db: str | Path, run_ids: Sequence[str]) -> list[tuple[str, ...]
         causes = ", ".join(
             f"{row[f'cause_{i}']} {_pct(row[f'cause_{i}_share'])}"
             for i in range(1, TOP_CAUSES + 1) if row.get(f"cause_{i}")
-        ) or "none"
-        rows.append((str(row.get("label") or run_id), f"{row.get('turns') or 0:,}",
+        ) or ("none" if row else NOT_MEASURED)
+        turns = row.get("turns")
+        rows.append((str(row.get("label") or run_id),
+                     NOT_MEASURED if turns is None else f"{turns:,}",
                      _pct(row.get("token_reuse_rate")), causes,
                      _num(row.get("retained_gib_s"), 1), _num(row.get("ttft_p50_ms"), 0),
                      _num(row.get("ttft_p90_ms"), 0)))
