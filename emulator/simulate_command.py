@@ -30,18 +30,10 @@ from kvscope.emulator.simulator import (
 from kvscope.emulator.workloads.model import Workload
 from kvscope.errors import SettingError
 from kvscope.reuse.params import FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE, SCHEDULING_MODES
+from kvscope.settings import parse_bool
 
 WORKLOADS = ("synthetic", "weka", "mooncake")
 _DEFAULTS = SimulationSettings()
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (true/false, on/off)")
 
 
 @dataclass(frozen=True)
@@ -81,9 +73,9 @@ OPTIONS: tuple[Option, ...] = (
            tuple(sorted(PROFILES))),
     Option("prefill_nodes", "--prefill-nodes", int, "prefill engines (round robin)"),
     Option("decode_nodes", "--decode-nodes", int, "decode engines (round robin)"),
-    Option("prefill_bidirectional_kv_xfer", "--prefill-bidirectional-kv-xfer", _bool,
+    Option("prefill_bidirectional_kv_xfer", "--prefill-bidirectional-kv-xfer", parse_bool,
            "prefill reads KV back from decode (kv_connector_extra_config bidirectional_kv_xfer)"),
-    Option("decode_bidirectional_kv_xfer", "--decode-bidirectional-kv-xfer", _bool,
+    Option("decode_bidirectional_kv_xfer", "--decode-bidirectional-kv-xfer", parse_bool,
            "decode keeps finished turns' KV and offers it (bidirectional_kv_xfer)"),
     Option("kv_recompute_threshold", "--kv-recompute-threshold", int,
            "fewest reusable tokens worth pulling from decode", setting="kv_recompute_threshold"),
@@ -97,10 +89,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("scheduling", "--scheduling", str,
            "the engines' scheduler (vLLM's default: async; sync never runs decode's last token)",
            SCHEDULING_MODES),
-    Option("reuse_guard", "--reuse-guard", _bool,
+    Option("reuse_guard", "--reuse-guard", parse_bool,
            "the proxy sends MISS params when a history does not continue the turn whose "
            "decode KV it holds (kvscope proxy --reuse-guard)"),
-    Option("prefill_prefix_caching", "--enable-prefix-caching", _bool,
+    Option("prefill_prefix_caching", "--enable-prefix-caching", parse_bool,
            "prefix caching on the prefill engines (--no-enable-prefix-caching: off, as the "
            "vLLM blog's P)"),
     Option("prefill_cache_blocks", "--prefill-cache-blocks", int,
@@ -141,7 +133,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the synthetic workload and of weka arrivals")
     for option in OPTIONS:
         kwargs: dict[str, Any] = {"dest": option.field, "default": None}
-        if option.parse is _bool:
+        if option.parse is parse_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             help_default = "on" if option.default else "off"
         else:

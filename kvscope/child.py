@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -61,6 +62,9 @@ def spawn_child(target: Callable[..., None], args: tuple[Any, ...], *, name: str
     return process, conn
 
 
+_MAIN_SWAP = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_left_out(target: Callable[..., None]) -> Iterator[None]:
     """Start a spawned child without the caller's main module, when its target lives elsewhere.
@@ -73,15 +77,18 @@ def _main_left_out(target: Callable[..., None]) -> Iterator[None]:
     nothing of the main module, so while the child is started ``sys.modules["__main__"]`` is a
     bare module: multiprocessing then tells the child to import no main at all.
     """
-    main = sys.modules.get("__main__")
-    if main is None or target.__module__ == "__main__":
-        yield
-        return
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+    # One swap at a time: two threads starting children at once must not save each other's
+    # bare module as the real main.
+    with _MAIN_SWAP:
+        main = sys.modules.get("__main__")
+        if main is None or target.__module__ == "__main__":
+            yield
+            return
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def pack(value: Any) -> bytes:

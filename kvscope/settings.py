@@ -47,7 +47,8 @@ def _log_level(value: str) -> None:
         raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
 
 
-def _parse_bool(raw: str) -> bool:
+def parse_bool(raw: str) -> bool:
+    """A boolean setting or option value: 1/true/yes/on, 0/false/no/off (or empty)."""
     lowered = raw.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -60,7 +61,7 @@ _PARSERS: dict[type, Callable[[str], Any]] = {
     int: int,
     float: float,
     str: str,
-    bool: _parse_bool,
+    bool: parse_bool,
 }
 
 
