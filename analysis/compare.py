@@ -7,12 +7,8 @@ expose them: ``compare`` (one row per metric, the two runs side by side, ratio a
 ``compare_by_prompt`` (p50/p90 TTFT and the prefill split per prompt-length bin per run).
 
 Which runs: the ``runs`` parameter names two run ids or labels. Without it, the pair is chosen
-from the selected runs: a feature-ON run and a feature-OFF run of the same workload (the most
-recent such pair), else the only two runs. Feature state comes from the run's settings
-(``prefill_bidirectional_kv_xfer``/``decode_bidirectional_kv_xfer`` in simulator runs,
-``bidirectional_kv_xfer`` in emulator runs), else from an ``on``/``off`` word in the label, else
-from prefill's reuse decisions; the workload from the settings' ``workload`` entries, else a
-fingerprint of the ledger (conversations, turns, Σ prompt tokens).
+from the selected runs (:func:`kvscope.analysis.runs.pick_runs`): a feature-ON run and a
+feature-OFF run of the same workload (the most recent such pair), else the only two runs.
 
 Prefill split: ``transfer`` is the D→P read time inside the prefill leg (``d2p_ms``; 0 for a turn
 with no read when the run has engine hooks), ``compute`` = prefill leg − transfer. Without engine
@@ -22,39 +18,22 @@ hooks neither is measured: null, never 0.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import polars as pl
 
 from kvscope.analysis import registry
-from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
-from kvscope.analysis.reuse import reuse_table
-from kvscope.reuse import outcomes
-
-FEATURE_ON = "on"
-FEATURE_OFF = "off"
-
-# Settings keys that say whether bidirectional KV transfer was on (vLLM's own names).
-_FEATURE_KEYS = (
-    "prefill_bidirectional_kv_xfer",
-    "decode_bidirectional_kv_xfer",
-    "bidirectional_kv_xfer",
+from kvscope.analysis.registry import (
+    AnalysisContext,
+    AnalysisError,
+    Param,
+    intermediate,
+    register,
 )
-_WORKLOAD_KEYS = ("workload", "workload_settings")
-_LABEL_WORD = re.compile(r"(?<![a-z0-9])(on|off)(?![a-z0-9])")
-
-RUNS_SQL = "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs"
-
-RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
-    "run_id": pl.String(),
-    "label": pl.String(),
-    "feature": pl.String(),
-    "feature_source": pl.String(),
-    "workload_key": pl.String(),
-    "started_at": pl.Datetime("us", "UTC"),
-}
+from kvscope.analysis.reuse import reuse_table
+from kvscope.analysis.runs import all_runs, context_run_info, open_context, pick_runs, run_info
+from kvscope.reuse import outcomes
 
 STATS_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -139,135 +118,6 @@ RETENTION_COLUMNS: dict[str, pl.DataType] = {
     "idle_gib_s": pl.Float64(),
     "wasted_gib_s": pl.Float64(),
 }
-
-
-# --- runs -------------------------------------------------------------------------------------
-
-
-def _settings(raw: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
-def feature_state(settings: Mapping[str, Any], label: str | None,
-                  prefill_bidirectional: bool | None = None) -> tuple[str | None, str]:
-    """Whether a run had bidirectional KV transfer on, and where that came from.
-
-    Settings win (ON only when every recorded flag is on); then an ``on``/``off`` word in the
-    label; then what prefill's reuse decisions reported. ``(None, "not recorded")`` otherwise.
-    """
-    flags = [_truthy(settings[k]) for k in _FEATURE_KEYS if k in settings]
-    if flags:
-        return (FEATURE_ON if all(flags) else FEATURE_OFF), "settings"
-    words = _LABEL_WORD.findall((label or "").lower())
-    if len(set(words)) == 1:
-        return words[0], "label"
-    if prefill_bidirectional is not None:
-        return (FEATURE_ON if prefill_bidirectional else FEATURE_OFF), "reuse decisions"
-    return None, "not recorded"
-
-
-def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
-    """One row per run: label, feature state (and its source), workload key (pure)."""
-    fingerprint = ledger.group_by("run_id").agg(
-        pl.col("conversation_id").n_unique().alias("_conversations"),
-        pl.len().alias("_turns"),
-        pl.col("prefill_bidirectional").drop_nulls().all().alias("_bidir_all"),
-        pl.col("prefill_bidirectional").is_not_null().any().alias("_bidir_seen"),
-    )
-    prints = {row["run_id"]: row for row in fingerprint.iter_rows(named=True)}
-    rows = []
-    for run in runs.iter_rows(named=True):
-        settings = _settings(run["settings"])
-        seen = prints.get(run["run_id"])
-        bidir = seen["_bidir_all"] if seen and seen["_bidir_seen"] else None
-        feature, source = feature_state(settings, run["label"], bidir)
-        if any(k in settings for k in _WORKLOAD_KEYS):
-            workload = json.dumps({k: settings.get(k) for k in _WORKLOAD_KEYS}, sort_keys=True,
-                                  default=str)
-        elif seen:
-            # Counts a fault cannot change (a failed turn still counts; its tokens may not).
-            workload = f"{seen['_conversations']} conversations, {seen['_turns']} turns"
-        else:
-            workload = None
-        rows.append({"run_id": run["run_id"], "label": run["label"], "feature": feature,
-                     "feature_source": source, "workload_key": workload,
-                     "started_at": run["started_at"]})
-    return pl.DataFrame(rows, schema=RUN_INFO_COLUMNS)
-
-
-def all_runs(ctx: AnalysisContext) -> pl.DataFrame:
-    """Every run in the store (not only the selected ones), oldest first."""
-    return ctx.cached("compare:all_runs", lambda: ctx.frame(RUNS_SQL + " ORDER BY started_at"))
-
-
-def resolve_runs(runs: pl.DataFrame, names: Sequence[str]) -> list[str]:
-    """Run ids for ``names`` (each a run id or a label; a label may name several runs)."""
-    resolved: list[str] = []
-    for name in names:
-        ids = runs.filter(pl.col("run_id") == name)["run_id"].to_list()
-        ids = ids or runs.filter(pl.col("label") == name)["run_id"].to_list()
-        if not ids:
-            known = ", ".join(f"{r} ({lbl})" for r, lbl in runs.select("run_id", "label").rows())
-            raise AnalysisError(f"no run with id or label {name!r}; runs: {known or 'none'}")
-        resolved += [i for i in ids if i not in resolved]
-    return resolved
-
-
-def baseline_for(info: pl.DataFrame, run_id: str) -> str | None:
-    """The most recent feature-OFF run of the same workload as the feature-ON run ``run_id``."""
-    row = info.filter(pl.col("run_id") == run_id)
-    if row.is_empty() or row["feature"][0] != FEATURE_ON or row["workload_key"][0] is None:
-        return None
-    offs = info.filter(
-        (pl.col("feature") == FEATURE_OFF) & (pl.col("workload_key") == row["workload_key"][0])
-    ).sort("started_at")
-    return offs["run_id"][-1] if offs.height else None
-
-
-def choose_pair(info: pl.DataFrame) -> tuple[str, str]:
-    """The pair to compare when none was named: (ON, OFF) of one workload, else the only two."""
-    ons = info.filter(pl.col("feature") == FEATURE_ON).sort("started_at", descending=True)
-    for run_id in ons["run_id"]:
-        off = baseline_for(info, run_id)
-        if off is not None:
-            return run_id, off
-    if info.height == 2:
-        a, b = info["run_id"].to_list()
-        return a, b
-    raise AnalysisError(
-        f"compare needs two runs: found {info.height} and no feature ON/OFF pair of one "
-        "workload; name them with runs=A,B (ids or labels)"
-    )
-
-
-def pick_runs(ctx: AnalysisContext, names: Sequence[str] | None) -> tuple[str, str]:
-    """The two run ids to compare: named ones (ids or labels), else :func:`choose_pair`."""
-    if names:
-        ids = resolve_runs(all_runs(ctx), names)
-        if len(ids) != 2:
-            raise AnalysisError(
-                f"compare needs exactly two runs; {', '.join(names)} name {len(ids)}"
-            )
-        missing = [i for i in ids if ctx.runs is not None and i not in ctx.runs]
-        if missing:
-            raise AnalysisError(f"run(s) {', '.join(missing)} are not in the selected runs")
-        return ids[0], ids[1]
-    return choose_pair(context_run_info(ctx))
-
-
-def context_run_info(ctx: AnalysisContext) -> pl.DataFrame:
-    """:func:`run_info` of the selected runs, cached per context."""
-    return ctx.cached("compare:run_info", lambda: run_info(ctx.run_table(), ctx.ledger()))
 
 
 # --- per-run numbers --------------------------------------------------------------------------
@@ -479,12 +329,11 @@ def comparison(ctx: AnalysisContext, runs: Sequence[str] | None = None, bins: in
                ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(summary, by-prompt table) for the pair ``runs`` names, or the chosen pair (cached)."""
     pair = pick_runs(ctx, runs)
-    key = f"compare:{pair!r}:{bins}"
-    result: tuple[pl.DataFrame, pl.DataFrame] = ctx.cached(
-        key, lambda: _comparison(ctx, pair, bins))
+    result: tuple[pl.DataFrame, pl.DataFrame] = ctx.get(_comparison, pair, bins)
     return result
 
 
+@intermediate("comparison", shared=False)
 def _comparison(ctx: AnalysisContext, pair: tuple[str, str], bins: int,
                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Build both comparison tables for ``pair``."""
@@ -547,7 +396,7 @@ def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int
     """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
     from kvscope.tables import format_rows
 
-    with AnalysisContext.open(db) as ctx:
+    with open_context(db) as ctx:
         summary, by_prompt = comparison(ctx, list(runs) if runs else None)
     if fmt == "table":
         print(format_rows(summary.columns, summary.rows(), fmt), end="")

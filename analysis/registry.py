@@ -2,15 +2,19 @@
 
 An analysis declares its name, a one-line title, its parameters (typed, with defaults and help)
 and the columns of the frame it returns, and runs against an :class:`AnalysisContext`. The
-context owns the store connection and caches derived data (the ledger) per context, so several
-analyses over one file build the ledger once. Modules listed in :data:`MODULES` register their
-analyses on import; :func:`analyses` imports them on first use (nothing loads at import time).
+context owns the store connection and caches what analyses build on the way: each such
+intermediate (the ledger, the retention spans, the what-if inputs, …) is registered here too
+(:func:`intermediate`), so its cache key is the registry's, never a string spelled at each use,
+and several analyses over one file build the ledger once. An intermediate is ``shared`` when it
+does not depend on which turns are selected: a dashboard's filtered context takes it from the
+unfiltered one. Modules listed in :data:`MODULES` register their analyses on import;
+:func:`analyses` imports them on first use (nothing loads at import time).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,7 @@ class Param:
 Runner = Callable[["AnalysisContext", Mapping[str, Any]], pl.DataFrame]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Analysis:
     """One registered analysis: what it is called, takes and returns, and how it runs."""
 
@@ -84,7 +88,21 @@ class Analysis:
         return {name: p.parse(given.get(name)) for name, p in known.items()}
 
 
+@dataclass(frozen=True, eq=False)
+class Intermediate:
+    """Data analyses build on the way and share, cached per context and arguments.
+
+    ``shared``: built from the whole store, whatever turns a context selects (a scoped context
+    asks its base context for it); otherwise built per context from its selection.
+    """
+
+    name: str
+    build: Callable[..., Any]
+    shared: bool
+
+
 REGISTRY: dict[str, Analysis] = {}
+INTERMEDIATES: dict[str, Intermediate] = {}
 
 # Modules whose import registers analyses, in the order the report shows them.
 MODULES = (
@@ -92,10 +110,12 @@ MODULES = (
     "kvscope.analysis.causes",
     "kvscope.analysis.retention",
     "kvscope.analysis.task_time",
+    "kvscope.analysis.windows",
     "kvscope.analysis.compare",
     "kvscope.analysis.whatif",
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
+    "kvscope.analysis.evidence",
 )
 _loaded = False
 
@@ -111,6 +131,19 @@ def register(
             raise ValueError(f"analysis {name!r} registered twice")
         REGISTRY[name] = Analysis(name, title, fn, tuple(params), dict(columns or {}))
         return fn
+
+    return decorate
+
+
+def intermediate(name: str, *, shared: bool) -> Callable[[Callable[..., Any]], Intermediate]:
+    """Decorator: register ``fn(ctx, *args)`` as the intermediate ``name``; get it with
+    :meth:`AnalysisContext.get`."""
+
+    def decorate(fn: Callable[..., Any]) -> Intermediate:
+        if name in INTERMEDIATES:
+            raise ValueError(f"intermediate {name!r} registered twice")
+        INTERMEDIATES[name] = item = Intermediate(name, fn, shared)
+        return item
 
     return decorate
 
@@ -143,7 +176,7 @@ class AnalysisContext:
     def __init__(self, reader: StoreReader, *, runs: Sequence[str] | None = None) -> None:
         self.reader = reader
         self.runs = list(runs) if runs else None
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[Hashable, Any] = {}
 
     @classmethod
     def open(cls, path: str | Path, *, runs: Sequence[str] | None = None) -> AnalysisContext:
@@ -159,35 +192,25 @@ class AnalysisContext:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def cached(self, key: str, build: Callable[[], Any]) -> Any:
+    def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """Build once per context (and per key), then reuse."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
 
+    def get(self, item: Intermediate, *args: Hashable) -> Any:
+        """The intermediate ``item`` for ``args``, built once per context."""
+        return self.cached((item, args), lambda: item.build(self, *args))
+
     def ledger(self) -> pl.DataFrame:
         """The per-turn ledger of the selected runs."""
-        from kvscope.analysis import ledger as ledger_module
-
-        full = self.cached("ledger", lambda: ledger_module.ledger(self.reader))
-        return self.select_runs(full)
+        return self.select_runs(self.get(LEDGER))
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs (all when no selection)."""
         if self.runs is None or "run_id" not in frame.columns:
             return frame
         return frame.filter(pl.col("run_id").is_in(self.runs))
-
-    def run_table(self) -> pl.DataFrame:
-        """The runs recorded in the store (id, label, settings JSON, start, end)."""
-        frame = self.cached(
-            "runs",
-            lambda: self.reader.frame(
-                "SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs "
-                "ORDER BY started_at"
-            ),
-        )
-        return self.select_runs(frame)
 
     def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
         """Run SQL through the store's one execute seam."""
@@ -198,8 +221,19 @@ def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None
     """Run one analysis by name with parsed parameters, cached per (name, parameters)."""
     analysis = get(name)
     parsed = analysis.parse_params(params)
-    key = f"analysis:{name}:{sorted(parsed.items())!r}"
+    key = (analysis, repr(sorted(parsed.items())))
     return ctx.cached(key, lambda: analysis.run(ctx, parsed))
+
+
+@intermediate("ledger", shared=True)
+def _whole_ledger(ctx: AnalysisContext) -> pl.DataFrame:
+    """The ledger of every run in the store (contexts select their runs from it)."""
+    from kvscope.analysis import ledger as ledger_module
+
+    return ledger_module.ledger(ctx.reader)
+
+
+LEDGER = _whole_ledger
 
 
 def iter_analyses() -> Iterator[Analysis]:

@@ -33,7 +33,7 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
-from kvscope.analysis.registry import AnalysisContext, Param, register
+from kvscope.analysis.registry import LEDGER, AnalysisContext, Param, intermediate, register
 from kvscope.reuse import outcomes
 
 GIB = float(1 << 30)
@@ -156,15 +156,16 @@ SAMPLES_PARAMS = [
 ]
 
 
+@intermediate("retentions", shared=True)
+def _retentions(ctx: AnalysisContext) -> pl.DataFrame:
+    """Every run's retention spans, typed, reads told from notifies by the whole ledger."""
+    raw = ctx.frame(RETENTION_SQL, RETENTION_PARAMS)
+    return upgrade_reads(shape_retentions(raw), read_handles(ctx.get(LEDGER)))
+
+
 def load_retentions(ctx: AnalysisContext) -> pl.DataFrame:
     """The selected runs' retention spans, typed (cached per context)."""
-    raw = ctx.cached("retention:spans", lambda: ctx.frame(RETENTION_SQL, RETENTION_PARAMS))
-
-    def typed() -> pl.DataFrame:
-        ledger = ctx.cached("ledger", lambda: ctx.ledger())
-        return upgrade_reads(shape_retentions(raw), read_handles(ledger))
-
-    return ctx.select_runs(ctx.cached("retention:typed", typed))
+    return ctx.select_runs(ctx.get(_retentions))
 
 
 def read_handles(ledger: pl.DataFrame) -> pl.Series:
@@ -193,14 +194,18 @@ def upgrade_reads(retentions: pl.DataFrame, handles: pl.Series) -> pl.DataFrame:
     )
 
 
+@intermediate("gauge_samples", shared=True)
+def _samples(ctx: AnalysisContext) -> pl.DataFrame:
+    return shape_samples(ctx.frame(SAMPLES_SQL, SAMPLES_PARAMS))
+
+
 def load_samples(ctx: AnalysisContext) -> pl.DataFrame:
     """Retained-bytes and GPU memory gauge samples, typed (cached per context).
 
     Samples without a run id (a GPU sampler started without one) are kept: the shaping attaches
     them to the runs whose time range they fall in.
     """
-    raw = ctx.cached("retention:samples", lambda: ctx.frame(SAMPLES_SQL, SAMPLES_PARAMS))
-    typed = ctx.cached("retention:samples_typed", lambda: shape_samples(raw))
+    typed: pl.DataFrame = ctx.get(_samples)
     if ctx.runs is None:
         return typed
     return typed.filter(pl.col("run_id").is_in(ctx.runs) | pl.col("run_id").is_null())

@@ -25,7 +25,7 @@ from typing import Any
 
 import polars as pl
 
-from kvscope.analysis.registry import AnalysisContext, register
+from kvscope.analysis.registry import AnalysisContext, intermediate, register
 
 PARTS = ("input_processing", "transfer", "generation", "tool_wait", "proxy_overhead")
 COMPONENTS = ("task", *PARTS, "unaccounted", "ttft")
@@ -159,10 +159,16 @@ def task_summary(table: pl.DataFrame) -> pl.DataFrame:
 @register("task_time", "Task time per conversation: input, transfer, generation, tool wait, "
           "proxy overhead; TTFT share", columns=COLUMNS)
 def task_time(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return ctx.cached("task_time:table", lambda: task_table(ctx.ledger()))
+    frame: pl.DataFrame = ctx.get(_tasks)
+    return frame
+
+
+@intermediate("task_table", shared=False)
+def _tasks(ctx: AnalysisContext) -> pl.DataFrame:
+    return task_table(ctx.ledger())
 
 
 @register("task_time_summary", "Task time per run: median and p90 of each part, TTFT share",
           columns=SUMMARY_COLUMNS)
 def task_time_summary(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return task_summary(ctx.cached("task_time:table", lambda: task_table(ctx.ledger())))
+    return task_summary(ctx.get(_tasks))

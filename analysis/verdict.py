@@ -5,7 +5,7 @@
 registered ``verdict`` wrapper gathers the inputs. Retained GiB·s comes from the
 ``retention_cost`` analysis when a module registers it, and is null ("not measured") otherwise.
 The change in TTFT and task time is measured against the most recent feature-OFF run of the
-same workload among the selected runs (:func:`kvscope.analysis.compare.baseline_for`); null
+same workload among the selected runs (:func:`kvscope.analysis.runs.baseline_for`); null
 when there is none.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from kvscope.analysis import compare
+from kvscope.analysis import compare, runs
 from kvscope.analysis.causes import cause_table
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.reuse import reuse_table
@@ -100,7 +100,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
                   ) -> pl.DataFrame:
     """One verdict row per run of ``info`` (pure).
 
-    ``info`` is :func:`compare.run_info` (the runs, among which baselines are found),
+    ``info`` is :func:`runs.run_info` (the runs, among which baselines are found),
     ``ledger`` the per-turn ledger of those runs and ``retention`` the ``retention_cost``
     result (None when no module registers it).
     """
@@ -122,7 +122,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
     by_id = {row["run_id"]: row for row in frame.iter_rows(named=True)}
     rows = []
     for run_id, row in by_id.items():
-        base_id = compare.baseline_for(info, run_id)
+        base_id = runs.baseline_for(info, run_id)
         base = by_id.get(base_id) if base_id else None
         row = dict(row)
         if retention is None:
@@ -226,7 +226,7 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
             f"p90 {_pct(row.get('ttft_p90_change'), True)}, "
             f"task time {_pct(row.get('task_time_change'), True)}."
         )
-    elif feature == compare.FEATURE_ON:
+    elif feature == runs.FEATURE_ON:
         out.append("No feature-OFF run of the same workload in the store: the change in TTFT "
                    f"and task time is {NOT_MEASURED}.")
     return out
@@ -234,7 +234,7 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
 
 def context_verdict(ctx: AnalysisContext) -> pl.DataFrame:
     """The verdict of the selected runs (baselines are looked for among them too)."""
-    return verdict_table(compare.context_run_info(ctx), ctx.ledger(),
+    return verdict_table(runs.context_run_info(ctx), ctx.ledger(),
                          compare.optional_analysis(ctx, "retention_cost"))
 
 

@@ -51,7 +51,13 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
-from kvscope.analysis.registry import AnalysisContext, AnalysisError, Param, register
+from kvscope.analysis.registry import (
+    AnalysisContext,
+    AnalysisError,
+    Param,
+    intermediate,
+    register,
+)
 from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
@@ -770,18 +776,34 @@ def whatif_table(
 # --- registered analyses -----------------------------------------------------------------------
 
 
+@intermediate("whatif_frames", shared=True)
+def _store_frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
+    """Retention spans, D→P reads and router TTLs of every run in the store."""
+    raw = {name: ctx.frame(sql, QUERY_PARAMS[name]) for name, sql in QUERIES.items()}
+    return {
+        "retentions": shape_retentions(raw["retentions"]),
+        "transfers": shape_transfers(raw["transfers"]),
+        "router_ttl": raw["router_ttl"],
+    }
+
+
+@intermediate("whatif_timeline", shared=False)
+def _timeline(ctx: AnalysisContext, runs: tuple[str, ...]) -> pl.DataFrame:
+    """The turns of ``runs`` on one timeline with their retentions (see :func:`timeline`)."""
+    frames = _frames(ctx)
+    return timeline(ctx.ledger().filter(pl.col("run_id").is_in(list(runs))),
+                    frames["retentions"].filter(pl.col("run_id").is_in(list(runs))))
+
+
+@intermediate("whatif_fits", shared=False)
+def _fits(ctx: AnalysisContext, run: str | None) -> pl.DataFrame:
+    data = inputs(ctx, run)
+    return fit_costs(data["ledger"], data["transfers"])
+
+
 def _frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
-    """Retention spans, D→P reads and router TTLs of the selected runs (cached per context)."""
-
-    def load() -> dict[str, pl.DataFrame]:
-        raw = {name: ctx.frame(sql, QUERY_PARAMS[name]) for name, sql in QUERIES.items()}
-        return {
-            "retentions": shape_retentions(raw["retentions"]),
-            "transfers": shape_transfers(raw["transfers"]),
-            "router_ttl": raw["router_ttl"],
-        }
-
-    frames: dict[str, pl.DataFrame] = ctx.cached("whatif:frames", load)
+    """Retention spans, D→P reads and router TTLs of the selected runs."""
+    frames: dict[str, pl.DataFrame] = ctx.get(_store_frames)
     return {name: ctx.select_runs(frame) for name, frame in frames.items()}
 
 
@@ -795,8 +817,7 @@ def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFra
             raise AnalysisError(f"run {run!r} not in the store; known: {', '.join(known)}")
         ledger = ledger.filter(pl.col("run_id") == run)
         frames = {k: v.filter(pl.col("run_id") == run) for k, v in frames.items()}
-    key = f"whatif:timeline:{sorted(ledger['run_id'].unique().to_list())!r}"
-    turns = ctx.cached(key, lambda: timeline(ledger, frames["retentions"]))
+    turns = ctx.get(_timeline, tuple(sorted(ledger["run_id"].unique().to_list())))
     return {
         "ledger": ledger,
         "retentions": frames["retentions"],
@@ -859,8 +880,7 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
         raise AnalysisError(
             f"whatif: {settings} settings asked (ttl x threshold x router_ttl); at most "
             f"{MAX_SETTINGS} per request, since each one replays every observed turn")
-    fits = ctx.cached(f"whatif:fits:{params['run']!r}",
-                      lambda: fit_costs(data["ledger"], data["transfers"]))
+    fits = ctx.get(_fits, params["run"])
     return whatif_table(
         data["timeline"], fits, data["observed"], data["ledger"], data["retentions"],
         ttls=ttls, thresholds=thresholds, router_ttls=routers,

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +36,7 @@ from typing import Any
 
 import polars as pl
 
-from kvscope.analysis import registry
+from kvscope.analysis import registry, runs
 from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError
 from kvscope.store.reader import StoreReader
@@ -51,19 +51,11 @@ MAX_SCOPES = 32
 # Most conversations offered in a picker: a 1M-turn store has ~100k; the list says when cut.
 MAX_CONVERSATION_OPTIONS = 2000
 
-# Cache keys of the filter-independent data the analyses build (see analysis/*.py): a scoped
-# context reads these from the base context instead of rebuilding them per filter selection.
-SHARED_KEYS = frozenset({
-    "ledger", "runs", "retention:spans", "retention:typed", "retention:samples",
-    "retention:samples_typed", "whatif:frames", "compare:all_runs",
-})
-
-
 # Analyses whose rows for one run are computed from that run's data alone (grouped by run_id):
 # a run filter can select rows of their unfiltered result.
 RUN_SEPARABLE = frozenset({
     "reuse_rate", "miss_causes", "retention_cost", "retained_memory", "task_time",
-    "task_time_summary", "ladder", "ledger", "cost_fit", "whatif",
+    "task_time_summary", "ladder", "ledger", "cost_fit", "whatif", "ttft_windows",
 })
 
 
@@ -138,19 +130,19 @@ class ScopedContext(AnalysisContext):
         super().__init__(base.reader, runs=list(filters.runs) or None)
         self.base = base
         self.filters = filters
+        self._ledger: pl.DataFrame | None = None
 
-    def cached(self, key: str, build: Callable[[], Any]) -> Any:
-        """Filter-independent data from the base context; results of this selection here."""
-        if key in SHARED_KEYS:
-            return self.base.cached(key, build)
-        return super().cached(key, build)
+    def get(self, item: registry.Intermediate, *args: Hashable) -> Any:
+        """Shared intermediates from the base context; those of this selection here."""
+        if item.shared:
+            return self.base.get(item, *args)
+        return super().get(item, *args)
 
     def ledger(self) -> pl.DataFrame:
-        """The ledger rows of this selection (built once per data version, in the base)."""
-        return self.cached("scoped:ledger", self._select_ledger)
-
-    def _select_ledger(self) -> pl.DataFrame:
-        return self.filters.select_ledger(self.select_runs(self.base.ledger()))
+        """The ledger rows of this selection (the whole ledger is built once, in the base)."""
+        if self._ledger is None:
+            self._ledger = self.filters.select_ledger(self.select_runs(self.base.ledger()))
+        return self._ledger
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs, and of the selected engine where a frame names engines."""
@@ -274,7 +266,7 @@ class DashboardData:
                     # Rows of these analyses depend on their own run only: select the rows of
                     # the unfiltered result instead of recomputing it for the selection.
                     whole = registry.run(self.context(), name, params)
-                    key = f"runs:{name}:{sorted((params or {}).items())!r}"
+                    key = ("run rows", name, repr(sorted((params or {}).items())))
                     return Result(self.context(filters).cached(
                         key, lambda: whole.filter(pl.col("run_id").is_in(list(filters.runs)))))
                 return Result(registry.run(self.context(filters), name, params))
@@ -289,7 +281,7 @@ class DashboardData:
         """A value shaped from analysis results, cached on the selection's context."""
         with self._lock:
             ctx = self.context(filters)
-            return ctx.cached(f"dashboard:{key}", lambda: build(ctx))
+            return ctx.cached(("dashboard", key), lambda: build(ctx))
 
     def ledger(self, filters: Filters | None = None) -> pl.DataFrame:
         """The ledger of a selection (the registry's ``ledger`` analysis), empty when absent."""
@@ -317,7 +309,7 @@ class DashboardData:
         """Runs in the store: run_id, label (the label is the run id where none was given)."""
         def build(ctx: AnalysisContext) -> pl.DataFrame:
             try:
-                table = ctx.run_table()
+                table = runs.run_table(ctx)
             except KvscopeError:
                 table = pl.DataFrame(schema={"run_id": pl.String, "label": pl.String})
             ledger_runs = self.ledger()
@@ -374,81 +366,6 @@ class DashboardData:
         return span
 
 
-# --- shaping of ledger rows the registry does not aggregate this way (pure) ---------------------
-
-
-def _window(ledger: pl.DataFrame, window_s: float) -> pl.DataFrame:
-    return ledger.with_columns(
-        pl.col("arrival").dt.truncate(f"{max(int(window_s), 1)}s").alias("window_start"))
-
-
-def ttft_windows(ledger: pl.DataFrame, window_s: float = 60.0) -> pl.DataFrame:
-    """TTFT p50/p90 per run and time window; null where no turn of the window measured it."""
-    schema: dict[str, Any] = {"run_id": pl.String, "window_start": pl.Datetime("ns"),
-                              "turns": pl.UInt32, "ttft_p50_ms": pl.Float64,
-                              "ttft_p90_ms": pl.Float64}
-    if ledger.is_empty():
-        return pl.DataFrame(schema=schema)
-    return (_window(ledger, window_s).group_by("run_id", "window_start")
-            .agg(pl.len().alias("turns"),
-                 pl.col("ttft_ms").quantile(0.5, "linear").alias("ttft_p50_ms"),
-                 pl.col("ttft_ms").quantile(0.9, "linear").alias("ttft_p90_ms"))
-            .sort("run_id", "window_start"))
-
-
-def outcome_windows(ledger: pl.DataFrame, window_s: float = 60.0) -> pl.DataFrame:
-    """Turns k ≥ 2 per run, time window and outcome."""
-    later = ledger.filter(pl.col("turn_index") >= 2) if not ledger.is_empty() else ledger
-    if later.is_empty():
-        return pl.DataFrame(schema={"run_id": pl.String, "window_start": pl.Datetime("ns"),
-                                    "outcome": pl.String, "turns": pl.UInt32})
-    return (_window(later, window_s).group_by("run_id", "window_start", "outcome")
-            .agg(pl.len().alias("turns")).sort("run_id", "window_start", "outcome"))
-
-
-def outcome_engines(ledger: pl.DataFrame) -> pl.DataFrame:
-    """Turns k ≥ 2 per prefill engine and outcome (all selected runs together)."""
-    later = ledger.filter(pl.col("turn_index") >= 2) if not ledger.is_empty() else ledger
-    if later.is_empty():
-        return pl.DataFrame(schema={"prefill_engine": pl.String, "outcome": pl.String,
-                                    "turns": pl.UInt32})
-    return (later.group_by("prefill_engine", "outcome").agg(pl.len().alias("turns"))
-            .sort("prefill_engine", "outcome"))
-
-
-# Which evidence each part of the picture needs: (name, ledger column, what is lost without it).
-SOURCES: tuple[tuple[str, str, str], ...] = (
-    ("proxy turn spans", "turn_ms", "no proxy spans: turns, TTFT and task time not measured"),
-    ("first-token times", "ttft_ms", "no first-token events: TTFT not measured"),
-    ("engine hooks: reuse decisions", "decision",
-     "no engine hooks: reuse decisions not measured (outcomes fall back to unknown)"),
-    ("engine hooks: D→P transfers", "d2p_status",
-     "no engine hooks: transfer times not measured"),
-    ("engine hooks: retention spans", "retention_bytes",
-     "no retention spans: retention cost not measured"),
-    ("tool waits", "tool_wait_s", "no tool-wait spans: tool wait not measured"),
-)
-
-
-def source_table(ledger: pl.DataFrame, memory: pl.DataFrame | None) -> pl.DataFrame:
-    """Which evidence the store holds: source, present, rows, and what is missing without it."""
-    rows: list[tuple[str, bool, int | None, str]] = []
-    for name, column, lost in SOURCES:
-        count = (ledger.height - ledger[column].null_count()) if column in ledger.columns else 0
-        rows.append((name, count > 0, count, "" if count else lost))
-    sources = memory["source"].unique().to_list() if memory is not None and \
-        "source" in memory.columns else []
-    gpu = any(s.startswith("gpu_memory") for s in sources)
-    gauge = "retained_bytes_gauge" in sources
-    rows.append(("GPU memory samples", gpu, None,
-                 "" if gpu else "no GPU sampler: GPU memory not measured"))
-    rows.append(("retained-bytes gauge", gauge, None,
-                 "" if gauge else "no gauge: retained bytes derived from retention spans"))
-    return pl.DataFrame(rows, schema={"source": pl.String, "present": pl.Boolean,
-                                      "turns_with_it": pl.Int64, "missing": pl.String},
-                        orient="row")
-
-
 def open_data(source: str | Path | StoreWriter, *,
               refresh_s: float = DEFAULT_REFRESH_S) -> DashboardData:
     """The data side of a dashboard over ``source`` (nothing is read until a page asks)."""
@@ -457,7 +374,6 @@ def open_data(source: str | Path | StoreWriter, *,
 
 __all__ = [
     "DEFAULT_REFRESH_S",
-    "SOURCES",
     "MAX_CONVERSATION_OPTIONS",
     "NOT_MEASURED",
     "DashboardData",
@@ -465,8 +381,4 @@ __all__ = [
     "Result",
     "ScopedContext",
     "open_data",
-    "outcome_engines",
-    "outcome_windows",
-    "source_table",
-    "ttft_windows",
 ]

@@ -32,12 +32,12 @@ import plotly.graph_objects as go
 import polars as pl
 from plotly.offline import get_plotlyjs
 
-from kvscope.analysis import compare, registry
+from kvscope.analysis import registry
 from kvscope.analysis import verdict as verdict_module
 from kvscope.analysis.registry import AnalysisContext
+from kvscope.analysis.runs import open_context, run_table
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
-from kvscope.store.reader import StoreReader
 from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def _tables_html(ctx: AnalysisContext) -> str:
 
 def render(ctx: AnalysisContext, source: str) -> str:
     """The whole report as one HTML string."""
-    runs = ctx.run_table()
+    runs = run_table(ctx)
     labels = {r: lbl or r for r, lbl in runs.select("run_id", "label").rows()}
     generated = datetime.now(UTC).isoformat(timespec="seconds")
     return (
@@ -249,17 +249,6 @@ def render(ctx: AnalysisContext, source: str) -> str:
         f"<h2>Tables</h2>{_tables_html(ctx)}"
         "</body></html>\n"
     )
-
-
-def open_context(db: str | Path, runs: Sequence[str] | None = None) -> AnalysisContext:
-    """Open ``db`` read-only for analysis, selecting ``runs`` (ids or labels) when given."""
-    reader = StoreReader.open(db)
-    try:
-        ids = compare.resolve_runs(reader.frame(compare.RUNS_SQL), runs) if runs else None
-    except KvscopeError:
-        reader.close()
-        raise
-    return AnalysisContext(reader, runs=ids)
 
 
 def write_report(db_path: str | Path, out_path: str | Path,
@@ -317,7 +306,6 @@ __all__ = [
     "format_cell",
     "main_analyze",
     "main_report",
-    "open_context",
     "render",
     "table_html",
     "write_report",

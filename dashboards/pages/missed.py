@@ -9,7 +9,7 @@ import polars as pl
 from dash import Dash, Input, Output, dcc, html
 
 from kvscope.dashboards import figures
-from kvscope.dashboards.data import DashboardData, Filters, outcome_engines, outcome_windows
+from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
     FILTERS,
     VERSION,
@@ -17,7 +17,6 @@ from kvscope.dashboards.pages import (
     figure_of,
     filter_note,
     filters_of,
-    graph,
     message,
     table,
     with_labels,
@@ -46,9 +45,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     """Figures and the cause table (with suggestions) of one filter selection."""
     labels = data.labels()
     result = data.result("miss_causes", None, filters)
-    windows = data.derived(f"outcome_windows:{WINDOW_S}",
-                           lambda ctx: outcome_windows(ctx.ledger(), WINDOW_S), filters)
-    engines = data.derived("outcome_engines", lambda ctx: outcome_engines(ctx.ledger()), filters)
+    windows = data.result("outcome_windows", {"window_s": WINDOW_S}, filters)
+    engines = data.result("outcome_engines", None, filters)
     table_frame = None
     if result.frame is not None:
         table_frame = with_labels(result.frame, labels).filter(
@@ -56,8 +54,9 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
             "label", "outcome", "turns", "share", "recomputed_tokens", "suggestion")
     parts: list[Any] = [
         filter_note(filters),
-        graph("missed-over-time", figures.outcomes_over_time(with_labels(windows, labels))),
-        graph("missed-by-engine", figures.outcomes_by_engine(engines)),
+        figure_of("missed-over-time", "causes over time", windows, figures.outcomes_over_time,
+                  labels),
+        figure_of("missed-by-engine", "causes by engine", engines, figures.outcomes_by_engine),
         figure_of("missed-tokens", "tokens lost", result, figures.tokens_lost, labels),
         html.H3("Causes and the change each suggests"),
         table(table_frame, "missed-table", why=result.why),

@@ -7,12 +7,11 @@ from typing import Any
 from dash import html
 
 from kvscope.dashboards import figures
-from kvscope.dashboards.data import DashboardData, Filters, source_table, ttft_windows
+from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
     figure_of,
     filter_note,
     filtered_page,
-    graph,
     table,
     with_labels,
 )
@@ -28,9 +27,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     ledger = data.ledger(filters)
     memory = data.result("retained_memory", None, filters)
     reuse_run = data.result("reuse_rate", {"by": "run"}, filters)
-    ttft = data.derived(f"ttft_windows:{WINDOW_S}",
-                        lambda ctx: ttft_windows(ctx.ledger(), WINDOW_S), filters)
-    sources = source_table(ledger, memory.frame)
+    ttft = data.result("ttft_windows", {"window_s": WINDOW_S}, filters)
+    sources = data.result("evidence", None, filters)
     freshness = (f"last turn ended {ledger['end'].max()}" if "end" in ledger.columns
                  and ledger.height else "no turns stored yet")
     parts: list[Any] = [
@@ -41,7 +39,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                + (" (live: refreshes as spans arrive)" if data.live else ""),
                id="overview-freshness", className="meta"),
         html.H3("Sources"),
-        table(sources, "overview-sources"),
+        table(sources.frame, "overview-sources", why=sources.why),
         html.H3("Reuse per run"),
         table(with_labels(reuse_run.frame, labels) if reuse_run.frame is not None else None,
               "overview-reuse-table", why=reuse_run.why),
@@ -50,7 +48,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                   figures.reuse_over_time, labels),
         figure_of("overview-outcomes", "outcomes", data.result("miss_causes", None, filters),
                   figures.outcome_shares, labels),
-        graph("overview-ttft", figures.ttft_over_time(with_labels(ttft, labels))),
+        figure_of("overview-ttft", "TTFT over time", ttft, figures.ttft_over_time, labels),
         figure_of("overview-memory", "retained memory", memory, figures.retained_memory, labels),
     ]
     return [p for p in parts if p is not None]

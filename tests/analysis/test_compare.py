@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscope.analysis import compare, registry
+from kvscope.analysis import compare, registry, runs
 from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.registry import AnalysisContext, AnalysisError
 from kvscope.analysis.verdict import verdict_sentences, verdict_table
@@ -50,7 +50,7 @@ def _turn(run: str, conv: str, index: int, start_s: float, dur_s: float, **value
 ])
 def test_feature_state(settings_: dict, label: str, bidir: bool | None,
                        expected: tuple) -> None:
-    assert compare.feature_state(settings_, label, bidir) == expected
+    assert runs.feature_state(settings_, label, bidir) == expected
 
 
 def _runs(*rows: tuple[str, str, dict]) -> pl.DataFrame:
@@ -66,48 +66,48 @@ def _runs(*rows: tuple[str, str, dict]) -> pl.DataFrame:
 def test_pairing_by_workload_and_feature() -> None:
     wl = {"workload": "synthetic", "workload_settings": {"seed": 1}}
     other = {"workload": "synthetic", "workload_settings": {"seed": 2}}
-    runs = _runs(
+    table = _runs(
         ("a", "first", {**wl, "bidirectional_kv_xfer": False}),
         ("b", "other", {**other, "bidirectional_kv_xfer": False}),
         ("c", "second", {**wl, "bidirectional_kv_xfer": True}),
         ("d", "later off", {**wl, "bidirectional_kv_xfer": False}),
     )
-    info = compare.run_info(runs, _ledger([]))
-    assert compare.baseline_for(info, "c") == "d"  # the most recent OFF run of that workload
-    assert compare.baseline_for(info, "a") is None  # OFF runs have no baseline
-    assert compare.choose_pair(info) == ("c", "d")
+    info = runs.run_info(table, _ledger([]))
+    assert runs.baseline_for(info, "c") == "d"  # the most recent OFF run of that workload
+    assert runs.baseline_for(info, "a") is None  # OFF runs have no baseline
+    assert runs.choose_pair(info) == ("c", "d")
     with pytest.raises(AnalysisError, match="two runs"):
-        compare.choose_pair(info.filter(pl.col("run_id") != "c"))
-    assert compare.resolve_runs(runs, ["second", "a"]) == ["c", "a"]
+        runs.choose_pair(info.filter(pl.col("run_id") != "c"))
+    assert runs.resolve_runs(table, ["second", "a"]) == ["c", "a"]
     with pytest.raises(AnalysisError, match="no run with id or label 'nope'"):
-        compare.resolve_runs(runs, ["nope"])
+        runs.resolve_runs(table, ["nope"])
 
 
 def test_workload_fingerprint_without_settings() -> None:
     turns = [_turn(r, "c1", 1, 0, 1, prompt_tokens=100) for r in ("x", "y", "z")]
     turns.append(_turn("z", "c1", 2, 5, 1, prompt_tokens=300))
-    info = compare.run_info(_runs(("x", "x on", {}), ("y", "y off", {}), ("z", "z off", {})),
+    info = runs.run_info(_runs(("x", "x on", {}), ("y", "y off", {}), ("z", "z off", {})),
                             _ledger(turns))
     keys = dict(info.select("run_id", "workload_key").rows())
     assert keys["x"] == keys["y"] != keys["z"]
-    assert compare.baseline_for(info, "x") == "y"
+    assert runs.baseline_for(info, "x") == "y"
 
 
 def test_a_faults_run_finds_the_off_run_of_its_workload() -> None:
     """``make demo``'s ON + faults run: its faults and failed turns are not its workload."""
     wl = {"workload": "weka", "workload_settings": {"conversations": 12}}
-    runs = _runs(("off", "feature OFF", {**wl, "bidirectional_kv_xfer": False, "faults": {}}),
+    table = _runs(("off", "feature OFF", {**wl, "bidirectional_kv_xfer": False, "faults": {}}),
                  ("on", "feature ON", {**wl, "bidirectional_kv_xfer": True, "faults": {}}),
                  ("f", "feature ON + faults", {**wl, "bidirectional_kv_xfer": True,
                                                "faults": {"transfer_fail": 0.08}}))
-    info = compare.run_info(runs, _ledger([]))
-    assert compare.baseline_for(info, "f") == compare.baseline_for(info, "on") == "off"
+    info = runs.run_info(table, _ledger([]))
+    assert runs.baseline_for(info, "f") == runs.baseline_for(info, "on") == "off"
     # Without recorded settings, a failed turn (no prompt tokens reported) does not change
     # the fingerprint either.
     turns = [_turn("x", "c1", 1, 0, 1, prompt_tokens=100),
              _turn("y", "c1", 1, 0, 1, prompt_tokens=0)]
-    info = compare.run_info(_runs(("x", "x on", {}), ("y", "y off", {})), _ledger(turns))
-    assert compare.baseline_for(info, "x") == "y"
+    info = runs.run_info(_runs(("x", "x on", {}), ("y", "y off", {})), _ledger(turns))
+    assert runs.baseline_for(info, "x") == "y"
 
 
 # --- shaping ----------------------------------------------------------------------------------
@@ -283,8 +283,8 @@ def test_compare_refuses_bad_runs(ab_store: Path) -> None:
 
 def _run_id(db: Path, label: str) -> str:
     with AnalysisContext.open(db) as ctx:
-        runs = ctx.run_table()
-    return str(runs.filter(pl.col("label") == label)["run_id"][0])
+        table = runs.run_table(ctx)
+    return str(table.filter(pl.col("label") == label)["run_id"][0])
 
 
 def test_verdict_on_vs_off(ab_store: Path) -> None:
@@ -310,7 +310,7 @@ def test_verdict_on_vs_off(ab_store: Path) -> None:
 
 def test_verdict_table_without_retention_analysis() -> None:
     ledger = _ledger([_turn("r", "c", 1, 0, 1, ttft_ms=10.0, outcome=outcomes.FIRST_TURN)])
-    info = compare.run_info(_runs(("r", "solo", {})), ledger)
+    info = runs.run_info(_runs(("r", "solo", {})), ledger)
     row = verdict_table(info, ledger, None).row(0, named=True)
     assert row["retained_gib_s"] is None
     assert row["retention_note"] == "the retention_cost analysis is not available"

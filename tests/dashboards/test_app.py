@@ -11,8 +11,9 @@ import polars as pl
 import pytest
 from dash import dcc
 
+from kvscope.analysis.evidence import source_table
 from kvscope.dashboards.app import DashboardServer, create_app, selection
-from kvscope.dashboards.data import Filters, open_data, source_table
+from kvscope.dashboards.data import Filters, open_data
 from kvscope.dashboards.pages import (
     compare,
     conversations,
