@@ -1,1 +1,18 @@
-"""Analyses: the per-turn reuse ledger and the registered analyses built on it."""
+"""Analyses: the per-turn reuse ledger and the registered analyses built on it.
+
+    registry.py   the registry of analyses and intermediates, and the analysis context
+    runs.py       runs: the run table, naming runs, feature state, workload, baselines, pairs
+    ledger.py     the per-turn reuse ledger (outcome, tokens, evidence) from the stored spans
+    reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
+                  memory; task_time.py task time; windows.py turns over time and by engine;
+                  evidence.py which evidence a store holds; compare.py two runs side by side;
+                  whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict
+
+Every module registers its analyses on import (see :data:`registry.MODULES`); nothing here is
+imported with the package.
+"""
+
+__all__ = [
+    "causes", "compare", "evidence", "ladder", "ledger", "registry", "retention", "reuse", "runs",
+    "task_time", "verdict", "whatif", "windows",
+]

@@ -1,1 +1,9 @@
-"""Dashboards: the Dash app, the static HTML report and shared figure builders."""
+"""Dashboards: the Dash app, the static HTML report and shared figure builders.
+
+    data.py      analysis results per (analysis, parameters, filters, data version)
+    figures.py   plotly figures from analysis frames (shared by the app and the report)
+    report.py    the static HTML report
+    app.py       the Dash app; pages/ its pages
+"""
+
+__all__ = ["app", "data", "figures", "pages", "report"]

@@ -1,1 +1,15 @@
-"""The emulator: a stand-in for a vLLM P/D deployment with bidirectional KV transfer."""
+"""The emulator: a stand-in for a vLLM P/D deployment with bidirectional KV transfer.
+
+    reuse_model.py   the scheduler/worker behaviour of vLLM 0.33.0's NIXL readback, as a model
+    cost_model.py    prefill/decode/transfer times per model profile
+    tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
+    servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
+    replay.py        replays a workload over HTTP through a proxy
+    simulator.py     the virtual-time simulator; simulate_command.py ``kvscope simulate``
+    workloads/       synthetic, WEKA and Mooncake workloads
+"""
+
+__all__ = [
+    "cost_model", "faults", "ground_truth", "launcher", "replay", "reuse_model", "servers",
+    "simulate_command", "simulator", "tokens", "workloads",
+]

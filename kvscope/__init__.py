@@ -9,4 +9,8 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__"]
+# Public modules (none is imported with the package: the vLLM plugin path stays light).
+__all__ = [
+    "__version__", "child", "cli", "demo", "errors", "fit", "reuse", "semconv", "serving",
+    "settings", "simulate", "store", "tables",
+]

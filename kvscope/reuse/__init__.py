@@ -9,3 +9,5 @@
 Pure: no I/O, no clock, nothing above ``kvscope.semconv``. The emulator's model, the vLLM
 instrumentor, the proxy, the ledger and what-if import these; none re-spells them.
 """
+
+__all__ = ["outcomes", "params", "router", "validity"]
