@@ -4,12 +4,13 @@
     cost_model.py    prefill/decode/transfer times per model profile
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
+    openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
     replay.py        replays a workload over HTTP through a proxy
     simulator.py     the virtual-time simulator; simulate_command.py ``kvscope simulate``
     workloads/       synthetic, WEKA and Mooncake workloads
 """
 
 __all__ = [
-    "cost_model", "faults", "ground_truth", "launcher", "replay", "reuse_model", "servers",
-    "simulate_command", "simulator", "tokens", "workloads",
+    "cost_model", "faults", "ground_truth", "launcher", "openai_api", "replay", "reuse_model",
+    "servers", "simulate_command", "simulator", "tokens", "workloads",
 ]
