@@ -22,6 +22,7 @@ from typing import Any
 import polars as pl
 
 from kvscope.errors import KvscopeError
+from kvscope.store.query import Query
 from kvscope.store.reader import StoreReader
 
 
@@ -212,9 +213,9 @@ class AnalysisContext:
             return frame
         return frame.filter(pl.col("run_id").is_in(self.runs))
 
-    def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
-        """Run SQL through the store's one execute seam."""
-        return self.reader.frame(sql, params)
+    def frame(self, sql: str | Query) -> pl.DataFrame:
+        """Run a query through the store's one execute seam."""
+        return self.reader.frame(sql)
 
 
 def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None) -> pl.DataFrame:

@@ -35,6 +35,7 @@ import polars as pl
 from kvscope import semconv
 from kvscope.analysis.registry import LEDGER, AnalysisContext, Param, intermediate, register
 from kvscope.reuse import outcomes
+from kvscope.store import query
 
 GIB = float(1 << 30)
 _NS = 1_000_000_000
@@ -134,32 +135,33 @@ MEMORY_COLUMNS: dict[str, pl.DataType] = {
 # --- queries ------------------------------------------------------------------------------------
 
 # Engine spans name their run in the resource attributes (semconv.RUN_ID).
-RETENTION_SQL = (
-    "SELECT ResourceAttributes[?] AS run_id, SpanAttributes[?] AS engine_id, "
-    "SpanAttributes[?] AS request_id, Timestamp AS start, Duration AS duration_ns, "
-    "SpanAttributes[?] AS size_bytes, SpanAttributes[?] AS ttl_s, SpanAttributes[?] AS reason "
-    "FROM otel_traces WHERE SpanName = ?"
-)
-RETENTION_PARAMS = [
-    semconv.RUN_ID, semconv.ENGINE_ID, semconv.VLLM_REQUEST_ID, semconv.RETENTION_BYTES,
-    semconv.RETENTION_TTL_S, semconv.RETENTION_RELEASE_REASON, semconv.SPAN_KV_RETENTION,
-]
+RETENTION_QUERY = query.spans(semconv.SPAN_KV_RETENTION, {
+    "run_id": query.resource_attr(semconv.RUN_ID),
+    "engine_id": query.span_attr(semconv.ENGINE_ID),
+    "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
+    "start": "Timestamp",
+    "duration_ns": "Duration",
+    "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
+    "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
+    "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
+})
 
-SAMPLES_SQL = (
-    "SELECT ResourceAttributes[?] AS run_id, MetricName AS metric, Attributes[?] AS engine_id, "
-    "Attributes[?] AS gpu_host, Attributes[?] AS gpu_index, TimeUnix AS time, Value AS value "
-    "FROM otel_metrics_gauge WHERE MetricName IN (?, ?, ?)"
-)
-SAMPLES_PARAMS = [
-    semconv.RUN_ID, semconv.ENGINE_ID, semconv.GPU_HOST, semconv.GPU_INDEX,
-    semconv.METRIC_KV_RETAINED, semconv.METRIC_GPU_MEMORY_USED, semconv.METRIC_GPU_MEMORY_TOTAL,
-]
+SAMPLES_QUERY = query.select(query.GAUGES, {
+    "run_id": query.resource_attr(semconv.RUN_ID),
+    "metric": "MetricName",
+    "engine_id": query.point_attr(semconv.ENGINE_ID),
+    "gpu_host": query.point_attr(semconv.GPU_HOST),
+    "gpu_index": query.point_attr(semconv.GPU_INDEX),
+    "time": "TimeUnix",
+    "value": "Value",
+}, where={"MetricName": (semconv.METRIC_KV_RETAINED, semconv.METRIC_GPU_MEMORY_USED,
+                         semconv.METRIC_GPU_MEMORY_TOTAL)})
 
 
 @intermediate("retentions", shared=True)
 def _retentions(ctx: AnalysisContext) -> pl.DataFrame:
     """Every run's retention spans, typed, reads told from notifies by the whole ledger."""
-    raw = ctx.frame(RETENTION_SQL, RETENTION_PARAMS)
+    raw = ctx.frame(RETENTION_QUERY)
     return upgrade_reads(shape_retentions(raw), read_handles(ctx.get(LEDGER)))
 
 
@@ -196,7 +198,7 @@ def upgrade_reads(retentions: pl.DataFrame, handles: pl.Series) -> pl.DataFrame:
 
 @intermediate("gauge_samples", shared=True)
 def _samples(ctx: AnalysisContext) -> pl.DataFrame:
-    return shape_samples(ctx.frame(SAMPLES_SQL, SAMPLES_PARAMS))
+    return shape_samples(ctx.frame(SAMPLES_QUERY))
 
 
 def load_samples(ctx: AnalysisContext) -> pl.DataFrame:

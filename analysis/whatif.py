@@ -61,6 +61,7 @@ from kvscope.analysis.registry import (
 from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+from kvscope.store import query
 
 DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
 # Bounds of one what-if request (each setting replays the whole timeline).
@@ -90,39 +91,31 @@ _FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREF
 # --- SQL ---------------------------------------------------------------------------------------
 
 
-def _a(key: str) -> str:
-    """SQL for one span attribute (keys come from semconv, never from users)."""
-    return f"SpanAttributes['{key}']"
+_RUN = query.resource_attr(semconv.RUN_ID)
 
-
-_RUN = f"ResourceAttributes['{semconv.RUN_ID}']"
-
-QUERIES: dict[str, str] = {
+QUERIES: dict[str, query.Query] = {
     # One row per retention span: D pinned a finished request's blocks until their release.
-    "retentions": (
-        f"SELECT {_RUN} AS run_id, {_a(semconv.VLLM_REQUEST_ID)} AS request_id, "
-        f"{_a(semconv.RETENTION_BYTES)} AS size_bytes, {_a(semconv.REMOTE_NUM_TOKENS)} AS tokens, "
-        f"{_a(semconv.RETENTION_TTL_S)} AS ttl_s, "
-        f"{_a(semconv.RETENTION_RELEASE_REASON)} AS reason, Duration AS duration_ns "
-        "FROM otel_traces WHERE SpanName = ?"
-    ),
+    "retentions": query.spans(semconv.SPAN_KV_RETENTION, {
+        "run_id": _RUN,
+        "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
+        "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
+        "tokens": query.span_attr(semconv.REMOTE_NUM_TOKENS),
+        "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
+        "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
+        "duration_ns": "Duration",
+    }),
     # Finished D→P reads: the wire-time fit.
-    "transfers": (
-        f"SELECT {_RUN} AS run_id, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
-        "Duration AS duration_ns FROM otel_traces "
-        f"WHERE SpanName = ? AND {_a(semconv.TRANSFER_DIRECTION)} = ? "
-        f"AND {_a(semconv.TRANSFER_STATUS)} = ?"
-    ),
+    "transfers": query.spans(semconv.SPAN_KV_TRANSFER, {
+        "run_id": _RUN,
+        "size_bytes": query.span_attr(semconv.TRANSFER_BYTES),
+        "duration_ns": "Duration",
+    }, where={query.span_attr(semconv.TRANSFER_DIRECTION): semconv.DIRECTION_D_TO_P,
+              query.span_attr(semconv.TRANSFER_STATUS): semconv.TRANSFER_OK}),
     # The router TTL the proxy recorded on its turn spans (one value per run in practice).
-    "router_ttl": (
-        f"SELECT DISTINCT {_RUN} AS run_id, {_a(semconv.ROUTER_TTL_S)} AS router_ttl_s "
-        "FROM otel_traces WHERE SpanName = ?"
-    ),
-}
-QUERY_PARAMS: dict[str, list[str]] = {
-    "retentions": [semconv.SPAN_KV_RETENTION],
-    "transfers": [semconv.SPAN_KV_TRANSFER, semconv.DIRECTION_D_TO_P, semconv.TRANSFER_OK],
-    "router_ttl": [semconv.SPAN_TURN],
+    "router_ttl": query.spans(semconv.SPAN_TURN, {
+        "run_id": _RUN,
+        "router_ttl_s": query.span_attr(semconv.ROUTER_TTL_S),
+    }, distinct=True),
 }
 
 
@@ -779,7 +772,7 @@ def whatif_table(
 @intermediate("whatif_frames", shared=True)
 def _store_frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
     """Retention spans, D→P reads and router TTLs of every run in the store."""
-    raw = {name: ctx.frame(sql, QUERY_PARAMS[name]) for name, sql in QUERIES.items()}
+    raw = {name: ctx.frame(sql) for name, sql in QUERIES.items()}
     return {
         "retentions": shape_retentions(raw["retentions"]),
         "transfers": shape_transfers(raw["transfers"]),

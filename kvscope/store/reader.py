@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -12,8 +12,19 @@ import polars as pl
 
 from kvscope.errors import StoreError
 from kvscope.store.database import open_readonly
+from kvscope.store.query import Query
 
 T = TypeVar("T")
+Params = Sequence[Any] | Mapping[str, Any] | None
+
+
+def _statement(sql: str | Query, params: Params) -> tuple[str, Any]:
+    """SQL text and its parameters (a list for ``?``, a dict for a :class:`Query`'s ``$name``)."""
+    if isinstance(sql, Query):
+        return sql.sql, dict(sql.params)
+    if params is None or isinstance(params, Mapping):
+        return sql, dict(params) if params else None
+    return sql, list(params)
 
 
 class StoreReader:
@@ -28,22 +39,25 @@ class StoreReader:
         """Open the store at ``path`` read-only."""
         return cls(open_readonly(path), time_limit_s=time_limit_s)
 
-    def execute(self, sql: str, params: Sequence[Any] | None = None) -> duckdb.DuckDBPyConnection:
+    def execute(self, sql: str | Query, params: Params = None) -> duckdb.DuckDBPyConnection:
         """Run one statement with bound parameters; interrupt it past the time limit."""
-        return self._limited(lambda: self._con.execute(sql, list(params) if params else None))
+        text, bound = _statement(sql, params)
+        return self._limited(lambda: self._con.execute(text, bound))
 
-    def frame(self, sql: str, params: Sequence[Any] | None = None) -> pl.DataFrame:
+    def frame(self, sql: str | Query, params: Params = None) -> pl.DataFrame:
         """Run one query and return its result as a polars DataFrame (same limit and errors)."""
+        text, bound = _statement(sql, params)
         # The relation is lazy: building its Arrow table is where the query runs, so that is
         # what the time limit and the error translation must cover.
-        table = self._limited(
-            lambda: self._con.sql(sql, params=list(params) if params else None).to_arrow_table())
+        table = self._limited(lambda: self._con.sql(text, params=bound).to_arrow_table())
         return pl.DataFrame(table)
 
-    def rows(self, sql: str, params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple]]:
+    def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
         """Run one query and return (column names, rows)."""
+        text, bound = _statement(sql, params)
+
         def run() -> tuple[list[str], list[tuple]]:
-            result = self._con.execute(sql, list(params) if params else None)
+            result = self._con.execute(text, bound)
             return [d[0] for d in result.description or []], result.fetchall()
         return self._limited(run)
 

@@ -240,8 +240,7 @@ def _truth(result: SimulationResult) -> dict[str, Any]:
 
 def _retained(path: Path) -> float:
     with AnalysisContext.open(path) as ctx:
-        frame = whatif.shape_retentions(ctx.frame(
-            whatif.QUERIES["retentions"], whatif.QUERY_PARAMS["retentions"]))
+        frame = whatif.shape_retentions(ctx.frame(whatif.QUERIES["retentions"]))
     return float((frame["size_bytes"].cast(pl.Float64) * frame["held_s"]).sum()) / whatif.GIB
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.errors import StoreError
-from kvscope.store import open_store
+from kvscope.store import open_store, query
 from kvscope.store.reader import StoreReader
 
 # A query that runs for minutes unless interrupted.
@@ -35,3 +35,27 @@ def test_every_query_path_translates_duckdb_errors(reader: StoreReader, how: str
     with pytest.raises(StoreError, match="query failed: "):
         getattr(reader, how)("SELECT * FROM no_such_table")
     assert reader.frame("SELECT ? AS x", [7])["x"].to_list() == [7]
+
+
+
+def test_a_query_binds_every_key_and_value_by_name(tmp_path: Path) -> None:
+    """Attribute keys and compared values are parameters, never SQL text (a quote is harmless)."""
+    path = tmp_path / "q.duckdb"
+    con = open_store(path)
+    con.execute(
+        "INSERT INTO otel_traces (Timestamp, TraceId, SpanId, SpanName, SpanAttributes, "
+        "ResourceAttributes, Duration) VALUES "
+        "(now(), 't1', 's1', 'a''span', MAP {'k''ey': 'v1', 'dir': 'in'}, MAP {'run': 'r'}, 5), "
+        "(now(), 't2', 's2', 'a''span', MAP {'k''ey': 'v2', 'dir': 'out'}, MAP {'run': 'r'}, 7), "
+        "(now(), 't3', 's3', 'other', MAP {'k''ey': 'v3', 'dir': 'in'}, MAP {'run': 'r'}, 9)")
+    con.close()
+    q = query.spans("a'span", {"run": query.resource_attr("run"), "value": query.span_attr("k'ey"),
+                               "ns": "Duration"},
+                    where={query.span_attr("dir"): ("in", "sideways")})
+    assert "'" not in q.sql and "k'ey" in q.params.values()
+    reader = StoreReader.open(path)
+    try:
+        assert reader.frame(q).rows() == [("r", "v1", 5)]
+        assert reader.rows(q)[1] == [("r", "v1", 5)]
+    finally:
+        reader.close()
