@@ -4,7 +4,6 @@ reader, migrations."""
 from __future__ import annotations
 
 from kvscope.store.database import begin_run, end_run, open_readonly, open_store, table_counts
-from kvscope.store import query
 from kvscope.store.reader import StoreReader
 from kvscope.store.rows import GaugeRows, TraceRows
 from kvscope.store.schema import SCHEMA_VERSION
@@ -22,6 +21,5 @@ __all__ = [
     "insert_arrow",
     "open_readonly",
     "open_store",
-    "query",
     "table_counts",
 ]
