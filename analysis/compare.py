@@ -17,7 +17,6 @@ hooks neither is measured: null, never 0.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from kvscope.analysis.registry import (
     register,
 )
 from kvscope.analysis.reuse import reuse_table
-from kvscope.analysis.runs import all_runs, context_run_info, open_context, pick_runs, run_info
+from kvscope.analysis.runs import all_runs, context_run_info, pick_runs, run_info
 from kvscope.reuse import outcomes
 
 STATS_COLUMNS: dict[str, pl.DataType] = {
@@ -392,20 +391,3 @@ def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return by_prompt_table(ledger, labels, edges)
 
 
-def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int:
-    """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
-    from kvscope.tables import format_rows
-
-    with open_context(db) as ctx:
-        summary, by_prompt = comparison(ctx, list(runs) if runs else None)
-    if fmt == "table":
-        print(format_rows(summary.columns, summary.rows(), fmt), end="")
-        print()
-        print(format_rows(by_prompt.columns, by_prompt.rows(), fmt), end="")
-    elif fmt == "json":
-        summary_rows = json.loads(format_rows(summary.columns, summary.rows(), fmt))
-        prompt_rows = json.loads(format_rows(by_prompt.columns, by_prompt.rows(), fmt))
-        print(json.dumps({"summary": summary_rows, "by_prompt": prompt_rows}, indent=2))
-    else:
-        print(format_rows(summary.columns, summary.rows(), fmt), end="")
-    return 0

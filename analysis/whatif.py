@@ -4,7 +4,7 @@ DESIGN §5. Three steps, kept apart (STYLE §8): SQL (:data:`QUERIES`: retention
 spans, the router TTL the proxy recorded; map look-ups and plain filters only, so they run on the
 OpenTelemetry Collector's ClickHouse tables too), pure shaping (:func:`timeline`,
 :func:`fit_costs`, :func:`replay`, :func:`whatif_table`) and the registered wrappers
-(``whatif``, ``cost_fit``) plus :func:`main_whatif` for the CLI.
+(``whatif``, ``cost_fit``).
 
 **Replay semantics.** The rules are those of :mod:`kvscope.emulator.reuse_model`, applied to
 whole columns instead of one turn at a time: the model needs block hashes (the ledger has token
@@ -881,29 +881,3 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     )
 
 
-def main_whatif(
-    db: str,
-    ttl: list[float],
-    threshold: list[int],
-    router_ttl: list[float] | None,
-    runs: list[str] | None,
-    fmt: str,
-    budget_gib_s: float | None = None,
-) -> int:
-    """``kvscope whatif``: print the what-if table (and, as a table, the cost fit); exit code."""
-    from kvscope.analysis import registry
-    from kvscope.tables import format_rows
-
-    with AnalysisContext.open(db, runs=runs) as ctx:
-        result = registry.run(ctx, "whatif", {
-            "ttl": ttl or list(DEFAULT_TTLS_S),
-            "threshold": threshold if threshold else list(DEFAULT_THRESHOLDS),
-            "router_ttl": router_ttl or None,
-            "budget_gib_s": budget_gib_s,
-        })
-        print(format_rows(result.columns, result.rows(), fmt), end="")
-        if fmt == "table":
-            fits = registry.run(ctx, "cost_fit")
-            print()
-            print(format_rows(fits.columns, fits.rows(), fmt), end="")
-    return 0

@@ -14,20 +14,17 @@ and logged once, never raised into the host.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import signal
 import socket
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from kvscope import semconv, settings
+from kvscope import semconv
 
 logger = logging.getLogger(__name__)
 
@@ -169,63 +166,27 @@ class GpuSampler:
                 logger.debug("nvmlShutdown failed", exc_info=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Options of ``kvscope gpu-sampler``."""
-    parser = argparse.ArgumentParser(
-        prog="kvscope gpu-sampler",
-        description="Sample GPU memory with NVML and export it as kvscope gauges.")
-    add_gpu_sampler_arguments(parser)
-    return parser
+def run_sampler(*, db: str | None, otlp_endpoint: str | None, interval_s: float,
+                wait: Callable[[], object], nvml: Any = None) -> str | None:
+    """Sample GPU memory and export it (to a store and/or OTLP) until ``wait()`` returns.
 
-
-def add_gpu_sampler_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the sampler's options on ``parser`` (the CLI's sub-command uses this too)."""
-    for name in ("db", "otlp_endpoint", "gpu_sample_interval_s"):
-        s = settings.SETTINGS[name]
-        parser.add_argument(s.cli_flag, dest=name, default=None,
-                            help=f"{s.help} (env {s.env_var})")
-    parser.add_argument("--duration-s", type=float, default=None,
-                        help="Stop after this many seconds (default: until interrupted).")
-
-
-def main(argv: Sequence[str] | None = None, *, nvml: Any = None,
-         stop: threading.Event | None = None) -> int:
-    """Run the sampler until interrupted; exit 0 when there is no GPU to sample."""
-    return main_gpu_sampler(build_parser().parse_args(argv), nvml=nvml, stop=stop)
-
-
-def main_gpu_sampler(args: argparse.Namespace, *, nvml: Any = None,
-                     stop: threading.Event | None = None) -> int:
-    """``kvscope gpu-sampler`` with parsed options."""
-    interval = settings.resolve("gpu_sample_interval_s", args.gpu_sample_interval_s)
+    Returns None, or why there was nothing to sample (no NVML, no driver): then it returns at
+    once, having exported nothing. Everything sampled is flushed before it returns.
+    """
     from kvscope.collector.otel import setup_telemetry
 
-    telemetry = setup_telemetry(
-        semconv.SERVICE_GPU_SAMPLER,
-        db=settings.resolve("db", args.db) or None,
-        otlp_endpoint=settings.resolve("otlp_endpoint", args.otlp_endpoint) or None,
-        metric_interval_s=interval,
-    )
+    telemetry = setup_telemetry(semconv.SERVICE_GPU_SAMPLER, db=db or None,
+                                otlp_endpoint=otlp_endpoint or None, metric_interval_s=interval_s)
     sampler = GpuSampler(telemetry.meter(), nvml=nvml)
     try:
         if not sampler.start():
-            print(f"kvscope gpu-sampler: {sampler.unavailable_reason}; nothing to sample")
-            return 0
-        stop = stop or threading.Event()
-
-        def on_signal(_signum: int, _frame: FrameType | None) -> None:
-            stop.set()
-
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, on_signal)
-            signal.signal(signal.SIGINT, on_signal)
-        stop.wait(args.duration_s)
-        return 0
+            return sampler.unavailable_reason
+        wait()
+        return None
     finally:
         telemetry.flush(10)
         sampler.close()
         telemetry.shutdown()
 
 
-if __name__ == "__main__":  # pragma: no cover - exercised through main()
-    raise SystemExit(main())
+__all__ = ["GpuSampler", "run_sampler"]

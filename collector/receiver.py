@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -465,26 +464,4 @@ def run_receiver(
             receiver.stop(timeout=None)
 
 
-def main_serve(db: str, host: str | None, port: int | None, grpc_port: int | None = None
-               ) -> int:
-    """``kvscope serve --db FILE [--host] [--port] [--grpc-port]``: receive OTLP until stopped.
-
-    OTLP/HTTP listens on ``port`` and OTLP/gRPC on ``grpc_port`` (each resolved from the
-    settings when None). Store errors (locked, foreign or newer file) and a port in use propagate
-    as :class:`~kvscope.errors.KvscopeError` for the CLI to print as one line.
-    """
-    host = settings.resolve("host", host)
-    port = settings.resolve("port", port)
-    grpc_port = settings.resolve("grpc_port", grpc_port)
-
-    def ready(listening: Listening) -> None:
-        print(f"kvscope serve: receiving OTLP/HTTP on {listening.http_url}, OTLP/gRPC on "
-              f"{listening.grpc_url}, writing {db}", file=sys.stderr, flush=True)
-
-    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready)
-    print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
-          flush=True)
-    return 0
-
-
-__all__ = ["Listening", "Receiver", "ReceiverStats", "main_serve", "run_receiver"]
+__all__ = ["Listening", "Receiver", "ReceiverStats", "run_receiver"]

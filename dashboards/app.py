@@ -8,17 +8,15 @@ page reads: ``filters`` (the selection) and ``version`` (the data version; in li
 :class:`~kvscope.dashboards.data.DashboardData`, cached per analysis, parameters, filters and
 data version. Dash serves its own scripts (plotly.js included): nothing is fetched from a CDN.
 
-Entry points for the CLI: :func:`main_dashboard` (``kvscope dashboard FILE``) and
-:func:`main_serve_dashboard` (``kvscope serve --db FILE --dashboard``: the OTLP receiver and the
-dashboard in one process, sharing the store through the receiver's writer connection).
-Servers bind 127.0.0.1 unless told otherwise.
+:class:`DashboardServer` serves an app on a thread; the commands that run it (``kvscope
+dashboard`` and ``kvscope serve --dashboard``) live in :mod:`kvscope.cli.serve`. Servers bind
+127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,12 +24,11 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from dash import Dash, Input, Output, State, dcc, html
-from werkzeug.serving import BaseWSGIServer, make_server, select_address_family
+from werkzeug.serving import BaseWSGIServer, make_server
 
 from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
-from kvscope.serving import bind, close_all, stop_signals
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -243,10 +240,6 @@ class DashboardServer:
         self._thread.start()
         return self
 
-    def serve_forever(self) -> None:
-        """Serve on this thread until interrupted."""
-        self._server.serve_forever()
-
     def stop(self) -> None:
         """Stop serving and close the data side's reader."""
         self._server.shutdown()
@@ -264,76 +257,9 @@ class DashboardServer:
         self.stop()
 
 
-def main_dashboard(db: str, host: str | None = None, port: int | None = None) -> int:
-    """``kvscope dashboard FILE [--host H] [--port P]``: browse a store read-only until Ctrl-C."""
-    from kvscope.store.reader import StoreReader
-
-    StoreReader.open(db).close()  # refuse a missing, locked or foreign file before listening
-    server = DashboardServer(create_app(db), host, DEFAULT_PORT if port is None else port)
-    print(f"kvscope dashboard: {server.url} (read-only: {db}); Ctrl-C stops", file=sys.stderr,
-          flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
-
-
-def main_serve_dashboard(db: str, host: str | None = None, port: int | None = None,
-                         dashboard_port: int | None = None,
-                         refresh_s: float = DEFAULT_REFRESH_S, *,
-                         grpc_port: int | None = None) -> int:
-    """``kvscope serve --db FILE --dashboard [--dashboard-port P]``: receiver plus live pages.
-
-    The receiver owns the file; the dashboard reads through a cursor of its writer's connection
-    and refreshes when rows arrive. All three ports (dashboard, OTLP/HTTP, OTLP/gRPC) are bound
-    before the store is opened, so a start that cannot listen leaves the file untouched. SIGINT
-    and SIGTERM stop it the way they stop plain ``serve`` (:func:`kvscope.serving.stop_signals`):
-    the dashboard stops, then the receiver stops both listeners, writes everything acknowledged,
-    ends its run and closes the store.
-    """
-    from kvscope.collector.receiver import Receiver
-
-    host = settings.resolve("host", host)
-    with stop_signals() as wait_for_stop:
-        dashboard_sockets = bind(host, DEFAULT_PORT if dashboard_port is None
-                                 else dashboard_port)
-        try:
-            receiver = Receiver(db, host, settings.resolve("port", port),
-                                grpc_port=settings.resolve("grpc_port", grpc_port),
-                                record_run=True).start()
-        except BaseException:
-            close_all(dashboard_sockets)
-            raise
-        try:
-            # The WSGI server serves one address: the one it would have bound itself.
-            family = select_address_family(host, 0)
-            served = next((s for s in dashboard_sockets if s.family == family),
-                          dashboard_sockets[0])
-            close_all([s for s in dashboard_sockets if s is not served])
-            server = DashboardServer(create_app(receiver.writer, refresh_s=refresh_s), host,
-                                     sock=served).start()
-            try:
-                print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
-                      f"{receiver.grpc_url}, writing {db}; dashboard on {server.url}",
-                      file=sys.stderr, flush=True)
-                wait_for_stop()
-            finally:
-                server.stop()
-        finally:
-            receiver.stop(timeout=None)
-    print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
-          flush=True)
-    return 0
-
-
 __all__ = [
     "DEFAULT_PORT",
     "DashboardServer",
     "create_app",
-    "main_dashboard",
-    "main_serve_dashboard",
     "selection",
 ]

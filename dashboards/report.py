@@ -11,9 +11,6 @@ read aggregated results only, so the report stays bounded whatever the store hol
 
 The store holds no prompt or completion text (token counts, hashes and ids only), so neither
 does the report. Every value is HTML-escaped; a null reads "not measured".
-
-Also the CLI entry points ``kvscope analyze`` (:func:`main_analyze`) and ``kvscope report``
-(:func:`main_report`); ``kvscope compare`` is :func:`kvscope.analysis.compare.main_compare`.
 """
 
 from __future__ import annotations
@@ -264,48 +261,12 @@ def write_report(db_path: str | Path, out_path: str | Path,
     return out
 
 
-# --- CLI entry points -------------------------------------------------------------------------
-
-
-def main_report(db: str, out: str, runs: Sequence[str] | None = None) -> int:
-    """``kvscope report DB [--out FILE] [--runs A,B]``: write the report and say where."""
-    path = write_report(db, out, runs)
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    return 0
-
-
-def main_analyze(db: str, name: str | None, runs: Sequence[str] | None = None,
-                 fmt: str = "table", params: Mapping[str, Any] | None = None) -> int:
-    """``kvscope analyze DB [NAME] [--runs ..] [--format ..] [--param k=v ..]``.
-
-    Without a name: list the analyses with their titles and parameters. With one: print its
-    result as a table, JSON or CSV.
-    """
-    from kvscope.tables import format_rows
-
-    if name is None:
-        rows = [
-            (a.name, a.title, ", ".join(f"{p.name}={p.default} ({p.help})" for p in a.params))
-            for a in registry.iter_analyses()
-        ]
-        print(format_rows(["name", "title", "parameters"], rows, fmt), end="")
-        return 0
-    analysis = registry.get(name)
-    parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
-    with open_context(db, runs) as ctx:
-        frame = registry.run(ctx, name, parsed)
-    print(format_rows(frame.columns, frame.rows(), fmt), end="")
-    return 0
-
-
 __all__ = [
     "FIGURES",
     "MAX_TABLE_ROWS",
     "FigureSpec",
     "figure_html",
     "format_cell",
-    "main_analyze",
-    "main_report",
     "render",
     "table_html",
     "write_report",

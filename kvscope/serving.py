@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -84,11 +85,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
-def stop_signals() -> Iterator[Callable[[], int]]:
+def stop_signals() -> Iterator[Callable[..., int]]:
     """Catch SIGINT and SIGTERM while inside; yield a function that waits for one of them.
 
     The waiting function blocks the (main) thread until a signal arrives and returns its number;
-    one that arrived earlier, since the block was entered, returns at once. The handler only
+    one that arrived earlier, since the block was entered, returns at once. ``wait(timeout_s)``
+    gives up after ``timeout_s`` seconds and returns 0. The handler only
     writes a byte to a pipe: it takes no lock, so a signal landing anywhere on the main thread
     cannot deadlock it. The previous handlers are restored on the way out.
     """
@@ -101,7 +103,9 @@ def stop_signals() -> Iterator[Callable[[], int]]:
         except OSError:
             pass  # the pipe is full: a wake-up is already waiting
 
-    def wait() -> int:
+    def wait(timeout_s: float | None = None) -> int:
+        if timeout_s is not None and not select.select([read_fd], [], [], timeout_s)[0]:
+            return 0
         return os.read(read_fd, 1)[0]
 
     previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}

@@ -16,7 +16,7 @@ KEY = re.compile(r"^(kvscope|gen_ai)\.[a-z0-9_.]+$")
 # Module paths are not telemetry keys.
 MODULE_PREFIXES = ("kvscope.collector", "kvscope.analysis", "kvscope.dashboards",
                    "kvscope.emulator", "kvscope.store", "kvscope.cli", "kvscope.settings",
-                   "kvscope.semconv", "kvscope.errors", "kvscope.reuse", "kvscope.demo",
+                   "kvscope.semconv", "kvscope.errors", "kvscope.reuse",
                    "kvscope.fit", "kvscope.tables")
 
 

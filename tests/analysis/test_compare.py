@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvscope import cli
 from kvscope.analysis import compare, registry, runs
 from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.registry import AnalysisContext, AnalysisError
@@ -320,10 +321,10 @@ def test_verdict_table_without_retention_analysis() -> None:
 
 def test_main_compare_prints_both_tables(ab_store: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert compare.main_compare(str(ab_store), None, "json") == 0
+    assert cli.main(["compare", str(ab_store), "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["metric"] for r in out["summary"]] == [m for m, _ in compare.SUMMARY_METRICS]
     assert {r["label"] for r in out["by_prompt"]} == {"ON", "OFF"}
-    assert compare.main_compare(str(ab_store), ["OFF", "ON"], "table") == 0
+    assert cli.main(["compare", str(ab_store), "--runs", "OFF,ON"]) == 0
     text = capsys.readouterr().out
     assert text.count("rows)") == 2 and "ttft_p50_ms" in text

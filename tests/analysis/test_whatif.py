@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscope import semconv
+from kvscope import cli, semconv
 from kvscope.analysis import whatif
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, run
 from kvscope.emulator.reuse_model import (
@@ -400,17 +400,19 @@ def test_main_whatif_prints_json_csv_and_a_table(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "s.duckdb"
     result = _sim(_workload(10.0, 60.0), db)
-    assert whatif.main_whatif(str(db), [60.0, 480.0], [64], None, [result.run_id], "json") == 0
+    assert cli.main(["whatif", str(db), "--ttl", "60,480", "--threshold", "64",
+                     "--runs", result.run_id, "--format", "json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert [r["source"] for r in records] == ["observed", "replay", "replay"]
     assert all(r["run_id"] == result.run_id for r in records)
     assert not any(isinstance(v, float) and math.isnan(v) for r in records for v in r.values())
-    assert whatif.main_whatif(str(db), [60.0], [0, 64], [100.0, 450.0], None, "csv") == 0
+    assert cli.main(["whatif", str(db), "--ttl", "60", "--threshold", "0,64",
+                     "--router-ttl", "100,450", "--format", "csv"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split(",")[:3] == ["run_id", "source", "decoder_kv_blocks_ttl"]
     # header, observed, 1 × 2 × 2 grid, and the observed setting (480 s, 64, 450 s) added
     assert len(lines) == 1 + 1 + 4 + 1
-    assert whatif.main_whatif(str(db), [480.0], [64], None, None, "table") == 0
+    assert cli.main(["whatif", str(db), "--ttl", "480", "--threshold", "64"]) == 0
     out = capsys.readouterr().out
     assert "token_reuse_rate" in out and whatif.PREFILL_FORMULA in out
 

@@ -57,8 +57,8 @@ BATCH = 8192
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHER = (
     "import sys\n"
-    "from kvscope.collector.receiver import main_serve\n"
-    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
+    "from kvscope.cli.serve import serve\n"
+    "sys.exit(serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
 )
 
 

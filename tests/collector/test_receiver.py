@@ -409,8 +409,8 @@ def test_port_in_use_is_a_one_line_error(receiver: Receiver, tmp_path: Path) -> 
 
 _LAUNCHER = (
     "import sys\n"
-    "from kvscope.collector.receiver import main_serve\n"
-    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
+    "from kvscope.cli.serve import serve\n"
+    "sys.exit(serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
 )
 
 

@@ -293,8 +293,8 @@ def test_a_store_refused_after_both_ports_are_bound_releases_both(tmp_path: Path
 
 _LAUNCHER = (
     "import sys\n"
-    "from kvscope.collector.receiver import main_serve\n"
-    "sys.exit(main_serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
+    "from kvscope.cli.serve import serve\n"
+    "sys.exit(serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
 )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from kvscope import cli
 from kvscope.analysis import registry
 from kvscope.analysis.registry import AnalysisError
 from kvscope.dashboards import report
@@ -115,23 +116,23 @@ def test_table_html_is_bounded_and_says_so() -> None:
 def test_main_report_and_analyze(store: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.html"
-    assert report.main_report(str(store), str(out), None) == 0
+    assert cli.main(["report", str(store), "--out", str(out)]) == 0
     assert out.exists() and f"wrote {out}" in capsys.readouterr().out
-    assert report.main_analyze(str(store), None) == 0
+    assert cli.main(["analyze", str(store)]) == 0
     listing = capsys.readouterr().out
     for name in ("reuse_rate", "compare", "compare_by_prompt", "verdict"):
         assert re.search(rf"^{name}\s", listing, flags=re.M), name
-    assert report.main_analyze(str(store), "compare_by_prompt", None, "json",
-                               {"bins": "3"}) == 0
+    assert cli.main(["analyze", str(store), "compare_by_prompt", "--format", "json",
+                     "--param", "bins=3"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["bin"] for r in rows} == {0, 1, 2}
-    assert report.main_analyze(str(store), "verdict", ["OFF"], "csv") == 0
+    assert cli.main(["analyze", str(store), "verdict", "--runs", "OFF", "--format", "csv"]) == 0
     csv_lines = capsys.readouterr().out.splitlines()
     assert csv_lines[0].startswith("run_id,label,feature") and len(csv_lines) == 2
-    with pytest.raises(AnalysisError, match="unknown parameter"):
-        report.main_analyze(str(store), "verdict", None, "table", {"nope": "1"})
-    with pytest.raises(AnalysisError, match="no analysis called"):
-        report.main_analyze(str(store), "nope")
+    assert cli.main(["analyze", str(store), "verdict", "--param", "nope=1"]) == 2
+    assert "unknown parameter" in capsys.readouterr().err
+    assert cli.main(["analyze", str(store), "nope"]) == 2
+    assert "no analysis called" in capsys.readouterr().err
 
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),

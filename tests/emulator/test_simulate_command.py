@@ -15,7 +15,6 @@ import pytest
 
 from kvscope import cli
 from kvscope.analysis import registry
-from kvscope.dashboards.report import main_report
 from kvscope.emulator.simulate_command import (
     OPTIONS,
     ProgressLine,
@@ -156,7 +155,8 @@ def test_simulate_a_mooncake_trace_sweep_into_one_store(tmp_path: Path) -> None:
     assert "load_failed_errored" in lines[3]
 
     # The report works on the result unchanged.
-    assert main_report(str(tmp_path / "out.duckdb"), str(tmp_path / "report.html"), None) == 0
+    assert cli.main(["report", str(tmp_path / "out.duckdb"), "--out",
+                     str(tmp_path / "report.html")]) == 0
     assert "plan decoder-kv-blocks-ttl=480" in (tmp_path / "report.html").read_text()
 
 

@@ -198,3 +198,4 @@ def run_demo(out: Path, options: DemoOptions | None = None) -> int:
           "GROUP BY 1\")")
     print(f"done in {time.monotonic() - started:.0f} s")
     return 0
+

@@ -1,0 +1,153 @@
+"""The ``kvscope`` command line: every command, its options, its composition and exit codes.
+
+    options.py    what commands share: the command record, setting options, parsers
+    analysis.py   sql, analyze, ledger, report, compare, whatif (reading a store)
+    serve.py      serve (optionally with the live dashboard) and dashboard
+    collect.py    proxy, gpu-sampler, ingest
+    emulator.py   emulate, replay, simulate, demo; demo.py the demo itself
+
+Each sub-command is a :class:`~kvscope.cli.options.Command` of one of those modules; options
+that are settings are built from :mod:`kvscope.settings`. Library errors
+(:class:`kvscope.errors.KvscopeError`) become one-line messages here and nowhere else; exit
+status 2 for user mistakes. Library modules expose functions; none defines an entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from kvscope import __version__, settings
+from kvscope.cli import analysis, collect, emulator, serve
+from kvscope.cli.options import EXIT_USER_ERROR, Command
+from kvscope.errors import KvscopeError
+from kvscope.tables import format_rows
+
+__all__ = [
+    "COMMANDS", "analysis", "build_parser", "collect", "demo", "emulator", "main",
+    "missing_extra", "options", "serve", "setting_commands",
+]
+
+
+def _configure_version(parser: argparse.ArgumentParser) -> None:
+    return None
+
+
+def _run_version(args: argparse.Namespace) -> int:
+    from kvscope.store.schema import SCHEMA_VERSION
+
+    print(f"kvscope {__version__} (store schema {SCHEMA_VERSION})")
+    return 0
+
+
+def _configure_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the reference table (docs/settings.md)"
+    )
+
+
+def _run_settings(args: argparse.Namespace) -> int:
+    if args.markdown:
+        sys.stdout.write(settings.markdown_table(setting_commands()))
+        return 0
+    values = settings.resolve_all()
+    rows = [(name, values[name], s.env_var) for name, s in settings.SETTINGS.items()]
+    sys.stdout.write(format_rows(["setting", "value", "environment"], rows, "table"))
+    return 0
+
+
+def _ordered(commands: Sequence[Command], order: Sequence[str]) -> list[Command]:
+    """``commands`` in the help's order (every command placed once)."""
+    by_name = {c.name: c for c in commands}
+    if sorted(by_name) != sorted(order) or len(by_name) != len(commands):
+        raise ValueError(f"commands {sorted(by_name)} are not the ordered {sorted(order)}")
+    return [by_name[name] for name in order]
+
+
+COMMANDS: list[Command] = _ordered([
+    Command("version", "print kvscope's version and store schema version",
+            _configure_version, _run_version),
+    Command("settings", "show every setting with its resolved value (or the docs table)",
+            _configure_settings, _run_settings),
+    *analysis.COMMANDS, *serve.COMMANDS, *collect.COMMANDS, *emulator.COMMANDS,
+], ("version", "settings", "sql", "serve", "proxy", "emulate", "replay", "simulate", "dashboard",
+    "analyze", "ledger", "report", "compare", "whatif", "gpu-sampler", "ingest", "demo"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (tests iterate it to check every command has help)."""
+    parser = argparse.ArgumentParser(
+        prog="kvscope",
+        description="Observe KV reuse in vLLM P/D deployments with bidirectional NIXL transfer.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        child = sub.add_parser(command.name, help=command.help, description=command.help)
+        try:
+            command.configure(child)
+        except ModuleNotFoundError as exc:
+            # The base install (what a vLLM process needs) lacks this command's extra: the
+            # command stays listed and says which extra to install when run.
+            if missing_extra(exc) is None:
+                raise
+            child.set_defaults(_run=_needs_extra(exc))
+            continue
+        child.set_defaults(_run=command.run)
+    return parser
+
+
+def setting_commands() -> dict[str, list[str]]:
+    """Setting name → the sub-commands that take its option (for docs/settings.md)."""
+    found: dict[str, list[str]] = {}
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, child in action.choices.items():
+                for option in child._actions:
+                    setting = settings.SETTINGS.get(option.dest)
+                    if setting is not None and setting.cli_flag in option.option_strings:
+                        found.setdefault(option.dest, []).append(command)
+    return found
+
+
+# Packages of the extras, and the extra that brings each (pyproject.toml).
+_EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
+             "grpc": "store", "plotly": "dashboard", "dash": "dashboard"}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The kvscope extra whose package ``exc`` did not find, if it is one of them."""
+    return _EXTRA_OF.get((exc.name or "").split(".")[0])
+
+
+def _needs_extra(exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise exc
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvscope`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=str(settings.resolve("log_level")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._run(args))
+    except KvscopeError as exc:
+        print(f"kvscope {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc)
+        if extra is None:
+            raise
+        print(f"kvscope {args.command}: error: needs the '{extra}' extra ({exc.name} is not "
+              f"installed): pip install 'kvscope[{extra}]'", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130

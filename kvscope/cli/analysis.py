@@ -1,0 +1,188 @@
+"""Commands that read a store: ``sql``, ``analyze``, ``ledger``, ``report``, ``compare``,
+``whatif``.
+
+Each opens the store read-only (``ledger`` for writing: it rebuilds the ledger table), runs
+registered analyses through :mod:`kvscope.analysis` and prints their frames with
+:func:`kvscope.tables.format_rows`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvscope.cli.options import (
+    Command,
+    add_format,
+    add_store_and_runs,
+    floats,
+    ints,
+)
+from kvscope.errors import SettingError
+from kvscope.tables import format_rows
+
+__all__ = ["COMMANDS"]
+
+
+def _configure_sql(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument(
+        "query", help="one SQL statement, e.g. 'SELECT count(*) FROM otel_traces'"
+    )
+    add_format(parser)
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="VALUE",
+        help="bind a value to the next ? placeholder (repeatable)",
+    )
+
+
+def _run_sql(args: argparse.Namespace) -> int:
+    from kvscope.store.reader import StoreReader
+
+    reader = StoreReader.open(args.file)
+    try:
+        columns, rows = reader.rows(args.query, args.param)
+    finally:
+        reader.close()
+    sys.stdout.write(format_rows(columns, rows, args.format))
+    return 0
+
+
+def _configure_analyze(parser: argparse.ArgumentParser) -> None:
+    add_store_and_runs(parser)
+    parser.add_argument("name", nargs="?", default=None,
+                        help="analysis to run (omit to list them)")
+    add_format(parser)
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                        help="an analysis parameter (repeatable)")
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    """Without a name: list the analyses with their titles and parameters. With one: print its
+    result as a table, JSON or CSV."""
+    from kvscope.analysis import registry
+    from kvscope.analysis.runs import open_context
+
+    params = {}
+    for item in args.param:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SettingError(f"--param {item!r}: expected NAME=VALUE")
+        params[key.strip()] = value
+    if args.name is None:
+        rows = [
+            (a.name, a.title, ", ".join(f"{p.name}={p.default} ({p.help})" for p in a.params))
+            for a in registry.iter_analyses()
+        ]
+        sys.stdout.write(format_rows(["name", "title", "parameters"], rows, args.format))
+        return 0
+    analysis = registry.get(args.name)
+    parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
+    with open_context(args.file, args.runs) as ctx:
+        frame = registry.run(ctx, args.name, parsed)
+    sys.stdout.write(format_rows(frame.columns, frame.rows(), args.format))
+    return 0
+
+
+def _configure_ledger(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="kvscope DuckDB store (opened for writing)")
+
+
+def _run_ledger(args: argparse.Namespace) -> int:
+    from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
+
+    if not Path(args.file).is_file():
+        # Opening for writing would create an empty store and report 0 turns.
+        raise SettingError(f"{args.file}: no such kvscope store")
+    rows = rebuild(args.file)
+    print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
+    return 0
+
+
+def _configure_report(parser: argparse.ArgumentParser) -> None:
+    add_store_and_runs(parser)
+    parser.add_argument("-o", "--out", default="report.html", help="HTML file to write")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.report import write_report
+
+    path = write_report(args.file, args.out, args.runs)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def _configure_compare(parser: argparse.ArgumentParser) -> None:
+    add_store_and_runs(parser)
+    add_format(parser)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    """Print the summary and the by-prompt tables of the pair ``--runs`` names (or the chosen
+    ON/OFF pair)."""
+    from kvscope.analysis.compare import comparison
+    from kvscope.analysis.runs import open_context
+
+    with open_context(args.file) as ctx:
+        summary, by_prompt = comparison(ctx, args.runs or None)
+    fmt = args.format
+    if fmt == "json":
+        summary_rows = json.loads(format_rows(summary.columns, summary.rows(), fmt))
+        prompt_rows = json.loads(format_rows(by_prompt.columns, by_prompt.rows(), fmt))
+        print(json.dumps({"summary": summary_rows, "by_prompt": prompt_rows}, indent=2))
+        return 0
+    sys.stdout.write(format_rows(summary.columns, summary.rows(), fmt))
+    if fmt == "table":
+        print()
+        sys.stdout.write(format_rows(by_prompt.columns, by_prompt.rows(), fmt))
+    return 0
+
+
+def _configure_whatif(parser: argparse.ArgumentParser) -> None:
+    add_store_and_runs(parser)
+    parser.add_argument("--ttl", type=floats, default=None,
+                        help="decoder_kv_blocks_ttl values in seconds (default 60,120,480,900)")
+    parser.add_argument("--threshold", type=ints, default=None,
+                        help="kv_recompute_threshold values in tokens (default 0,64,256)")
+    parser.add_argument("--router-ttl", type=floats, default=None,
+                        help="proxy router TTLs in seconds (default: the observed one)")
+    parser.add_argument("--budget-gib-s", type=float, default=None,
+                        help="retained-memory budget for the recommendation (default: observed)")
+    add_format(parser)
+
+
+def _run_whatif(args: argparse.Namespace) -> int:
+    """Print the what-if table (and, as a table, the cost fit it priced turns with)."""
+    from kvscope.analysis import registry
+    from kvscope.analysis.runs import open_context
+    from kvscope.analysis.whatif import DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
+
+    with open_context(args.file, args.runs) as ctx:
+        result = registry.run(ctx, "whatif", {
+            "ttl": args.ttl or list(DEFAULT_TTLS_S),
+            "threshold": args.threshold if args.threshold else list(DEFAULT_THRESHOLDS),
+            "router_ttl": args.router_ttl or None,
+            "budget_gib_s": args.budget_gib_s,
+        })
+        sys.stdout.write(format_rows(result.columns, result.rows(), args.format))
+        if args.format == "table":
+            fits = registry.run(ctx, "cost_fit")
+            print()
+            sys.stdout.write(format_rows(fits.columns, fits.rows(), args.format))
+    return 0
+
+
+COMMANDS = [
+    Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
+    Command("analyze", "run one registered analysis (or list them)",
+            _configure_analyze, _run_analyze),
+    Command("ledger", "rebuild the kvscope_ledger table from a store's raw spans",
+            _configure_ledger, _run_ledger),
+    Command("report", "write the single-file HTML report", _configure_report, _run_report),
+    Command("compare", "compare two runs (A/B: TTFT vs prompt length, prefill split, memory)",
+            _configure_compare, _run_compare),
+    Command("whatif", "replay observed timelines under other TTL / threshold settings",
+            _configure_whatif, _run_whatif),
+]

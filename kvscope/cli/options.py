@@ -1,0 +1,103 @@
+"""What every command shares: the command record, setting options, value parsers, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvscope import settings
+from kvscope.errors import SettingError
+
+__all__ = [
+    "EXIT_USER_ERROR",
+    "FORMATS",
+    "Command",
+    "add_format",
+    "add_setting",
+    "add_store_and_runs",
+    "floats",
+    "ints",
+    "names",
+    "required",
+    "resolved",
+]
+
+EXIT_USER_ERROR = 2
+FORMATS = ("table", "csv", "json")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: its name, one-line help, how it adds options and how it runs."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def add_setting(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:
+    """Add the option for one declared setting (flag, type and help come from settings.py)."""
+    setting = settings.SETTINGS[name]
+    kwargs: dict[str, Any] = {
+        "dest": name,
+        "default": None,
+        "help": f"{setting.help} (env {setting.env_var}; default {setting.default!r})",
+        "metavar": name.upper(),
+    }
+    if setting.type is bool:
+        kwargs.pop("metavar")
+        kwargs["action"] = "store_const"
+        kwargs["const"] = True
+    kwargs.update(overrides)
+    parser.add_argument(setting.cli_flag, **kwargs)
+
+
+def resolved(args: argparse.Namespace, name: str) -> Any:
+    """The value of a setting option after explicit → environment → default resolution."""
+    return settings.resolve(name, getattr(args, name, None))
+
+
+def required(args: argparse.Namespace, name: str) -> Any:
+    """A setting that must have a value (from its flag or its environment variable)."""
+    value = resolved(args, name)
+    if value in ("", None):
+        setting = settings.SETTINGS[name]
+        raise SettingError(f"{setting.cli_flag} is required (or set {setting.env_var})")
+    return value
+
+
+def floats(text: str) -> list[float]:
+    """A comma-separated list of numbers (an argparse type)."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers (an argparse type)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers") from None
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated list of names (an argparse type)."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_store_and_runs(parser: argparse.ArgumentParser) -> None:
+    """The store file (read-only) and an optional run selection by ids or labels."""
+    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument("--run", "--runs", dest="runs", type=names, default=None,
+                        help="run ids or labels to include, comma separated (default: all)")
+
+
+def add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS, default="table", help="output format")
