@@ -26,11 +26,9 @@ the run ends after the last turn, or at ``deadline_s``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -349,94 +347,3 @@ async def replay(
     return result
 
 
-# --- CLI ----------------------------------------------------------------------------------------
-
-
-def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the ``kvscope replay`` options on ``parser``."""
-    parser.add_argument("--workload", choices=("synthetic", "weka", "mooncake"),
-                        default="synthetic", help="workload source (default: synthetic)")
-    parser.add_argument("--trace", default=None,
-                        help="trace file: weka CSV (default: the shipped traces_flat.csv) or raw "
-                             "trace_*.json; mooncake JSONL (required for mooncake)")
-    parser.add_argument("--conversations", type=int, default=8,
-                        help="number of sessions (synthetic) or traces (weka, mooncake)")
-    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
-    parser.add_argument("--seed", type=int, default=0, help="seed of generated content/arrivals")
-    parser.add_argument("--token-scale", type=float, default=1.0,
-                        help="multiply weka CSV token counts (e.g. 0.05 for a fast demo)")
-    parser.add_argument("--arrival-rate", type=float, default=0.0,
-                        help="sessions per second for weka traces (0: all start at once)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="divide tool waits and start offsets by this factor")
-    parser.add_argument("--url", default="http://127.0.0.1:8000",
-                        help="base URL of the OpenAI-compatible endpoint")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in each request")
-    parser.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
-    parser.add_argument("--no-conversation-id", action="store_true",
-                        help="send neither the conversation_id field nor the X-Session-ID header")
-    parser.add_argument("--no-session-header", action="store_true",
-                        help="leave out the X-Session-ID header only")
-    parser.add_argument("--no-stream", action="store_true", help="non-streaming requests")
-    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
-    parser.add_argument("--overlap-turns", action="store_true",
-                        help="send each turn without waiting for the previous one to finish")
-    parser.add_argument("--retries", type=int, default=0, help="re-send a failed turn N times")
-    parser.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds one request may take")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="stop the whole run after this many seconds")
-    parser.add_argument("--output", default=None,
-                        help="JSON-lines file of per-request records (no text)")
-
-
-def load_workload(args: argparse.Namespace) -> Workload:
-    """Build the workload the ``kvscope replay`` options describe."""
-    if args.workload == "synthetic":
-        from kvscope.emulator.workloads.synthetic import generate
-
-        overrides: dict[str, object] = {"conversations": args.conversations, "seed": args.seed}
-        if args.max_turns is not None:
-            overrides["max_turns"] = args.max_turns
-        return generate(**overrides)
-    if args.workload == "weka":
-        from kvscope.emulator.workloads import weka
-
-        if args.trace is not None and str(args.trace).endswith(".json"):
-            return weka.load_raw([args.trace], max_turns=args.max_turns,
-                                 arrival_rate_per_s=args.arrival_rate, seed=args.seed)
-        return weka.load_csv(args.trace, conversations=args.conversations,
-                             max_turns=args.max_turns, token_scale=args.token_scale,
-                             arrival_rate_per_s=args.arrival_rate, seed=args.seed)
-    from kvscope.emulator.workloads import mooncake
-
-    if args.trace is None:
-        raise SettingError("--trace is required with --workload mooncake")
-    return mooncake.load(args.trace, conversations=args.conversations, max_turns=args.max_turns)
-
-
-def main_replay(args: argparse.Namespace) -> int:
-    """Run ``kvscope replay``; print a one-line JSON summary. Exit 1 if no request succeeded."""
-    workload = load_workload(args)
-    result = asyncio.run(
-        replay(
-            workload,
-            args.url,
-            concurrency=args.concurrency,
-            time_scale=args.time_scale,
-            model=args.model,
-            stream=not args.no_stream,
-            ignore_eos=not args.no_ignore_eos,
-            send_conversation_id=not args.no_conversation_id,
-            send_session_header=not (args.no_conversation_id or args.no_session_header),
-            overlap_turns=args.overlap_turns,
-            retries=args.retries,
-            request_timeout_s=args.request_timeout,
-            deadline_s=args.deadline,
-            output=args.output,
-        )
-    )
-    summary = {"workload": workload.name, **result.summary()}
-    sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
-    succeeded = sum(1 for r in result.records if r.ok)
-    return 0 if succeeded or not result.records else 1

@@ -4,35 +4,231 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvscope.cli.options import Command
+from kvscope import settings
+from kvscope.cli.options import Command, setting_help
+from kvscope.errors import SettingError
+from kvscope.serving import stop_signals
 
-__all__ = ["COMMANDS"]
+if TYPE_CHECKING:
+    from kvscope.emulator.servers import EmulatorConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMMANDS", "config_from_args"]
 
 
 def _configure_emulate(parser: argparse.ArgumentParser) -> None:
-    from kvscope.emulator.launcher import add_emulate_arguments
+    from kvscope.emulator.cost_model import PROFILES
+    from kvscope.emulator.faults import FAULTS
+    from kvscope.emulator.servers import DEFAULT_MODEL
 
-    add_emulate_arguments(parser)
+    parser.add_argument("--prefill", type=int, default=1, help="prefill servers (1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode servers (1)")
+    parser.add_argument("--host", default=None, help=setting_help("host"))
+    parser.add_argument("--prefill-port", type=int, default=8100,
+                        help="port of the first prefill server; the next get +1 (8100; 0: any)")
+    parser.add_argument("--decode-port", type=int, default=8200,
+                        help="port of the first decode server; the next get +1 (8200; 0: any)")
+    parser.add_argument("--served-model-name", "--model", dest="model", default=DEFAULT_MODEL,
+                        help=f"model name the servers answer to ({DEFAULT_MODEL!r})")
+    parser.add_argument("--profile", default="tiny", choices=sorted(PROFILES),
+                        help="cost-model profile for prefill, transfer and decode times (tiny)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="model time runs this many times faster than the wall clock: "
+                             "durations and TTLs shrink by it (replay with the same factor)")
+    parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
+                        default=True, help="D->P readback on both P and D (on)")
+    parser.add_argument("--kv-recompute-threshold", type=int, default=None,
+                        help=setting_help("kv_recompute_threshold"))
+    parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=None,
+                        help=setting_help("decoder_kv_blocks_ttl") + " (model seconds)")
+    parser.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
+                        default="recompute",
+                        help="what P does after a failed load (vLLM's default is fail; the "
+                             "emulator's recompute keeps each failure's own outcome)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=True, help="the engines' scheduler (vLLM's default off CPU: "
+                        "async; decode then offers prompt + output after a stop token, the "
+                        "synchronous one prompt + output - 1)")
+    parser.add_argument("--no-enable-prefix-caching", action="store_true",
+                        help="prefix caching off on the prefill servers (as the blog's P)")
+    parser.add_argument("--prefix-cache-blocks", type=int, default=1 << 20,
+                        help="free cached blocks each engine's prefix cache may hold")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (16)")
+    parser.add_argument("--decode-clock-offset", type=float, default=0.0,
+                        help="seconds decode's perf_counter is ahead of prefill's (0)")
+    parser.add_argument("--side-channel-port", type=int, default=5600,
+                        help="first emulated NIXL side-channel port (5600; one per engine)")
+    parser.add_argument("--max-model-len", type=int, default=1 << 20,
+                        help="longest prompt + output a request may have")
+    parser.add_argument("--stall-timeout", type=float, default=5.0,
+                        help="wall seconds before a stalled request is answered with 500 (vLLM "
+                             "would wait forever)")
+    parser.add_argument("--disable-request-id-randomization", action="store_true",
+                        help="as VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens (as vLLM's flag)")
+    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
+                        help="inject a fault into a share P of turns (repeatable); one of: "
+                             + ", ".join(sorted(FAULTS)))
+    parser.add_argument("--allow-fault-headers", action="store_true",
+                        help="honour the X-Kvscope-Fault header / kvscope_fault body field")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of outputs, request-id suffixes and fault draws")
+    parser.add_argument("--db", default=None, help=setting_help("db"))
+    parser.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None,
+                        help=setting_help("otlp_endpoint"))
+    parser.add_argument("--truth", default=None,
+                        help="ground-truth JSONL file (default: <db>.truth.jsonl with --db)")
+    parser.add_argument("--run-label", default=None, help=setting_help("run_label"))
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    """An :class:`EmulatorConfig` from parsed flags; SettingError naming a bad value."""
+    from kvscope.emulator.faults import FaultMix
+    from kvscope.emulator.servers import EmulatorConfig
+    from kvscope.reuse import params as reuse_params
+
+    if args.time_scale <= 0:
+        raise SettingError(f"--time-scale={args.time_scale}: must be > 0")
+    if args.block_size <= 0:
+        raise SettingError(f"--block-size={args.block_size}: must be > 0")
+    if args.stall_timeout <= 0:
+        raise SettingError(f"--stall-timeout={args.stall_timeout}: must be > 0")
+    return EmulatorConfig(
+        model=args.model,
+        cost_profile=args.profile,
+        time_scale=args.time_scale,
+        bidirectional_kv_xfer=args.bidirectional_kv_xfer,
+        kv_recompute_threshold=settings.resolve("kv_recompute_threshold",
+                                                args.kv_recompute_threshold),
+        decoder_kv_blocks_ttl=settings.resolve("decoder_kv_blocks_ttl",
+                                               args.decoder_kv_blocks_ttl),
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        block_size=args.block_size,
+        prefill_prefix_caching=not args.no_enable_prefix_caching,
+        scheduling=(reuse_params.SCHEDULING_ASYNC if args.async_scheduling
+                    else reuse_params.SCHEDULING_SYNC),
+        cache_capacity_blocks=args.prefix_cache_blocks,
+        decode_clock_offset_s=args.decode_clock_offset,
+        side_channel_port=args.side_channel_port,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        stall_timeout_s=args.stall_timeout,
+        disable_request_id_randomization=args.disable_request_id_randomization,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        allow_fault_headers=args.allow_fault_headers,
+        faults=FaultMix.from_args(args.fault, args.seed),
+    )
 
 
 def _run_emulate(args: argparse.Namespace) -> int:
-    from kvscope.emulator.launcher import main_emulate
+    """Serve until SIGINT or SIGTERM."""
+    from kvscope.emulator.launcher import EmulatedCluster
 
-    return main_emulate(args)
+    config = config_from_args(args)
+    db = settings.resolve("db", args.db) or None
+    endpoint = settings.resolve("otlp_endpoint", args.otlp_endpoint) or None
+    if db is not None and endpoint is not None:
+        raise SettingError("give --db FILE or --otlp-endpoint URL, not both")
+    if db is None and endpoint is None:
+        logger.warning("no --db or --otlp-endpoint given: serving without spans")
+    cluster = EmulatedCluster(
+        config,
+        prefill=args.prefill,
+        decode=args.decode,
+        host=settings.resolve("host", args.host),
+        prefill_port=args.prefill_port,
+        decode_port=args.decode_port,
+        db=db,
+        otlp_endpoint=endpoint,
+        truth_path=args.truth,
+        run_label=settings.resolve("run_label", args.run_label) or "emulate",
+    )
+    with stop_signals() as wait_for_stop, cluster:
+        print(f"kvscope emulate run {cluster.run_id}: prefill {' '.join(cluster.prefill_urls)}"
+              f" decode {' '.join(cluster.decode_urls)}", flush=True)
+        wait_for_stop()
+    return 0
 
 
 def _configure_replay(parser: argparse.ArgumentParser) -> None:
-    from kvscope.emulator.replay import add_replay_arguments
+    from kvscope.emulator.replay import DEFAULT_MODEL
+    from kvscope.emulator.workloads.sources import KINDS
 
-    add_replay_arguments(parser)
+    parser.add_argument("--workload", choices=KINDS,
+                        default="synthetic", help="workload source (default: synthetic)")
+    parser.add_argument("--trace", default=None,
+                        help="trace file: weka CSV (default: the shipped traces_flat.csv) or raw "
+                             "trace_*.json; mooncake JSONL (required for mooncake)")
+    parser.add_argument("--conversations", type=int, default=8,
+                        help="number of sessions (synthetic) or traces (weka, mooncake)")
+    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
+    parser.add_argument("--seed", type=int, default=0, help="seed of generated content/arrivals")
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="multiply weka CSV token counts (e.g. 0.05 for a fast demo)")
+    parser.add_argument("--arrival-rate", type=float, default=0.0,
+                        help="sessions per second for weka traces (0: all start at once)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="divide tool waits and start offsets by this factor")
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="base URL of the OpenAI-compatible endpoint")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in each request")
+    parser.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
+    parser.add_argument("--no-conversation-id", action="store_true",
+                        help="send neither the conversation_id field nor the X-Session-ID header")
+    parser.add_argument("--no-session-header", action="store_true",
+                        help="leave out the X-Session-ID header only")
+    parser.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    parser.add_argument("--overlap-turns", action="store_true",
+                        help="send each turn without waiting for the previous one to finish")
+    parser.add_argument("--retries", type=int, default=0, help="re-send a failed turn N times")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds one request may take")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="stop the whole run after this many seconds")
+    parser.add_argument("--output", default=None,
+                        help="JSON-lines file of per-request records (no text)")
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from kvscope.emulator.replay import main_replay
+    """Replay; print a one-line JSON summary. Exit 1 if no request succeeded."""
+    from kvscope.emulator.replay import replay
+    from kvscope.emulator.workloads import sources
 
-    return main_replay(args)
+    workload = sources.load(args.workload, trace=args.trace, conversations=args.conversations,
+                            max_turns=args.max_turns, seed=args.seed,
+                            token_scale=args.token_scale, arrival_rate_per_s=args.arrival_rate)
+    result = asyncio.run(
+        replay(
+            workload,
+            args.url,
+            concurrency=args.concurrency,
+            time_scale=args.time_scale,
+            model=args.model,
+            stream=not args.no_stream,
+            ignore_eos=not args.no_ignore_eos,
+            send_conversation_id=not args.no_conversation_id,
+            send_session_header=not (args.no_conversation_id or args.no_session_header),
+            overlap_turns=args.overlap_turns,
+            retries=args.retries,
+            request_timeout_s=args.request_timeout,
+            deadline_s=args.deadline,
+            output=args.output,
+        )
+    )
+    summary = {"workload": workload.name, **result.summary()}
+    sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+    succeeded = sum(1 for r in result.records if r.ok)
+    return 0 if succeeded or not result.records else 1
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "names",
     "required",
     "resolved",
+    "setting_help",
 ]
 
 EXIT_USER_ERROR = 2
@@ -36,6 +37,12 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+def setting_help(name: str) -> str:
+    """A setting's help with its environment variable and default (for hand-built options)."""
+    setting = settings.SETTINGS[name]
+    return f"{setting.help} (env {setting.env_var}; default {setting.default!r})"
 
 
 def add_setting(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -11,10 +10,12 @@ import httpx
 import pytest
 
 from kvscope import semconv
+from kvscope.cli import build_parser
+from kvscope.cli.emulator import config_from_args
 from kvscope.emulator import faults
 from kvscope.emulator.faults import FaultMix, parse_fault, turn_key
 from kvscope.emulator.ground_truth import TruthRow
-from kvscope.emulator.launcher import EmulatedCluster, add_emulate_arguments, config_from_args
+from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
@@ -125,10 +126,8 @@ def test_fault_fields_are_ignored_unless_allowed() -> None:
 
 
 def test_cli_flag_switches_a_fault_for_every_turn() -> None:
-    parser = argparse.ArgumentParser()
-    add_emulate_arguments(parser)
-    args = parser.parse_args(["--fault", "handshake_fail", "--time-scale", "50",
-                              "--no-enable-prefix-caching"])
+    args = build_parser().parse_args(["emulate", "--fault", "handshake_fail", "--time-scale",
+                                      "50", "--no-enable-prefix-caching"])
     config = config_from_args(args)
     assert config.faults.describe() == {faults.HANDSHAKE_FAIL: 1.0}
     with EmulatedCluster(config, proxy=True) as c:
@@ -167,10 +166,8 @@ def test_parse_fault_names_probabilities_and_errors() -> None:
 def test_async_scheduling_flag_sets_what_decode_offers() -> None:
     """``--async-scheduling`` (default) / ``--no-async-scheduling`` reach the engines' config
     (what each offers is tested on the model: test_reuse_model)."""
-    parser = argparse.ArgumentParser()
-    add_emulate_arguments(parser)
-    assert config_from_args(parser.parse_args([])).scheduling == "async"
-    sync = config_from_args(parser.parse_args(["--no-async-scheduling"]))
+    assert config_from_args(build_parser().parse_args(["emulate"])).scheduling == "async"
+    sync = config_from_args(build_parser().parse_args(["emulate", "--no-async-scheduling"]))
     assert sync.scheduling == "sync"
     from kvscope.emulator.servers import Emulation
 

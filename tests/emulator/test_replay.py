@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -16,10 +15,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from kvscope import cli
 from kvscope.emulator import tokens
-from kvscope.emulator.replay import add_replay_arguments, main_replay, replay
+from kvscope.emulator.replay import replay
 from kvscope.emulator.workloads import Conversation, Turn, Workload, synthetic
-from kvscope.errors import SettingError
 
 REPLY_WORD = "zyx"  # the stub's reply words: easy to spot if text ever leaks into a file
 
@@ -276,22 +275,19 @@ def test_result_file_fields_and_no_text(stub: Stub, tmp_path: Path) -> None:
 
 
 def test_cli_entry_point(stub: Stub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    add_replay_arguments(parser)
     out = tmp_path / "cli.jsonl"
-    args = parser.parse_args([
-        "--workload", "synthetic", "--conversations", "2", "--max-turns", "2",
+    assert cli.main([
+        "replay", "--workload", "synthetic", "--conversations", "2", "--max-turns", "2",
         "--time-scale", "100000", "--url", stub.url, "--output", str(out), "--concurrency", "4",
-    ])
-    assert main_replay(args) == 0
+    ]) == 0
     summary = json.loads(capsys.readouterr().out)
     expected = synthetic.generate(conversations=2, seed=0, max_turns=2).num_requests
     assert summary["requests"] == expected == len(out.read_text().splitlines())
     assert summary["errors"] == 0
-    args = parser.parse_args(["--url", "http://127.0.0.1:9", "--conversations", "1",
-                              "--max-turns", "1", "--no-conversation-id"])
-    assert main_replay(args) == 1
-    with pytest.raises(SettingError, match="trace"):
-        main_replay(parser.parse_args(["--workload", "mooncake"]))
-    with pytest.raises(SettingError, match="concurrency"):
-        main_replay(parser.parse_args(["--url", stub.url, "--concurrency", "0"]))
+    assert cli.main(["replay", "--url", "http://127.0.0.1:9", "--conversations", "1",
+                     "--max-turns", "1", "--no-conversation-id"]) == 1
+    capsys.readouterr()
+    assert cli.main(["replay", "--workload", "mooncake"]) == 2
+    assert "--trace is required" in capsys.readouterr().err
+    assert cli.main(["replay", "--url", stub.url, "--concurrency", "0"]) == 2
+    assert "--concurrency=0" in capsys.readouterr().err
