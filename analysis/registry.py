@@ -93,6 +93,7 @@ MODULES = (
     "kvscope.analysis.retention",
     "kvscope.analysis.task_time",
     "kvscope.analysis.compare",
+    "kvscope.analysis.published",
     "kvscope.analysis.whatif",
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
