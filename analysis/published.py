@@ -180,13 +180,16 @@ def sweep_table(runs: list[dict[str, Any]], ledger: pl.DataFrame) -> pl.DataFram
     return frame.sort(["profile", "feature", "prompt_tokens"], descending=[False, True, False])
 
 
+RUNS_SQL = "SELECT run_id, label, settings FROM kvscope_runs ORDER BY started_at"
+
+
 @register(
     "published_sweep",
     "The published bidirectional-KV sweep: simulated vs published TTFT, prefill, transfer",
     columns=COLUMNS,
 )
 def published_sweep(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    runs = sweep_runs(ctx.run_table())
+    runs = sweep_runs(ctx.select_runs(ctx.frame(RUNS_SQL)))
     if not runs:
         return pl.DataFrame(schema=COLUMNS)
     return sweep_table(runs, ctx.ledger())

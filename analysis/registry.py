@@ -93,8 +93,8 @@ MODULES = (
     "kvscope.analysis.retention",
     "kvscope.analysis.task_time",
     "kvscope.analysis.compare",
-    "kvscope.analysis.published",
     "kvscope.analysis.whatif",
+    "kvscope.analysis.published",
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
 )
