@@ -16,6 +16,7 @@ would change nothing but the timeline).
 
 from __future__ import annotations
 
+from kvscope import published
 from kvscope.emulator.workloads.model import (
     DEFAULT_BLOCK_SIZE,
     FOLLOW_UP_OVERHEAD_TOKENS,
@@ -81,7 +82,7 @@ def generate(
         name=f"{NAME}-{prefix_tokens}",
         block_size=block_size,
         conversations=tuple(out),
-        source="kvscope.published",
+        source=published.SOURCE,
         settings={
             "format": NAME,
             "shared_prefix_tokens": prefix_tokens,
