@@ -6,13 +6,14 @@
     reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
                   memory; task_time.py task time; windows.py turns over time and by engine;
                   evidence.py which evidence a store holds; compare.py two runs side by side;
-                  whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict
+                  whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict;
+                  published.py the published sweep beside its simulation
 
 Every module registers its analyses on import (see :data:`registry.MODULES`); nothing here is
 imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "evidence", "ladder", "ledger", "registry", "retention", "reuse", "runs",
-    "task_time", "verdict", "whatif", "windows",
+    "causes", "compare", "evidence", "ladder", "ledger", "published", "registry", "retention",
+    "reuse", "runs", "task_time", "verdict", "whatif", "windows",
 ]

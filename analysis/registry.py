@@ -114,6 +114,7 @@ MODULES = (
     "kvscope.analysis.windows",
     "kvscope.analysis.compare",
     "kvscope.analysis.whatif",
+    "kvscope.analysis.published",
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
     "kvscope.analysis.evidence",

@@ -175,6 +175,84 @@ def prefill_split(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
+# --- the published sweep: simulated vs published -----------------------------------------------
+
+
+def _sweep_groups(frame: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
+    """Rows per (model, feature), ON before OFF, each sorted by prompt length."""
+    data = frame.with_columns(
+        pl.format("{} {}", pl.col("model").fill_null(pl.col("profile")),
+                  pl.col("feature").str.to_uppercase()).alias("_series"))
+    return [(name, rows.sort("prompt_tokens")) for name, rows in _groups(data, "_series")]
+
+
+def sweep_ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
+    """TTFT against the swept prompt length: simulated (solid) and published (dashed).
+
+    Input: ``published_sweep`` (model, profile, feature, prompt_tokens, ttft_ms,
+    ttft_published_ms). Published points exist at the two ends of each sweep only.
+    """
+    title = "TTFT vs prompt length"
+    bad = _unusable(title, frame, ("model", "feature", "prompt_tokens", "ttft_ms"),
+                    "the published sweep")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_sweep_groups(frame)):
+        fig.add_trace(go.Scatter(
+            x=rows["prompt_tokens"].to_list(), y=rows["ttft_ms"].to_list(),
+            name=f"{name} simulated", mode="lines+markers", line={"color": _color(i)},
+            legendgroup=name, hovertemplate="%{x:,} tokens<br>%{y:.0f} ms (simulated)"))
+        pub = rows.filter(pl.col("ttft_published_ms").is_not_null())
+        if not pub.is_empty():
+            fig.add_trace(go.Scatter(
+                x=pub["prompt_tokens"].to_list(), y=pub["ttft_published_ms"].to_list(),
+                name=f"{name} published", mode="lines+markers",
+                line={"color": _color(i), "dash": "dash"}, marker={"symbol": "diamond"},
+                legendgroup=name, hovertemplate="%{x:,} tokens<br>%{y:.0f} ms (published)"))
+    fig.update_layout(title=title, xaxis_title="shared prefix (tokens)",
+                      yaxis_title="mean TTFT (ms)", **_LAYOUT)
+    return fig
+
+
+def sweep_prefill_split(frame: pl.DataFrame | None) -> go.Figure:
+    """Prefill per swept prompt length: paired ON/OFF bars, ON split into compute and transfer;
+    the published prefill as dashed lines over them.
+
+    Input: ``published_sweep`` (model, profile, feature, prompt_tokens, prefill_ms, compute_ms,
+    transfer_ms, prefill_published_ms).
+    """
+    title = "Prefill: compute vs D→P transfer, by prompt length"
+    bad = _unusable(title, frame, ("model", "feature", "prompt_tokens", "prefill_ms"),
+                    "the published sweep")
+    if bad is not None or frame is None:
+        return bad or missing(title, "no data")
+    fig = go.Figure()
+    for i, (name, rows) in enumerate(_sweep_groups(frame)):
+        x = [f"{t / 1000:g}k" for t in rows["prompt_tokens"].to_list()]
+        if _all_null(rows, "transfer_ms"):  # OFF: nothing pulled, the leg is all compute
+            fig.add_trace(go.Bar(x=x, y=rows["prefill_ms"].to_list(), name=f"{name} compute",
+                                 offsetgroup=name, marker={"color": _color(i)}))
+        else:
+            compute = rows["compute_ms"].to_list()
+            fig.add_trace(go.Bar(x=x, y=compute, name=f"{name} compute", offsetgroup=name,
+                                 marker={"color": _color(i)}))
+            fig.add_trace(go.Bar(x=x, y=(rows["prefill_ms"] - rows["compute_ms"]).to_list(),
+                                 base=compute, name=f"{name} transfer", offsetgroup=name,
+                                 marker={"color": _color(i), "pattern": {"shape": "/"},
+                                         "opacity": 0.6}))
+        pub = rows.filter(pl.col("prefill_published_ms").is_not_null())
+        if not pub.is_empty():
+            fig.add_trace(go.Scatter(
+                x=[f"{t / 1000:g}k" for t in pub["prompt_tokens"].to_list()],
+                y=pub["prefill_published_ms"].to_list(), name=f"{name} published",
+                mode="lines+markers", line={"color": _color(i), "dash": "dash"},
+                marker={"symbol": "diamond", "size": 10}))
+    fig.update_layout(title=title, barmode="group", xaxis_title="shared prefix (tokens)",
+                      yaxis_title="mean prefill leg (ms)", **_LAYOUT)
+    return fig
+
+
 # --- reuse ------------------------------------------------------------------------------------
 
 

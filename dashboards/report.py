@@ -54,13 +54,19 @@ class FigureSpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     # Shown instead when ``analysis`` cannot run here (an A/B pair's figure on one run).
     fallback: str | None = None
+    # Drawn instead, by ``sweep_build``, when this analysis has rows (a store holding the
+    # published sweep: simulated beside published).
+    sweep: str | None = None
+    sweep_build: Callable[[pl.DataFrame | None], go.Figure] | None = None
 
 
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("ttft-vs-prompt", "compare_by_prompt", figures.ttft_vs_prompt,
-               fallback="by_prompt"),
+               fallback="by_prompt", sweep="published_sweep",
+               sweep_build=figures.sweep_ttft_vs_prompt),
     FigureSpec("prefill-split", "compare_by_prompt", figures.prefill_split,
-               fallback="by_prompt"),
+               fallback="by_prompt", sweep="published_sweep",
+               sweep_build=figures.sweep_prefill_split),
     FigureSpec("reuse-by-turn", "reuse_rate", figures.reuse_by_turn, {"by": "turn_index"}),
     FigureSpec("miss-causes", "miss_causes", figures.miss_causes),
     FigureSpec("retained-memory", "retained_memory", figures.retained_memory),
@@ -203,6 +209,12 @@ def figure_html(fig: go.Figure, div_id: str) -> str:
 def _figures_html(ctx: AnalysisContext, labels: Mapping[str, str]) -> str:
     parts = []
     for spec in FIGURES:
+        if spec.sweep is not None and spec.sweep_build is not None:
+            sweep, _ = _result(ctx, spec.sweep)
+            if sweep is not None and not sweep.is_empty():
+                fig = spec.sweep_build(sweep)
+                parts.append(f'<div class="figure">{figure_html(fig, f"fig-{spec.id}")}</div>')
+                continue
         frame, why = _result(ctx, spec.analysis, spec.params)
         if frame is None and spec.fallback is not None:
             # No A/B pair (one run, the common production store): the runs themselves.

@@ -18,7 +18,7 @@ KV before them, ``pulled`` = tokens read D→P for this request):
 
 TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg. The profiles
 ``qwen3-32b`` and ``glm-5-fp8`` are solved exactly from the published endpoints
-(shared/reference/published-results.md: 1P1D, ~150 new tokens per turn) by :func:`fit_profile`,
+(:mod:`kvscope.published`: 1P1D, ~150 new tokens per turn) by :func:`fit_profile`,
 so the same function can refit a profile from observed spans (the what-if analysis).
 
 KV bytes per token come from the models' public configs:
@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvscope import published
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE
 from kvscope.fit import solve_linear
 
@@ -118,24 +119,22 @@ class Calibration:
     ttft_on_ms: tuple[float, float]
 
 
-QWEN3_32B_BLOG = Calibration(
-    prompt_tokens=(2000, 24000),
-    new_tokens=150,
-    prefill_off_ms=(153.0, 744.0),
-    prefill_on_ms=(128.0, 414.0),
-    transfer_on_ms=(30.0, 130.0),
-    ttft_off_ms=(158.0, 778.0),
-    ttft_on_ms=(122.0, 460.0),
-)
-GLM5_FP8_BLOG = Calibration(
-    prompt_tokens=(2000, 20000),
-    new_tokens=150,
-    prefill_off_ms=(500.0, 2331.0),
-    prefill_on_ms=(316.0, 541.0),
-    transfer_on_ms=(29.0, 110.0),
-    ttft_off_ms=(500.0, 2334.0),
-    ttft_on_ms=(358.0, 702.0),
-)
+def calibration(sweep: published.PublishedSweep) -> Calibration:
+    """The calibration points of a published sweep (its two ends)."""
+    return Calibration(
+        prompt_tokens=sweep.prompt_tokens,
+        new_tokens=sweep.new_tokens,
+        prefill_off_ms=sweep.prefill_off_ms,
+        prefill_on_ms=sweep.prefill_on_ms,
+        transfer_on_ms=sweep.transfer_on_ms,
+        ttft_off_ms=sweep.ttft_off_ms,
+        ttft_on_ms=sweep.ttft_on_ms,
+    )
+
+
+# The published numbers live in kvscope.published (one place); these are their calibrations.
+QWEN3_32B_BLOG = calibration(published.QWEN3_32B)
+GLM5_FP8_BLOG = calibration(published.GLM5_FP8)
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:

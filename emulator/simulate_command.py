@@ -32,7 +32,7 @@ from kvscope.errors import SettingError
 from kvscope.reuse.params import FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE, SCHEDULING_MODES
 from kvscope.settings import parse_bool
 
-WORKLOADS = ("synthetic", "weka", "mooncake")
+WORKLOADS = ("synthetic", "weka", "mooncake", "sweep")
 _DEFAULTS = SimulationSettings()
 
 
@@ -111,7 +111,12 @@ _BY_NAME = {**_BY_FIELD, **{o.flag.removeprefix("--"): o for o in OPTIONS}}
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the ``kvscope simulate`` options on ``parser``."""
     parser.add_argument("--workload", choices=WORKLOADS, default="synthetic",
-                        help="workload source (default: synthetic)")
+                        help="workload source (default: synthetic); sweep: the published "
+                             "bidirectional-KV sweep (1P1D, P prefix caching off, ON and OFF, "
+                             "per published model's profile; see --prefix-tokens)")
+    parser.add_argument("--prefix-tokens", default=None, metavar="N1,N2,...",
+                        help="sweep: the shared prefixes to run (default: 2000,4000,8000,"
+                             "12000,16000,20000,24000)")
     parser.add_argument("--trace", default=None,
                         help="weka: traces_flat.csv (default: the shipped copy), a raw "
                              "trace_*.json or a folder of them; mooncake: the JSONL trace "
@@ -307,6 +312,27 @@ def load_workload(args: argparse.Namespace, block_size: int) -> Workload:
                          time_compression=args.time_scale, block_size=block_size)
 
 
+def sweep_plans(args: argparse.Namespace, base: SimulationSettings
+                ) -> list[tuple[SimulationSettings, Callable[[int], Workload]]]:
+    """``--workload sweep``: the published sweep's runs, each with its own workload."""
+    from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
+
+    if args.sweep:
+        raise SettingError("--sweep cannot be combined with --workload sweep (it runs its own "
+                           "sweep; narrow it with --profile and --prefix-tokens)")
+    if args.trace is not None:
+        raise SettingError("--trace is not used with --workload sweep")
+    prefixes: tuple[int, ...] = DEFAULT_PREFIX_TOKENS
+    if args.prefix_tokens is not None:
+        try:
+            prefixes = tuple(int(v) for v in args.prefix_tokens.split(",") if v.strip())
+        except ValueError:
+            raise SettingError(f"--prefix-tokens={args.prefix_tokens}: expected token counts "
+                               "such as 2000,24000") from None
+    profiles = [base.profile] if args.profile is not None else None
+    return [(run.settings, run.workload) for run in sweep_runs(base, profiles, prefixes)]
+
+
 def describe(workload: Workload) -> str:
     """One line about a workload (with the Mooncake grouping summary where there is one)."""
     from kvscope.emulator.workloads.mooncake import import_summary
@@ -374,22 +400,29 @@ class ProgressLine:
         self.stream.flush()
 
 
-def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSettings],
-            db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
-    """Simulate each plan into ``db`` in turn (``workloads`` gives the workload for a profile's
-    block size); with ``stream``, a progress line per run."""
+def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]],
+             db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
+    """Simulate each (plan, workload for a block size) into ``db`` in turn, with a progress
+    line per run on ``stream``: runs whose workloads differ (the published sweep)."""
     from kvscope.emulator.cost_model import profile
 
-    for number, plan in enumerate(plans, start=1):
+    for number, (plan, workloads) in enumerate(runs, start=1):
         workload = workloads(profile(plan.profile).block_size)
         line = None
         if stream is not None:
-            line = ProgressLine(f"[{number}/{len(plans)} {plan.label}]", workload.num_requests,
+            line = ProgressLine(f"[{number}/{len(runs)} {plan.label}]", workload.num_requests,
                                 stream)
         result = simulate(workload, db, plan, progress=line)
         if line is not None:
             line.done(result)
         yield result
+
+
+def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSettings],
+            db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
+    """Simulate each plan into ``db`` in turn (``workloads`` gives the workload for a profile's
+    block size); with ``stream``, a progress line per run."""
+    yield from run_each([(plan, workloads) for plan in plans], db, stream=stream)
 
 
 __all__ = [
@@ -401,5 +434,7 @@ __all__ = [
     "expand",
     "load_workload",
     "run_all",
+    "run_each",
     "parse_sweep",
+    "sweep_plans",
 ]

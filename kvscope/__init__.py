@@ -11,6 +11,6 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 # Public modules (none is imported with the package: the vLLM plugin path stays light).
 __all__ = [
-    "__version__", "child", "cli", "errors", "fit", "reuse", "semconv", "serving",
+    "__version__", "child", "cli", "errors", "fit", "published", "reuse", "semconv", "serving",
     "settings", "simulate", "store", "tables",
 ]

@@ -14,7 +14,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from kvscope import published
 from kvscope.emulator.simulate_command import (
     base_settings,
     describe,
@@ -22,8 +24,10 @@ from kvscope.emulator.simulate_command import (
     load_workload,
     parse_sweep,
     run_all,
+    run_each,
+    sweep_plans,
 )
-from kvscope.emulator.simulator import SimulationResult, iter_truth
+from kvscope.emulator.simulator import SimulationResult, SimulationSettings, iter_truth
 from kvscope.emulator.workloads.model import Workload
 from kvscope.tables import NOT_MEASURED
 
@@ -80,6 +84,8 @@ def main_simulate(args: argparse.Namespace) -> int:
     from kvscope.tables import format_rows
 
     base = base_settings(args)
+    if args.workload == "sweep":
+        return _main_published_sweep(args, base)
     plans = expand(base, [parse_sweep(s) for s in args.sweep])
     loaded: dict[int, Workload] = {}
 
@@ -100,3 +106,45 @@ def main_simulate(args: argparse.Namespace) -> int:
                                  summary_rows(args.db, [r.run_id for r in results]), "table"))
     print(f"report: kvscope report {args.db} -o report.html")
     return 0
+
+
+def _main_published_sweep(args: argparse.Namespace, base: SimulationSettings) -> int:
+    """``--workload sweep``: the published sweep's runs, then simulated vs published per run."""
+    from kvscope.analysis import registry
+    from kvscope.tables import format_rows
+
+    runs = sweep_plans(args, base)
+    started = time.monotonic()
+    stream = None if args.quiet else sys.stderr
+    results = list(run_each(runs, args.db, stream=stream))
+    if args.truth:
+        rows = _write_truth(Path(args.truth), results)
+        print(f"truth: {rows:,} rows in {args.truth}", file=sys.stderr)
+    print(f"{len(results)} run(s) into {args.db} in {time.monotonic() - started:.1f} s")
+    with registry.AnalysisContext.open(args.db, runs=[r.run_id for r in results]) as ctx:
+        table = registry.run(ctx, "published_sweep")
+    sys.stdout.write(format_rows(list(SWEEP_COLUMNS), sweep_rows(table), "table"))
+    print(f"published: {published.SOURCE}")
+    print(f"report: kvscope report {args.db} -o report.html")
+    return 0
+
+
+SWEEP_COLUMNS = ("model", "feature", "prompt", "TTFT ms", "published", "ratio", "prefill ms",
+                 "published", "ratio", "transfer ms", "published", "ratio")
+
+
+def sweep_rows(table: Any) -> list[tuple[str, ...]]:
+    """The ``published_sweep`` result as text rows (what the command and the benchmark print)."""
+    def ms(value: float | None) -> str:
+        return _num(value, 0)
+
+    def ratio(value: float | None) -> str:
+        return NOT_MEASURED if value is None else f"{value:.2f}"
+
+    return [
+        (str(r["model"]), str(r["feature"]), f"{r['prompt_tokens']:,}", ms(r["ttft_ms"]),
+         ms(r["ttft_published_ms"]), ratio(r["ttft_ratio"]), ms(r["prefill_ms"]),
+         ms(r["prefill_published_ms"]), ratio(r["prefill_ratio"]), ms(r["transfer_ms"]),
+         ms(r["transfer_published_ms"]), ratio(r["transfer_ratio"]))
+        for r in table.iter_rows(named=True)
+    ]

@@ -14,8 +14,12 @@ its ids. Rows are read in timestamp order (equal timestamps keep file order); a 
 the session whose latest request is the deepest, then most recent, whose full-block prefix this
 row starts with, provided that
 
-- the row is at least that request's prompt plus its answer long (a chat re-sends the answer;
-  this also keeps a repeated identical prompt from being read as a follow-up), and
+- the row is longer than that request's prompt (a chat re-sends the prompt and adds the answer
+  and new text; this also keeps a repeated identical prompt, a retry, from being read as a
+  follow-up). Not "at least prompt plus answer": in the FAST'25 trace a few follow-ups are a
+  little shorter than that (the history's copy of the answer is shorter than the
+  ``output_length`` that was generated: by 1 and by 13 tokens in the first 328 rows), and
+  ``tests/emulator/data/`` pins this on those rows; and
 - that full-block prefix is not *shared*: seen in more than one session. A prompt whose full
   blocks are all a system prompt that other users' prompts start with too (in the FAST'25
   conversation trace, every prompt's first block) tells nothing about who sent the next one.
@@ -25,17 +29,19 @@ row starts with, provided that
 Sessions are linear: a request, once continued, is no longer a candidate. Every other row opens a
 new session. What the grouping found is in :class:`ImportSummary` (also in the workload's
 ``settings``): sessions, follow-ups, turns per session, and the new sessions that start with an
-earlier prompt's blocks but were not linked to it.
+earlier session's own full blocks but were not linked to it (retries, mostly). A row that
+starts with *part* of an earlier prompt's full blocks (an edited or truncated history: four of
+the first 328 real rows) opens a new session and is not counted there.
 ``group=False`` makes each row a one-turn session.
 
 A follow-up's ``shared_prefix_tokens`` is the previous prompt plus its answer (what the chat
-re-sent), so its first blocks are the previous turn's prompt and output in the block view, and its
-trace ids follow. Time: the trace records when each request was *sent* and nothing about when its
-answer ended, so the gap between two sends also holds the previous request's service time (and
-timestamps are quantised, ~3 s in the FAST'25 traces). A follow-up keeps its send time
-(``Turn.sent_at_s``): the simulator and the replay driver send it then, or as soon as the previous
-turn ends when that is later, rather than adding the whole gap after the answer. ``think_time_s``
-is the gap itself, an upper bound of the user's think time.
+re-sent; the whole prompt when it is shorter than that), so its first blocks are the previous
+turn's prompt and output in the block view, and its trace ids follow. Time: the trace records when
+each request was *sent* and nothing about when its answer ended, so the gap between two sends also
+holds the previous request's service time (and timestamps are quantised, ~3 s in the FAST'25
+traces). A follow-up keeps its send time (``Turn.sent_at_s``): the simulator and the replay driver
+send it then, or as soon as the previous turn ends when that is later, rather than adding the whole
+gap after the answer. ``think_time_s`` is the gap itself, an upper bound of the user's think time.
 """
 
 from __future__ import annotations
@@ -110,10 +116,10 @@ class ImportSummary:
     turns_per_session_p50: float
     turns_per_session_p90: float
     turns_per_session_max: int
-    # New sessions that start with an earlier prompt's full blocks and were not linked to it:
-    # the blocks are shared by several sessions (mostly first turns after a shared system
-    # prompt; a follow-up of a prompt that held nothing of its own is among them), or the row
-    # is shorter than that prompt and its answer.
+    # New sessions that start with an earlier session's own full blocks (a prefix no other
+    # session used) and were not linked to it: the row is no longer than that prompt (a retry
+    # of the same prompt, mostly). Rows that start with a shared prefix only (every first turn
+    # after the shared system-prompt block) are not counted: they say nothing.
     unlinked_on_prefix: int
 
     def as_settings(self) -> dict[str, int | float]:
@@ -135,7 +141,7 @@ class ImportSummary:
                 f"with follow-ups), {self.follow_ups} follow-ups; turns per session p50 "
                 f"{self.turns_per_session_p50:g}, p90 {self.turns_per_session_p90:g}, max "
                 f"{self.turns_per_session_max}; {self.unlinked_on_prefix} new sessions start with "
-                f"an earlier prompt's blocks but were not linked to it")
+                f"an earlier session's own blocks but were not linked to it")
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def _group(rows: Sequence[_Row], trace_block_size: int, known_shared: frozenset[
     """One grouping pass (see the module docstring).
 
     Returns the groups, the prefix keys found shared, and how many new sessions start with an
-    earlier prompt's full blocks.
+    earlier session's own full blocks.
     """
     groups: list[list[_Row]] = []
     # Full-prefix key of each session's latest request -> those sessions (mostly one).
@@ -174,26 +180,27 @@ def _group(rows: Sequence[_Row], trace_block_size: int, known_shared: frozenset[
     for row in rows:
         keys = _prefix_keys(row.hash_ids)
         target = None
-        candidate = False
+        # Depth of the deepest own prefix whose session was passed over for length (a retry
+        # shares it with that session: the same user's, not a prefix shared across sessions).
+        retried = 0
         for depth in range(len(keys), 0, -1):  # deepest first
             key = keys[depth - 1]
             found = tails.get(key)
             if not found:
                 continue
             if key in known_shared or owner.get(key) == _SHARED:
-                candidate = True
                 continue
             for g in reversed(found):  # most recent first
                 previous = groups[g][-1]
-                if row.input_length < previous.input_length + previous.output_length:
-                    candidate = True
+                if row.input_length <= previous.input_length:
+                    retried = max(retried, depth)
                     continue
                 target = g
                 break
             if target is not None:
                 break
         if target is None:
-            unlinked += candidate
+            unlinked += retried > 0
             target = len(groups)
             groups.append([])
         elif (old := tail_key.pop(target, None)) is not None:
@@ -203,7 +210,7 @@ def _group(rows: Sequence[_Row], trace_block_size: int, known_shared: frozenset[
         if full:
             tails.setdefault(keys[full - 1], []).append(target)
             tail_key[target] = keys[full - 1]
-        for key in keys[:full]:
+        for key in keys[retried:full]:
             seen = owner.setdefault(key, target)
             if seen != target:
                 owner[key] = _SHARED
@@ -301,7 +308,8 @@ def load(
             if previous_row is None:
                 shared, think = 0, 0.0
             else:
-                # Grouping guarantees the row re-sends the previous prompt and its answer.
+                # Grouping guarantees the row re-sends the previous prompt and (most of) its
+                # answer; a row shorter than both re-sent its whole self.
                 shared = min(previous_row.input_length + previous_row.output_length, prompt)
                 think = round((row.timestamp_ms - previous_row.timestamp_ms) / 1000.0
                               / time_compression, 6)

@@ -7,11 +7,19 @@ each request belongs to. Shape, as in the real trace:
   everything before it, so equal ids at one position mean an equal prefix;
 - one id per 512-token block of the prompt **including the last, partial one**, whose id changes
   when the next turn fills it (the previous answer and new text follow);
-- **shared system prompts**: each session starts with one of a few system prompts, so its first
-  blocks are those of other users' sessions (not block-aligned: the block holding the system
-  prompt's end and the first message is the session's own);
-- a follow-up re-sends the previous prompt and answer and adds one message;
-- ``timestamp`` in ms, **quantised** to 3 s, rows in send order.
+- **one shared system prompt** of 512-1023 tokens: every prompt starts with block id 0, and the
+  block holding the system prompt's end and the first message is the session's own (in the
+  real trace, every row starts with id 0 and no first turn shares its second id);
+- a follow-up re-sends the previous prompt and answer and adds one message: mostly a short
+  reply (real median: 21 new tokens), sometimes a pasted document (thousands);
+- output lengths mostly a few hundred tokens, capped at 2,000, with a tail of very short ones;
+- ``timestamp`` in ms, **quantised** to 3 s, rows in send order; some 3 s ticks are written
+  1 ms early (``5999``, ``41999``: float truncation in the real trace).
+
+The defaults come from the first 328 rows of the real trace
+(``tests/emulator/data/mooncake_conversation_trace_head.jsonl``; the test there compares the
+two): first-turn prompts p50 8.8k tokens (a fifth of them under 2k), outputs p50 387, 7 of 39
+ticks 1 ms early.
 
 Same config (seed included) ⇒ identical trace.
 """
@@ -38,15 +46,27 @@ class TraceConfig:
     sessions: int = 300
     seed: int = 0
     arrival_rate_per_s: float = 0.5
-    # One of these system prompts starts each session (picked uniformly).
-    system_prompt_tokens: tuple[int, ...] = (700, 1_300, 2_100)
-    first_message_p50: int = 2_500
-    first_message_sigma: float = 1.2
-    follow_up_message_p50: int = 150
-    follow_up_message_sigma: float = 1.2
-    max_message_tokens: int = 60_000
-    output_p50: int = 350
-    output_sigma: float = 0.7
+    # One of these system prompts starts each session (picked uniformly). The real trace has
+    # one, between 512 and ~890 tokens (its shortest prompt is 892 tokens, two blocks).
+    system_prompt_tokens: tuple[int, ...] = (880,)
+    first_message_p50: int = 9_000
+    first_message_sigma: float = 0.85
+    # A first turn is a short question (not a document) with this probability.
+    first_question_probability: float = 0.2
+    first_question_p50: int = 150
+    first_question_sigma: float = 1.2
+    # A follow-up adds a short reply, or with this probability a document.
+    follow_up_message_p50: int = 10
+    follow_up_message_sigma: float = 0.6
+    follow_up_document_probability: float = 0.4
+    follow_up_document_p50: int = 2_000
+    follow_up_document_sigma: float = 1.3
+    max_message_tokens: int = 120_000
+    output_p50: int = 400
+    output_sigma: float = 0.4
+    # With this probability an output is very short (uniform 1..short_output_max_tokens).
+    short_output_probability: float = 0.12
+    short_output_max_tokens: int = 40
     max_output_tokens: int = 2_000
     # Chat template tokens around one message.
     message_overhead_tokens: int = 4
@@ -56,6 +76,8 @@ class TraceConfig:
     think_time_sigma: float = 1.3
     max_think_time_s: float = 1_800.0
     timestamp_quantum_ms: int = 3_000
+    # Share of quantum ticks written 1 ms early (seeded per tick, as the real trace's are).
+    early_tick_probability: float = 0.18
 
     def validate(self) -> None:
         """Raise :class:`WorkloadError` naming the first invalid field."""
@@ -67,6 +89,10 @@ class TraceConfig:
             "continue_probability": 0.0 <= self.continue_probability < 1.0,
             "max_turns": self.max_turns >= 1,
             "timestamp_quantum_ms": self.timestamp_quantum_ms >= 1,
+            "first_question_probability": 0.0 <= self.first_question_probability <= 1.0,
+            "follow_up_document_probability": 0.0 <= self.follow_up_document_probability <= 1.0,
+            "short_output_probability": 0.0 <= self.short_output_probability <= 1.0,
+            "early_tick_probability": 0.0 <= self.early_tick_probability <= 1.0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -112,6 +138,11 @@ def _lognormal(rng: random.Random, p50: float, sigma: float, high: float) -> int
     return max(1, min(int(high), round(p50 * math.exp(sigma * rng.gauss(0.0, 1.0)))))
 
 
+def _early_tick(seed: int, tick: int, probability: float) -> bool:
+    """Whether a tick is written 1 ms early: the same answer for every row of that tick."""
+    return random.Random(seed * 1_000_003 + tick).random() < probability
+
+
 # A segment of a prompt: (what it is, its tokens). Blocks are named by the slices they cover.
 _Segment = tuple[tuple[Any, ...], int]
 
@@ -153,11 +184,20 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
         segments: list[_Segment] = [(("system", system), system)]
         sent = start
         for turn in range(1, cfg.max_turns + 1):
-            p50 = cfg.first_message_p50 if turn == 1 else cfg.follow_up_message_p50
-            sigma = cfg.first_message_sigma if turn == 1 else cfg.follow_up_message_sigma
+            if turn == 1 and rng.random() < cfg.first_question_probability:
+                p50, sigma = cfg.first_question_p50, cfg.first_question_sigma
+            elif turn == 1:
+                p50, sigma = cfg.first_message_p50, cfg.first_message_sigma
+            elif rng.random() < cfg.follow_up_document_probability:
+                p50, sigma = cfg.follow_up_document_p50, cfg.follow_up_document_sigma
+            else:
+                p50, sigma = cfg.follow_up_message_p50, cfg.follow_up_message_sigma
             words = _lognormal(rng, p50, sigma, cfg.max_message_tokens)
             segments = [*segments, (("user", session, turn), words + cfg.message_overhead_tokens)]
-            output = _lognormal(rng, cfg.output_p50, cfg.output_sigma, cfg.max_output_tokens)
+            if rng.random() < cfg.short_output_probability:
+                output = rng.randint(1, cfg.short_output_max_tokens)
+            else:
+                output = _lognormal(rng, cfg.output_p50, cfg.output_sigma, cfg.max_output_tokens)
             requests.append((sent, session, turn, segments, output))
             if rng.random() >= cfg.continue_probability:
                 break
@@ -182,8 +222,10 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
             previous = ids.setdefault((previous, content), len(ids))
             hash_ids.append(previous)
         quantum = cfg.timestamp_quantum_ms
+        tick = int(sent * 1000) // quantum
+        early = tick > 0 and _early_tick(cfg.seed, tick, cfg.early_tick_probability)
         rows.append({
-            "timestamp": int(sent * 1000) // quantum * quantum,
+            "timestamp": tick * quantum - early,
             "input_length": sum(tokens for _, tokens in segments),
             "output_length": output,
             "hash_ids": hash_ids,

@@ -170,5 +170,10 @@ def test_mooncake_follow_ups_continue_and_are_sent_at_their_trace_time(tmp_path:
     assert on_time > 10 and late > 10
     # A follow-up re-sends the previous prompt and answer: a continuation, reused from decode.
     later = _later_outcomes(result)
-    assert outcomes.PREFIX_DIVERGED not in later
-    assert later[outcomes.REUSED_REMOTE] >= 0.9 * sum(later.values())
+    assert set(later) <= {outcomes.REUSED_REMOTE, outcomes.BELOW_THRESHOLD}
+    assert later[outcomes.REUSED_REMOTE] >= 0.8 * sum(later.values())
+    # Below threshold: P's own cache already holds all but a few tokens of what decode offers
+    # (short answers and short replies, as in the real trace).
+    for row in result.truth:
+        if row.outcome == outcomes.BELOW_THRESHOLD:
+            assert row.local_hit_tokens >= row.reusable_tokens - 64

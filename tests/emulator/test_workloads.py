@@ -314,15 +314,16 @@ def test_mooncake_finds_the_sessions_of_a_trace_shaped_like_the_real_one(tmp_pat
     trace = mooncake_synthetic.generate(sessions=300, seed=3)
     path = trace.write(tmp_path / "conversation_trace.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    # The real trace's shape: a follow-up never carries its previous prompt's last id, sessions
-    # share system-prompt blocks, timestamps fall on a 3 s grid.
+    # The real trace's shape: a follow-up never carries its previous prompt's last id, every
+    # prompt starts with the shared system-prompt block 0, timestamps fall on a 3 s grid (some
+    # ticks 1 ms early). test_mooncake_generator_matches_the_real_trace compares more.
     for a, b in trace.links():
         full = rows[a]["input_length"] // 512
         assert rows[b]["hash_ids"][:full] == rows[a]["hash_ids"][:full]
-        assert rows[a]["hash_ids"][-1] not in rows[b]["hash_ids"]
-    firsts = [rows[s[0]]["hash_ids"][0] for s in trace.sessions]
-    assert len(set(firsts)) == 3
-    assert {r["timestamp"] % 3000 for r in rows} == {0}
+        if rows[a]["input_length"] % 512:  # a partial last block changes
+            assert rows[a]["hash_ids"][-1] not in rows[b]["hash_ids"]
+    assert {r["hash_ids"][0] for r in rows} == {0}
+    assert {r["timestamp"] % 3000 for r in rows} == {0, 2999}
 
     found = mooncake.read_sessions(path)
     links = _found_links(found)
@@ -330,19 +331,22 @@ def test_mooncake_finds_the_sessions_of_a_trace_shaped_like_the_real_one(tmp_pat
     # rest (an earlier prompt whose full blocks are all system prompt) cannot be told apart.
     assert links <= trace.links()
     assert links == trace.identifiable_links()
-    assert len(links) >= 0.95 * len(trace.links())
+    # A short first question (under 1024 tokens: its only full block is the shared one) cannot
+    # be followed, as in the real trace; they are a small part.
+    assert len(links) >= 0.9 * len(trace.links())
     unlinkable = len(trace.links()) - len(links)
     summary = found.summary
-    assert summary.requests == len(rows) == 758
-    assert summary.sessions == len(trace.sessions) + unlinkable == 305
-    assert summary.follow_ups == len(links) == 453
+    assert summary.requests == len(rows) == 695
+    assert summary.sessions == len(trace.sessions) + unlinkable == 319
+    assert summary.follow_ups == len(links) == 376
     assert summary.multi_turn_sessions == sum(1 for lines in found.lines if len(lines) > 1)
-    assert (summary.turns_per_session_p50, summary.turns_per_session_max) == (2, 12)
-    assert summary.unlinked_on_prefix == 235  # first turns after a shared system prompt, mostly
+    assert (summary.turns_per_session_p50, summary.turns_per_session_max) == (2, 8)
+    # No retries in the generated trace; first turns after the shared block 0 are not counted.
+    assert summary.unlinked_on_prefix == 0
 
     work = mooncake.load(path)
     assert mooncake.import_summary(work) == summary
-    assert work.settings["sessions"] == 305 and work.num_requests == 758
+    assert work.settings["sessions"] == 319 and work.num_requests == 695
     view = block_view(work)
     for conv in work.conversations:
         for prev, turn in itertools.pairwise(conv.turns):
@@ -363,15 +367,15 @@ def test_mooncake_links_on_full_blocks_only(tmp_path: Path) -> None:
         {"timestamp": 3000, "input_length": 1200, "output_length": 20, "hash_ids": [0, 4, 5]},
         # Follows row 1: its full blocks [0, 2], not its partial id 3.
         {"timestamp": 6000, "input_length": 1600, "output_length": 20, "hash_ids": [0, 2, 6, 7]},
-        # Starts with row 3's full blocks but is shorter than its prompt and answer: a new one.
-        {"timestamp": 9000, "input_length": 1210, "output_length": 5, "hash_ids": [0, 4, 8]},
+        # Row 3 again (a retry): starts with its full blocks but is no longer: a new session.
+        {"timestamp": 9000, "input_length": 1200, "output_length": 5, "hash_ids": [0, 4, 5]},
         {"timestamp": 12000, "input_length": 2600, "output_length": 5,
          "hash_ids": [0, 2, 6, 9, 10, 11]},
     ]
     path = _mooncake_file(tmp_path, rows)
     found = mooncake.read_sessions(path)
     assert found.lines == ((1, 4, 6), (2,), (3,), (5,))
-    assert found.summary.unlinked_on_prefix == 2  # rows 3 and 5
+    assert found.summary.unlinked_on_prefix == 1  # row 5 (row 3 shares block 0 only)
     work = mooncake.load(path)
     first = work.conversations[0]
     assert [t.sent_at_s for t in first.turns] == [0.0, 6.0, 12.0]

@@ -1,0 +1,62 @@
+"""Benchmark: the published bidirectional-KV sweep, simulated, beside the published numbers.
+
+Runs ``kvscope simulate --workload sweep``'s runs (1P1D, prefix caching off on P, the feature ON
+and OFF, ``qwen3-32b`` and ``glm-5-fp8``, shared prefixes 2k → 24k, 10 chats × 10 turns of 150
+new and 300 output tokens) into a fresh DuckDB file and prints the ``published_sweep`` analysis:
+per model, feature and prompt length the simulated mean TTFT, prefill leg and D→P read time, the
+published value (:mod:`kvscope.published`; only the two ends of each sweep were published) and
+the ratio simulated / published, then, for every point outside ±15 %, which part of the cost
+model misses and why. Last, the wall time of the runs.
+
+The cost profiles are solved from these same published ends (``emulator/cost_model.py``), so no
+published point is held out of the calibration; what the sweep tests is the simulator and the
+calibration's reading of the setup (each request sends the prefix and 150 new tokens) against
+the multi-turn workload the published runs had (history re-sent, first turns pull nothing).
+
+Run:  .venv/bin/python tests/benchmarks/bench_published_sweep.py [--prefix-tokens 2000,24000]
+Not a test: nothing here asserts a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from kvscope import published
+    from kvscope.analysis import registry
+    from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
+    from kvscope.emulator.simulate_command import run_each
+    from kvscope.emulator.simulator import SimulationSettings
+    from kvscope.simulate import SWEEP_COLUMNS, sweep_rows
+    from kvscope.tables import format_rows
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefix-tokens", default=",".join(map(str, DEFAULT_PREFIX_TOKENS)))
+    args = parser.parse_args()
+    prefixes = [int(v) for v in args.prefix_tokens.split(",")]
+
+    runs = sweep_runs(SimulationSettings(label="bench"), None, prefixes)
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-sweep-") as tmp:
+        db = Path(tmp) / "sweep.duckdb"
+        start = time.perf_counter()
+        results = list(run_each([(r.settings, r.workload) for r in runs], db))
+        wall = time.perf_counter() - start
+        with registry.AnalysisContext.open(db) as ctx:
+            table = registry.run(ctx, "published_sweep")
+    print(format_rows(list(SWEEP_COLUMNS), sweep_rows(table), "table"), end="")
+    compared = table.filter(table["within_15pct"].is_not_null())
+    print(f"\n{compared['within_15pct'].sum()} of {compared.height} published points within "
+          "±15 % on every published quantity (TTFT, prefill, transfer where published)")
+    for row in compared.filter(~compared["within_15pct"]).iter_rows(named=True):
+        print(f"- {row['model']} {row['feature'].upper()} {row['prompt_tokens']:,}: {row['why']}")
+    turns = sum(r.turns for r in results)
+    print(f"\n{len(results)} runs, {turns:,} turns simulated and stored in {wall:.1f} s")
+    print(f"published: {published.SOURCE}")
+
+
+if __name__ == "__main__":
+    main()
