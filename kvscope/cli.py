@@ -143,9 +143,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         from kvscope.dashboards.app import main_serve_dashboard
 
         return main_serve_dashboard(db, host, port, args.dashboard_port, grpc_port=grpc_port)
+    from kvscope.analysis.live_metrics import metrics_source
     from kvscope.collector.receiver import main_serve
 
-    return main_serve(db, host, port, grpc_port)
+    return main_serve(db, host, port, grpc_port, metrics=metrics_source)
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
