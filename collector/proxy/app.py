@@ -344,9 +344,9 @@ class Proxy:
                                    "BadGatewayError")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.telemetry.render_metrics(self.router.size)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = self.telemetry.render_metrics(
+            lambda: self.router.size, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- one turn --------------------------------------------------------------------------------
     async def _handle(self, request: web.Request, api_path: str) -> web.StreamResponse:
