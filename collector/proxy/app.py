@@ -344,8 +344,11 @@ class Proxy:
                                    "BadGatewayError")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body, content_type = self.telemetry.render_metrics(
-            lambda: self.router.size, request.headers.get("Accept"))
+        # Rendering takes milliseconds (every label set's buckets): on a thread, so the event
+        # loop keeps serving turns between its GIL slices.
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            None, self.telemetry.render_metrics, lambda: self.router.size,
+            request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- one turn --------------------------------------------------------------------------------

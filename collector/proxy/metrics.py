@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -139,6 +139,8 @@ class ProxyMetrics:
         GCCollector(registry=registry)
         PlatformCollector(registry=registry)
         self._models: set[str] = set()
+        self._children: dict[tuple[str, ...], tuple[Any, ...]] = {}
+        self._lookups: dict[tuple[str, str], Any] = {}
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a label value, bounded to :data:`MAX_MODEL_NAMES` distinct values."""
@@ -157,9 +159,24 @@ class ProxyMetrics:
         model = self.model_label(record.model)
         prefill = record.prefill_instance or ""
         decode = record.decode_instance or ""
-        self.turns.labels(record.route, record.error_kind or "ok", model, prefill, decode).inc()
+        key = (record.route, record.error_kind or "ok", model, prefill, decode)
+        children = self._children.get(key)
+        if children is None:
+            # prometheus_client's labels() validates and locks on every call: a third of a
+            # turn's metrics cost, so each label set's children are looked up once.
+            children = self._children[key] = (
+                self.turns.labels(*key), self.ttft.labels(model, prefill, decode),
+                self.leg_duration.labels(semconv.LEG_PREFILL, model, prefill),
+                self.leg_duration.labels(semconv.LEG_DECODE, model, decode),
+                self.turn_duration.labels(model))
+        turns, ttft, prefill_leg, decode_leg, turn_duration = children
+        turns.inc()
         if record.lookup is not None:
-            self.router_lookups.labels(record.lookup, model).inc()
+            lookups = self._lookups.get((record.lookup, model))
+            if lookups is None:
+                lookups = self._lookups[(record.lookup, model)] = self.router_lookups.labels(
+                    record.lookup, model)
+            lookups.inc()
         if record.error_leg is not None and record.error_kind is not None:
             instance = prefill if record.error_leg == semconv.LEG_PREFILL else decode
             self.upstream_errors.labels(record.error_leg, record.error_kind, model,
@@ -167,16 +184,13 @@ class ProxyMetrics:
         if record.client_disconnected:
             self.client_disconnects.labels(model).inc()
         if record.first_token_ns is not None:
-            self.ttft.labels(model, prefill, decode).observe(
-                (record.first_token_ns - record.arrival_ns) / 1e9,
-                {"trace_id": f"{record.trace_id:032x}"})
+            ttft.observe((record.first_token_ns - record.arrival_ns) / 1e9,
+                         {"trace_id": f"{record.trace_id:032x}"})
         if record.prefill_start_ns is not None and record.prefill_end_ns is not None:
-            self.leg_duration.labels(semconv.LEG_PREFILL, model, prefill).observe(
-                (record.prefill_end_ns - record.prefill_start_ns) / 1e9)
+            prefill_leg.observe((record.prefill_end_ns - record.prefill_start_ns) / 1e9)
         if record.decode_start_ns is not None and record.decode_end_ns is not None:
-            self.leg_duration.labels(semconv.LEG_DECODE, model, decode).observe(
-                (record.decode_end_ns - record.decode_start_ns) / 1e9)
-        self.turn_duration.labels(model).observe((record.end_ns - record.arrival_ns) / 1e9)
+            decode_leg.observe((record.decode_end_ns - record.decode_start_ns) / 1e9)
+        turn_duration.observe((record.end_ns - record.arrival_ns) / 1e9)
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition in the format ``accept`` asks for: (body, Content-Type)."""
