@@ -283,6 +283,23 @@ def _run_report(args: argparse.Namespace) -> int:
     return main_report(args.file, args.out, args.runs)
 
 
+def _configure_grafana(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--out", default=None,
+                        help="file to write (default: print the JSON to stdout)")
+
+
+def _run_grafana(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.grafana_dashboard import render
+
+    text = render()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote the Grafana dashboard to {args.out}", file=sys.stderr)
+    return 0
+
+
 def _configure_compare(parser: argparse.ArgumentParser) -> None:
     _add_store_and_runs(parser)
     parser.add_argument("--format", choices=["table", "csv", "json"], default="table",
@@ -396,6 +413,8 @@ COMMANDS: list[Command] = [
     Command("ledger", "rebuild the kvscope_ledger table from a store's raw spans",
             _configure_ledger, _run_ledger),
     Command("report", "write the single-file HTML report", _configure_report, _run_report),
+    Command("grafana", "print (or write) the Grafana dashboard for kvscope serve's /metrics",
+            _configure_grafana, _run_grafana),
     Command("compare", "compare two runs (A/B: TTFT vs prompt length, prefill split, memory)",
             _configure_compare, _run_compare),
     Command("whatif", "replay observed timelines under other TTL / threshold settings",
