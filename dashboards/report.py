@@ -232,11 +232,24 @@ def _tables_html(ctx: AnalysisContext) -> str:
     return "".join(parts)
 
 
-def render(ctx: AnalysisContext, source: str) -> str:
-    """The whole report as one HTML string."""
+# The steps render() reports: ledger and verdict (the first to read the ledger builds it),
+# figures, tables.
+REPORT_STEPS = 3
+
+
+def render(ctx: AnalysisContext, source: str,
+           progress: Callable[[str], None] | None = None) -> str:
+    """The whole report as one HTML string (``progress(step)`` hears each step begin)."""
+    step = progress or (lambda name: None)
     runs = ctx.run_table()
     labels = {r: lbl or r for r, lbl in runs.select("run_id", "label").rows()}
     generated = datetime.now(UTC).isoformat(timespec="seconds")
+    step("ledger and verdict")
+    verdict = _verdict_html(ctx)
+    step("figures")
+    figures = _figures_html(ctx, labels)
+    step("tables")
+    tables = _tables_html(ctx)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{_e(TITLE)}: {_e(source)}</title><style>{_CSS}</style>"
@@ -244,9 +257,9 @@ def render(ctx: AnalysisContext, source: str) -> str:
         f"<h1>{_e(TITLE)}</h1><p class=\"meta\">store {_e(source)}, generated {_e(generated)}"
         f", {runs.height} run{'s' if runs.height != 1 else ''}</p>"
         f"<h2>Runs</h2>{_runs_html(runs)}"
-        f"<h2>Verdict</h2>{_verdict_html(ctx)}"
-        f"<h2>Figures</h2>{_figures_html(ctx, labels)}"
-        f"<h2>Tables</h2>{_tables_html(ctx)}"
+        f"<h2>Verdict</h2>{verdict}"
+        f"<h2>Figures</h2>{figures}"
+        f"<h2>Tables</h2>{tables}"
         "</body></html>\n"
     )
 
@@ -263,11 +276,12 @@ def open_context(db: str | Path, runs: Sequence[str] | None = None) -> AnalysisC
 
 
 def write_report(db_path: str | Path, out_path: str | Path,
-                 runs: Sequence[str] | None = None) -> Path:
+                 runs: Sequence[str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> Path:
     """Write the HTML report of the store ``db_path`` (optionally only ``runs``) to ``out_path``."""
     out = Path(out_path)
     with open_context(db_path, runs) as ctx:
-        page = render(ctx, Path(db_path).name)
+        page = render(ctx, Path(db_path).name, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
@@ -280,7 +294,10 @@ def write_report(db_path: str | Path, out_path: str | Path,
 
 def main_report(db: str, out: str, runs: Sequence[str] | None = None) -> int:
     """``kvscope report DB [--out FILE] [--runs A,B]``: write the report and say where."""
-    path = write_report(db, out, runs)
+    from kvscope.progress import steps
+
+    with steps("kvscope report", REPORT_STEPS) as step:
+        path = write_report(db, out, runs, step)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
@@ -305,6 +322,13 @@ def main_analyze(db: str, name: str | None, runs: Sequence[str] | None = None,
     parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
     with open_context(db, runs) as ctx:
         frame = registry.run(ctx, name, parsed)
+        if fmt == "table" and "run_id" in frame.columns:
+            # People read runs by label; csv and json keep the id for programs.
+            labels = {rid: label or rid for rid, label in
+                      ctx.run_table().select("run_id", "label").rows()}
+            frame = frame.with_columns(
+                pl.col("run_id").replace_strict(labels, default=pl.col("run_id"),
+                                                return_dtype=pl.String)).rename({"run_id": "run"})
     print(format_rows(frame.columns, frame.rows(), fmt), end="")
     return 0
 

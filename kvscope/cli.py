@@ -267,7 +267,10 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
-    rows = rebuild(args.file)
+    from kvscope.progress import spinner
+
+    with spinner(f"kvscope ledger: rebuilding {LEDGER_TABLE} from the raw spans"):
+        rows = rebuild(args.file)
     print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
     return 0
 
