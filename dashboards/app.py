@@ -298,6 +298,7 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
     the dashboard stops, then the receiver stops both listeners, writes everything acknowledged,
     ends its run and closes the store.
     """
+    from kvscope.analysis.live_metrics import metrics_source
     from kvscope.collector.receiver import Receiver
 
     host = settings.resolve("host", host)
@@ -307,7 +308,7 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
         try:
             receiver = Receiver(db, host, settings.resolve("port", port),
                                 grpc_port=settings.resolve("grpc_port", grpc_port),
-                                record_run=True).start()
+                                record_run=True, metrics=metrics_source).start()
         except BaseException:
             close_all(dashboard_sockets)
             raise
@@ -321,7 +322,8 @@ def main_serve_dashboard(db: str, host: str | None = None, port: int | None = No
                                      sock=served).start()
             try:
                 print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
-                      f"{receiver.grpc_url}, writing {db}; dashboard on {server.url}",
+                      f"{receiver.grpc_url}, writing {db}; Prometheus metrics on "
+                      f"{receiver.url}/metrics; dashboard on {server.url}",
                       file=sys.stderr, flush=True)
                 wait_for_stop()
             finally:

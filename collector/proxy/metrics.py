@@ -10,7 +10,8 @@ call on the event loop. Series (names unchanged from the hand-written exposition
     kvscope_proxy_client_disconnects_total  model_name
     kvscope_proxy_ttft_seconds              histogram; model_name, prefill/decode instance;
                                             vLLM's ``vllm:time_to_first_token_seconds`` buckets;
-                                            exemplar ``trace_id`` (OpenMetrics only)
+                                            exemplar ``trace_id`` (OpenMetrics only; one
+                                            per bucket per second at most)
     kvscope_proxy_leg_duration_seconds      histogram; leg, model_name, instance
     kvscope_proxy_turn_duration_seconds     histogram; model_name
     kvscope_proxy_router_entries            gauge, read at scrape time
@@ -27,6 +28,7 @@ The format follows the scraper's ``Accept`` header (:func:`kvscope.exposition.re
 from __future__ import annotations
 
 import platform
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -47,6 +49,8 @@ from kvscope import __version__, exposition, semconv
 # Distinct model names kept as label values; the rest become OTHER_MODEL.
 MAX_MODEL_NAMES = 32
 OTHER_MODEL = "other"
+# Each TTFT bucket takes a new exemplar (trace id) at most this often (turns' own clock).
+EXEMPLAR_EVERY_NS = 1_000_000_000
 
 
 def prom_name(name: str) -> str:
@@ -141,6 +145,7 @@ class ProxyMetrics:
         self._models: set[str] = set()
         self._children: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self._lookups: dict[tuple[str, str], Any] = {}
+        self._exemplar_ns: dict[tuple[str, ...], list[int | None]] = {}
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a label value, bounded to :data:`MAX_MODEL_NAMES` distinct values."""
@@ -184,8 +189,20 @@ class ProxyMetrics:
         if record.client_disconnected:
             self.client_disconnects.labels(model).inc()
         if record.first_token_ns is not None:
-            ttft.observe((record.first_token_ns - record.arrival_ns) / 1e9,
-                         {"trace_id": f"{record.trace_id:032x}"})
+            seconds = (record.first_token_ns - record.arrival_ns) / 1e9
+            # An exemplar costs ~6 µs (prometheus_client validates and timestamps it) and a
+            # bucket keeps only its latest, so each bucket takes one at most every
+            # EXEMPLAR_EVERY_NS of the turns' own time: rare (tail) buckets still get theirs.
+            latest = self._exemplar_ns.get(key)
+            if latest is None:
+                latest = self._exemplar_ns[key] = [None] * (len(exposition.VLLM_TTFT_BUCKETS_S) + 1)
+            slot = bisect_left(exposition.VLLM_TTFT_BUCKETS_S, seconds)
+            before = latest[slot]
+            if before is None or record.end_ns - before >= EXEMPLAR_EVERY_NS:
+                latest[slot] = record.end_ns
+                ttft.observe(seconds, {"trace_id": f"{record.trace_id:032x}"})
+            else:
+                ttft.observe(seconds)
         if record.prefill_start_ns is not None and record.prefill_end_ns is not None:
             prefill_leg.observe((record.prefill_end_ns - record.prefill_start_ns) / 1e9)
         if record.decode_start_ns is not None and record.decode_end_ns is not None:

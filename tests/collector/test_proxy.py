@@ -612,6 +612,21 @@ def test_ttft_buckets_count_what_was_observed(values: list[float]) -> None:
         assert _value(text, "kvscope_proxy_ttft_seconds_bucket", le=le) == expected
 
 
+def test_each_ttft_bucket_takes_an_exemplar_at_most_once_a_second() -> None:
+    metrics = ProxyMetrics()
+    turns = [(0.05, 1, 0.0), (0.05, 2, 0.5), (3.0, 3, 0.6), (0.05, 4, 1.2)]  # s, trace, end s
+    for ttft_s, trace_id, end_s in turns:
+        record = _record(ttft_s)
+        record.trace_id, record.end_ns = trace_id, int(end_s * 1e9) + record.first_token_ns
+        metrics.observe(record)
+    text = metrics.render("application/openmetrics-text")[0].decode()
+    exemplars = {s.labels["le"]: s.exemplar.labels["trace_id"]
+                 for family in om_text_string_to_metric_families(text) for s in family.samples
+                 if s.name == "kvscope_proxy_ttft_seconds_bucket" and s.exemplar is not None}
+    # 0.05 s falls in le=0.06: turn 2 came 0.5 s after turn 1 (skipped), turn 4 1.2 s after.
+    assert exemplars == {"0.06": f"{4:032x}", "5.0": f"{3:032x}"}
+
+
 def test_model_names_are_bounded() -> None:
     """model_name comes from clients: past the limit, new names are counted as one."""
     metrics = ProxyMetrics()
