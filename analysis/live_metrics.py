@@ -12,19 +12,22 @@ one writer appends, so row ids grow in commit order), and maps each to the *conv
 belongs to: a ``kvscope.turn`` span names it (run id + conversation id; a turn without a
 conversation id is a unit of its own), a leg or tool-wait span by its trace id, an engine span
 (reuse decision, KV transfer, retention) by its vLLM request id reduced to the X-Request-Id
-(:func:`kvscope.analysis.ledger.request_key`). Only the conversations that received a span are
-recomputed: :func:`kvscope.analysis.ledger.build` runs on their spans alone (read back from the
-store from the oldest row any of them has, so the scan covers the recent tail only), and their
-old contribution to each series is replaced by the new one. A conversation is the unit because
-turn k's row reads turn k-1's (its prompt, output and decode retention).
+(:func:`kvscope.analysis.ledger.request_key`). The new rows also go through the ledger's own
+extraction (:data:`kvscope.analysis.ledger.QUERIES`, restricted to those row ids) and are kept in
+memory, so the store is read once per row. Only the conversations that received a span are
+recomputed: :func:`kvscope.analysis.ledger.build` runs on their spans alone (the kept frames
+filtered by trace id and X-Request-Id), and their old contribution to each series is replaced by
+the new one. A conversation is the unit because turn k's row reads turn k-1's (its prompt, output
+and decode retention). The cost: the kept frames (the span columns the ledger reads) grow with the
+store, as a rebuild's do while it runs.
 
 Late spans: an engine or leg span that arrives *after* its turn was counted makes that
 conversation dirty again, and its turns (outcome included) are recomputed at the next refresh; one
-that arrives *before* its turn span is remembered by key (the lowest row id per X-Request-Id or
-trace id, at most ``max_pending`` keys, oldest forgotten first and counted) and folded in when
-the turn arrives. So a turn's outcome may change as evidence arrives (``unknown`` →
-``reused_remote``): the ledger series are gauges (turns *now* in each outcome), not counters.
-Append-only facts — transfers and TTFT, one observation per span — are counters and histograms.
+that arrives *before* its turn span waits in the kept frames and is found when the turn's
+arrival recomputes the conversation. So a turn's outcome may change as evidence arrives
+(``unknown`` → ``reused_remote``): the ledger series are gauges (turns *now* in each outcome),
+not counters. Append-only facts — transfers and TTFT, one observation per span — are counters
+and histograms.
 
 The result equals a full rebuild (:func:`kvscope.analysis.ledger.ledger`) on the same store
 (tests/analysis/test_live_metrics.py checks both, and the scrape against ``kvscope analyze``).
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -53,9 +55,6 @@ from kvscope import exposition, semconv
 from kvscope.analysis import ledger as ledger_module
 from kvscope.reuse import outcomes
 from kvscope.store.reader import StoreReader
-
-# Keys (X-Request-Id or trace id) of spans whose turn has not arrived yet, remembered at most.
-MAX_PENDING_KEYS = 1_000_000
 
 _LEG_SPANS = (semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION, semconv.SPAN_TOOL_WAIT)
 _ENGINE_SPANS = (semconv.SPAN_REUSE_DECISION, semconv.SPAN_KV_TRANSFER, semconv.SPAN_KV_RETENTION)
@@ -79,7 +78,6 @@ TRANSFER_SECONDS = "kvscope_kv_transfer_duration_seconds"
 TTFT_SECONDS = "kvscope_ttft_seconds"
 REFRESHES = "kvscope_live_refreshes"  # counter
 RECOMPUTED_CONVERSATIONS = "kvscope_live_recomputed_conversations"  # counter
-FORGOTTEN_KEYS = "kvscope_live_forgotten_keys"  # counter
 REFRESH_SECONDS = "kvscope_live_last_refresh_seconds"
 
 _LEDGER_LABELS = ("run", "run_id", "model", "engine")
@@ -134,10 +132,6 @@ _NEW_SPANS_SQL = (
     f"{_a(semconv.ENGINE_ID)} AS engine, {_a(semconv.TRANSFER_DIRECTION)} AS direction, "
     f"{_a(semconv.TRANSFER_STATUS)} AS status, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
     f"Duration AS duration_ns FROM otel_traces WHERE rowid > ? AND rowid <= ?"
-)
-_MODELS_SQL = (
-    f"SELECT {_a(semconv.X_REQUEST_ID)} AS x_request_id, {_a(semconv.GEN_AI_REQUEST_MODEL)} AS "
-    f"model FROM otel_traces WHERE SpanName = '{semconv.SPAN_TURN}' AND rowid >= ? AND rowid <= ?"
 )
 _NEW_GAUGES_SQL = (
     f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, MetricName AS metric, "
@@ -247,17 +241,16 @@ class LiveLedger:
     ledger reads through cursors of its own and never writes.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, max_pending: int = MAX_PENDING_KEYS
-                 ) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
         self._con = con
         self._lock = threading.Lock()
         self._span_mark = -1
         self._gauge_mark = -1
-        self._max_pending = max_pending
         self._unit_of_key: dict[str, str] = {}  # X-Request-Id or trace id → unit
-        self._first_row: dict[str, int] = {}  # unit → lowest row id of any of its spans
-        self._pending: OrderedDict[str, int] = OrderedDict()  # key → lowest row id, turn unseen
         self._contribution: dict[str, dict[SeriesKey, float]] = {}
+        # The ledger's span frames (ledger.QUERIES) of every row read so far, and turn → model.
+        self._frames: dict[str, pl.DataFrame] = {}
+        self._models: pl.DataFrame | None = None
         self._totals: dict[SeriesKey, float] = {}
         self._gauges: dict[SeriesKey, tuple[object, float]] = {}  # → (sample time, value)
         self._transfer_bytes: dict[Labels, float] = {}
@@ -267,7 +260,6 @@ class LiveLedger:
         self._labels_of_run: dict[str, str] = {}
         self.refreshes = 0
         self.recomputed_conversations = 0
-        self.forgotten_keys = 0
         self.last_refresh_s: float | None = None
 
     # -- refresh ---------------------------------------------------------------------------------
@@ -284,7 +276,7 @@ class LiveLedger:
                 dirty = self._read_spans(reader)
                 self._read_gauges(reader)
                 if dirty:
-                    self._recompute(reader, dirty)
+                    self._recompute(dirty)
             finally:
                 cursor.close()
             self.refreshes += 1
@@ -307,24 +299,29 @@ class LiveLedger:
             return set()
         new = reader.frame(_NEW_SPANS_SQL, [self._span_mark, high]).with_columns(
             ledger_module.request_key("request_id").alias("request_key"))
+        # The ledger's own extraction, of the new rows only, kept: a recomputation filters
+        # these frames by key instead of reading the store again.
+        for name, sql in ledger_module.QUERIES.items():
+            fresh = reader.frame(sql + " AND rowid > ? AND rowid <= ?", [self._span_mark, high])
+            kept = self._frames.get(name)
+            # Without a rechunk: appending must not copy what is kept.
+            self._frames[name] = fresh if kept is None else pl.concat(
+                [kept, fresh], how="vertical_relaxed", rechunk=False)
+        models = new.filter(pl.col("name") == semconv.SPAN_TURN).select("x_request_id", "model")
+        self._models = models if self._models is None else pl.concat(
+            [self._models, models], rechunk=False)
         self._span_mark = high
         dirty: set[str] = set()
         for span in new.iter_rows(named=True):
-            name, row = span["name"], span["row"]
+            name = span["name"]
             run_id = span["run_id"] or ""
             if run_id and run_id not in self._labels_of_run:
                 self._run_label(reader, run_id)
             if name == semconv.SPAN_TURN:
                 unit = unit_key(span["run_id"], span["conversation_id"], span["x_request_id"])
-                lowest = row
                 for turn_key in (span["x_request_id"], span["trace_id"]):
-                    if turn_key is None:
-                        continue
-                    self._unit_of_key[turn_key] = unit
-                    earlier = self._pending.pop(turn_key, None)
-                    if earlier is not None:
-                        lowest = min(lowest, earlier)
-                self._first_row[unit] = min(self._first_row.get(unit, lowest), lowest)
+                    if turn_key is not None:
+                        self._unit_of_key[turn_key] = unit
                 dirty.add(unit)
                 ttft = _number(span["ttft_ms"])
                 if ttft is not None:
@@ -342,22 +339,12 @@ class LiveLedger:
                     self._count_transfer(span, run_id)
             else:
                 continue
-            if key is None:
-                continue
-            known = self._unit_of_key.get(key)
+            # A span whose turn has not arrived waits in the frames: the turn's arrival
+            # recomputes its conversation, which finds it there.
+            known = None if key is None else self._unit_of_key.get(key)
             if known is not None:
-                self._first_row[known] = min(self._first_row[known], row)
                 dirty.add(known)
-            else:
-                self._remember(key, row)
         return dirty
-
-    def _remember(self, key: str, row: int) -> None:
-        earlier = self._pending.get(key)
-        self._pending[key] = row if earlier is None else min(earlier, row)
-        while len(self._pending) > self._max_pending:
-            self._pending.popitem(last=False)
-            self.forgotten_keys += 1
 
     def _count_transfer(self, span: dict, run_id: str) -> None:
         labels = (self._labels_of_run.get(run_id, run_id), run_id, span["engine"] or "",
@@ -390,14 +377,8 @@ class LiveLedger:
             if previous is None or sample["time"] >= previous[0]:
                 self._gauges[key] = (sample["time"], float(sample["value"]))
 
-    def _recompute(self, reader: StoreReader, dirty: set[str]) -> None:
-        low = min(self._first_row[unit] for unit in dirty)
-        high = self._span_mark
-        frames = {
-            name: reader.frame(sql + " AND rowid >= ? AND rowid <= ?", [low, high])
-            for name, sql in ledger_module.QUERIES.items()
-        }
-        models = reader.frame(_MODELS_SQL, [low, high])
+    def _recompute(self, dirty: set[str]) -> None:
+        frames = dict(self._frames)
         turns = frames["turns"].filter(_unit_expr().is_in(list(dirty)))
         traces = turns["trace_id"].unique().to_list()
         requests = turns["x_request_id"].unique().drop_nulls().to_list()
@@ -407,6 +388,8 @@ class LiveLedger:
         for name in ("decisions", "transfers", "retentions"):
             frames[name] = frames[name].filter(
                 ledger_module.request_key("request_id").is_in(requests))
+        assert self._models is not None
+        models = self._models.filter(pl.col("x_request_id").is_in(requests))
         rows = ledger_module.build(frames)
         fresh = contributions(rows, models, self._labels_of_run)
         for unit in dirty:
@@ -475,8 +458,6 @@ class LiveLedger:
         yield CounterMetricFamily(REFRESHES, "Refreshes of the live ledger", value=self.refreshes)
         yield CounterMetricFamily(RECOMPUTED_CONVERSATIONS, "Conversations recomputed by those "
                                   "refreshes", value=self.recomputed_conversations)
-        yield CounterMetricFamily(FORGOTTEN_KEYS, "Keys of spans whose turn had not arrived, "
-                                  "forgotten past the pending limit", value=self.forgotten_keys)
         if self.last_refresh_s is not None:
             yield GaugeMetricFamily(REFRESH_SECONDS, "How long the last refresh took",
                                     value=self.last_refresh_s)

@@ -125,21 +125,6 @@ def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int) -> 
         con.close()
 
 
-def test_pending_keys_are_bounded(source: Path, tmp_path: Path) -> None:
-    """Engine spans whose turn never arrives are remembered up to the limit, then counted."""
-    con = open_store(tmp_path / "bounded.duckdb")
-    try:
-        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
-        con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces "
-                    f"WHERE SpanName = '{semconv.SPAN_KV_RETENTION}'")
-        retentions = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
-        live = LiveLedger(con, max_pending=10)
-        assert live.refresh() == 0
-        assert live.forgotten_keys == retentions - 10 > 0
-    finally:
-        con.close()
-
-
 def _scrape(url: str, accept: str | None = None) -> dict[str, list]:
     headers = {"Accept": accept} if accept else {}
     response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
