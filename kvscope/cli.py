@@ -143,10 +143,17 @@ def _run_serve(args: argparse.Namespace) -> int:
         from kvscope.dashboards.app import main_serve_dashboard
 
         return main_serve_dashboard(db, host, port, args.dashboard_port, grpc_port=grpc_port)
-    from kvscope.analysis.live_metrics import metrics_source
     from kvscope.collector.receiver import main_serve
 
-    return main_serve(db, host, port, grpc_port, metrics=metrics_source)
+    return main_serve(db, host, port, grpc_port, metrics=_live_metrics())
+
+
+def _live_metrics() -> Any:
+    """``/metrics`` for the receiver: the live ledger (imported after the receiver, so a missing
+    'store' extra is named by the receiver's own import)."""
+    from kvscope.analysis.live_metrics import metrics_source
+
+    return metrics_source
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
