@@ -84,12 +84,13 @@ def panels() -> list[dict[str, Any]]:
                (8, 0, 16, 6), unit="percentunit", stacked=True,
                description="Shares of the reusable tokens prefill found locally or pulled "
                "from decode"),
-        _panel(ids, "Outcomes and miss causes", "barchart",
+        _panel(ids, "Outcomes and miss causes", "bargauge",
                [(f'sum by (outcome) ({m.TURNS}{{{_SEL},outcome_class=~"miss|invalid|unknown"}})',
                  "{{outcome}}")],
                (0, 6, 12, 8), description="Turns now in each miss cause (turns whose outcome "
-               "is not a reuse); a turn moves when late spans arrive", xField="outcome",
-               orientation="horizontal"),
+               "is not a reuse); a turn moves when late spans arrive",
+               orientation="horizontal", displayMode="basic",
+               reduceOptions={"calcs": ["lastNotNull"]}),
         _panel(ids, "Turns by outcome class", "timeseries",
                [(_sum(m.TURNS, "outcome_class"), "{{outcome_class}}")], (12, 6, 12, 8),
                stacked=True),
