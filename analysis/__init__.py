@@ -7,13 +7,14 @@
                   memory; task_time.py task time; windows.py turns over time and by engine;
                   evidence.py which evidence a store holds; compare.py two runs side by side;
                   whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict;
-                  published.py the published sweep beside its simulation
+                  published.py the published sweep beside its simulation; live_metrics.py the
+                  ledger kept current as spans arrive, as Prometheus series
 
 Every module registers its analyses on import (see :data:`registry.MODULES`); nothing here is
 imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "evidence", "ladder", "ledger", "published", "registry", "retention",
-    "reuse", "runs", "task_time", "verdict", "whatif", "windows",
+    "causes", "compare", "evidence", "ladder", "ledger", "live_metrics", "published", "registry",
+    "retention", "reuse", "runs", "task_time", "verdict", "whatif", "windows",
 ]

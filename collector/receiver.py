@@ -22,7 +22,9 @@ once queued; a clean stop (SIGINT/SIGTERM for :func:`run_receiver`, through
 :func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`) stops both listeners accepting,
 lets their in-flight requests finish, and only then writes everything acknowledged and closes
 the store.
-``GET /health`` reports the counters of both transports.
+``GET /health`` reports the counters of both transports. ``GET /metrics`` answers when the
+receiver is given a metrics source (``kvscope serve``: the live ledger's series,
+:mod:`kvscope.analysis.live_metrics`, composed by the CLI).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from google.protobuf import json_format
@@ -65,6 +68,10 @@ _CONTENT_TYPES: dict[str, Encoding] = {
 }
 _MEDIA_TYPES: dict[Encoding, str] = {v: k for k, v in _CONTENT_TYPES.items()}
 _READ_CHUNK = 256 * 1024
+# ``GET /metrics``: given the scraper's Accept header, the exposition body and its Content-Type.
+MetricsRenderer = Callable[[str | None], tuple[bytes, str]]
+# Builds the renderer once the store is open, from the receiver's store connection.
+MetricsSource = Callable[[Any], MetricsRenderer]
 # How long a stop waits for requests in flight on each listener.
 _GRACE_S = 30.0
 
@@ -91,11 +98,12 @@ class _OtlpServer:
     starts it."""
 
     def __init__(self, writer: StoreWriter, *, max_request_bytes: int, max_queue_rows: int,
-                 run_id: str | None = None):
+                 run_id: str | None = None, metrics: MetricsRenderer | None = None):
         self.intake = Intake(writer, max_request_bytes=max_request_bytes,
                              max_queue_rows=max_queue_rows, run_id=run_id)
         self.writer = writer
         self.run_id = run_id
+        self.metrics = metrics
         self.stats = self.intake.stats
         self.max_request_bytes = max_request_bytes
         self.stopping = False
@@ -109,6 +117,8 @@ class _OtlpServer:
         app.router.add_post("/v1/traces", self._traces)
         app.router.add_post("/v1/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self._metrics_page)
         return app
 
     async def start(self, sockets: list[socket.socket], grpc: GrpcListener | None = None
@@ -180,6 +190,13 @@ class _OtlpServer:
             **asdict(self.stats),
         }
         return web.json_response(body)
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None
+        # The renderer reads the store: off the event loop, which keeps receiving.
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            None, self.metrics, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _traces(self, request: web.Request) -> web.Response:
         return await self._export(request, "traces")
@@ -306,8 +323,10 @@ class Receiver:
         max_request_bytes: int | None = None,
         max_queue_rows: int | None = None,
         record_run: bool = False,
+        metrics: MetricsSource | None = None,
     ) -> None:
         self.db_path = db_path
+        self._metrics_source = metrics
         # Record a run in kvscope_runs and stamp it on spans that name none (kvscope serve).
         self.record_run = record_run
         self.host = settings.resolve("host", host)
@@ -375,6 +394,8 @@ class Receiver:
             server = _OtlpServer(
                 writer, max_request_bytes=self.max_request_bytes,
                 max_queue_rows=self.max_queue_rows, run_id=run_id,
+                metrics=(None if self._metrics_source is None
+                         else self._metrics_source(writer.connection)),
             )
             try:
                 await server.start(sockets, grpc)
@@ -442,6 +463,7 @@ def run_receiver(
     max_request_bytes: int | None = None,
     max_queue_rows: int | None = None,
     on_ready: Callable[[Listening], None] | None = None,
+    metrics: MetricsSource | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
@@ -454,7 +476,7 @@ def run_receiver(
     with stop_signals() as wait_for_stop:
         receiver = Receiver(db_path, host, port, grpc_port=grpc_port,
                             max_request_bytes=max_request_bytes, max_queue_rows=max_queue_rows,
-                            record_run=True).start()
+                            record_run=True, metrics=metrics).start()
         try:
             if on_ready is not None:
                 on_ready(Listening(

@@ -4,6 +4,7 @@
     figures.py   plotly figures from analysis frames (shared by the app and the report)
     report.py    the static HTML report
     app.py       the Dash app; pages/ its pages
+    grafana_dashboard.py   the Grafana dashboard of ``kvscope serve``'s /metrics, generated
 """
 
-__all__ = ["app", "data", "figures", "pages", "report"]
+__all__ = ["app", "data", "figures", "grafana_dashboard", "pages", "report"]

@@ -98,20 +98,24 @@ def warm(data: DashboardData) -> None:
         task_time,
         whatif,
     )
+    from kvscope.progress import steps
 
     unfiltered = Filters()
-    for render in (
-        lambda: overview.content(data, unfiltered),
-        lambda: missed.content(data, unfiltered),
-        lambda: retention.content(data, unfiltered),
-        lambda: task_time.content(data, unfiltered),
-        lambda: whatif.content(data, unfiltered, None, None),
-        lambda: compare.content(data, unfiltered, None, None),
-    ):
-        try:
-            render()
-        except Exception:  # a page that cannot render says so itself when opened
-            logger.warning("warming a dashboard page failed", exc_info=True)
+    pages = {
+        "overview": lambda: overview.content(data, unfiltered),
+        "missed": lambda: missed.content(data, unfiltered),
+        "retention": lambda: retention.content(data, unfiltered),
+        "task time": lambda: task_time.content(data, unfiltered),
+        "what-if": lambda: whatif.content(data, unfiltered, None, None),
+        "compare": lambda: compare.content(data, unfiltered, None, None),
+    }
+    with steps("kvscope dashboard: warming pages", len(pages)) as step:
+        for name, render in pages.items():
+            step(name)
+            try:
+                render()
+            except Exception:  # a page that cannot render says so itself when opened
+                logger.warning("warming a dashboard page failed", exc_info=True)
 
 
 def create_app(source: str | Path | StoreWriter | DashboardData, *,

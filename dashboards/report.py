@@ -241,11 +241,24 @@ def _tables_html(ctx: AnalysisContext) -> str:
     return "".join(parts)
 
 
-def render(ctx: AnalysisContext, source: str) -> str:
-    """The whole report as one HTML string."""
+# The steps render() reports: ledger and verdict (the first to read the ledger builds it),
+# figures, tables.
+REPORT_STEPS = 3
+
+
+def render(ctx: AnalysisContext, source: str,
+           progress: Callable[[str], None] | None = None) -> str:
+    """The whole report as one HTML string (``progress(step)`` hears each step begin)."""
+    step = progress or (lambda name: None)
     runs = run_table(ctx)
     labels = {r: lbl or r for r, lbl in runs.select("run_id", "label").rows()}
     generated = datetime.now(UTC).isoformat(timespec="seconds")
+    step("ledger and verdict")
+    verdict = _verdict_html(ctx)
+    step("figures")
+    figures = _figures_html(ctx, labels)
+    step("tables")
+    tables = _tables_html(ctx)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{_e(TITLE)}: {_e(source)}</title><style>{_CSS}</style>"
@@ -253,19 +266,20 @@ def render(ctx: AnalysisContext, source: str) -> str:
         f"<h1>{_e(TITLE)}</h1><p class=\"meta\">store {_e(source)}, generated {_e(generated)}"
         f", {runs.height} run{'s' if runs.height != 1 else ''}</p>"
         f"<h2>Runs</h2>{_runs_html(runs)}"
-        f"<h2>Verdict</h2>{_verdict_html(ctx)}"
-        f"<h2>Figures</h2>{_figures_html(ctx, labels)}"
-        f"<h2>Tables</h2>{_tables_html(ctx)}"
+        f"<h2>Verdict</h2>{verdict}"
+        f"<h2>Figures</h2>{figures}"
+        f"<h2>Tables</h2>{tables}"
         "</body></html>\n"
     )
 
 
 def write_report(db_path: str | Path, out_path: str | Path,
-                 runs: Sequence[str] | None = None) -> Path:
+                 runs: Sequence[str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> Path:
     """Write the HTML report of the store ``db_path`` (optionally only ``runs``) to ``out_path``."""
     out = Path(out_path)
     with open_context(db_path, runs) as ctx:
-        page = render(ctx, Path(db_path).name)
+        page = render(ctx, Path(db_path).name, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")

@@ -359,8 +359,9 @@ def _virtual(seconds: float) -> str:
 class ProgressLine:
     """The progress of one run on a stream: turns sent / total, virtual time, turns a second.
 
-    On a terminal the line is redrawn in place (at most 10 times a second); elsewhere a line is
-    written at most every ``every_s`` seconds, so logs stay short.
+    On a terminal, rich draws it in place (a bar, turns, virtual time and rate, redrawn from its
+    own thread); elsewhere a plain line is written at most every ``every_s`` seconds, so logs stay
+    short.
     """
 
     def __init__(self, prefix: str, total: int, stream: TextIO, every_s: float = 5.0) -> None:
@@ -371,6 +372,16 @@ class ProgressLine:
         self.every_s = 0.1 if self.tty else every_s
         self.started = time.monotonic()
         self._last = self.started
+        self._live: Any = None
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self._live = Progress(TextColumn("{task.fields[prefix]}"), BarColumn(),
+                                  TextColumn("{task.description}"),
+                                  console=Console(file=stream), transient=True)
+            self._task = self._live.add_task("", total=total or None, prefix=prefix)
+            self._live.start()
 
     def _text(self, turns: int, virtual_s: float, now: float) -> str:
         elapsed = max(now - self.started, 1e-9)
@@ -380,23 +391,31 @@ class ProgressLine:
 
     def __call__(self, turns: int, virtual_s: float) -> None:
         now = time.monotonic()
+        if self._live is not None:
+            # rich redraws at its own pace: an update is only a few attribute writes.
+            text = self._text(turns, virtual_s, now)[len(self.prefix) + 1:]
+            self._live.update(self._task, completed=turns, description=text)
+            return
         if now - self._last < self.every_s and turns < self.total:
             return
         self._last = now
-        text = self._text(turns, virtual_s, now)
-        if self.tty:
-            self.stream.write("\r\x1b[K" + text)
-        else:
-            self.stream.write(text + "\n")
+        self.stream.write(self._text(turns, virtual_s, now) + "\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        """Stop drawing (idempotent; :meth:`done` calls it)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
     def done(self, result: SimulationResult) -> None:
         """The run's closing line: turns, spans, wall time, rate."""
+        self.close()
         elapsed = time.monotonic() - self.started
         text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
                 f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
                 f"virtual {_virtual(result.virtual_seconds)}")
-        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.write(text + "\n")
         self.stream.flush()
 
 
@@ -412,7 +431,11 @@ def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]
         if stream is not None:
             line = ProgressLine(f"[{number}/{len(runs)} {plan.label}]", workload.num_requests,
                                 stream)
-        result = simulate(workload, db, plan, progress=line)
+        try:
+            result = simulate(workload, db, plan, progress=line)
+        finally:
+            if line is not None:
+                line.close()
         if line is not None:
             line.done(result)
         yield result

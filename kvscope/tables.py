@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
+import sys
 from collections.abc import Sequence
 from datetime import date, datetime
 from decimal import Decimal
@@ -50,8 +52,40 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
-    """Render a result as an aligned text table, CSV or JSON (a list of objects)."""
+# Narrowest a column is cut to when a table must fit the terminal.
+MIN_COLUMN_WIDTH = 8
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one, else None (pipes and files get whole cells)."""
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def fit(widths: list[int], total: int, gap: int = 2) -> list[int]:
+    """Column widths that fit ``total`` characters: the widest column is narrowed first, none
+    below :data:`MIN_COLUMN_WIDTH` (so a very narrow terminal still wraps)."""
+    widths = list(widths)
+    while sum(widths) + gap * (len(widths) - 1) > total:
+        widest = max(range(len(widths)), key=widths.__getitem__)
+        if widths[widest] <= MIN_COLUMN_WIDTH:
+            break
+        widths[widest] -= 1
+    return widths
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str,
+                width: int | None = None) -> str:
+    """Render a result as an aligned text table, CSV or JSON (a list of objects).
+
+    A table is fitted to ``width`` characters (default: the terminal's, when stdout is one) by
+    narrowing its widest columns and cutting their cells with an ellipsis.
+    """
     if fmt == "json":
         records = [
             {c: _jsonable(v) for c, v in zip(columns, row, strict=True)} for row in rows
@@ -68,6 +102,11 @@ def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
     widths = [len(c) for c in columns]
     for row in cells:
         widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
+    limit = terminal_width() if width is None else width
+    if limit is not None:
+        widths = fit(widths, limit)
+        columns = [_clip(c, w) for c, w in zip(columns, widths, strict=True)]
+        cells = [[_clip(v, w) for v, w in zip(row, widths, strict=True)] for row in cells]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
         "  ".join("-" * w for w in widths),

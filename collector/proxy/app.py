@@ -344,9 +344,12 @@ class Proxy:
                                    "BadGatewayError")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.telemetry.render_metrics(self.router.size)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        # Rendering takes milliseconds (every label set's buckets): on a thread, so the event
+        # loop keeps serving turns between its GIL slices.
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            None, self.telemetry.render_metrics, lambda: self.router.size,
+            request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- one turn --------------------------------------------------------------------------------
     async def _handle(self, request: web.Request, api_path: str) -> web.StreamResponse:

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from kvscope import __version__, semconv
 from kvscope.collector.otel import Telemetry
+from kvscope.collector.proxy.metrics import ProxyMetrics
 from kvscope.collector.proxy.router import ConversationId
 
 if TYPE_CHECKING:
@@ -147,168 +148,6 @@ def parse_traceparent(header: str | None) -> tuple[int, int] | None:
 def format_traceparent(trace_id: int, span_id: int) -> str:
     """A W3C ``traceparent`` naming ``span_id`` as the parent, sampled."""
     return f"00-{trace_id:032x}-{span_id:016x}-01"
-
-
-# --- Prometheus text exposition -------------------------------------------------------------------
-def _prom_name(name: str) -> str:
-    return name.replace(".", "_")
-
-
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-class Counter:
-    """A monotonic counter with fixed label names (Prometheus ``counter``)."""
-
-    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> None:
-        self.name = _prom_name(name) + "_total"
-        self.help = help_text
-        self.labels = labels
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, *label_values: str, by: float = 1.0) -> None:
-        self.values[label_values] = self.values.get(label_values, 0.0) + by
-
-    def get(self, *label_values: str) -> float:
-        return self.values.get(label_values, 0.0)
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} counter"
-        for key, value in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.labels, key)} {_number(value)}"
-
-
-class Histogram:
-    """A cumulative histogram with fixed buckets (Prometheus ``histogram``)."""
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        buckets: tuple[float, ...],
-        labels: tuple[str, ...] = (),
-    ) -> None:
-        self.name = _prom_name(name)
-        self.help = help_text
-        self.buckets = tuple(sorted(buckets))
-        self.labels = labels
-        # per label set: per-bucket (non-cumulative) counts + the +Inf overflow, sum, count
-        self.series: dict[tuple[str, ...], list[Any]] = {}
-
-    def observe(self, value: float, *label_values: str) -> None:
-        series = self.series.get(label_values)
-        if series is None:
-            series = self.series[label_values] = [[0] * (len(self.buckets) + 1), 0.0, 0]
-        counts = series[0]
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                counts[i] += 1
-                break
-        else:
-            counts[-1] += 1
-        series[1] += value
-        series[2] += 1
-
-    def count(self, *label_values: str) -> int:
-        series = self.series.get(label_values)
-        return 0 if series is None else int(series[2])
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        for key, (counts, total, n) in sorted(self.series.items()):
-            cumulative = 0
-            for bound, c in zip((*self.buckets, float("inf")), counts, strict=True):
-                cumulative += c
-                le = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(self.labels, key, le)} {cumulative}"
-            yield f"{self.name}_sum{_labels(self.labels, key)} {_number(total)}"
-            yield f"{self.name}_count{_labels(self.labels, key)} {n}"
-
-
-_LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0, 300.0,
-)
-
-
-class ProxyMetrics:
-    """The proxy's Prometheus metrics (served on ``GET /metrics``), updated on the event loop."""
-
-    def __init__(self) -> None:
-        self.turns = Counter(
-            semconv.METRIC_PROXY_TURNS, "Turns the proxy finished, by route and outcome.",
-            ("route", "outcome"),
-        )
-        self.router_lookups = Counter(
-            semconv.METRIC_PROXY_ROUTER_LOOKUPS, "Router cache lookups, by result.", ("result",)
-        )
-        self.upstream_errors = Counter(
-            semconv.METRIC_PROXY_UPSTREAM_ERRORS,
-            "Failed prefill or decode calls, by leg and kind.",
-            ("leg", "kind"),
-        )
-        self.client_disconnects = Counter(
-            semconv.METRIC_PROXY_CLIENT_DISCONNECTS,
-            "Clients that went away before their response ended.",
-        )
-        self.ttft = Histogram(
-            semconv.METRIC_PROXY_TTFT,
-            "Request arrival to the first decode event sent to the client, seconds.",
-            _LATENCY_BUCKETS_S,
-        )
-        self.leg_duration = Histogram(
-            semconv.METRIC_PROXY_LEG_DURATION,
-            "Duration of the prefill and decode legs, seconds.",
-            _LATENCY_BUCKETS_S,
-            ("leg",),
-        )
-        self.turn_duration = Histogram(
-            semconv.METRIC_PROXY_TURN_DURATION,
-            "Request arrival to the last byte sent, seconds.",
-            _LATENCY_BUCKETS_S,
-        )
-
-    def render(
-        self,
-        gauges: Mapping[str, tuple[str, float]],
-        totals: Mapping[str, tuple[str, float]],
-    ) -> str:
-        """The exposition text; ``gauges`` and ``totals`` (counters kept elsewhere) map a metric
-        name to (help, value)."""
-        lines: list[str] = []
-        for metric in (
-            self.turns,
-            self.router_lookups,
-            self.upstream_errors,
-            self.client_disconnects,
-            self.ttft,
-            self.leg_duration,
-            self.turn_duration,
-        ):
-            lines.extend(metric.render())
-        for kind, points, suffix in (("gauge", gauges, ""), ("counter", totals, "_total")):
-            for name, (help_text, value) in points.items():
-                prom = _prom_name(name) + suffix
-                lines.append(f"# HELP {prom} {help_text}")
-                lines.append(f"# TYPE {prom} {kind}")
-                lines.append(f"{prom} {_number(value)}")
-        return "\n".join(lines) + "\n"
 
 
 # --- per-turn record ------------------------------------------------------------------------------
@@ -516,26 +355,7 @@ class ProxyTelemetry:
                 logger.exception("kvscope proxy telemetry failed (further failures are counted)")
 
     def _observe(self, record: TurnRecord) -> None:
-        m = self.metrics
-        outcome = record.error_kind or "ok"
-        m.turns.inc(record.route, outcome)
-        if record.lookup is not None:
-            m.router_lookups.inc(record.lookup)
-        if record.error_leg is not None and record.error_kind is not None:
-            m.upstream_errors.inc(record.error_leg, record.error_kind)
-        if record.client_disconnected:
-            m.client_disconnects.inc()
-        if record.first_token_ns is not None:
-            m.ttft.observe((record.first_token_ns - record.arrival_ns) / 1e9)
-        if record.prefill_start_ns is not None and record.prefill_end_ns is not None:
-            m.leg_duration.observe(
-                (record.prefill_end_ns - record.prefill_start_ns) / 1e9, semconv.LEG_PREFILL
-            )
-        if record.decode_start_ns is not None and record.decode_end_ns is not None:
-            m.leg_duration.observe(
-                (record.decode_end_ns - record.decode_start_ns) / 1e9, semconv.LEG_DECODE
-            )
-        m.turn_duration.observe((record.end_ns - record.arrival_ns) / 1e9)
+        self.metrics.observe(record)
 
     # -- spans ---------------------------------------------------------------------------------
     def spans_for(self, record: TurnRecord) -> list[ReadableSpan]:
@@ -776,18 +596,9 @@ class ProxyTelemetry:
         if self.telemetry is not None:
             self.telemetry.shutdown()
 
-    def render_metrics(self, router_entries: int) -> str:
-        """``GET /metrics`` text."""
-        return self.metrics.render(
-            {
-                semconv.METRIC_PROXY_ROUTER_ENTRIES: (
-                    "Conversations with decode metadata cached now.", router_entries
-                ),
-            },
-            {
-                semconv.METRIC_PROXY_TELEMETRY_DROPPED: (
-                    "Spans lost: queue full, export failed or store write failed.",
-                    self.dropped_spans(),
-                ),
-            },
-        )
+    def render_metrics(self, router_entries: Callable[[], float], accept: str | None = None
+                       ) -> tuple[bytes, str]:
+        """``GET /metrics``: the exposition in the format ``accept`` asks for, and its type."""
+        scrape = self.metrics.scrape_time
+        scrape.router_entries, scrape.dropped_spans = router_entries, self.dropped_spans
+        return self.metrics.render(accept)

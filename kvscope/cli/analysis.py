@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvscope.cli.options import (
     Command,
@@ -23,7 +24,10 @@ from kvscope.cli.options import (
 from kvscope.errors import SettingError
 from kvscope.tables import format_rows
 
-__all__ = ["COMMANDS"]
+if TYPE_CHECKING:
+    import polars as pl
+
+__all__ = ["COMMANDS", "with_run_labels"]
 
 
 def _configure_sql(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +67,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     """Without a name: list the analyses with their titles and parameters. With one: print its
     result as a table, JSON or CSV."""
     from kvscope.analysis import registry
-    from kvscope.analysis.runs import open_context
+    from kvscope.analysis.runs import open_context, run_table
 
     params = {}
     for item in args.param:
@@ -82,6 +86,9 @@ def _run_analyze(args: argparse.Namespace) -> int:
     parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
     with open_context(args.file, args.runs) as ctx:
         frame = registry.run(ctx, args.name, parsed)
+        if args.format == "table" and "run_id" in frame.columns:
+            # People read runs by label; csv and json keep the id for programs.
+            frame = with_run_labels(frame, run_table(ctx))
     sys.stdout.write(format_rows(frame.columns, frame.rows(), args.format))
     return 0
 
@@ -96,7 +103,10 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
-    rows = rebuild(args.file)
+    from kvscope.progress import spinner
+
+    with spinner(f"kvscope ledger: rebuilding {LEDGER_TABLE} from the raw spans"):
+        rows = rebuild(args.file)
     print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
     return 0
 
@@ -107,9 +117,11 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from kvscope.dashboards.report import write_report
+    from kvscope.dashboards.report import REPORT_STEPS, write_report
+    from kvscope.progress import steps
 
-    path = write_report(args.file, args.out, args.runs)
+    with steps("kvscope report", REPORT_STEPS) as step:
+        path = write_report(args.file, args.out, args.runs, step)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
@@ -172,6 +184,16 @@ def _run_whatif(args: argparse.Namespace) -> int:
             print()
             sys.stdout.write(format_rows(fits.columns, fits.rows(), args.format))
     return 0
+
+
+def with_run_labels(frame: pl.DataFrame, runs: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with its ``run_id`` column shown as a ``run`` column of labels."""
+    import polars as pl
+
+    labels = {rid: label or rid for rid, label in runs.select("run_id", "label").rows()}
+    return frame.with_columns(
+        pl.col("run_id").replace_strict(labels, default=pl.col("run_id"),
+                                        return_dtype=pl.String)).rename({"run_id": "run"})
 
 
 COMMANDS = [

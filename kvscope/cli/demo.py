@@ -184,16 +184,23 @@ def run_demo(out: Path, options: DemoOptions | None = None) -> int:
         ("feature ON", _config(options, True, ())),
         ("feature ON + faults", _config(options, True, FAULT_MIX)),
     ]
-    runs = [_run_one(label, config, workload, options, db) for label, config in plans]
-    _summary(db, runs)
-    report = out / "report.html"
-    try:
-        from kvscope.dashboards.report import write_report
-    except ImportError:
-        print("report: not available in this build")
-    else:
-        write_report(db, report)
-        print(f"\nreport:  {report}")
+    from kvscope.progress import steps
+
+    with steps("kvscope demo", len(plans) + 1) as step:
+        runs = []
+        for label, config in plans:
+            step(label)
+            runs.append(_run_one(label, config, workload, options, db))
+        step("summary and report")
+        _summary(db, runs)
+        report = out / "report.html"
+        try:
+            from kvscope.dashboards.report import write_report
+        except ImportError:
+            print("report: not available in this build")
+        else:
+            write_report(db, report)
+            print(f"\nreport:  {report}")
     print(f"store:   {db}  (kvscope sql {db} \"SELECT SpanName, count(*) FROM otel_traces "
           "GROUP BY 1\")")
     print(f"done in {time.monotonic() - started:.0f} s")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from kvscope import settings
 from kvscope.cli.options import Command, add_setting, required, resolved
@@ -53,13 +54,15 @@ def serve(db: str, host: str, port: int, grpc_port: int | None) -> int:
     Store errors (locked, foreign or newer file) and a port in use propagate as
     :class:`~kvscope.errors.KvscopeError`, printed as one line by :func:`kvscope.cli.main`.
     """
+    from kvscope.analysis.live_metrics import metrics_source
     from kvscope.collector.receiver import Listening, run_receiver
 
     def ready(listening: Listening) -> None:
         print(f"kvscope serve: receiving OTLP/HTTP on {listening.http_url}, OTLP/gRPC on "
-              f"{listening.grpc_url}, writing {db}", file=sys.stderr, flush=True)
+              f"{listening.grpc_url}, writing {db}; Prometheus metrics on "
+              f"{listening.http_url}/metrics", file=sys.stderr, flush=True)
 
-    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready)
+    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready, metrics=metrics_source)
     print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
           flush=True)
     return 0
@@ -70,6 +73,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
     """The receiver and the live dashboard on one store, stopped in order (module doc)."""
     from werkzeug.serving import select_address_family
 
+    from kvscope.analysis.live_metrics import metrics_source
     from kvscope.collector.receiver import Receiver
     from kvscope.dashboards.app import DEFAULT_PORT, DashboardServer, create_app
 
@@ -77,7 +81,8 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
         dashboard_sockets = bind(host, DEFAULT_PORT if dashboard_port is None
                                  else dashboard_port)
         try:
-            receiver = Receiver(db, host, port, grpc_port=grpc_port, record_run=True).start()
+            receiver = Receiver(db, host, port, grpc_port=grpc_port, record_run=True,
+                                metrics=metrics_source).start()
         except BaseException:
             close_all(dashboard_sockets)
             raise
@@ -90,7 +95,8 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
             server = DashboardServer(create_app(receiver.writer), host, sock=served).start()
             try:
                 print(f"kvscope serve: receiving OTLP/HTTP on {receiver.url}, OTLP/gRPC on "
-                      f"{receiver.grpc_url}, writing {db}; dashboard on {server.url}",
+                      f"{receiver.grpc_url}, writing {db}; Prometheus metrics on "
+                      f"{receiver.url}/metrics; dashboard on {server.url}",
                       file=sys.stderr, flush=True)
                 wait_for_stop()
             finally:
@@ -127,9 +133,28 @@ def _run_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_grafana(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--out", default=None,
+                        help="file to write (default: print the JSON to stdout)")
+
+
+def _run_grafana(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.grafana_dashboard import render
+
+    text = render()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote the Grafana dashboard to {args.out}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = [
     Command("serve", "receive OTLP/HTTP and OTLP/gRPC traces and metrics into a store",
             _configure_serve, _run_serve),
     Command("dashboard", "browse a store in the Dash dashboard (read-only)",
             _configure_dashboard, _run_dashboard),
+    Command("grafana", "print (or write) the Grafana dashboard for kvscope serve's /metrics",
+            _configure_grafana, _run_grafana),
 ]

@@ -7,7 +7,6 @@ import gc
 import json
 import logging
 import math
-import re
 import socket
 import sys
 import time
@@ -23,8 +22,13 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import SpanKind
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as om_text_string_to_metric_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvscope import semconv
+import kvscope
+from kvscope import exposition, semconv
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy import (
     ConversationRouter,
@@ -42,9 +46,10 @@ from kvscope.collector.proxy.app import (
     config_from_args,
     configure_serving_gc,
 )
+from kvscope.collector.proxy.metrics import MAX_MODEL_NAMES, OTHER_MODEL, ProxyMetrics
 from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS
 from kvscope.collector.proxy.telemetry import (
-    Histogram,
+    TurnRecord,
     chain_boundary,
     format_traceparent,
     message_boundaries,
@@ -374,7 +379,8 @@ def test_dead_prefill_is_502_with_error_span(tmp_path: Path) -> None:
         assert leg["status"] == "STATUS_CODE_ERROR"
         assert leg["attrs"][semconv.ERROR_KIND] == semconv.ERROR_CONNECT
         metrics = dep.client.get("/metrics").text
-        assert 'kvscope_proxy_upstream_errors_total{leg="prefill",kind="connect"} 1' in metrics
+        assert _value(metrics, "kvscope_proxy_upstream_errors_total", leg="prefill",
+                      kind="connect") == 1
 
 
 def test_slow_prefill_is_504_not_a_hang(tmp_path: Path) -> None:
@@ -461,7 +467,8 @@ def test_client_disconnect_cancels_upstream(tmp_path: Path) -> None:
         while dep.decode.disconnects == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert dep.decode.disconnects == 1 and dep.decode.completed == 0
-        while "kvscope_proxy_client_disconnects_total 1" not in dep.client.get("/metrics").text:
+        while _value(dep.client.get("/metrics").text,
+                     "kvscope_proxy_client_disconnects_total") != 1:
             assert time.monotonic() < deadline, "disconnect not counted"
             time.sleep(0.05)
         turn = turn_spans(dep.spans())[0]
@@ -516,7 +523,16 @@ def test_health_has_vllm_shape_plus_telemetry(tmp_path: Path) -> None:
         assert health["telemetry"]["dropped_spans"] == 0
 
 
-_LINE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+def _families(text: str) -> dict[str, Any]:
+    """The exposition parsed by Prometheus' own text parser (it rejects malformed text)."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _value(text: str, sample: str, **labels: str) -> float:
+    """The sum of ``sample`` over the series whose labels include ``labels``."""
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_metrics_exposition_is_well_formed(tmp_path: Path) -> None:
@@ -524,49 +540,103 @@ def test_metrics_exposition_is_well_formed(tmp_path: Path) -> None:
         for i in range(3):
             dep.chat(f"c{i % 2}")
         dep.client.post("/v1/chat/completions", content=b"{")
-        text = dep.client.get("/metrics").text
-    declared: dict[str, str] = {}
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            declared[name] = kind
-        elif line.startswith("# HELP "):
-            assert len(line.split(" ", 3)) == 4
-        else:
-            match = _LINE.match(line)
-            assert match, line
-            base = re.sub(r"_(bucket|sum|count)$", "", match.group(1))
-            assert match.group(1) in declared or base in declared, line
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    assert samples['kvscope_proxy_turns_total{route="/v1/chat/completions",outcome="ok"}'] == 3
-    assert samples['kvscope_proxy_turns_total{route="/v1/chat/completions",'
-                   'outcome="bad_request"}'] == 1
-    assert samples['kvscope_proxy_router_lookups_total{result="miss"}'] == 2
-    assert samples['kvscope_proxy_router_lookups_total{result="hit"}'] == 1
-    assert samples["kvscope_proxy_ttft_seconds_count"] == 3
-    assert samples['kvscope_proxy_leg_duration_seconds_count{leg="prefill"}'] == 3
-    assert samples['kvscope_proxy_ttft_seconds_bucket{le="+Inf"}'] == 3
-    assert samples["kvscope_proxy_router_entries"] == 2
-    assert declared["kvscope_proxy_ttft_seconds"] == "histogram"
-    assert declared["kvscope_proxy_telemetry_dropped_spans_total"] == "counter"
+        response = dep.client.get("/metrics")
+        turn = turn_spans(dep.spans())[0]
+    text = response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = _families(text)
+    route = "/v1/chat/completions"
+    assert _value(text, "kvscope_proxy_turns_total", route=route, outcome="ok") == 3
+    assert _value(text, "kvscope_proxy_turns_total", route=route, outcome="bad_request") == 1
+    assert _value(text, "kvscope_proxy_router_lookups_total", result="miss") == 2
+    assert _value(text, "kvscope_proxy_router_lookups_total", result="hit") == 1
+    # model_name and the upstream instances label the turns and TTFT, as vLLM labels its own.
+    ok = [s for s in families["kvscope_proxy_turns"].samples
+          if s.name == "kvscope_proxy_turns_total" and s.labels["outcome"] == "ok"]
+    assert {s.labels["model_name"] for s in ok} == {"m"}
+    # The same instance names the turn's spans carry.
+    prefill, decode = (turn["attrs"][semconv.PREFILL_INSTANCE],
+                       turn["attrs"][semconv.DECODE_INSTANCE])
+    assert {s.labels["prefill_instance"] for s in ok} == {prefill}
+    assert {s.labels["decode_instance"] for s in ok} == {decode}
+    assert _value(text, "kvscope_proxy_ttft_seconds_count", model_name="m",
+                  prefill_instance=prefill, decode_instance=decode) == 3
+    assert _value(text, "kvscope_proxy_leg_duration_seconds_count", leg="prefill") == 3
+    assert _value(text, "kvscope_proxy_ttft_seconds_bucket", le="+Inf") == 3
+    assert _value(text, "kvscope_proxy_router_entries") == 2
+    assert families["kvscope_proxy_ttft_seconds"].type == "histogram"
+    assert families["kvscope_proxy_telemetry_dropped_spans"].type == "counter"
+    # vLLM's TTFT buckets, so both histograms line up in one query.
+    bounds = sorted({float(s.labels["le"]) for s in families["kvscope_proxy_ttft_seconds"].samples
+                     if s.name.endswith("_bucket")})
+    assert bounds == [*exposition.VLLM_TTFT_BUCKETS_S, math.inf]
+    build = _value(text, "kvscope_proxy_build_info", version=kvscope.__version__)
+    assert build == 1
+    assert "process_cpu_seconds" in families  # prometheus_client's process collector (Linux)
+    assert "python_gc_objects_collected" in families
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False), max_size=50))
-def test_histogram_buckets_are_cumulative(values: list[float]) -> None:
-    h = Histogram(semconv.METRIC_PROXY_TTFT, "t", (0.1, 1.0, 10.0))
+def test_metrics_openmetrics_has_trace_id_exemplars(tmp_path: Path) -> None:
+    """A scraper that asks for OpenMetrics gets it, with the turn's trace id on TTFT."""
+    with deployment(tmp_path) as dep:
+        dep.chat("c0")
+        response = dep.client.get(
+            "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        spans = dep.spans()
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    exemplars = [s.exemplar for family in om_text_string_to_metric_families(response.text)
+                 for s in family.samples
+                 if s.name == "kvscope_proxy_ttft_seconds_bucket" and s.exemplar is not None]
+    assert len(exemplars) == 1
+    assert exemplars[0].labels["trace_id"] == turn_spans(spans)[0]["trace"]
+
+
+def _record(ttft_s: float, model: str = "m") -> TurnRecord:
+    record = TurnRecord("x", "/v1/completions", 0, 1, 2, 3, 4, model=model)
+    record.first_token_ns = int(ttft_s * 1e9)
+    record.end_ns = record.first_token_ns + 1
+    return record
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False), max_size=30))
+def test_ttft_buckets_count_what_was_observed(values: list[float]) -> None:
+    """Nanosecond records become seconds, each counted in every bucket at or above it."""
+    metrics = ProxyMetrics()
     for v in values:
-        h.observe(v)
-    lines = list(h.render())
-    buckets = [float(l.rsplit(" ", 1)[1]) for l in lines if "_bucket" in l]  # noqa: E741
-    if not values:
-        assert buckets == []
-        return
-    assert buckets == [sum(v <= b for v in values) for b in (0.1, 1.0, 10.0, math.inf)]
-    assert lines[-1].endswith(f" {len(values)}")
-    total = float(lines[-2].rsplit(" ", 1)[1])
-    assert math.isclose(total, sum(values), rel_tol=1e-9, abs_tol=1e-9)
+        metrics.observe(_record(v))
+    text = metrics.render(None)[0].decode()
+    for bound in (*exposition.VLLM_TTFT_BUCKETS_S, math.inf):
+        le = "+Inf" if bound == math.inf else repr(float(bound))
+        expected = sum(int(v * 1e9) / 1e9 <= bound for v in values)
+        assert _value(text, "kvscope_proxy_ttft_seconds_bucket", le=le) == expected
+
+
+def test_each_ttft_bucket_takes_an_exemplar_at_most_once_a_second() -> None:
+    metrics = ProxyMetrics()
+    turns = [(0.05, 1, 0.0), (0.05, 2, 0.5), (3.0, 3, 0.6), (0.05, 4, 1.2)]  # s, trace, end s
+    for ttft_s, trace_id, end_s in turns:
+        record = _record(ttft_s)
+        record.trace_id, record.end_ns = trace_id, int(end_s * 1e9) + record.first_token_ns
+        metrics.observe(record)
+    text = metrics.render("application/openmetrics-text")[0].decode()
+    exemplars = {s.labels["le"]: s.exemplar.labels["trace_id"]
+                 for family in om_text_string_to_metric_families(text) for s in family.samples
+                 if s.name == "kvscope_proxy_ttft_seconds_bucket" and s.exemplar is not None}
+    # 0.05 s falls in le=0.06: turn 2 came 0.5 s after turn 1 (skipped), turn 4 1.2 s after.
+    assert exemplars == {"0.06": f"{4:032x}", "5.0": f"{3:032x}"}
+
+
+def test_model_names_are_bounded() -> None:
+    """model_name comes from clients: past the limit, new names are counted as one."""
+    metrics = ProxyMetrics()
+    for i in range(MAX_MODEL_NAMES + 5):
+        metrics.observe(_record(0.01, model=f"model-{i}"))
+    text = metrics.render(None)[0].decode()
+    names = {s.labels["model_name"] for family in text_string_to_metric_families(text)
+             for s in family.samples if s.name == "kvscope_proxy_turns_total"}
+    assert len(names) == MAX_MODEL_NAMES + 1 and OTHER_MODEL in names
+    assert _value(text, "kvscope_proxy_turns_total", model_name=OTHER_MODEL) == 5
 
 
 # --- router semantics -----------------------------------------------------------------------------

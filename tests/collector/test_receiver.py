@@ -591,6 +591,11 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
             sender.start()
         for sender in senders:
             sender.join()
+        # Both ways of serving answer Prometheus from the live ledger on the OTLP/HTTP port.
+        scrape = httpx.get(f"{url}/metrics", timeout=60)
+        assert scrape.status_code == 200
+        assert scrape.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert "kvscope_live_refreshes_total 1.0" in scrape.text
         # Stopped right after the last answer: rows acknowledged but maybe not yet written.
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0

@@ -1,0 +1,503 @@
+"""Derived metrics, live: the reuse ledger kept current as spans arrive, for Prometheus.
+
+``kvscope serve --db FILE`` answers ``GET /metrics`` on its OTLP/HTTP port with what the ledger
+says about the turns received so far (turns by outcome and miss cause; reusable, reused-local,
+reused-remote and recomputed tokens; invalid-reuse turns), what the engines report (retained KV
+bytes per decode engine, GPU memory used and total), KV transfers by direction and status, and
+TTFT, labelled by run (its label, and its id), model and engine.
+
+Incremental, not a rebuild per scrape. :meth:`LiveLedger.refresh` (run before each scrape is
+answered) reads only the span rows appended since the last refresh (``rowid`` above a watermark:
+one writer appends, so row ids grow in commit order), and maps each to the *conversation* it
+belongs to: a ``kvscope.turn`` span names it (run id + conversation id; a turn without a
+conversation id is a unit of its own), a leg or tool-wait span by its trace id, an engine span
+(reuse decision, KV transfer, retention) by its vLLM request id reduced to the X-Request-Id
+(:func:`kvscope.analysis.ledger.request_key`). The new rows also go through the ledger's own
+extraction (:data:`kvscope.analysis.ledger.QUERIES`, restricted to those row ids) and are kept in
+memory, so the store is read once per row. Only the conversations that received a span are
+recomputed: :func:`kvscope.analysis.ledger.build` runs on their spans alone (the kept frames
+filtered by trace id and X-Request-Id), and their old contribution to each series is replaced by
+the new one. A conversation is the unit because turn k's row reads turn k-1's (its prompt, output
+and decode retention). The cost: the kept frames (the span columns the ledger reads) grow with the
+store, as a rebuild's do while it runs.
+
+Late spans: an engine or leg span that arrives *after* its turn was counted makes that
+conversation dirty again, and its turns (outcome included) are recomputed at the next refresh; one
+that arrives *before* its turn span waits in the kept frames and is found when the turn's
+arrival recomputes the conversation. So a turn's outcome may change as evidence arrives
+(``unknown`` → ``reused_remote``): the ledger series are gauges (turns *now* in each outcome),
+not counters. Append-only facts — transfers and TTFT, one observation per span — are counters
+and histograms.
+
+The result equals a full rebuild (:func:`kvscope.analysis.ledger.ledger`) on the same store
+(tests/analysis/test_live_metrics.py checks both, and the scrape against ``kvscope analyze``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import duckdb
+import polars as pl
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvscope import exposition, semconv
+from kvscope.analysis import ledger as ledger_module
+from kvscope.reuse import outcomes
+from kvscope.store.reader import StoreReader
+
+_LEG_SPANS = (semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION, semconv.SPAN_TOOL_WAIT)
+_ENGINE_SPANS = (semconv.SPAN_REUSE_DECISION, semconv.SPAN_KV_TRANSFER, semconv.SPAN_KV_RETENTION)
+_GAUGE_METRICS = (semconv.METRIC_KV_RETAINED, semconv.METRIC_GPU_MEMORY_USED,
+                  semconv.METRIC_GPU_MEMORY_TOTAL)
+
+# Series (Prometheus names; units in the name).
+TURNS = "kvscope_turns"
+REUSABLE_TOKENS = "kvscope_reusable_tokens"
+REUSED_LOCAL_TOKENS = "kvscope_reused_local_tokens"
+REUSED_REMOTE_TOKENS = "kvscope_reused_remote_tokens"
+RECOMPUTED_TOKENS = "kvscope_recomputed_reusable_tokens"
+INVALID_REUSE_TURNS = "kvscope_invalid_reuse_turns"
+INVALID_REUSE_TOKENS = "kvscope_invalid_reuse_tokens"
+RETAINED_BYTES = "kvscope_kv_retained_bytes"
+GPU_USED_BYTES = "kvscope_gpu_memory_used_bytes"
+GPU_TOTAL_BYTES = "kvscope_gpu_memory_total_bytes"
+TRANSFER_BYTES = "kvscope_kv_transfer_bytes"  # counter: exposed with _total
+TRANSFERS = "kvscope_kv_transfers"  # counter: exposed with _total
+TRANSFER_SECONDS = "kvscope_kv_transfer_duration_seconds"
+TTFT_SECONDS = "kvscope_ttft_seconds"
+REFRESHES = "kvscope_live_refreshes"  # counter
+RECOMPUTED_CONVERSATIONS = "kvscope_live_recomputed_conversations"  # counter
+REFRESH_SECONDS = "kvscope_live_last_refresh_seconds"
+
+_LEDGER_LABELS = ("run", "run_id", "model", "engine")
+# Series built from the ledger: name → (help, extra label names).
+LEDGER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    TURNS: ("Turns in the ledger now, by outcome and its class (miss, reuse, invalid, first, "
+            "unknown); a turn's outcome may change as late spans arrive",
+            ("outcome", "outcome_class")),
+    REUSABLE_TOKENS: ("Tokens of turns k>=2 whose KV earlier turns computed", ()),
+    REUSED_LOCAL_TOKENS: ("Reusable tokens prefill found in its own prefix cache (turns k>=2 "
+                          "with a measured reusable count)", ()),
+    REUSED_REMOTE_TOKENS: ("Reusable tokens pulled from decode by a finished, valid read "
+                           "(turns k>=2 with a measured reusable count)", ()),
+    RECOMPUTED_TOKENS: ("Reusable tokens prefill computed again (turns k>=2)", ()),
+    INVALID_REUSE_TURNS: ("Turns whose read from decode loaded KV that does not belong to their "
+                          "prompt (outcome reused_invalid): a correctness alarm", ()),
+    INVALID_REUSE_TOKENS: ("Tokens such reads loaded that do not belong to the prompt, where "
+                           "countable", ()),
+}
+OUTCOME_CLASSES = {
+    **dict.fromkeys(outcomes.MISS_CAUSES, "miss"),
+    **dict.fromkeys(outcomes.REUSE_OUTCOMES, "reuse"),
+    outcomes.FIRST_TURN: "first",
+    outcomes.REUSED_INVALID: "invalid",
+    outcomes.UNKNOWN: "unknown",
+}
+GAUGE_SERIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    semconv.METRIC_KV_RETAINED: (RETAINED_BYTES, "KV bytes a decode engine holds for later turns "
+                                 "(its latest sample)", ("run", "run_id", "engine")),
+    semconv.METRIC_GPU_MEMORY_USED: (GPU_USED_BYTES, "GPU memory in use (latest sample)",
+                                     ("run", "run_id", "host", "gpu")),
+    semconv.METRIC_GPU_MEMORY_TOTAL: (GPU_TOTAL_BYTES, "GPU memory in total (latest sample)",
+                                      ("run", "run_id", "host", "gpu")),
+}
+_TRANSFER_LABELS = ("run", "run_id", "engine", "direction", "status")
+
+Labels = tuple[str, ...]
+SeriesKey = tuple[str, Labels]
+
+
+def _a(key: str) -> str:
+    return f"SpanAttributes['{key}']"
+
+
+# Only the columns the refresh needs to route a new span and count what is append-only.
+_NEW_SPANS_SQL = (
+    f"SELECT rowid AS row, SpanName AS name, TraceId AS trace_id, "
+    f"ResourceAttributes['{semconv.RUN_ID}'] AS run_id, "
+    f"{_a(semconv.GEN_AI_CONVERSATION_ID)} AS conversation_id, "
+    f"{_a(semconv.X_REQUEST_ID)} AS x_request_id, {_a(semconv.VLLM_REQUEST_ID)} AS request_id, "
+    f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model, {_a(semconv.TTFT_MS)} AS ttft_ms, "
+    f"{_a(semconv.ENGINE_ID)} AS engine, {_a(semconv.TRANSFER_DIRECTION)} AS direction, "
+    f"{_a(semconv.TRANSFER_STATUS)} AS status, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
+    f"Duration AS duration_ns FROM otel_traces WHERE rowid > ? AND rowid <= ?"
+)
+_NEW_GAUGES_SQL = (
+    f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, MetricName AS metric, "
+    f"Attributes['{semconv.ENGINE_ID}'] AS engine, Attributes['{semconv.GPU_HOST}'] AS host, "
+    f"Attributes['{semconv.GPU_INDEX}'] AS gpu, TimeUnix AS time, Value AS value "
+    f"FROM otel_metrics_gauge WHERE rowid > ? AND rowid <= ? AND MetricName IN (?, ?, ?)"
+)
+
+
+def unit_key(run_id: str | None, conversation_id: str | None, x_request_id: str | None) -> str:
+    """The conversation a turn belongs to (its own unit when it has no conversation id)."""
+    if conversation_id is not None:
+        return f"{run_id or ''}\x1fc\x1f{conversation_id}"
+    return f"{run_id or ''}\x1fx\x1f{x_request_id or ''}"
+
+
+def _unit_expr() -> pl.Expr:
+    run = pl.col("run_id").fill_null("")
+    return (
+        pl.when(pl.col("conversation_id").is_not_null())
+        .then(pl.concat_str([run, pl.lit("\x1fc\x1f"), pl.col("conversation_id")]))
+        .otherwise(pl.concat_str([run, pl.lit("\x1fx\x1f"), pl.col("x_request_id").fill_null("")]))
+    )
+
+
+def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[str, str]
+                  ) -> dict[str, dict[SeriesKey, float]]:
+    """Each unit's contribution to every ledger series, from its ledger rows (pure).
+
+    The token sums follow :func:`kvscope.analysis.reuse.reuse_table` (turns k >= 2; local and
+    remote over turns whose reusable count was measured), the turn counts
+    :func:`kvscope.analysis.causes.cause_table` (which leaves first turns out; here they are
+    ``outcome="first_turn"``).
+    """
+    if rows.is_empty():
+        return {}
+    c = pl.col
+    frame = rows.join(models.unique("x_request_id", keep="first"), on="x_request_id", how="left")
+    frame = frame.with_columns(
+        unit=_unit_expr(),
+        run_id_label=c("run_id").fill_null(""),
+        model_label=c("model").fill_null(""),
+        engine_label=c("prefill_engine").fill_null(""),
+    )
+    later = c("turn_index") >= 2
+    measured = later & c("reusable_tokens").is_not_null()
+    keys = ["unit", "run_id_label", "model_label", "engine_label"]
+    tokens = frame.group_by(keys).agg(
+        c("reusable_tokens").filter(later).sum().alias(REUSABLE_TOKENS),
+        c("local_hit_tokens").filter(measured).sum().alias(REUSED_LOCAL_TOKENS),
+        c("remote_reused_tokens").filter(measured).sum().alias(REUSED_REMOTE_TOKENS),
+        c("recomputed_reusable_tokens").filter(later).sum().alias(RECOMPUTED_TOKENS),
+        (c("outcome") == outcomes.REUSED_INVALID).sum().alias(INVALID_REUSE_TURNS),
+        c("invalid_tokens").filter(c("outcome") == outcomes.REUSED_INVALID).sum()
+        .alias(INVALID_REUSE_TOKENS),
+    )
+    turns = frame.group_by([*keys, "outcome"]).agg(pl.len().alias("turns"))
+    result: dict[str, dict[SeriesKey, float]] = {}
+    for row in tokens.iter_rows(named=True):
+        labels = _ledger_labels(row, labels_of_run)
+        into = result.setdefault(row["unit"], {})
+        for name in (REUSABLE_TOKENS, REUSED_LOCAL_TOKENS, REUSED_REMOTE_TOKENS,
+                     RECOMPUTED_TOKENS, INVALID_REUSE_TURNS, INVALID_REUSE_TOKENS):
+            into[(name, labels)] = float(row[name] or 0)
+    for row in turns.iter_rows(named=True):
+        outcome = row["outcome"]
+        labels = (*_ledger_labels(row, labels_of_run), outcome,
+                  OUTCOME_CLASSES.get(outcome, "unknown"))
+        result.setdefault(row["unit"], {})[(TURNS, labels)] = float(row["turns"])
+    return result
+
+
+def _ledger_labels(row: dict, labels_of_run: dict[str, str]) -> Labels:
+    run_id = row["run_id_label"]
+    return (labels_of_run.get(run_id, run_id), run_id, row["model_label"], row["engine_label"])
+
+
+@dataclass
+class _Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
+class LiveLedger:
+    """The ledger's series over one store, kept current by :meth:`refresh` (thread-safe).
+
+    ``con`` is a connection to the store (the receiver's own: ``writer.connection``); the live
+    ledger reads through cursors of its own and never writes.
+    """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self._con = con
+        self._lock = threading.Lock()
+        self._span_mark = -1
+        self._gauge_mark = -1
+        self._unit_of_key: dict[str, str] = {}  # X-Request-Id or trace id → unit
+        self._contribution: dict[str, dict[SeriesKey, float]] = {}
+        # The ledger's span frames (ledger.QUERIES) of every row read so far, and turn → model.
+        self._frames: dict[str, pl.DataFrame] = {}
+        self._models: pl.DataFrame | None = None
+        self._totals: dict[SeriesKey, float] = {}
+        self._gauges: dict[SeriesKey, tuple[object, float]] = {}  # → (sample time, value)
+        self._transfer_bytes: dict[Labels, float] = {}
+        self._transfers: dict[Labels, float] = {}
+        self._transfer_s: dict[Labels, _Histogram] = {}
+        self._ttft: dict[Labels, _Histogram] = {}
+        self._labels_of_run: dict[str, str] = {}
+        self.refreshes = 0
+        self.recomputed_conversations = 0
+        self.last_refresh_s: float | None = None
+
+    # -- refresh ---------------------------------------------------------------------------------
+    def refresh(self) -> int:
+        """Read the rows appended since the last refresh; recompute the conversations they touch.
+
+        Returns how many conversations were recomputed.
+        """
+        with self._lock:
+            started = time.perf_counter()
+            cursor = self._con.cursor()
+            try:
+                reader = StoreReader(cursor, time_limit_s=None)
+                dirty = self._read_spans(reader)
+                self._read_gauges(reader)
+                if dirty:
+                    self._recompute(dirty)
+            finally:
+                cursor.close()
+            self.refreshes += 1
+            self.recomputed_conversations += len(dirty)
+            self.last_refresh_s = time.perf_counter() - started
+            return len(dirty)
+
+    def _run_label(self, reader: StoreReader, run_id: str) -> str:
+        label = self._labels_of_run.get(run_id)
+        if label is None:
+            _, rows = reader.rows("SELECT label FROM kvscope_runs WHERE run_id = ?", [run_id])
+            # Spans of a run the store has no row for keep the id as their label.
+            label = self._labels_of_run[run_id] = rows[0][0] if rows else run_id
+        return label
+
+    def _read_spans(self, reader: StoreReader) -> set[str]:
+        _, top = reader.rows("SELECT max(rowid) FROM otel_traces")
+        high = top[0][0]
+        if high is None or high <= self._span_mark:
+            return set()
+        new = reader.frame(_NEW_SPANS_SQL, [self._span_mark, high]).with_columns(
+            ledger_module.request_key("request_id").alias("request_key"))
+        # The ledger's own extraction, of the new rows only, kept: a recomputation filters
+        # these frames by key instead of reading the store again.
+        for name, sql in ledger_module.QUERIES.items():
+            fresh = reader.frame(sql + " AND rowid > ? AND rowid <= ?", [self._span_mark, high])
+            kept = self._frames.get(name)
+            # Without a rechunk: appending must not copy what is kept.
+            self._frames[name] = fresh if kept is None else pl.concat(
+                [kept, fresh], how="vertical_relaxed", rechunk=False)
+        models = new.filter(pl.col("name") == semconv.SPAN_TURN).select("x_request_id", "model")
+        self._models = models if self._models is None else pl.concat(
+            [self._models, models], rechunk=False)
+        self._span_mark = high
+        dirty: set[str] = set()
+        for span in new.iter_rows(named=True):
+            name = span["name"]
+            run_id = span["run_id"] or ""
+            if run_id and run_id not in self._labels_of_run:
+                self._run_label(reader, run_id)
+            if name == semconv.SPAN_TURN:
+                unit = unit_key(span["run_id"], span["conversation_id"], span["x_request_id"])
+                for turn_key in (span["x_request_id"], span["trace_id"]):
+                    if turn_key is not None:
+                        self._unit_of_key[turn_key] = unit
+                dirty.add(unit)
+                ttft = _number(span["ttft_ms"])
+                if ttft is not None:
+                    labels = (self._labels_of_run.get(run_id, run_id), run_id,
+                              span["model"] or "")
+                    self._ttft.setdefault(
+                        labels, _Histogram(exposition.VLLM_TTFT_BUCKETS_S)).observe(ttft / 1e3)
+                continue
+            key: str | None
+            if name in _LEG_SPANS:
+                key = span["trace_id"]
+            elif name in _ENGINE_SPANS:
+                key = span["request_key"]
+                if name == semconv.SPAN_KV_TRANSFER:
+                    self._count_transfer(span, run_id)
+            else:
+                continue
+            # A span whose turn has not arrived waits in the frames: the turn's arrival
+            # recomputes its conversation, which finds it there.
+            known = None if key is None else self._unit_of_key.get(key)
+            if known is not None:
+                dirty.add(known)
+        return dirty
+
+    def _count_transfer(self, span: dict, run_id: str) -> None:
+        labels = (self._labels_of_run.get(run_id, run_id), run_id, span["engine"] or "",
+                  span["direction"] or "", span["status"] or "")
+        self._transfers[labels] = self._transfers.get(labels, 0.0) + 1
+        size = _number(span["size_bytes"])
+        if size is not None:
+            self._transfer_bytes[labels] = self._transfer_bytes.get(labels, 0.0) + size
+        if span["duration_ns"] is not None:
+            self._transfer_s.setdefault(labels, _Histogram(exposition.LATENCY_BUCKETS_S)).observe(
+                span["duration_ns"] / 1e9)
+
+    def _read_gauges(self, reader: StoreReader) -> None:
+        _, top = reader.rows("SELECT max(rowid) FROM otel_metrics_gauge")
+        high = top[0][0]
+        if high is None or high <= self._gauge_mark:
+            return
+        new = reader.frame(_NEW_GAUGES_SQL, [self._gauge_mark, high, *_GAUGE_METRICS])
+        self._gauge_mark = high
+        for sample in new.iter_rows(named=True):
+            run_id = sample["run_id"] or ""
+            label = self._run_label(reader, run_id) if run_id else ""
+            if sample["metric"] == semconv.METRIC_KV_RETAINED:
+                labels: Labels = (label, run_id, sample["engine"] or "")
+            else:
+                labels = (label, run_id, sample["host"] or "", sample["gpu"] or "")
+            key = (sample["metric"], labels)
+            previous = self._gauges.get(key)
+            # The latest sample by its own time: batches from several processes interleave.
+            if previous is None or sample["time"] >= previous[0]:
+                self._gauges[key] = (sample["time"], float(sample["value"]))
+
+    def _recompute(self, dirty: set[str]) -> None:
+        frames = dict(self._frames)
+        turns = frames["turns"].filter(_unit_expr().is_in(list(dirty)))
+        traces = turns["trace_id"].unique().to_list()
+        requests = turns["x_request_id"].unique().drop_nulls().to_list()
+        frames["turns"] = turns
+        for name in ("prefill", "decode", "waits"):
+            frames[name] = frames[name].filter(pl.col("trace_id").is_in(traces))
+        for name in ("decisions", "transfers", "retentions"):
+            frames[name] = frames[name].filter(
+                ledger_module.request_key("request_id").is_in(requests))
+        assert self._models is not None
+        models = self._models.filter(pl.col("x_request_id").is_in(requests))
+        rows = ledger_module.build(frames)
+        fresh = contributions(rows, models, self._labels_of_run)
+        for unit in dirty:
+            for key, value in self._contribution.pop(unit, {}).items():
+                self._totals[key] -= value
+            new = fresh.get(unit)
+            if new:
+                self._contribution[unit] = new
+                for key, value in new.items():
+                    self._totals[key] = self._totals.get(key, 0.0) + value
+
+    # -- reading -----------------------------------------------------------------------------------
+    def totals(self) -> dict[SeriesKey, float]:
+        """The ledger series now: (series, labels) → value."""
+        with self._lock:
+            return dict(self._totals)
+
+    def collect(self) -> Iterator[Metric]:
+        """Every series as Prometheus metric families (a ``prometheus_client`` collector)."""
+        with self._lock:
+            yield from self._ledger_families()
+            yield from self._gauge_families()
+            yield from self._transfer_families()
+            ttft = HistogramMetricFamily(
+                TTFT_SECONDS, "Request arrival at the proxy to the first token sent, from its "
+                "kvscope.turn spans (vLLM's TTFT buckets)", labels=["run", "run_id", "model"])
+            for labels, hist in sorted(self._ttft.items()):
+                ttft.add_metric(list(labels), hist.cumulative(), hist.total)
+            yield ttft
+            yield from self._self_families()
+
+    def _ledger_families(self) -> Iterator[Metric]:
+        for name, (help_text, extra) in LEDGER_SERIES.items():
+            family = GaugeMetricFamily(name, help_text, labels=[*_LEDGER_LABELS, *extra])
+            for (series, labels), value in sorted(self._totals.items()):
+                if series == name:
+                    family.add_metric(list(labels), value)
+            yield family
+
+    def _gauge_families(self) -> Iterator[Metric]:
+        for metric, (name, help_text, label_names) in GAUGE_SERIES.items():
+            family = GaugeMetricFamily(name, help_text, labels=list(label_names))
+            for (series, labels), (_, value) in sorted(self._gauges.items(), key=str):
+                if series == metric:
+                    family.add_metric(list(labels), value)
+            yield family
+
+    def _transfer_families(self) -> Iterator[Metric]:
+        count = CounterMetricFamily(TRANSFERS, "KV transfers (kvscope.kv_transfer spans) by "
+                                    "direction and status", labels=list(_TRANSFER_LABELS))
+        size = CounterMetricFamily(TRANSFER_BYTES, "Bytes KV transfers moved, by direction and "
+                                   "status", labels=list(_TRANSFER_LABELS))
+        seconds = HistogramMetricFamily(TRANSFER_SECONDS, "Duration of KV transfers, by "
+                                        "direction and status", labels=list(_TRANSFER_LABELS))
+        for labels, value in sorted(self._transfers.items()):
+            count.add_metric(list(labels), value)
+        for labels, value in sorted(self._transfer_bytes.items()):
+            size.add_metric(list(labels), value)
+        for labels, hist in sorted(self._transfer_s.items()):
+            seconds.add_metric(list(labels), hist.cumulative(), hist.total)
+        yield count
+        yield size
+        yield seconds
+
+    def _self_families(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(REFRESHES, "Refreshes of the live ledger", value=self.refreshes)
+        yield CounterMetricFamily(RECOMPUTED_CONVERSATIONS, "Conversations recomputed by those "
+                                  "refreshes", value=self.recomputed_conversations)
+        if self.last_refresh_s is not None:
+            yield GaugeMetricFamily(REFRESH_SECONDS, "How long the last refresh took",
+                                    value=self.last_refresh_s)
+
+
+def _number(text: object) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(str(text))
+    except ValueError:
+        return None
+
+
+class _Adapter(Collector):
+    def __init__(self, live: LiveLedger) -> None:
+        self.live = live
+
+    def collect(self) -> Iterator[Metric]:
+        return self.live.collect()
+
+
+class LiveMetrics:
+    """``GET /metrics`` for ``kvscope serve``: refresh the live ledger, then expose it."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.ledger = LiveLedger(con)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Adapter(self.ledger))
+
+    def __call__(self, accept: str | None) -> tuple[bytes, str]:
+        """Refresh, then render in the format ``accept`` asks for: (body, Content-Type)."""
+        self.ledger.refresh()
+        return exposition.render(self.registry, accept)
+
+
+def metrics_source(con: duckdb.DuckDBPyConnection) -> LiveMetrics:
+    """The ``/metrics`` renderer over a store connection (what ``kvscope serve`` passes on)."""
+    return LiveMetrics(con)
+
+
+__all__ = ["LEDGER_SERIES", "LiveLedger", "LiveMetrics", "contributions", "metrics_source",
+           "unit_key"]

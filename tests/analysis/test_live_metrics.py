@@ -1,0 +1,262 @@
+"""The live ledger behind ``kvscope serve``'s ``/metrics``: incremental equals a rebuild, and a
+scrape (parsed by Prometheus' own text parser) agrees with ``kvscope analyze`` on the same store.
+
+The spans are a simulated run's (the simulator emits them through the collector's own code, with
+faults switched on), replayed into a store in shuffled batches, so engine and leg spans arrive
+before their turn, and after it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+import httpx
+import polars as pl
+import pyarrow as pa
+import pytest
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope import cli, semconv
+from kvscope.analysis import live_metrics
+from kvscope.analysis.ledger import ledger
+from kvscope.analysis.live_metrics import LiveLedger, contributions, metrics_source
+from kvscope.collector.receiver import Receiver
+from kvscope.emulator.simulator import (
+    FAULT_HANDSHAKE,
+    FAULT_NO_CONVERSATION_ID,
+    FAULT_PREEMPT,
+    FAULT_STRIP_METADATA,
+    FAULT_TRANSFER,
+    SimulationSettings,
+    simulate,
+)
+from kvscope.emulator.workloads import synthetic
+from kvscope.store.database import open_store
+from kvscope.store.schema import TRACES_ARROW
+
+MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER: 0.1,
+       FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with two simulated runs: one with a mix of faults, one plain."""
+    db = tmp_path_factory.mktemp("live") / "source.duckdb"
+    workload = synthetic.generate(
+        seed=5, conversations=8, turns_p50=6, max_turns=9, system_prompt_tokens=700,
+        new_input_tokens_p50=250, think_time_p50_s=4, think_time_p90_s=30,
+        reset_probability=0.08, subagent_probability=0.1)
+    simulate(workload, db, SimulationSettings(profile="tiny", label="faults", seed=17,
+                                              faults=MIX, decoder_kv_blocks_ttl=20.0,
+                                              kv_load_failure_policy="recompute"))
+    simulate(workload, db, SimulationSettings(profile="tiny", label="plain", seed=3,
+                                              model="other-model"))
+    return db
+
+
+def _shuffled_batches(source: Path, batches: int, seed: int) -> list[pa.Table]:
+    con = duckdb.connect(str(source), read_only=True)
+    try:
+        table = con.sql(
+            "SELECT * FROM otel_traces ORDER BY hash(SpanId || ?), SpanId", params=[str(seed)]
+        ).to_arrow_table()
+    finally:
+        con.close()
+    size = -(-table.num_rows // batches)
+    return [table.slice(i, size) for i in range(0, table.num_rows, size)]
+
+
+def _copy_runs(source: Path, con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+    con.execute("INSERT INTO kvscope_runs SELECT * FROM src.kvscope_runs")
+    con.execute("DETACH src")
+
+
+def _rebuilt(con: duckdb.DuckDBPyConnection, labels: dict[str, str]) -> dict:
+    rows = ledger(con)
+    models = pl.DataFrame(con.sql(
+        f"SELECT SpanAttributes['{semconv.X_REQUEST_ID}'] AS x_request_id, "
+        f"SpanAttributes['{semconv.GEN_AI_REQUEST_MODEL}'] AS model FROM otel_traces "
+        f"WHERE SpanName = '{semconv.SPAN_TURN}'").to_arrow_table())
+    totals: dict = defaultdict(float)
+    for series in contributions(rows, models, labels).values():
+        for key, value in series.items():
+            totals[key] += value
+    return dict(totals)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int) -> None:
+    """Spans arrive in shuffled batches (engine spans before and after their turn); after each
+    batch only the touched conversations are recomputed, and the totals equal a rebuild."""
+    con = open_store(tmp_path / "live.duckdb")
+    try:
+        _copy_runs(source, con)
+        live = LiveLedger(con)
+        batches = _shuffled_batches(source, 7, seed)
+        recomputed = []
+        for batch in batches:
+            con.register("batch", batch)
+            con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+            con.unregister("batch")
+            recomputed.append(live.refresh())
+        assert live.refresh() == 0  # nothing new: nothing recomputed
+        labels = dict(con.execute("SELECT run_id, label FROM kvscope_runs").fetchall())
+        expected = _rebuilt(con, labels)
+        totals = live.totals()
+        assert {k: v for k, v in totals.items() if v} == {k: v for k, v in expected.items() if v}
+        conversations = con.execute(
+            f"SELECT count(DISTINCT SpanAttributes['{semconv.GEN_AI_CONVERSATION_ID}']) "
+            f"FROM otel_traces WHERE SpanName = '{semconv.SPAN_TURN}'").fetchone()[0]
+        # Late spans made conversations dirty again: more recomputations than conversations,
+        # and no batch recomputed everything.
+        assert sum(recomputed) > conversations
+        outcomes_seen = {key[1][4] for key in totals if key[0] == live_metrics.TURNS}
+        assert len(outcomes_seen) >= 5, outcomes_seen
+    finally:
+        con.close()
+
+
+def _scrape(url: str, accept: str | None = None) -> dict[str, list]:
+    headers = {"Accept": accept} if accept else {}
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200
+    families: dict[str, list] = {}
+    for family in text_string_to_metric_families(response.text):
+        families[family.name] = family.samples
+    return families
+
+
+def _analyze(capsys: pytest.CaptureFixture[str], db: Path, name: str) -> list[dict]:
+    capsys.readouterr()
+    assert cli.main(["analyze", str(db), name, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _send_gauges(url: str, run_id: str) -> None:
+    """Retained-KV and GPU-memory gauges over real OTLP/HTTP, as engines and the sampler send."""
+    values = {"retained": [3 << 20, 5 << 20], "used": [40 << 30], "total": [80 << 30]}
+    exporter = OTLPMetricExporter(endpoint=f"{url}/v1/metrics")
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=3_600_000)
+    provider = MeterProvider(
+        resource=Resource.create({"service.name": semconv.SERVICE_DECODE,
+                                  semconv.RUN_ID: run_id}),
+        metric_readers=[reader])
+    meter = provider.get_meter("test")
+    retained = meter.create_gauge(semconv.METRIC_KV_RETAINED, unit="By")
+    used = meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By")
+    total = meter.create_gauge(semconv.METRIC_GPU_MEMORY_TOTAL, unit="By")
+    for value in values["retained"]:
+        retained.set(value, {semconv.ENGINE_ID: "decode-0"})
+        reader.collect()
+    used.set(values["used"][0], {semconv.GPU_HOST: "node-1", semconv.GPU_INDEX: "0"})
+    total.set(values["total"][0], {semconv.GPU_HOST: "node-1", semconv.GPU_INDEX: "0"})
+    reader.collect()
+    provider.shutdown()
+
+
+def _value(samples: list, name: str, **labels: str) -> float:
+    return sum(s.value for s in samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_scrape_agrees_with_analyze(source: Path, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvscope serve``'s receiver, filled batch by batch through its own writer, scraped over
+    HTTP; every ledger number equals what ``kvscope analyze`` prints for the same store."""
+    db = tmp_path / "served.duckdb"
+    receiver = Receiver(db, port=0, metrics=metrics_source).start()
+    try:
+        cursor = receiver.writer.connection.cursor()
+        _copy_runs(source, cursor)
+        cursor.close()
+        for batch in _shuffled_batches(source, 5, 3):
+            assert receiver.writer.submit_traces(batch.cast(TRACES_ARROW))
+            assert receiver.writer.flush(30)
+            _scrape(receiver.url)  # each scrape refreshes what arrived since the last one
+        runs = dict(receiver.writer.connection.cursor().execute(
+            "SELECT label, run_id FROM kvscope_runs").fetchall())
+        _send_gauges(receiver.url, runs["faults"])
+        deadline = time.monotonic() + 10
+        while receiver.writer.connection.cursor().execute(
+                "SELECT count(*) FROM otel_metrics_gauge").fetchone()[0] < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        receiver.writer.flush(30)
+        families = _scrape(receiver.url)
+        openmetrics = httpx.get(f"{receiver.url}/metrics", timeout=30,
+                                headers={"Accept": "application/openmetrics-text"})
+    finally:
+        receiver.stop()
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
+
+    ledger_rows = pl.DataFrame(_analyze(capsys, db, "ledger"))
+    reuse = {row["run_id"]: row for row in _analyze(capsys, db, "reuse_rate")}
+    labels = {run_id: label for label, run_id in runs.items()}
+    turns = families[live_metrics.TURNS]
+    for run_id, outcome, count in ledger_rows.group_by(["run_id", "outcome"]).len().rows():
+        assert _value(turns, live_metrics.TURNS, run_id=run_id, outcome=outcome) == count, outcome
+        # The run's label, not its id, names it.
+        assert _value(turns, live_metrics.TURNS, run=labels[run_id], outcome=outcome) == count
+    assert sum(s.value for s in turns) == ledger_rows.height
+    for run_id, row in reuse.items():
+        pairs = {live_metrics.REUSABLE_TOKENS: "reusable_tokens",
+                 live_metrics.REUSED_LOCAL_TOKENS: "local_tokens",
+                 live_metrics.REUSED_REMOTE_TOKENS: "remote_tokens",
+                 live_metrics.RECOMPUTED_TOKENS: "recomputed_tokens"}
+        for series, column in pairs.items():
+            assert _value(families[series], series, run_id=run_id) == row[column], series
+        scraped = _value(families[live_metrics.REUSED_LOCAL_TOKENS],
+                         live_metrics.REUSED_LOCAL_TOKENS, run_id=run_id)
+        scraped += _value(families[live_metrics.REUSED_REMOTE_TOKENS],
+                          live_metrics.REUSED_REMOTE_TOKENS, run_id=run_id)
+        reusable = _value(families[live_metrics.REUSABLE_TOKENS], live_metrics.REUSABLE_TOKENS,
+                          run_id=run_id)
+        assert scraped / reusable == pytest.approx(row["token_reuse_rate"])
+    invalid = ledger_rows.filter(pl.col("outcome") == "reused_invalid")
+    assert invalid.height > 0
+    assert _value(families[live_metrics.INVALID_REUSE_TURNS],
+                  live_metrics.INVALID_REUSE_TURNS) == invalid.height
+    assert _value(turns, live_metrics.TURNS, model="other-model") == ledger_rows.filter(
+        pl.col("run_id") == runs["plain"]).height
+
+    # TTFT: one observation per turn with a TTFT, sum in seconds.
+    ttft = families[live_metrics.TTFT_SECONDS]
+    with_ttft = ledger_rows.filter(pl.col("ttft_ms").is_not_null())
+    assert _value(ttft, live_metrics.TTFT_SECONDS + "_count") == with_ttft.height
+    assert _value(ttft, live_metrics.TTFT_SECONDS + "_sum") == pytest.approx(
+        with_ttft["ttft_ms"].sum() / 1e3)
+    # Transfers against the store's own spans, by direction and status.
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        transfers = con.execute(
+            f"SELECT SpanAttributes['{semconv.TRANSFER_DIRECTION}'], "
+            f"SpanAttributes['{semconv.TRANSFER_STATUS}'], count(*), "
+            f"sum(TRY_CAST(SpanAttributes['{semconv.TRANSFER_BYTES}'] AS BIGINT)) "
+            f"FROM otel_traces WHERE SpanName = '{semconv.SPAN_KV_TRANSFER}' GROUP BY ALL"
+        ).fetchall()
+    finally:
+        con.close()
+    assert len(transfers) >= 2
+    for direction, status, count, size in transfers:
+        assert _value(families[live_metrics.TRANSFERS], live_metrics.TRANSFERS + "_total",
+                      direction=direction, status=status) == count
+        assert _value(families[live_metrics.TRANSFER_BYTES],
+                      live_metrics.TRANSFER_BYTES + "_total", direction=direction,
+                      status=status) == (size or 0)
+    # Gauges: the latest sample per engine / GPU, labelled with the run.
+    assert _value(families[live_metrics.RETAINED_BYTES], live_metrics.RETAINED_BYTES,
+                  engine="decode-0", run="faults") == 5 << 20
+    assert _value(families[live_metrics.GPU_USED_BYTES], live_metrics.GPU_USED_BYTES,
+                  host="node-1", gpu="0") == 40 << 30
+    assert _value(families[live_metrics.GPU_TOTAL_BYTES], live_metrics.GPU_TOTAL_BYTES,
+                  host="node-1", gpu="0") == 80 << 30

@@ -1,0 +1,70 @@
+"""Benchmark: ``kvscope serve``'s live ledger, a refresh after each batch against a full rebuild.
+
+A simulated run (synthetic agentic workload) is written to a store, then copied into a second one
+in ``--batches`` batches in the order it was written (as spans reach ``kvscope serve``). After each
+batch the live ledger refreshes (:meth:`LiveLedger.refresh`: the new rows, and the conversations
+they touch); the full rebuild (:func:`kvscope.analysis.ledger.ledger` on the whole store, what a
+scrape would cost without the live ledger) is timed on the same store right after, so both see the
+same rows. Prints both per batch and the ratio.
+
+Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
+Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+
+from kvscope.analysis.ledger import ledger
+from kvscope.analysis.live_metrics import LiveLedger
+from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.emulator.workloads import synthetic
+from kvscope.store.database import open_store
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=400)
+    parser.add_argument("--batches", type=int, default=10)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp())
+    source = folder / "source.duckdb"
+    workload = synthetic.generate(seed=3, conversations=args.conversations, turns_p50=8,
+                                  max_turns=20)
+    result = simulate(workload, source, SimulationSettings(profile="tiny", seed=1))
+    con = open_store(folder / "live.duckdb")
+    con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+    rows = con.execute("SELECT count(*) FROM src.otel_traces").fetchone()[0]
+    live = LiveLedger(con)
+    size = -(-rows // args.batches)
+    print(f"live ledger: {result.turns} turns, {rows} spans in {args.batches} batches")
+    print("batch  spans   refresh ms  conversations  rebuild ms  rebuild/refresh")
+    refresh_total = rebuild_total = 0.0
+    for i in range(args.batches):
+        con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces "
+                    "WHERE rowid >= ? AND rowid < ?", [i * size, (i + 1) * size])
+        started = time.perf_counter()
+        touched = live.refresh()
+        refresh_s = time.perf_counter() - started
+        started = time.perf_counter()
+        ledger(con)
+        rebuild_s = time.perf_counter() - started
+        refresh_total += refresh_s
+        rebuild_total += rebuild_s
+        spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
+        print(f"{i + 1:5d}  {spans:6d}  {refresh_s * 1e3:10.1f}  {touched:13d}  "
+              f"{rebuild_s * 1e3:10.1f}  {rebuild_s / refresh_s:14.1f}x")
+    print(f"total: refreshes {refresh_total:.2f} s, rebuilds {rebuild_total:.2f} s "
+          f"({rebuild_total / refresh_total:.1f}x)")
+    con.close()
+    duckdb.connect(":memory:").close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
