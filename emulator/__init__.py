@@ -6,12 +6,12 @@
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
     replay.py        replays a workload over HTTP through a proxy
-    simulator.py     the virtual-time simulator; simulate_command.py ``kvscope simulate``;
+    simulator.py     the virtual-time simulator (``kvscope simulate`` is kvscope.cli.simulate);
                      published_sweep.py the published ON/OFF sweep as simulator runs
     workloads/       synthetic, WEKA and Mooncake workloads
 """
 
 __all__ = [
     "cost_model", "faults", "ground_truth", "launcher", "openai_api", "published_sweep", "replay",
-    "reuse_model", "servers", "simulate_command", "simulator", "tokens", "workloads",
+    "reuse_model", "servers", "simulator", "tokens", "workloads",
 ]

@@ -13,5 +13,5 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "__version__", "child", "cli", "errors", "exposition", "fit", "progress", "published", "reuse",
     "semconv", "serving",
-    "settings", "simulate", "store", "tables",
+    "settings", "store", "tables",
 ]

@@ -41,7 +41,7 @@ def layer(module: str) -> str | None:
     second = parts[1]
     if second in (COLLECTOR, EMULATOR, ANALYSIS, DASHBOARDS):
         return second
-    if second in ("cli", "simulate", "__main__"):
+    if second in ("cli", "__main__"):
         return CLI
     return CORE
 
@@ -145,8 +145,7 @@ def test_no_module_spells_an_outcome_label() -> None:
 # Library modules that still hold a command's argument building or entry point (issue #21 moves
 # them into kvscope/cli; a new one fails the test).
 ENTRY_POINTS_LEFT = {
-    "kvscope.simulate", "kvscope.emulator.simulate_command", "kvscope.collector.proxy.app",
-    "kvscope.collector.proxy.__main__",
+    "kvscope.collector.proxy.app", "kvscope.collector.proxy.__main__",
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.emulator.simulate_command import ProgressLine
+from kvscope.cli.simulate import ProgressLine
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.progress import spinner, steps

@@ -232,15 +232,15 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:
-    from kvscope.emulator.simulate_command import add_simulate_arguments
+    from kvscope.cli.simulate import configure
 
-    add_simulate_arguments(parser)
+    configure(parser)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from kvscope.simulate import main_simulate
+    from kvscope.cli.simulate import run_simulate
 
-    return main_simulate(args)
+    return run_simulate(args)
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:

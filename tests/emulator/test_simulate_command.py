@@ -15,18 +15,18 @@ import pytest
 
 from kvscope import cli
 from kvscope.analysis import registry
-from kvscope.emulator.simulate_command import (
+from kvscope.cli.simulate import (
     OPTIONS,
     ProgressLine,
     base_settings,
     expand,
     parse_sweep,
+    run_simulate,
 )
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings
 from kvscope.emulator.workloads import mooncake_synthetic
 from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
-from kvscope.simulate import main_simulate
 from kvscope.store import StoreReader
 
 
@@ -165,7 +165,7 @@ def test_simulate_the_raw_weka_traces(tmp_path: Path) -> None:
 
     args = _parse("--workload", "weka", "--trace", str(weka.RAW_DIR), "--max-turns", "4",
                   "--profile", "tiny", "--quiet")
-    assert main_simulate(
+    assert run_simulate(
         argparse.Namespace(**{**vars(args), "db": str(tmp_path / "weka.duckdb")})) == 0
     with registry.AnalysisContext.open(tmp_path / "weka.duckdb") as ctx:
         ledger = ctx.ledger()
