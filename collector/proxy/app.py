@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kvscope import semconv, settings
+from kvscope.boundary_key import resolve_boundary_key
 from kvscope.collector.proxy.export_process import TurnExportProcess
 from kvscope.collector.proxy.router import conversation_id_from
 from kvscope.collector.proxy.telemetry import (
@@ -464,12 +465,14 @@ class Proxy:
             # continuation, so the guard does not judge it.
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
             return lookup
-        count, hashes, roles = message_boundaries(body)
+        key = self.telemetry.boundary_key
+        count, hashes, roles = message_boundaries(body, key)
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None
         if self.telemetry.enabled:
             # The turn's span keeps the last hashes: hashed here once, not again for telemetry.
             record.message_count = count
+            record.boundary_key_id = key.key_id
             record.boundary_hashes = ",".join(chain[-BOUNDARY_HASHES_KEPT:])
             record.boundary_roles = roles[-BOUNDARY_HASHES_KEPT:]
             record.boundary_source = None
@@ -808,6 +811,8 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                      help=_setting_help("otlp_endpoint"))
     own.add_argument("--service-name", dest="service_name", default=None,
                      help=f"{_setting_help('service_name')}; {semconv.SERVICE_PROXY!r} when empty")
+    own.add_argument("--boundary-hash-key-file", dest="boundary_hash_key_file", default=None,
+                     help=_setting_help("boundary_hash_key_file"))
     own.add_argument("--reuse-guard", action="store_true",
                      help="send prefill vLLM's MISS params when the message history does not "
                      "continue the turn whose decode KV the router holds (edited or truncated "
@@ -870,7 +875,10 @@ def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyT
     service = settings.resolve("service_name", args.service_name) or semconv.SERVICE_PROXY
     # Spans are built and written in a child process: none of that work shares the GIL with
     # the event loop (see export_process).
-    process = TurnExportProcess(service, db=db, otlp_endpoint=endpoint, router_ttl_s=router_ttl_s)
+    # The same key after a restart, so that the ledger can compare turns across it.
+    key = resolve_boundary_key(getattr(args, "boundary_hash_key_file", None))
+    process = TurnExportProcess(service, db=db, otlp_endpoint=endpoint, router_ttl_s=router_ttl_s,
+                                boundary_key=key)
     return ProxyTelemetry(None, router_ttl_s=router_ttl_s, export_process=process)
 
 

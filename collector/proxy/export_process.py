@@ -57,6 +57,7 @@ from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, report_error, report_ready, start_child, unpack
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries
@@ -128,15 +129,15 @@ def boundary_input(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"prompt": body.get("prompt")}
 
 
-def resolve_boundaries(record: TurnRecord) -> None:
-    """Hash a record's ``boundary_source`` into its boundaries (``set_boundaries``) and drop
-    it (a body that does not hash leaves the turn without boundaries)."""
+def resolve_boundaries(record: TurnRecord, key: BoundaryKey) -> None:
+    """Hash a record's ``boundary_source`` into its boundaries with ``key`` (``set_boundaries``)
+    and drop it (a body that does not hash leaves the turn without boundaries)."""
     source = record.boundary_source
     if source is None:
         return
     record.boundary_source = None
     try:
-        set_boundaries(record, source)
+        set_boundaries(record, source, key)
     except Exception:
         logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
 
@@ -168,7 +169,9 @@ class TurnExportProcess:
 
     ``service_name``, ``db`` / ``otlp_endpoint`` and ``router_ttl_s`` are what
     :func:`~kvscope.collector.otel.setup_telemetry` and
-    :class:`~kvscope.collector.proxy.telemetry.ProxyTelemetry` take in-process. The constructor
+    :class:`~kvscope.collector.proxy.telemetry.ProxyTelemetry` take in-process;
+    ``boundary_key`` is what the child hashes message boundaries with (one for this process
+    only when None: see :mod:`kvscope.boundary_key`). The constructor
     returns once the child has opened its destination, and raises the child's error when it
     cannot (a locked store file: ``StoreLockedError``), or
     :class:`~kvscope.child.ChildStartError` when the child did not start.
@@ -184,10 +187,13 @@ class TurnExportProcess:
         max_queue: int = MAX_QUEUED_RECORDS,
         send_interval_s: float = SEND_INTERVAL_S,
         nice: int = CHILD_NICE,
+        boundary_key: BoundaryKey | None = None,
     ) -> None:
+        self.boundary_key = boundary_key or BoundaryKey.ephemeral()
         self._counters = mp.get_context("spawn").Array("q", 8, lock=False)
         self._process, self._conn = start_child(
-            _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters),
+            _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters,
+                          self.boundary_key.secret),
             name="kvscope-proxy-telemetry",
         )
         self.stats = ExportProcessStats()
@@ -412,7 +418,7 @@ class _RowExport:
 
 
 def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoint: str | None,
-                router_ttl_s: float | None, nice: int, counters: Any) -> None:
+                router_ttl_s: float | None, nice: int, counters: Any, key_secret: bytes) -> None:
     """The export process: rebuild records, build their spans, export them, until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -426,6 +432,7 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
         except OSError:
             pass
     export: _SdkExport | _RowExport
+    key = BoundaryKey(key_secret)
     try:
         if db is not None:
             export = _RowExport(service_name, db, router_ttl_s)
@@ -466,7 +473,7 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
                 counters[_RECEIVED] += 1
                 try:
                     record = record_from_tuple(unpack(packed))
-                    resolve_boundaries(record)
+                    resolve_boundaries(record, key)
                     built += export.add(record)
                 except Exception:
                     counters[_BUILD_FAILED] += 1
