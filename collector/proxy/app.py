@@ -177,6 +177,24 @@ def _error_response(status: int, message: str, error_type: str) -> web.Response:
     return web.json_response(error_body(status, message, error_type), status=status)
 
 
+def _storable(text: str) -> str:
+    """``text`` as it can be stored: lone surrogates (JSON's ``\\ud800``, no UTF-8 for them)
+    replaced, so that one client's string cannot fail the store insert of a batch of spans."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _tracestate(header: str | None) -> str | None:
+    """A W3C ``tracestate`` (printable ASCII) to keep and forward; anything else is dropped (a
+    non-ASCII byte arrives as a surrogate, which could be neither stored nor sent)."""
+    if header and header.isascii() and header.isprintable():
+        return header
+    return None
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -355,7 +373,7 @@ class Proxy:
             request.path,
             str(uuid.uuid4()),
             request.headers.get("traceparent"),
-            request.headers.get("tracestate"),
+            _tracestate(request.headers.get("tracestate")),
         )
         try:
             return await self._turn(request, api_path, record)
@@ -406,6 +424,12 @@ class Proxy:
             record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "malformed JSON")
             return _error_response(400, f"request body is not valid JSON: {exc}",
                                    "BadRequestError")
+        except RecursionError:
+            # Python's JSON decoder gives up on deep nesting (thousands of levels) with a
+            # RecursionError, not a ValueError: the client's mistake all the same.
+            record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "JSON nested too deeply")
+            return _error_response(400, "request body is JSON nested too deeply",
+                                   "BadRequestError")
         if not isinstance(body, dict):
             record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "body is not a JSON object")
             return _error_response(400, "request body must be a JSON object", "BadRequestError")
@@ -415,7 +439,7 @@ class Proxy:
         client_wants_stream = bool(body.get("stream", False))
         record.stream = client_wants_stream
         model = body.get("model")
-        record.model = model if isinstance(model, str) else None
+        record.model = _storable(model) if isinstance(model, str) else None
         if self.telemetry.enabled:
             self.telemetry.message_boundaries(record, body)
 
@@ -466,7 +490,12 @@ class Proxy:
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
             return lookup
         key = self.telemetry.boundary_key
-        count, hashes, roles = message_boundaries(body, key)
+        try:
+            count, hashes, roles = message_boundaries(body, key)
+        except Exception:  # messages that do not hash (nested past the recursion limit)
+            logger.debug("reuse guard: the request's messages do not hash", exc_info=True)
+            record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
+            return lookup
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None
         if self.telemetry.enabled:

@@ -83,8 +83,9 @@ def message_boundaries(body: Mapping[str, Any], key: BoundaryKey, keep: int | No
     the last ``keep`` of them (all by default), in one pass over the messages.
 
     A role initial is ``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ... (``?`` when a message
-    has none). With the hashes it tells whether the message right after the previous turn's
-    messages is the assistant's reply (a continuation) or something else (a reset's summary).
+    has none, or one that is not printable). With the hashes it tells whether the message right
+    after the previous turn's messages is the assistant's reply (a continuation) or something
+    else (a reset's summary).
     """
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -99,7 +100,9 @@ def message_boundaries(body: Mapping[str, Any], key: BoundaryKey, keep: int | No
         if type(message) is dict or isinstance(message, Mapping):
             role = str(message.get("role", ""))
             content = message.get("content", "")
-            initials.append(role[:1] or "?")
+            initial = role[:1]
+            # A lone surrogate (or a control character) cannot be stored: "?" as for no role.
+            initials.append(initial if initial.isprintable() and initial else "?")
         else:
             role, content = "", message
             initials.append("?")
@@ -129,7 +132,7 @@ def chain_boundary(chain: bytes, role: str, text: str, key: BoundaryKey) -> byte
     """The boundary hash after one more message, given the hash of the messages before it."""
     h = key.hasher()
     h.update(chain)
-    h.update(role.encode())
+    h.update(role.encode("utf-8", "surrogatepass"))  # JSON can carry lone surrogates
     h.update(b"\x00")
     h.update(text.encode("utf-8", "surrogatepass"))
     return h.digest()
@@ -503,8 +506,12 @@ class ProxyTelemetry:
         """
         if self.export_process is not None:
             record.boundary_source = body
-        else:
+            return
+        try:
             set_boundaries(record, body, self.boundary_key)
+        except Exception:  # a body that does not hash (e.g. nested past the recursion limit)
+            logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
+            record.message_count, record.boundary_hashes, record.boundary_roles = 0, "", ""
 
     def finish_turn(self, record: TurnRecord) -> None:
         """Record the ended turn: metrics now, spans onto the export queue. Never raises."""
