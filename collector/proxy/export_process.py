@@ -84,7 +84,7 @@ _values = operator.attrgetter(*_FIELDS)
 
 # Slots of the shared counter array the child publishes.
 (_RECEIVED, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
- _FLUSHED) = range(8)
+ _FLUSHED, _STORE_WRITES, _STORE_WRITE_NS) = range(10)
 # Control messages on the pipe (record batches are packed: they never start with these).
 _END = b""
 _FLUSH = b"F"
@@ -190,7 +190,7 @@ class TurnExportProcess:
         boundary_key: BoundaryKey | None = None,
     ) -> None:
         self.boundary_key = boundary_key or BoundaryKey.ephemeral()
-        self._counters = mp.get_context("spawn").Array("q", 8, lock=False)
+        self._counters = mp.get_context("spawn").Array("q", 10, lock=False)
         self._process, self._conn = start_child(
             _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters,
                           self.boundary_key.secret),
@@ -301,6 +301,10 @@ class TurnExportProcess:
             "dropped_spans": int(self.stats.dropped_spans + c[_BUILD_FAILED] + c[_DROPPED]
                                  + c[_EXPORT_FAILED] + c[_WRITE_FAILED]),
             "pending_records": len(self._queue),
+            # Store writes (--db) and the seconds the child waited for them, in ns (the rows'
+            # conversion included): their mean is the insert latency a soak follows.
+            "store_writes": int(c[_STORE_WRITES]),
+            "store_write_ns": int(c[_STORE_WRITE_NS]),
         }
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -383,6 +387,8 @@ class _RowExport:
         self.proxy = ProxyTelemetry(None, router_ttl_s=router_ttl_s, service_name=service_name)
         proxy_rows(self.proxy, self._sink)  # spans_for now appends rows
         self._flushed_at = time.monotonic()
+        self._writes = 0
+        self._write_ns = 0
 
     def add(self, record: TurnRecord) -> int:
         return len(self.proxy.spans_for(record))
@@ -396,11 +402,19 @@ class _RowExport:
         -0.42 and -0.30 ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant,
         as two identical proxy processes differ by as much (see ``bench_proxy.py``)."""
         if self._sink.pending and time.monotonic() - self._flushed_at >= _ROW_FLUSH_INTERVAL_S:
-            self._sink.sync()
-            self._flushed_at = time.monotonic()
+            self._write()
 
     def sync(self) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        """Store what is collected and wait for it; count the write and its wait."""
+        rows = self._sink.pending + self._sink.held
+        started = time.perf_counter_ns()
         self._sink.sync()
+        if rows:
+            self._writes += 1
+            self._write_ns += time.perf_counter_ns() - started
         self._flushed_at = time.monotonic()
 
     def publish(self, counters: Any, built: int) -> None:
@@ -409,6 +423,8 @@ class _RowExport:
         counters[_EXPORTED] = stats.written_rows
         counters[_DROPPED] = stats.dropped_rows
         counters[_WRITE_FAILED] = stats.failed_rows
+        counters[_STORE_WRITES] = self._writes
+        counters[_STORE_WRITE_NS] = self._write_ns
 
     def shutdown(self) -> None:
         try:
