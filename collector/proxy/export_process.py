@@ -90,8 +90,16 @@ _END = b""
 _FLUSH = b"F"
 # How often an idle child publishes its exporter's counters.
 _PUBLISH_INTERVAL_S = 0.2
-# The longest collected rows wait before they go to the store writer.
-_ROW_FLUSH_INTERVAL_S = 1.0
+# The longest collected rows wait before they go to the store (--db); sooner when the sink's
+# batch (20,000 rows) fills. A store write costs about the same CPU whatever its size up to
+# thousands of rows (DuckDB's commit of a small append: ~5.5 ms for 75 rows, plus the rows'
+# conversion), and more as the table's last row group fills (8.3 -> 12.6 ms a write of 100 spans
+# over the first 125k spans of a store), so one write a second made that cost most of the
+# child's CPU per turn at tens of turns a second, and its growth showed per turn. Writing every
+# 5 s instead: 100-span writes 8-12 ms each, 500-span writes 15-17 ms (0.40 -> 0.13 ms a turn;
+# ``bench_soak.py --write-sizes`` prints both side by side). The cost: a child killed outright
+# (SIGKILL, OOM) loses up to 5 s of spans instead of 1 s; one whose proxy dies still flushes.
+STORE_INTERVAL_S = 5.0
 # The child's cyclic garbage collection: automatic passes paused, one full pass this often over
 # what start-up did not leave behind (frozen). Spans and rows are acyclic and freed by reference
 # counting; the automatic passes, triggered by their allocation, traversed the rows a batch
@@ -394,14 +402,14 @@ class _RowExport:
         return len(self.proxy.spans_for(record))
 
     def tick(self) -> None:
-        """Store collected rows at least every second (what a killed child can lose), and wait
-        for the insert: building rows and DuckDB's insert (which releases the GIL, on the
-        writer's thread) then take turns, so the child never holds both of a small machine's
-        CPUs at once, at the same CPU a turn. Measured against overlapping them, in separate
-        proxy processes side by side at 64 conversations: median per-round differences of
-        -0.42 and -0.30 ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant,
-        as two identical proxy processes differ by as much (see ``bench_proxy.py``)."""
-        if self._sink.pending and time.monotonic() - self._flushed_at >= _ROW_FLUSH_INTERVAL_S:
+        """Store collected rows at least every :data:`STORE_INTERVAL_S` (what a killed child can
+        lose), and wait for the insert: building rows and DuckDB's insert (which releases the GIL,
+        on the writer's thread) then take turns, so the child never holds both of a small machine's
+        CPUs at once, at the same CPU a turn. Measured against overlapping them, in separate proxy
+        processes side by side at 64 conversations: median per-round differences of -0.42 and -0.30
+        ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant, as two identical proxy
+        processes differ by as much (see ``bench_proxy.py``)."""
+        if self._sink.pending and time.monotonic() - self._flushed_at >= STORE_INTERVAL_S:
             self._write()
 
     def sync(self) -> None:

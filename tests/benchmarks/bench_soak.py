@@ -28,8 +28,13 @@ child's CPU per turn, the number the soak exists to follow (issue 22: it grew wi
 (records as the proxy sends them), so that a shortened soak starts where a long one would be; the
 seeding's own CPU is not counted.
 
+``--write-sizes 25 125`` measures instead what one store write costs by its size (the export
+child's row path, in this process, sizes in alternating rounds): the figure behind the export
+child's write interval (``STORE_INTERVAL_S``).
+
 Run:  .venv/bin/python tests/benchmarks/bench_soak.py [--minutes 30] [--rate 100] [--short]
       [--seed-spans 0] [--keep DIR]
+      .venv/bin/python tests/benchmarks/bench_soak.py --write-sizes 25 125
 Not a test: nothing here asserts a time.
 """
 
@@ -144,6 +149,75 @@ def _seed(db: str, spans: int) -> None:
         if i % 2000 == 0:
             export.sync()
     export.shutdown()
+
+
+def _records(n: int, start: int = 0) -> list[Any]:
+    """``n`` finished turn records as the export child receives them (boundaries hashed)."""
+    from kvscope import semconv
+    from kvscope.child import pack, unpack
+    from kvscope.collector.proxy.export_process import (
+        record_from_tuple,
+        record_to_tuple,
+        resolve_boundaries,
+    )
+    from kvscope.collector.proxy.router import ConversationId
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry
+
+    maker = ProxyTelemetry(None)
+    records = []
+    for i in range(start, start + n):
+        record = maker.begin_turn("/v1/chat/completions", f"w-{i}", None, None)
+        maker.conversation_started(record, ConversationId(f"w-{i % 64}", "body"))
+        now = record.arrival_ns
+        record.lookup = semconv.ROUTER_HIT
+        record.prefill_start_ns, record.prefill_end_ns = now + 10, now + 2_000_000
+        record.decode_start_ns, record.first_token_ns = now + 2_000_010, now + 3_000_000
+        record.decode_end_ns = record.end_ns = now + 9_000_000
+        record.prompt_tokens, record.output_tokens, record.chunks = 900, 16, 17
+        maker.message_boundaries(record, _body(i % 64, i // 64 % 20, "w"))
+        maker.finish_turn(record)
+        received = record_from_tuple(unpack(pack(record_to_tuple(record))))
+        resolve_boundaries(received, maker.boundary_key)
+        records.append(received)
+    return records
+
+
+def write_sizes(turns_per_write: list[int], writes: int, rounds: int, tmp: Path) -> None:
+    """CPU a store write costs in the export child's row path, by its size, side by side.
+
+    One fresh store per size, in one process; rounds alternate the sizes (drift on a shared
+    machine hits all alike). Each round adds ``writes`` writes of that many turns' rows, each
+    written and waited for as ``_RowExport`` does; the records are made before the clock starts.
+    Prints the median CPU per write and per turn (building the rows included) over the rounds.
+    """
+    from kvscope import semconv
+    from kvscope.collector.proxy.export_process import _RowExport
+
+    exports = {n: _RowExport(semconv.SERVICE_PROXY, str(tmp / f"w{n}.duckdb"), 450.0)
+               for n in turns_per_write}
+    per_write: dict[int, list[float]] = {n: [] for n in turns_per_write}
+    made = 0
+    for r in range(rounds):
+        order = turns_per_write if r % 2 == 0 else list(reversed(turns_per_write))
+        for n in order:
+            records = _records(n * writes, made)
+            made += n * writes
+            export = exports[n]
+            started = time.process_time()
+            for w in range(writes):
+                for record in records[w * n:(w + 1) * n]:
+                    export.add(record)
+                export.sync()
+            per_write[n].append((time.process_time() - started) / writes)
+    for export in exports.values():
+        export.shutdown()
+    print(f"store writes by size ({writes} writes x {rounds} rounds each, medians; "
+          f"CPU of this process: rows built, converted, inserted):")
+    for n, values in per_write.items():
+        values.sort()
+        median = values[len(values) // 2]
+        print(f"  {n:>5} turns a write: {median * 1e3:7.2f} ms a write, "
+              f"{median / n * 1e6:7.1f} us a turn")
 
 
 # --- load -----------------------------------------------------------------------------------------
@@ -400,6 +474,9 @@ def main() -> int:
     parser.add_argument("--turns-per-conversation", type=int, default=20)
     parser.add_argument("--seed-spans", type=int, default=0,
                         help="spans put in the proxy's store before the soak (0)")
+    parser.add_argument("--write-sizes", type=int, nargs="*", default=None, metavar="TURNS",
+                        help="instead of the soak: CPU per store write of that many turns each "
+                        "(e.g. 25 125: one write a second, and one every 5 s, at 25 turns/s)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the stores and the per-interval rows (JSON) in this folder")
     args = parser.parse_args()
@@ -407,6 +484,12 @@ def main() -> int:
         args.minutes, args.rate = min(args.minutes, 1.0), min(args.rate, 20.0)
     args.interval = args.interval or (10.0 if args.short else 60.0)
     tmp = Path(tempfile.mkdtemp(prefix="kvscope-soak-"))
+    if args.write_sizes is not None:
+        try:
+            write_sizes(args.write_sizes or [25, 125], writes=40, rounds=6, tmp=tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return 0
     try:
         rows = asyncio.run(_soak(args, tmp))
         curve = [r for r in rows if r["process"] == "child-db"]
