@@ -164,3 +164,38 @@ def test_turns_hashed_with_different_keys_are_never_an_edited_history(
                      body)
     assert row["history"] == HISTORY_UNKNOWN
     assert row["outcome"] not in (outcomes.PREFIX_DIVERGED, outcomes.REUSED_INVALID)
+
+
+def test_kvscope_proxy_hashes_with_the_persisted_key_in_its_export_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvscope proxy --db``'s telemetry: the export child hashes with the key the state
+    directory keeps, and each turn span names its id."""
+    import argparse
+
+    import duckdb
+
+    from kvscope.collector.proxy.app import add_proxy_arguments, telemetry_from_args
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    key = resolve_boundary_key()
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    db = tmp_path / "proxy.duckdb"
+    telemetry = telemetry_from_args(parser.parse_args(["--db", str(db)]), 450.0)
+    try:
+        assert telemetry.boundary_key.key_id == key.key_id
+        record = telemetry.begin_turn("/v1/chat/completions", "x-1", None, None)
+        telemetry.conversation_started(record, ConversationId("conv-1", "body"))
+        telemetry.message_boundaries(record, BODY)
+        telemetry.finish_turn(record)
+        assert telemetry.flush(30)
+    finally:
+        telemetry.shutdown()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        attrs = con.execute("SELECT SpanAttributes FROM otel_traces WHERE SpanName = ?",
+                            [semconv.SPAN_TURN]).fetchone()[0]
+    finally:
+        con.close()
+    assert attrs[semconv.MESSAGE_BOUNDARY_HASH_KEY_ID] == key.key_id
+    assert attrs[semconv.MESSAGE_BOUNDARY_HASHES] == boundary_hashes(BODY, key)[1]
