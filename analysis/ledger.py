@@ -148,6 +148,7 @@ _TURN_COLUMNS = {
     "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
     "reuse_guard": _a(semconv.REUSE_GUARD),
     "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
+    "hash_key_id": _a(semconv.MESSAGE_BOUNDARY_HASH_KEY_ID),
     "messages": _a(semconv.MESSAGE_COUNT),
     "roles": _a(semconv.MESSAGE_ROLES),
     "error_kind": _a(semconv.ERROR_KIND),
@@ -289,6 +290,9 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         # Turn frames made without the column (callers shaping frames themselves): every turn
         # is then the proxy's.
         turns = turns.with_columns(pl.lit(None, pl.String).alias("observer"))
+    if "hash_key_id" not in turns.collect_schema().names():
+        # Likewise: hashes without a key id (stores from before keyed hashes) compare as before.
+        turns = turns.with_columns(pl.lit(None, pl.String).alias("hash_key_id"))
     turns = turns.with_columns(
         _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
         _int("messages"),
@@ -398,6 +402,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         previous("prompt_tokens").alias("prev_prompt"),
         previous("output_tokens").alias("prev_output"),
         previous("boundary_hashes").alias("prev_hashes"),
+        previous("hash_key_id").alias("prev_hash_key_id"),
         previous("messages").alias("prev_messages"),
         previous("metadata_returned").alias("prev_returned"),
         previous("turn_index").alias("prev_index"),
@@ -411,6 +416,10 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         .when(~has_prev).then(pl.lit(HISTORY_UNKNOWN))
         .when(pl.col("boundary_hashes").is_null() | pl.col("prev_hashes").is_null()
               | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
+        .then(pl.lit(HISTORY_UNKNOWN))
+        # Hashes made with different keys (a proxy restarted with a new key, two proxies with
+        # keys of their own) never match: not comparable, so never an edit.
+        .when(~pl.col("hash_key_id").eq_missing(pl.col("prev_hash_key_id")))
         .then(pl.lit(HISTORY_UNKNOWN))
         # A completions prompt is one message whose text grows turn by turn: one hash each
         # cannot show a continuation (nor an edit).

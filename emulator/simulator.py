@@ -37,6 +37,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvscope import semconv
+from kvscope.boundary_key import BoundaryKey
 from kvscope.child import (
     ChildStartError,
     pack,
@@ -719,6 +720,7 @@ class Simulator:
                 record.previous_end_ns = ns(previous_end[ci])
             record.message_count, record.boundary_hashes = self._messages.boundaries(ci, conv,
                                                                                      pos)
+            record.boundary_key_id = SIMULATED_KEY.key_id
             record.boundary_roles = self._messages.roles(ci)
             lookup = self.router.lookup(conversation.value)
             record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
@@ -964,6 +966,11 @@ def _reusable_tokens(turns: Sequence[Turn], pos: int, scheduling: str) -> int:
     return turn.shared_prefix_tokens
 
 
+# The simulator's boundary-hash key: fixed (runs stay reproducible), as its messages are
+# synthetic labels with nothing to keep secret.
+SIMULATED_KEY = BoundaryKey(b"kvscope simulator: synthetic messages", "simulator")
+
+
 class _Messages:
     """Message-boundary hashes a proxy would record for each turn (no text exists here).
 
@@ -988,7 +995,7 @@ class _Messages:
     def _add(self, ci: int, role: str, text: str) -> None:
         self._roles[ci].append(role[0])
         chains = self._chains[ci]
-        chains.append(chain_boundary(chains[-1] if chains else b"", role, text))
+        chains.append(chain_boundary(chains[-1] if chains else b"", role, text, SIMULATED_KEY))
 
     def _truncate(self, ci: int, keep: int) -> None:
         del self._roles[ci][keep:]

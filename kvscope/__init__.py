@@ -11,7 +11,6 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 # Public modules (none is imported with the package: the vLLM plugin path stays light).
 __all__ = [
-    "__version__", "child", "cli", "errors", "exposition", "fit", "progress", "published", "reuse",
-    "semconv", "serving",
-    "settings", "store", "tables",
+    "__version__", "boundary_key", "child", "cli", "errors", "exposition", "fit", "progress",
+    "published", "reuse", "semconv", "serving", "settings", "store", "tables",
 ]

@@ -145,6 +145,12 @@ MESSAGE_BOUNDARY_HASHES = _attr(
     "",
     "Chained hashes of the prompt's last message boundaries (never text), comma separated.",
 )
+MESSAGE_BOUNDARY_HASH_KEY_ID = _attr(
+    "kvscope.prompt.boundary_hash_key_id",
+    "",
+    "Id of the key the boundary hashes were made with (a MAC of a constant, never the key): "
+    "hashes compare only between turns with the same id.",
+)
 MESSAGE_COUNT = _attr("kvscope.prompt.messages", "", "Messages in the prompt (all of them).")
 MESSAGE_ROLES = _attr(
     "kvscope.prompt.roles",

@@ -167,6 +167,13 @@ _DECLARED = [
         _positive,
     ),
     Setting(
+        "boundary_hash_key_file",
+        str,
+        "",
+        "File with the key (hex) of the proxy's message-boundary hashes; every proxy writing one "
+        "store needs the same file. Empty: one created once under $XDG_STATE_HOME/kvscope.",
+    ),
+    Setting(
         "gpu_sample_interval_s",
         float,
         1.0,

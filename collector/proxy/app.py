@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from kvscope import semconv, settings
+from kvscope.boundary_key import resolve_boundary_key
 from kvscope.collector.proxy.export_process import TurnExportProcess
 from kvscope.collector.proxy.router import conversation_id_from
 from kvscope.collector.proxy.telemetry import (
@@ -174,6 +175,24 @@ def error_body(status: int, message: str, error_type: str) -> dict[str, Any]:
 
 def _error_response(status: int, message: str, error_type: str) -> web.Response:
     return web.json_response(error_body(status, message, error_type), status=status)
+
+
+def _storable(text: str) -> str:
+    """``text`` as it can be stored: lone surrogates (JSON's ``\\ud800``, no UTF-8 for them)
+    replaced, so that one client's string cannot fail the store insert of a batch of spans."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _tracestate(header: str | None) -> str | None:
+    """A W3C ``tracestate`` (printable ASCII) to keep and forward; anything else is dropped (a
+    non-ASCII byte arrives as a surrogate, which could be neither stored nor sent)."""
+    if header and header.isascii() and header.isprintable():
+        return header
+    return None
 
 
 def _int(value: Any) -> int | None:
@@ -357,7 +376,7 @@ class Proxy:
             request.path,
             str(uuid.uuid4()),
             request.headers.get("traceparent"),
-            request.headers.get("tracestate"),
+            _tracestate(request.headers.get("tracestate")),
         )
         try:
             return await self._turn(request, api_path, record)
@@ -408,6 +427,12 @@ class Proxy:
             record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "malformed JSON")
             return _error_response(400, f"request body is not valid JSON: {exc}",
                                    "BadRequestError")
+        except RecursionError:
+            # Python's JSON decoder gives up on deep nesting (thousands of levels) with a
+            # RecursionError, not a ValueError: the client's mistake all the same.
+            record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "JSON nested too deeply")
+            return _error_response(400, "request body is JSON nested too deeply",
+                                   "BadRequestError")
         if not isinstance(body, dict):
             record.fail(None, semconv.ERROR_BAD_REQUEST, 400, "body is not a JSON object")
             return _error_response(400, "request body must be a JSON object", "BadRequestError")
@@ -417,7 +442,7 @@ class Proxy:
         client_wants_stream = bool(body.get("stream", False))
         record.stream = client_wants_stream
         model = body.get("model")
-        record.model = model if isinstance(model, str) else None
+        record.model = _storable(model) if isinstance(model, str) else None
         if self.telemetry.enabled:
             self.telemetry.message_boundaries(record, body)
 
@@ -467,12 +492,19 @@ class Proxy:
             # continuation, so the guard does not judge it.
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
             return lookup
-        count, hashes, roles = message_boundaries(body)
+        key = self.telemetry.boundary_key
+        try:
+            count, hashes, roles = message_boundaries(body, key)
+        except Exception:  # messages that do not hash (nested past the recursion limit)
+            logger.debug("reuse guard: the request's messages do not hash", exc_info=True)
+            record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
+            return lookup
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None
         if self.telemetry.enabled:
             # The turn's span keeps the last hashes: hashed here once, not again for telemetry.
             record.message_count = count
+            record.boundary_key_id = key.key_id
             record.boundary_hashes = ",".join(chain[-BOUNDARY_HASHES_KEPT:])
             record.boundary_roles = roles[-BOUNDARY_HASHES_KEPT:]
             record.boundary_source = None
@@ -811,6 +843,8 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
                      help=_setting_help("otlp_endpoint"))
     own.add_argument("--service-name", dest="service_name", default=None,
                      help=f"{_setting_help('service_name')}; {semconv.SERVICE_PROXY!r} when empty")
+    own.add_argument("--boundary-hash-key-file", dest="boundary_hash_key_file", default=None,
+                     help=_setting_help("boundary_hash_key_file"))
     own.add_argument("--reuse-guard", action="store_true",
                      help="send prefill vLLM's MISS params when the message history does not "
                      "continue the turn whose decode KV the router holds (edited or truncated "
@@ -873,7 +907,10 @@ def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyT
     service = settings.resolve("service_name", args.service_name) or semconv.SERVICE_PROXY
     # Spans are built and written in a child process: none of that work shares the GIL with
     # the event loop (see export_process).
-    process = TurnExportProcess(service, db=db, otlp_endpoint=endpoint, router_ttl_s=router_ttl_s)
+    # The same key after a restart, so that the ledger can compare turns across it.
+    key = resolve_boundary_key(getattr(args, "boundary_hash_key_file", None))
+    process = TurnExportProcess(service, db=db, otlp_endpoint=endpoint, router_ttl_s=router_ttl_s,
+                                boundary_key=key)
     return ProxyTelemetry(None, router_ttl_s=router_ttl_s, export_process=process)
 
 

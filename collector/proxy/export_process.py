@@ -57,6 +57,7 @@ from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, report_error, report_ready, start_child, unpack
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries
@@ -83,14 +84,22 @@ _values = operator.attrgetter(*_FIELDS)
 
 # Slots of the shared counter array the child publishes.
 (_RECEIVED, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
- _FLUSHED) = range(8)
+ _FLUSHED, _STORE_WRITES, _STORE_WRITE_NS) = range(10)
 # Control messages on the pipe (record batches are packed: they never start with these).
 _END = b""
 _FLUSH = b"F"
 # How often an idle child publishes its exporter's counters.
 _PUBLISH_INTERVAL_S = 0.2
-# The longest collected rows wait before they go to the store writer.
-_ROW_FLUSH_INTERVAL_S = 1.0
+# The longest collected rows wait before they go to the store (--db); sooner when the sink's
+# batch (20,000 rows) fills. A store write costs about the same CPU whatever its size up to
+# thousands of rows (DuckDB's commit of a small append: ~5.5 ms for 75 rows, plus the rows'
+# conversion), and more as the table's last row group fills (8.3 -> 12.6 ms a write of 100 spans
+# over the first 125k spans of a store), so one write a second made that cost most of the
+# child's CPU per turn at tens of turns a second, and its growth showed per turn. Writing every
+# 5 s instead: 100-span writes 8-12 ms each, 500-span writes 15-17 ms (0.40 -> 0.13 ms a turn;
+# ``bench_soak.py --write-sizes`` prints both side by side). The cost: a child killed outright
+# (SIGKILL, OOM) loses up to 5 s of spans instead of 1 s; one whose proxy dies still flushes.
+STORE_INTERVAL_S = 5.0
 # The child's cyclic garbage collection: automatic passes paused, one full pass this often over
 # what start-up did not leave behind (frozen). Spans and rows are acyclic and freed by reference
 # counting; the automatic passes, triggered by their allocation, traversed the rows a batch
@@ -128,15 +137,15 @@ def boundary_input(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"prompt": body.get("prompt")}
 
 
-def resolve_boundaries(record: TurnRecord) -> None:
-    """Hash a record's ``boundary_source`` into its boundaries (``set_boundaries``) and drop
-    it (a body that does not hash leaves the turn without boundaries)."""
+def resolve_boundaries(record: TurnRecord, key: BoundaryKey) -> None:
+    """Hash a record's ``boundary_source`` into its boundaries with ``key`` (``set_boundaries``)
+    and drop it (a body that does not hash leaves the turn without boundaries)."""
     source = record.boundary_source
     if source is None:
         return
     record.boundary_source = None
     try:
-        set_boundaries(record, source)
+        set_boundaries(record, source, key)
     except Exception:
         logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
 
@@ -168,7 +177,9 @@ class TurnExportProcess:
 
     ``service_name``, ``db`` / ``otlp_endpoint`` and ``router_ttl_s`` are what
     :func:`~kvscope.collector.otel.setup_telemetry` and
-    :class:`~kvscope.collector.proxy.telemetry.ProxyTelemetry` take in-process. The constructor
+    :class:`~kvscope.collector.proxy.telemetry.ProxyTelemetry` take in-process;
+    ``boundary_key`` is what the child hashes message boundaries with (one for this process
+    only when None: see :mod:`kvscope.boundary_key`). The constructor
     returns once the child has opened its destination, and raises the child's error when it
     cannot (a locked store file: ``StoreLockedError``), or
     :class:`~kvscope.child.ChildStartError` when the child did not start.
@@ -184,10 +195,13 @@ class TurnExportProcess:
         max_queue: int = MAX_QUEUED_RECORDS,
         send_interval_s: float = SEND_INTERVAL_S,
         nice: int = CHILD_NICE,
+        boundary_key: BoundaryKey | None = None,
     ) -> None:
-        self._counters = mp.get_context("spawn").Array("q", 8, lock=False)
+        self.boundary_key = boundary_key or BoundaryKey.ephemeral()
+        self._counters = mp.get_context("spawn").Array("q", 10, lock=False)
         self._process, self._conn = start_child(
-            _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters),
+            _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters,
+                          self.boundary_key.secret),
             name="kvscope-proxy-telemetry",
         )
         self.stats = ExportProcessStats()
@@ -295,6 +309,10 @@ class TurnExportProcess:
             "dropped_spans": int(self.stats.dropped_spans + c[_BUILD_FAILED] + c[_DROPPED]
                                  + c[_EXPORT_FAILED] + c[_WRITE_FAILED]),
             "pending_records": len(self._queue),
+            # Store writes (--db) and the seconds the child waited for them, in ns (the rows'
+            # conversion included): their mean is the insert latency a soak follows.
+            "store_writes": int(c[_STORE_WRITES]),
+            "store_write_ns": int(c[_STORE_WRITE_NS]),
         }
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -377,24 +395,34 @@ class _RowExport:
         self.proxy = ProxyTelemetry(None, router_ttl_s=router_ttl_s, service_name=service_name)
         proxy_rows(self.proxy, self._sink)  # spans_for now appends rows
         self._flushed_at = time.monotonic()
+        self._writes = 0
+        self._write_ns = 0
 
     def add(self, record: TurnRecord) -> int:
         return len(self.proxy.spans_for(record))
 
     def tick(self) -> None:
-        """Store collected rows at least every second (what a killed child can lose), and wait
-        for the insert: building rows and DuckDB's insert (which releases the GIL, on the
-        writer's thread) then take turns, so the child never holds both of a small machine's
-        CPUs at once, at the same CPU a turn. Measured against overlapping them, in separate
-        proxy processes side by side at 64 conversations: median per-round differences of
-        -0.42 and -0.30 ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant,
-        as two identical proxy processes differ by as much (see ``bench_proxy.py``)."""
-        if self._sink.pending and time.monotonic() - self._flushed_at >= _ROW_FLUSH_INTERVAL_S:
-            self._sink.sync()
-            self._flushed_at = time.monotonic()
+        """Store collected rows at least every :data:`STORE_INTERVAL_S` (what a killed child can
+        lose), and wait for the insert: building rows and DuckDB's insert (which releases the GIL,
+        on the writer's thread) then take turns, so the child never holds both of a small machine's
+        CPUs at once, at the same CPU a turn. Measured against overlapping them, in separate proxy
+        processes side by side at 64 conversations: median per-round differences of -0.42 and -0.30
+        ms, intervals -1.65 .. +0.37 and -1.11 .. +1.28 ms; not significant, as two identical proxy
+        processes differ by as much (see ``bench_proxy.py``)."""
+        if self._sink.pending and time.monotonic() - self._flushed_at >= STORE_INTERVAL_S:
+            self._write()
 
     def sync(self) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        """Store what is collected and wait for it; count the write and its wait."""
+        rows = self._sink.pending + self._sink.held
+        started = time.perf_counter_ns()
         self._sink.sync()
+        if rows:
+            self._writes += 1
+            self._write_ns += time.perf_counter_ns() - started
         self._flushed_at = time.monotonic()
 
     def publish(self, counters: Any, built: int) -> None:
@@ -403,6 +431,8 @@ class _RowExport:
         counters[_EXPORTED] = stats.written_rows
         counters[_DROPPED] = stats.dropped_rows
         counters[_WRITE_FAILED] = stats.failed_rows
+        counters[_STORE_WRITES] = self._writes
+        counters[_STORE_WRITE_NS] = self._write_ns
 
     def shutdown(self) -> None:
         try:
@@ -412,7 +442,7 @@ class _RowExport:
 
 
 def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoint: str | None,
-                router_ttl_s: float | None, nice: int, counters: Any) -> None:
+                router_ttl_s: float | None, nice: int, counters: Any, key_secret: bytes) -> None:
     """The export process: rebuild records, build their spans, export them, until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -426,6 +456,7 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
         except OSError:
             pass
     export: _SdkExport | _RowExport
+    key = BoundaryKey(key_secret)
     try:
         if db is not None:
             export = _RowExport(service_name, db, router_ttl_s)
@@ -466,7 +497,7 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
                 counters[_RECEIVED] += 1
                 try:
                     record = record_from_tuple(unpack(packed))
-                    resolve_boundaries(record)
+                    resolve_boundaries(record, key)
                     built += export.add(record)
                 except Exception:
                     counters[_BUILD_FAILED] += 1

@@ -17,7 +17,6 @@ byte → this arrival).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -35,6 +34,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvscope import __version__, semconv
+from kvscope.boundary_key import HASH_HEX, BoundaryKey
 from kvscope.collector.otel import Telemetry
 from kvscope.collector.proxy.metrics import ProxyMetrics
 from kvscope.collector.proxy.router import ConversationId
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # Conversations whose previous-turn end time and turn index are remembered (least recent evicted).
 MAX_TRACKED_CONVERSATIONS = 100_000
 # Hex characters kept of each message-boundary hash: 64 bits, plenty to detect edited history.
-BOUNDARY_HASH_HEX = 16
+BOUNDARY_HASH_HEX = HASH_HEX
 # Boundary hashes stored per turn: the last ones only. A chained hash names its whole prefix, so
 # turn k extends turn k-1 iff k-1's last hash is among k's; storing every hash would grow each
 # span with the conversation's length.
@@ -63,27 +63,30 @@ SpanEvent = tuple[int, str, dict[str, Any]]
 
 
 # --- message boundaries ---------------------------------------------------------------------------
-def boundary_hashes(body: Mapping[str, Any], keep: int | None = None) -> tuple[int, str]:
-    """The number of messages and the chained blake2b hashes of the last ``keep`` of them (all
-    by default), comma separated; never the text.
+def boundary_hashes(body: Mapping[str, Any], key: BoundaryKey, keep: int | None = None
+                    ) -> tuple[int, str]:
+    """The number of messages and the chained blake2b hashes, keyed with ``key``, of the last
+    ``keep`` of them (all by default), comma separated; never the text.
 
     Hash i covers messages 0..i, so two prompts share exactly as many leading hashes as they share
     leading messages: the ledger can detect edited or truncated history without seeing it. A
     completions ``prompt`` counts as one user message. Every message is hashed (the chain needs
-    them all); only the kept ones are written out.
+    them all); only the kept ones are written out. Keyed (:mod:`kvscope.boundary_key`), so that
+    a store alone cannot confirm a guessed prompt.
     """
-    count, hashes, _ = message_boundaries(body, keep)
+    count, hashes, _ = message_boundaries(body, key, keep)
     return count, hashes
 
 
-def message_boundaries(body: Mapping[str, Any], keep: int | None = None
+def message_boundaries(body: Mapping[str, Any], key: BoundaryKey, keep: int | None = None
                        ) -> tuple[int, str, str]:
     """The number of messages, the hashes (:func:`boundary_hashes`) and the role initials of
     the last ``keep`` of them (all by default), in one pass over the messages.
 
     A role initial is ``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ... (``?`` when a message
-    has none). With the hashes it tells whether the message right after the previous turn's
-    messages is the assistant's reply (a continuation) or something else (a reset's summary).
+    has none, or one that is not printable). With the hashes it tells whether the message right
+    after the previous turn's messages is the assistant's reply (a continuation) or something
+    else (a reset's summary).
     """
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -98,11 +101,13 @@ def message_boundaries(body: Mapping[str, Any], keep: int | None = None
         if type(message) is dict or isinstance(message, Mapping):
             role = str(message.get("role", ""))
             content = message.get("content", "")
-            initials.append(role[:1] or "?")
+            initial = role[:1]
+            # A lone surrogate (or a control character) cannot be stored: "?" as for no role.
+            initials.append(initial if initial.isprintable() and initial else "?")
         else:
             role, content = "", message
             initials.append("?")
-        chain = chain_boundary(chain, role, _text(content))
+        chain = chain_boundary(chain, role, _text(content), key)
         digests.append(chain)
     if keep is not None:
         start = max(len(digests) - keep, 0)
@@ -115,17 +120,20 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
 
 
-def set_boundaries(record: TurnRecord, body: Mapping[str, Any]) -> None:
-    """Give ``record`` the message count of ``body`` and the hashes and roles of its last
-    :data:`BOUNDARY_HASHES_KEPT` messages (what its turn span stores)."""
+def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey) -> None:
+    """Give ``record`` the message count of ``body``, the hashes (keyed with ``key``, whose id
+    it keeps) and roles of its last :data:`BOUNDARY_HASHES_KEPT` messages (what its turn span
+    stores)."""
     record.message_count, record.boundary_hashes, record.boundary_roles = message_boundaries(
-        body, BOUNDARY_HASHES_KEPT)
+        body, key, BOUNDARY_HASHES_KEPT)
+    record.boundary_key_id = key.key_id
 
 
-def chain_boundary(chain: bytes, role: str, text: str) -> bytes:
+def chain_boundary(chain: bytes, role: str, text: str, key: BoundaryKey) -> bytes:
     """The boundary hash after one more message, given the hash of the messages before it."""
-    h = hashlib.blake2b(chain, digest_size=BOUNDARY_HASH_HEX // 2)
-    h.update(role.encode())
+    h = key.hasher()
+    h.update(chain)
+    h.update(role.encode("utf-8", "surrogatepass"))  # JSON can carry lone surrogates
     h.update(b"\x00")
     h.update(text.encode("utf-8", "surrogatepass"))
     return h.digest()
@@ -174,6 +182,8 @@ class TurnRecord:
     boundary_hashes: str = ""
     boundary_roles: str = ""
     message_count: int = 0
+    # The id of the key those hashes were made with (kvscope.boundary_key).
+    boundary_key_id: str | None = None
     lookup: str | None = None
     lookup_age_s: float | None = None
     offered_request_id: str | None = None
@@ -266,6 +276,7 @@ class ProxyTelemetry:
         max_conversations: int = MAX_TRACKED_CONVERSATIONS,
         export_process: TurnExportProcess | None = None,
         service_name: str = semconv.SERVICE_PROXY,
+        boundary_key: BoundaryKey | None = None,
     ) -> None:
         if telemetry is not None and export_process is not None:
             raise ValueError("ProxyTelemetry takes telemetry or export_process, not both")
@@ -274,6 +285,11 @@ class ProxyTelemetry:
         self.enabled = telemetry is not None or export_process is not None
         self.metrics = ProxyMetrics()
         self.router_ttl_s = router_ttl_s
+        # The key of the boundary hashes: the export process's (it hashes there), else one for
+        # this process only unless given (``kvscope proxy`` gives the persisted one).
+        self.boundary_key = boundary_key or (
+            export_process.boundary_key if export_process is not None
+            else BoundaryKey.ephemeral())
         self._clock = _ConversationClock(max_conversations)
         self._rand = random.Random()
         self._scope = InstrumentationScope(semconv.SCOPE_NAME, __version__)
@@ -329,8 +345,12 @@ class ProxyTelemetry:
         """
         if self.export_process is not None:
             record.boundary_source = body
-        else:
-            set_boundaries(record, body)
+            return
+        try:
+            set_boundaries(record, body, self.boundary_key)
+        except Exception:  # a body that does not hash (e.g. nested past the recursion limit)
+            logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
+            record.message_count, record.boundary_hashes, record.boundary_roles = 0, "", ""
 
     def finish_turn(self, record: TurnRecord) -> None:
         """Record the ended turn: metrics now, spans onto the export queue. Never raises."""
@@ -404,6 +424,8 @@ class ProxyTelemetry:
                 hashes = hashes[len(hashes) - _KEPT_HASH_CHARS:]
             turn_attrs[semconv.MESSAGE_COUNT] = record.message_count
             turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = hashes
+            if record.boundary_key_id is not None:
+                turn_attrs[semconv.MESSAGE_BOUNDARY_HASH_KEY_ID] = record.boundary_key_id
             roles = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
             if len(roles) == min(record.message_count, BOUNDARY_HASHES_KEPT):
                 turn_attrs[semconv.MESSAGE_ROLES] = roles

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvscope
 from kvscope import exposition, semconv
+from kvscope.boundary_key import BoundaryKey
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy import (
     ConversationRouter,
@@ -68,6 +69,7 @@ from upstream_stub import (  # noqa: E402
 )
 
 PREFILL_HOST = "127.0.0.1"
+KEY = BoundaryKey(b"test boundary key, 32 bytes long", "test")
 # A different spelling of loopback so remote_host rewriting to *decode's* host is visible.
 DECODE_HOST = "localhost"
 
@@ -720,29 +722,32 @@ def test_odd_messages_hash_and_name_their_roles_as_documented() -> None:
     chain, expected = b"", []
     for role, text in (("", "no role"), ("", "bare text"), ("tool", '[{"x": 1}]'),
                        ("None", "none"), ("", "empty")):
-        chain = chain_boundary(chain, role, text)
+        chain = chain_boundary(chain, role, text, KEY)
         expected.append(chain.hex())
-    assert message_boundaries({"messages": parts}) == (5, ",".join(expected), "??tN?")
-    assert message_boundaries({"messages": parts}, keep=2) == (5, ",".join(expected[3:]), "N?")
-    assert message_boundaries({"prompt": "once"}) == (
-        1, chain_boundary(b"", "user", "once").hex(), "u")
-    assert message_boundaries({"prompt": None}) == message_boundaries({}) == (0, "", "")
+    assert message_boundaries({"messages": parts}, KEY) == (5, ",".join(expected), "??tN?")
+    assert message_boundaries({"messages": parts}, KEY, keep=2) == (
+        5, ",".join(expected[3:]), "N?")
+    assert message_boundaries({"prompt": "once"}, KEY) == (
+        1, chain_boundary(b"", "user", "once", KEY).hex(), "u")
+    assert message_boundaries({"prompt": None}, KEY) == message_boundaries({}, KEY) == (
+        0, "", "")
 
 
 @settings(max_examples=100, deadline=None)
 @given(messages, messages)
 def test_boundary_hashes_share_exactly_the_common_prefix(a: list[dict], b: list[dict]) -> None:
-    count_a, joined_a = boundary_hashes({"messages": a})
+    count_a, joined_a = boundary_hashes({"messages": a}, KEY)
     ha = joined_a.split(",")
-    count_b, joined_b = boundary_hashes({"messages": a + b})
+    count_b, joined_b = boundary_hashes({"messages": a + b}, KEY)
     hb = joined_b.split(",")
     assert hb[: len(ha)] == ha and len(hb) == count_b == len(a) + len(b) and count_a == len(a)
     # Keeping the last k hashes keeps exactly those.
-    assert boundary_hashes({"messages": a + b}, keep=len(b)) == (count_b, ",".join(hb[len(a):]))
-    assert boundary_hashes({"messages": a}, keep=len(a) + 5) == (count_a, joined_a)
-    assert boundary_hashes({"messages": a}, keep=0) == (count_a, "")
+    assert boundary_hashes({"messages": a + b}, KEY, keep=len(b)) == (
+        count_b, ",".join(hb[len(a):]))
+    assert boundary_hashes({"messages": a}, KEY, keep=len(a) + 5) == (count_a, joined_a)
+    assert boundary_hashes({"messages": a}, KEY, keep=0) == (count_a, "")
     edited = [dict(a[0], content=a[0]["content"] + "!")] + a[1:]
-    he = boundary_hashes({"messages": edited})[1].split(",")
+    he = boundary_hashes({"messages": edited}, KEY)[1].split(",")
     assert all(x != y for x, y in zip(he, ha, strict=True))  # the chain carries the edit
     joined = ",".join(ha)
     assert all(m["content"] not in joined for m in a if len(m["content"]) >= 17)
@@ -883,8 +888,8 @@ def test_long_histories_store_only_the_last_boundary_hashes() -> None:
     messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(40)]
     proxy = ProxyTelemetry(None)
     record = proxy.begin_turn("/v1/chat/completions", "x1", None, None)
-    everything = boundary_hashes({"messages": messages})[1].split(",")
-    set_boundaries(record, {"messages": messages})
+    everything = boundary_hashes({"messages": messages}, KEY)[1].split(",")
+    set_boundaries(record, {"messages": messages}, KEY)
     assert record.message_count == 40
     assert record.boundary_hashes.split(",") == everything[-BOUNDARY_HASHES_KEPT:]
     assert record.boundary_roles == "au" * (BOUNDARY_HASHES_KEPT // 2)
@@ -895,7 +900,7 @@ def test_long_histories_store_only_the_last_boundary_hashes() -> None:
     assert kept == everything[-BOUNDARY_HASHES_KEPT:]
     assert turn.attributes[semconv.MESSAGE_ROLES] == record.boundary_roles
     # The previous turn's last hash is found among the next turn's: history continues.
-    earlier = boundary_hashes({"messages": messages[:38]})[1].split(",")[-1]
+    earlier = boundary_hashes({"messages": messages[:38]}, KEY)[1].split(",")[-1]
     assert earlier in kept
     # A record given every hash (a caller of its own) still stores the last ones only.
     record.boundary_hashes = ",".join(everything)

@@ -14,6 +14,7 @@ import duckdb
 import pytest
 
 from kvscope import semconv
+from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, unpack
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy.export_process import (
@@ -27,6 +28,7 @@ from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.errors import StoreLockedError
 
+KEY = BoundaryKey(b"test boundary key, 32 bytes long", "test")
 COLUMNS = ("SpanName, TraceId, SpanId, ParentSpanId, SpanKind, ServiceName, ResourceAttributes, "
            "ScopeName, ScopeVersion, SpanAttributes, Duration, StatusCode, StatusMessage, "
            "Events, Timestamp")
@@ -97,6 +99,7 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.client_disconnected, record.error_leg = True, "prefill"
     record.error_kind, record.error_message, record.status_code = "x", "y", 502
     record.boundary_hashes, record.boundary_roles, record.message_count = "00aa,00bb", "su", 2
+    record.boundary_key_id = KEY.key_id
     body = {"model": "m", "stream": True, "messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
@@ -108,9 +111,9 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     received = record_from_tuple(unpack(packed))
     # Only the messages travel with it (not the rest of the body); hashed on arrival.
     assert received.boundary_source == {"messages": body["messages"]}
-    resolve_boundaries(received)
+    resolve_boundaries(received, KEY)
     assert received.boundary_source is None
-    assert (received.message_count, received.boundary_hashes) == boundary_hashes(body)
+    assert (received.message_count, received.boundary_hashes) == boundary_hashes(body, KEY)
     assert received.boundary_roles == "su"
     record.boundary_source = None
     record.boundary_hashes = received.boundary_hashes
@@ -122,18 +125,18 @@ def test_a_completions_prompt_is_hashed_as_one_user_message() -> None:
     record.boundary_source = {"prompt": "once upon a time", "max_tokens": 5}
     received = record_from_tuple(record_to_tuple(record))
     assert received.boundary_source == {"prompt": "once upon a time"}
-    resolve_boundaries(received)
+    resolve_boundaries(received, KEY)
     assert (received.message_count, received.boundary_hashes) == boundary_hashes(
-        {"prompt": "once upon a time"})
+        {"prompt": "once upon a time"}, KEY)
     assert received.boundary_roles == "u"
 
 
 def test_spans_from_the_export_process_equal_the_in_process_spans(tmp_path: Path) -> None:
     inproc_db, process_db = tmp_path / "inproc.duckdb", tmp_path / "process.duckdb"
     inproc = ProxyTelemetry(setup_telemetry(semconv.SERVICE_PROXY, db=str(inproc_db)),
-                            router_ttl_s=450.0)
+                            router_ttl_s=450.0, boundary_key=KEY)
     process = ProxyTelemetry(None, router_ttl_s=450.0, export_process=TurnExportProcess(
-        semconv.SERVICE_PROXY, db=str(process_db), router_ttl_s=450.0))
+        semconv.SERVICE_PROXY, db=str(process_db), router_ttl_s=450.0, boundary_key=KEY))
     try:
         for telemetry in (inproc, process):
             for record in _turns(telemetry, 40):
@@ -158,7 +161,7 @@ def test_sdk_spans_carry_the_ids_parents_and_first_token_event_of_the_record() -
     telemetry = ProxyTelemetry(None, router_ttl_s=450.0)
     records = _turns(telemetry, 3)
     for record in records:
-        resolve_boundaries(record)
+        resolve_boundaries(record, KEY)
     turn, prefill, decode, *tool_wait = telemetry.spans_for(records[2])
     record = records[2]
     assert turn.context is not None and turn.parent is not None

@@ -94,6 +94,18 @@ async def _misbehave(state: StubState) -> web.Response | None:
     return None
 
 
+@web.middleware
+async def _refuse_what_does_not_parse(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer 400 (vLLM's ``ErrorResponse``) for a body the stub cannot read, as vLLM's request
+    validation does, instead of the stub's own 500."""
+    try:
+        return await handler(request)
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+        return web.json_response(
+            {"error": {"message": f"invalid request: {exc}", "type": "BadRequestError",
+                       "param": None, "code": 400}}, status=400)
+
+
 def prefill_app(state: StubState) -> web.Application:
     """A prefill server: one-token, non-streaming answers with P's kv_transfer_params."""
 
@@ -147,7 +159,8 @@ def prefill_app(state: StubState) -> web.Application:
             }
         )
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[_refuse_what_does_not_parse])
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_post("/v1/completions", handle)
     return app
@@ -246,7 +259,8 @@ def decode_app(state: StubState) -> web.Application:
         state.completed += 1
         return response
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[_refuse_what_does_not_parse])
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_post("/v1/completions", handle)
     return app
