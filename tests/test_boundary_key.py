@@ -174,7 +174,8 @@ def test_kvscope_proxy_hashes_with_the_persisted_key_in_its_export_process(
 
     import duckdb
 
-    from kvscope.collector.proxy.app import add_proxy_arguments, telemetry_from_args
+    from kvscope.cli.proxy import configure as add_proxy_arguments
+    from kvscope.cli.proxy import telemetry_from_args
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     key = resolve_boundary_key()

@@ -3,7 +3,10 @@
     router.py      the conversation id of a request (the router is kvscope.reuse.router)
     telemetry.py   per-turn records → kvscope.turn / input_processing / generation / tool_wait
                    spans, and the Prometheus metrics behind GET /metrics
-    app.py         the aiohttp server (routes, both legs, streaming) and the command line
+    metrics.py     the Prometheus metrics behind GET /metrics (prometheus_client)
+    export_process.py   spans built and written in a child process
+    app.py         the aiohttp server (routes, both legs, streaming); the command is
+                   kvscope.cli.proxy
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ from kvscope.collector.proxy.app import (
     Proxy,
     ProxyConfig,
     Upstream,
-    add_proxy_arguments,
     build_app,
-    main_proxy,
 )
 from kvscope.collector.proxy.router import conversation_id_from
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
@@ -28,9 +29,7 @@ __all__ = [
     "ProxyTelemetry",
     "TurnRecord",
     "Upstream",
-    "add_proxy_arguments",
     "boundary_hashes",
     "build_app",
     "conversation_id_from",
-    "main_proxy",
 ]

@@ -3,7 +3,7 @@
     options.py    what commands share: the command record, setting options, parsers
     analysis.py   sql, analyze, ledger, report, compare, whatif (reading a store)
     serve.py      serve (optionally with the live dashboard) and dashboard
-    collect.py    proxy, gpu-sampler, ingest
+    collect.py    proxy (its options and process: proxy.py), gpu-sampler, ingest
     emulator.py   emulate, replay, simulate, demo; simulate.py and demo.py their bodies
 
 Each sub-command is a :class:`~kvscope.cli.options.Command` of one of those modules; options
@@ -27,7 +27,7 @@ from kvscope.tables import format_rows
 
 __all__ = [
     "COMMANDS", "analysis", "build_parser", "collect", "demo", "emulator", "main",
-    "missing_extra", "options", "serve", "setting_commands", "simulate",
+    "missing_extra", "options", "proxy", "serve", "setting_commands", "simulate",
 ]
 
 

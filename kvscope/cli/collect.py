@@ -12,15 +12,15 @@ __all__ = ["COMMANDS"]
 
 
 def _configure_proxy(parser: argparse.ArgumentParser) -> None:
-    from kvscope.collector.proxy import add_proxy_arguments
+    from kvscope.cli.proxy import configure
 
-    add_proxy_arguments(parser)
+    configure(parser)
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from kvscope.collector.proxy import main_proxy
+    from kvscope.cli.proxy import run_proxy
 
-    return main_proxy(args)
+    return run_proxy(args)
 
 
 def _configure_gpu_sampler(parser: argparse.ArgumentParser) -> None:

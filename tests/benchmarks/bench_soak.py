@@ -83,15 +83,10 @@ def _serve_upstream(p_port: int, d_port: int) -> None:
 
 
 def _serve_proxy(argv: list[str]) -> None:
-    """``kvscope proxy`` as ``main_proxy`` builds it, plus ``GET /soak/counts``."""
-    from kvscope.collector.proxy.app import (
-        SERVER_OPTIONS,
-        add_proxy_arguments,
-        build_app,
-        config_from_args,
-        configure_serving_gc,
-        telemetry_from_args,
-    )
+    """``kvscope proxy`` as ``kvscope.cli.proxy.run_proxy`` builds it, plus ``GET /soak/counts``."""
+    from kvscope.cli.proxy import config_from_args, telemetry_from_args
+    from kvscope.cli.proxy import configure as add_proxy_arguments
+    from kvscope.collector.proxy.app import SERVER_OPTIONS, build_app, configure_serving_gc
 
     parser = argparse.ArgumentParser()
     add_proxy_arguments(parser)

@@ -30,13 +30,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvscope
 from kvscope import exposition, semconv
 from kvscope.boundary_key import BoundaryKey
+from kvscope.cli.proxy import config_from_args
+from kvscope.cli.proxy import configure as add_proxy_arguments
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy import (
     ConversationRouter,
     ProxyConfig,
     ProxyTelemetry,
     Upstream,
-    add_proxy_arguments,
     boundary_hashes,
     build_app,
     conversation_id_from,
@@ -44,7 +45,6 @@ from kvscope.collector.proxy import (
 from kvscope.collector.proxy.app import (
     SERVER_OPTIONS,
     SERVING_GC_THRESHOLD,
-    config_from_args,
     configure_serving_gc,
 )
 from kvscope.collector.proxy.metrics import MAX_MODEL_NAMES, OTHER_MODEL, ProxyMetrics
