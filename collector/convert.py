@@ -14,7 +14,7 @@ from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
 _SERVICE_NAME = "service.name"
 
 
-def _attrs(attributes: object) -> Attrs:
+def attribute_pairs(attributes: object) -> Attrs:
     if not attributes:
         return []
     out: Attrs = []
@@ -66,7 +66,8 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
         resource = span.resource
         cached = resource_cache.get(id(resource))
         if cached is None:
-            cached = (str(resource.attributes.get(_SERVICE_NAME, "")), _attrs(resource.attributes))
+            cached = (str(resource.attributes.get(_SERVICE_NAME, "")),
+                      attribute_pairs(resource.attributes))
             resource_cache[id(resource)] = cached
         parent = span.parent
         scope = span.instrumentation_scope
@@ -102,13 +103,13 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
             last_scope_version = (scope.version or "") if scope else ""
         scope_name.append(last_scope_name)
         scope_version.append(last_scope_version)
-        span_attrs.append(_attrs(span.attributes))
+        span_attrs.append(attribute_pairs(span.attributes))
         duration.append(end - start if end > start else 0)
         status_code.append(statuses[status.status_code])
         status_message.append(status.description or "")
         events = span.events
         events_col.append(
-            [{"Timestamp": e.timestamp, "Name": e.name, "Attributes": _attrs(e.attributes)}
+            [{"Timestamp": e.timestamp, "Name": e.name, "Attributes": attribute_pairs(e.attributes)}
              for e in events]
             if events
             else []
@@ -122,7 +123,7 @@ def spans_to_rows(spans: Sequence[ReadableSpan], rows: TraceRows | None = None) 
                     "TraceState": (
                         link.context.trace_state.to_header() if link.context.trace_state else ""
                     ),
-                    "Attributes": _attrs(link.attributes),
+                    "Attributes": attribute_pairs(link.attributes),
                 }
                 for link in links
             ]
@@ -140,7 +141,7 @@ def metrics_to_rows(data: MetricsData, rows: GaugeRows | None = None) -> GaugeRo
     rows = rows if rows is not None else GaugeRows()
     for resource_metrics in data.resource_metrics:
         resource = resource_metrics.resource
-        res_attrs = _attrs(resource.attributes)
+        res_attrs = attribute_pairs(resource.attributes)
         service = str(resource.attributes.get(_SERVICE_NAME, ""))
         for scope_metrics in resource_metrics.scope_metrics:
             scope = scope_metrics.scope
@@ -156,14 +157,14 @@ def metrics_to_rows(data: MetricsData, rows: GaugeRows | None = None) -> GaugeRo
                         resource_schema_url=resource_metrics.schema_url or "",
                         scope_name=scope.name,
                         scope_version=scope.version or "",
-                        scope_attributes=_attrs(getattr(scope, "attributes", None)),
+                        scope_attributes=attribute_pairs(getattr(scope, "attributes", None)),
                         scope_dropped_attr_count=0,
                         scope_schema_url=scope_metrics.schema_url or "",
                         service_name=service,
                         metric_name=metric.name,
                         metric_description=metric.description or "",
                         metric_unit=metric.unit or "",
-                        attributes=_attrs(point.attributes),
+                        attributes=attribute_pairs(point.attributes),
                         start_time_ns=getattr(point, "start_time_unix_nano", 0) or 0,
                         time_ns=point.time_unix_nano,
                         value=float(point.value),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +129,7 @@ def _static_decision(sampler: object) -> bool | None:
     return None
 
 
-class _DirectSpans:
+class DirectSpans:
     """What an SDK tracer would put into a span, so a record can become a ``ReadableSpan``."""
 
     def __init__(self, tracer: SdkTracer, scope: InstrumentationScope,
@@ -147,7 +148,7 @@ class _DirectSpans:
         )
 
     @classmethod
-    def of(cls, tracer: object) -> _DirectSpans | None:
+    def of(cls, tracer: object) -> DirectSpans | None:
         """The direct builder for ``tracer``, or None when only ``start_span`` is exact."""
         if not isinstance(tracer, SdkTracer):
             return None
@@ -235,9 +236,12 @@ class EngineTelemetry:
         max_queue: int = 65536,
         background: bool = True,
         poll_interval_s: float = 0.05,
+        direct: Callable[[object], DirectSpans | None] | None = None,
     ) -> None:
         self._tracer = tracer
-        self._direct = _DirectSpans.of(tracer)
+        # Where spans go when built directly (exact for this tracer): SDK spans to the tracer's
+        # processor, unless ``direct`` gives another sink (store rows: span_rows.EngineRows).
+        self._direct = (direct or DirectSpans.of)(tracer)
         # The last traceparent and its parent context (a turn's records share one).
         self._last_traceparent: str | None = None
         self._last_parent: SpanContext | None = None
@@ -300,6 +304,11 @@ class EngineTelemetry:
             semconv.ENGINE_ID: self.engine_id,
             semconv.ENGINE_ROLE: self.role,
         }
+
+    @property
+    def builds_directly(self) -> bool:
+        """Whether spans skip ``start_span`` (exact for this tracer), in the sink given."""
+        return self._direct is not None
 
     def _parent(self, traceparent: str | None) -> SpanContext | None:
         """The remote parent named by ``traceparent``; None when absent or invalid."""

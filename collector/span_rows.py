@@ -4,12 +4,13 @@
 A span reaches it either as an SDK ``ReadableSpan`` (:meth:`RowSink.on_end`; converted by
 ``spans_to_rows`` at flush) or, on the direct path, as the pieces it would be built from
 (:attr:`RowSink.row`), kept as one tuple and converted with its batch (:func:`rows_to_arrow`)
-to the values ``spans_to_rows`` would store. The pieces
-come from the one place each span is shaped: :func:`proxy_rows` replaces only the last step of
-:meth:`ProxyTelemetry.spans_for` (pieces → ``ReadableSpan``) and :class:`EngineRows` only
-:meth:`_DirectSpans.finish` of :class:`EngineTelemetry`, so attributes, statuses, events and ids
-are theirs. Used by the virtual-time simulator and by the proxy's export process; tests compare
-the rows with the SDK path's column for column.
+to the values ``spans_to_rows`` would store. The pieces come from the one place each span is
+shaped: the producers take their sink at construction, :func:`proxy_rows` as a
+:class:`ProxyTelemetry`'s ``span_sink`` (the last step of ``spans_for``: pieces → row instead of
+``ReadableSpan``) and :meth:`EngineRows.into` as an :class:`EngineTelemetry`'s ``direct``
+(:meth:`DirectSpans.finish`: row instead of span), so attributes, statuses, events and ids are
+theirs; nothing is patched on an instance. Used by the virtual-time simulator and by the proxy's
+export process; tests compare the rows with the SDK path's column for column.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
-from kvscope.collector.convert import _attrs as attrs_to_rows
+from kvscope.collector.convert import attribute_pairs as attrs_to_rows
 from kvscope.collector.convert import spans_to_rows
-from kvscope.collector.engine_telemetry import EngineTelemetry, _DirectSpans
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, SpanEvent
+from kvscope.collector.engine_telemetry import DirectSpans
+from kvscope.collector.proxy.telemetry import SpanBuilder, SpanEvent, SpanSink
 from kvscope.errors import StoreError
 from kvscope.store.rows import stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES, TRACES_ARROW
@@ -212,7 +213,7 @@ _MAP_TYPE = TRACES_ARROW.field("SpanAttributes").type
 
 
 def _value_str(value: object) -> str:
-    """An attribute value as stored: ``spans_to_rows``' ``_attrs``, branch for branch."""
+    """An attribute value as stored: ``spans_to_rows``' ``attribute_pairs``, branch for branch."""
     t = type(value)
     if t is int:
         return str(value)
@@ -390,12 +391,12 @@ def scope_row(scope: InstrumentationScope | None) -> tuple[str, str]:
     return (scope.name, scope.version or "") if scope is not None else ("", "")
 
 
-class EngineRows(_DirectSpans):
+class EngineRows(DirectSpans):
     """EngineTelemetry's direct span builder, ending in store rows instead of a ReadableSpan.
 
     Everything up to the finished span (attributes, status, timestamps, sampling, the order ids
     are drawn in) is EngineTelemetry's own code; only :meth:`finish` differs, appending the row
-    ``spans_to_rows`` would produce for the span :meth:`_DirectSpans.finish` builds.
+    ``spans_to_rows`` would produce for the span :meth:`DirectSpans.finish` builds.
     """
 
     sink: RowTarget
@@ -415,42 +416,51 @@ class EngineRows(_DirectSpans):
                       status.description or "")
 
     @classmethod
-    def attach(cls, tel: EngineTelemetry, sink: RowTarget) -> bool:
-        """Make ``tel`` write rows into ``sink``; False when its tracer needs the SDK path."""
-        direct = cls.of(tel._tracer)
-        if not isinstance(direct, EngineRows):
-            return False
-        direct.sink = sink
-        direct.resource_row = resource_row(direct.resource)
-        direct.scope_row = scope_row(direct.scope)
-        tel._direct = direct
-        return True
+    def into(cls, sink: RowTarget) -> Callable[[object], DirectSpans | None]:
+        """The row sink of an :class:`EngineTelemetry` (its ``direct``): the engine's spans as
+        rows appended to ``sink``; None (the SDK path) for a tracer only ``start_span`` serves
+        exactly."""
+        def build(tracer: object) -> DirectSpans | None:
+            direct = cls.of(tracer)
+            if not isinstance(direct, EngineRows):
+                return None
+            direct.sink = sink
+            direct.resource_row = resource_row(direct.resource)
+            direct.scope_row = scope_row(direct.scope)
+            return direct
+
+        return build
 
     resource_row: ResourceRow
     scope_row: tuple[str, str]
 
 
-def proxy_rows(proxy: ProxyTelemetry, sink: RowTarget) -> None:
-    """Make ``proxy.spans_for`` append its spans' rows to ``sink`` (it then returns no spans).
+def proxy_rows(sink: RowTarget) -> SpanSink:
+    """The row sink of a :class:`ProxyTelemetry` (its ``span_sink``): each finished span's
+    pieces appended to ``sink`` as a store row (``spans_for`` then returns no spans).
 
-    :meth:`ProxyTelemetry.spans_for` stays the one place the turn's spans are shaped: only its
-    last step, ``_span`` (pieces → ReadableSpan), is replaced on this instance. Its pieces are
-    already what a row holds (ids, (timestamp, name, attributes) events; no trace state).
+    :meth:`ProxyTelemetry.spans_for` stays the one place the turn's spans are shaped; only its
+    last step (pieces → span) differs from the SDK sink. The pieces are already what a row holds
+    (ids, (timestamp, name, attributes) events; no trace state).
     """
-    resource = resource_row(proxy._resource)
-    scope = scope_row(proxy._scope)
     row = sink.row
     kinds = _KIND_NAMES_BY_ID
 
-    def span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
-             parent_is_remote: bool, kind: SpanKind, start_ns: int, end_ns: int,
-             attributes: dict[str, Any], events: tuple[SpanEvent, ...],
-             status: Status) -> None:
-        row(name, trace_id, span_id, parent_span_id, "", kinds[id(kind)], resource, scope,
-            attributes, start_ns, max(end_ns, start_ns), events, status.status_code,
-            status.description or "")
+    def bind(resource: Resource, scope: InstrumentationScope) -> SpanBuilder:
+        resource_values = resource_row(resource)
+        scope_values = scope_row(scope)
 
-    proxy._span = span
+        def span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
+                 parent_is_remote: bool, kind: SpanKind, start_ns: int, end_ns: int,
+                 attributes: dict[str, Any], events: tuple[SpanEvent, ...],
+                 status: Status) -> None:
+            row(name, trace_id, span_id, parent_span_id, "", kinds[id(kind)], resource_values,
+                scope_values, attributes, start_ns, max(end_ns, start_ns), events,
+                status.status_code, status.description or "")
+
+        return span
+
+    return bind
 
 
 @contextmanager

@@ -312,22 +312,23 @@ def _telemetry(sink: RowSink, spec: _TelemetrySpec, direct: bool
     ``direct``: rows straight from the builders' pieces (no ReadableSpan, no spans_to_rows);
     otherwise SDK spans, which tests compare the direct rows with.
     """
-    proxy = ProxyTelemetry(None, router_ttl_s=spec.router_ttl_s)
-    proxy._resource = Resource(dict(spec.proxy_resource))
-    if spec.proxy_random is not None:
-        proxy._rand.setstate(spec.proxy_random)
+    # ``direct``: rows straight from the span builders' pieces (no ReadableSpan, no
+    # spans_to_rows); otherwise the SDK sinks.
+    proxy = ProxyTelemetry(None, router_ttl_s=spec.router_ttl_s,
+                           resource=Resource(dict(spec.proxy_resource)),
+                           span_sink=proxy_rows(sink) if direct else None,
+                           random_state=spec.proxy_random)
     engines = []
     for attributes, engine_id, role in spec.engines:
         provider = TracerProvider(resource=Resource(dict(attributes)))
         provider.add_span_processor(sink)
         tel = EngineTelemetry(provider.get_tracer(semconv.SCOPE_NAME), engine_id=engine_id,
-                              role=role, background=False)
-        if direct and not EngineRows.attach(tel, sink):
+                              role=role, background=False,
+                              direct=EngineRows.into(sink) if direct else None)
+        if direct and not tel.builds_directly:
             raise RuntimeError("simulator: an engine tracer needs the SDK span path")
         engines.append(_LocalEmitter(tel))
     if direct:
-        # Rows straight from the span builders' pieces: no ReadableSpan, no spans_to_rows.
-        proxy_rows(proxy, sink)
         return proxy.spans_for, engines
 
     def spans_for(record: TurnRecord) -> None:

@@ -392,8 +392,9 @@ class _RowExport:
 
         self._con = open_store(db, threads=1)  # it only inserts, beside the busy proxy
         self._sink = RowSink(self._con, strict=False, name="kvscope-proxy-rows")
-        self.proxy = ProxyTelemetry(None, router_ttl_s=router_ttl_s, service_name=service_name)
-        proxy_rows(self.proxy, self._sink)  # spans_for now appends rows
+        # spans_for appends rows: the row sink.
+        self.proxy = ProxyTelemetry(None, router_ttl_s=router_ttl_s, service_name=service_name,
+                                    span_sink=proxy_rows(self._sink))
         self._flushed_at = time.monotonic()
         self._writes = 0
         self._write_ns = 0

@@ -60,6 +60,12 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET_STATUS = Status(StatusCode.UNSET)  # immutable: one for every span without a status
 # A span event as spans_for shapes it: (timestamp ns, name, attributes).
 SpanEvent = tuple[int, str, dict[str, Any]]
+# A producer's last step: a finished span's pieces (name, trace id, span id, parent span id,
+# parent is remote, kind, start, end, attributes, events, status) to where spans go. The SDK sink
+# (:func:`sdk_spans`) returns a ReadableSpan; the row sink appends a store row and returns None.
+SpanBuilder = Callable[..., Any]
+# Makes a sink's builder for one producer's resource and instrumentation scope.
+SpanSink = Callable[[Resource, InstrumentationScope], SpanBuilder]
 
 
 # --- message boundaries ---------------------------------------------------------------------------
@@ -259,6 +265,37 @@ class _ConversationClock:
             state[1] = end_ns
 
 
+def sdk_spans(resource: Resource, scope: InstrumentationScope) -> SpanBuilder:
+    """The SDK sink: a finished span's pieces as the ``ReadableSpan`` exporters take.
+
+    Pieces: ids (every span of a turn is sampled and carries no trace state), events as
+    (timestamp, name, attributes). The direct row path's sink
+    (:func:`kvscope.collector.span_rows.proxy_rows`) takes the same pieces, so they are plain
+    values, not SDK objects.
+    """
+    def span(name: str, trace_id: int, span_id: int, parent_span_id: int | None,
+             parent_is_remote: bool, kind: SpanKind, start_ns: int, end_ns: int,
+             attributes: dict[str, Any], events: tuple[SpanEvent, ...],
+             status: Status) -> ReadableSpan:
+        return ReadableSpan(
+            name,
+            context=SpanContext(trace_id, span_id, False, _SAMPLED),
+            parent=(None if parent_span_id is None
+                    else SpanContext(trace_id, parent_span_id, parent_is_remote, _SAMPLED)),
+            resource=resource,
+            attributes=attributes,
+            events=[Event(event_name, event_attributes, timestamp=timestamp)
+                    for timestamp, event_name, event_attributes in events],
+            kind=kind,
+            status=status,
+            start_time=start_ns,
+            end_time=max(end_ns, start_ns),
+            instrumentation_scope=scope,
+        )
+
+    return span
+
+
 class ProxyTelemetry:
     """Turn records → spans and metrics.
 
@@ -277,6 +314,9 @@ class ProxyTelemetry:
         export_process: TurnExportProcess | None = None,
         service_name: str = semconv.SERVICE_PROXY,
         boundary_key: BoundaryKey | None = None,
+        resource: Resource | None = None,
+        span_sink: SpanSink | None = None,
+        random_state: Any = None,
     ) -> None:
         if telemetry is not None and export_process is not None:
             raise ValueError("ProxyTelemetry takes telemetry or export_process, not both")
@@ -292,17 +332,21 @@ class ProxyTelemetry:
             else BoundaryKey.ephemeral())
         self._clock = _ConversationClock(max_conversations)
         self._rand = random.Random()
+        if random_state is not None:
+            self._rand.setstate(random_state)
         self._scope = InstrumentationScope(semconv.SCOPE_NAME, __version__)
         self._span_failures = 0
         self._lock = threading.Lock()
         # Turns begun but not finished (the handler ends after the client has the last byte).
         self.open_turns = 0
         # ReadableSpan builds a default Resource (process detection) per span when given None.
-        self._resource = (
+        self.resource = resource or (
             telemetry.tracer_provider.resource
             if telemetry is not None
             else Resource.create({"service.name": service_name})
         )
+        # Where finished spans go: SDK spans (exported) unless a sink is given (store rows).
+        self._span = (span_sink or sdk_spans)(self.resource, self._scope)
 
     # -- request path ------------------------------------------------------------------------------
     def begin_turn(
@@ -535,39 +579,6 @@ class ProxyTelemetry:
         return self._span(name, record.trace_id, span_id, record.turn_span_id, False,
                           SpanKind.CLIENT, start_ns, end_ns or record.end_ns, attrs, events,
                           status)
-
-    def _span(
-        self,
-        name: str,
-        trace_id: int,
-        span_id: int,
-        parent_span_id: int | None,
-        parent_is_remote: bool,
-        kind: SpanKind,
-        start_ns: int,
-        end_ns: int,
-        attributes: dict[str, Any],
-        events: tuple[SpanEvent, ...],
-        status: Status,
-    ) -> ReadableSpan:
-        """One finished span from its pieces: ids (every span of a turn is sampled and carries
-        no trace state), events as (timestamp, name, attributes). :func:`proxy_rows` replaces
-        this step on the direct row path, so the pieces are plain values, not SDK objects."""
-        return ReadableSpan(
-            name,
-            context=SpanContext(trace_id, span_id, False, _SAMPLED),
-            parent=(None if parent_span_id is None
-                    else SpanContext(trace_id, parent_span_id, parent_is_remote, _SAMPLED)),
-            resource=self._resource,
-            attributes=attributes,
-            events=[Event(event_name, event_attributes, timestamp=timestamp)
-                    for timestamp, event_name, event_attributes in events],
-            kind=kind,
-            status=status,
-            start_time=start_ns,
-            end_time=max(end_ns, start_ns),
-            instrumentation_scope=self._scope,
-        )
 
     # -- drops and exposition ------------------------------------------------------------------
     def dropped_spans(self) -> int:
