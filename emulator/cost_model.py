@@ -36,6 +36,8 @@ from dataclasses import dataclass, replace
 
 from kvscope import published
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE
+from kvscope.emulator.turn_mix import TurnMix, turn_mix
+from kvscope.emulator.workloads import published_sweep
 from kvscope.fit import solve_linear
 
 
@@ -108,10 +110,10 @@ class CostProfile:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Published endpoints of one sweep (ms), at a short and a long prompt."""
+    """Published means of one sweep (ms) at its two ends, with the turns they average over."""
 
-    prompt_tokens: tuple[int, int]
-    new_tokens: int
+    prompt_tokens: tuple[int, int]  # the swept shared prefix at the two ends
+    mix: tuple[TurnMix, TurnMix]  # the mean composition of the sweep's turns at each end
     prefill_off_ms: tuple[float, float]
     prefill_on_ms: tuple[float, float]
     transfer_on_ms: tuple[float, float]
@@ -119,11 +121,27 @@ class Calibration:
     ttft_on_ms: tuple[float, float]
 
 
-def calibration(sweep: published.PublishedSweep) -> Calibration:
-    """The calibration points of a published sweep (its two ends)."""
+def calibration(sweep: published.PublishedSweep, block_size: int = DEFAULT_BLOCK_SIZE,
+                kv_recompute_threshold: int = 64) -> Calibration:
+    """The calibration points of a published sweep: its two ends, over the sweep's own turns.
+
+    Each end's turns come from the generator the simulator runs for that sweep
+    (:func:`kvscope.emulator.workloads.published_sweep.generate`), so the mix is derived, not
+    typed in.
+    """
+    mixes = tuple(
+        turn_mix(
+            published_sweep.generate(
+                prefix, conversations=sweep.conversations, turns=sweep.turns,
+                new_tokens=sweep.new_tokens, output_tokens=sweep.output_tokens,
+                clients=sweep.clients, block_size=block_size),
+            kv_recompute_threshold,
+        )
+        for prefix in sweep.prompt_tokens
+    )
     return Calibration(
         prompt_tokens=sweep.prompt_tokens,
-        new_tokens=sweep.new_tokens,
+        mix=(mixes[0], mixes[1]),
         prefill_off_ms=sweep.prefill_off_ms,
         prefill_on_ms=sweep.prefill_on_ms,
         transfer_on_ms=sweep.transfer_on_ms,
@@ -144,38 +162,59 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return solution
 
 
-def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostProfile:
-    """Solve a profile's constants so it reproduces ``cal`` at both ends of the sweep.
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = intercept + slope·x``."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return mean_y - slope * mean_x, slope
 
-    The pull covers everything but the new tokens: ``pulled = prompt − new`` in the ON runs.
+
+def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> CostProfile:
+    """Solve a profile's constants so its mean over the sweep's turns meets ``cal`` at both ends.
+
+    Every term is linear, so a mean over turns is the model at the turns' mean composition:
+    per end, OFF prefill = ``a + b·prompt``; transfer per read = ``latency + bytes/bandwidth``;
+    ON prefill = ``a + b·computed + share·(h + g·pulled) + share·transfer`` (``share`` of turns
+    pull, ``pulled`` and ``bytes`` per read). Six equations, six unknowns, solved exactly —
+    unless that gives ``g < 0`` (the pull path would get cheaper the more it pulls, and long
+    pulls would cost less than nothing): then ``g = 0`` and ``h`` is the least-squares fit of
+    the two ON ends. First-token leg: least squares over the four TTFT − prefill gaps at the
+    mean prompt (the ``max(0, ·)`` clamp of :meth:`CostProfile.first_token_ms` is not in it).
     """
-    lo, hi = cal.prompt_tokens
-    new = cal.new_tokens
-    pulled = (lo - new, hi - new)
-    bytes_lo, bytes_hi = (kv_bytes_per_token * p for p in pulled)
+    lo, hi = cal.mix
+    bytes_lo, bytes_hi = (m.read_blocks * block_size * kv_bytes_per_token for m in cal.mix)
     bandwidth = (bytes_hi - bytes_lo) / (cal.transfer_on_ms[1] - cal.transfer_on_ms[0])
     latency = cal.transfer_on_ms[0] - bytes_lo / bandwidth
     rows, rhs = [], []
-    for prompt, ms in zip(cal.prompt_tokens, cal.prefill_off_ms, strict=True):
-        rows.append([1.0, prompt, 0.0, 0.0])
+    for mix, ms in zip(cal.mix, cal.prefill_off_ms, strict=True):
+        rows.append([1.0, mix.prompt_tokens, 0.0, 0.0])
         rhs.append(ms)
-    for ctx, ms, wire in zip(pulled, cal.prefill_on_ms, cal.transfer_on_ms, strict=True):
-        rows.append([1.0, new, ctx, 1.0])
-        rhs.append(ms - wire)
+    # ON: the mean wire time over all turns is share × the published time per read.
+    on_rhs = [ms - mix.pull_share * wire for mix, ms, wire
+              in zip(cal.mix, cal.prefill_on_ms, cal.transfer_on_ms, strict=True)]
+    for mix, ms in zip(cal.mix, on_rhs, strict=True):
+        rows.append([1.0, mix.computed_on_tokens, mix.pull_share * mix.pulled_tokens,
+                     mix.pull_share])
+        rhs.append(ms)
     a, b, g, h = _solve(rows, rhs)
-    # First-token leg: least squares over the four TTFT − prefill gaps (OFF and ON, both ends).
-    xs = [lo, hi, lo, hi]
-    ys = [
-        cal.ttft_off_ms[0] - cal.prefill_off_ms[0],
-        cal.ttft_off_ms[1] - cal.prefill_off_ms[1],
-        cal.ttft_on_ms[0] - cal.prefill_on_ms[0],
-        cal.ttft_on_ms[1] - cal.prefill_on_ms[1],
-    ]
-    mean_x, mean_y = sum(xs) / 4, sum(ys) / 4
-    f = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
+    if g < 0:
+        g = 0.0
+        a, b = _solve([r[:2] for r in rows[:2]], rhs[:2])
+        rest = [ms - a - b * m.computed_on_tokens for m, ms in zip(cal.mix, on_rhs, strict=True)]
+        h = sum(m.pull_share * r for m, r in zip(cal.mix, rest, strict=True)) / sum(
+            m.pull_share**2 for m in cal.mix)
+    e, f = _line(
+        [lo.prompt_tokens, hi.prompt_tokens, lo.prompt_tokens, hi.prompt_tokens],
+        [
+            cal.ttft_off_ms[0] - cal.prefill_off_ms[0],
+            cal.ttft_off_ms[1] - cal.prefill_off_ms[1],
+            cal.ttft_on_ms[0] - cal.prefill_on_ms[0],
+            cal.ttft_on_ms[1] - cal.prefill_on_ms[1],
+        ],
     )
-    e = mean_y - f * mean_x
     return CostProfile(
         name=name,
         kv_bytes_per_token=kv_bytes_per_token,
@@ -188,6 +227,7 @@ def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostPro
         transfer_bytes_per_ms=bandwidth,
         first_token_fixed_ms=e,
         first_token_ms_per_prompt_token=f,
+        block_size=block_size,
     )
 
 
