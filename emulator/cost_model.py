@@ -8,18 +8,49 @@ KV before them, ``pulled`` = tokens read D→P for this request):
   ``b`` the per-token work; ``c`` attention over the context (0 in the fitted profiles: the
   published OFF sweep grows linearly, and an unconstrained fit gives a negative ``c`` that would
   make 100k-token prompts free); ``g`` the pull path's per-token overhead beyond the wire
-  (WAITING_FOR_REMOTE_KVS round trips, block registration, NIXL post time), which the blog's ON
-  prefill shows and the wire alone does not explain; ``h`` the pull path's fixed difference
-  (fits slightly negative: the ON leg skips work the linear OFF fit charges to ``a``).
+  (WAITING_FOR_REMOTE_KVS round trips, block registration, NIXL post time); ``h`` the pull
+  path's fixed difference.
 * ``transfer_ms = latency + bytes / bandwidth`` (one NIXL READ; bytes = blocks × block bytes).
 * ``first_token_ms = e + f·prompt`` — the D leg up to the first streamed token (P→D pull of the
   blocks D lacks, the first decode step, proxy pass-through), fitted to TTFT − prefill.
 * ``decode_ms_per_token = d0 + d1·context`` — assumed, not calibrated (the blog gives no TPOT).
 
-TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg. The profiles
-``qwen3-32b`` and ``glm-5-fp8`` are solved exactly from the published endpoints
-(:mod:`kvscope.published`: 1P1D, ~150 new tokens per turn) by :func:`fit_profile`,
-so the same function can refit a profile from observed spans (the what-if analysis).
+TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg.
+
+Calibration. The profiles ``qwen3-32b`` and ``glm-5-fp8`` are solved by :func:`fit_profile`
+from the published ends (:mod:`kvscope.published`; nothing between them was published). Each
+published figure is a mean over the turns of 10 chats × 10 turns, so the fit prices the mean
+turn, not one request of prefix + 150 tokens: :func:`kvscope.emulator.turn_mix.turn_mix` reads
+the mean composition off the sweep's own workload (the generator the simulator runs) — OFF the
+mean prompt (prefix + 2,175: the history is re-sent); ON the mean computed tokens (a chat's
+first turn computes prefix + 150, the others 150), the share of turns that pull (90 %: first
+turns pull nothing) and the tokens and whole blocks per read (prefix + 2,250 on average). Every
+term is linear, so the mean price is the price at the mean composition: two transfer ends give
+latency and bandwidth; two OFF and two ON prefill ends give ``a, b, g, h`` exactly, unless that
+makes ``g < 0`` (a pull cheaper the longer it is, free past some length): then ``g = 0`` and
+``h`` is the least-squares fit of both ON ends. The first-token line is the least-squares fit of
+the four TTFT − prefill gaps at the mean prompt (one line for ON and OFF; the ``max(0, ·)`` clamp
+is left out of the fit). Solved constants (2026-12-01):
+
+========================  ==========  ==========
+constant                  qwen3-32b   glm-5-fp8
+========================  ==========  ==========
+a  prefill fixed, ms      40.8        75.3
+b  ms per computed token  0.02686     0.10172
+g  ms per pulled token    0.00691     0 (exact fit: −0.00191)
+h  pull fixed, ms         27.0        181.7 (exact fit: 207.0)
+transfer latency, ms      10.6        9.8
+bandwidth, GB/s           57.7        20.0
+e  first token fixed, ms  −8.2        6.9
+f  ms per prompt token    0.00184     0.00339
+========================  ==========  ==========
+
+With these, the simulated sweep meets every published end within ±15 % (``published_sweep``
+analysis; figures in ``docs/benchmarks.md``). Every published point is a calibration point, so
+that match tests only that the simulator composes the costs as the fit did (turn mix, whole-block
+reads, the clamp); it says nothing of the points between the ends, of other prompt shapes, of
+concurrency (the simulator does not queue) or of the model's shape (``c = 0``, linear pull path).
+The same :func:`fit_profile` applies to any :class:`Calibration` of two ends and their turn mixes.
 
 KV bytes per token come from the models' public configs:
 
