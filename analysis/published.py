@@ -8,12 +8,14 @@ published value at that prompt length from :mod:`kvscope.published`, with the ra
 simulated / published. Only the two ends of each published sweep were measured; every other
 point reads "not measured" (null), never 0.
 
-Where a point misses ±15 %, ``why`` names the part of the cost model that misses, from the
-run's own token counts: the profiles (``emulator/cost_model.py``) were solved with each request
-sending the swept prefix and 150 new tokens (pulling prefix − 150), but a 10-turn chat's requests
-also re-send its history (mean prompt = prefix + 2,175 tokens), and each chat's first turn has
-nothing to pull. Query (the ledger, the run table) → shaping (:func:`sweep_table`, pure) →
-registration, as everywhere in ``analysis/``.
+Every published point is a calibration point: the profiles (``emulator/cost_model.py``) are
+solved so that their means over the sweep's own turns (history re-sent, each chat's first turn
+pulling nothing, follow-ups pulling their history) meet the published ends. A point therefore
+matches when the run's turns have the composition the profile was solved on and the simulator
+prices them as the fit did; where it misses ±15 %, ``why`` says which of the two moved, from the
+run's own turns (follow-ups that pulled nothing, a workload other than the published setup) or,
+failing that, the cost term that carries the quantity. Query (the ledger, the run table) →
+shaping (:func:`sweep_table`, pure) → registration, as everywhere in ``analysis/``.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def sweep_runs(runs: pl.DataFrame) -> list[dict[str, Any]]:
             "run_id": run["run_id"], "label": run["label"],
             "profile": str(settings.get("profile")), "feature": "on" if on else "off",
             "prompt_tokens": int(workload["shared_prefix_tokens"]),
-            "new_tokens": int(workload.get("new_tokens", 0)),
+            "workload": workload,
         })
     return out
 
@@ -89,7 +91,7 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
 
 def _why(run: Mapping[str, Any], stats: Mapping[str, Any], ratios: Mapping[str, float | None],
          sweep: published.PublishedSweep | None) -> str:
-    """Which part of the cost model misses a published point, and why (from the run's tokens)."""
+    """Why a published point is matched or missed, from the run's own turns."""
     if sweep is None:
         return f"no published sweep for profile {run['profile']}"
     if run["prompt_tokens"] not in sweep.prompt_tokens:
@@ -97,28 +99,32 @@ def _why(run: Mapping[str, Any], stats: Mapping[str, Any], ratios: Mapping[str, 
         return f"not measured: published at {ends} tokens only"
     missed = [name for name, r in ratios.items() if r is not None and abs(r - 1) > TOLERANCE]
     if not missed:
-        return "within ±15 %"
-    prefix, new = run["prompt_tokens"], run["new_tokens"]
-    history = stats["mean_prompt_tokens"] - prefix - new
+        return "within ±15 % (a calibration point: the profile was solved from the published ends)"
     parts = [f"{', '.join(missed)} off by more than 15 %"]
-    if "transfer" in missed and stats["mean_pulled_tokens"] is not None:
-        pulled = stats["mean_pulled_tokens"]
+    setup = {"conversations": sweep.conversations, "turns": sweep.turns,
+             "new_tokens": sweep.new_tokens, "output_tokens": sweep.output_tokens}
+    differs = {k: run["workload"].get(k) for k, v in setup.items() if run["workload"].get(k) != v}
+    if differs:
         parts.append(
-            f"transfer (latency + bytes / bandwidth): reads carry {pulled:,.0f} tokens on "
-            f"average, the profile was solved for {prefix - new:,} (the prefix without the new "
-            "tokens); the history rides along")
-    if {"ttft", "prefill"} & set(missed):
+            "workload: " + ", ".join(f"{k} {v}" for k, v in differs.items()) + " where the "
+            "profile was solved on the published setup ("
+            + ", ".join(f"{k} {v}" for k, v in setup.items()) + ")")
+    follow_ups = 1.0 - stats["first_turn_share"]
+    if run["feature"] == "on" and stats["pull_share"] < follow_ups - 1e-9:
         parts.append(
-            f"prefill per-token and fixed terms: the profile was solved with each request "
-            f"sending the {prefix:,}-token prefix and {new} new tokens, but these requests also "
-            f"re-send the chat's history: {stats['mean_prompt_tokens']:,.0f} tokens on average "
-            f"(+{history:,.0f}), so every term proportional to the prompt is priced on more "
-            "tokens than the published point was read as")
-        if run["feature"] == "on" and stats["first_turn_share"]:
-            parts.append(
-                f"pull path: {stats['first_turn_share']:.0%} of turns are a chat's first and "
-                "pull nothing (a full prefill of the prefix), which a per-request fit of the ON "
-                "points leaves out")
+            f"pull path: {stats['pull_share']:.0%} of turns used KV pulled from decode, the "
+            f"profile was solved with every follow-up pulling its chat's history "
+            f"({follow_ups:.0%} of turns); the others recomputed at the OFF price")
+    if len(parts) == 1:
+        terms = {
+            "ttft": "first-token leg (one line in the prompt for ON and OFF, least squares over "
+                    "the four published TTFT − prefill gaps)",
+            "prefill": "prefill terms (fixed, per computed token, pull path)",
+            "transfer": "transfer (latency + bytes / bandwidth, from the two published reads)",
+        }
+        parts.append(
+            "the run's turns have the composition the profile was solved on; the miss is in the "
+            + "; ".join(terms[name] for name in missed))
     return "; ".join(parts)
 
 
@@ -136,9 +142,8 @@ def sweep_table(runs: list[dict[str, Any]], ledger: pl.DataFrame) -> pl.DataFram
         pl.col("prefill_ms").mean().alias("prefill_ms"),
         (pl.col("prefill_ms") - transfer.fill_null(0.0)).mean().alias("compute_ms"),
         transfer.mean().alias("transfer_ms"),  # per read: turns without one are null
-        pl.col("remote_reused_tokens").filter(transfer.is_not_null()).mean()
-        .alias("mean_pulled_tokens"),
         (pl.col("turn_index") == 1).mean().alias("first_turn_share"),
+        (pl.col("remote_reused_tokens").fill_null(0) > 0).mean().alias("pull_share"),
     )
     by_run = {row["run_id"]: row for row in means.iter_rows(named=True)}
     out = []

@@ -1,7 +1,8 @@
 """The emulator: a stand-in for a vLLM P/D deployment with bidirectional KV transfer.
 
     reuse_model.py   the scheduler/worker behaviour of vLLM 0.33.0's NIXL readback, as a model
-    cost_model.py    prefill/decode/transfer times per model profile
+    cost_model.py    prefill/decode/transfer times per model profile; turn_mix.py the mean turn
+                     composition the profiles are calibrated on
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
@@ -13,5 +14,5 @@
 
 __all__ = [
     "cost_model", "faults", "ground_truth", "launcher", "openai_api", "published_sweep", "replay",
-    "reuse_model", "servers", "simulator", "tokens", "workloads",
+    "reuse_model", "servers", "simulator", "tokens", "turn_mix", "workloads",
 ]

@@ -8,18 +8,49 @@ KV before them, ``pulled`` = tokens read D→P for this request):
   ``b`` the per-token work; ``c`` attention over the context (0 in the fitted profiles: the
   published OFF sweep grows linearly, and an unconstrained fit gives a negative ``c`` that would
   make 100k-token prompts free); ``g`` the pull path's per-token overhead beyond the wire
-  (WAITING_FOR_REMOTE_KVS round trips, block registration, NIXL post time), which the blog's ON
-  prefill shows and the wire alone does not explain; ``h`` the pull path's fixed difference
-  (fits slightly negative: the ON leg skips work the linear OFF fit charges to ``a``).
+  (WAITING_FOR_REMOTE_KVS round trips, block registration, NIXL post time); ``h`` the pull
+  path's fixed difference.
 * ``transfer_ms = latency + bytes / bandwidth`` (one NIXL READ; bytes = blocks × block bytes).
 * ``first_token_ms = e + f·prompt`` — the D leg up to the first streamed token (P→D pull of the
   blocks D lacks, the first decode step, proxy pass-through), fitted to TTFT − prefill.
 * ``decode_ms_per_token = d0 + d1·context`` — assumed, not calibrated (the blog gives no TPOT).
 
-TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg. The profiles
-``qwen3-32b`` and ``glm-5-fp8`` are solved exactly from the published endpoints
-(:mod:`kvscope.published`: 1P1D, ~150 new tokens per turn) by :func:`fit_profile`,
-so the same function can refit a profile from observed spans (the what-if analysis).
+TTFT (proxy view) = prefill leg + transfer (when pulling) + first-token leg.
+
+Calibration. The profiles ``qwen3-32b`` and ``glm-5-fp8`` are solved by :func:`fit_profile`
+from the published ends (:mod:`kvscope.published`; nothing between them was published). Each
+published figure is a mean over the turns of 10 chats × 10 turns, so the fit prices the mean
+turn, not one request of prefix + 150 tokens: :func:`kvscope.emulator.turn_mix.turn_mix` reads
+the mean composition off the sweep's own workload (the generator the simulator runs) — OFF the
+mean prompt (prefix + 2,175: the history is re-sent); ON the mean computed tokens (a chat's
+first turn computes prefix + 150, the others 150), the share of turns that pull (90 %: first
+turns pull nothing) and the tokens and whole blocks per read (prefix + 2,250 on average). Every
+term is linear, so the mean price is the price at the mean composition: two transfer ends give
+latency and bandwidth; two OFF and two ON prefill ends give ``a, b, g, h`` exactly, unless that
+makes ``g < 0`` (a pull cheaper the longer it is, free past some length): then ``g = 0`` and
+``h`` is the least-squares fit of both ON ends. The first-token line is the least-squares fit of
+the four TTFT − prefill gaps at the mean prompt (one line for ON and OFF; the ``max(0, ·)`` clamp
+is left out of the fit). Solved constants (2026-12-01):
+
+========================  ==========  ==========
+constant                  qwen3-32b   glm-5-fp8
+========================  ==========  ==========
+a  prefill fixed, ms      40.8        75.3
+b  ms per computed token  0.02686     0.10172
+g  ms per pulled token    0.00691     0 (exact fit: −0.00191)
+h  pull fixed, ms         27.0        181.7 (exact fit: 207.0)
+transfer latency, ms      10.6        9.8
+bandwidth, GB/s           57.7        20.0
+e  first token fixed, ms  −8.2        6.9
+f  ms per prompt token    0.00184     0.00339
+========================  ==========  ==========
+
+With these, the simulated sweep meets every published end within ±15 % (``published_sweep``
+analysis; figures in ``docs/benchmarks.md``). Every published point is a calibration point, so
+that match tests only that the simulator composes the costs as the fit did (turn mix, whole-block
+reads, the clamp); it says nothing of the points between the ends, of other prompt shapes, of
+concurrency (the simulator does not queue) or of the model's shape (``c = 0``, linear pull path).
+The same :func:`fit_profile` applies to any :class:`Calibration` of two ends and their turn mixes.
 
 KV bytes per token come from the models' public configs:
 
@@ -36,6 +67,8 @@ from dataclasses import dataclass, replace
 
 from kvscope import published
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE
+from kvscope.emulator.turn_mix import TurnMix, turn_mix
+from kvscope.emulator.workloads import published_sweep
 from kvscope.fit import solve_linear
 
 
@@ -108,10 +141,10 @@ class CostProfile:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Published endpoints of one sweep (ms), at a short and a long prompt."""
+    """Published means of one sweep (ms) at its two ends, with the turns they average over."""
 
-    prompt_tokens: tuple[int, int]
-    new_tokens: int
+    prompt_tokens: tuple[int, int]  # the swept shared prefix at the two ends
+    mix: tuple[TurnMix, TurnMix]  # the mean composition of the sweep's turns at each end
     prefill_off_ms: tuple[float, float]
     prefill_on_ms: tuple[float, float]
     transfer_on_ms: tuple[float, float]
@@ -119,11 +152,27 @@ class Calibration:
     ttft_on_ms: tuple[float, float]
 
 
-def calibration(sweep: published.PublishedSweep) -> Calibration:
-    """The calibration points of a published sweep (its two ends)."""
+def calibration(sweep: published.PublishedSweep, block_size: int = DEFAULT_BLOCK_SIZE,
+                kv_recompute_threshold: int = 64) -> Calibration:
+    """The calibration points of a published sweep: its two ends, over the sweep's own turns.
+
+    Each end's turns come from the generator the simulator runs for that sweep
+    (:func:`kvscope.emulator.workloads.published_sweep.generate`), so the mix is derived, not
+    typed in.
+    """
+    mixes = tuple(
+        turn_mix(
+            published_sweep.generate(
+                prefix, conversations=sweep.conversations, turns=sweep.turns,
+                new_tokens=sweep.new_tokens, output_tokens=sweep.output_tokens,
+                clients=sweep.clients, block_size=block_size),
+            kv_recompute_threshold,
+        )
+        for prefix in sweep.prompt_tokens
+    )
     return Calibration(
         prompt_tokens=sweep.prompt_tokens,
-        new_tokens=sweep.new_tokens,
+        mix=(mixes[0], mixes[1]),
         prefill_off_ms=sweep.prefill_off_ms,
         prefill_on_ms=sweep.prefill_on_ms,
         transfer_on_ms=sweep.transfer_on_ms,
@@ -144,38 +193,59 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return solution
 
 
-def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostProfile:
-    """Solve a profile's constants so it reproduces ``cal`` at both ends of the sweep.
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = intercept + slope·x``."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return mean_y - slope * mean_x, slope
 
-    The pull covers everything but the new tokens: ``pulled = prompt − new`` in the ON runs.
+
+def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> CostProfile:
+    """Solve a profile's constants so its mean over the sweep's turns meets ``cal`` at both ends.
+
+    Every term is linear, so a mean over turns is the model at the turns' mean composition:
+    per end, OFF prefill = ``a + b·prompt``; transfer per read = ``latency + bytes/bandwidth``;
+    ON prefill = ``a + b·computed + share·(h + g·pulled) + share·transfer`` (``share`` of turns
+    pull, ``pulled`` and ``bytes`` per read). Six equations, six unknowns, solved exactly —
+    unless that gives ``g < 0`` (the pull path would get cheaper the more it pulls, and long
+    pulls would cost less than nothing): then ``g = 0`` and ``h`` is the least-squares fit of
+    the two ON ends. First-token leg: least squares over the four TTFT − prefill gaps at the
+    mean prompt (the ``max(0, ·)`` clamp of :meth:`CostProfile.first_token_ms` is not in it).
     """
-    lo, hi = cal.prompt_tokens
-    new = cal.new_tokens
-    pulled = (lo - new, hi - new)
-    bytes_lo, bytes_hi = (kv_bytes_per_token * p for p in pulled)
+    lo, hi = cal.mix
+    bytes_lo, bytes_hi = (m.read_blocks * block_size * kv_bytes_per_token for m in cal.mix)
     bandwidth = (bytes_hi - bytes_lo) / (cal.transfer_on_ms[1] - cal.transfer_on_ms[0])
     latency = cal.transfer_on_ms[0] - bytes_lo / bandwidth
     rows, rhs = [], []
-    for prompt, ms in zip(cal.prompt_tokens, cal.prefill_off_ms, strict=True):
-        rows.append([1.0, prompt, 0.0, 0.0])
+    for mix, ms in zip(cal.mix, cal.prefill_off_ms, strict=True):
+        rows.append([1.0, mix.prompt_tokens, 0.0, 0.0])
         rhs.append(ms)
-    for ctx, ms, wire in zip(pulled, cal.prefill_on_ms, cal.transfer_on_ms, strict=True):
-        rows.append([1.0, new, ctx, 1.0])
-        rhs.append(ms - wire)
+    # ON: the mean wire time over all turns is share × the published time per read.
+    on_rhs = [ms - mix.pull_share * wire for mix, ms, wire
+              in zip(cal.mix, cal.prefill_on_ms, cal.transfer_on_ms, strict=True)]
+    for mix, ms in zip(cal.mix, on_rhs, strict=True):
+        rows.append([1.0, mix.computed_on_tokens, mix.pull_share * mix.pulled_tokens,
+                     mix.pull_share])
+        rhs.append(ms)
     a, b, g, h = _solve(rows, rhs)
-    # First-token leg: least squares over the four TTFT − prefill gaps (OFF and ON, both ends).
-    xs = [lo, hi, lo, hi]
-    ys = [
-        cal.ttft_off_ms[0] - cal.prefill_off_ms[0],
-        cal.ttft_off_ms[1] - cal.prefill_off_ms[1],
-        cal.ttft_on_ms[0] - cal.prefill_on_ms[0],
-        cal.ttft_on_ms[1] - cal.prefill_on_ms[1],
-    ]
-    mean_x, mean_y = sum(xs) / 4, sum(ys) / 4
-    f = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
+    if g < 0:
+        g = 0.0
+        a, b = _solve([r[:2] for r in rows[:2]], rhs[:2])
+        rest = [ms - a - b * m.computed_on_tokens for m, ms in zip(cal.mix, on_rhs, strict=True)]
+        h = sum(m.pull_share * r for m, r in zip(cal.mix, rest, strict=True)) / sum(
+            m.pull_share**2 for m in cal.mix)
+    e, f = _line(
+        [lo.prompt_tokens, hi.prompt_tokens, lo.prompt_tokens, hi.prompt_tokens],
+        [
+            cal.ttft_off_ms[0] - cal.prefill_off_ms[0],
+            cal.ttft_off_ms[1] - cal.prefill_off_ms[1],
+            cal.ttft_on_ms[0] - cal.prefill_on_ms[0],
+            cal.ttft_on_ms[1] - cal.prefill_on_ms[1],
+        ],
     )
-    e = mean_y - f * mean_x
     return CostProfile(
         name=name,
         kv_bytes_per_token=kv_bytes_per_token,
@@ -188,6 +258,7 @@ def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration) -> CostPro
         transfer_bytes_per_ms=bandwidth,
         first_token_fixed_ms=e,
         first_token_ms_per_prompt_token=f,
+        block_size=block_size,
     )
 
 
