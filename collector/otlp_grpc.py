@@ -13,9 +13,9 @@ answer ``INTERNAL``). gzip (and deflate) are inflated by grpc itself, whose
 ``grpc.max_receive_message_length`` is set to ``max_request_bytes``; the intake checks the
 inflated size again. Each message is admitted by its bytes (``max_inflight_bytes``) without
 waiting, and ``GRPC_MAX_CONCURRENT_RPCS`` bounds how many grpc holds at once. Refusals carry
-the ``google.rpc`` code of the HTTP refusal (the same numbers
-as gRPC's status codes): INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a
-``google.rpc.RetryInfo`` in the trailers, which the OTLP exporters honour.
+the ``google.rpc`` code of the HTTP refusal (the same numbers as gRPC's status codes):
+INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a ``google.rpc.RetryInfo`` in the
+trailers, which the OTLP exporters honour.
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ memory is bounded by bytes whatever the requests hold. A request is decoded comp
 anything is queued, so a bad request never touches rows already stored. Rows are acknowledged
 once committed (group commit across concurrent requests), so a SIGKILL loses nothing
 acknowledged; a request of any number of rows is taken. A clean stop (SIGINT/SIGTERM for
-:func:`run_receiver`, through
-:func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`) stops both listeners accepting,
-lets their in-flight requests finish, and only then writes everything acknowledged and closes
-the store.
+:func:`run_receiver`, through :func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`)
+stops both listeners accepting, lets their in-flight requests finish, and only then writes
+everything acknowledged and closes the store.
 ``GET /health`` reports the counters of both transports.
 """
 
