@@ -707,3 +707,27 @@ def test_a_request_past_the_bytes_in_flight_waits_then_gets_503_with_retry_after
         assert health["busy"] == 1
         assert health["inflight_bytes"] == 0
         assert health["peak_inflight_bytes"] == 1 << 20
+
+
+def test_a_gzip_body_is_admitted_by_its_inflated_size(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from receiver_memory import one_span_request
+
+    # 2 MiB inflated, a few KiB on the wire: valid OTLP with a field the schema does not define.
+    body = gzip.compress(one_span_request(1, 2 << 20, stored=False))
+    assert len(body) < 64 * 1024
+    headers = {**PROTOBUF, "Content-Encoding": "gzip"}
+    with Receiver(tmp_path / "gzip.duckdb", max_inflight_bytes=1 << 20,
+                  max_request_bytes=4 << 20) as rx:
+        with _hold_partial_body(rx, 512 * 1024):
+            response = httpx.post(f"{rx.url}/v1/traces", content=body, headers=headers)
+            assert response.status_code == 503
+            assert "inflated body does not fit" in _status(response)
+        deadline = time.monotonic() + 40
+        while httpx.get(f"{rx.url}/health").json()["inflight_bytes"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # Alone, it is taken even though it inflates past the budget.
+        response = httpx.post(f"{rx.url}/v1/traces", content=body, headers=headers)
+        assert response.status_code == 200, _status(response)
+        assert _count(rx) == 1
