@@ -9,7 +9,8 @@ shapes (``tests/collector/receiver_memory.py``): ``stored``, the bytes are one a
 the store keeps (what DuckDB holds for 1.4 GB of rows is then part of the peak), and
 ``skipped``, the bytes are a field OTLP does not define (the receiver reads and decodes them
 but stores a few bytes: the peak is what it holds for requests). It prints baseline and peak
-RSS (VmHWM) and the most bytes admitted at once; it asserts nothing. Linux only; needs about
+RSS (VmHWM), the most bytes admitted at once, and every final answer other than 200 (a 503 is
+retried, as the exporters do); it asserts nothing. Linux only; needs about
 5 GB of free memory for the unbounded stored run.
 """
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{load.peak_rss_mib - load.baseline_rss_mib:8.0f} "
                   f"{load.peak_inflight_bytes / MIB:13.0f} {load.retried_503:>5} "
                   f"{load.answered_200:>5} {load.seconds:8.1f}", flush=True)
+            for answer, count in load.other_answers.items():
+                print(f"{'':<8} {count} x {answer}", flush=True)
     return 0
 
 

@@ -77,6 +77,8 @@ class Load:
     stored_spans: int
     peak_inflight_bytes: int
     seconds: float
+    # Every final answer that was not 200: "status: first bytes of the body", counted.
+    other_answers: dict[str, int]
 
 
 def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes: int,
@@ -100,6 +102,7 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
         baseline = _status_kib(process.pid, "VmRSS")
         bodies = [one_span_request(k, big_bytes, stored=stored) for k in range(requests)]
         answered: list[int] = []
+        others: dict[str, int] = {}
         retried = [0]
         lock = threading.Lock()
         go = threading.Barrier(requests)
@@ -116,6 +119,9 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
                     time.sleep(0.2)  # Retry-After says 1 s; shorter keeps the run short
                 with lock:
                     answered.append(response.status_code)
+                    if response.status_code != 200:
+                        key = f"{response.status_code}: {response.content[:120]!r}"
+                        others[key] = others.get(key, 0) + 1
 
         start = time.perf_counter()
         threads = [threading.Thread(target=send, args=(body,)) for body in bodies]
@@ -142,4 +148,5 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
     finally:
         con.close()
     return Load(baseline / 1024, peak / 1024, answered.count(200), retried[0],
-                int(stored[0]) if stored else 0, int(health["peak_inflight_bytes"]), seconds)
+                int(stored[0]) if stored else 0, int(health["peak_inflight_bytes"]), seconds,
+                others)
