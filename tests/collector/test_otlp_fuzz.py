@@ -96,8 +96,8 @@ def _metrics_body() -> bytes:
     provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
         {"service.name": "vllm-decode"}))
     meter = provider.get_meter(semconv.SCOPE_NAME)
-    meter.create_gauge("kvscope.kv.retained_bytes").set(1024, {"engine": "d0"})
-    meter.create_gauge("kvscope.gpu.memory.used_bytes").set(3.5e9, {"gpu": 0})
+    meter.create_gauge(semconv.METRIC_KV_RETAINED).set(1024, {"engine": "d0"})
+    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED).set(3.5e9, {semconv.GPU_INDEX: 0})
     data = reader.get_metrics_data()
     provider.shutdown()
     assert data is not None
