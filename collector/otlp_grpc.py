@@ -11,9 +11,11 @@ OTLP/HTTP does, which lets the intake decode them with its own fast path and let
 body be answered ``INVALID_ARGUMENT`` with the decoder's message (grpc's own deserializer would
 answer ``INTERNAL``). gzip (and deflate) are inflated by grpc itself, whose
 ``grpc.max_receive_message_length`` is set to ``max_request_bytes``; the intake checks the
-inflated size again. Refusals carry the ``google.rpc`` code of the HTTP refusal (the same numbers
-as gRPC's status codes): INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a
-``google.rpc.RetryInfo`` in the trailers, which the OTLP exporters honour.
+inflated size again. Each message is admitted by its bytes (``max_inflight_bytes``) without
+waiting, and ``GRPC_MAX_CONCURRENT_RPCS`` bounds how many grpc holds at once. Refusals carry
+the ``google.rpc`` code of the HTTP refusal (the same numbers as gRPC's status codes):
+INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a ``google.rpc.RetryInfo`` in the
+trailers, which the OTLP exporters honour.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from kvscope.collector.otlp_intake import RETRY_AFTER_S, Intake, Refused, Signal
 from kvscope.errors import KvscopeError
 
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
+# RPCs grpc serves at once; past it grpc answers RESOURCE_EXHAUSTED itself (the OTLP Python
+# exporter retries it). Each may hold a message of up to max_request_bytes that grpc read before
+# the intake's byte admission sees it, so this bounds that memory.
+GRPC_MAX_CONCURRENT_RPCS = 16
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
@@ -62,7 +68,10 @@ async def _export(intake: Intake, signal_kind: Signal, body: bytes,
                   context: grpc.aio.ServicerContext[Any, Any]) -> Any:
     intake.stats.requests += 1
     try:
-        return await intake.export(signal_kind, body, "protobuf")
+        # grpc has read the message already: its bytes are admitted now or refused (a wait
+        # would hold them); grpc's maximum_concurrent_rpcs bounds the messages it reads.
+        async with intake.admitted(len(body), 0) as reservation:
+            return await intake.export(signal_kind, body, "protobuf", reservation=reservation)
     except Refused as refused:
         intake.count_refusal(refused)
         trailers: tuple[tuple[str, bytes], ...] = ()
@@ -100,7 +109,7 @@ class GrpcListener:
     async def bind(self, host: str, port: int) -> int:
         """Bind ``host:port`` without serving yet (0 picks a free port; returned and kept in
         :attr:`port`). Raises :class:`~kvscope.errors.KvscopeError` when it cannot be bound."""
-        server = grpc.aio.server(options=[
+        server = grpc.aio.server(maximum_concurrent_rpcs=GRPC_MAX_CONCURRENT_RPCS, options=[
             ("grpc.max_receive_message_length", self.max_request_bytes),
             # grpc sets SO_REUSEPORT by default, so a second server on a busy port would share
             # it silently instead of failing to start.

@@ -1,13 +1,21 @@
-"""The receiver's one store path: decode an OTLP export body, check its limits, queue its rows.
+"""The receiver's one store path: admit an OTLP export body by bytes, decode it, commit its rows.
 
 Both transports of ``kvscope serve`` (OTLP/HTTP in :mod:`kvscope.collector.receiver`, OTLP/gRPC
-in :mod:`kvscope.collector.otlp_grpc`) hand the uncompressed request body to :meth:`Intake.export`
-and turn its answer into their own wire format: an ``Export*ServiceResponse`` (with
-``partial_success`` when spans or points were rejected) or a :class:`Refused` carrying both the
-HTTP status and the ``google.rpc`` code (the gRPC status code of the same number) of the refusal.
+in :mod:`kvscope.collector.otlp_grpc`) reserve the request's bytes through
+:meth:`Intake.admitted` (:mod:`kvscope.collector.otlp_admission`), hand the body to
+:meth:`Intake.export` and turn its answer into their own wire format: an
+``Export*ServiceResponse`` (with ``partial_success`` when spans or points were rejected) or a
+:class:`Refused` carrying both the HTTP status and the ``google.rpc`` code (the gRPC status code
+of the same number) of the refusal.
 
 A request is decoded completely before anything is queued, so a refused request never touches
-rows already stored or queued.
+rows already stored or queued. Its rows are then committed by the store writer, grouped with
+those of every other request waiting (one insert, one commit), and the request is answered only
+after that commit (``ack="durable"``, the default): everything acknowledged survives a SIGKILL.
+A request of any number of rows is accepted (the writer inserts a large one in parts of whole
+row groups, in one transaction); what bounds it is its bytes. ``ack="queued"`` keeps the earlier
+behaviour (answer once queued, 503 when the writer's row queue is full, 413 for a request with
+more rows than the whole queue), for comparison in ``tests/benchmarks/bench_store_throughput.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,13 +41,17 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from kvscope.collector.otlp_admission import ByteBudget, Reservation
 from kvscope.collector.otlp_decode import Encoding, decode_metrics_request, decode_trace_request
 from kvscope.errors import PayloadError
+from kvscope.store.schema import GAUGE_TABLE, TRACES_TABLE
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
 
 Signal = Literal["traces", "metrics"]
+# When a request is answered: after its rows are committed, or (the earlier way) once queued.
+Ack = Literal["durable", "queued"]
 # How long a busy writer asks senders to wait: HTTP's Retry-After, gRPC's RetryInfo.
 RETRY_AFTER_S = 1
 # Decoding is CPU work under the GIL: one thread keeps the event loop answering (health, new
@@ -59,6 +73,9 @@ class ReceiverStats:
     too_large: int = 0
     unsupported: int = 0
     busy: int = 0
+    # Bytes of request bodies held now, and the most held at once (admission by bytes).
+    inflight_bytes: int = 0
+    peak_inflight_bytes: int = 0
 
 
 class Refused(Exception):
@@ -74,6 +91,12 @@ class Refused(Exception):
 def too_large(message: str) -> Refused:
     """The refusal of a request over a size limit (HTTP 413, RESOURCE_EXHAUSTED)."""
     return Refused(413, message, code_pb2.RESOURCE_EXHAUSTED)
+
+
+def busy(message: str) -> Refused:
+    """The refusal of a request the receiver cannot take now (HTTP 503 with Retry-After,
+    UNAVAILABLE with RetryInfo): the OTLP exporters retry it."""
+    return Refused(503, message, code_pb2.UNAVAILABLE)
 
 
 def gunzip_limited(body: bytes, limit: int) -> bytes:
@@ -100,45 +123,70 @@ def gunzip_limited(body: bytes, limit: int) -> bytes:
 
 
 class Intake:
-    """Decode, check and queue export requests for one store writer; count what happens."""
+    """Admit, decode, check and commit export requests for one store writer; count it all."""
 
     def __init__(self, writer: StoreWriter, *, max_request_bytes: int, max_queue_rows: int,
-                 run_id: str | None = None) -> None:
+                 max_inflight_bytes: int | None = None, run_id: str | None = None,
+                 ack: Ack = "durable") -> None:
         self.writer = writer
         # Spans whose resource names no run are stamped with this receiver's run.
         self.run_id = run_id
         self.max_request_bytes = max_request_bytes
         self.max_queue_rows = max_queue_rows
+        self.max_inflight_bytes = max_inflight_bytes or 2 * max_request_bytes
+        self.ack = ack
+        self.budget = ByteBudget(self.max_inflight_bytes)
         self.stats = ReceiverStats()
         self._executor = ThreadPoolExecutor(_DECODE_THREADS, "kvscope-receiver-decode")
         self._warned = False
 
-    async def export(self, signal_kind: Signal, body: bytes, encoding: Encoding,
-                     gzipped: bool = False) -> Message:
-        """Decode ``body`` (inflated here when ``gzipped``), queue its rows, return the response.
+    @asynccontextmanager
+    async def admitted(self, nbytes: int, wait_s: float) -> AsyncIterator[Reservation]:
+        """Hold ``nbytes`` of the in-flight budget while the request is handled.
 
-        Raises :class:`Refused` for a body over ``max_request_bytes`` (after decompression too),
-        a malformed one, one with more rows than the writer's whole queue, or a writer that
-        cannot take the rows now; nothing is queued then.
+        Waits up to ``wait_s`` for room (0: not at all), then raises a 503 :class:`Refused`.
+        """
+        if not await self.budget.acquire(nbytes, wait_s):
+            raise busy(
+                f"the receiver holds its limit of request bytes in flight "
+                f"(max_inflight_bytes {self.max_inflight_bytes}); retry later")
+        reservation = Reservation(self.budget, nbytes)
+        self._count_bytes()
+        try:
+            yield reservation
+        finally:
+            reservation.close()
+            self._count_bytes()
+
+    def _count_bytes(self) -> None:
+        self.stats.inflight_bytes = self.budget.in_flight
+        self.stats.peak_inflight_bytes = self.budget.peak
+
+    async def export(self, signal_kind: Signal, body: bytes, encoding: Encoding,
+                     gzipped: bool = False, reservation: Reservation | None = None) -> Message:
+        """Decode ``body`` (inflated here when ``gzipped``), commit its rows, return the response.
+
+        ``reservation`` is what :meth:`admitted` holds for this request; a gzip body grows it by
+        the inflated size before inflating. Raises :class:`Refused` for a body over
+        ``max_request_bytes`` (after decompression too), a malformed one, one that does not fit
+        the in-flight budget now, or rows the store could not commit; nothing is stored then.
         """
         if len(body) > self.max_request_bytes:
             raise too_large(f"body exceeds max_request_bytes ({self.max_request_bytes} bytes)")
         loop = asyncio.get_running_loop()
+        if gzipped:
+            body = await self._inflate(loop, body, reservation)
+            if reservation is not None:
+                self._count_bytes()
         work = self._decode_traces if signal_kind == "traces" else self._decode_metrics
         table, accepted, rejected, error_message = await loop.run_in_executor(
-            self._executor, work, body, gzipped, encoding
+            self._executor, work, body, encoding
         )
-        if table.num_rows > self.max_queue_rows:
-            raise too_large(
-                f"{table.num_rows} rows in one request exceed the receiver's queue of "
-                f"{self.max_queue_rows}; send smaller batches"
-            )
-        submit = (
-            self.writer.submit_traces if signal_kind == "traces" else self.writer.submit_gauge
-        )
-        # Requests still in flight during a stop are accepted: the writer closes after them.
-        if not submit(table):
-            raise Refused(503, "the store writer is busy; retry later", code_pb2.UNAVAILABLE)
+        del body
+        if self.ack == "durable":
+            await self._commit(signal_kind, table)
+        else:
+            self._queue(signal_kind, table)
         if signal_kind == "traces":
             self.stats.spans_accepted += accepted
             self.stats.spans_rejected += rejected
@@ -158,6 +206,52 @@ class Intake:
             if rejected
             else None
         )
+
+    async def _inflate(self, loop: asyncio.AbstractEventLoop, body: bytes,
+                       reservation: Reservation | None) -> bytes:
+        """Inflate a gzip body, within ``max_request_bytes`` and the room the budget has."""
+        limit = self.max_request_bytes
+        if reservation is not None:
+            held = reservation.grow_to(reservation.nbytes + limit)
+            limit = min(limit, held - len(body))
+        try:
+            inflated = await loop.run_in_executor(self._executor, gunzip_limited, body, limit)
+        except Refused as refused:
+            if refused.status == 413 and limit < self.max_request_bytes:
+                raise busy(
+                    f"the inflated body does not fit the receiver's bytes in flight now "
+                    f"(max_inflight_bytes {self.max_inflight_bytes}); retry later") from None
+            raise
+        if reservation is not None:
+            reservation.shrink_to(len(body) + len(inflated))
+        return inflated
+
+    async def _commit(self, signal_kind: Signal, table: pa.Table) -> None:
+        """Hand the rows to the writer and wait until they are committed."""
+        done = self.writer.commit(TRACES_TABLE if signal_kind == "traces" else GAUGE_TABLE,
+                                  table)
+        if done is None:  # the writer is closed
+            raise busy("the store writer is busy; retry later")
+        try:
+            await asyncio.wrap_future(done)
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise busy(f"the store could not write these rows ({reason}); retry later"
+                       ) from None
+
+    def _queue(self, signal_kind: Signal, table: pa.Table) -> None:
+        """The earlier acknowledgement: once queued (rows bounded by the writer's queue)."""
+        if table.num_rows > self.max_queue_rows:
+            raise too_large(
+                f"{table.num_rows} rows in one request exceed the receiver's queue of "
+                f"{self.max_queue_rows}; send smaller batches"
+            )
+        submit = (
+            self.writer.submit_traces if signal_kind == "traces" else self.writer.submit_gauge
+        )
+        # Requests still in flight during a stop are accepted: the writer closes after them.
+        if not submit(table):
+            raise busy("the store writer is busy; retry later")
 
     def count_refusal(self, refused: Refused) -> None:
         """Count a refusal by kind; log the first one that is not a busy writer."""
@@ -184,22 +278,19 @@ class Intake:
 
     # --- decoding (on the executor) -------------------------------------------------------------
 
-    def _inflate(self, body: bytes, gzipped: bool) -> bytes:
-        return gunzip_limited(body, self.max_request_bytes) if gzipped else body
-
-    def _decode_traces(self, body: bytes, gzipped: bool, encoding: Encoding
+    def _decode_traces(self, body: bytes, encoding: Encoding
                        ) -> tuple[pa.Table, int, int, str]:
         try:
-            batch = decode_trace_request(self._inflate(body, gzipped), encoding, self.run_id)
+            batch = decode_trace_request(body, encoding, self.run_id)
             table = batch.to_arrow()
         except PayloadError as exc:
             raise Refused(400, str(exc)) from None
         return table, table.num_rows, batch.rejected_spans, batch.error_message
 
-    def _decode_metrics(self, body: bytes, gzipped: bool, encoding: Encoding
+    def _decode_metrics(self, body: bytes, encoding: Encoding
                         ) -> tuple[pa.Table, int, int, str]:
         try:
-            batch = decode_metrics_request(self._inflate(body, gzipped), encoding, self.run_id)
+            batch = decode_metrics_request(body, encoding, self.run_id)
             table = batch.to_arrow()
         except PayloadError as exc:
             raise Refused(400, str(exc)) from None
@@ -207,6 +298,6 @@ class Intake:
 
 
 __all__ = [
-    "RETRY_AFTER_S", "Intake", "ReceiverStats", "Refused", "Signal", "gunzip_limited",
-    "too_large",
+    "RETRY_AFTER_S", "Ack", "Intake", "ReceiverStats", "Refused", "Signal", "busy",
+    "gunzip_limited", "too_large",
 ]

@@ -9,19 +9,23 @@ JSON bodies, gzip or identity encoding, responses in the request's encoding with
 ``partial_success`` when something was rejected, and a ``google.rpc.Status`` body on errors:
 
     400  malformed, truncated or wrongly typed payload (the message names the field)
-    413  body larger than ``max_request_bytes`` (after decompression too: gzip bombs stop there),
-         or one request holding more rows than the writer's whole queue
+    408  the body did not arrive within ``BODY_READ_TIMEOUT_S``
+    413  body larger than ``max_request_bytes`` (after decompression too: gzip bombs stop there)
     415  content type other than application/x-protobuf / application/json, or an unsupported
          content encoding
-    503  the store writer's queue is full (``Retry-After`` says when to try again)
+    503  the request's bytes do not fit ``max_inflight_bytes`` within ``ADMISSION_WAIT_S``, or
+         the store could not commit its rows (``Retry-After`` says when to try again)
 
 Both ports are bound before the store is opened (:mod:`kvscope.serving`), so a start that
-cannot listen on either leaves the file untouched. A request is decoded completely before
+cannot listen on either leaves the file untouched. A request's bytes are admitted against
+``max_inflight_bytes`` before its body is read (:mod:`kvscope.collector.otlp_admission`), so
+memory is bounded by bytes whatever the requests hold. A request is decoded completely before
 anything is queued, so a bad request never touches rows already stored. Rows are acknowledged
-once queued; a clean stop (SIGINT/SIGTERM for :func:`run_receiver`, through
-:func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`) stops both listeners accepting,
-lets their in-flight requests finish, and only then writes everything acknowledged and closes
-the store.
+once committed (group commit across concurrent requests), so a SIGKILL loses nothing
+acknowledged; a request of any number of rows is taken. A clean stop (SIGINT/SIGTERM for
+:func:`run_receiver`, through :func:`kvscope.serving.stop_signals`; :meth:`Receiver.stop`)
+stops both listeners accepting, lets their in-flight requests finish, and only then writes
+everything acknowledged and closes the store.
 ``GET /health`` reports the counters of both transports. ``GET /metrics`` answers when the
 receiver is given a metrics source (``kvscope serve``: the live ledger's series,
 :mod:`kvscope.analysis.live_metrics`, composed by the CLI).
@@ -45,10 +49,12 @@ from google.protobuf.message import Message
 from google.rpc import code_pb2, status_pb2
 
 from kvscope import settings
+from kvscope.collector.otlp_admission import ADMISSION_WAIT_S
 from kvscope.collector.otlp_decode import Encoding
 from kvscope.collector.otlp_grpc import GrpcListener, grpc_target
 from kvscope.collector.otlp_intake import (
     RETRY_AFTER_S,
+    Ack,
     Intake,
     ReceiverStats,
     Refused,
@@ -98,9 +104,11 @@ class _OtlpServer:
     starts it."""
 
     def __init__(self, writer: StoreWriter, *, max_request_bytes: int, max_queue_rows: int,
-                 run_id: str | None = None, metrics: MetricsRenderer | None = None):
+                 max_inflight_bytes: int | None = None, run_id: str | None = None,
+                 ack: Ack = "durable", metrics: MetricsRenderer | None = None):
         self.intake = Intake(writer, max_request_bytes=max_request_bytes,
-                             max_queue_rows=max_queue_rows, run_id=run_id)
+                             max_queue_rows=max_queue_rows,
+                             max_inflight_bytes=max_inflight_bytes, run_id=run_id, ack=ack)
         self.writer = writer
         self.run_id = run_id
         self.metrics = metrics
@@ -217,10 +225,20 @@ class _OtlpServer:
             content_encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
             if content_encoding not in ("gzip", "identity", ""):
                 raise Refused(415, f"unsupported Content-Encoding {content_encoding!r}")
-            body = await self._read_body(request)
-            response = await self.intake.export(
-                signal_kind, body, encoding, gzipped=content_encoding == "gzip"
-            )
+            limit = self.max_request_bytes
+            length = request.content_length
+            if length is not None and length > limit:
+                raise too_large(f"body exceeds max_request_bytes ({limit} bytes)")
+            # Admitted by bytes before the body is read: a chunked body holds the most it may
+            # be until it is read, then gives back the rest.
+            async with self.intake.admitted(limit if length is None else length,
+                                            ADMISSION_WAIT_S) as reservation:
+                body = await self._read_body(request)
+                reservation.shrink_to(len(body))
+                response = await self.intake.export(
+                    signal_kind, body, encoding, gzipped=content_encoding == "gzip",
+                    reservation=reservation,
+                )
         except Refused as refused:
             self.intake.count_refusal(refused)
             return _status_response(refused, encoding or "json")
@@ -229,8 +247,6 @@ class _OtlpServer:
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.max_request_bytes
         refusal = too_large(f"body exceeds max_request_bytes ({limit} bytes)")
-        if request.content_length is not None and request.content_length > limit:
-            raise refusal
         chunks: list[bytes] = []
         total = 0
         try:
@@ -245,6 +261,10 @@ class _OtlpServer:
         except TimeoutError:
             raise Refused(408, f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
                           code_pb2.DEADLINE_EXCEEDED) from None
+        except ConnectionError:
+            # The client went away mid-body: nobody reads the answer; one count, no traceback.
+            raise Refused(400, "the client closed the connection before its body was complete"
+                          ) from None
         return b"".join(chunks)
 
 
@@ -322,7 +342,9 @@ class Receiver:
         grpc_port: int | None = None,
         max_request_bytes: int | None = None,
         max_queue_rows: int | None = None,
+        max_inflight_bytes: int | None = None,
         record_run: bool = False,
+        ack: Ack = "durable",
         metrics: MetricsSource | None = None,
     ) -> None:
         self.db_path = db_path
@@ -336,6 +358,9 @@ class Receiver:
         )
         self.max_request_bytes = settings.resolve("max_request_bytes", max_request_bytes)
         self.max_queue_rows = settings.resolve("export_queue_size", max_queue_rows)
+        self.max_inflight_bytes = settings.resolve("max_inflight_bytes", max_inflight_bytes)
+        # "queued" answers once rows are queued (the earlier way; benchmarks compare the two).
+        self.ack: Ack = ack
         self._server: _OtlpServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -393,7 +418,8 @@ class Receiver:
                 self.max_request_bytes, self.max_queue_rows, self.record_run)
             server = _OtlpServer(
                 writer, max_request_bytes=self.max_request_bytes,
-                max_queue_rows=self.max_queue_rows, run_id=run_id,
+                max_queue_rows=self.max_queue_rows, max_inflight_bytes=self.max_inflight_bytes,
+                run_id=run_id, ack=self.ack,
                 metrics=(None if self._metrics_source is None
                          else self._metrics_source(writer.connection)),
             )
@@ -462,7 +488,9 @@ def run_receiver(
     grpc_port: int | None = None,
     max_request_bytes: int | None = None,
     max_queue_rows: int | None = None,
+    max_inflight_bytes: int | None = None,
     on_ready: Callable[[Listening], None] | None = None,
+    ack: Ack = "durable",
     metrics: MetricsSource | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
@@ -476,7 +504,8 @@ def run_receiver(
     with stop_signals() as wait_for_stop:
         receiver = Receiver(db_path, host, port, grpc_port=grpc_port,
                             max_request_bytes=max_request_bytes, max_queue_rows=max_queue_rows,
-                            record_run=True, metrics=metrics).start()
+                            max_inflight_bytes=max_inflight_bytes, record_run=True,
+                            ack=ack, metrics=metrics).start()
         try:
             if on_ready is not None:
                 on_ready(Listening(

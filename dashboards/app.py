@@ -28,6 +28,7 @@ from werkzeug.serving import BaseWSGIServer, make_server
 
 from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
+from kvscope.dashboards.deadline import BodyDeadline, DeadlineRequestHandler
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
 from kvscope.store.writer import StoreWriter
 
@@ -218,14 +219,18 @@ class DashboardServer:
                  sock: socket.socket | None = None) -> None:
         self.app = app
         self.host = settings.resolve("host", host)
+        # Every socket read has a timeout and a body must arrive within one (408 otherwise):
+        # a client holding a partial request no longer holds a thread for ever.
+        wsgi = BodyDeadline(app.server)
         if sock is None:
-            self._server: BaseWSGIServer = make_server(self.host, port, app.server,
-                                                       threaded=True)
+            self._server: BaseWSGIServer = make_server(
+                self.host, port, wsgi, threaded=True, request_handler=DeadlineRequestHandler)
         else:
             # A socket bound earlier (kvscope.serving.bind): the server takes over a copy.
             sock.listen()
-            self._server = make_server(self.host, int(sock.getsockname()[1]), app.server,
-                                       threaded=True, fd=sock.fileno())
+            self._server = make_server(self.host, int(sock.getsockname()[1]), wsgi,
+                                       threaded=True, fd=sock.fileno(),
+                                       request_handler=DeadlineRequestHandler)
             sock.close()
         self._thread: threading.Thread | None = None
 

@@ -78,6 +78,8 @@ DEFAULT_MODEL = "kvscope-emulated"
 EXPIRED_TTL_S = 0.001
 # Hosts the proxy may rewrite remote_host to; the in-process side channel answers on all.
 LOOPBACK_ALIASES = ("127.0.0.1", "localhost")
+# Longest a client may take to send one request body (then 408), as the proxy and receiver.
+BODY_READ_TIMEOUT_S = 30.0
 # Without ignore_eos the emulated model "wants" this many tokens plus a seeded share of 240.
 _REAP_INTERVAL_S = 0.2
 
@@ -294,7 +296,12 @@ class _EngineServer:
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
+            # A client holding a partial body must not hold the connection (and its buffer)
+            # for ever; vLLM's server behind uvicorn would drop it too.
+            body = json.loads(await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S))
+        except TimeoutError:
+            return error_response(408, f"request body not received within "
+                                  f"{BODY_READ_TIMEOUT_S:g} s", "BadRequestError")
         except (ValueError, UnicodeDecodeError) as exc:
             return error_response(400, f"request body is not valid JSON: {exc}",
                                   "BadRequestError")

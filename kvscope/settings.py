@@ -127,6 +127,14 @@ _DECLARED = [
         _positive,
     ),
     Setting(
+        "max_inflight_bytes",
+        int,
+        128 * 1024 * 1024,
+        "Request bytes the receiver holds at once (bodies, inflated too); past it requests wait "
+        "or get 503 with Retry-After. One request is always taken when it is alone.",
+        _positive,
+    ),
+    Setting(
         "export_queue_size",
         int,
         65536,

@@ -1,11 +1,17 @@
 """The store writer: one thread owns the writable connection and appends Arrow batches.
 
-Producers (exporters, the receiver) call :meth:`StoreWriter.submit`, which never blocks and never
-raises: it enqueues the batch when the bounded queue has room and otherwise drops it and counts
-the rows. The writer thread concatenates what is queued and inserts it with one
+Producers (exporters) call :meth:`StoreWriter.submit`, which never blocks and never raises: it
+enqueues the batch when the bounded queue has room and otherwise drops it and counts the rows.
+The receiver calls :meth:`StoreWriter.commit` instead, which returns a future that resolves once
+the rows are committed (so it can acknowledge only what a SIGKILL cannot take back); its caller
+bounds what it queues (the receiver by bytes). The writer thread concatenates everything queued
+(group commit: one insert serves every request waiting) and inserts it with one
 ``INSERT ... SELECT`` per target table (through a temporary Parquet file beside the store, or
-DuckDB's Arrow scan for small batches; never row by row: see :func:`insert_arrow`).
-:meth:`flush` waits until everything submitted so far is written.
+DuckDB's Arrow scan for small batches; never row by row: see :func:`insert_arrow`); a group
+larger than :data:`ROW_GROUP_ROWS` is inserted in parts of that size inside one transaction.
+When a group's insert fails, each batch in it is inserted on its own, so one batch the store
+refuses fails only its own future. :meth:`flush` waits until everything submitted so far is
+written.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +162,7 @@ class StoreWriter:
                       else functools.partial(insert_arrow, spill_folder=self._batch_folder))
         self._insert = insert
         self._max_queue_rows = max_queue_rows
-        self._queue: deque[tuple[str, pa.Table]] = deque()
+        self._queue: deque[_Entry] = deque()
         self._queued_rows = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -191,12 +198,35 @@ class StoreWriter:
                         "(further drops are counted, not logged)"
                     )
                 return False
-            self._queue.append((table, rows))
-            self._queued_rows += n
-            self._seq_submitted += 1
-            self.stats.submitted_rows += n
-            self._cond.notify_all()
+            self._enqueue(table, rows, None)
             return True
+
+    def commit(self, table: str, rows: pa.Table) -> Future[None] | None:
+        """Queue rows for ``table`` and return a future that resolves once they are committed.
+
+        The future's result is None once the rows are in the store (committed: a SIGKILL
+        afterwards cannot lose them); it holds the exception when the store refused them (none
+        of them is stored then). None instead of a future when the writer is closed. Unlike
+        :meth:`submit` the queue's row bound does not refuse these rows: the caller bounds what
+        it has in flight (the receiver admits requests by bytes) and waits for each future.
+        """
+        done: Future[None] = Future()
+        if rows.num_rows == 0:
+            done.set_result(None)
+            return done
+        with self._cond:
+            if self._closed:
+                return None
+            self._enqueue(table, rows, done)
+        return done
+
+    def _enqueue(self, table: str, rows: pa.Table, done: Future[None] | None) -> None:
+        # Called with self._cond held.
+        self._queue.append(_Entry(table, rows, done))
+        self._queued_rows += rows.num_rows
+        self._seq_submitted += 1
+        self.stats.submitted_rows += rows.num_rows
+        self._cond.notify_all()
 
     def submit_traces(self, rows: pa.Table) -> bool:
         """Queue rows for ``otel_traces``."""
@@ -231,7 +261,7 @@ class StoreWriter:
             except OSError:
                 pass
 
-    def _take(self) -> list[tuple[str, pa.Table]] | None:
+    def _take(self) -> list[_Entry] | None:
         with self._cond:
             self._cond.wait_for(lambda: self._queue or self._closed)
             if not self._queue:
@@ -246,18 +276,71 @@ class StoreWriter:
             batch = self._take()
             if batch is None:
                 return
-            by_table: dict[str, list[pa.Table]] = {}
-            for table, rows in batch:
-                by_table.setdefault(table, []).append(rows)
-            for table, parts in by_table.items():
-                rows = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-                try:
-                    self._insert(self._insert_con, table, rows)
-                    self.stats.written_rows += rows.num_rows
-                    self.stats.batches_written += 1
-                except Exception:
-                    self.stats.failed_rows += rows.num_rows
-                    logger.exception("kvscope store writer failed to write %d rows", rows.num_rows)
+            by_table: dict[str, list[_Entry]] = {}
+            for entry in batch:
+                by_table.setdefault(entry.table, []).append(entry)
+            for table, entries in by_table.items():
+                self._write_group(table, entries)
             with self._cond:
                 self._seq_done += len(batch)
                 self._cond.notify_all()
+
+    def _write_group(self, table: str, entries: list[_Entry]) -> None:
+        """Insert every entry of one table at once; on failure, each entry on its own."""
+        parts = [entry.rows for entry in entries]
+        rows = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        try:
+            self._insert_committed(table, rows)
+        except Exception as exc:
+            if len(entries) == 1:
+                self._failed(entries[0], exc)
+                return
+            # One refused batch must not fail the others it was grouped with.
+            for entry in entries:
+                try:
+                    self._insert_committed(table, entry.rows)
+                except Exception as own:
+                    self._failed(entry, own)
+                else:
+                    self._written(entry)
+            return
+        self.stats.batches_written += 1
+        for entry in entries:
+            self._written(entry)
+
+    def _insert_committed(self, table: str, rows: pa.Table) -> None:
+        """Insert ``rows`` and commit: one statement, or parts of whole row groups in one
+        transaction (all or nothing), so a huge group never goes through one file at once."""
+        if rows.num_rows <= ROW_GROUP_ROWS:
+            self._insert(self._insert_con, table, rows)
+            return
+        con = self._insert_con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for offset in range(0, rows.num_rows, ROW_GROUP_ROWS):
+                self._insert(con, table, rows.slice(offset, ROW_GROUP_ROWS))
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        con.execute("COMMIT")
+
+    def _written(self, entry: _Entry) -> None:
+        self.stats.written_rows += entry.rows.num_rows
+        if entry.done is not None and entry.done.set_running_or_notify_cancel():
+            entry.done.set_result(None)
+
+    def _failed(self, entry: _Entry, exc: Exception) -> None:
+        self.stats.failed_rows += entry.rows.num_rows
+        logger.error("kvscope store writer failed to write %d rows: %s", entry.rows.num_rows,
+                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        if entry.done is not None and entry.done.set_running_or_notify_cancel():
+            entry.done.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One queued batch: the table it goes to, its rows, and the future of a commit()."""
+
+    table: str
+    rows: pa.Table
+    done: Future[None] | None

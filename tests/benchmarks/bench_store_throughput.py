@@ -12,7 +12,10 @@ once and then written to a fresh store file per path:
   receiver     ``kvscope serve`` in its own process on 127.0.0.1; the official
                ``OTLPSpanExporter`` (protobuf, 8192 spans per request) from 1 or 2 sender threads,
                timed until the receiver reports every row written; and the same requests
-               pre-encoded, which leaves out the client's encoding and measures the receiver
+               pre-encoded, which leaves out the client's encoding and measures the receiver.
+               Each receiver path runs twice, side by side: ``ack=queued`` (answered once rows
+               are queued: the receiver before issue 22, which a SIGKILL could lose rows from)
+               and ``ack=durable`` (answered once they are committed, with group commit)
 
 It prints spans/s and the ratio to raw, plus where the time goes per stage (CPU seconds of
 one thread). Nothing here asserts a time: numbers depend on the machine, ratios are the point.
@@ -57,9 +60,12 @@ BATCH = 8192
 ROOT = Path(__file__).resolve().parents[2]
 _LAUNCHER = (
     "import sys\n"
-    "from kvscope.cli.serve import serve\n"
-    "sys.exit(serve(sys.argv[1], '127.0.0.1', 0, 0))\n"
+    "from kvscope.collector.receiver import run_receiver\n"
+    "def ready(listening):\n"
+    "    print(f'receiving on {listening.http_url}, OTLP/gRPC', file=sys.stderr, flush=True)\n"
+    "run_receiver(sys.argv[1], '127.0.0.1', 0, grpc_port=0, on_ready=ready, ack=sys.argv[2])\n"
 )
+ACKS = ("queued", "durable")
 
 
 def make_spans(n: int) -> list[ReadableSpan]:
@@ -159,9 +165,9 @@ def bench_in_process(spans: list[ReadableSpan], workdir: Path) -> tuple[float, i
 class ServeProcess:
     """``kvscope serve`` on an ephemeral port in a child process."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Path, ack: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCHER, str(db)],
+            [sys.executable, "-c", _LAUNCHER, str(db), ack],
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
@@ -198,9 +204,9 @@ def _run_senders(senders: int, send: Callable[[int], None]) -> None:
 
 
 def bench_receiver_exporter(
-    spans: list[ReadableSpan], workdir: Path, senders: int
+    spans: list[ReadableSpan], workdir: Path, senders: int, ack: str
 ) -> tuple[float, int]:
-    serve = ServeProcess(workdir / f"receiver_exporter_{senders}.duckdb")
+    serve = ServeProcess(workdir / f"receiver_exporter_{senders}_{ack}.duckdb", ack)
     try:
         batches = _batches(spans)
         failures = [0]
@@ -222,10 +228,10 @@ def bench_receiver_exporter(
 
 
 def bench_receiver_preencoded(
-    spans: list[ReadableSpan], workdir: Path, senders: int
+    spans: list[ReadableSpan], workdir: Path, senders: int, ack: str
 ) -> tuple[float, int]:
     bodies = [encode_spans(batch).SerializeToString() for batch in _batches(spans)]
-    serve = ServeProcess(workdir / f"receiver_raw_{senders}.duckdb")
+    serve = ServeProcess(workdir / f"receiver_raw_{senders}_{ack}.duckdb", ack)
     busy = [0]
     try:
 
@@ -303,15 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append(("in-process DuckDBSpanExporter", elapsed, f"{retries} full-queue waits"))
         if not args.skip_exporter:
             for senders in (1, 2):
-                print(f"receiver, official exporter x{senders} ...", file=sys.stderr, flush=True)
-                elapsed, failures = bench_receiver_exporter(spans, workdir, senders)
-                results.append(
-                    (f"receiver, OTLPSpanExporter x{senders}", elapsed, f"{failures} failed")
-                )
-        for senders in (1, 2):
-            print(f"receiver, pre-encoded x{senders} ...", file=sys.stderr, flush=True)
-            elapsed, busy = bench_receiver_preencoded(spans, workdir, senders)
-            results.append((f"receiver, pre-encoded protobuf x{senders}", elapsed, f"{busy} x 503"))
+                for ack in ACKS:
+                    print(f"receiver, official exporter x{senders}, ack={ack} ...",
+                          file=sys.stderr, flush=True)
+                    elapsed, failures = bench_receiver_exporter(spans, workdir, senders, ack)
+                    results.append((f"receiver, OTLPSpanExporter x{senders}, {ack}", elapsed,
+                                    f"{failures} failed"))
+        for senders in (1, 2, 4):
+            for ack in ACKS:
+                print(f"receiver, pre-encoded x{senders}, ack={ack} ...", file=sys.stderr,
+                      flush=True)
+                elapsed, busy = bench_receiver_preencoded(spans, workdir, senders, ack)
+                results.append((f"receiver, pre-encoded x{senders}, {ack}", elapsed,
+                                f"{busy} x 503"))
         sizes: list[tuple[int, float, float]] = []
         if args.sizes_rows:
             print("insert sizes ...", file=sys.stderr, flush=True)
@@ -321,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     stages = stage_costs(spans)
 
     print(f"\n{n} spans, {BATCH} per batch, {os.cpu_count()} CPUs\n")
-    print(f"{'path':<40} {'seconds':>8} {'spans/s':>10} {'vs raw':>7}  note")
+    print(f"{'path':<44} {'seconds':>8} {'spans/s':>10} {'vs raw':>7}  note")
     for name, seconds, note in results:
         rate = n / seconds
-        print(f"{name:<40} {seconds:8.2f} {rate:10,.0f} {raw / seconds:7.2f}  {note}")
+        print(f"{name:<44} {seconds:8.2f} {rate:10,.0f} {raw / seconds:7.2f}  {note}")
     if sizes:
         print(f"\n{args.sizes_rows} rows by insert size (one thread, CPU, close included)")
         print(f"{'rows per insert':>16} {'us/span':>8} {'file MiB':>9}")

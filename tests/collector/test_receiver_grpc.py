@@ -200,13 +200,43 @@ def test_a_gzip_body_is_inflated_by_grpc(receiver: Receiver) -> None:
     assert len(_live_traces(receiver)) == 6
 
 
-def test_a_request_larger_than_the_whole_queue_is_resource_exhausted(tmp_path: Path) -> None:
+def test_a_request_larger_than_the_whole_queue_is_stored(tmp_path: Path) -> None:
+    # It was refused RESOURCE_EXHAUSTED: the exporters' batch was lost.
     with Receiver(tmp_path / "small.duckdb", grpc_port=0, max_queue_rows=3) as rx:
-        body = encode_spans(_spans(2)).SerializeToString()
+        _raw_export(rx, encode_spans(_spans(2)).SerializeToString())
+        assert len(_live_traces(rx)) == 4
+        assert rx.stats.too_large == 0
+
+
+def test_bytes_in_flight_on_http_make_grpc_unavailable_with_retry_info(tmp_path: Path) -> None:
+    # Both transports admit from one budget: an HTTP body being received holds 1 MiB of it.
+    with Receiver(tmp_path / "budget.duckdb", grpc_port=0,
+                  max_inflight_bytes=1 << 20) as rx, socket.create_connection(
+            ("127.0.0.1", rx.port)) as held:
+        held.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/x-protobuf\r\n"
+                     b"Content-Length: 1048576\r\n\r\nab")
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{rx.url}/health").json()["inflight_bytes"] != 1 << 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        body = encode_spans(_spans(1)).SerializeToString()
+
         error = _refusal(lambda: _raw_export(rx, body))
-        assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "exceed the receiver's queue of 3" in (error.details() or "")
-        assert rx.stats.too_large == 1
+
+        assert error.code() is grpc.StatusCode.UNAVAILABLE
+        assert "max_inflight_bytes" in (error.details() or "")
+        trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+        assert RetryInfo.FromString(trailers["google.rpc.retryinfo-bin"]).retry_delay.seconds == 1
+        assert rx.stats.busy == 1
+        held.close()
+        # Once the held body is gone its bytes are free again.
+        deadline = time.monotonic() + 40
+        while httpx.get(f"{rx.url}/health").json()["inflight_bytes"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _raw_export(rx, body)
+        assert len(_live_traces(rx)) == 2
 
 
 def test_a_busy_writer_is_unavailable_with_retry_info(receiver: Receiver) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -219,3 +220,19 @@ def test_malformed_json_is_a_400(cluster: EmulatedCluster) -> None:
     resp = httpx.post(cluster.prefill_urls[0] + "/v1/chat/completions", content=b"{nope",
                       headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+
+
+def test_a_client_holding_a_partial_body_gets_408(cluster: EmulatedCluster,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvscope.emulator import servers
+
+    monkeypatch.setattr(servers, "BODY_READ_TIMEOUT_S", 0.3)
+    for url in (cluster.prefill_urls[0], cluster.decode_urls[0]):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            sock.settimeout(10)
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+        assert b"request body not received within 0.3 s" in answer

@@ -1,0 +1,150 @@
+"""Admission by bytes: the receiver's bound on the request bodies it holds at once.
+
+Each OTLP request holds its body (and, when gzipped, the inflated body) in memory from the
+moment it is read until it is answered, which, with acknowledgement after commit, is after its
+rows are in the store. Bounding requests by rows did not bound memory (24 concurrent 60 MiB
+one-span requests took the receiver to 4.9 GB), so :class:`ByteBudget` bounds the bytes of the
+requests in flight, on both transports:
+
+- OTLP/HTTP reserves the request's ``Content-Length`` (``max_request_bytes`` when the body is
+  chunked, given back once it is read) *before* reading the body, waiting up to
+  :data:`ADMISSION_WAIT_S` in arrival order; a body that is not read costs nothing but the
+  kernel's socket buffer.
+- OTLP/gRPC receives the message before its handler runs, so it reserves the message's size
+  without waiting (a request is refused at once when the budget is full) and grpc's own
+  ``maximum_concurrent_rpcs`` bounds the messages it reads meanwhile.
+- A gzip body grows its reservation by the inflated size before it is inflated (see
+  :meth:`Reservation.grow_to`).
+
+A request that cannot be admitted is answered 503 with ``Retry-After`` (UNAVAILABLE with
+``RetryInfo`` on gRPC), which the OTLP exporters retry. One request is always admitted when
+nothing else is in flight, so a budget smaller than ``max_request_bytes`` slows large requests
+down but never refuses them for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+# Longest an OTLP/HTTP request waits for room before it is answered 503 (Retry-After): shorter
+# than the OTLP exporters' default 10 s timeout, so that they see the 503 and retry.
+ADMISSION_WAIT_S = 5.0
+
+
+class ByteBudget:
+    """Bytes of request bodies in flight, at most ``limit`` (one request always fits alone).
+
+    Lives on the receiver's event loop; not thread-safe. Waiters are served in arrival order,
+    so a large request is not overtaken for ever by small ones.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.peak = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.in_flight == 0 or self.in_flight + nbytes <= self.limit
+
+    def _take(self, nbytes: int) -> None:
+        self.in_flight += nbytes
+        self.peak = max(self.peak, self.in_flight)
+
+    def try_acquire(self, nbytes: int) -> bool:
+        """Take ``nbytes`` now if they fit and nobody waits before; True when taken."""
+        if self._waiters or not self._fits(nbytes):
+            return False
+        self._take(nbytes)
+        return True
+
+    async def acquire(self, nbytes: int, wait_s: float) -> bool:
+        """Take ``nbytes``, waiting up to ``wait_s`` in arrival order; True when taken."""
+        if self.try_acquire(nbytes):
+            return True
+        if wait_s <= 0:
+            return False
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((nbytes, granted))
+        try:
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(granted)
+        except TimeoutError:
+            if granted.done():  # granted in the same instant: the bytes are ours
+                return True
+            granted.cancel()
+            self._wake()
+            return False
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(nbytes)
+            else:
+                granted.cancel()
+                self._wake()
+            raise
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` and admit the waiters that now fit, in order."""
+        self.in_flight -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            nbytes, granted = self._waiters[0]
+            if granted.done():
+                self._waiters.popleft()
+                continue
+            if not self._fits(nbytes):
+                return
+            self._waiters.popleft()
+            self._take(nbytes)
+            granted.set_result(None)
+
+    def room(self) -> int:
+        """Bytes that could be taken now without waiting (0 when somebody waits)."""
+        if self._waiters:
+            return 0
+        return max(0, self.limit - self.in_flight)
+
+
+class Reservation:
+    """The bytes one request holds in a :class:`ByteBudget`; :meth:`close` gives them back."""
+
+    def __init__(self, budget: ByteBudget, nbytes: int) -> None:
+        self.budget = budget
+        self.nbytes = nbytes
+
+    def shrink_to(self, nbytes: int) -> None:
+        """Give back what this request holds beyond ``nbytes``."""
+        if nbytes < self.nbytes:
+            self.budget.release(self.nbytes - nbytes)
+            self.nbytes = nbytes
+
+    def grow_to(self, nbytes: int) -> int:
+        """Hold up to ``nbytes`` without waiting; return what is held now (maybe less).
+
+        Never waits while holding (two requests each waiting for the other's bytes would
+        deadlock): it takes what is free now, all of it when this request is alone.
+        """
+        if nbytes <= self.nbytes:
+            return self.nbytes
+        budget = self.budget
+        if budget.in_flight == self.nbytes and not budget._waiters:
+            extra = nbytes - self.nbytes  # alone in flight: one request always fits
+        else:
+            extra = min(nbytes - self.nbytes, budget.room())
+        if extra > 0:
+            budget._take(extra)
+            self.nbytes += extra
+        return self.nbytes
+
+    def close(self) -> None:
+        """Give every byte back (idempotent)."""
+        if self.nbytes:
+            self.budget.release(self.nbytes)
+            self.nbytes = 0
+
+
+__all__ = ["ADMISSION_WAIT_S", "ByteBudget", "Reservation"]
