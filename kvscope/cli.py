@@ -446,7 +446,8 @@ def setting_commands() -> dict[str, list[str]]:
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).
 _EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
-             "grpc": "store", "plotly": "dashboard", "dash": "dashboard"}
+             "grpc": "store", "plotly": "dashboard", "dash": "dashboard",
+             "chdb": "clickhouse", "clickhouse_connect": "clickhouse"}
 
 
 def missing_extra(exc: ModuleNotFoundError) -> str | None:
