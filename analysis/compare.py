@@ -34,6 +34,7 @@ from kvscope.analysis.registry import (
 from kvscope.analysis.reuse import reuse_table
 from kvscope.analysis.runs import all_runs, context_run_info, open_context, pick_runs, run_info
 from kvscope.reuse import outcomes
+from kvscope.store.reader import Source
 
 STATS_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -392,7 +393,7 @@ def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return by_prompt_table(ledger, labels, edges)
 
 
-def main_compare(db: str, runs: Sequence[str] | None, fmt: str = "table") -> int:
+def main_compare(db: Source, runs: Sequence[str] | None, fmt: str = "table") -> int:
     """``kvscope compare DB [--runs A,B] [--format table|json|csv]``: print both tables."""
     from kvscope.tables import format_rows
 

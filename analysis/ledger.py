@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
@@ -47,6 +48,9 @@ from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import quote
+
+if TYPE_CHECKING:
+    from kvscope.store.clickhouse import ClickHouseSource
 
 LEDGER_TABLE = "kvscope_ledger"
 
@@ -662,6 +666,22 @@ def rebuild(path: str | Path) -> int:
         return rows
     finally:
         con.close()
+
+
+def rebuild_clickhouse(source: ClickHouseSource) -> int:
+    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there.
+
+    The extraction queries run in ClickHouse; the per-turn shaping runs here in polars over
+    the extracted span rows (as for DuckDB), and the ledger is written back whole, swapped in.
+    """
+    from kvscope.store.clickhouse import ClickHouseReader
+
+    reader = ClickHouseReader.connect(source, time_limit_s=None)
+    try:
+        return reader.write_table(LEDGER_TABLE, ledger(reader),
+                                  order_by=("run_id", "conversation_id", "turn_index"))
+    finally:
+        reader.close()
 
 
 def runs(frame: pl.DataFrame) -> Sequence[str]:

@@ -62,6 +62,7 @@ from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 from kvscope.store import query
+from kvscope.store.reader import Source
 
 DEFAULT_TTLS_S = (60.0, 120.0, 480.0, 900.0)
 # Bounds of one what-if request (each setting replays the whole timeline).
@@ -882,7 +883,7 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
 
 
 def main_whatif(
-    db: str,
+    db: Source,
     ttl: list[float],
     threshold: list[int],
     router_ttl: list[float] | None,

@@ -21,7 +21,6 @@ import socket
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -32,6 +31,7 @@ from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
 from kvscope.serving import bind, close_all, stop_signals
+from kvscope.store.reader import Source
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def warm(data: DashboardData) -> None:
             logger.warning("warming a dashboard page failed", exc_info=True)
 
 
-def create_app(source: str | Path | StoreWriter | DashboardData, *,
+def create_app(source: Source | StoreWriter | DashboardData, *,
                refresh_s: float = DEFAULT_REFRESH_S) -> Dash:
     """The Dash app over ``source``: a store path (read-only), a live writer, or prepared data.
 
@@ -264,7 +264,7 @@ class DashboardServer:
         self.stop()
 
 
-def main_dashboard(db: str, host: str | None = None, port: int | None = None) -> int:
+def main_dashboard(db: Source, host: str | None = None, port: int | None = None) -> int:
     """``kvscope dashboard FILE [--host H] [--port P]``: browse a store read-only until Ctrl-C."""
     from kvscope.store.reader import StoreReader
 

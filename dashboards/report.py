@@ -38,6 +38,7 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.analysis.runs import open_context, run_table
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
+from kvscope.store.reader import Source
 from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)
@@ -251,12 +252,12 @@ def render(ctx: AnalysisContext, source: str) -> str:
     )
 
 
-def write_report(db_path: str | Path, out_path: str | Path,
+def write_report(db_path: Source, out_path: str | Path,
                  runs: Sequence[str] | None = None) -> Path:
     """Write the HTML report of the store ``db_path`` (optionally only ``runs``) to ``out_path``."""
     out = Path(out_path)
     with open_context(db_path, runs) as ctx:
-        page = render(ctx, Path(db_path).name)
+        page = render(ctx, Path(db_path).name if isinstance(db_path, str | Path) else str(db_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
@@ -267,14 +268,14 @@ def write_report(db_path: str | Path, out_path: str | Path,
 # --- CLI entry points -------------------------------------------------------------------------
 
 
-def main_report(db: str, out: str, runs: Sequence[str] | None = None) -> int:
+def main_report(db: Source, out: str, runs: Sequence[str] | None = None) -> int:
     """``kvscope report DB [--out FILE] [--runs A,B]``: write the report and say where."""
     path = write_report(db, out, runs)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
 
-def main_analyze(db: str, name: str | None, runs: Sequence[str] | None = None,
+def main_analyze(db: Source, name: str | None, runs: Sequence[str] | None = None,
                  fmt: str = "table", params: Mapping[str, Any] | None = None) -> int:
     """``kvscope analyze DB [NAME] [--runs ..] [--format ..] [--param k=v ..]``.
 

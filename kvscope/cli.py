@@ -80,7 +80,9 @@ def _run_settings(args: argparse.Namespace) -> int:
         sys.stdout.write(settings.markdown_table(setting_commands()))
         return 0
     values = settings.resolve_all()
-    rows = [(name, values[name], s.env_var) for name, s in settings.SETTINGS.items()]
+    # A password is shown as set or not, never printed.
+    shown = {n: ("(set)" if n.endswith("_password") and v else v) for n, v in values.items()}
+    rows = [(name, shown[name], s.env_var) for name, s in settings.SETTINGS.items()]
     sys.stdout.write(format_rows(["setting", "value", "environment"], rows, "table"))
     return 0
 
@@ -149,7 +151,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument("file", nargs="?", default=None,
+                        help="kvscope DuckDB store (opened read-only); or --clickhouse URL")
+    _add_clickhouse(parser)
     add_setting(parser, "host")
     parser.add_argument("--port", type=int, default=None, help="dashboard port (default 8050)")
 
@@ -157,7 +161,7 @@ def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
 def _run_dashboard(args: argparse.Namespace) -> int:
     from kvscope.dashboards.app import main_dashboard
 
-    return main_dashboard(args.file, resolved(args, "host"), args.port)
+    return main_dashboard(_store_source(args), resolved(args, "host"), args.port)
 
 
 def _configure_proxy(parser: argparse.ArgumentParser) -> None:
@@ -228,8 +232,41 @@ def _runs(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _add_clickhouse(parser: argparse.ArgumentParser) -> None:
+    """Options of the commands that read the Collector's ClickHouse tables instead of a file."""
+    add_setting(parser, "clickhouse", metavar="URL")
+    add_setting(parser, "clickhouse_database", metavar="DATABASE")
+    add_setting(parser, "clickhouse_user", metavar="USER")
+
+
+def _store_source(args: argparse.Namespace) -> Any:
+    """What a reading command reads: the DuckDB file named, else the ClickHouse source of
+    ``--clickhouse`` (or its environment variable), with its database, user and password."""
+    explicit = getattr(args, "clickhouse", None)
+    if args.file is not None and not explicit:
+        return args.file
+    url = resolved(args, "clickhouse")
+    if not url:
+        env = settings.SETTINGS["clickhouse"].env_var
+        raise SettingError("name a kvscope DuckDB store, or the Collector's ClickHouse tables "
+                           f"with --clickhouse URL (or set {env})")
+    if args.file is not None:
+        if getattr(args, "name", "absent") is None:
+            # `analyze --clickhouse URL NAME`: the one positional is the analysis, not a file.
+            args.name, args.file = args.file, None
+        else:
+            raise SettingError(f"{args.file}: read a DuckDB store or --clickhouse, not both")
+    from kvscope.store.clickhouse import ClickHouseSource
+
+    return ClickHouseSource(url, database=resolved(args, "clickhouse_database"),
+                            user=resolved(args, "clickhouse_user") or None,
+                            password=resolved(args, "clickhouse_password") or None)
+
+
 def _add_store_and_runs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    parser.add_argument("file", nargs="?", default=None,
+                        help="kvscope DuckDB store (opened read-only); or --clickhouse URL")
+    _add_clickhouse(parser)
     parser.add_argument("--run", "--runs", dest="runs", type=_runs, default=None,
                         help="run ids or labels to include, comma separated (default: all)")
 
@@ -253,16 +290,25 @@ def _run_analyze(args: argparse.Namespace) -> int:
         if not sep:
             raise SettingError(f"--param {item!r}: expected NAME=VALUE")
         params[key.strip()] = value
-    return main_analyze(args.file, args.name, args.runs, args.format, params)
+    return main_analyze(_store_source(args), args.name, args.runs, args.format, params)
 
 
 def _configure_ledger(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="kvscope DuckDB store (opened for writing)")
+    parser.add_argument("file", nargs="?", default=None,
+                        help="kvscope DuckDB store (opened for writing); or --clickhouse URL")
+    _add_clickhouse(parser)
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
     from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
 
+    source = _store_source(args)
+    if not isinstance(source, str):
+        from kvscope.analysis.ledger import rebuild_clickhouse
+
+        rows = rebuild_clickhouse(source)
+        print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {source}")
+        return 0
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
@@ -279,7 +325,7 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     from kvscope.dashboards.report import main_report
 
-    return main_report(args.file, args.out, args.runs)
+    return main_report(_store_source(args), args.out, args.runs)
 
 
 def _configure_compare(parser: argparse.ArgumentParser) -> None:
@@ -291,7 +337,7 @@ def _configure_compare(parser: argparse.ArgumentParser) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     from kvscope.analysis.compare import main_compare
 
-    return main_compare(args.file, args.runs, args.format)
+    return main_compare(_store_source(args), args.runs, args.format)
 
 
 def _configure_whatif(parser: argparse.ArgumentParser) -> None:
@@ -311,7 +357,7 @@ def _configure_whatif(parser: argparse.ArgumentParser) -> None:
 def _run_whatif(args: argparse.Namespace) -> int:
     from kvscope.analysis.whatif import main_whatif
 
-    return main_whatif(args.file, args.ttl or [], args.threshold or [], args.router_ttl,
+    return main_whatif(_store_source(args), args.ttl or [], args.threshold or [], args.router_ttl,
                        args.runs, args.format, args.budget_gib_s)
 
 

@@ -22,6 +22,7 @@ through :meth:`Engine.insert_arrow`.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -147,6 +148,10 @@ class _Server:
     def __init__(self, source: ClickHouseSource, time_limit_s: float | None) -> None:
         import clickhouse_connect
 
+        # A refused connection is logged by both libraries, then raised: the raise becomes one
+        # line naming the source (_translate), so their warnings would only repeat it.
+        for noisy in ("urllib3.connectionpool", "clickhouse_connect"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
         settings = {"max_execution_time": int(time_limit_s)} if time_limit_s else {}
         parts = urlsplit(source.url)
         self._client = clickhouse_connect.get_client(
@@ -170,7 +175,7 @@ class _Server:
 
 
 def _translate(source: ClickHouseSource, time_limit_s: float | None,
-               run: Callable[[], T]) -> T:
+               run: Callable[[], T], doing: str = "query failed on") -> T:
     """``run()`` with ClickHouse's errors (either engine) as one-line StoreErrors."""
     try:
         return run()
@@ -183,7 +188,7 @@ def _translate(source: ClickHouseSource, time_limit_s: float | None,
         if _TIMEOUT_EXCEEDED in text:
             raise StoreError(f"query exceeded the {time_limit_s:g} s time limit") from None
         first = text.splitlines()[0] if text else type(exc).__name__
-        raise StoreError(f"query failed on {source}: {first}") from None
+        raise StoreError(f"{doing} {source}: {first}") from None
 
 
 def _is_clickhouse_error(exc: Exception) -> bool:
@@ -200,7 +205,7 @@ def connect(source: ClickHouseSource, time_limit_s: float | None = None) -> Engi
             raise StoreError(f"{source.url}: expected http(s)://host:port of a ClickHouse "
                              f"server or {CHDB_SCHEME}:/folder")
         return _Server(source, time_limit_s)
-    return _translate(source, time_limit_s, make)
+    return _translate(source, time_limit_s, make, "cannot connect to")
 
 
 def normalise(table: pa.Table) -> pa.Table:

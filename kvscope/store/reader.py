@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import duckdb
 import polars as pl
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource
 
 T = TypeVar("T")
+# What a reading command reads: a DuckDB store's path, or a ClickHouse source.
+Source: TypeAlias = "str | Path | ClickHouseSource"
 Params = Sequence[Any] | Mapping[str, Any] | None
 
 

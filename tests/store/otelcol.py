@@ -65,3 +65,20 @@ def nested_fields(ch_type: str) -> list[tuple[str, str]]:
 def render(path: Path, database: str, table: str, engine: str = "MergeTree()") -> str:
     """The exporter's CREATE TABLE for ``database.table``: no cluster, no TTL (its defaults)."""
     return path.read_text() % (database, table, "", engine, "")
+
+
+def load_into_chdb(duck: str, folder: str, database: str) -> dict[str, int]:
+    """Create the exporter's tables in chdb (``folder``, ``database``) and copy ``duck`` in.
+
+    Run it in a process of its own when the caller's process uses another chdb folder (chdb
+    allows one per process): ``python -c`` with this module importable from the repo root.
+    """
+    from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
+
+    reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{folder}", database=database))
+    try:
+        reader.engine.command(render(TRACES_DDL, database, "otel_traces"))
+        reader.engine.command(render(GAUGE_DDL, database, "otel_metrics_gauge"))
+        return load_store(duck, reader.engine)
+    finally:
+        reader.close()
