@@ -25,6 +25,7 @@ from kvscope.reuse import outcomes
 from kvscope.store import StoreReader
 from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
 from tests.store import otelcol
+from tests.store.chdb_http import ChdbHttp
 
 DATABASE = "kvscope_xengine"
 # Float results may differ in the last digits only (summation order).
@@ -67,8 +68,22 @@ def source(duck: Path, chdb_folder: Path) -> ClickHouseSource:
     return src
 
 
-@pytest.fixture
-def both(duck: Path, source: ClickHouseSource) -> Iterator[tuple[AnalysisContext, AnalysisContext]]:
+@pytest.fixture(scope="module")
+def http_source(source: ClickHouseSource, chdb_folder: Path) -> Iterator[ClickHouseSource]:
+    """The same database through ClickHouse's HTTP interface (clickhouse-connect's path), served
+    by an adapter over the same chdb engine (tests/store/chdb_http.py says what it leaves out)."""
+    server = ChdbHttp(chdb_folder).start()
+    try:
+        yield ClickHouseSource(server.url, database=DATABASE, user="default")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["chdb", "clickhouse-connect"])
+def both(request: pytest.FixtureRequest,
+         duck: Path) -> Iterator[tuple[AnalysisContext, AnalysisContext]]:
+    """(DuckDB, ClickHouse) contexts: ClickHouse in-process (chdb) or over HTTP."""
+    source = request.getfixturevalue("source" if request.param == "chdb" else "http_source")
     with AnalysisContext(StoreReader.open(duck)) as d, AnalysisContext(
             StoreReader.open(source)) as c:
         assert isinstance(c.reader, ClickHouseReader)
