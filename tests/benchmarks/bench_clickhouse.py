@@ -56,6 +56,23 @@ def _load(db: Path, folder: Path) -> dict[str, Any]:
             / 2**20}
 
 
+def _extract(source: Any) -> dict[str, Any]:
+    """Only the ledger's extraction queries (span rows per kind) in a fresh process: the part of
+    the ledger step the engine does."""
+    from kvscope.analysis.ledger import load_spans
+    from kvscope.store.reader import StoreReader
+
+    start = time.perf_counter()
+    reader = StoreReader.open(source, time_limit_s=None)
+    try:
+        frames = load_spans(reader)
+    finally:
+        reader.close()
+    return {"extract_s": time.perf_counter() - start,
+            "rows": sum(f.height for f in frames.values()),
+            "peak_rss_mib": bench_ledger._peak_rss_mib()}
+
+
 def _source(folder: Path) -> Any:
     from kvscope.store.clickhouse import ClickHouseSource
 
@@ -120,10 +137,17 @@ def main() -> None:
                   f"{loaded['folder_mib']:.0f} MiB (DuckDB file {db.stat().st_size / 2**20:.0f} "
                   f"MiB), peak RSS {loaded['peak_rss_mib']:.0f} MiB", flush=True)
         results: dict[str, dict[str, Any]] = {}
+        extraction: dict[str, dict[str, Any]] = {}
         for engine in engines:
             source = db if engine == "duckdb" else _source(folder)
             results[engine] = bench_ledger._in_process(bench_ledger._analyse, source)
+            extraction[engine] = bench_ledger._in_process(_extract, source)
         _print_side_by_side(turns, results)
+        print(f"  {'extraction alone':<20}"
+              + "".join(f"{e['extract_s']:10.2f} s" for e in extraction.values())
+              + f"   ({next(iter(extraction.values()))['rows']} span rows; fresh process each)")
+        print(f"  {'its peak RSS':<20}"
+              + "".join(f"{e['peak_rss_mib']:8.0f} MiB" for e in extraction.values()))
 
 
 if __name__ == "__main__":
