@@ -108,10 +108,14 @@ class _Chdb:
         self._session = session.Session(source.chdb_path)
         self._database = source.database
         # A session keeps its current database and settings (another session's do not mix in).
-        self.command(f"CREATE DATABASE IF NOT EXISTS {quote(self._database)}")
-        self.command(f"USE {quote(self._database)}")
-        if time_limit_s:
-            self.command(f"SET max_execution_time = {float(time_limit_s)}")
+        # Reading creates nothing: a database that does not exist is refused here.
+        try:
+            self.command(f"USE {quote(self._database)}")
+            if time_limit_s:
+                self.command(f"SET max_execution_time = {float(time_limit_s)}")
+        except BaseException:
+            self._session.close()
+            raise
 
     def query_arrow(self, sql: str, params: Mapping[str, Any]) -> pa.Table:
         # The Arrow stream format carries the schema even for no rows (chdb's "ArrowTable"

@@ -75,10 +75,22 @@ def load_into_chdb(duck: str, folder: str, database: str) -> dict[str, int]:
     """
     from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
 
+    create_database(folder, database)
     reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{folder}", database=database))
     try:
         reader.engine.command(render(TRACES_DDL, database, "otel_traces"))
         reader.engine.command(render(GAUGE_DDL, database, "otel_metrics_gauge"))
         return load_store(duck, reader.engine)
+    finally:
+        reader.close()
+
+
+def create_database(folder: str | Path, database: str) -> None:
+    """Create ``database`` in the chdb data folder (as the exporter does with create_schema)."""
+    from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource
+
+    reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{folder}"))
+    try:
+        reader.engine.command(f"CREATE DATABASE IF NOT EXISTS `{database}`")
     finally:
         reader.close()

@@ -57,6 +57,7 @@ def duck(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def source(duck: Path, chdb_folder: Path) -> ClickHouseSource:
+    otelcol.create_database(chdb_folder, DATABASE)
     src = ClickHouseSource(f"chdb:{chdb_folder}", database=DATABASE)
     reader = ClickHouseReader.connect(src)
     try:
@@ -135,6 +136,7 @@ def test_runs_come_from_the_spans_where_no_run_table_was_written(
         duck: Path, chdb_folder: Path) -> None:
     """The Collector writes no ``kvscope_runs``: the run ids the spans' resources carry are the
     runs, and the ledger is still identical."""
+    otelcol.create_database(chdb_folder, "kvscope_collector_only")
     src = ClickHouseSource(f"chdb:{chdb_folder}", database="kvscope_collector_only")
     reader = ClickHouseReader.connect(src)
     try:
@@ -178,5 +180,16 @@ def test_clickhouse_errors_are_one_line_store_errors(source: ClickHouseSource) -
         with pytest.raises(StoreError, match="positional"):
             reader.rows("SELECT ? AS x", [1])
         assert reader.rows("SELECT {x:Int64} + 1 AS y", {"x": 41}) == (["y"], [(42,)])
+    finally:
+        reader.close()
+
+
+def test_a_missing_database_is_refused_and_not_created(chdb_folder: Path) -> None:
+    with pytest.raises(StoreError, match="cannot connect to chdb:.*no_such_db.*UNKNOWN_DATABASE"):
+        ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}", database="no_such_db"))
+    reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}"))
+    try:
+        assert reader.frame("SELECT count() AS n FROM system.databases "
+                            "WHERE name = 'no_such_db'")["n"][0] == 0
     finally:
         reader.close()
