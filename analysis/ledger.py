@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
@@ -43,9 +44,13 @@ from kvscope.reuse.validity import (
     INVALID_EDITED,
     INVALID_MISALIGNED,
 )
+from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import quote
+
+if TYPE_CHECKING:
+    from kvscope.store.clickhouse import ClickHouseSource
 
 LEDGER_TABLE = "kvscope_ledger"
 
@@ -114,24 +119,18 @@ HISTORY_EDITED = "edited"
 HISTORY_UNKNOWN = "unknown"
 
 
-def _a(key: str) -> str:
-    """SQL for one span attribute (keys come from semconv, never from users)."""
-    return f"SpanAttributes['{key}']"
+# Columns name what they read (kvscope.store.query): every key and value is a bound parameter,
+# and the same definitions render for DuckDB and for ClickHouse.
+_a = query.span_attr
+_r = query.resource_attr
+_Columns = dict[str, query.Column]
 
 
-def _r(key: str) -> str:
-    return f"ResourceAttributes['{key}']"
+def _span_query(name: str, columns: _Columns) -> query.Query:
+    return query.spans(name, columns)
 
 
-def _span_query(name: str, columns: dict[str, str], where: str = "") -> str:
-    select = ", ".join(f"{expr} AS {quote(alias)}" for alias, expr in columns.items())
-    return (
-        f"SELECT {select} FROM otel_traces WHERE SpanName = '{name}'"
-        + (f" AND {where}" if where else "")
-    )
-
-
-_TURN_COLUMNS = {
+_TURN_COLUMNS: _Columns = {
     "run_id": _r(semconv.RUN_ID),
     "trace_id": "TraceId",
     "span_id": "SpanId",
@@ -154,7 +153,7 @@ _TURN_COLUMNS = {
     "error_kind": _a(semconv.ERROR_KIND),
     "observer": _a(semconv.TURN_OBSERVER),
 }
-_PREFILL_COLUMNS = {
+_PREFILL_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
     "prefill_ns": "Duration",
@@ -163,19 +162,19 @@ _PREFILL_COLUMNS = {
     "offered_tokens_proxy": _a(semconv.REMOTE_OFFERED_TOKENS),
     "retention_id": _a(semconv.OFFERED_REQUEST_ID),
 }
-_DECODE_COLUMNS = {
+_DECODE_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
     "decode_ns": "Duration",
     "decode_request_id": _a(semconv.VLLM_REQUEST_ID),
     "metadata_returned": _a(semconv.RETENTION_METADATA_RETURNED),
 }
-_WAIT_COLUMNS = {
+_WAIT_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
     "tool_wait_ns": "Duration",
 }
-_DECISION_COLUMNS = {
+_DECISION_COLUMNS: _Columns = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
     "engine": _a(semconv.ENGINE_ID),
     "time": "Timestamp",
@@ -186,7 +185,7 @@ _DECISION_COLUMNS = {
     "threshold": _a(semconv.THRESHOLD_TOKENS),
     "bidir": _a(semconv.BIDIR_ENABLED),
 }
-_TRANSFER_COLUMNS = {
+_TRANSFER_COLUMNS: _Columns = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
     "engine": _a(semconv.ENGINE_ID),
     "direction": _a(semconv.TRANSFER_DIRECTION),
@@ -196,7 +195,7 @@ _TRANSFER_COLUMNS = {
     "duration_ns": "Duration",
     "request_outcome": _a(semconv.REQUEST_OUTCOME),
 }
-_RETENTION_COLUMNS = {
+_RETENTION_COLUMNS: _Columns = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
     "engine": _a(semconv.ENGINE_ID),
     "start": "Timestamp",
@@ -206,7 +205,7 @@ _RETENTION_COLUMNS = {
     "tokens": _a(semconv.REMOTE_NUM_TOKENS),
 }
 
-QUERIES: dict[str, str] = {
+QUERIES: dict[str, query.Query] = {
     "turns": _span_query(semconv.SPAN_TURN, _TURN_COLUMNS),
     "prefill": _span_query(semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
     "decode": _span_query(semconv.SPAN_GENERATION, _DECODE_COLUMNS),
@@ -218,7 +217,10 @@ QUERIES: dict[str, str] = {
 
 
 def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
-    """Run the extraction queries; one frame of string-typed attributes per span kind."""
+    """Run the extraction queries; one frame of string-typed attributes per span kind.
+
+    On either engine: the reader renders each query in its dialect (DuckDB or ClickHouse).
+    """
     # A bare connection (the store's own writer, rebuilding) still goes through the reader's
     # seam for its error translation; it has no time limit, as rebuilding may take a while.
     seam = reader if isinstance(reader, StoreReader) else StoreReader(reader, time_limit_s=None)
@@ -673,6 +675,22 @@ def rebuild(path: str | Path) -> int:
         return rows
     finally:
         con.close()
+
+
+def rebuild_clickhouse(source: ClickHouseSource) -> int:
+    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there.
+
+    The extraction queries run in ClickHouse; the per-turn shaping runs here in polars over
+    the extracted span rows (as for DuckDB), and the ledger is written back whole, swapped in.
+    """
+    from kvscope.store.clickhouse import ClickHouseReader
+
+    reader = ClickHouseReader.connect(source, time_limit_s=None)
+    try:
+        return reader.write_table(LEDGER_TABLE, ledger(reader),
+                                  order_by=("run_id", "conversation_id", "turn_index"))
+    finally:
+        reader.close()
 
 
 def runs(frame: pl.DataFrame) -> Sequence[str]:

@@ -28,6 +28,7 @@ import polars as pl
 
 from kvscope import published
 from kvscope.analysis.registry import AnalysisContext, register
+from kvscope.analysis.runs import run_table
 
 SWEEP_FORMAT = "published_sweep"
 TOLERANCE = 0.15
@@ -185,16 +186,13 @@ def sweep_table(runs: list[dict[str, Any]], ledger: pl.DataFrame) -> pl.DataFram
     return frame.sort(["profile", "feature", "prompt_tokens"], descending=[False, True, False])
 
 
-RUNS_SQL = "SELECT run_id, label, settings FROM kvscope_runs ORDER BY started_at"
-
-
 @register(
     "published_sweep",
     "The published bidirectional-KV sweep: simulated vs published TTFT, prefill, transfer",
     columns=COLUMNS,
 )
 def published_sweep(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    runs = sweep_runs(ctx.select_runs(ctx.frame(RUNS_SQL)))
+    runs = sweep_runs(run_table(ctx))
     if not runs:
         return pl.DataFrame(schema=COLUMNS)
     return sweep_table(runs, ctx.ledger())

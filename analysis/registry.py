@@ -16,14 +16,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from kvscope.errors import KvscopeError
 from kvscope.store.query import Query
-from kvscope.store.reader import StoreReader
+from kvscope.store.reader import Source, StoreReader
 
 
 class AnalysisError(KvscopeError, ValueError):
@@ -181,8 +180,8 @@ class AnalysisContext:
         self._cache: dict[Hashable, Any] = {}
 
     @classmethod
-    def open(cls, path: str | Path, *, runs: Sequence[str] | None = None) -> AnalysisContext:
-        """Open the store at ``path`` read-only."""
+    def open(cls, path: Source, *, runs: Sequence[str] | None = None) -> AnalysisContext:
+        """Open the store at ``path`` read-only (or connect to a ClickHouse source)."""
         return cls(StoreReader.open(path), runs=runs)
 
     def close(self) -> None:

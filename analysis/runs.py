@@ -20,19 +20,23 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, intermediate
 from kvscope.errors import KvscopeError
+from kvscope.store import query
 from kvscope.store.reader import StoreReader
+from kvscope.store.schema import RUNS_TABLE
 
 __all__ = [
     "FEATURE_OFF",
     "FEATURE_ON",
     "RUN_INFO_COLUMNS",
     "RUN_TABLE",
+    "RUNS_FROM_SPANS",
     "RUNS_SQL",
     "all_runs",
     "baseline_for",
@@ -44,7 +48,11 @@ __all__ = [
     "resolve_runs",
     "run_info",
     "run_table",
+    "runs_query",
 ]
+
+if TYPE_CHECKING:
+    from kvscope.store.clickhouse import ClickHouseSource
 
 FEATURE_ON = "on"
 FEATURE_OFF = "off"
@@ -60,6 +68,14 @@ _LABEL_WORD = re.compile(r"(?<![a-z0-9])(on|off)(?![a-z0-9])")
 
 RUNS_SQL = ("SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs "
             "ORDER BY started_at")
+# Where no kvscope process recorded runs (the OpenTelemetry Collector writing ClickHouse), the
+# runs are the run ids the spans' resources carry: labelled by their id, settings not recorded.
+# (A missing key reads as NULL on DuckDB and as '' on ClickHouse: both are left out.)
+RUNS_FROM_SPANS = query.Query(
+    "SELECT run_id, run_id AS label, '{}' AS settings, min(Timestamp) AS started_at, "
+    "max(Timestamp) AS ended_at FROM (SELECT ResourceAttributes[$key] AS run_id, Timestamp "
+    "FROM otel_traces) AS spans WHERE run_id IS NOT NULL AND run_id <> '' "
+    "GROUP BY run_id ORDER BY started_at, run_id", {"key": semconv.RUN_ID})
 
 RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -77,7 +93,12 @@ RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
 @intermediate("runs", shared=True)
 def RUN_TABLE(ctx: AnalysisContext) -> pl.DataFrame:  # noqa: N802 (a registered constant)
     """Every run recorded in the store (id, label, settings JSON, start, end), oldest first."""
-    return ctx.frame(RUNS_SQL)
+    return ctx.frame(runs_query(ctx.reader))
+
+
+def runs_query(reader: StoreReader) -> str | query.Query:
+    """The query for the run table: ``kvscope_runs``, else the run ids the spans carry."""
+    return RUNS_SQL if reader.has_table(RUNS_TABLE) else RUNS_FROM_SPANS
 
 
 def all_runs(ctx: AnalysisContext) -> pl.DataFrame:
@@ -104,11 +125,13 @@ def resolve_runs(runs: pl.DataFrame, names: Sequence[str]) -> list[str]:
     return resolved
 
 
-def open_context(db: str | Path, runs: Sequence[str] | None = None) -> AnalysisContext:
-    """Open ``db`` read-only for analysis, selecting ``runs`` (ids or labels) when given."""
+def open_context(db: str | Path | ClickHouseSource,
+                 runs: Sequence[str] | None = None) -> AnalysisContext:
+    """Open ``db`` read-only for analysis (a DuckDB store, or a ClickHouse source), selecting
+    ``runs`` (ids or labels) when given."""
     reader = StoreReader.open(db)
     try:
-        ids = resolve_runs(reader.frame(RUNS_SQL), runs) if runs else None
+        ids = resolve_runs(reader.frame(runs_query(reader)), runs) if runs else None
     except KvscopeError:
         reader.close()
         raise

@@ -3,8 +3,8 @@
     data.py      analysis results per (analysis, parameters, filters, data version)
     figures.py   plotly figures from analysis frames (shared by the app and the report)
     report.py    the static HTML report
-    app.py       the Dash app; pages/ its pages
+    app.py       the Dash app; pages/ its pages; deadline.py its server's body-read deadlines
     grafana_dashboard.py   the Grafana dashboard of ``kvscope serve``'s /metrics, generated
 """
 
-__all__ = ["app", "data", "figures", "grafana_dashboard", "pages", "report"]
+__all__ = ["app", "data", "deadline", "figures", "grafana_dashboard", "pages", "report"]

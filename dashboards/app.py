@@ -19,7 +19,6 @@ import logging
 import socket
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -30,6 +29,7 @@ from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
 from kvscope.dashboards.deadline import BodyDeadline, DeadlineRequestHandler
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
+from kvscope.store.reader import Source
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def warm(data: DashboardData) -> None:
                 logger.warning("warming a dashboard page failed", exc_info=True)
 
 
-def create_app(source: str | Path | StoreWriter | DashboardData, *,
+def create_app(source: Source | StoreWriter | DashboardData, *,
                refresh_s: float = DEFAULT_REFRESH_S) -> Dash:
     """The Dash app over ``source``: a store path (read-only), a live writer, or prepared data.
 

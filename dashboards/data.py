@@ -39,7 +39,7 @@ import polars as pl
 from kvscope.analysis import registry, runs
 from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError
-from kvscope.store.reader import StoreReader
+from kvscope.store.reader import Source, StoreReader
 from kvscope.store.writer import StoreWriter
 from kvscope.tables import NOT_MEASURED
 
@@ -181,12 +181,13 @@ class DashboardData:
     connection and the caches (two requests for the same result build it once).
     """
 
-    def __init__(self, source: str | Path | StoreWriter, *,
+    def __init__(self, source: Source | StoreWriter, *,
                  refresh_s: float = DEFAULT_REFRESH_S) -> None:
         self.source = source
         self.live = isinstance(source, StoreWriter)
         self.refresh_s = refresh_s
-        self.name = "live store" if self.live else Path(str(source)).name
+        self.name = ("live store" if self.live else Path(source).name
+                     if isinstance(source, str | Path) else str(source))
         self._lock = threading.RLock()
         self._version: _Version | None = None
 

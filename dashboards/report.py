@@ -35,6 +35,7 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.analysis.runs import open_context, run_table
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
+from kvscope.store.reader import Source
 from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)
@@ -273,13 +274,14 @@ def render(ctx: AnalysisContext, source: str,
     )
 
 
-def write_report(db_path: str | Path, out_path: str | Path,
+def write_report(db_path: Source, out_path: str | Path,
                  runs: Sequence[str] | None = None,
                  progress: Callable[[str], None] | None = None) -> Path:
     """Write the HTML report of the store ``db_path`` (optionally only ``runs``) to ``out_path``."""
     out = Path(out_path)
     with open_context(db_path, runs) as ctx:
-        page = render(ctx, Path(db_path).name, progress)
+        page = render(ctx, Path(db_path).name if isinstance(db_path, str | Path) else str(db_path),
+                      progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")

@@ -191,6 +191,13 @@ _DECLARED = [
     Setting(
         "log_level", str, "WARNING", "Python log level for kvscope's own loggers.", _log_level
     ),
+    Setting("clickhouse", str, "", "Read the OpenTelemetry Collector's ClickHouse tables instead "
+            "of a DuckDB store: http(s)://host:8123 of a server, or chdb:/folder (in-process)."),
+    Setting("clickhouse_database", str, "default",
+            "ClickHouse database holding the Collector's tables (its exporter's `database`)."),
+    Setting("clickhouse_user", str, "", "ClickHouse user (empty: the server's `default`)."),
+    Setting("clickhouse_password", str, "", "ClickHouse password (environment only: never a "
+            "command-line option, which other users can see)."),
 ]
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _DECLARED}

@@ -27,3 +27,10 @@ def _state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         del os.environ["XDG_STATE_HOME"]
     else:
         os.environ["XDG_STATE_HOME"] = previous
+
+
+@pytest.fixture(scope="session")
+def chdb_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one chdb data folder of this test process (chdb allows one folder per process); each
+    test module uses a database of its own in it."""
+    return tmp_path_factory.mktemp("chdb")

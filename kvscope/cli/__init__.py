@@ -53,7 +53,9 @@ def _run_settings(args: argparse.Namespace) -> int:
         sys.stdout.write(settings.markdown_table(setting_commands()))
         return 0
     values = settings.resolve_all()
-    rows = [(name, values[name], s.env_var) for name, s in settings.SETTINGS.items()]
+    # A password is shown as set or not, never printed.
+    shown = {n: ("(set)" if n.endswith("_password") and v else v) for n, v in values.items()}
+    rows = [(name, shown[name], s.env_var) for name, s in settings.SETTINGS.items()]
     sys.stdout.write(format_rows(["setting", "value", "environment"], rows, "table"))
     return 0
 
@@ -116,7 +118,8 @@ def setting_commands() -> dict[str, list[str]]:
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).
 _EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
-             "grpc": "store", "plotly": "dashboard", "dash": "dashboard"}
+             "grpc": "store", "plotly": "dashboard", "dash": "dashboard",
+             "chdb": "clickhouse", "clickhouse_connect": "clickhouse"}
 
 
 def missing_extra(exc: ModuleNotFoundError) -> str | None:

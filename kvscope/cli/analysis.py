@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 from kvscope.cli.options import (
     Command,
     add_format,
+    add_store,
     add_store_and_runs,
     floats,
     ints,
+    store_source,
 )
 from kvscope.errors import SettingError
 from kvscope.tables import format_rows
@@ -75,6 +77,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         if not sep:
             raise SettingError(f"--param {item!r}: expected NAME=VALUE")
         params[key.strip()] = value
+    source = store_source(args)  # `analyze --clickhouse URL NAME` moves NAME to args.name
     if args.name is None:
         rows = [
             (a.name, a.title, ", ".join(f"{p.name}={p.default} ({p.help})" for p in a.params))
@@ -84,7 +87,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         return 0
     analysis = registry.get(args.name)
     parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
-    with open_context(args.file, args.runs) as ctx:
+    with open_context(source, args.runs) as ctx:
         frame = registry.run(ctx, args.name, parsed)
         if args.format == "table" and "run_id" in frame.columns:
             # People read runs by label; csv and json keep the id for programs.
@@ -94,12 +97,19 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
 
 def _configure_ledger(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="kvscope DuckDB store (opened for writing)")
+    add_store(parser, "opened for writing")
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
     from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
 
+    source = store_source(args)
+    if not isinstance(source, str):
+        from kvscope.analysis.ledger import rebuild_clickhouse
+
+        rows = rebuild_clickhouse(source)
+        print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {source}")
+        return 0
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
@@ -121,7 +131,7 @@ def _run_report(args: argparse.Namespace) -> int:
     from kvscope.progress import steps
 
     with steps("kvscope report", REPORT_STEPS) as step:
-        path = write_report(args.file, args.out, args.runs, step)
+        path = write_report(store_source(args), args.out, args.runs, step)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
@@ -137,7 +147,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from kvscope.analysis.compare import comparison
     from kvscope.analysis.runs import open_context
 
-    with open_context(args.file) as ctx:
+    with open_context(store_source(args)) as ctx:
         summary, by_prompt = comparison(ctx, args.runs or None)
     fmt = args.format
     if fmt == "json":
@@ -171,7 +181,7 @@ def _run_whatif(args: argparse.Namespace) -> int:
     from kvscope.analysis.runs import open_context
     from kvscope.analysis.whatif import DEFAULT_THRESHOLDS, DEFAULT_TTLS_S
 
-    with open_context(args.file, args.runs) as ctx:
+    with open_context(store_source(args), args.runs) as ctx:
         result = registry.run(ctx, "whatif", {
             "ttl": args.ttl or list(DEFAULT_TTLS_S),
             "threshold": args.threshold if args.threshold else list(DEFAULT_THRESHOLDS),

@@ -15,7 +15,9 @@ __all__ = [
     "FORMATS",
     "Command",
     "add_format",
+    "add_clickhouse",
     "add_setting",
+    "add_store",
     "add_store_and_runs",
     "floats",
     "ints",
@@ -23,6 +25,7 @@ __all__ = [
     "required",
     "resolved",
     "setting_help",
+    "store_source",
 ]
 
 EXIT_USER_ERROR = 2
@@ -99,9 +102,47 @@ def names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def add_clickhouse(parser: argparse.ArgumentParser) -> None:
+    """Options of the commands that read the Collector's ClickHouse tables instead of a file."""
+    add_setting(parser, "clickhouse", metavar="URL")
+    add_setting(parser, "clickhouse_database", metavar="DATABASE")
+    add_setting(parser, "clickhouse_user", metavar="USER")
+
+
+def add_store(parser: argparse.ArgumentParser, mode: str = "opened read-only") -> None:
+    """The store a command reads: a DuckDB file, or the Collector's ClickHouse tables."""
+    parser.add_argument("file", nargs="?", default=None,
+                        help=f"kvscope DuckDB store ({mode}); or --clickhouse URL")
+    add_clickhouse(parser)
+
+
+def store_source(args: argparse.Namespace) -> Any:
+    """What a reading command reads: the DuckDB file named, else the ClickHouse source of
+    ``--clickhouse`` (or its environment variable), with its database, user and password."""
+    explicit = getattr(args, "clickhouse", None)
+    if args.file is not None and not explicit:
+        return args.file
+    url = resolved(args, "clickhouse")
+    if not url:
+        env = settings.SETTINGS["clickhouse"].env_var
+        raise SettingError("name a kvscope DuckDB store, or the Collector's ClickHouse tables "
+                           f"with --clickhouse URL (or set {env})")
+    if args.file is not None:
+        if getattr(args, "name", "absent") is None:
+            # `analyze --clickhouse URL NAME`: the one positional is the analysis, not a file.
+            args.name, args.file = args.file, None
+        else:
+            raise SettingError(f"{args.file}: read a DuckDB store or --clickhouse, not both")
+    from kvscope.store.clickhouse import ClickHouseSource
+
+    return ClickHouseSource(url, database=resolved(args, "clickhouse_database"),
+                            user=resolved(args, "clickhouse_user") or None,
+                            password=resolved(args, "clickhouse_password") or None)
+
+
 def add_store_and_runs(parser: argparse.ArgumentParser) -> None:
-    """The store file (read-only) and an optional run selection by ids or labels."""
-    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    """The store (file or ClickHouse) and an optional run selection by ids or labels."""
+    add_store(parser)
     parser.add_argument("--run", "--runs", dest="runs", type=names, default=None,
                         help="run ids or labels to include, comma separated (default: all)")
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvscope import settings
-from kvscope.cli.options import Command, add_setting, required, resolved
+from kvscope.cli.options import Command, add_setting, add_store, required, resolved, store_source
 from kvscope.serving import bind, close_all, stop_signals
 
 __all__ = ["COMMANDS", "serve", "serve_with_dashboard"]
@@ -109,7 +109,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
 
 
 def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="kvscope DuckDB store (opened read-only)")
+    add_store(parser)
     add_setting(parser, "host")
     parser.add_argument("--port", type=int, default=None, help="dashboard port (default 8050)")
 
@@ -119,13 +119,14 @@ def _run_dashboard(args: argparse.Namespace) -> int:
     from kvscope.dashboards.app import DEFAULT_PORT, DashboardServer, create_app
     from kvscope.store.reader import StoreReader
 
-    StoreReader.open(args.file).close()  # refuse a missing, locked or foreign file first
-    server = DashboardServer(create_app(args.file), resolved(args, "host"),
+    source = store_source(args)
+    StoreReader.open(source).close()  # refuse a missing, locked or foreign store first
+    server = DashboardServer(create_app(source), resolved(args, "host"),
                              DEFAULT_PORT if args.port is None else args.port)
     with stop_signals() as wait_for_stop:
         server.start()
         try:
-            print(f"kvscope dashboard: {server.url} (read-only: {args.file}); Ctrl-C stops",
+            print(f"kvscope dashboard: {server.url} (read-only: {source}); Ctrl-C stops",
                   file=sys.stderr, flush=True)
             wait_for_stop()
         finally:

@@ -5,16 +5,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import duckdb
 import polars as pl
 
 from kvscope.errors import StoreError
 from kvscope.store.database import open_readonly
-from kvscope.store.query import Query
+from kvscope.store.query import DUCKDB, Dialect, Query
+
+if TYPE_CHECKING:
+    from kvscope.store.clickhouse import ClickHouseSource
 
 T = TypeVar("T")
+# What a reading command reads: a DuckDB store's path, or a ClickHouse source.
+Source: TypeAlias = "str | Path | ClickHouseSource"
 Params = Sequence[Any] | Mapping[str, Any] | None
 
 
@@ -28,16 +33,35 @@ def _statement(sql: str | Query, params: Params) -> tuple[str, Any]:
 
 
 class StoreReader:
-    """Queries a store opened read-only (or a cursor on the writer's connection)."""
+    """Queries a store opened read-only (or a cursor on the writer's connection).
+
+    :class:`~kvscope.store.clickhouse.ClickHouseReader` is the same interface over the
+    OpenTelemetry Collector's ClickHouse tables; :meth:`open` returns one for a
+    :class:`~kvscope.store.clickhouse.ClickHouseSource`.
+    """
+
+    # The SQL dialect queries are rendered in (kvscope.store.query).
+    dialect: Dialect = DUCKDB
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, time_limit_s: float | None = 60.0):
         self._con = con
         self.time_limit_s = time_limit_s
 
     @classmethod
-    def open(cls, path: str | Path, *, time_limit_s: float | None = 60.0) -> StoreReader:
-        """Open the store at ``path`` read-only."""
+    def open(cls, path: str | Path | ClickHouseSource, *,
+             time_limit_s: float | None = 60.0) -> StoreReader:
+        """Open the store at ``path`` read-only (or connect to a ClickHouse source)."""
+        if not isinstance(path, str | Path):
+            from kvscope.store.clickhouse import ClickHouseReader
+
+            return ClickHouseReader.connect(path, time_limit_s=time_limit_s)
         return cls(open_readonly(path), time_limit_s=time_limit_s)
+
+    def has_table(self, name: str) -> bool:
+        """Whether the store has a table (or view) called ``name``."""
+        _, rows = self.rows("SELECT count(*) FROM information_schema.tables "
+                            "WHERE table_name = ?", [name])
+        return bool(rows[0][0])
 
     def execute(self, sql: str | Query, params: Params = None) -> duckdb.DuckDBPyConnection:
         """Run one statement with bound parameters; interrupt it past the time limit."""

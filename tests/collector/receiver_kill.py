@@ -38,7 +38,7 @@ from kvscope.store.database import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
-# A receiver with a chosen acknowledgement ("durable" or "queued"), printing what main_serve
+# A receiver with a chosen acknowledgement ("durable" or "queued"), printing what ``kvscope serve``
 # prints; without one the trial runs the real CLI, `kvscope serve`.
 _LAUNCHER = (
     "import sys\n"

@@ -1,0 +1,385 @@
+"""Reading the OpenTelemetry Collector's ClickHouse tables through the same reader interface.
+
+A fleet sends OTLP to a Collector whose ClickHouse exporter writes ``otel_traces`` and
+``otel_metrics_gauge``, the tables the DuckDB store mirrors (:mod:`kvscope.store.schema`).
+:class:`ClickHouseReader` is a :class:`~kvscope.store.reader.StoreReader` over those tables, so
+an :class:`~kvscope.analysis.registry.AnalysisContext` and every analysis run on it unchanged:
+it renders each :class:`~kvscope.store.query.Query` in the ClickHouse dialect, binds its values
+as server-side parameters (``{p0:String}``), and returns the frames a DuckDB store returns.
+
+One :class:`ClickHouseSource` names the engine by its URL:
+
+    ``http://host:8123``, ``https://…``   a ClickHouse server, through clickhouse-connect
+    ``chdb:/path/to/folder``              ClickHouse's own engine in this process (chdb) on a data
+                                          folder (chdb allows one folder per process)
+
+Results are normalised to the DuckDB store's types: ``DateTime64`` columns without a zone (UTC,
+as the exporter writes them) come back without a zone, dictionary-encoded (``LowCardinality``)
+columns as plain values. ClickHouse's errors become :class:`~kvscope.errors.StoreError` here, as
+DuckDB's do in the reader. Writing (the ledger table, copying a DuckDB store's raw tables) goes
+through :meth:`Engine.insert_arrow`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvscope.errors import StoreError
+from kvscope.store.query import CLICKHOUSE, Query
+from kvscope.store.reader import Params, StoreReader
+from kvscope.store.schema import quote
+
+__all__ = [
+    "CHDB_SCHEME",
+    "ClickHouseReader",
+    "ClickHouseSource",
+    "Engine",
+    "clickhouse_type",
+    "connect",
+    "normalise",
+    "load_store",
+    "replace_table",
+]
+
+CHDB_SCHEME = "chdb"
+T = TypeVar("T")
+# The error name ClickHouse gives a query stopped by max_execution_time.
+_TIMEOUT_EXCEEDED = "TIMEOUT_EXCEEDED"
+# The zone kvscope's own ClickHouse tables declare for zoned times (DateTime64(6, 'UTC')); any
+# other zone on a result column is the server's default on a column declared without one.
+_DECLARED_ZONE = "UTC"
+
+
+@dataclass(frozen=True)
+class ClickHouseSource:
+    """Where the Collector's tables are: a server URL or a chdb data folder, and a database."""
+
+    url: str
+    database: str = "default"
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def is_chdb(self) -> bool:
+        """Whether this names ClickHouse's in-process engine (chdb) rather than a server."""
+        return urlsplit(self.url).scheme == CHDB_SCHEME
+
+    @property
+    def chdb_path(self) -> str:
+        """The chdb data folder (``chdb:/path`` or ``chdb:///path``)."""
+        parts = urlsplit(self.url)
+        return (parts.netloc + parts.path) if parts.netloc else parts.path
+
+    def __str__(self) -> str:
+        # Names the source in messages: never the password.
+        return f"{self.url} (database {self.database})"
+
+
+class Engine(Protocol):
+    """What a reader needs of a ClickHouse connection."""
+
+    def query_arrow(self, sql: str, params: Mapping[str, Any]) -> pa.Table: ...
+
+    def command(self, sql: str) -> None: ...
+
+    def insert_arrow(self, table: str, data: pa.Table) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Chdb:
+    """ClickHouse's engine in this process (chdb) on one data folder; a session of its own."""
+
+    def __init__(self, source: ClickHouseSource, time_limit_s: float | None) -> None:
+        from chdb import session
+
+        if not source.chdb_path:
+            raise StoreError(f"{source.url}: name chdb's data folder, e.g. chdb:/var/lib/kvscope")
+        self._session = session.Session(source.chdb_path)
+        self._database = source.database
+        # A session keeps its current database and settings (another session's do not mix in).
+        # Reading creates nothing: a database that does not exist is refused here.
+        try:
+            self.command(f"USE {quote(self._database)}")
+            if time_limit_s:
+                self.command(f"SET max_execution_time = {float(time_limit_s)}")
+        except BaseException:
+            self._session.close()
+            raise
+
+    def query_arrow(self, sql: str, params: Mapping[str, Any]) -> pa.Table:
+        # The Arrow stream format carries the schema even for no rows (chdb's "ArrowTable"
+        # fails on an empty result).
+        try:
+            result = self._session.query(sql, "ArrowStream", params=dict(params))
+        except Exception as exc:
+            if _TIMEOUT_EXCEEDED in str(exc):
+                # chdb 4.4: the query after a timed-out one gets an empty result in its place;
+                # one throw-away query takes it (tests/store/test_clickhouse.py checks this).
+                self._session.query("SELECT 1")
+            raise
+        return pa.ipc.open_stream(result.bytes()).read_all()
+
+    def command(self, sql: str) -> None:
+        self._session.query(sql)
+
+    def insert_arrow(self, table: str, data: pa.Table) -> None:
+        # chdb reads files in-process: the batch goes through a Parquet file (types kept).
+        with tempfile.TemporaryDirectory(prefix="kvscope-chdb-") as folder:
+            path = Path(folder) / "batch.parquet"
+            pq.write_table(data, path)
+            columns = ", ".join(quote(c) for c in data.column_names)
+            self._session.query(f"INSERT INTO {quote(table)} ({columns}) "
+                                f"SELECT * FROM file('{path}', Parquet)")
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class _Server:
+    """A ClickHouse server over HTTP(S), through clickhouse-connect."""
+
+    def __init__(self, source: ClickHouseSource, time_limit_s: float | None) -> None:
+        import clickhouse_connect
+
+        # A refused connection is logged by both libraries, then raised: the raise becomes one
+        # line naming the source (_translate), so their warnings would only repeat it.
+        for noisy in ("urllib3.connectionpool", "clickhouse_connect"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+        settings = {"max_execution_time": int(time_limit_s)} if time_limit_s else {}
+        parts = urlsplit(source.url)
+        self._client = clickhouse_connect.get_client(
+            host=parts.hostname or "127.0.0.1", port=parts.port or 0,
+            interface=parts.scheme or "http", username=source.user or "default",
+            password=source.password or "", database=source.database, settings=settings,
+        )
+
+    def query_arrow(self, sql: str, params: Mapping[str, Any]) -> pa.Table:
+        table: pa.Table = self._client.query_arrow(sql, parameters=dict(params))
+        return table
+
+    def command(self, sql: str) -> None:
+        self._client.command(sql)
+
+    def insert_arrow(self, table: str, data: pa.Table) -> None:
+        self._client.insert_arrow(table, data)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _translate(source: ClickHouseSource, time_limit_s: float | None,
+               run: Callable[[], T], doing: str = "query failed on") -> T:
+    """``run()`` with ClickHouse's errors (either engine) as one-line StoreErrors."""
+    try:
+        return run()
+    except StoreError:
+        raise
+    except Exception as exc:  # chdb raises RuntimeError subclasses, clickhouse-connect its own
+        if not _is_clickhouse_error(exc):
+            raise
+        text = str(exc).strip()
+        if _TIMEOUT_EXCEEDED in text:
+            raise StoreError(f"query exceeded the {time_limit_s:g} s time limit") from None
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise StoreError(f"{doing} {source}: {first}") from None
+
+
+def _is_clickhouse_error(exc: Exception) -> bool:
+    module = type(exc).__module__ or ""
+    return module.startswith(("chdb", "clickhouse_connect")) or "DB::Exception" in str(exc)
+
+
+def connect(source: ClickHouseSource, time_limit_s: float | None = None) -> Engine:
+    """An engine for ``source`` (chdb in this process, or a server through clickhouse-connect)."""
+    def make() -> Engine:
+        if source.is_chdb:
+            return _Chdb(source, time_limit_s)
+        if urlsplit(source.url).scheme not in ("http", "https"):
+            raise StoreError(f"{source.url}: expected http(s)://host:port of a ClickHouse "
+                             f"server or {CHDB_SCHEME}:/folder")
+        return _Server(source, time_limit_s)
+    return _translate(source, time_limit_s, make, "cannot connect to")
+
+
+def normalise(table: pa.Table) -> pa.Table:
+    """A ClickHouse result with the DuckDB store's types (zoneless UTC times, plain values)."""
+    columns = []
+    for column in table.columns:
+        kind = column.type
+        if pa.types.is_dictionary(kind):
+            column = column.cast(kind.value_type)
+            kind = kind.value_type
+        if pa.types.is_timestamp(kind) and kind.tz is not None and kind.tz != _DECLARED_ZONE:
+            # Same instant, no zone: the column was declared without one (UTC by convention).
+            column = column.cast(pa.timestamp(kind.unit, "UTC")).cast(pa.timestamp(kind.unit))
+        columns.append(column)
+    return pa.table(columns, names=table.column_names)
+
+
+class ClickHouseReader(StoreReader):
+    """A :class:`StoreReader` over ClickHouse tables (the Collector's), read-only."""
+
+    dialect = CLICKHOUSE
+
+    def __init__(self, engine: Engine, source: ClickHouseSource, *,
+                 time_limit_s: float | None = 60.0) -> None:
+        self._engine = engine
+        self.source = source
+        self.time_limit_s = time_limit_s
+
+    @classmethod
+    def connect(cls, source: ClickHouseSource, *,
+                time_limit_s: float | None = 60.0) -> ClickHouseReader:
+        """Connect to ``source`` (``StoreReader.open(source)`` comes here)."""
+        return cls(connect(source, time_limit_s), source, time_limit_s=time_limit_s)
+
+    def _text(self, sql: str | Query, params: Params) -> tuple[str, dict[str, Any]]:
+        if isinstance(sql, Query):
+            return sql.text(CLICKHOUSE), dict(sql.params)
+        if params is not None and not isinstance(params, Mapping):
+            if len(params):
+                raise StoreError("positional (?) parameters do not run on ClickHouse: name "
+                                 "them ({name:Type}) and pass a mapping")
+            params = None
+        return sql, dict(params or {})
+
+    def arrow(self, sql: str | Query, params: Params = None) -> pa.Table:
+        """Run one query; its result as an Arrow table with the DuckDB store's types."""
+        text, bound = self._text(sql, params)
+        return normalise(_translate(self.source, self.time_limit_s,
+                                    lambda: self._engine.query_arrow(text, bound)))
+
+    def frame(self, sql: str | Query, params: Params = None) -> pl.DataFrame:
+        """Run one query and return its result as a polars DataFrame."""
+        frame = pl.DataFrame(self.arrow(sql, params))
+        return frame
+
+    def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
+        """Run one query and return (column names, rows)."""
+        frame = self.frame(sql, params)
+        return frame.columns, frame.rows()
+
+    def execute(self, sql: str | Query, params: Params = None) -> Any:
+        """Not offered: a DuckDB cursor has no ClickHouse twin (use frame() or rows())."""
+        raise StoreError("execute() returns a DuckDB cursor; on ClickHouse use frame() or rows()")
+
+    def has_table(self, name: str) -> bool:
+        """Whether the database has a table called ``name``."""
+        found = self.frame(Query("SELECT count() AS n FROM system.tables WHERE database = "
+                                 "currentDatabase() AND name = $name", {"name": name}))
+        return bool(found["n"][0])
+
+    def write_table(self, name: str, frame: pl.DataFrame, order_by: tuple[str, ...] = ()) -> int:
+        """Replace the table ``name`` with ``frame`` (the derived ledger); return its rows."""
+        return _translate(self.source, self.time_limit_s,
+                          lambda: replace_table(self._engine, name, frame, order_by))
+
+    @property
+    def engine(self) -> Engine:
+        """The connection (for writers: :func:`replace_table`, loading raw tables)."""
+        return self._engine
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._engine.close()
+
+
+def clickhouse_type(dtype: pl.DataType) -> str:
+    """The ClickHouse column type for a polars type of a derived table (nullable)."""
+    if isinstance(dtype, pl.Datetime):
+        unit = {"ns": 9, "us": 6, "ms": 3}[dtype.time_unit or "us"]
+        zone = f", '{dtype.time_zone}'" if dtype.time_zone else ""
+        inner = f"DateTime64({unit}{zone})"
+    else:
+        names = {pl.String: "String", pl.Int64: "Int64", pl.Int32: "Int32",
+                 pl.Float64: "Float64", pl.Boolean: "Bool", pl.UInt64: "UInt64"}
+        inner = next((v for k, v in names.items() if isinstance(dtype, k)), "")
+        if not inner:
+            raise TypeError(f"no ClickHouse column type for {dtype}")
+    return f"Nullable({inner})"
+
+
+def replace_table(engine: Engine, name: str, frame: pl.DataFrame,
+                  order_by: tuple[str, ...] = ()) -> int:
+    """Replace table ``name`` with ``frame``: written under a new name, then swapped in.
+
+    Readers see the old table or the new one, never a half-written one (``EXCHANGE TABLES``
+    where the database supports it; a drop and a rename otherwise).
+    """
+    staging = f"{name}__new"
+    columns = ", ".join(f"{quote(c)} {clickhouse_type(t)}" for c, t in frame.schema.items())
+    key = ", ".join(quote(c) for c in order_by) if order_by else ""
+    engine.command(f"DROP TABLE IF EXISTS {quote(staging)}")
+    engine.command(f"CREATE TABLE {quote(staging)} ({columns}) ENGINE = MergeTree "
+                   f"ORDER BY tuple({key}) SETTINGS allow_nullable_key = 1")
+    if frame.height:
+        engine.insert_arrow(staging, frame.to_arrow())
+    engine.command(f"CREATE TABLE IF NOT EXISTS {quote(name)} AS {quote(staging)}")
+    engine.command(f"EXCHANGE TABLES {quote(staging)} AND {quote(name)}")
+    engine.command(f"DROP TABLE {quote(staging)}")
+    return frame.height
+
+
+# kvscope's own run table on ClickHouse (the Collector writes none: see analysis/runs.py).
+RUNS_DDL = (
+    "CREATE TABLE IF NOT EXISTS kvscope_runs (run_id String, label String, settings String, "
+    "started_at DateTime64(6, 'UTC'), ended_at Nullable(DateTime64(6, 'UTC'))) "
+    "ENGINE = MergeTree ORDER BY run_id"
+)
+
+
+def _flat_select(table: str, columns: list[tuple[str, str, pa.DataType]]) -> str:
+    """DuckDB SELECT of a raw table with each LIST-of-STRUCT column as ClickHouse's Nested
+    arrays (``Events`` -> ``Events.Timestamp``, ``Events.Name``, …: the exporter's layout)."""
+    parts = []
+    for name, _, arrow in columns:
+        if pa.types.is_list(arrow) and pa.types.is_struct(arrow.value_type):
+            for field_ in arrow.value_type:
+                parts.append(f"list_transform({quote(name)}, lambda e: e.{quote(field_.name)}) "
+                             f"AS {quote(name + '.' + field_.name)}")
+        else:
+            parts.append(quote(name))
+    return f"SELECT {', '.join(parts)} FROM {quote(table)}"
+
+
+def load_store(db: str | Path, engine: Engine, *, batch_rows: int = 1_000_000) -> dict[str, int]:
+    """Copy a DuckDB store's raw tables (and its runs) into ClickHouse tables that exist.
+
+    ``otel_traces`` and ``otel_metrics_gauge`` must have been created as the exporter creates
+    them; ``kvscope_runs`` is created here (:data:`RUNS_DDL`). Returns rows copied per table.
+    For moving a store into ClickHouse, and for the tests that compare the two engines.
+    """
+    from kvscope.store.database import open_readonly
+    from kvscope.store.schema import GAUGE_COLUMNS, GAUGE_TABLE, TRACES_COLUMNS, TRACES_TABLE
+
+    engine.command(RUNS_DDL)
+    con = open_readonly(db)
+    copied: dict[str, int] = {}
+    try:
+        sources = [
+            (TRACES_TABLE, _flat_select(TRACES_TABLE, TRACES_COLUMNS)),
+            (GAUGE_TABLE, _flat_select(GAUGE_TABLE, GAUGE_COLUMNS)),
+            ("kvscope_runs", "SELECT run_id, label, CAST(settings AS VARCHAR) AS settings, "
+                             "started_at, ended_at FROM kvscope_runs"),
+        ]
+        for table, sql in sources:
+            copied[table] = 0
+            reader = con.sql(sql).to_arrow_reader(batch_rows)
+            for batch in reader or ():
+                if batch.num_rows:
+                    engine.insert_arrow(table, pa.Table.from_batches([batch]))
+                    copied[table] += batch.num_rows
+    finally:
+        con.close()
+    return copied
