@@ -152,6 +152,7 @@ _TURN_COLUMNS = {
     "roles": _a(semconv.MESSAGE_ROLES),
     "error_kind": _a(semconv.ERROR_KIND),
     "observer": _a(semconv.TURN_OBSERVER),
+    "duration_measured": _a(semconv.DURATION_MEASURED),
 }
 _PREFILL_COLUMNS = {
     "trace_id": "TraceId",
@@ -168,6 +169,7 @@ _DECODE_COLUMNS = {
     "decode_ns": "Duration",
     "decode_request_id": _a(semconv.VLLM_REQUEST_ID),
     "metadata_returned": _a(semconv.RETENTION_METADATA_RETURNED),
+    "decode_measured": _a(semconv.DURATION_MEASURED),
 }
 _WAIT_COLUMNS = {
     "trace_id": "TraceId",
@@ -297,12 +299,22 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         (pl.col("arrival") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("end"),
         (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("turn_ms"),
     )
+    if "duration_measured" in turns.collect_schema().names():
+        # An ingested log that gave a turn's start only: its end and time are not measured.
+        unmeasured = pl.col("duration_measured") == "false"
+        turns = turns.with_columns(
+            pl.when(unmeasured).then(None).otherwise(pl.col(name)).alias(name)
+            for name in ("end", "turn_ms"))
     prefill = frames["prefill"].rename({"parent_span_id": "span_id"}).with_columns(
         (pl.col("prefill_ns").cast(pl.Float64) / 1e6).alias("prefill_ms"),
         _bool("d_metadata_attached"), _int("offered_tokens_proxy"),
     ).drop("prefill_ns").unique(["trace_id", "span_id"], keep="first")
-    decode = frames["decode"].rename({"parent_span_id": "span_id"}).with_columns(
-        (pl.col("decode_ns").cast(pl.Float64) / 1e6).alias("decode_ms"),
+    decode = frames["decode"].rename({"parent_span_id": "span_id"})
+    decode_measured = (pl.col("decode_measured") != "false").fill_null(True) if (
+        "decode_measured" in decode.collect_schema().names()) else pl.lit(True)
+    decode = decode.with_columns(
+        pl.when(decode_measured).then(pl.col("decode_ns").cast(pl.Float64) / 1e6)
+        .alias("decode_ms"),
         _bool("metadata_returned"),
     ).drop("decode_ns").unique(["trace_id", "span_id"], keep="first")
     waits = frames["waits"].rename({"parent_span_id": "span_id"}).with_columns(
@@ -576,9 +588,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
         # or "consumed" when the previous turn's own lookup took the last one).
         # Only where the proxy saw the previous turn: for a client's record, a missing decode
-        # leg is evidence not collected, not a turn that never reached decode.
+        # leg is evidence not collected, not a turn that never reached decode (a proxy log
+        # joined to it says whether decode returned params: prev_returned is then set).
         (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False)
-         & c("observer").is_null(),
+         & (c("observer").is_null() | c("prev_returned").is_not_null()),
          outcomes.NO_DECODE_METADATA,
          pl.when(c("prev_returned").is_null())
          .then(pl.lit("previous turn never reached decode"))

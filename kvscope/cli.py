@@ -346,6 +346,8 @@ def _run_ingest(args: argparse.Namespace) -> int:
     result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
     for source in result.sources:
         print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans")
+    if result.joined:
+        print(f"{result.joined} client turns joined to the proxy's record of them")
     print(f"run {result.run_id} ({result.label!r}) written to {db}")
     return 0
 
@@ -401,7 +403,7 @@ COMMANDS: list[Command] = [
             _configure_whatif, _run_whatif),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
-    Command("ingest", "store a run's own files (vLLM benchmark stats) as a kvscope run",
+    Command("ingest", "store a run's own files (vLLM benchmark stats, proxy log) as a kvscope run",
             _configure_ingest, _run_ingest),
     Command("demo", "run the demo and write out/kvscope.duckdb", _configure_demo, _run_demo),
 ]

@@ -60,6 +60,10 @@ SERVICE_DECODE = "vllm-decode"
 SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
 # Turns read from vLLM's multi-turn benchmark's --stats-json-output (kvscope ingest).
 SERVICE_VLLM_BENCHMARK = "vllm-multi-turn-benchmark"
+# Turns read from a proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy's turn lines).
+SERVICE_PROXY_LOG = "vllm-disagg-proxy"
+# Spans read from a vLLM server's log whose role (prefill or decode) the log did not show.
+SERVICE_VLLM_SERVER = "vllm-server"
 
 # Instrumentation scope name used by every kvscope tracer and meter.
 SCOPE_NAME = "kvscope"
@@ -139,6 +143,12 @@ CLIENT_TPOT_MS = _attr(
 )
 INGEST_KIND = _attr("kvscope.ingest.kind", "", "Kind of source a span was ingested from.")
 INGEST_FILE = _attr("kvscope.ingest.file", "", "File name a span was ingested from.")
+INGEST_LINE = _attr("kvscope.ingest.line", "", "Line of the ingested file a span starts at.")
+DURATION_MEASURED = _attr(
+    "kvscope.duration_measured", "",
+    "false when a span's duration was not measured (an ingested log gave its start only): "
+    "the ledger reads its time as not measured, never 0.",
+)
 X_REQUEST_ID = _attr("kvscope.x_request_id", "", "X-Request-Id the proxy sent to both legs.")
 MESSAGE_BOUNDARY_HASHES = _attr(
     "kvscope.prompt.boundary_hashes",
@@ -308,6 +318,8 @@ OUTCOME_ERROR = "error"
 
 # kvscope.turn.observer of turns a client recorded (kvscope ingest).
 OBSERVER_CLIENT = "client"
+# ... and of turns read from a proxy's log alone (kvscope ingest): no client record joined.
+OBSERVER_PROXY_LOG = "proxy_log"
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"

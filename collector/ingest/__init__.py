@@ -5,6 +5,11 @@ one command becomes one run in ``kvscope_runs``, whose settings list each file's
 SHA-256. Kinds:
 
     vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
+    vllm-proxy-log     vLLM's disagg_proxy_multiturn.py log, or kvscope proxy's turn lines
+                       (:mod:`.proxy_log`)
+
+A run's benchmark stats and proxy logs are joined (:mod:`.join`): a client turn takes the
+proxy's evidence for the request that served it, so each turn is one ledger row.
 
 All sources are parsed and checked before the store is opened, and their spans are written in
 one transaction with the run's record, so a malformed file (a one-line :class:`IngestError`
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvscope.collector.ingest import bench_stats
+from kvscope.collector.ingest import bench_stats, proxy_log
+from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.rows import TraceRows
@@ -62,6 +68,10 @@ KINDS: dict[str, Kind] = {
         bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
         bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
     ),
+    proxy_log.KIND: Kind(
+        proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
+        proxy_log.looks_like, proxy_log.read, proxy_log.add_spans,
+    ),
 }
 
 
@@ -83,6 +93,8 @@ class IngestResult:
     run_id: str
     label: str
     sources: tuple[Ingested, ...]
+    # Client turns that took a proxy log's evidence for the same request (.join).
+    joined: int = 0
 
 
 def detect(path: Path) -> Kind:
@@ -139,6 +151,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
         first_seen[content.sha256] = path
         parsed.append((path, source_kind, content))
     label = run_label or f"{_SOURCE} {', '.join(path.name for path, _, _ in parsed)}"
+    joined = join([c for _, _, c in parsed if isinstance(c, bench_stats.BenchStats)],
+                  [c for _, _, c in parsed if isinstance(c, proxy_log.ProxyLog)])
 
     con = open_store(db)
     try:
@@ -171,7 +185,7 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
             raise
     finally:
         con.close()
-    return IngestResult(run_id, label, tuple(added))
+    return IngestResult(run_id, label, tuple(added), joined)
 
 
 __all__ = ["KINDS", "IngestResult", "Ingested", "Kind", "Parsed", "detect", "ingest"]

@@ -34,12 +34,15 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscope import __version__, semconv
 from kvscope.errors import IngestError
 from kvscope.store.rows import Attrs, TraceRows, stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
+
+if TYPE_CHECKING:
+    from kvscope.collector.ingest.proxy_log import ProxyRequest
 
 KIND = "vllm-bench-stats"
 
@@ -81,6 +84,8 @@ class BenchTurn:
     input_tokens: int
     output_tokens: int
     client_id: int
+    # The proxy's record of the same request, when the run's proxy log was joined (.join).
+    proxy: ProxyRequest | None = None
 
     @property
     def end_ns(self) -> int:
@@ -262,11 +267,14 @@ def _id(sha256: str, *parts: object, size: int) -> str:
 
 
 def _attrs(values: dict[str, Any]) -> Attrs:
-    return [(key, stringify(value)) for key, value in values.items()]
+    return [(key, stringify(value)) for key, value in values.items() if value is not None]
 
 
 def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
-    """Append the file's turn and tool-wait spans for run ``run_id``; return how many."""
+    """Append the file's turn and tool-wait spans for run ``run_id``; return how many (with
+    the prefill and decode legs a joined proxy log gave its turns)."""
+    from kvscope.collector.ingest import proxy_log
+
     resource = _attrs({
         "service.name": semconv.SERVICE_VLLM_BENCHMARK,
         semconv.RUN_ID: run_id,
@@ -304,6 +312,8 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             semconv.CLIENT_TPOT_MS: turn.tpot_ms,
             semconv.CLIENT_ID: turn.client_id,
         }
+        if turn.proxy is not None:
+            values.update(proxy_log.turn_values(turn.proxy))
         events: list[tuple[int, str, Attrs]] = []
         if turn.ttft_ms is not None:
             values[semconv.TTFT_MS] = turn.ttft_ms
@@ -312,6 +322,8 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
         add(semconv.SPAN_TURN, trace_id, span_id, "", _KIND_CLIENT, turn.start_ns,
             turn.end_ns, _attrs(values), events)
         added += 1
+        if turn.proxy is not None:
+            added += proxy_log.add_legs(turn.proxy, run_id, rows, trace_id, span_id)
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
             add(semconv.SPAN_TOOL_WAIT, trace_id, _id(stats.sha256, *key, "wait", size=8),
