@@ -186,6 +186,7 @@ _DECISION_COLUMNS = {
     "to_pull": _a(semconv.TOKENS_TO_PULL),
     "threshold": _a(semconv.THRESHOLD_TOKENS),
     "bidir": _a(semconv.BIDIR_ENABLED),
+    "remote_count": _a(semconv.REMOTE_COUNT_TOKENS),
 }
 _TRANSFER_COLUMNS = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
@@ -196,6 +197,7 @@ _TRANSFER_COLUMNS = {
     "start": "Timestamp",
     "duration_ns": "Duration",
     "request_outcome": _a(semconv.REQUEST_OUTCOME),
+    "duration_measured": _a(semconv.DURATION_MEASURED),
 }
 _RETENTION_COLUMNS = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
@@ -331,6 +333,8 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     decisions = frames["decisions"].with_columns(
         request_key("request_id").alias("x_request_id"),
         _int("local_hit"), _int("offered"), _int("to_pull"), _int("threshold"), _bool("bidir"),
+        *([_int("remote_count")] if "remote_count" in frames["decisions"].collect_schema().names()
+          else [pl.lit(None, pl.Int64).alias("remote_count")]),
     ).sort("time")
     first_decisions = decisions.group_by("x_request_id", maintain_order=True).agg(
         pl.col("decision").first(), pl.col("local_hit").first().alias("decision_local_hit"),
@@ -342,10 +346,15 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.len().alias("decisions"),
         pl.col("local_hit").last().alias("final_local_hit"),
         pl.col("decision").last().alias("last_decision"),
+        pl.col("remote_count").first().alias("decision_remote_count"),
     )
+    transfer_measured = (pl.col("duration_measured") != "false").fill_null(True) if (
+        "duration_measured" in frames["transfers"].collect_schema().names()) else pl.lit(True)
     transfers = frames["transfers"].with_columns(
         request_key("request_id").alias("x_request_id"), _int("size_bytes"),
-        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
+        # A read an ingested log only names has no measured time: null, never 0.
+        pl.when(transfer_measured).then(pl.col("duration_ns").cast(pl.Float64) / 1e6)
+        .alias("ms"),
     )
     # vLLM can report one failed read twice: the worker's span with the exact status
     # (declined_expired, handshake_failed, ...) and the scheduler's with the request's outcome.
@@ -612,7 +621,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
          pl.lit(outcomes.EVIDENCE_BIDIR_OFF)),
         (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
          pl.format(outcomes.EVIDENCE_BELOW_THRESHOLD,
-                   c("offered_tokens") - c("decision_local_hit"), c("threshold_tokens"))),
+                   pl.coalesce(c("offered_tokens") - c("decision_local_hit"),
+                               c("decision_remote_count")), c("threshold_tokens"))),
         (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
          pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
         (c("_preempted"), outcomes.PREEMPTED, pl.lit(outcomes.EVIDENCE_PREEMPTED)),

@@ -336,7 +336,8 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                         help="kind of every source (default: detected from each file: "
                         + "; ".join(f"{k.name}: {k.description}" for k in KINDS.values()) + ")")
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
-                        help="files the run left (ingested together as one run)")
+                        help="files the run left (ingested together as one run); "
+                        "KIND:FILE names one file's kind (e.g. vllm-prefill-log:prefill.log)")
 
 
 def _run_ingest(args: argparse.Namespace) -> int:

@@ -188,6 +188,11 @@ REMOTE_OFFERED_TOKENS = _attr(
     "kvscope.remote_offered_tokens", "tokens", "Tokens decode offered (remote_num_tokens)."
 )
 TOKENS_TO_PULL = _attr("kvscope.to_pull_tokens", "tokens", "Tokens prefill decided to read.")
+REMOTE_COUNT_TOKENS = _attr(
+    "kvscope.remote_count_tokens", "tokens",
+    "Remote tokens beyond prefill's own hit that kv_recompute_threshold was compared with "
+    "(vLLM's count; from a server log's skip line, where offer and hit are not logged).",
+)
 THRESHOLD_TOKENS = _attr(
     "kvscope.kv_recompute_threshold_tokens", "tokens", "kv_recompute_threshold in force."
 )

@@ -7,6 +7,12 @@ SHA-256. Kinds:
     vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
     vllm-proxy-log     vLLM's disagg_proxy_multiturn.py log, or kvscope proxy's turn lines
                        (:mod:`.proxy_log`)
+    vllm-server-log    a vLLM server's log, role not named (:mod:`.server_log`); named:
+    vllm-prefill-log   ... a prefill server's
+    vllm-decode-log    ... a decode server's (the direction of a failed read is the role's)
+
+A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
+``--kind`` names every source's.
 
 A run's benchmark stats and proxy logs are joined (:mod:`.join`): a client turn takes the
 proxy's evidence for the request that served it, so each turn is one ledger row.
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvscope.collector.ingest import bench_stats, proxy_log
+from kvscope.collector.ingest import bench_stats, proxy_log, server_log
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.store.database import begin_run, end_run, open_store
@@ -72,6 +78,19 @@ KINDS: dict[str, Kind] = {
         proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
         proxy_log.looks_like, proxy_log.read, proxy_log.add_spans,
     ),
+    server_log.KIND: Kind(
+        server_log.KIND, "a vLLM server's log, role not named (name it: vllm-prefill-log:FILE)",
+        server_log.looks_like, server_log.read, server_log.add_spans,
+    ),
+    # Named only (KIND:PATH or --kind): a log does not show its server's role.
+    server_log.KIND_PREFILL: Kind(
+        server_log.KIND_PREFILL, "a vLLM prefill server's log", lambda head: False,
+        server_log.read_prefill, server_log.add_spans,
+    ),
+    server_log.KIND_DECODE: Kind(
+        server_log.KIND_DECODE, "a vLLM decode server's log", lambda head: False,
+        server_log.read_decode, server_log.add_spans,
+    ),
 }
 
 
@@ -111,6 +130,15 @@ def detect(path: Path) -> Kind:
                       f"(known: {', '.join(KINDS)})")
 
 
+def _named(source: str | Path) -> tuple[str | None, Path]:
+    """``KIND:PATH`` → (KIND, PATH) when KIND is a known kind; else (None, the source)."""
+    text = str(source)
+    prefix, sep, rest = text.partition(":")
+    if sep and prefix in KINDS and not Path(text).exists():
+        return prefix, Path(rest)
+    return None, Path(source)
+
+
 def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
     """SHA-256 of every file already ingested → (run id, label, file name)."""
     found: dict[str, tuple[str, str, str]] = {}
@@ -142,8 +170,9 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
     parsed: list[tuple[Path, Kind, Parsed]] = []
     first_seen: dict[str, Path] = {}
     for source in sources:
-        path = Path(source)
-        source_kind = KINDS[kind] if kind is not None else detect(path)
+        named, path = _named(source)
+        name = named or kind
+        source_kind = KINDS[name] if name is not None else detect(path)
         content = source_kind.read(path)
         if content.sha256 in first_seen:
             raise IngestError(f"{path}: same content as {first_seen[content.sha256]}, given "
