@@ -100,7 +100,17 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "evidence": pl.String(),
     # Who recorded the turn: null for the proxy, semconv.OBSERVER_CLIENT for a client's record.
     "observer": pl.String(),
+    # Where prefill's reuse decision came from: ENGINE_EVIDENCE_* (null: not observed).
+    "engine_evidence": pl.String(),
+    # From vLLM's own llm_request spans (--otlp-traces-endpoint), joined by request id: the
+    # first engine's arrival to the last engine's first token, and the time queued in all.
+    "engine_ttft_ms": pl.Float64(),
+    "engine_queue_ms": pl.Float64(),
 }
+
+# engine_evidence: kvscope's engine hooks, or lines of a server's log (kvscope ingest).
+ENGINE_EVIDENCE_HOOKS = "hooks"
+ENGINE_EVIDENCE_LOG = "server_log"
 
 # Whether the KV a turn loaded from decode belongs to its prompt (kvscope.reuse.validity).
 VALIDITY_VALID = "valid"
@@ -187,6 +197,13 @@ _DECISION_COLUMNS = {
     "threshold": _a(semconv.THRESHOLD_TOKENS),
     "bidir": _a(semconv.BIDIR_ENABLED),
     "remote_count": _a(semconv.REMOTE_COUNT_TOKENS),
+    "decision_measured": _a(semconv.DURATION_MEASURED),
+}
+_VLLM_REQUEST_COLUMNS = {
+    "request_id": _a(semconv.VLLM_REQUEST_ID),
+    "start": "Timestamp",
+    "ttft_s": _a(semconv.VLLM_TIME_TO_FIRST_TOKEN),
+    "queue_s": _a(semconv.VLLM_TIME_IN_QUEUE),
 }
 _TRANSFER_COLUMNS = {
     "request_id": _a(semconv.VLLM_REQUEST_ID),
@@ -217,6 +234,7 @@ QUERIES: dict[str, str] = {
     "decisions": _span_query(semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
     "transfers": _span_query(semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
     "retentions": _span_query(semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
+    "vllm_requests": _span_query(semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
 }
 
 
@@ -335,6 +353,10 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         _int("local_hit"), _int("offered"), _int("to_pull"), _int("threshold"), _bool("bidir"),
         *([_int("remote_count")] if "remote_count" in frames["decisions"].collect_schema().names()
           else [pl.lit(None, pl.Int64).alias("remote_count")]),
+        # A decision an ingested server log implies has no measured time; the hooks' do.
+        ((pl.col("decision_measured") != "false").fill_null(True)
+         if "decision_measured" in frames["decisions"].collect_schema().names()
+         else pl.lit(True)).alias("from_hooks"),
     ).sort("time")
     first_decisions = decisions.group_by("x_request_id", maintain_order=True).agg(
         pl.col("decision").first(), pl.col("local_hit").first().alias("decision_local_hit"),
@@ -347,6 +369,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.col("local_hit").last().alias("final_local_hit"),
         pl.col("decision").last().alias("last_decision"),
         pl.col("remote_count").first().alias("decision_remote_count"),
+        pl.col("from_hooks").any().alias("_from_hooks"),
     )
     transfer_measured = (pl.col("duration_measured") != "false").fill_null(True) if (
         "duration_measured" in frames["transfers"].collect_schema().names()) else pl.lit(True)
@@ -400,6 +423,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
 
     ledger = (
         ledger.join(first_decisions, on="x_request_id", how="left")
+        .join(_vllm_requests(frames), on="x_request_id", how="left")
         .join(d2p, on="x_request_id", how="left")
         .join(p2d, on="x_request_id", how="left")
         .join(offered, on="retention_id", how="left")
@@ -507,12 +531,44 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     ledger = _validity(ledger)
     ledger = _label(ledger)
     ledger = ledger.with_columns(
+        pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
+        .when(pl.col("decision").is_not_null()).then(pl.lit(ENGINE_EVIDENCE_LOG))
+        .otherwise(pl.lit(None, pl.String)).alias("engine_evidence"))
+    ledger = ledger.with_columns(
         (pl.col("arrival")).alias("arrival"),
         pl.col("tool_wait_s"),
     )
     return ledger.select(
         [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()]
     ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
+
+
+def _vllm_requests(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
+    """Per X-Request-Id, what vLLM's own llm_request spans measured (one per engine leg).
+
+    The span starts at the engine's arrival (output_processor.py:951, 997); its first token is
+    ``time_to_first_token`` later. On a P/D turn the legs are prefill then decode: engine TTFT
+    is the first leg's arrival to the last leg's first token (the proxy's hop between them
+    included; on two hosts, their clocks' offset too), queueing the sum of the legs' queues.
+    """
+    schema = {"x_request_id": pl.String(), "engine_ttft_ms": pl.Float64(),
+              "engine_queue_ms": pl.Float64()}
+    requests = frames.get("vllm_requests")
+    if requests is None or "request_id" not in requests.collect_schema().names():
+        return pl.LazyFrame(schema=schema)  # frames shaped by a caller without vLLM's spans
+    requests = requests.with_columns(
+        request_key("request_id").alias("x_request_id"), _float("ttft_s"), _float("queue_s"),
+    ).with_columns(
+        (pl.col("start") + pl.duration(microseconds=(pl.col("ttft_s") * 1e6).cast(pl.Int64)))
+        .alias("first_token"),
+    )
+    return requests.sort("start").group_by("x_request_id").agg(
+        ((pl.col("first_token").last() - pl.col("start").first()).dt.total_microseconds()
+         / 1000).alias("engine_ttft_ms"),
+        # Σ of the measured legs; null when no leg reported its queue.
+        pl.when(pl.col("queue_s").is_not_null().any())
+        .then(pl.col("queue_s").sum() * 1000).alias("engine_queue_ms"),
+    ).select(list(schema))
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:

@@ -216,6 +216,35 @@ GPU_INDEX = _attr("kvscope.gpu.index", "", "GPU index on its host.")
 RUN_ID = _attr("kvscope.run.id", "", "kvscope run id (resource attribute).")
 GPU_PID = _attr("kvscope.gpu.pid", "", "Process id a per-process GPU memory sample is for.")
 
+# --- vLLM's own llm_request span (vLLM 0.33.0 vllm/tracing/utils.py:15-44, set by
+# OutputProcessor.do_tracing, vllm/v1/engine/output_processor.py:941-1001). vLLM's names, whose
+# times are in seconds without a unit in the name: declared here so nothing else spells them.
+VLLM_REQUEST_ID = _attr(
+    "gen_ai.request.id", "",
+    "vLLM llm_request: the request's external id (chatcmpl-<X-Request-Id>).",
+)
+VLLM_TIME_IN_QUEUE = _attr(
+    "gen_ai.latency.time_in_queue", "", "vLLM llm_request: seconds queued before scheduling."
+)
+VLLM_TIME_TO_FIRST_TOKEN = _attr(
+    "gen_ai.latency.time_to_first_token", "",
+    "vLLM llm_request: seconds from the engine's arrival to its first token.",
+)
+VLLM_E2E = _attr("gen_ai.latency.e2e", "", "vLLM llm_request: seconds from arrival to finish.")
+VLLM_TIME_IN_MODEL_PREFILL = _attr(
+    "gen_ai.latency.time_in_model_prefill", "",
+    "vLLM llm_request: seconds from scheduling to the first token.",
+)
+VLLM_PROMPT_TOKENS = _attr(
+    "gen_ai.usage.prompt_tokens", "", "vLLM llm_request: prompt length in tokens."
+)
+VLLM_COMPLETION_TOKENS = _attr(
+    "gen_ai.usage.completion_tokens", "", "vLLM llm_request: generated tokens."
+)
+VLLM_MAX_TOKENS = _attr(
+    "gen_ai.request.max_tokens", "", "vLLM llm_request: max_tokens (1 on a P/D prefill leg)."
+)
+
 # --- metrics ------------------------------------------------------------------------------------
 METRIC_GPU_MEMORY_USED = _metric("kvscope.gpu.memory.used_bytes", "By", "GPU memory in use.")
 METRIC_GPU_MEMORY_TOTAL = _metric("kvscope.gpu.memory.total_bytes", "By", "GPU memory in total.")
