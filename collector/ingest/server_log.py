@@ -100,14 +100,20 @@ _INVALID_PARAMS = re.compile(r"^Got invalid KVTransferParams: .* This request wi
 _WAITING = re.compile(r"^NIXLConnector request_finished\((?P<rid>\S+)\) waiting for "
                       r"(?P<ttl>\d+) seconds before releasing blocks$")
 
-# _log_failure's failure types (base_worker.py:1435, 1471, 3429, 3439; pull_worker.py:570).
-_FAILURE_STATUS = {
-    "handshake_failed": semconv.TRANSFER_HANDSHAKE_FAILED,
-    "handshake_setup_failed": semconv.TRANSFER_HANDSHAKE_FAILED,
-    "transfer_failed": semconv.TRANSFER_FAILED,
-    "transfer_exception": semconv.TRANSFER_FAILED,
-    "transfer_setup_failed": semconv.TRANSFER_FAILED,
-}
+
+
+def _failure_status(failure_type: str) -> str | None:
+    """A read's status from ``_log_failure``'s failure type (``handshake_failed``,
+    ``handshake_setup_failed``: base_worker.py:1435, 1471; ``transfer_failed``,
+    ``transfer_exception``: 3429, 3439; ``transfer_setup_failed``: pull_worker.py:570); None for
+    a failure that is not a read's (``notification_failed``, ``transfer_release_failed``)."""
+    if failure_type.startswith("handshake_"):
+        return semconv.TRANSFER_HANDSHAKE_FAILED
+    if failure_type.startswith("transfer_") and not failure_type.endswith("release_failed"):
+        return semconv.TRANSFER_FAILED
+    return None
+
+
 # Totals summed over the metrics lines (NixlKVConnectorStats.reduce's keys).
 _SUMMED = ("Num successful transfers", "Num failed transfers", "Num KV expired reqs",
            "Num notifs after expiry")
@@ -236,7 +242,7 @@ def read_role(path: Path, role: str | None) -> ServerLog:
             events.append(Event(number, now, found["rid"], semconv.TRANSFER_DECLINED_EXPIRED,
                                 remote_engine_id=found["engine"]))
         elif found := _FAILURE.match(message):
-            status = _FAILURE_STATUS.get(found["type"])
+            status = _failure_status(found["type"])
             rid = _CONTEXT_ID.search(found["context"])
             count(f"nixl_failure_{found['type']}")
             if status is not None and rid is not None and rid["rid"] != "None":
