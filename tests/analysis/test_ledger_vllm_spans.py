@@ -101,3 +101,33 @@ def test_a_decision_from_a_server_log_is_not_hook_evidence(tmp_path: Path) -> No
     # The log names no read that worked: the transfer part of task time is not measured.
     table = task_table(pl.DataFrame(ledger))
     assert table["transfer_s"].to_list() == [None, None]
+
+
+def _verdict_text(db: Path) -> str:
+    from kvscope.analysis import registry
+    from kvscope.analysis.verdict import verdict_sentences
+
+    with registry.AnalysisContext.open(db) as ctx:
+        (row,) = registry.run(ctx, "verdict").to_dicts()
+    return " ".join(verdict_sentences(row))
+
+
+def test_the_verdict_names_the_sources_and_what_the_absent_ones_would_tell(
+        tmp_path: Path) -> None:
+    db = tmp_path / "run.duckdb"
+    ingest(db, [_stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")])
+    text = _verdict_text(db)
+    assert ("Sources: the client's record (the benchmark's --stats-json-output), the proxy's "
+            "log.") in text
+    assert "Not in this run: prefill's reuse decision" in text
+    assert "such turns are unknown" in text  # why the HIT turn reads unknown
+    assert "vLLM's own request traces (llm_request) (would have told engine-side TTFT" in text
+    assert "decode's retention spans" in text
+    # With prefill's log, the decision is there but not the hooks' read bytes and times.
+    db2 = tmp_path / "run2.duckdb"
+    ingest(db2, [_stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log"),
+                 f"{server_log.KIND_PREFILL}:{_prefill_log(tmp_path / 'prefill.log')}"])
+    text = _verdict_text(db2)
+    assert "the prefill server's log." in text
+    assert "Not in this run: kvscope's engine hooks (would have told tokens pulled" in text
+    assert "prefill's reuse decision" not in text
