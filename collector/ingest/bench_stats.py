@@ -270,9 +270,15 @@ def _attrs(values: dict[str, Any]) -> Attrs:
     return [(key, stringify(value)) for key, value in values.items() if value is not None]
 
 
+def turn_ids(sha256: str, turn: BenchTurn) -> tuple[str, str]:
+    """The trace and span id of ``turn``'s span in the file of digest ``sha256``."""
+    key = (turn.conversation_id, turn.turn_index)
+    return _id(sha256, *key, "trace", size=16), _id(sha256, *key, "turn", size=8)
+
+
 def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
-    """Append the file's turn and tool-wait spans for run ``run_id``; return how many (with
-    the prefill and decode legs a joined proxy log gave its turns)."""
+    """Append the file's turn and tool-wait spans for run ``run_id``; return how many (a turn
+    a proxy log was joined to carries its router evidence; the log adds its legs)."""
     from kvscope.collector.ingest import proxy_log
 
     resource = _attrs({
@@ -300,8 +306,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
 
     for turn in stats.turns:
         key = (turn.conversation_id, turn.turn_index)
-        trace_id = _id(stats.sha256, *key, "trace", size=16)
-        span_id = _id(stats.sha256, *key, "turn", size=8)
+        trace_id, span_id = turn_ids(stats.sha256, turn)
         values: dict[str, Any] = {
             semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
             semconv.TURN_INDEX: turn.turn_index,
@@ -322,8 +327,6 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
         add(semconv.SPAN_TURN, trace_id, span_id, "", _KIND_CLIENT, turn.start_ns,
             turn.end_ns, _attrs(values), events)
         added += 1
-        if turn.proxy is not None:
-            added += proxy_log.add_legs(turn.proxy, run_id, rows, trace_id, span_id)
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
             add(semconv.SPAN_TOOL_WAIT, trace_id, _id(stats.sha256, *key, "wait", size=8),
@@ -336,4 +339,5 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["FIELDS", "KIND", "BenchStats", "BenchTurn", "add_spans", "looks_like", "read"]
+__all__ = ["FIELDS", "KIND", "BenchStats", "BenchTurn", "add_spans", "looks_like", "read",
+           "turn_ids"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvscope.collector.ingest.bench_stats import BenchStats, BenchTurn
+from kvscope.collector.ingest.bench_stats import BenchStats, BenchTurn, turn_ids
 from kvscope.collector.ingest.proxy_log import ProxyLog, ProxyRequest
 
 # Whole-second log times plus the stats file's clock anchor (its mtime, written right after the
@@ -31,17 +31,17 @@ def _fits(turn: BenchTurn, offset_ns: int, request: ProxyRequest) -> bool:
     return start - TOLERANCE_NS <= request.time_ns <= end + TOLERANCE_NS
 
 
-def _take(turns: list[tuple[BenchTurn, int]], requests: list[ProxyRequest]) -> int:
+def _take(turns: list[tuple[BenchTurn, int, str]], requests: list[ProxyRequest]) -> int:
     """Greedy in time order: each turn takes the oldest request left that fits it."""
     joined = 0
     requests = sorted(requests, key=lambda r: (r.time_ns, r.line))
-    for turn, offset in sorted(turns, key=lambda item: item[0].start_ns + item[1]):
+    for turn, offset, sha256 in sorted(turns, key=lambda item: item[0].start_ns + item[1]):
         # Requests logged before this turn could start belong to nothing later either.
         while requests and requests[0].time_ns < turn.start_ns + offset - TOLERANCE_NS:
             requests.pop(0)
         if requests and _fits(turn, offset, requests[0]):
             request = requests.pop(0)
-            request.joined = True
+            request.joined_to = turn_ids(sha256, turn)
             turn.proxy = request
             joined += 1
     return joined
@@ -51,10 +51,11 @@ def join(stats: Sequence[BenchStats], logs: Sequence[ProxyLog]) -> int:
     """Attach proxy requests to the client turns they served; return how many were joined."""
     if not stats or not logs:
         return 0
-    turns: dict[str | None, list[tuple[BenchTurn, int]]] = {}
+    turns: dict[str | None, list[tuple[BenchTurn, int, str]]] = {}
     for part in stats:
         for turn in part.turns:
-            turns.setdefault(turn.conversation_id, []).append((turn, part.clock_offset_ns))
+            turns.setdefault(turn.conversation_id, []).append(
+                (turn, part.clock_offset_ns, part.sha256))
     requests: dict[str | None, list[ProxyRequest]] = {}
     for log in logs:
         for request in log.requests:

@@ -113,8 +113,9 @@ class ProxyRequest:
     decode_request_id: str | None = None
     retention_blocks: int | None = None
     cached_ns: int | None = None
-    # Set when a client's record of the same turn took this request's evidence (kvscope ingest).
-    joined: bool = False
+    # (trace id, span id) of the client's record of the same turn, when one took this request's
+    # evidence (kvscope ingest's join): the legs hang under it.
+    joined_to: tuple[str, str] | None = None
     # The log it came from (span ids and resource).
     file_sha256: str = ""
     file_name: str = ""
@@ -302,12 +303,13 @@ def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
 
 
 def add_spans(log: ProxyLog, run_id: str, rows: TraceRows) -> int:
-    """Append a turn span and its legs for each request no client record took; return how
-    many spans (a joined request's evidence went onto the client's turn)."""
+    """Append each request's legs, under its own turn span or, when a client's record took the
+    request (:mod:`.join`), under that turn's span; return how many spans."""
     resource_attrs = resource(semconv.SERVICE_PROXY_LOG, run_id, KIND, log.path.name)
     added = 0
     for request in log.requests:
-        if request.joined:
+        if request.joined_to is not None:
+            added += add_legs(request, run_id, rows, *request.joined_to)
             continue
         trace_id = ingest_id(log.sha256, request.x_request_id, "trace", size=16)
         span_id = ingest_id(log.sha256, request.x_request_id, "turn", size=8)

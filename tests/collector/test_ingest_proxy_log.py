@@ -142,6 +142,8 @@ def test_joined_to_the_benchmark_each_turn_takes_the_proxys_evidence(tmp_path: P
     result = ingest(db, [_stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")])
     assert result.joined == len(WORKLOAD)
     assert [s.kind for s in result.sources] == ["vllm-bench-stats", proxy_log.KIND]
+    # The stats: 5 turns and 3 tool waits; the log: each request's prefill and decode legs.
+    assert [s.spans for s in result.sources] == [5 + 3, 5 * 2]
     rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
     assert len(rows) == len(WORKLOAD)  # one row per turn: the sources were joined, not added
     expected = {
