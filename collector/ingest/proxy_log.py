@@ -181,6 +181,7 @@ def read(path: Path) -> ProxyLog:
     pending: dict[str, tuple[str, float]] = {}
     by_conversation: dict[str, list[ProxyRequest]] = {}
     writers: set[str] = set()
+    seconds: dict[str, int] = {}
     unknown = proxy_lines = lines = 0
 
     def opened(rid: str, conv: str | None, number: int, now: int, resolution: int,
@@ -202,7 +203,11 @@ def read(path: Path) -> ProxyLog:
             unknown += 1
             continue
         proxy_lines += 1
-        now = _time_ns(path, number, match["time"], match["ms"])
+        stamp = match["time"]
+        second = seconds.get(stamp)
+        if second is None:  # a log has many lines per second: parse each second once
+            second = seconds[stamp] = _time_ns(path, number, stamp, None)
+        now = second + int(match["ms"] or 0) * _NS_PER_MS
         resolution = _NS_PER_MS if match["ms"] is not None else _NS_PER_S
         writers.add(match["logger"])
         message = match["message"]

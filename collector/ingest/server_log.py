@@ -167,7 +167,16 @@ def looks_like(head: str) -> bool:
 def _clock(path: Path, mtime_ns: int) -> Any:
     anchor = datetime.fromtimestamp(mtime_ns / _NS_PER_S)
 
+    seconds: dict[str, int] = {}
+
     def to_ns(number: int, stamp: str) -> int:
+        # A log has many lines per second: parse each second once.
+        found = seconds.get(stamp)
+        if found is None:
+            found = seconds[stamp] = parse(number, stamp)
+        return found
+
+    def parse(number: int, stamp: str) -> int:
         try:
             moment = datetime.strptime(f"{anchor.year}-{stamp}", "%Y-%m-%d %H:%M:%S")
         except ValueError:
