@@ -12,6 +12,9 @@ one process:
     ingest        all three as one run into a fresh store: parse, join, spans, one transaction
     ledger        the ledger of that store (``analysis.ledger.ledger``)
 
+Each step prints wall seconds and, in brackets, this process's CPU seconds (on a shared machine
+the wall time includes waiting for a core). Rates are per wall second.
+
 Run:  .venv/bin/python tests/benchmarks/bench_ingest.py [--conversations 10000] [--turns 5]
 Not a test: nothing here asserts a time.
 """
@@ -117,29 +120,30 @@ def main() -> None:
               f"({args.conversations} conversations x {args.turns} turns)")
         for kind, path in paths.items():
             lines = path.read_bytes().count(b"\n")
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             parsed = KINDS[kind].read(path)
-            took = time.perf_counter() - start
+            took, cpu = time.perf_counter() - start, time.process_time() - cpu
             print(f"read {kind:17s} {path.stat().st_size / 2**20:7.1f} MiB {lines:9,d} lines "
-                  f"{took:6.2f} s  {lines / took:11,.0f} lines/s  "
+                  f"{took:6.2f} s [{cpu:5.2f}]  {lines / took:11,.0f} lines/s  "
                   f"{parsed.records / took:9,.0f} records/s")
         db = folder / "run.duckdb"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = ingest(db, [str(paths["vllm-bench-stats"]), str(paths["vllm-proxy-log"]),
                              f"vllm-prefill-log:{paths['vllm-prefill-log']}"])
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, time.process_time() - cpu
         spans = sum(s.spans for s in result.sources)
         turns = result.sources[0].records
-        print(f"ingest (3 files, one run)  {took:6.2f} s  {turns / took:9,.0f} turns/s  "
-              f"{spans:,d} spans, {result.joined:,d} turns joined")
-        start = time.perf_counter()
+        print(f"ingest (3 files, one run)  {took:6.2f} s [{cpu:5.2f}]  "
+              f"{turns / took:9,.0f} turns/s  {spans:,d} spans, {result.joined:,d} turns joined")
+        start, cpu = time.perf_counter(), time.process_time()
         reader = StoreReader.open(db)
         try:
             frame = ledger.ledger(reader)
         finally:
             reader.close()
-        took = time.perf_counter() - start
-        print(f"ledger                     {took:6.2f} s  {frame.height / took:9,.0f} turns/s  "
+        took, cpu = time.perf_counter() - start, time.process_time() - cpu
+        print(f"ledger                     {took:6.2f} s [{cpu:5.2f}]  "
+              f"{frame.height / took:9,.0f} turns/s  "
               f"{frame.height:,d} rows")
 
 
