@@ -11,6 +11,8 @@ turn (joined by the X-Request-Id the proxy logged, which the emulator's truth re
   ``no_conversation_id`` (the servers never see the router; the proxy's log says why);
 * outcomes decided inside the engines (a pull, invalid params) are ``unknown``, naming the
   missing evidence: neither file holds prefill's reuse decision;
+* the proxy's cache HIT is exactly where prefill got decode's offer (the truth's decision is
+  not ``no_offer``);
 * the proxy's "Prefill done in N ms" covers the emulated prefill server's own time for the
   request (admission, D→P read, compute), and the client's TTFT covers the proxy's prefill leg.
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from kvscope import semconv
 from kvscope.reuse import outcomes
 from tests.vllm_contract.test_vllm_clients import (
     CONVERSATIONS,
@@ -103,7 +106,8 @@ def test_ingested_stats_and_proxy_log_agree_with_the_emulators_truth(
     assert result.joined == len(run.stats) == len(rows), (result, run.logs)
 
     lines = [("conversation", "turn", "x_request_id", "truth", "ledger", "agreement",
-              "truth prefill ms", "proxy prefill ms", "client TTFT ms")]
+              "proxy lookup", "truth decision", "truth prefill ms", "proxy prefill ms",
+              "client TTFT ms")]
     verdicts = []
     for truth in sorted(run.truth, key=lambda t: (t["turn_index"], t["x_request_id"])):
         row = by_request.get(truth["x_request_id"])
@@ -112,11 +116,16 @@ def test_ingested_stats_and_proxy_log_agree_with_the_emulators_truth(
         lines.append((
             row["conversation_id"] if row else "-", str(truth["turn_index"]),
             truth["x_request_id"][:8], truth["outcome"], row["outcome"] if row else "-",
-            verdict, _fmt(truth["prefill_server_ms"]), _fmt(row["prefill_ms"] if row else None),
+            verdict, row["router_lookup"] if row else "-", str(truth["decision"]),
+            _fmt(truth["prefill_server_ms"]), _fmt(row["prefill_ms"] if row else None),
             _fmt(row["ttft_ms"] if row else None)))
         if row is None:
             continue  # the benchmark can lose its last sample (see _check_workload)
         assert row["turn_index"] == truth["turn_index"], (row, truth)
+        # The proxy's HIT is the offer prefill got: a HIT exactly where prefill decided on an
+        # offer, a MISS (or no id) where it got none.
+        assert (row["router_lookup"] == semconv.ROUTER_HIT) == (
+            truth["decision"] != semconv.DECISION_NO_OFFER), (row, truth)
         # The proxy's prefill leg holds the server's own time; the client's TTFT holds the leg.
         assert truth["prefill_server_ms"] - ROUNDING_MS <= row["prefill_ms"] <= (
             truth["prefill_server_ms"] + PREFILL_OVERHEAD_MS), (row, truth)
