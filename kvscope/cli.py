@@ -346,7 +346,10 @@ def _run_ingest(args: argparse.Namespace) -> int:
     db = _required(args, "db")
     result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
     for source in result.sources:
-        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans")
+        unknown = (f", {source.unknown_lines} lines of no known pattern (counted)"
+                   if source.unknown_lines else "")
+        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans"
+              + unknown)
     if result.joined:
         print(f"{result.joined} client turns joined to the proxy's record of them")
     print(f"run {result.run_id} ({result.label!r}) written to {db}")

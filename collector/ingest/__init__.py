@@ -103,6 +103,8 @@ class Ingested:
     sha256: str
     records: int
     spans: int
+    # Lines of no known pattern, counted (logs); None for kinds that have no such lines.
+    unknown_lines: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                 before = len(rows)
                 source_kind.add_spans(content, run_id, rows)
                 added.append(Ingested(path, source_kind.name, content.sha256,
-                                      content.records, len(rows) - before))
+                                      content.records, len(rows) - before,
+                                      getattr(content, "unknown_lines", None)))
             if len(rows):
                 insert_arrow(con, TRACES_TABLE, rows.to_arrow())
             end_run(con, run_id)

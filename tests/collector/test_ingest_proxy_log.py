@@ -277,3 +277,20 @@ def test_re_ingesting_a_log_is_refused(tmp_path: Path) -> None:
     with pytest.raises(IngestError, match="already in"):
         ingest(db, [log])
     assert _count(db) == before
+
+
+def test_cli_names_each_source_its_counts_and_the_join(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope import cli
+
+    db = tmp_path / "run.duckdb"
+    stats, log = _stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")
+    assert cli.main(["ingest", "--db", str(db), "--run-label", "ON", str(stats),
+                     f"{proxy_log.KIND}:{log}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        f"{stats}: vllm-bench-stats, 5 records, 8 spans",
+        f"{log}: vllm-proxy-log, 5 records, 10 spans, 6 lines of no known pattern (counted)",
+        "5 client turns joined to the proxy's record of them"]
+    assert lines[3].startswith("run ") and lines[3].endswith(f"('ON') written to {db}")
+    assert len(lines) == 4
