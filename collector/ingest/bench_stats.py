@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvscope import __version__, semconv
+from kvscope.collector.ingest.spans import attrs, ingest_id
 from kvscope.errors import IngestError
-from kvscope.store.rows import Attrs, TraceRows, stringify
+from kvscope.store.rows import Attrs, TraceRows
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
 
 if TYPE_CHECKING:
@@ -259,21 +260,10 @@ def read(path: Path) -> BenchStats:
 # --- spans -------------------------------------------------------------------------------------
 
 
-def _id(sha256: str, *parts: object, size: int) -> str:
-    """A deterministic non-zero id (hex) for one span of one file: re-reading gives the same."""
-    digest = hashlib.sha256("\x1f".join((sha256, *map(str, parts))).encode()).hexdigest()
-    value = digest[: size * 2]
-    return value if int(value, 16) else "0" * (size * 2 - 1) + "1"
-
-
-def _attrs(values: dict[str, Any]) -> Attrs:
-    return [(key, stringify(value)) for key, value in values.items() if value is not None]
-
-
 def turn_ids(sha256: str, turn: BenchTurn) -> tuple[str, str]:
     """The trace and span id of ``turn``'s span in the file of digest ``sha256``."""
     key = (turn.conversation_id, turn.turn_index)
-    return _id(sha256, *key, "trace", size=16), _id(sha256, *key, "turn", size=8)
+    return ingest_id(sha256, *key, "trace", size=16), ingest_id(sha256, *key, "turn", size=8)
 
 
 def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
@@ -281,7 +271,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     a proxy log was joined to carries its router evidence; the log adds its legs)."""
     from kvscope.collector.ingest import proxy_log
 
-    resource = _attrs({
+    resource = attrs({
         "service.name": semconv.SERVICE_VLLM_BENCHMARK,
         semconv.RUN_ID: run_id,
         semconv.INGEST_KIND: KIND,
@@ -325,12 +315,12 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             events.append((turn.start_ns + offset + round(turn.ttft_ms * _NS_PER_MS),
                            semconv.EVENT_FIRST_TOKEN, []))
         add(semconv.SPAN_TURN, trace_id, span_id, "", _KIND_CLIENT, turn.start_ns,
-            turn.end_ns, _attrs(values), events)
+            turn.end_ns, attrs(values), events)
         added += 1
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
-            add(semconv.SPAN_TOOL_WAIT, trace_id, _id(stats.sha256, *key, "wait", size=8),
-                span_id, _KIND_INTERNAL, previous_end, turn.start_ns, _attrs({
+            add(semconv.SPAN_TOOL_WAIT, trace_id, ingest_id(stats.sha256, *key, "wait", size=8),
+                span_id, _KIND_INTERNAL, previous_end, turn.start_ns, attrs({
                     semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
                     semconv.TURN_INDEX: turn.turn_index,
                     semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,
