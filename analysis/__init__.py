@@ -5,7 +5,7 @@
     ledger.py     the per-turn reuse ledger (outcome, tokens, evidence) from the stored spans
     reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
                   memory; task_time.py task time; windows.py turns over time and by engine;
-                  evidence.py which evidence a store holds; compare.py two runs side by side;
+                  sources.py which evidence a run or store holds; compare.py two runs side by side;
                   whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict;
                   published.py the published sweep beside its simulation; live_metrics.py the
                   ledger kept current as spans arrive, as Prometheus series
@@ -15,6 +15,6 @@ imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "evidence", "ladder", "ledger", "live_metrics", "published", "registry",
-    "retention", "reuse", "runs", "task_time", "verdict", "whatif", "windows",
+    "causes", "compare", "ladder", "ledger", "live_metrics", "published", "registry",
+    "retention", "reuse", "runs", "sources", "task_time", "verdict", "whatif", "windows",
 ]

@@ -46,6 +46,7 @@ from kvscope.reuse.validity import (
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
+from kvscope.store.query import resource_attr, span_attr
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import quote
 
@@ -105,7 +106,17 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "evidence": pl.String(),
     # Who recorded the turn: null for the proxy, semconv.OBSERVER_CLIENT for a client's record.
     "observer": pl.String(),
+    # Where prefill's reuse decision came from: ENGINE_EVIDENCE_* (null: not observed).
+    "engine_evidence": pl.String(),
+    # From vLLM's own llm_request spans (--otlp-traces-endpoint), joined by request id: the
+    # first engine's arrival to the last engine's first token, and the time queued in all.
+    "engine_ttft_ms": pl.Float64(),
+    "engine_queue_ms": pl.Float64(),
 }
+
+# engine_evidence: kvscope's engine hooks, or lines of a server's log (kvscope ingest).
+ENGINE_EVIDENCE_HOOKS = "hooks"
+ENGINE_EVIDENCE_LOG = "server_log"
 
 # Whether the KV a turn loaded from decode belongs to its prompt (kvscope.reuse.validity).
 VALIDITY_VALID = "valid"
@@ -121,53 +132,49 @@ HISTORY_UNKNOWN = "unknown"
 
 # Columns name what they read (kvscope.store.query): every key and value is a bound parameter,
 # and the same definitions render for DuckDB and for ClickHouse.
-_a = query.span_attr
-_r = query.resource_attr
 _Columns = dict[str, query.Column]
 
 
-def _span_query(name: str, columns: _Columns) -> query.Query:
-    return query.spans(name, columns)
-
-
 _TURN_COLUMNS: _Columns = {
-    "run_id": _r(semconv.RUN_ID),
+    "run_id": resource_attr(semconv.RUN_ID),
     "trace_id": "TraceId",
     "span_id": "SpanId",
-    "x_request_id": _a(semconv.X_REQUEST_ID),
-    "conversation_id": _a(semconv.GEN_AI_CONVERSATION_ID),
-    "turn_index": _a(semconv.TURN_INDEX),
+    "x_request_id": span_attr(semconv.X_REQUEST_ID),
+    "conversation_id": span_attr(semconv.GEN_AI_CONVERSATION_ID),
+    "turn_index": span_attr(semconv.TURN_INDEX),
     "arrival": "Timestamp",
     "duration_ns": "Duration",
     "status_code": "StatusCode",
-    "ttft_ms": _a(semconv.TTFT_MS),
-    "prompt_tokens": _a(semconv.GEN_AI_USAGE_INPUT_TOKENS),
-    "output_tokens": _a(semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
-    "router_lookup": _a(semconv.ROUTER_LOOKUP),
-    "router_entry_age_s": _a(semconv.ROUTER_ENTRY_AGE_S),
-    "reuse_guard": _a(semconv.REUSE_GUARD),
-    "boundary_hashes": _a(semconv.MESSAGE_BOUNDARY_HASHES),
-    "hash_key_id": _a(semconv.MESSAGE_BOUNDARY_HASH_KEY_ID),
-    "messages": _a(semconv.MESSAGE_COUNT),
-    "roles": _a(semconv.MESSAGE_ROLES),
-    "error_kind": _a(semconv.ERROR_KIND),
-    "observer": _a(semconv.TURN_OBSERVER),
+    "ttft_ms": span_attr(semconv.TTFT_MS),
+    "prompt_tokens": span_attr(semconv.GEN_AI_USAGE_INPUT_TOKENS),
+    "output_tokens": span_attr(semconv.GEN_AI_USAGE_OUTPUT_TOKENS),
+    "router_lookup": span_attr(semconv.ROUTER_LOOKUP),
+    "router_entry_age_s": span_attr(semconv.ROUTER_ENTRY_AGE_S),
+    "reuse_guard": span_attr(semconv.REUSE_GUARD),
+    "boundary_hashes": span_attr(semconv.MESSAGE_BOUNDARY_HASHES),
+    "hash_key_id": span_attr(semconv.MESSAGE_BOUNDARY_HASH_KEY_ID),
+    "messages": span_attr(semconv.MESSAGE_COUNT),
+    "roles": span_attr(semconv.MESSAGE_ROLES),
+    "error_kind": span_attr(semconv.ERROR_KIND),
+    "observer": span_attr(semconv.TURN_OBSERVER),
+    "duration_measured": span_attr(semconv.DURATION_MEASURED),
 }
 _PREFILL_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
     "prefill_ns": "Duration",
-    "prefill_request_id": _a(semconv.VLLM_REQUEST_ID),
-    "d_metadata_attached": _a(semconv.D_METADATA_ATTACHED),
-    "offered_tokens_proxy": _a(semconv.REMOTE_OFFERED_TOKENS),
-    "retention_id": _a(semconv.OFFERED_REQUEST_ID),
+    "prefill_request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "d_metadata_attached": span_attr(semconv.D_METADATA_ATTACHED),
+    "offered_tokens_proxy": span_attr(semconv.REMOTE_OFFERED_TOKENS),
+    "retention_id": span_attr(semconv.OFFERED_REQUEST_ID),
 }
 _DECODE_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
     "decode_ns": "Duration",
-    "decode_request_id": _a(semconv.VLLM_REQUEST_ID),
-    "metadata_returned": _a(semconv.RETENTION_METADATA_RETURNED),
+    "decode_request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "metadata_returned": span_attr(semconv.RETENTION_METADATA_RETURNED),
+    "decode_measured": span_attr(semconv.DURATION_MEASURED),
 }
 _WAIT_COLUMNS: _Columns = {
     "trace_id": "TraceId",
@@ -175,44 +182,54 @@ _WAIT_COLUMNS: _Columns = {
     "tool_wait_ns": "Duration",
 }
 _DECISION_COLUMNS: _Columns = {
-    "request_id": _a(semconv.VLLM_REQUEST_ID),
-    "engine": _a(semconv.ENGINE_ID),
+    "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "engine": span_attr(semconv.ENGINE_ID),
     "time": "Timestamp",
-    "decision": _a(semconv.DECISION),
-    "local_hit": _a(semconv.LOCAL_HIT_TOKENS),
-    "offered": _a(semconv.REMOTE_OFFERED_TOKENS),
-    "to_pull": _a(semconv.TOKENS_TO_PULL),
-    "threshold": _a(semconv.THRESHOLD_TOKENS),
-    "bidir": _a(semconv.BIDIR_ENABLED),
+    "decision": span_attr(semconv.DECISION),
+    "local_hit": span_attr(semconv.LOCAL_HIT_TOKENS),
+    "offered": span_attr(semconv.REMOTE_OFFERED_TOKENS),
+    "to_pull": span_attr(semconv.TOKENS_TO_PULL),
+    "threshold": span_attr(semconv.THRESHOLD_TOKENS),
+    "bidir": span_attr(semconv.BIDIR_ENABLED),
+    "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
+    "decision_measured": span_attr(semconv.DURATION_MEASURED),
+}
+_VLLM_REQUEST_COLUMNS: _Columns = {
+    "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "start": "Timestamp",
+    "ttft_s": span_attr(semconv.VLLM_TIME_TO_FIRST_TOKEN),
+    "queue_s": span_attr(semconv.VLLM_TIME_IN_QUEUE),
 }
 _TRANSFER_COLUMNS: _Columns = {
-    "request_id": _a(semconv.VLLM_REQUEST_ID),
-    "engine": _a(semconv.ENGINE_ID),
-    "direction": _a(semconv.TRANSFER_DIRECTION),
-    "status": _a(semconv.TRANSFER_STATUS),
-    "size_bytes": _a(semconv.TRANSFER_BYTES),
+    "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "engine": span_attr(semconv.ENGINE_ID),
+    "direction": span_attr(semconv.TRANSFER_DIRECTION),
+    "status": span_attr(semconv.TRANSFER_STATUS),
+    "size_bytes": span_attr(semconv.TRANSFER_BYTES),
     "start": "Timestamp",
     "duration_ns": "Duration",
-    "request_outcome": _a(semconv.REQUEST_OUTCOME),
+    "request_outcome": span_attr(semconv.REQUEST_OUTCOME),
+    "duration_measured": span_attr(semconv.DURATION_MEASURED),
 }
 _RETENTION_COLUMNS: _Columns = {
-    "request_id": _a(semconv.VLLM_REQUEST_ID),
-    "engine": _a(semconv.ENGINE_ID),
+    "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "engine": span_attr(semconv.ENGINE_ID),
     "start": "Timestamp",
     "duration_ns": "Duration",
-    "size_bytes": _a(semconv.RETENTION_BYTES),
-    "reason": _a(semconv.RETENTION_RELEASE_REASON),
-    "tokens": _a(semconv.REMOTE_NUM_TOKENS),
+    "size_bytes": span_attr(semconv.RETENTION_BYTES),
+    "reason": span_attr(semconv.RETENTION_RELEASE_REASON),
+    "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
 }
 
 QUERIES: dict[str, query.Query] = {
-    "turns": _span_query(semconv.SPAN_TURN, _TURN_COLUMNS),
-    "prefill": _span_query(semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
-    "decode": _span_query(semconv.SPAN_GENERATION, _DECODE_COLUMNS),
-    "waits": _span_query(semconv.SPAN_TOOL_WAIT, _WAIT_COLUMNS),
-    "decisions": _span_query(semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
-    "transfers": _span_query(semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
-    "retentions": _span_query(semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
+    "turns": query.spans(semconv.SPAN_TURN, _TURN_COLUMNS),
+    "prefill": query.spans(semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
+    "decode": query.spans(semconv.SPAN_GENERATION, _DECODE_COLUMNS),
+    "waits": query.spans(semconv.SPAN_TOOL_WAIT, _WAIT_COLUMNS),
+    "decisions": query.spans(semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
+    "transfers": query.spans(semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
+    "retentions": query.spans(semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
+    "vllm_requests": query.spans(semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
 }
 
 
@@ -303,12 +320,22 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         (pl.col("arrival") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("end"),
         (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("turn_ms"),
     )
+    if "duration_measured" in turns.collect_schema().names():
+        # An ingested log that gave a turn's start only: its end and time are not measured.
+        unmeasured = pl.col("duration_measured") == "false"
+        turns = turns.with_columns(
+            pl.when(unmeasured).then(None).otherwise(pl.col(name)).alias(name)
+            for name in ("end", "turn_ms"))
     prefill = frames["prefill"].rename({"parent_span_id": "span_id"}).with_columns(
         (pl.col("prefill_ns").cast(pl.Float64) / 1e6).alias("prefill_ms"),
         _bool("d_metadata_attached"), _int("offered_tokens_proxy"),
     ).drop("prefill_ns").unique(["trace_id", "span_id"], keep="first")
-    decode = frames["decode"].rename({"parent_span_id": "span_id"}).with_columns(
-        (pl.col("decode_ns").cast(pl.Float64) / 1e6).alias("decode_ms"),
+    decode = frames["decode"].rename({"parent_span_id": "span_id"})
+    decode_measured = (pl.col("decode_measured") != "false").fill_null(True) if (
+        "decode_measured" in decode.collect_schema().names()) else pl.lit(True)
+    decode = decode.with_columns(
+        pl.when(decode_measured).then(pl.col("decode_ns").cast(pl.Float64) / 1e6)
+        .alias("decode_ms"),
         _bool("metadata_returned"),
     ).drop("decode_ns").unique(["trace_id", "span_id"], keep="first")
     waits = frames["waits"].rename({"parent_span_id": "span_id"}).with_columns(
@@ -325,6 +352,12 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     decisions = frames["decisions"].with_columns(
         request_key("request_id").alias("x_request_id"),
         _int("local_hit"), _int("offered"), _int("to_pull"), _int("threshold"), _bool("bidir"),
+        *([_int("remote_count")] if "remote_count" in frames["decisions"].collect_schema().names()
+          else [pl.lit(None, pl.Int64).alias("remote_count")]),
+        # A decision an ingested server log implies has no measured time; the hooks' do.
+        ((pl.col("decision_measured") != "false").fill_null(True)
+         if "decision_measured" in frames["decisions"].collect_schema().names()
+         else pl.lit(True)).alias("from_hooks"),
     ).sort("time")
     first_decisions = decisions.group_by("x_request_id", maintain_order=True).agg(
         pl.col("decision").first(), pl.col("local_hit").first().alias("decision_local_hit"),
@@ -336,10 +369,16 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.len().alias("decisions"),
         pl.col("local_hit").last().alias("final_local_hit"),
         pl.col("decision").last().alias("last_decision"),
+        pl.col("remote_count").first().alias("decision_remote_count"),
+        pl.col("from_hooks").any().alias("_from_hooks"),
     )
+    transfer_measured = (pl.col("duration_measured") != "false").fill_null(True) if (
+        "duration_measured" in frames["transfers"].collect_schema().names()) else pl.lit(True)
     transfers = frames["transfers"].with_columns(
         request_key("request_id").alias("x_request_id"), _int("size_bytes"),
-        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
+        # A read an ingested log only names has no measured time: null, never 0.
+        pl.when(transfer_measured).then(pl.col("duration_ns").cast(pl.Float64) / 1e6)
+        .alias("ms"),
     )
     # vLLM can report one failed read twice: the worker's span with the exact status
     # (declined_expired, handshake_failed, ...) and the scheduler's with the request's outcome.
@@ -385,6 +424,7 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
 
     ledger = (
         ledger.join(first_decisions, on="x_request_id", how="left")
+        .join(_vllm_requests(frames), on="x_request_id", how="left")
         .join(d2p, on="x_request_id", how="left")
         .join(p2d, on="x_request_id", how="left")
         .join(offered, on="retention_id", how="left")
@@ -497,12 +537,44 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
     ledger = _validity(ledger)
     ledger = _label(ledger)
     ledger = ledger.with_columns(
+        pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
+        .when(pl.col("decision").is_not_null()).then(pl.lit(ENGINE_EVIDENCE_LOG))
+        .otherwise(pl.lit(None, pl.String)).alias("engine_evidence"))
+    ledger = ledger.with_columns(
         (pl.col("arrival")).alias("arrival"),
         pl.col("tool_wait_s"),
     )
     return ledger.select(
         [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()]
     ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
+
+
+def _vllm_requests(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
+    """Per X-Request-Id, what vLLM's own llm_request spans measured (one per engine leg).
+
+    The span starts at the engine's arrival (output_processor.py:951, 997); its first token is
+    ``time_to_first_token`` later. On a P/D turn the legs are prefill then decode: engine TTFT
+    is the first leg's arrival to the last leg's first token (the proxy's hop between them
+    included; on two hosts, their clocks' offset too), queueing the sum of the legs' queues.
+    """
+    schema = {"x_request_id": pl.String(), "engine_ttft_ms": pl.Float64(),
+              "engine_queue_ms": pl.Float64()}
+    requests = frames.get("vllm_requests")
+    if requests is None or "request_id" not in requests.collect_schema().names():
+        return pl.LazyFrame(schema=schema)  # frames shaped by a caller without vLLM's spans
+    requests = requests.with_columns(
+        request_key("request_id").alias("x_request_id"), _float("ttft_s"), _float("queue_s"),
+    ).with_columns(
+        (pl.col("start") + pl.duration(microseconds=(pl.col("ttft_s") * 1e6).cast(pl.Int64)))
+        .alias("first_token"),
+    )
+    return requests.sort("start").group_by("x_request_id").agg(
+        ((pl.col("first_token").last() - pl.col("start").first()).dt.total_microseconds()
+         / 1000).alias("engine_ttft_ms"),
+        # Σ of the measured legs; null when no leg reported its queue.
+        pl.when(pl.col("queue_s").is_not_null().any())
+        .then(pl.col("queue_s").sum() * 1000).alias("engine_queue_ms"),
+    ).select(list(schema))
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
@@ -587,9 +659,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
         # or "consumed" when the previous turn's own lookup took the last one).
         # Only where the proxy saw the previous turn: for a client's record, a missing decode
-        # leg is evidence not collected, not a turn that never reached decode.
+        # leg is evidence not collected, not a turn that never reached decode (a proxy log
+        # joined to it says whether decode returned params: prev_returned is then set).
         (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False)
-         & c("observer").is_null(),
+         & (c("observer").is_null() | c("prev_returned").is_not_null()),
          outcomes.NO_DECODE_METADATA,
          pl.when(c("prev_returned").is_null())
          .then(pl.lit("previous turn never reached decode"))
@@ -610,7 +683,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
          pl.lit(outcomes.EVIDENCE_BIDIR_OFF)),
         (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
          pl.format(outcomes.EVIDENCE_BELOW_THRESHOLD,
-                   c("offered_tokens") - c("decision_local_hit"), c("threshold_tokens"))),
+                   pl.coalesce(c("offered_tokens") - c("decision_local_hit"),
+                               c("decision_remote_count")), c("threshold_tokens"))),
         (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
          pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
         (c("_preempted"), outcomes.PREEMPTED, pl.lit(outcomes.EVIDENCE_PREEMPTED)),

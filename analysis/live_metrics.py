@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 from kvscope import exposition, semconv
 from kvscope.analysis import ledger as ledger_module
 from kvscope.reuse import outcomes
+from kvscope.store import query
 from kvscope.store.reader import StoreReader
 
 _LEG_SPANS = (semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION, semconv.SPAN_TOOL_WAIT)
@@ -301,8 +302,11 @@ class LiveLedger:
             ledger_module.request_key("request_id").alias("request_key"))
         # The ledger's own extraction, of the new rows only, kept: a recomputation filters
         # these frames by key instead of reading the store again.
-        for name, sql in ledger_module.QUERIES.items():
-            fresh = reader.frame(sql + " AND rowid > ? AND rowid <= ?", [self._span_mark, high])
+        for name, extraction in ledger_module.QUERIES.items():
+            # The live ledger reads its own DuckDB store: the DuckDB text, rows past the mark.
+            fresh = reader.frame(query.Query(
+                extraction.sql + " AND rowid > $row_low AND rowid <= $row_high",
+                {**extraction.params, "row_low": self._span_mark, "row_high": high}))
             kept = self._frames.get(name)
             # Without a rechunk: appending must not copy what is kept.
             self._frames[name] = fresh if kept is None else pl.concat(

@@ -116,7 +116,7 @@ MODULES = (
     "kvscope.analysis.published",
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
-    "kvscope.analysis.evidence",
+    "kvscope.analysis.sources",
 )
 _loaded = False
 

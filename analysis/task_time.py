@@ -25,10 +25,14 @@ from typing import Any
 
 import polars as pl
 
+from kvscope.analysis.ledger import ENGINE_EVIDENCE_LOG
 from kvscope.analysis.registry import AnalysisContext, intermediate, register
 
 PARTS = ("input_processing", "transfer", "generation", "tool_wait", "proxy_overhead")
 COMPONENTS = ("task", *PARTS, "unaccounted", "ttft")
+# From vLLM's own llm_request spans (ledger engine_ttft_ms, engine_queue_ms), beside the TTFT
+# the proxy or client saw; not parts of the task's sum.
+ENGINE_COMPONENTS = ("engine_ttft", "engine_queue")
 
 COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -46,6 +50,8 @@ COLUMNS: dict[str, pl.DataType] = {
     "unaccounted_s": pl.Float64(),
     "ttft_sum_s": pl.Float64(),
     "ttft_share": pl.Float64(),
+    "engine_ttft_sum_s": pl.Float64(),
+    "engine_queue_s": pl.Float64(),
 }
 
 SUMMARY_COLUMNS: dict[str, pl.DataType] = {
@@ -74,9 +80,11 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     c = pl.col
     # Transfer spans come from the engine hooks: with hooks seen in the conversation, a turn
     # without one moved nothing; without any, transfer time is unknown (and inside the legs).
-    hooks = (
-        c("decision").is_not_null() | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()
-    ).any()
+    # A decision a server's log implied (kvscope ingest) says nothing of the reads that worked.
+    decided = c("decision").is_not_null()
+    if "engine_evidence" in ledger.columns:
+        decided = decided & (c("engine_evidence") != ENGINE_EVIDENCE_LOG).fill_null(True)
+    hooks = (decided | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()).any()
     # Only transfers inside a leg the proxy timed are part of the turn (a stalled prefill leg
     # can still show a P→D pull that no decode leg waited for).
     d2p = pl.when(c("prefill_ms").is_not_null()).then(c("d2p_ms").fill_null(0.0))
@@ -107,6 +115,10 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
         .otherwise(_measured_sum(c("_wait_s"))).alias("tool_wait_s"),
         (_measured_sum(c("_overhead_ms")) / 1000.0).alias("proxy_overhead_s"),
         (_measured_sum(c("ttft_ms")) / 1000.0).alias("ttft_sum_s"),
+        *[(_measured_sum(c(name)) / 1000.0).alias(alias)
+          for name, alias in (("engine_ttft_ms", "engine_ttft_sum_s"),
+                              ("engine_queue_ms", "engine_queue_s"))
+          if name in ledger.columns],
     )
     task = (c("last_end") - c("first_arrival")).dt.total_nanoseconds() / 1e9
     # Without transfers measured the legs are whole, so the other parts still add up.
@@ -114,6 +126,9 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
         [c("transfer_s").fill_null(0.0) if p == "transfer" else c(f"{p}_s") for p in PARTS],
         ignore_nulls=False,
     )
+    # A ledger without vLLM's own span columns (frames shaped by a caller): not measured.
+    table = table.with_columns(pl.lit(None, pl.Float64).alias(name) for name in (
+        "engine_ttft_sum_s", "engine_queue_s") if name not in table.columns)
     return table.with_columns(task.alias("task_s")).with_columns(
         (c("task_s") - parts).alias("unaccounted_s"),
         pl.when(c("task_s") > 0).then(c("ttft_sum_s") / c("task_s")).alias("ttft_share"),
@@ -126,8 +141,9 @@ def task_summary(table: pl.DataFrame) -> pl.DataFrame:
     ``share_of_task`` = Σ component / Σ task over the conversations where both were measured;
     ``share_p50``/``share_p90`` are quantiles of the per-conversation share.
     """
-    column = {name: f"{name}_s" for name in COMPONENTS}
+    column = {name: f"{name}_s" for name in (*COMPONENTS, *ENGINE_COMPONENTS)}
     column["ttft"] = "ttft_sum_s"
+    column["engine_ttft"] = "engine_ttft_sum_s"
     long = table.unpivot(
         index=["run_id", "conversation_id", "task_s"], on=list(column.values()),
         variable_name="_column", value_name="seconds",
@@ -149,7 +165,8 @@ def task_summary(table: pl.DataFrame) -> pl.DataFrame:
         pl.when(pl.col("_task_total") > 0).then(pl.col("total_s") / pl.col("_task_total"))
         .alias("share_of_task"),
         pl.col("component").replace_strict(
-            {name: i for i, name in enumerate(COMPONENTS)}, return_dtype=pl.Int64
+            {name: i for i, name in enumerate((*COMPONENTS, *ENGINE_COMPONENTS))},
+            return_dtype=pl.Int64
         ).alias("_order"),
     )
     return summary.sort(["run_id", "_order"]).select(

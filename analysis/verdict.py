@@ -21,6 +21,7 @@ from kvscope.analysis import compare, runs
 from kvscope.analysis.causes import cause_table
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.reuse import reuse_table
+from kvscope.analysis.sources import source_table, sources_sentence
 from kvscope.reuse import outcomes
 from kvscope.tables import NOT_MEASURED
 
@@ -60,6 +61,8 @@ COLUMNS: dict[str, pl.DataType] = {
     "ttft_p50_change": pl.Float64(),
     "ttft_p90_change": pl.Float64(),
     "task_time_change": pl.Float64(),
+    # Which sources of evidence the run had (kvscope.analysis.sources).
+    "sources": pl.String(),
 }
 
 
@@ -116,6 +119,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         .join(_top_causes(cause_table(ledger)), on="run_id", how="left")
         .join(totals, on="run_id", how="left")
         .join(_invalid(ledger), on="run_id", how="left")
+        .join(source_table(ledger), on="run_id", how="left")
         .with_columns(pl.col("later_turns").fill_null(
             pl.when(pl.col("turns").is_not_null()).then(0)))
     )
@@ -229,6 +233,9 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
     elif feature == runs.FEATURE_ON:
         out.append("No feature-OFF run of the same workload in the store: the change in TTFT "
                    f"and task time is {NOT_MEASURED}.")
+    told = sources_sentence(row)
+    if told:
+        out.append(told)
     return out
 
 

@@ -147,6 +147,9 @@ class TruthRow:
     finish_status: str | None = None
     error: str | None = None
     faults: list[str] = field(default_factory=list)
+    # Wall ms the prefill server spent on the request before answering (admission, D->P read,
+    # compute): the part of a proxy's "Prefill done in N ms" that is the engine's.
+    prefill_server_ms: float | None = None
 
 
 class TruthRecorder:

@@ -439,6 +439,7 @@ class PrefillServer(_EngineServer):
         )
 
     async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
+        entered = time.monotonic()
         em, cfg = self.emulation, self.emulation.config
         hit = cfg.faults.draw(req.key, fault_names.LEG_PREFILL, req.fault_names)
         params = req.params
@@ -513,6 +514,7 @@ class PrefillServer(_EngineServer):
                 cost.prefill_ms(max(result.computed_tokens, 1), cached,
                                 result.remote_reused_tokens) / 1000
             )
+        truth.prefill_server_ms = (time.monotonic() - entered) * 1000
         wants_params = bool(req.params and req.params.get("do_remote_decode"))
 
         def finish(status: str) -> dict[str, Any] | None:

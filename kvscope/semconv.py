@@ -60,6 +60,10 @@ SERVICE_DECODE = "vllm-decode"
 SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
 # Turns read from vLLM's multi-turn benchmark's --stats-json-output (kvscope ingest).
 SERVICE_VLLM_BENCHMARK = "vllm-multi-turn-benchmark"
+# Turns read from a proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy's turn lines).
+SERVICE_PROXY_LOG = "vllm-disagg-proxy"
+# Spans read from a vLLM server's log whose role (prefill or decode) the log did not show.
+SERVICE_VLLM_SERVER = "vllm-server"
 
 # Instrumentation scope name used by every kvscope tracer and meter.
 SCOPE_NAME = "kvscope"
@@ -139,6 +143,12 @@ CLIENT_TPOT_MS = _attr(
 )
 INGEST_KIND = _attr("kvscope.ingest.kind", "", "Kind of source a span was ingested from.")
 INGEST_FILE = _attr("kvscope.ingest.file", "", "File name a span was ingested from.")
+INGEST_LINE = _attr("kvscope.ingest.line", "", "Line of the ingested file a span starts at.")
+DURATION_MEASURED = _attr(
+    "kvscope.duration_measured", "",
+    "false when a span's duration was not measured (an ingested log gave its start only): "
+    "the ledger reads its time as not measured, never 0.",
+)
 X_REQUEST_ID = _attr("kvscope.x_request_id", "", "X-Request-Id the proxy sent to both legs.")
 MESSAGE_BOUNDARY_HASHES = _attr(
     "kvscope.prompt.boundary_hashes",
@@ -184,6 +194,11 @@ REMOTE_OFFERED_TOKENS = _attr(
     "kvscope.remote_offered_tokens", "tokens", "Tokens decode offered (remote_num_tokens)."
 )
 TOKENS_TO_PULL = _attr("kvscope.to_pull_tokens", "tokens", "Tokens prefill decided to read.")
+REMOTE_COUNT_TOKENS = _attr(
+    "kvscope.remote_count_tokens", "tokens",
+    "Remote tokens beyond prefill's own hit that kv_recompute_threshold was compared with "
+    "(vLLM's count; from a server log's skip line, where offer and hit are not logged).",
+)
 THRESHOLD_TOKENS = _attr(
     "kvscope.kv_recompute_threshold_tokens", "tokens", "kv_recompute_threshold in force."
 )
@@ -206,6 +221,35 @@ GPU_HOST = _attr("kvscope.gpu.host", "", "Host a GPU sample came from.")
 GPU_INDEX = _attr("kvscope.gpu.index", "", "GPU index on its host.")
 RUN_ID = _attr("kvscope.run.id", "", "kvscope run id (resource attribute).")
 GPU_PID = _attr("kvscope.gpu.pid", "", "Process id a per-process GPU memory sample is for.")
+
+# --- vLLM's own llm_request span (vLLM 0.33.0 vllm/tracing/utils.py:15-44, set by
+# OutputProcessor.do_tracing, vllm/v1/engine/output_processor.py:941-1001). vLLM's names, whose
+# times are in seconds without a unit in the name: declared here so nothing else spells them.
+VLLM_REQUEST_ID = _attr(
+    "gen_ai.request.id", "",
+    "vLLM llm_request: the request's external id (chatcmpl-<X-Request-Id>).",
+)
+VLLM_TIME_IN_QUEUE = _attr(
+    "gen_ai.latency.time_in_queue", "", "vLLM llm_request: seconds queued before scheduling."
+)
+VLLM_TIME_TO_FIRST_TOKEN = _attr(
+    "gen_ai.latency.time_to_first_token", "",
+    "vLLM llm_request: seconds from the engine's arrival to its first token.",
+)
+VLLM_E2E = _attr("gen_ai.latency.e2e", "", "vLLM llm_request: seconds from arrival to finish.")
+VLLM_TIME_IN_MODEL_PREFILL = _attr(
+    "gen_ai.latency.time_in_model_prefill", "",
+    "vLLM llm_request: seconds from scheduling to the first token.",
+)
+VLLM_PROMPT_TOKENS = _attr(
+    "gen_ai.usage.prompt_tokens", "", "vLLM llm_request: prompt length in tokens."
+)
+VLLM_COMPLETION_TOKENS = _attr(
+    "gen_ai.usage.completion_tokens", "", "vLLM llm_request: generated tokens."
+)
+VLLM_MAX_TOKENS = _attr(
+    "gen_ai.request.max_tokens", "", "vLLM llm_request: max_tokens (1 on a P/D prefill leg)."
+)
 
 # --- metrics ------------------------------------------------------------------------------------
 METRIC_GPU_MEMORY_USED = _metric("kvscope.gpu.memory.used_bytes", "By", "GPU memory in use.")
@@ -314,6 +358,8 @@ OUTCOME_ERROR = "error"
 
 # kvscope.turn.observer of turns a client recorded (kvscope ingest).
 OBSERVER_CLIENT = "client"
+# ... and of turns read from a proxy's log alone (kvscope ingest): no client record joined.
+OBSERVER_PROXY_LOG = "proxy_log"
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"

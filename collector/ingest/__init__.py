@@ -5,6 +5,17 @@ one command becomes one run in ``kvscope_runs``, whose settings list each file's
 SHA-256. Kinds:
 
     vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
+    vllm-proxy-log     vLLM's disagg_proxy_multiturn.py log, or kvscope proxy's turn lines
+                       (:mod:`.proxy_log`)
+    vllm-server-log    a vLLM server's log, role not named (:mod:`.server_log`); named:
+    vllm-prefill-log   ... a prefill server's
+    vllm-decode-log    ... a decode server's (the direction of a failed read is the role's)
+
+A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
+``--kind`` names every source's.
+
+A run's benchmark stats and proxy logs are joined (:mod:`.join`): a client turn takes the
+proxy's evidence for the request that served it, so each turn is one ledger row.
 
 All sources are parsed and checked before the store is opened, and their spans are written in
 one transaction with the run's record, so a malformed file (a one-line :class:`IngestError`
@@ -20,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvscope.collector.ingest import bench_stats
+from kvscope.collector.ingest import bench_stats, proxy_log, server_log
+from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.rows import TraceRows
@@ -62,6 +74,23 @@ KINDS: dict[str, Kind] = {
         bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
         bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
     ),
+    proxy_log.KIND: Kind(
+        proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
+        proxy_log.looks_like, proxy_log.read, proxy_log.add_spans,
+    ),
+    server_log.KIND: Kind(
+        server_log.KIND, "a vLLM server's log, role not named (name it: vllm-prefill-log:FILE)",
+        server_log.looks_like, server_log.read, server_log.add_spans,
+    ),
+    # Named only (KIND:PATH or --kind): a log does not show its server's role.
+    server_log.KIND_PREFILL: Kind(
+        server_log.KIND_PREFILL, "a vLLM prefill server's log", lambda head: False,
+        server_log.read_prefill, server_log.add_spans,
+    ),
+    server_log.KIND_DECODE: Kind(
+        server_log.KIND_DECODE, "a vLLM decode server's log", lambda head: False,
+        server_log.read_decode, server_log.add_spans,
+    ),
 }
 
 
@@ -74,6 +103,8 @@ class Ingested:
     sha256: str
     records: int
     spans: int
+    # Lines of no known pattern, counted (logs); None for kinds that have no such lines.
+    unknown_lines: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +114,8 @@ class IngestResult:
     run_id: str
     label: str
     sources: tuple[Ingested, ...]
+    # Client turns that took a proxy log's evidence for the same request (.join).
+    joined: int = 0
 
 
 def detect(path: Path) -> Kind:
@@ -97,6 +130,15 @@ def detect(path: Path) -> Kind:
             return kind
     raise IngestError(f"{path}: not a kind of source kvscope knows; name its kind with --kind "
                       f"(known: {', '.join(KINDS)})")
+
+
+def _named(source: str | Path) -> tuple[str | None, Path]:
+    """``KIND:PATH`` → (KIND, PATH) when KIND is a known kind; else (None, the source)."""
+    text = str(source)
+    prefix, sep, rest = text.partition(":")
+    if sep and prefix in KINDS and not Path(text).exists():
+        return prefix, Path(rest)
+    return None, Path(source)
 
 
 def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
@@ -130,8 +172,9 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
     parsed: list[tuple[Path, Kind, Parsed]] = []
     first_seen: dict[str, Path] = {}
     for source in sources:
-        path = Path(source)
-        source_kind = KINDS[kind] if kind is not None else detect(path)
+        named, path = _named(source)
+        name = named or kind
+        source_kind = KINDS[name] if name is not None else detect(path)
         content = source_kind.read(path)
         if content.sha256 in first_seen:
             raise IngestError(f"{path}: same content as {first_seen[content.sha256]}, given "
@@ -139,6 +182,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
         first_seen[content.sha256] = path
         parsed.append((path, source_kind, content))
     label = run_label or f"{_SOURCE} {', '.join(path.name for path, _, _ in parsed)}"
+    joined = join([c for _, _, c in parsed if isinstance(c, bench_stats.BenchStats)],
+                  [c for _, _, c in parsed if isinstance(c, proxy_log.ProxyLog)])
 
     con = open_store(db)
     try:
@@ -161,7 +206,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                 before = len(rows)
                 source_kind.add_spans(content, run_id, rows)
                 added.append(Ingested(path, source_kind.name, content.sha256,
-                                      content.records, len(rows) - before))
+                                      content.records, len(rows) - before,
+                                      getattr(content, "unknown_lines", None)))
             if len(rows):
                 insert_arrow(con, TRACES_TABLE, rows.to_arrow())
             end_run(con, run_id)
@@ -171,7 +217,7 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
             raise
     finally:
         con.close()
-    return IngestResult(run_id, label, tuple(added))
+    return IngestResult(run_id, label, tuple(added), joined)
 
 
 __all__ = ["KINDS", "IngestResult", "Ingested", "Kind", "Parsed", "detect", "ingest"]

@@ -34,12 +34,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscope import __version__, semconv
+from kvscope.collector.ingest.spans import attrs, ingest_id
 from kvscope.errors import IngestError
-from kvscope.store.rows import Attrs, TraceRows, stringify
+from kvscope.store.rows import Attrs, TraceRows
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
+
+if TYPE_CHECKING:
+    from kvscope.collector.ingest.proxy_log import ProxyRequest
 
 KIND = "vllm-bench-stats"
 
@@ -81,6 +85,8 @@ class BenchTurn:
     input_tokens: int
     output_tokens: int
     client_id: int
+    # The proxy's record of the same request, when the run's proxy log was joined (.join).
+    proxy: ProxyRequest | None = None
 
     @property
     def end_ns(self) -> int:
@@ -254,20 +260,18 @@ def read(path: Path) -> BenchStats:
 # --- spans -------------------------------------------------------------------------------------
 
 
-def _id(sha256: str, *parts: object, size: int) -> str:
-    """A deterministic non-zero id (hex) for one span of one file: re-reading gives the same."""
-    digest = hashlib.sha256("\x1f".join((sha256, *map(str, parts))).encode()).hexdigest()
-    value = digest[: size * 2]
-    return value if int(value, 16) else "0" * (size * 2 - 1) + "1"
-
-
-def _attrs(values: dict[str, Any]) -> Attrs:
-    return [(key, stringify(value)) for key, value in values.items()]
+def turn_ids(sha256: str, turn: BenchTurn) -> tuple[str, str]:
+    """The trace and span id of ``turn``'s span in the file of digest ``sha256``."""
+    key = (turn.conversation_id, turn.turn_index)
+    return ingest_id(sha256, *key, "trace", size=16), ingest_id(sha256, *key, "turn", size=8)
 
 
 def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
-    """Append the file's turn and tool-wait spans for run ``run_id``; return how many."""
-    resource = _attrs({
+    """Append the file's turn and tool-wait spans for run ``run_id``; return how many (a turn
+    a proxy log was joined to carries its router evidence; the log adds its legs)."""
+    from kvscope.collector.ingest import proxy_log
+
+    resource = attrs({
         "service.name": semconv.SERVICE_VLLM_BENCHMARK,
         semconv.RUN_ID: run_id,
         semconv.INGEST_KIND: KIND,
@@ -292,8 +296,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
 
     for turn in stats.turns:
         key = (turn.conversation_id, turn.turn_index)
-        trace_id = _id(stats.sha256, *key, "trace", size=16)
-        span_id = _id(stats.sha256, *key, "turn", size=8)
+        trace_id, span_id = turn_ids(stats.sha256, turn)
         values: dict[str, Any] = {
             semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
             semconv.TURN_INDEX: turn.turn_index,
@@ -304,18 +307,20 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             semconv.CLIENT_TPOT_MS: turn.tpot_ms,
             semconv.CLIENT_ID: turn.client_id,
         }
+        if turn.proxy is not None:
+            values.update(proxy_log.turn_values(turn.proxy))
         events: list[tuple[int, str, Attrs]] = []
         if turn.ttft_ms is not None:
             values[semconv.TTFT_MS] = turn.ttft_ms
             events.append((turn.start_ns + offset + round(turn.ttft_ms * _NS_PER_MS),
                            semconv.EVENT_FIRST_TOKEN, []))
         add(semconv.SPAN_TURN, trace_id, span_id, "", _KIND_CLIENT, turn.start_ns,
-            turn.end_ns, _attrs(values), events)
+            turn.end_ns, attrs(values), events)
         added += 1
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
-            add(semconv.SPAN_TOOL_WAIT, trace_id, _id(stats.sha256, *key, "wait", size=8),
-                span_id, _KIND_INTERNAL, previous_end, turn.start_ns, _attrs({
+            add(semconv.SPAN_TOOL_WAIT, trace_id, ingest_id(stats.sha256, *key, "wait", size=8),
+                span_id, _KIND_INTERNAL, previous_end, turn.start_ns, attrs({
                     semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
                     semconv.TURN_INDEX: turn.turn_index,
                     semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,
@@ -324,4 +329,5 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["FIELDS", "KIND", "BenchStats", "BenchTurn", "add_spans", "looks_like", "read"]
+__all__ = ["FIELDS", "KIND", "BenchStats", "BenchTurn", "add_spans", "looks_like", "read",
+           "turn_ids"]

@@ -56,7 +56,8 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
                         help="kind of every source (default: detected from each file: "
                         + "; ".join(f"{k.name}: {k.description}" for k in KINDS.values()) + ")")
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
-                        help="files the run left (ingested together as one run)")
+                        help="files the run left (ingested together as one run); "
+                        "KIND:FILE names one file's kind (e.g. vllm-prefill-log:prefill.log)")
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
@@ -65,7 +66,12 @@ def _run_ingest(args: argparse.Namespace) -> int:
     db = required(args, "db")
     result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
     for source in result.sources:
-        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans")
+        unknown = (f", {source.unknown_lines} lines of no known pattern (counted)"
+                   if source.unknown_lines else "")
+        print(f"{source.path}: {source.kind}, {source.records} records, {source.spans} spans"
+              + unknown)
+    if result.joined:
+        print(f"{result.joined} client turns joined to the proxy's record of them")
     print(f"run {result.run_id} ({result.label!r}) written to {db}")
     return 0
 
@@ -75,6 +81,7 @@ COMMANDS = [
             _configure_proxy, _run_proxy),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
-    Command("ingest", "store a run's own files (vLLM benchmark stats) as a kvscope run",
+    Command("ingest", "store a run's own files (vLLM benchmark stats, proxy log, server logs) "
+            "as a kvscope run",
             _configure_ingest, _run_ingest),
 ]

@@ -18,6 +18,7 @@ from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.task_time import (
     COLUMNS,
     COMPONENTS,
+    ENGINE_COMPONENTS,
     SUMMARY_COLUMNS,
     task_summary,
     task_table,
@@ -143,7 +144,7 @@ def test_summary_quantiles_and_shares() -> None:
     ).select(list(COLUMNS))
     summary = task_summary(table)
     assert summary.schema == pl.Schema(SUMMARY_COLUMNS)
-    assert summary["component"].to_list() == list(COMPONENTS)
+    assert summary["component"].to_list() == [*COMPONENTS, *ENGINE_COMPONENTS]
     by = {r["component"]: r for r in summary.to_dicts()}
     assert by["task"]["p50_s"] == 20.0 and by["task"]["total_s"] == 60.0
     assert by["ttft"]["conversations"] == 2
@@ -227,7 +228,7 @@ def test_task_time_on_a_simulated_run(simulated: tuple[Path, SimulationResult]) 
         assert row["ttft_sum_s"] == pytest.approx(truth_ttft[row["conversation_id"]] / 1000.0,
                                                   rel=1e-6)
         assert 0.0 < row["ttft_share"] < 1.0
-    assert summary["component"].to_list() == list(COMPONENTS)
+    assert summary["component"].to_list() == [*COMPONENTS, *ENGINE_COMPONENTS]
     by = {r["component"]: r for r in summary.to_dicts()}
     assert by["task"]["total_s"] == pytest.approx(table["task_s"].sum())
     assert by["ttft"]["share_of_task"] == pytest.approx(

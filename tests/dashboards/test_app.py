@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 from dash import dcc
 
-from kvscope.analysis.evidence import source_table
+from kvscope.analysis.sources import evidence_table
 from kvscope.dashboards.app import DashboardServer, create_app, selection
 from kvscope.dashboards.data import Filters, open_data
 from kvscope.dashboards.pages import (
@@ -168,7 +168,7 @@ def test_empty_store_says_what_is_missing(tmp_path: Path) -> None:
 def test_source_table_names_missing_hooks() -> None:
     ledger = pl.DataFrame({"turn_ms": [1.0, 2.0], "ttft_ms": [1.0, None],
                            "decision": [None, None]})
-    table = source_table(ledger, None)
+    table = evidence_table(ledger, None)
     row = dict(zip(table["source"], table["missing"], strict=True))
     assert row["engine hooks: reuse decisions"].startswith("no engine hooks")
     assert row["first-token times"] == ""

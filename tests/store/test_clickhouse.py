@@ -102,7 +102,8 @@ def test_the_extracted_span_rows_are_identical(duck: Path, source: ClickHouseSou
         c.close()
     for name, frame in on_duck.items():
         other = on_click[name]
-        assert frame.height > 0, name
+        # Every span kind is in the store but vLLM's own llm_request (the simulator has none).
+        assert frame.height > 0 or name == "vllm_requests", name
         assert_frame_equal(frame.sort(frame.columns, nulls_last=True),
                            other.sort(other.columns, nulls_last=True), check_dtypes=True)
     assert on_duck["turns"]["conversation_id"].null_count() > 0  # the no_conversation_id fault

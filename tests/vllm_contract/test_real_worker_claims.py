@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from queue import Queue
 from typing import Any
 
@@ -28,6 +29,9 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
+from kvscope import semconv
+from kvscope.collector.ingest import server_log
+from tests.vllm_contract.test_server_log_lines import write_vllm_log
 from tests.vllm_contract.test_worker import (  # the module-scoped engines fixture, reused
     BLOCK,
     Engine,
@@ -300,7 +304,7 @@ def test_claim3_notify_only_with_failed_handshake_is_dropped(
 
 def test_claim4_expiry_is_checked_at_read_time_after_the_handshake(
     engines: Engines, vllm_log: pytest.LogCaptureFixture,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """Claim 4, CONFIRMED: the expiry check runs when the READ would be posted, after a handshake.
 
@@ -351,11 +355,16 @@ def test_claim4_expiry_is_checked_at_read_time_after_the_handshake(
     assert p.worker.get_block_ids_with_load_errors() == {12, 13, 14, 15}
     assert p.values([12, 13, 14, 15]) == [0.0] * 4
     assert "c4-d" in d.worker.connector_worker._reqs_to_send  # D was not notified
+    # kvscope ingest reads the line as vLLM's handler writes it: a declined D->P read.
+    log = server_log.read_prefill(write_vllm_log(
+        tmp_path / "prefill.log", records(vllm_log, "Declining expired remote read")))
+    assert [(e.request_id, e.what, e.remote_engine_id) for e in log.events] == [
+        ("c4-p", semconv.TRANSFER_DECLINED_EXPIRED, "decode-engine")]
 
 
 def test_claim5_ttl_reaper_before_the_notification_p_succeeds_d_logs_invalid(
     engines: Engines, vllm_log: pytest.LogCaptureFixture,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """Claim 5, CONFIRMED for the reaper-before-notification order (the in-flight race is not
     deterministic here; see below).
@@ -406,3 +415,9 @@ def test_claim5_ttl_reaper_before_the_notification_p_succeeds_d_logs_invalid(
         "Potentially invalid KV blocks for unrecognized request c5-d were retrieved by a "
         "decode worker. They may have expired.")
     assert seen.of(d, "sending") == {"c5-d"}  # reported once, by the reaper
+    # kvscope ingest reads both lines as vLLM's handler writes them: counted with the run.
+    log = server_log.read_decode(write_vllm_log(
+        tmp_path / "decode.log",
+        records(vllm_log, "Releasing expired KV blocks") + records(vllm_log, needle)))
+    assert log.counts == {"released_expired_unread": 1, "potentially_invalid_kv_blocks": 1}
+    assert log.invalid_block_reads == ["c5-d"] and log.unknown_lines == 0

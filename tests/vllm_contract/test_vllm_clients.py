@@ -178,12 +178,17 @@ def _wait_http(url: str, proc: Process) -> None:
     raise AssertionError(f"{url} not ready in {START_TIMEOUT_S} s\n{_tail(proc.log)}")
 
 
-def _start_emulator(workdir: Path, flags: Sequence[str]) -> tuple[Process, str, str]:
-    """``kvscope emulate`` on ephemeral ports; returns it with its prefill and decode URLs."""
+def _start_emulator(workdir: Path, flags: Sequence[str],
+                    spans: bool = True) -> tuple[Process, str, str]:
+    """``kvscope emulate`` on ephemeral ports; returns it with its prefill and decode URLs.
+
+    ``spans=False``: kvscope's telemetry off (no store), the ground truth still written.
+    """
+    store = (["--db", str(workdir / "emulator.duckdb")] if spans
+             else ["--truth", str(workdir / "emulator.duckdb.truth.jsonl")])
     proc = Process(
         [sys.executable, "-m", "kvscope.cli", "emulate", "--prefill-port", "0",
-         "--decode-port", "0", "--served-model-name", MODEL, "--seed", "3",
-         "--db", str(workdir / "emulator.duckdb"), *flags],
+         "--decode-port", "0", "--served-model-name", MODEL, "--seed", "3", *store, *flags],
         workdir / "emulator.log", workdir,
     )
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -302,11 +307,11 @@ def _spans(db: Path) -> list[Span]:
 
 def _run(tmp_path: Path, workload: Workload, *, proxy: str = "vllm",
          emulator_flags: Sequence[str] = (), send_conversation_id: bool = True,
-         prefix_caching: bool = False) -> Run:
+         prefix_caching: bool = False, spans: bool = True) -> Run:
     procs: list[Process] = []
     flags = [*emulator_flags, *([] if prefix_caching else ["--no-enable-prefix-caching"])]
     try:
-        emulator, prefill, decode = _start_emulator(tmp_path, flags)
+        emulator, prefill, decode = _start_emulator(tmp_path, flags, spans)
         procs.append(emulator)
         proxy_proc, url = _start_proxy(tmp_path, proxy, prefill, decode)
         procs.append(proxy_proc)
@@ -323,7 +328,7 @@ def _run(tmp_path: Path, workload: Workload, *, proxy: str = "vllm",
     return Run(
         stats=stats,
         truth=read_truth(truth_path),
-        spans=_spans(tmp_path / "emulator.duckdb"),
+        spans=_spans(tmp_path / "emulator.duckdb") if spans else [],
         proxy_spans=_spans(proxy_db) if proxy_db.exists() else [],
         proxy_log=procs[1].text(),
         benchmark_log=(tmp_path / "benchmark.log").read_text(errors="replace"),
@@ -557,3 +562,15 @@ def test_benchmark_through_kvscope_proxy_one_turn_span_per_request(
     conversations = collections.Counter(s.attrs[semconv.GEN_AI_CONVERSATION_ID] for s in turns)
     assert conversations == collections.Counter(
         {f"CONV_ID_{i}": USER_TURNS for i in range(CONVERSATIONS)})
+    # Its turn lines (vLLM's words, the kvscope CLI's format) read as vLLM's proxy log is.
+    from kvscope.collector.ingest import proxy_log
+
+    log = proxy_log.read(tmp_path / "kvscope-proxy.log")
+    assert log.writers == [proxy_log.KVSCOPE_LOGGER]
+    assert sorted(r.x_request_id for r in log.requests) == sorted(sent)
+    for request in log.requests:
+        truth = by_id[request.x_request_id]
+        assert request.turn_index == truth["turn_index"], (request, truth)
+        assert request.lookup == (semconv.ROUTER_HIT if truth["turn_index"] >= 2
+                                  else semconv.ROUTER_MISS), request
+        assert request.params_returned is True and request.prefill_ms is not None, request

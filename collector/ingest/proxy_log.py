@@ -1,0 +1,335 @@
+"""A P/D proxy's log → the router's lookup, the prefill leg and decode's params, per request.
+
+Two writers log the same per-turn lines, and both are read:
+
+* vLLM 0.33.0's ``examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py``
+  (cited ``dpm.py:LINE``), through ``logging.basicConfig(format="%(asctime)s [%(levelname)s]
+  %(name)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")`` (dpm.py:90-94), logger
+  ``disagg_proxy`` (dpm.py:95): times to the second, in the proxy host's local time;
+* ``kvscope proxy`` (``kvscope.collector.proxy.app``, cited ``app.py:LINE``), logger
+  ``kvscope.collector.proxy.turns`` in vLLM's words, formatted by the kvscope CLI
+  (``%(asctime)s %(levelname)s %(name)s: %(message)s``) or ``python -m kvscope.collector.proxy``
+  (vLLM's format with the default datefmt): times to the millisecond.
+
+Per request id (the X-Request-Id sent to both P and D) the log says: its conversation id or
+that it had none; the router's lookup (``cache HIT`` then ``sending D's cached blocks``, a
+``stale cache entry`` then ``cache MISS``, or ``cache MISS``) with the entry's age and decode's
+request id it offers; ``Prefill done in N ms``; and, logged by conversation only, ``cached D
+blocks`` when decode's final chunk returned its params. The HIT, stale and cached lines name
+no request id (vLLM logs them from ``ConversationKVCache``, dpm.py:131-156): a HIT or stale line
+is logged in the same synchronous step as the request's next line, which names it; a cached line
+belongs to the conversation's latest request (a client sends turn k+1 only after turn k's
+response, which ends after that line). A request's turn index is its place among its
+conversation's requests in the log.
+
+What the log cannot tell is left out, never guessed: the turn's end (vLLM's proxy logs none),
+the decode leg's time, the engine's reuse decision and transfers. A request with a conversation
+id whose prefill finished and for which no ``cached D blocks`` line followed had no params from
+decode (vLLM logs the line whenever decode returned params for a conversation, dpm.py:288-292,
+dpm.py:340-344); without a conversation id that is not logged either way (not measured).
+
+Lines of other loggers (uvicorn's access log, tracebacks) and proxy lines of no known pattern
+are counted (``unknown_lines``), not errors. A file that is not UTF-8, a proxy line whose time
+does not parse, or a file named a proxy log with no proxy line at all is an IngestError naming
+the file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvscope import semconv
+from kvscope.collector.ingest.spans import (
+    KIND_CLIENT,
+    KIND_SERVER,
+    add_span,
+    ingest_id,
+    resource,
+)
+from kvscope.errors import IngestError
+from kvscope.store.rows import TraceRows
+
+KIND = "vllm-proxy-log"
+
+VLLM_LOGGER = "disagg_proxy"  # dpm.py:95
+KVSCOPE_LOGGER = "kvscope.collector.proxy.turns"  # app.py:61
+
+# "%(asctime)s [%(levelname)s] %(name)s: %(message)s" with datefmt "%Y-%m-%d %H:%M:%S"
+# (dpm.py:91-92); kvscope's CLI: "%(asctime)s %(levelname)s %(name)s: %(message)s" (cli.py,
+# logging's default datefmt adds ",mmm").
+_LINE = re.compile(
+    r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(?P<ms>\d{3}))? "
+    r"(?:\[(?P<level>[A-Z]+)\]|(?P<bare_level>[A-Z]+)) "
+    rf"(?P<logger>{re.escape(VLLM_LOGGER)}|{re.escape(KVSCOPE_LOGGER)}): (?P<message>.*)$"
+)
+# The messages (vLLM's format strings; kvscope's proxy logs the same, app.py:117-135, 532, 605).
+# "conv=%s: cache HIT (age=%.1fs)" (dpm.py:139; app.py:121)
+_HIT = re.compile(r"^conv=(?P<conv>.*): cache HIT \(age=(?P<age>\d+\.\d)s\)$")
+# "conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding" (dpm.py:132; app.py:123)
+_STALE = re.compile(
+    r"^conv=(?P<conv>.*): stale cache entry \(age=(?P<age>\d+\.\d)s > ttl=\d+\.\ds\), "
+    r"discarding$")
+# "conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)" (dpm.py:151; app.py:605)
+_CACHED = re.compile(
+    r"^conv=(?P<conv>.*): cached D blocks \(remote_request_id=(?P<decode_id>.*), "
+    r"blocks=(?P<blocks>\d+)\)$")
+# "[%s] No conversation_id provided — KV cache reuse disabled ..." (dpm.py:397-405; app.py:117)
+_NO_CONVERSATION = re.compile(r"^\[(?P<rid>[^\]]+)\] No conversation_id provided\b")
+# "[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)" (dpm.py:415; app.py:132)
+_SENDING = re.compile(
+    r"^\[(?P<rid>[^\]]+)\] conv=(?P<conv>.*): sending D's cached blocks to P "
+    r"\(remote_request_id=(?P<offered>.*)\)$")
+# "[%s] conv=%s: cache MISS" (dpm.py:430; app.py:135)
+_MISS = re.compile(r"^\[(?P<rid>[^\]]+)\] conv=(?P<conv>.*): cache MISS$")
+# "[%s] Prefill done in %.0fms" (dpm.py:442; app.py:532)
+_PREFILL = re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>\d+)ms$")
+# "Ready: %d prefill, %d decode instances" (dpm.py:369): known, carries nothing per turn.
+_READY = re.compile(r"^Ready: \d+ prefill, \d+ decode instances$")
+
+_NS_PER_S = 1_000_000_000
+_NS_PER_MS = 1_000_000
+
+
+@dataclass(slots=True)
+class ProxyRequest:
+    """One request the proxy handled, as its log lines say (times in Unix ns)."""
+
+    line: int
+    x_request_id: str
+    conversation_id: str | None
+    turn_index: int | None  # place among its conversation's requests in this log
+    time_ns: int  # of its first line
+    resolution_ns: int  # of the log's clock: 1 s for vLLM's proxy, 1 ms for kvscope's
+    lookup: str  # semconv.ROUTER_*
+    entry_age_s: float | None = None
+    offered_request_id: str | None = None
+    prefill_ms: float | None = None
+    prefill_end_ns: int | None = None
+    decode_request_id: str | None = None
+    retention_blocks: int | None = None
+    cached_ns: int | None = None
+    # (trace id, span id) of the client's record of the same turn, when one took this request's
+    # evidence (kvscope ingest's join): the legs hang under it.
+    joined_to: tuple[str, str] | None = None
+    # The log it came from (span ids and resource).
+    file_sha256: str = ""
+    file_name: str = ""
+
+    @property
+    def params_returned(self) -> bool | None:
+        """Whether decode returned its params; None where the log cannot say."""
+        if self.decode_request_id is not None:
+            return True
+        if self.conversation_id is None or self.prefill_ms is None:
+            return None  # no conversation: never logged; no prefill: decode never reached
+        return False
+
+
+@dataclass
+class ProxyLog:
+    """One parsed proxy log."""
+
+    path: Path
+    sha256: str
+    requests: list[ProxyRequest]
+    lines: int
+    unknown_lines: int
+    writers: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> int:
+        return len(self.requests)
+
+    def run_settings(self) -> dict[str, Any]:
+        """What the run records about this log."""
+        return {"clock": "the proxy host's local time, as logged", "writers": self.writers,
+                "lines": self.lines, "unknown_lines": self.unknown_lines}
+
+
+def looks_like(head: str) -> bool:
+    """Whether the start of a file holds a proxy line (kind detection)."""
+    return any(_LINE.match(line) for line in head.splitlines()[:200])
+
+
+def _time_ns(path: Path, number: int, stamp: str, ms: str | None) -> int:
+    try:
+        moment = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S")  # local time, as logged
+    except ValueError:
+        raise IngestError(f"{path}:{number}: time {stamp!r} is not a date and time") from None
+    return int(moment.timestamp()) * _NS_PER_S + int(ms or 0) * _NS_PER_MS
+
+
+def read(path: Path) -> ProxyLog:
+    """Parse one proxy log; IngestError names the file and line of a problem."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise IngestError(f"{path}:{line}: not UTF-8 text") from None
+    sha256 = hashlib.sha256(data).hexdigest()
+    requests: dict[str, ProxyRequest] = {}
+    # Per conversation: the router's last lookup line not yet claimed, and the requests in order.
+    pending: dict[str, tuple[str, float]] = {}
+    by_conversation: dict[str, list[ProxyRequest]] = {}
+    writers: set[str] = set()
+    seconds: dict[str, int] = {}
+    unknown = proxy_lines = lines = 0
+
+    def opened(rid: str, conv: str | None, number: int, now: int, resolution: int,
+               lookup: str) -> ProxyRequest:
+        request = requests.get(rid)
+        if request is None:
+            turns = by_conversation.setdefault(conv, []) if conv is not None else None
+            request = ProxyRequest(number, rid, conv, len(turns) + 1 if turns is not None
+                                   else None, now, resolution, lookup)
+            requests[rid] = request
+            if turns is not None:
+                turns.append(request)
+        return request
+
+    for number, raw in enumerate(text.splitlines(), start=1):
+        lines += 1
+        match = _LINE.match(raw)
+        if match is None:
+            unknown += 1
+            continue
+        proxy_lines += 1
+        stamp = match["time"]
+        second = seconds.get(stamp)
+        if second is None:  # a log has many lines per second: parse each second once
+            second = seconds[stamp] = _time_ns(path, number, stamp, None)
+        now = second + int(match["ms"] or 0) * _NS_PER_MS
+        resolution = _NS_PER_MS if match["ms"] is not None else _NS_PER_S
+        writers.add(match["logger"])
+        message = match["message"]
+        if found := _HIT.match(message):
+            pending[found["conv"]] = (semconv.ROUTER_HIT, float(found["age"]))
+        elif found := _STALE.match(message):
+            pending[found["conv"]] = (semconv.ROUTER_STALE, float(found["age"]))
+        elif found := _SENDING.match(message):
+            conv = found["conv"]
+            _, age = pending.pop(conv, (semconv.ROUTER_HIT, None))
+            request = opened(found["rid"], conv, number, now, resolution, semconv.ROUTER_HIT)
+            request.entry_age_s, request.offered_request_id = age, found["offered"]
+        elif found := _MISS.match(message):
+            conv = found["conv"]
+            lookup, age = pending.pop(conv, (semconv.ROUTER_MISS, None))
+            if lookup != semconv.ROUTER_STALE:
+                lookup, age = semconv.ROUTER_MISS, None
+            request = opened(found["rid"], conv, number, now, resolution, lookup)
+            request.entry_age_s = age
+        elif found := _NO_CONVERSATION.match(message):
+            opened(found["rid"], None, number, now, resolution, semconv.ROUTER_NO_CONVERSATION_ID)
+        elif found := _PREFILL.match(message):
+            done = requests.get(found["rid"])
+            if done is None:
+                unknown += 1  # its lookup line is not in this file (a log cut at its start)
+                continue
+            done.prefill_ms = float(found["ms"])
+            done.prefill_end_ns = now
+        elif found := _CACHED.match(message):
+            # Decode's final chunk of the conversation's request in flight: its latest (a
+            # client sends turn k+1 after turn k's response, which ends after this line).
+            turns = by_conversation.get(found["conv"], [])
+            latest = turns[-1] if turns else None
+            if latest is None or latest.prefill_ms is None or latest.decode_request_id:
+                unknown += 1
+                continue
+            latest.decode_request_id = found["decode_id"]
+            latest.retention_blocks = int(found["blocks"])
+            latest.cached_ns = now
+        elif not _READY.match(message):
+            unknown += 1
+    for request in requests.values():
+        request.file_sha256, request.file_name = sha256, path.name
+    if proxy_lines == 0:
+        raise IngestError(f"{path}:1: no line of vLLM's or kvscope's proxy log (loggers "
+                          f"{VLLM_LOGGER!r}, {KVSCOPE_LOGGER!r}) in {lines} lines")
+    return ProxyLog(path, sha256, list(requests.values()), lines,
+                    unknown, sorted(writers))
+
+
+# --- spans -------------------------------------------------------------------------------------
+
+
+def turn_values(request: ProxyRequest) -> dict[str, Any]:
+    """The turn span's attributes the proxy's log measured."""
+    return {
+        semconv.X_REQUEST_ID: request.x_request_id,
+        semconv.ROUTER_LOOKUP: request.lookup,
+        semconv.ROUTER_ENTRY_AGE_S: request.entry_age_s,
+    }
+
+
+def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
+             parent: str) -> int:
+    """Append the prefill leg (its logged time) and the decode leg (whether params came back)
+    of ``request`` under the turn span ``parent``; return how many spans."""
+    resource_attrs = resource(semconv.SERVICE_PROXY_LOG, run_id, KIND, request.file_name)
+    sha = request.file_sha256
+    added = 0
+    common = {"resource_attrs": resource_attrs, "service": semconv.SERVICE_PROXY_LOG,
+              "trace_id": trace_id, "parent": parent, "kind": KIND_CLIENT}
+    if request.prefill_ms is not None and request.prefill_end_ns is not None:
+        end = request.prefill_end_ns
+        add_span(rows, name=semconv.SPAN_INPUT_PROCESSING,
+                 span_id=ingest_id(sha, request.x_request_id, "prefill", size=8),
+                 start_ns=end - round(request.prefill_ms * _NS_PER_MS), end_ns=end,
+                 values={semconv.X_REQUEST_ID: request.x_request_id,
+                         semconv.D_METADATA_ATTACHED: request.lookup == semconv.ROUTER_HIT,
+                         semconv.OFFERED_REQUEST_ID: request.offered_request_id,
+                         semconv.INGEST_LINE: request.line},
+                 **common)
+        added += 1
+    returned = request.params_returned
+    if returned is not None:
+        start = request.prefill_end_ns or request.time_ns
+        add_span(rows, name=semconv.SPAN_GENERATION,
+                 span_id=ingest_id(sha, request.x_request_id, "decode", size=8),
+                 start_ns=start, end_ns=start,
+                 values={semconv.X_REQUEST_ID: request.x_request_id,
+                         semconv.RETENTION_METADATA_RETURNED: returned,
+                         semconv.VLLM_REQUEST_ID: request.decode_request_id,
+                         semconv.RETENTION_BLOCKS: request.retention_blocks,
+                         # The log has no end of the decode leg.
+                         semconv.DURATION_MEASURED: False},
+                 **common)
+        added += 1
+    return added
+
+
+def add_spans(log: ProxyLog, run_id: str, rows: TraceRows) -> int:
+    """Append each request's legs, under its own turn span or, when a client's record took the
+    request (:mod:`.join`), under that turn's span; return how many spans."""
+    resource_attrs = resource(semconv.SERVICE_PROXY_LOG, run_id, KIND, log.path.name)
+    added = 0
+    for request in log.requests:
+        if request.joined_to is not None:
+            added += add_legs(request, run_id, rows, *request.joined_to)
+            continue
+        trace_id = ingest_id(log.sha256, request.x_request_id, "trace", size=16)
+        span_id = ingest_id(log.sha256, request.x_request_id, "turn", size=8)
+        add_span(rows, resource_attrs=resource_attrs, service=semconv.SERVICE_PROXY_LOG,
+                 name=semconv.SPAN_TURN, trace_id=trace_id, span_id=span_id, parent="",
+                 kind=KIND_SERVER, start_ns=request.time_ns, end_ns=request.time_ns,
+                 values={**turn_values(request),
+                         semconv.GEN_AI_CONVERSATION_ID: request.conversation_id,
+                         semconv.TURN_INDEX: request.turn_index,
+                         semconv.TURN_OBSERVER: semconv.OBSERVER_PROXY_LOG,
+                         semconv.INGEST_LINE: request.line,
+                         semconv.DURATION_MEASURED: False})
+        added += 1 + add_legs(request, run_id, rows, trace_id, span_id)
+    return added
+
+
+__all__ = ["KIND", "ProxyLog", "ProxyRequest", "add_legs", "add_spans", "looks_like", "read",
+           "turn_values"]

@@ -1,0 +1,296 @@
+"""``kvscope ingest`` of a P/D proxy's log, alone and joined to the benchmark's stats.
+
+vLLM's lines are made by Python's logging with the format, date format, logger name and format
+strings of vLLM 0.33.0's ``disagg_proxy_multiturn.py`` (``dpm.py``: basicConfig at lines
+90-94, logger at 95, messages at 131-156, 368-370, 397-405, 414-430, 441-445), in the order
+its handler emits them; kvscope proxy's lines come from its own ``_log_lookup`` /
+``_log_offer`` (``collector/proxy/app.py``) through the kvscope CLI's format. The contract tier
+(``tests/vllm_contract/test_vllm_clients.py``) ingests logs the real vLLM proxy wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvscope import semconv
+from kvscope.collector.ingest import KINDS, detect, ingest, proxy_log
+from kvscope.collector.proxy import app as proxy_app
+from kvscope.errors import IngestError
+from kvscope.reuse import outcomes
+from kvscope.reuse.router import Lookup
+from tests.collector.test_ingest import Turn, _count, _ledger, write_stats
+
+VLLM_FORMAT = "%(asctime)s [%(levelname)s] %(name)s: %(message)s"  # dpm.py:91
+VLLM_DATEFMT = "%Y-%m-%d %H:%M:%S"  # dpm.py:92
+KVSCOPE_CLI_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvscope/cli.py main()
+# The benchmark's last response ends here (Unix s), a whole second so vLLM's times are exact.
+T0 = 1_764_600_000.0
+
+
+class LogFile:
+    """Lines written by one logger through one formatter, at chosen times."""
+
+    def __init__(self, path: Path, name: str, fmt: str, datefmt: str | None) -> None:
+        self.path, self.name = path, name
+        self.formatter = logging.Formatter(fmt, datefmt)
+        self.lines: list[str] = []
+
+    def log(self, at: float, level: int, msg: str, *args: Any) -> None:
+        record = logging.LogRecord(self.name, level, __file__, 0, msg, args, None)
+        record.created, record.msecs = at, (at - int(at)) * 1000
+        self.lines.append(self.formatter.format(record))
+
+    def raw(self, line: str) -> None:
+        self.lines.append(line)
+
+    def write(self) -> Path:
+        self.path.write_text("\n".join(self.lines) + "\n")
+        return self.path
+
+
+def _vllm_turn(log: LogFile, at: float, rid: str, conv: str, lookup: str,
+               age: float | None = None, offered: str | None = None,
+               prefill_ms: float = 30.0, decode_id: str | None = None) -> None:
+    """What vLLM's _handle_request and ConversationKVCache log for one request, in order."""
+    info = logging.INFO
+    if lookup == semconv.ROUTER_HIT:
+        log.log(at, info, "conv=%s: cache HIT (age=%.1fs)", conv, age)  # dpm.py:138-142
+        log.log(at, info, "[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
+                rid, conv, offered)  # dpm.py:414-419
+    else:
+        if lookup == semconv.ROUTER_STALE:
+            log.log(at, info, "conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding",
+                    conv, age, 450.0)  # dpm.py:131-136
+        log.log(at, info, "[%s] conv=%s: cache MISS", rid, conv)  # dpm.py:430
+    log.log(at + prefill_ms / 1000, info, "[%s] Prefill done in %.0fms", rid,
+            prefill_ms)  # dpm.py:441-445
+    log.raw('INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK')
+    if decode_id is not None:
+        log.log(at + 0.2, info, "conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)",
+                conv, decode_id, 7)  # dpm.py:150-156
+
+
+# CONV_0: miss, hit, stale; CONV_1: miss with no params back from decode, then a miss.
+WORKLOAD = [
+    Turn("CONV_0", 1, 0.0, 400.0, 120.0),
+    Turn("CONV_1", 1, 450.0, 380.0, 110.0),
+    Turn("CONV_0", 2, 1000.0, 300.0, 40.0),
+    Turn("CONV_1", 2, 2000.0, 310.0, 45.5),
+    Turn("CONV_0", 3, 3000.0, 320.0, 42.0),
+]
+LAST_END_MS = 3320.0
+
+
+def _at(turn_start_ms: float) -> float:
+    """Unix time of a turn that started ``turn_start_ms`` into the workload."""
+    return T0 - (LAST_END_MS - turn_start_ms) / 1000
+
+
+def _vllm_log(path: Path) -> Path:
+    log = LogFile(path, "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    log.log(_at(0) - 5, logging.INFO, "Ready: %d prefill, %d decode instances", 1, 1)
+    log.raw("INFO:     Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)")
+    _vllm_turn(log, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS, prefill_ms=35,
+               decode_id="chatcmpl-r-0-1-aaaaaaaa")
+    _vllm_turn(log, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS, prefill_ms=31)
+    _vllm_turn(log, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
+               offered="chatcmpl-r-0-1-aaaaaaaa", prefill_ms=12,
+               decode_id="chatcmpl-r-0-2-bbbbbbbb")
+    _vllm_turn(log, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_MISS, prefill_ms=33,
+               decode_id="chatcmpl-r-1-2-cccccccc")
+    _vllm_turn(log, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_STALE, age=451.2,
+               prefill_ms=36, decode_id="chatcmpl-r-0-3-dddddddd")
+    return log.write()
+
+
+def _stats(path: Path) -> Path:
+    write_stats(path, WORKLOAD)
+    os.utime(path, ns=(int(T0 * 1e9), int(T0 * 1e9)))
+    return path
+
+
+def test_a_vllm_proxy_log_is_detected_and_read(tmp_path: Path) -> None:
+    path = _vllm_log(tmp_path / "proxy.log")
+    assert detect(path) is KINDS[proxy_log.KIND]
+    log = proxy_log.read(path)
+    by_id = {r.x_request_id: r for r in log.requests}
+    assert list(by_id) == ["r-0-1", "r-1-1", "r-0-2", "r-1-2", "r-0-3"]
+    assert [(r.conversation_id, r.turn_index, r.lookup) for r in log.requests] == [
+        ("CONV_0", 1, semconv.ROUTER_MISS), ("CONV_1", 1, semconv.ROUTER_MISS),
+        ("CONV_0", 2, semconv.ROUTER_HIT), ("CONV_1", 2, semconv.ROUTER_MISS),
+        ("CONV_0", 3, semconv.ROUTER_STALE)]
+    assert by_id["r-0-2"].entry_age_s == 0.6
+    assert by_id["r-0-2"].offered_request_id == "chatcmpl-r-0-1-aaaaaaaa"
+    assert by_id["r-0-3"].entry_age_s == 451.2
+    assert [r.prefill_ms for r in log.requests] == [35, 31, 12, 33, 36]
+    assert [r.params_returned for r in log.requests] == [True, False, True, True, True]
+    assert by_id["r-1-2"].decode_request_id == "chatcmpl-r-1-2-cccccccc"
+    # vLLM's proxy logs whole seconds, in its host's local time.
+    assert by_id["r-0-1"].time_ns == int(_at(0)) * 1_000_000_000
+    # Uvicorn's lines (one banner, one access line per request) are counted, not errors.
+    assert log.unknown_lines == 1 + 5
+    assert log.writers == ["disagg_proxy"]
+
+
+def test_joined_to_the_benchmark_each_turn_takes_the_proxys_evidence(tmp_path: Path) -> None:
+    db = tmp_path / "run.duckdb"
+    result = ingest(db, [_stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")])
+    assert result.joined == len(WORKLOAD)
+    assert [s.kind for s in result.sources] == ["vllm-bench-stats", proxy_log.KIND]
+    # The stats: 5 turns and 3 tool waits; the log: each request's prefill and decode legs.
+    assert [s.spans for s in result.sources] == [5 + 3, 5 * 2]
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    assert len(rows) == len(WORKLOAD)  # one row per turn: the sources were joined, not added
+    expected = {
+        ("CONV_0", 1): (outcomes.FIRST_TURN, semconv.ROUTER_MISS, 35.0),
+        ("CONV_1", 1): (outcomes.FIRST_TURN, semconv.ROUTER_MISS, 31.0),
+        # A hit says P was offered decode's KV; whether it pulled is not in these sources.
+        ("CONV_0", 2): (outcomes.UNKNOWN, semconv.ROUTER_HIT, 12.0),
+        # Decode returned no params for turn 1 (no "cached D blocks" line).
+        ("CONV_1", 2): (outcomes.NO_DECODE_METADATA, semconv.ROUTER_MISS, 33.0),
+        ("CONV_0", 3): (outcomes.ROUTER_TTL_EXPIRED, semconv.ROUTER_STALE, 36.0),
+    }
+    for key, (outcome, lookup, prefill_ms) in expected.items():
+        row = rows[key]
+        assert (row["outcome"], row["router_lookup"], row["prefill_ms"]) == (
+            outcome, lookup, prefill_ms), row
+        turn = next(t for t in WORKLOAD if (t.conversation, t.turn) == key)
+        assert row["ttft_ms"] == turn.ttft_ms  # the client's
+        assert row["turn_ms"] == pytest.approx(turn.latency_ms)
+        assert row["decode_ms"] is None  # the proxy's log has no end of the decode leg
+        assert row["x_request_id"] == f"r-{key[0][-1]}-{key[1]}"
+    assert "not observed" in rows[("CONV_0", 2)]["evidence"]
+    assert rows[("CONV_0", 3)]["router_entry_age_s"] == 451.2
+
+
+def test_the_proxy_log_alone_gives_turns_whose_time_is_not_measured(tmp_path: Path) -> None:
+    db = tmp_path / "run.duckdb"
+    ingest(db, [_vllm_log(tmp_path / "proxy.log")])
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    assert {k: r["outcome"] for k, r in rows.items()} == {
+        ("CONV_0", 1): outcomes.FIRST_TURN, ("CONV_1", 1): outcomes.FIRST_TURN,
+        ("CONV_0", 2): outcomes.UNKNOWN, ("CONV_1", 2): outcomes.NO_DECODE_METADATA,
+        ("CONV_0", 3): outcomes.ROUTER_TTL_EXPIRED}
+    for row in rows.values():
+        assert row["turn_ms"] is None and row["ttft_ms"] is None, row  # not logged: not 0
+        assert row["observer"] == semconv.OBSERVER_PROXY_LOG
+        assert row["prefill_ms"] is not None
+
+
+def test_without_conversation_ids_the_join_is_by_time(tmp_path: Path) -> None:
+    log = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    for index, turn in enumerate(WORKLOAD):
+        rid = f"nc-{index}"
+        at = _at(turn.start_ms)
+        # dpm.py:397-405, then the lookup is skipped and the MISS line logs an empty conv.
+        log.log(at, logging.WARNING, "[%s] No conversation_id provided — KV cache reuse "
+                "disabled for this request. Add a 'conversation_id' field to enable "
+                "cross-turn KV sharing. When using "
+                "benchmarks/multi_turn/benchmark_serving_multi_turn.py, pass "
+                "--send-conversation-id (off by default).", rid)
+        log.log(at, logging.INFO, "[%s] conv=%s: cache MISS", rid, "")
+        log.log(at + 0.03, logging.INFO, "[%s] Prefill done in %.0fms", rid, 30.0)
+    db = tmp_path / "run.duckdb"
+    result = ingest(db, [_stats(tmp_path / "stats.json"), log.write()])
+    assert result.joined == len(WORKLOAD)
+    rows = _ledger(db)
+    assert len(rows) == len(WORKLOAD)
+    assert {r["outcome"] for r in rows} == {outcomes.NO_CONVERSATION_ID}
+    assert {r["x_request_id"] for r in rows} == {f"nc-{i}" for i in range(len(WORKLOAD))}
+
+
+def test_kvscope_proxys_own_turn_lines_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "kvscope-proxy.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(KVSCOPE_CLI_FORMAT))
+    turn_log = logging.getLogger(proxy_log.KVSCOPE_LOGGER)
+    turn_log.addHandler(handler)
+    level = turn_log.level
+    turn_log.setLevel(logging.INFO)
+    try:
+        proxy_app._log_lookup("k-1", "conv-a", Lookup(semconv.ROUTER_MISS), 450.0)
+        proxy_app._log_offer("k-1", "conv-a", Lookup(semconv.ROUTER_MISS))
+        proxy_app.turn_log.info("[%s] Prefill done in %.0fms", "k-1", 41.7)  # app.py:532
+        proxy_app.turn_log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)",
+                                "conv-a", "cmpl-k-1-0", 3)  # app.py:605
+        params = {"remote_request_id": "cmpl-k-1-0"}
+        proxy_app._log_lookup("k-2", "conv-a", Lookup(semconv.ROUTER_HIT, 2.25, params), 450.0)
+        proxy_app._log_offer("k-2", "conv-a", Lookup(semconv.ROUTER_HIT, 2.25, params))
+        proxy_app._log_lookup("k-3", None, Lookup(semconv.ROUTER_NO_CONVERSATION_ID), 450.0)
+    finally:
+        turn_log.removeHandler(handler)
+        turn_log.setLevel(level)
+        handler.close()
+    log = proxy_log.read(path)
+    assert [(r.x_request_id, r.conversation_id, r.turn_index, r.lookup, r.entry_age_s)
+            for r in log.requests] == [
+        ("k-1", "conv-a", 1, semconv.ROUTER_MISS, None),
+        ("k-2", "conv-a", 2, semconv.ROUTER_HIT, 2.2),  # logged as %.1f
+        ("k-3", None, None, semconv.ROUTER_NO_CONVERSATION_ID, None)]
+    assert log.requests[0].prefill_ms == 42 and log.requests[0].params_returned is True
+    assert log.requests[0].time_ns % 1_000_000 == 0  # kvscope's lines keep milliseconds
+    assert log.unknown_lines == 0 and log.writers == [proxy_log.KVSCOPE_LOGGER]
+
+
+def _bad(tmp_path: Path) -> list[tuple[Path, str]]:
+    good = _vllm_log(tmp_path / "good.log").read_text().splitlines()
+    binary = tmp_path / "binary.log"
+    binary.write_bytes(("\n".join(good[:3]) + "\n").encode() + b"\xff\xfe\n")
+    bad_time = tmp_path / "bad-time.log"
+    bad_time.write_text("\n".join(good[:2] + [
+        "2026-13-45 10:00:00 [INFO] disagg_proxy: [r-x] conv=c: cache MISS"]) + "\n")
+    return [(binary, f"{binary}:4: not UTF-8 text"),
+            (bad_time, f"{bad_time}:3: time '2026-13-45 10:00:00' is not a date and time")]
+
+
+def test_a_malformed_log_is_one_line_naming_file_and_line_and_keeps_the_store(
+        tmp_path: Path) -> None:
+    db = tmp_path / "run.duckdb"
+    ingest(db, [_stats(tmp_path / "stats.json")])
+    before = _count(db)
+    for path, message in _bad(tmp_path):
+        with pytest.raises(IngestError) as raised:
+            ingest(db, [path], kind=proxy_log.KIND)
+        assert str(raised.value) == message
+        assert "\n" not in str(raised.value)
+    assert _count(db) == before
+
+
+def test_a_file_named_a_proxy_log_with_no_proxy_line_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "access.log"
+    path.write_text('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK\n' * 3)
+    with pytest.raises(IngestError, match=r"access\.log:1: no line of vLLM's or kvscope's "
+                                          r"proxy log .* in 3 lines"):
+        ingest(tmp_path / "run.duckdb", [path], kind=proxy_log.KIND)
+
+
+def test_re_ingesting_a_log_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "run.duckdb"
+    log = _vllm_log(tmp_path / "proxy.log")
+    ingest(db, [_stats(tmp_path / "stats.json"), log])
+    before = _count(db)
+    with pytest.raises(IngestError, match="already in"):
+        ingest(db, [log])
+    assert _count(db) == before
+
+
+def test_cli_names_each_source_its_counts_and_the_join(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvscope import cli
+
+    db = tmp_path / "run.duckdb"
+    stats, log = _stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")
+    assert cli.main(["ingest", "--db", str(db), "--run-label", "ON", str(stats),
+                     f"{proxy_log.KIND}:{log}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        f"{stats}: vllm-bench-stats, 5 records, 8 spans",
+        f"{log}: vllm-proxy-log, 5 records, 10 spans, 6 lines of no known pattern (counted)",
+        "5 client turns joined to the proxy's record of them"]
+    assert lines[3].startswith("run ") and lines[3].endswith(f"('ON') written to {db}")
+    assert len(lines) == 4
