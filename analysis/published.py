@@ -20,7 +20,6 @@ shaping (:func:`sweep_table`, pure) → registration, as everywhere in ``analysi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ import polars as pl
 
 from kvscope import published
 from kvscope.analysis.registry import AnalysisContext, register
-from kvscope.analysis.runs import run_table
+from kvscope.analysis.runs import run_settings, run_table
 
 SWEEP_FORMAT = "published_sweep"
 TOLERANCE = 0.15
@@ -57,19 +56,11 @@ COLUMNS: dict[str, pl.DataType] = {
 }
 
 
-def _settings(raw: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def sweep_runs(runs: pl.DataFrame) -> list[dict[str, Any]]:
     """The runs of a published sweep: run id, label, profile, feature, prefix and shape (pure)."""
     out = []
     for run in runs.iter_rows(named=True):
-        settings = _settings(run["settings"])
+        settings = run_settings(run["settings"])
         workload = settings.get("workload_settings")
         if not isinstance(workload, dict) or workload.get("format") != SWEEP_FORMAT:
             continue

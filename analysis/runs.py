@@ -47,6 +47,7 @@ __all__ = [
     "pick_runs",
     "resolve_runs",
     "run_info",
+    "run_settings",
     "run_table",
     "runs_query",
 ]
@@ -141,7 +142,8 @@ def open_context(db: str | Path | ClickHouseSource,
 # --- what each run was ------------------------------------------------------------------------
 
 
-def _settings(raw: str | None) -> dict[str, Any]:
+def run_settings(raw: str | None) -> dict[str, Any]:
+    """A run's settings JSON as a dict (empty when absent or not an object)."""
     try:
         value = json.loads(raw) if raw else {}
     except ValueError:
@@ -184,7 +186,7 @@ def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
     prints = {row["run_id"]: row for row in fingerprint.iter_rows(named=True)}
     rows = []
     for run in runs.iter_rows(named=True):
-        settings = _settings(run["settings"])
+        settings = run_settings(run["settings"])
         seen = prints.get(run["run_id"])
         bidir = seen["_bidir_all"] if seen and seen["_bidir_seen"] else None
         feature, source = feature_state(settings, run["label"], bidir)

@@ -8,11 +8,12 @@
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
     replay.py        replays a workload over HTTP through a proxy
     simulator.py     the virtual-time simulator (``kvscope simulate`` is kvscope.cli.simulate);
+                     span_process.py its span builders, here or in a span process
                      published_sweep.py the published ON/OFF sweep as simulator runs
     workloads/       synthetic, WEKA and Mooncake workloads
 """
 
 __all__ = [
     "cost_model", "faults", "ground_truth", "launcher", "openai_api", "published_sweep", "replay",
-    "reuse_model", "servers", "simulator", "tokens", "turn_mix", "workloads",
+    "reuse_model", "servers", "simulator", "span_process", "tokens", "turn_mix", "workloads",
 ]

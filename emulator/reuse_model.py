@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscope import semconv
+from kvscope.collector.engine_telemetry import KvRetentionRecord, ReuseDecisionRecord
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks, BlockSeq
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import (
@@ -353,6 +354,12 @@ class Retention:
         """Seconds held, or None while open."""
         return None if self.end is None else self.end - self.start
 
+    def record(self, start_ns: int, end_ns: int | None,
+               traceparent: str | None = None) -> KvRetentionRecord:
+        """This retention as the telemetry record decode's hooks emit (``end_ns`` None: open)."""
+        return KvRetentionRecord(self.request_id, start_ns, end_ns, self.blocks, self.bytes,
+                                 self.ttl_s, self.release_reason, self.tokens, traceparent)
+
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
 @dataclass(slots=True)
@@ -541,6 +548,17 @@ class ReuseDecision:
     stalled: bool
     bidirectional_kv_xfer: bool
     block_size: int = DEFAULT_BLOCK_SIZE
+
+    def record(self, time_ns: int, params: Mapping[str, Any] | None,
+               traceparent: str | None = None) -> ReuseDecisionRecord:
+        """This decision as the telemetry record prefill's hooks emit (offer from ``params``)."""
+        offered = (params or {}).get("remote_num_tokens")
+        remote_engine = (params or {}).get("remote_engine_id")
+        return ReuseDecisionRecord(
+            self.request_id, time_ns, self.local_hit_tokens,
+            offered if isinstance(offered, int) else None, self.tokens_to_pull, self.threshold,
+            self.decision, self.bidirectional_kv_xfer, self.prompt_tokens,
+            remote_engine if isinstance(remote_engine, str) else None, traceparent)
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").

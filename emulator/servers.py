@@ -420,24 +420,6 @@ class PrefillServer(_EngineServer):
     def engine_id(self) -> str:
         return self.node.config.engine_id
 
-    def _decision_record(self, req: EmulatedRequest, decision: reuse_model.ReuseDecision,
-                         params: Mapping[str, Any] | None, when_ns: int) -> ReuseDecisionRecord:
-        offered = (params or {}).get("remote_num_tokens")
-        remote_engine = (params or {}).get("remote_engine_id")
-        return ReuseDecisionRecord(
-            request_id=req.request_id,
-            time_ns=when_ns,
-            local_hit_tokens=decision.local_hit_tokens,
-            remote_offered_tokens=offered if isinstance(offered, int) else None,
-            to_pull_tokens=decision.tokens_to_pull,
-            threshold_tokens=decision.threshold,
-            decision=decision.decision,
-            bidirectional=decision.bidirectional_kv_xfer,
-            prompt_tokens=decision.prompt_tokens,
-            remote_engine_id=remote_engine if isinstance(remote_engine, str) else None,
-            traceparent=req.traceparent,
-        )
-
     async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
         entered = time.monotonic()
         em, cfg = self.emulation, self.emulation.config
@@ -470,10 +452,10 @@ class PrefillServer(_EngineServer):
                                        skip_reading_prefix_cache=req.skip_reading_prefix_cache)
         em.drain_retentions()
         decided_ns = em.clock.wall_ns(now)
-        self._record(self._decision_record(req, result.decision, params, decided_ns))
+        self._record(result.decision.record(decided_ns, params, req.traceparent))
         if result.rescheduled_decision is not None:
-            self._record(self._decision_record(req, result.rescheduled_decision, params,
-                                               decided_ns))
+            self._record(result.rescheduled_decision.record(decided_ns, params,
+                                                             req.traceparent))
         cost = em.cost
         t = now
         transfer = result.transfer
@@ -559,18 +541,9 @@ class DecodeServer(_EngineServer):
             self._record(self._retention_record(retention, None))
 
     def _retention_record(self, r: reuse_model.Retention, end_ns: int | None) -> KvRetentionRecord:
-        return KvRetentionRecord(
-            request_id=r.request_id,
-            start_ns=self.emulation.clock.wall_ns(r.start),
-            end_ns=end_ns,
-            blocks=r.blocks,
-            size_bytes=r.bytes,
-            ttl_s=r.ttl_s,
-            release_reason=r.release_reason,
-            remote_num_tokens=r.tokens,
-            traceparent=self._traceparents.pop(r.request_id, None)
-            if end_ns is not None else self._traceparents.get(r.request_id),
-        )
+        traceparent = (self._traceparents.pop(r.request_id, None) if end_ns is not None
+                       else self._traceparents.get(r.request_id))
+        return r.record(self.emulation.clock.wall_ns(r.start), end_ns, traceparent)
 
     async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
         em, cfg, cost = self.emulation, self.emulation.config, self.emulation.cost

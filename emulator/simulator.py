@@ -14,7 +14,7 @@ It writes the spans a real deployment would produce, built by the same code: pro
 virtual timestamps (the run's ``epoch`` + virtual seconds), straight into a store: only the last
 step differs, the pieces each builder would make a ``ReadableSpan`` of are kept as the row
 ``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares the paths row for
-row). Large runs build and write the spans in a span process (:class:`_SpanProcess`) from the
+row). Large runs build and write the spans in a span process (:class:`SpanProcess`) from the
 records this one ships, so the model and the spans use both cores. It also returns the ground
 truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger with.
 Not modelled: queueing and batching contention (each request is timed as if alone).
@@ -24,39 +24,22 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import random
-import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 
 from kvscope import semconv
 from kvscope.boundary_key import BoundaryKey
 from kvscope.child import (
     ChildStartError,
-    pack,
-    report_error,
-    report_ready,
-    set_send_buffer,
-    spawn_child,
-    stop_child,
-    unpack,
-    wait_ready,
 )
 from kvscope.collector.engine_telemetry import (
-    EngineRecord,
-    EngineTelemetry,
-    KvRetentionRecord,
     KvTransferRecord,
-    ReuseDecisionRecord,
 )
-from kvscope.collector.proxy.export_process import record_from_tuple, record_to_tuple
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
@@ -65,10 +48,8 @@ from kvscope.collector.proxy.telemetry import (
     chain_boundary,
 )
 from kvscope.collector.span_rows import (
-    EngineRows,
     RowSink,
     cyclic_gc_per_batch,
-    proxy_rows,
 )
 from kvscope.emulator import cost_model
 from kvscope.emulator.reuse_model import (
@@ -82,6 +63,12 @@ from kvscope.emulator.reuse_model import (
     account_turn,
     vllm_request_id,
 )
+from kvscope.emulator.span_process import (
+    Emitter,
+    SpanProcess,
+    TelemetrySpec,
+    telemetry,
+)
 from kvscope.emulator.tokens import BlockRuns, Runs, join_runs, take_runs
 from kvscope.emulator.workloads.model import (
     BlockChain,
@@ -92,7 +79,6 @@ from kvscope.emulator.workloads.model import (
     block_view,
     send_time,
 )
-from kvscope.errors import StoreError
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import (
     FAILURE_POLICY_FAIL,
@@ -226,241 +212,8 @@ class SimulationResult:
     virtual_seconds: float
 
 
-class _Emitter(Protocol):
-    """What the simulation emits engine records to, each as (type index into
-    :data:`_ENGINE_RECORDS`, its field values in order): an :class:`EngineTelemetry` in this
-    process (:class:`_LocalEmitter`) or a :class:`_SpanProcess` stand-in that ships them."""
-
-    def emit(self, code: int, values: tuple[Any, ...]) -> None: ...
-
-
-# Engine records as the simulation makes them: the values of a record's fields in order (what
-# the span process receives), from the helpers below (a tuple from keyword arguments is a fifth
-# of the cost of the record itself; the records are built where they are used, once).
-_ENGINE_RECORDS: tuple[type[EngineRecord], ...] = (
-    ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
-_DECISION, _TRANSFER, _RETENTION = range(3)
-
-
-def _decision_values(*, request_id: str, time_ns: int, local_hit_tokens: int,
-                     remote_offered_tokens: int | None, to_pull_tokens: int,
-                     threshold_tokens: int, decision: str, bidirectional: bool,
-                     prompt_tokens: int | None, remote_engine_id: str | None
-                     ) -> tuple[Any, ...]:
-    """A :class:`ReuseDecisionRecord`'s field values (a test holds the names to its fields)."""
-    return (request_id, time_ns, local_hit_tokens, remote_offered_tokens, to_pull_tokens,
-            threshold_tokens, decision, bidirectional, prompt_tokens, remote_engine_id)
-
-
-def _transfer_values(*, request_id: str, start_ns: int, end_ns: int, direction: str,
-                     status: str, size_bytes: int, blocks: int, remote_engine_id: str | None,
-                     request_outcome: str | None = None) -> tuple[Any, ...]:
-    """A :class:`KvTransferRecord`'s field values."""
-    return (request_id, start_ns, end_ns, direction, status, size_bytes, blocks,
-            remote_engine_id, request_outcome)
-
-
-def _retention_values(*, request_id: str, start_ns: int, end_ns: int | None, blocks: int,
-                      size_bytes: int, ttl_s: float, release_reason: str,
-                      remote_num_tokens: int | None) -> tuple[Any, ...]:
-    """A :class:`KvRetentionRecord`'s field values."""
-    return (request_id, start_ns, end_ns, blocks, size_bytes, ttl_s, release_reason,
-            remote_num_tokens)
-
-
-class _LocalEmitter:
-    """An engine's telemetry in this process: each record built and emitted at once."""
-
-    __slots__ = ("_emit",)
-
-    def __init__(self, telemetry: EngineTelemetry) -> None:
-        self._emit = telemetry.emit
-
-    def emit(self, code: int, values: tuple[Any, ...]) -> None:
-        self._emit(_ENGINE_RECORDS[code](*values))
-
-_TURN = -1  # the engine index of a proxy TurnRecord
-_SPAN_PROCESS = "kvscope-simulator-spans"
-# The span process runs at a lower CPU priority: the simulating process is the run's critical
-# path (the span process only follows it), and on a machine with fewer free cores than the
-# three busy threads (model; spans; inserts) it keeps its core instead of being preempted.
-# 100k turns on 2 cores: 20.6 s against 21.6 s at equal priority.
-SPAN_PROCESS_NICE = 10
-# Socket buffer between the two: room for a few batches, so that the simulating process
-# rarely waits for the span process to read (the default, ~200 KiB, is a tenth of a batch).
-SPAN_PIPE_BUFFER = 8 << 20
-
-
-@dataclass(frozen=True)
-class _TelemetrySpec:
-    """Everything the spans of a run are built from, besides the records: the proxy's and each
-    engine's resource (attributes as created here, so a span process stores the same) and
-    (engine id, role), and the id streams (``random`` states) to draw span ids from."""
-
-    router_ttl_s: float
-    proxy_resource: Mapping[str, Any]
-    engines: tuple[tuple[Mapping[str, Any], str, str], ...]
-    proxy_random: Any = None
-    engine_random: Any = None
-
-
-def _telemetry(sink: RowSink, spec: _TelemetrySpec, direct: bool
-               ) -> tuple[Callable[[TurnRecord], Any], list[_LocalEmitter]]:
-    """The proxy's span builder and each engine's telemetry (as its emitter), writing into
-    ``sink``.
-
-    ``direct``: rows straight from the builders' pieces (no ReadableSpan, no spans_to_rows);
-    otherwise SDK spans, which tests compare the direct rows with.
-    """
-    # ``direct``: rows straight from the span builders' pieces (no ReadableSpan, no
-    # spans_to_rows); otherwise the SDK sinks.
-    proxy = ProxyTelemetry(None, router_ttl_s=spec.router_ttl_s,
-                           resource=Resource(dict(spec.proxy_resource)),
-                           span_sink=proxy_rows(sink) if direct else None,
-                           random_state=spec.proxy_random)
-    engines = []
-    for attributes, engine_id, role in spec.engines:
-        provider = TracerProvider(resource=Resource(dict(attributes)))
-        provider.add_span_processor(sink)
-        tel = EngineTelemetry(provider.get_tracer(semconv.SCOPE_NAME), engine_id=engine_id,
-                              role=role, background=False,
-                              direct=EngineRows.into(sink) if direct else None)
-        if direct and not tel.builds_directly:
-            raise RuntimeError("simulator: an engine tracer needs the SDK span path")
-        engines.append(_LocalEmitter(tel))
-    if direct:
-        return proxy.spans_for, engines
-
-    def spans_for(record: TurnRecord) -> None:
-        sink.add(proxy.spans_for(record))
-
-    return spans_for, engines
-
-
-class _SpanProcess:
-    """The run's spans built, converted and inserted by a child process, from its records.
-
-    The simulating process only runs the model: each finished turn's :class:`TurnRecord` and
-    each engine record go to the child as plain tuples, in batches of ``batch`` (one message
-    each). The child rebuilds them and runs the same builders the in-process path runs
-    (:func:`_telemetry`: ``ProxyTelemetry.spans_for``, ``EngineTelemetry.emit``, direct rows)
-    into a :class:`RowSink` on its own connection. It continues the id streams of ``spec``,
-    so its rows are those the in-process path stores. The store file must not be open
-    elsewhere for writing meanwhile. The child's errors are raised here as
-    :class:`StoreError` when sending or at :meth:`close`; ``written`` is known after close.
-    """
-
-    def __init__(self, db: str | Path, spec: _TelemetrySpec, batch: int = 8192) -> None:
-        # Returns at once; ready() waits until the child has the store open.
-        self._process, self._conn = spawn_child(_span_process_main, (str(db), spec),
-                                                name=_SPAN_PROCESS)
-        set_send_buffer(self._conn, SPAN_PIPE_BUFFER)
-        self._items: list[tuple[int, int, tuple[Any, ...]]] = []
-        self._batch = batch
-        self.written = 0
-
-    def ready(self) -> None:
-        """Wait until the child has the store open (ChildStartError: it never ran; it is
-        stopped then, as on its own reported error, which is raised)."""
-        wait_ready(self._process, self._conn, name=_SPAN_PROCESS)
-
-    def turn(self, record: TurnRecord) -> None:
-        """Ship a finished turn's record (the child runs ``ProxyTelemetry.spans_for``)."""
-        self._items.append((_TURN, 0, record_to_tuple(record)))
-        if len(self._items) >= self._batch:
-            self.flush()
-
-    def engine(self, index: int) -> _Emitter:
-        """The stand-in for engine ``index``'s telemetry: its ``emit`` ships the record."""
-        items, batch, flush = self._items, self._batch, self.flush
-
-        class _Ship:
-            __slots__ = ()
-
-            def emit(self, code: int, values: tuple[Any, ...]) -> None:
-                items.append((index, code, values))
-                if len(items) >= batch:
-                    flush()
-
-        return _Ship()
-
-    def flush(self) -> None:
-        if self._items:
-            try:
-                self._conn.send_bytes(pack(self._items))
-            except (OSError, ValueError) as exc:
-                raise StoreError(self._child_error() or "simulator: the span process "
-                                 "is gone") from exc
-            self._items.clear()
-
-    def _child_error(self) -> str | None:
-        try:
-            if self._conn.poll(0):
-                status, detail = self._conn.recv()
-                if status == "error":
-                    return ": ".join(detail)
-        except (EOFError, OSError):
-            pass
-        return None
-
-    def close(self) -> None:
-        """Ship what is left, let the child store it, and raise its error if it had one."""
-        self.flush()
-        try:
-            self._conn.send_bytes(b"")
-            status, detail = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise StoreError(f"simulator: the span process exited (code "
-                             f"{self._process.exitcode})") from exc
-        finally:
-            self._process.join(60)
-        if status != "ok":
-            raise StoreError("simulator: the span process failed: " + ": ".join(detail))
-        self.written = detail
-
-    def abort(self) -> None:
-        """Stop the child without waiting for what it still has (idempotent)."""
-        stop_child(self._process, self._conn)
-
-
-def _span_process_main(conn: Connection, db: str, spec: _TelemetrySpec) -> None:
-    """The span process: records → spans → rows → store until the end marker, then report."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it in order
-    try:
-        os.nice(SPAN_PROCESS_NICE)
-    except OSError:
-        pass  # run at the parent's priority
-    if spec.engine_random is not None:
-        random.setstate(spec.engine_random)  # the engine tracers' RandomIdGenerator
-    try:
-        con = open_store(db, threads=1)  # it only inserts, beside the busy simulation
-        report_ready(conn)
-        try:
-            sink = RowSink(con, insert_rows=ROW_GROUP_ROWS)
-            try:
-                spans_for, engines = _telemetry(sink, spec, direct=True)
-                emits = [engine.emit for engine in engines]
-                with cyclic_gc_per_batch():
-                    while data := conn.recv_bytes():
-                        for index, code, values in unpack(data):
-                            if index == _TURN:
-                                spans_for(record_from_tuple(values))
-                            else:
-                                emits[index](code, values)
-                sink.close()
-                written = sink.written
-            finally:
-                sink.abort()
-        finally:
-            con.close()
-    except Exception as exc:  # before ready: the parent raises it; after: at close
-        report_error(conn, exc)
-        return
-    conn.send(("ok", written))
-
-
 # Where the simulator's spans go: built here into a RowSink, or in a span process.
-_AnySink: TypeAlias = "RowSink | _SpanProcess"
+_AnySink: TypeAlias = "RowSink | SpanProcess"
 
 
 @dataclass
@@ -568,10 +321,10 @@ class Simulator:
         # Spans are built and written by a child process, which needs the file alone. It
         # starts (~0.6 s) while the workload's block view is built here.
         spec = self._telemetry_spec(run_id, ids=True)
-        span_process: _SpanProcess | None = None
+        span_process: SpanProcess | None = None
         view: BlockView | None = None
         try:
-            span_process = _SpanProcess(db, spec)
+            span_process = SpanProcess(db, spec)
             view = _block_view(workload)
             span_process.ready()
         except ChildStartError as exc:
@@ -595,7 +348,7 @@ class Simulator:
             con.close()
         return result
 
-    def _telemetry_spec(self, run_id: str, *, ids: bool) -> _TelemetrySpec:
+    def _telemetry_spec(self, run_id: str, *, ids: bool) -> TelemetrySpec:
         """The run's resources and engines; with ``ids``, the id streams a span process
         continues (this process's ``random``, a fresh proxy's) so that it draws the ids the
         in-process path would."""
@@ -611,14 +364,14 @@ class Simulator:
                 (self.decoders, semconv.SERVICE_DECODE, semconv.ROLE_DECODE))
             for node in nodes
         )
-        return _TelemetrySpec(
+        return TelemetrySpec(
             self.settings.router_ttl, resource(semconv.SERVICE_PROXY), engines,
             proxy_random=ProxyTelemetry(None)._rand.getstate() if ids else None,
             engine_random=random.getstate() if ids else None,
         )
 
     def _simulate_into(self, sink: _AnySink, workload: Workload, view: BlockView, run_id: str,
-                       epoch_ns: int, spec: _TelemetrySpec) -> SimulationResult:
+                       epoch_ns: int, spec: TelemetrySpec) -> SimulationResult:
         try:
             with cyclic_gc_per_batch():
                 result = self._simulate(workload, view, sink, run_id, epoch_ns, spec)
@@ -629,7 +382,7 @@ class Simulator:
         return result
 
     def _simulate(self, workload: Workload, view: BlockView, sink: _AnySink, run_id: str,
-                  epoch_ns: int, spec: _TelemetrySpec) -> SimulationResult:
+                  epoch_ns: int, spec: TelemetrySpec) -> SimulationResult:
         s = self.settings
         if workload.block_size != self.cost.block_size:
             raise ValueError(
@@ -640,9 +393,9 @@ class Simulator:
         # spans_for, here or in the span process, as are the engines' from their records.
         proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
         spans_for: Callable[[TurnRecord], Any]
-        engines: Sequence[_Emitter]
+        engines: Sequence[Emitter]
         if isinstance(sink, RowSink):
-            spans_for, engines = _telemetry(sink, spec, self._direct_rows)
+            spans_for, engines = telemetry(sink, spec, self._direct_rows)
         else:
             spans_for = sink.turn
             engines = [sink.engine(i) for i in range(len(spec.engines))]
@@ -760,11 +513,11 @@ class Simulator:
             record.cached_tokens = result.local_hit_tokens
             record.prefill_start_ns = ns(t)
             # Engine spans: the decision (and a re-decision after preemption or a failed load).
-            self._emit_decisions(p_tel, result, prompt, t, ns, params)
+            self._emit_decisions(p_tel, result, t, ns, params)
             transfer_s = 0.0
             if result.transfer is not None:
                 transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
-                p_tel.emit(_TRANSFER, _transfer_values(
+                p_tel.emit(KvTransferRecord(
                     request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
                     direction=result.transfer.direction, status=result.transfer.status,
                     size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
@@ -802,7 +555,7 @@ class Simulator:
                 turn.prompt_tokens) / 1000.0
             if p_to_d is not None:
                 d_tel = decode_tel[di]
-                d_tel.emit(_TRANSFER, _transfer_values(
+                d_tel.emit(KvTransferRecord(
                     request_id=d_rid, start_ns=ns(p_end),
                     end_ns=ns(p_end + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
                     direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
@@ -831,24 +584,13 @@ class Simulator:
             progress(turns, final)
         return SimulationResult(run_id, turns, 0, truth, final)  # spans: once all are stored
 
-    def _emit_decisions(self, tel: _Emitter, result: PrefillResult, prompt: BlockRuns,
-                        t: float, ns: Any, params: Mapping[str, Any]) -> None:
+    def _emit_decisions(self, tel: Emitter, result: PrefillResult, t: float, ns: Any,
+                        params: Mapping[str, Any]) -> None:
         for decision in (result.decision, result.rescheduled_decision):
-            if decision is None:
-                continue
-            offered = params.get("remote_num_tokens")
-            tel.emit(_DECISION, _decision_values(
-                request_id=decision.request_id, time_ns=ns(t),
-                local_hit_tokens=decision.local_hit_tokens,
-                remote_offered_tokens=int(offered) if isinstance(offered, int) else None,
-                to_pull_tokens=decision.tokens_to_pull,
-                threshold_tokens=decision.threshold, decision=decision.decision,
-                bidirectional=decision.bidirectional_kv_xfer,
-                prompt_tokens=prompt.num_tokens,
-                remote_engine_id=_str_or_none(params.get("remote_engine_id")),
-            ))
+            if decision is not None:
+                tel.emit(decision.record(ns(t), params))
 
-    def _emit_released(self, decode_tel: list[_Emitter]) -> None:
+    def _emit_released(self, decode_tel: list[Emitter]) -> None:
         # Releases are emitted as their spans close; draining every node is cheap.
         for node, tel in zip(self.decoders, decode_tel, strict=True):
             self._drain(node, tel, self._ns)
@@ -856,17 +598,14 @@ class Simulator:
     def _ns(self, t: float) -> int:
         return self._epoch_ns + int(t * _NS)
 
-    def _drain(self, node: DecodeNode, tel: _Emitter, ns: Any) -> None:
+    def _drain(self, node: DecodeNode, tel: Emitter, ns: Any) -> None:
         for retention in node.released:
-            tel.emit(_RETENTION, _retention_values(
-                request_id=retention.request_id, start_ns=ns(retention.start),
-                end_ns=ns(retention.end) if retention.end is not None else None,
-                blocks=retention.blocks, size_bytes=retention.bytes, ttl_s=retention.ttl_s,
-                release_reason=retention.release_reason, remote_num_tokens=retention.tokens))
+            tel.emit(retention.record(
+                ns(retention.start), ns(retention.end) if retention.end is not None else None))
         node.released.clear()
 
     def _finish(self, turn: _Turn, t: float, ns: Any, spans_for: Callable[[TurnRecord], Any],
-                decode_tel: list[_Emitter], run_id: str, truth: list[TruthRow],
+                decode_tel: list[Emitter], run_id: str, truth: list[TruthRow],
                 previous_end: dict[int, float]) -> None:
         record = turn.record
         returned = False

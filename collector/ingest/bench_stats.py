@@ -28,7 +28,6 @@ last request, bsmt.py:1744-1755) and records that anchor in the run's settings.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvscope import __version__, semconv
-from kvscope.collector.ingest.spans import attrs, ingest_id
+from kvscope.collector.ingest.spans import attrs, ingest_id, read_source
 from kvscope.errors import IngestError
 from kvscope.store.rows import Attrs, TraceRows
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
@@ -233,16 +232,8 @@ def _turn(place: _Place, record: dict[str, Any]) -> BenchTurn:
 
 def read(path: Path) -> BenchStats:
     """Parse and check one stats file; IngestError names the file and line of a problem."""
-    try:
-        data = path.read_bytes()
-        mtime_ns = path.stat().st_mtime_ns
-    except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise IngestError(f"{path}:{line}: not UTF-8 text") from None
+    source = read_source(path)
+    text, mtime_ns = source.text, source.mtime_ns
     turns: list[BenchTurn] = []
     seen: dict[tuple[str, int], int] = {}
     for place, record in _elements(path, text):
@@ -254,7 +245,7 @@ def read(path: Path) -> BenchStats:
         seen[key] = turn.line
         turns.append(turn)
     last_end = max((t.end_ns for t in turns), default=mtime_ns)
-    return BenchStats(path, hashlib.sha256(data).hexdigest(), turns, mtime_ns - last_end)
+    return BenchStats(path, source.sha256, turns, mtime_ns - last_end)
 
 
 # --- spans -------------------------------------------------------------------------------------

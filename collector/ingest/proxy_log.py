@@ -36,7 +36,6 @@ the file and line.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -49,6 +48,7 @@ from kvscope.collector.ingest.spans import (
     KIND_SERVER,
     add_span,
     ingest_id,
+    read_source,
     resource,
 )
 from kvscope.errors import IngestError
@@ -166,16 +166,9 @@ def _time_ns(path: Path, number: int, stamp: str, ms: str | None) -> int:
 
 def read(path: Path) -> ProxyLog:
     """Parse one proxy log; IngestError names the file and line of a problem."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise IngestError(f"{path}:{line}: not UTF-8 text") from None
-    sha256 = hashlib.sha256(data).hexdigest()
+    source = read_source(path)
+    text = source.text
+    sha256 = source.sha256
     requests: dict[str, ProxyRequest] = {}
     # Per conversation: the router's last lookup line not yet claimed, and the requests in order.
     pending: dict[str, tuple[str, float]] = {}

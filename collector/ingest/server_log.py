@@ -40,7 +40,6 @@ false, and their counts of tokens or bytes are left out where the line does not 
 from __future__ import annotations
 
 import ast
-import hashlib
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvscope import semconv
-from kvscope.collector.ingest.spans import KIND_INTERNAL, add_span, ingest_id, resource
+from kvscope.collector.ingest.spans import KIND_INTERNAL, add_span, ingest_id, read_source, resource
 from kvscope.errors import IngestError
 from kvscope.store.rows import TraceRows
 
@@ -203,16 +202,8 @@ def _request_ids(text: str) -> list[str]:
 
 def read_role(path: Path, role: str | None) -> ServerLog:
     """Parse one vLLM server log of ``role``; IngestError names the file and line of a problem."""
-    try:
-        data = path.read_bytes()
-        mtime_ns = path.stat().st_mtime_ns
-    except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise IngestError(f"{path}:{line}: not UTF-8 text") from None
+    source = read_source(path)
+    text, mtime_ns = source.text, source.mtime_ns
     to_ns = _clock(path, mtime_ns)
     events: list[Event] = []
     counts: dict[str, int] = {}
@@ -278,7 +269,7 @@ def read_role(path: Path, role: str | None) -> ServerLog:
     if vllm_lines == 0:
         raise IngestError(f"{path}:1: no line in vLLM's log format ((process pid=N) LEVEL "
                           f"MM-DD HH:MM:SS [file:line] message) in {lines} lines")
-    return ServerLog(path, hashlib.sha256(data).hexdigest(), role, events, lines, unknown,
+    return ServerLog(path, source.sha256, role, events, lines, unknown,
                      counts, metrics, invalid)
 
 

@@ -1,12 +1,15 @@
-"""Span rows an ingested source adds: deterministic ids and one row builder for every kind."""
+"""What every ingested source shares: reading its file, deterministic ids, one span row builder."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvscope import __version__, semconv
+from kvscope.errors import IngestError
 from kvscope.store.rows import Attrs, TraceRows, stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
 
@@ -16,6 +19,31 @@ KIND_SERVER = SPAN_KIND_NAMES[2]
 KIND_CLIENT = SPAN_KIND_NAMES[3]
 STATUS_UNSET = STATUS_CODE_NAMES[0]
 STATUS_ERROR = STATUS_CODE_NAMES[2]
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One source file read whole: its bytes, text, modification time and SHA-256."""
+
+    data: bytes
+    text: str
+    mtime_ns: int
+    sha256: str
+
+
+def read_source(path: Path) -> SourceFile:
+    """Read ``path`` as UTF-8 text; IngestError names the file (and the line of a bad byte)."""
+    try:
+        data = path.read_bytes()
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise IngestError(f"{path}:{line}: not UTF-8 text") from None
+    return SourceFile(data, text, mtime_ns, hashlib.sha256(data).hexdigest())
 
 
 def ingest_id(sha256: str, *parts: object, size: int) -> str:

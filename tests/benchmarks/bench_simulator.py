@@ -139,6 +139,7 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     """
     from kvscope.collector import span_rows
     from kvscope.emulator import simulator
+    from kvscope.emulator import span_process as span_process_module
     from kvscope.emulator.workloads import synthetic, weka
 
     if rows_here or stub:
@@ -157,7 +158,7 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     # With the span process, this process only pickles and sends record batches ("convert":
     # blocked when the span process is behind) and waits for it to start (what is left after
     # the block view is built) and, at the end, to finish ("insert").
-    span_process = simulator._SpanProcess
+    span_process = span_process_module.SpanProcess
     span_process.flush = _timed(span_process.flush, phases, "convert")
     span_process.ready = _timed(span_process.ready, phases, "insert")
     span_process.close = _timed(span_process.close, phases, "insert")

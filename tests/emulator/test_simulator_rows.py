@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import socket
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvscope import semconv
-from kvscope.child import ChildStartError
+from kvscope.child import ChildStartError, pack, unpack
 from kvscope.collector.engine_telemetry import (
     KvRetentionRecord,
     KvTransferRecord,
     ReuseDecisionRecord,
 )
 from kvscope.collector.proxy.telemetry import ProxyTelemetry
-from kvscope.emulator import simulator
+from kvscope.emulator import simulator, span_process
 from kvscope.emulator.simulator import (
     FAULT_CLOCK_SKEW,
     FAULT_HANDSHAKE,
@@ -130,7 +128,7 @@ def test_without_a_span_process_the_spans_are_written_here(
     def no_process(db: object, spec: object) -> None:
         raise ChildStartError("kvscope-simulator-spans exited at start (code 1)")
 
-    monkeypatch.setattr(simulator, "_SpanProcess", no_process)
+    monkeypatch.setattr(simulator, "SpanProcess", no_process)
     result, rows = _run(workload, tmp_path / "fallback.duckdb", settings, True, monkeypatch,
                         process=True)
     assert "kvscope-simulator-spans exited at start" in caplog.text
@@ -140,13 +138,13 @@ def test_without_a_span_process_the_spans_are_written_here(
 def test_span_process_runs_at_lower_priority_with_a_wide_pipe(tmp_path: Path) -> None:
     settings = SimulationSettings(profile="tiny", seed=2)
     spec = Simulator(settings)._telemetry_spec("r", ids=True)
-    process = simulator._SpanProcess(tmp_path / "spans.duckdb", spec)
+    process = span_process.SpanProcess(tmp_path / "spans.duckdb", spec)
     try:
         process.ready()
         pid = process._process.pid
         assert pid is not None
         assert (os.getpriority(os.PRIO_PROCESS, pid)
-                == min(os.getpriority(os.PRIO_PROCESS, 0) + simulator.SPAN_PROCESS_NICE, 19))
+                == min(os.getpriority(os.PRIO_PROCESS, 0) + span_process.SPAN_PROCESS_NICE, 19))
         left, right = socket.socketpair()
         with left, right, socket.socket(fileno=os.dup(process._conn.fileno())) as sock:
             default = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -157,17 +155,15 @@ def test_span_process_runs_at_lower_priority_with_a_wide_pipe(tmp_path: Path) ->
     assert process.written == 0
 
 
-@pytest.mark.parametrize(("code", "helper", "record"), [
-    (simulator._DECISION, simulator._decision_values, ReuseDecisionRecord),
-    (simulator._TRANSFER, simulator._transfer_values, KvTransferRecord),
-    (simulator._RETENTION, simulator._retention_values, KvRetentionRecord),
+@pytest.mark.parametrize("record", [
+    ReuseDecisionRecord("r-1", 5, 32, 96, 64, 64, "pull", True, 128, "decode-0", "00-ab-cd-01"),
+    KvTransferRecord("r-1", 5, 9, "d_to_p", "ok", 4096, 2, "decode-0", None, None),
+    KvRetentionRecord("r-2", 1, None, 3, 6144, 480.0, "open", 48),
 ])
-def test_engine_record_values_follow_the_record_fields(code: int, helper: Any,
-                                                       record: type) -> None:
-    # The simulation builds a record's field values by keyword; the span process (and the
-    # in-process emitter) rebuild the record from them by position.
-    assert simulator._ENGINE_RECORDS[code] is record
-    names = list(inspect.signature(helper).parameters)
-    assert names == [f.name for f in fields(record)][:len(names)]
-    given = {name: f"v{i}" for i, name in enumerate(names)}
-    assert record(*helper(**given)) == record(**given)
+def test_an_engine_record_crosses_to_the_span_process_as_its_values(record: Any) -> None:
+    """One encoding per engine event: what the span process rebuilds is the record itself."""
+    code = span_process.ENGINE_RECORDS.index(type(record))
+    shipped = unpack(pack([(0, code, tuple(record))]))
+    assert shipped and pack(shipped)[:1] == b"M"  # plain values: marshal, not pickle
+    (_, got_code, values), = shipped
+    assert span_process.ENGINE_RECORDS[got_code]._make(values) == record
