@@ -36,10 +36,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvscope import __version__, semconv
-from kvscope.collector.ingest.spans import attrs, ingest_id, read_source
+from kvscope.collector.ingest.spans import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    STATUS_UNSET,
+    attrs,
+    ingest_id,
+    read_source,
+)
 from kvscope.errors import IngestError
 from kvscope.store.rows import Attrs, TraceRows
-from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
 
 if TYPE_CHECKING:
     from kvscope.collector.ingest.proxy_log import ProxyRequest
@@ -63,10 +69,6 @@ FIELDS: dict[str, str] = {
     "client_id": _INT,  # bsmt.py:131
 }
 _NS_PER_MS = 1_000_000
-# As the OTLP decoder names them (opentelemetry.proto SpanKind / Status.StatusCode numbers).
-_KIND_CLIENT = SPAN_KIND_NAMES[3]
-_KIND_INTERNAL = SPAN_KIND_NAMES[1]
-_STATUS_UNSET = STATUS_CODE_NAMES[0]
 
 
 @dataclass(slots=True)
@@ -281,7 +283,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             parent_span_id=parent, trace_state="", span_name=name, span_kind=kind,
             service_name=semconv.SERVICE_VLLM_BENCHMARK, resource_attributes=resource,
             scope_name=semconv.SCOPE_NAME, scope_version=__version__, span_attributes=attrs,
-            duration_ns=max(end_ns - start_ns, 0), status_code=_STATUS_UNSET,
+            duration_ns=max(end_ns - start_ns, 0), status_code=STATUS_UNSET,
             status_message="", events=events, links=[],
         )
 
@@ -305,13 +307,13 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             values[semconv.TTFT_MS] = turn.ttft_ms
             events.append((turn.start_ns + offset + round(turn.ttft_ms * _NS_PER_MS),
                            semconv.EVENT_FIRST_TOKEN, []))
-        add(semconv.SPAN_TURN, trace_id, span_id, "", _KIND_CLIENT, turn.start_ns,
+        add(semconv.SPAN_TURN, trace_id, span_id, "", KIND_CLIENT, turn.start_ns,
             turn.end_ns, attrs(values), events)
         added += 1
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
             add(semconv.SPAN_TOOL_WAIT, trace_id, ingest_id(stats.sha256, *key, "wait", size=8),
-                span_id, _KIND_INTERNAL, previous_end, turn.start_ns, attrs({
+                span_id, KIND_INTERNAL, previous_end, turn.start_ns, attrs({
                     semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
                     semconv.TURN_INDEX: turn.turn_index,
                     semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,

@@ -16,9 +16,8 @@ from kvscope.analysis import compare, registry, runs
 from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.registry import AnalysisContext, AnalysisError
 from kvscope.analysis.verdict import verdict_sentences, verdict_table
-from kvscope.emulator.simulator import SimulationSettings, simulate
-from kvscope.emulator.workloads import synthetic
 from kvscope.reuse import outcomes
+from tests.stores import on_off_store
 
 T0 = datetime(2026, 1, 1)
 
@@ -234,17 +233,8 @@ def test_sentences_say_not_measured_never_zero() -> None:
 @pytest.fixture(scope="module")
 def ab_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Feature ON and OFF over one workload; prefill's own prefix cache off, so reuse is remote."""
-    db = tmp_path_factory.mktemp("ab") / "ab.duckdb"
-    workload = synthetic.generate(
-        seed=5, conversations=8, turns_p50=8, max_turns=10, think_time_p50_s=5,
-        think_time_p90_s=20, reset_probability=0.0, subagent_probability=0.0,
-    )
-    for label, on, seed in (("ON", True, 1), ("OFF", False, 2)):
-        # Different seeds: request ids must not repeat across runs of one store.
-        simulate(workload, db, SimulationSettings(
-            profile="qwen3-32b", label=label, prefill_bidirectional_kv_xfer=on,
-            decode_bidirectional_kv_xfer=on, prefill_prefix_caching=False, seed=seed))
-    return db
+    return on_off_store(tmp_path_factory.mktemp("ab") / "ab.duckdb", seed=5, conversations=8,
+                        turns_p50=8, max_turns=10)
 
 
 def test_compare_on_vs_off(ab_store: Path) -> None:

@@ -38,9 +38,9 @@ from kvscope.emulator.simulator import (
     SimulationSettings,
     simulate,
 )
-from kvscope.emulator.workloads import synthetic
 from kvscope.store.database import open_store
 from kvscope.store.schema import TRACES_ARROW
+from tests.stores import busy_workload
 
 MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER: 0.1,
        FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1}
@@ -50,10 +50,7 @@ MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with two simulated runs: one with a mix of faults, one plain."""
     db = tmp_path_factory.mktemp("live") / "source.duckdb"
-    workload = synthetic.generate(
-        seed=5, conversations=8, turns_p50=6, max_turns=9, system_prompt_tokens=700,
-        new_input_tokens_p50=250, think_time_p50_s=4, think_time_p90_s=30,
-        reset_probability=0.08, subagent_probability=0.1)
+    workload = busy_workload(turns_p50=6, max_turns=9)
     simulate(workload, db, SimulationSettings(profile="tiny", label="faults", seed=17,
                                               faults=MIX, decoder_kv_blocks_ttl=20.0,
                                               kv_load_failure_policy="recompute"))

@@ -15,8 +15,7 @@ from kvscope import cli
 from kvscope.analysis import registry
 from kvscope.analysis.registry import AnalysisError
 from kvscope.dashboards import report
-from kvscope.emulator.simulator import SimulationSettings, simulate
-from kvscope.emulator.workloads import synthetic
+from tests.stores import on_off_store
 
 HOSTILE_LABEL = '<script>alert("x")</script> & ON'
 
@@ -24,16 +23,8 @@ HOSTILE_LABEL = '<script>alert("x")</script> & ON'
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Feature ON and OFF over one small workload (the ON run's label needs escaping)."""
-    db = tmp_path_factory.mktemp("report") / "ab.duckdb"
-    workload = synthetic.generate(
-        seed=7, conversations=5, turns_p50=6, max_turns=8, think_time_p50_s=5,
-        think_time_p90_s=20, reset_probability=0.0, subagent_probability=0.0,
-    )
-    for label, on, seed in ((HOSTILE_LABEL, True, 1), ("OFF", False, 2)):
-        simulate(workload, db, SimulationSettings(
-            profile="qwen3-32b", label=label, prefill_bidirectional_kv_xfer=on,
-            decode_bidirectional_kv_xfer=on, prefill_prefix_caching=False, seed=seed))
-    return db
+    return on_off_store(tmp_path_factory.mktemp("report") / "ab.duckdb", seed=7,
+                        conversations=5, turns_p50=6, max_turns=8, on_label=HOSTILE_LABEL)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,13 @@ from kvscope.analysis.ledger import LEDGER_TABLE, load_spans
 from kvscope.analysis.registry import AnalysisContext
 from kvscope.analysis.runs import RUNS_FROM_SPANS, all_runs
 from kvscope.emulator.simulator import SIM_FAULTS, SimulationSettings, simulate
-from kvscope.emulator.workloads import synthetic
 from kvscope.errors import StoreError
 from kvscope.reuse import outcomes
 from kvscope.store import StoreReader
 from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
 from tests.store import otelcol
 from tests.store.chdb_http import ChdbHttp
+from tests.stores import busy_workload
 
 DATABASE = "kvscope_xengine"
 # Float results may differ in the last digits only (summation order).
@@ -41,10 +41,7 @@ def create_exporter_tables(reader: ClickHouseReader, database: str) -> None:
 @pytest.fixture(scope="module")
 def duck(tmp_path_factory: pytest.TempPathFactory) -> Path:
     db = tmp_path_factory.mktemp("xengine") / "sim.duckdb"
-    workload = synthetic.generate(
-        seed=5, conversations=8, turns_p50=7, max_turns=10, system_prompt_tokens=700,
-        new_input_tokens_p50=250, think_time_p50_s=4, think_time_p90_s=30,
-        reset_probability=0.08, subagent_probability=0.1)
+    workload = busy_workload(turns_p50=7, max_turns=10)
     every_fault = dict.fromkeys(SIM_FAULTS, 0.08)
     simulate(workload, db, SimulationSettings(
         profile="tiny", label="faults ON", seed=17, faults=every_fault,

@@ -1,0 +1,33 @@
+"""Simulated stores several test modules share: seeded, so every build gives the same rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.emulator.workloads import synthetic
+from kvscope.emulator.workloads.model import Workload
+
+
+def on_off_store(db: Path, *, seed: int, conversations: int, turns_p50: int, max_turns: int,
+                 on_label: str = "ON") -> Path:
+    """Feature ON and OFF over one calm workload (no resets, no subagents, waits 5-20 s); P's
+    own prefix cache off, so reuse is remote. Different run seeds: request ids never repeat."""
+    workload = synthetic.generate(
+        seed=seed, conversations=conversations, turns_p50=turns_p50, max_turns=max_turns,
+        think_time_p50_s=5, think_time_p90_s=20, reset_probability=0.0,
+        subagent_probability=0.0)
+    for label, on, run_seed in ((on_label, True, 1), ("OFF", False, 2)):
+        simulate(workload, db, SimulationSettings(
+            profile="qwen3-32b", label=label, prefill_bidirectional_kv_xfer=on,
+            decode_bidirectional_kv_xfer=on, prefill_prefix_caching=False, seed=run_seed))
+    return db
+
+
+def busy_workload(*, turns_p50: int, max_turns: int) -> Workload:
+    """Eight conversations with a shared system prompt, long and short tool waits, resets and
+    subagents: a workload on which faults leave many different outcomes."""
+    return synthetic.generate(
+        seed=5, conversations=8, turns_p50=turns_p50, max_turns=max_turns,
+        system_prompt_tokens=700, new_input_tokens_p50=250, think_time_p50_s=4,
+        think_time_p90_s=30, reset_probability=0.08, subagent_probability=0.1)
