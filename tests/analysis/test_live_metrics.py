@@ -12,6 +12,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import httpx
@@ -138,6 +139,15 @@ def _analyze(capsys: pytest.CaptureFixture[str], db: Path, name: str) -> list[di
     return json.loads(capsys.readouterr().out)
 
 
+def _wait_for_gauges(receiver: Any, count: int) -> None:
+    """Wait (10 s at most) until the receiver has stored ``count`` gauge points."""
+    deadline = time.monotonic() + 10
+    while receiver.writer.connection.cursor().execute(
+            "SELECT count(*) FROM otel_metrics_gauge").fetchone()[0] < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def _send_gauges(url: str, run_id: str) -> None:
     """Retained-KV and GPU-memory gauges over real OTLP/HTTP, as engines and the sampler send."""
     values = {"retained": [3 << 20, 5 << 20], "used": [40 << 30], "total": [80 << 30]}
@@ -182,11 +192,7 @@ def test_scrape_agrees_with_analyze(source: Path, tmp_path: Path,
         runs = dict(receiver.writer.connection.cursor().execute(
             "SELECT label, run_id FROM kvscope_runs").fetchall())
         _send_gauges(receiver.url, runs["faults"])
-        deadline = time.monotonic() + 10
-        while receiver.writer.connection.cursor().execute(
-                "SELECT count(*) FROM otel_metrics_gauge").fetchone()[0] < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _wait_for_gauges(receiver, 4)
         receiver.writer.flush(30)
         families = _scrape(receiver.url)
         openmetrics = httpx.get(f"{receiver.url}/metrics", timeout=30,

@@ -104,6 +104,47 @@ def _in_process(tmp_path: Path, spans: list[ReadableSpan]) -> list[tuple[Any, ..
         writer.close()
 
 
+_GAUGES = "SELECT * FROM otel_metrics_gauge ORDER BY MetricName"
+
+
+def _sample_metrics(*, retained: bool) -> Any:
+    """A GPU memory gauge (and the retained-bytes gauge when ``retained``) as the SDK exports
+    them, plus a counter the store does not keep (one rejected point)."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(
+        metric_readers=[reader],
+        resource=Resource.create({"service.name": semconv.SERVICE_GPU_SAMPLER}),
+    )
+    meter = provider.get_meter(semconv.SCOPE_NAME)
+    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By").set(
+        123.0, {semconv.GPU_INDEX: 0})
+    if retained:
+        meter.create_up_down_counter(semconv.METRIC_KV_RETAINED, unit="By").add(
+            4096, {semconv.ENGINE_ID: "d0"})
+    meter.create_counter("not_stored").add(1)
+    data = reader.get_metrics_data()
+    provider.shutdown()
+    assert data is not None
+    return data
+
+
+def _metrics_in_process(tmp_path: Path, data: Any) -> list[tuple[Any, ...]]:
+    """The gauge rows kvscope's in-process metric exporter stores for ``data``."""
+    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
+    assert DuckDBMetricExporter(writer).export(data) is MetricExportResult.SUCCESS
+    writer.flush(10)
+    try:
+        return writer.connection.cursor().execute(_GAUGES).fetchall()
+    finally:
+        writer.close()
+
+
+def _metrics_received(receiver: Receiver) -> list[tuple[Any, ...]]:
+    """The gauge rows a receiver has stored so far."""
+    receiver.writer.flush(10)
+    return receiver.writer.connection.cursor().execute(_GAUGES).fetchall()
+
+
 def _status(response: httpx.Response) -> str:
     if response.headers["content-type"].startswith("application/json"):
         return str(response.json()["message"])
@@ -131,36 +172,14 @@ def test_official_span_exporter_rows_equal_the_in_process_rows(
 def test_official_metric_exporter_rows_equal_the_in_process_rows(
     receiver: Receiver, tmp_path: Path, compression: Compression
 ) -> None:
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(
-        metric_readers=[reader],
-        resource=Resource.create({"service.name": semconv.SERVICE_GPU_SAMPLER}),
-    )
-    meter = provider.get_meter(semconv.SCOPE_NAME)
-    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By").set(
-        123.0, {semconv.GPU_INDEX: 0}
-    )
-    meter.create_up_down_counter(semconv.METRIC_KV_RETAINED, unit="By").add(
-        4096, {semconv.ENGINE_ID: "d0"}
-    )
-    meter.create_counter("not_stored").add(1)
-    data = reader.get_metrics_data()
-    provider.shutdown()
-    assert data is not None
+    data = _sample_metrics(retained=True)
     exporter = OTLPMetricExporter(endpoint=f"{receiver.url}/v1/metrics", compression=compression)
 
     assert exporter.export(data) is MetricExportResult.SUCCESS
 
-    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
-    assert DuckDBMetricExporter(writer).export(data) is MetricExportResult.SUCCESS
-    writer.flush(10)
-    query = "SELECT * FROM otel_metrics_gauge ORDER BY MetricName"
-    expected = writer.connection.cursor().execute(query).fetchall()
-    writer.close()
-    receiver.writer.flush(10)
-    received = receiver.writer.connection.cursor().execute(query).fetchall()
+    received = _metrics_received(receiver)
     assert len(received) == 2
-    assert received == expected
+    assert received == _metrics_in_process(tmp_path, data)
     assert receiver.stats.points_rejected == 1
 
 

@@ -36,19 +36,23 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from kvscope import semconv
-from kvscope.collector.exporters import DuckDBMetricExporter
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreError
-from kvscope.store.writer import StoreWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_receiver import _busy_port, _in_process, _live_traces, _spans  # noqa: E402
+from test_receiver import (  # noqa: E402
+    _busy_port,
+    _in_process,
+    _live_traces,
+    _metrics_in_process,
+    _metrics_received,
+    _sample_metrics,
+    _spans,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -96,34 +100,15 @@ def test_official_grpc_span_exporter_rows_equal_the_in_process_rows(
 def test_official_grpc_metric_exporter_rows_equal_the_in_process_rows(
     receiver: Receiver, tmp_path: Path
 ) -> None:
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(
-        metric_readers=[reader],
-        resource=Resource.create({"service.name": semconv.SERVICE_GPU_SAMPLER}),
-    )
-    meter = provider.get_meter(semconv.SCOPE_NAME)
-    meter.create_gauge(semconv.METRIC_GPU_MEMORY_USED, unit="By").set(
-        123.0, {semconv.GPU_INDEX: 0}
-    )
-    meter.create_counter("not_stored").add(1)
-    data = reader.get_metrics_data()
-    provider.shutdown()
-    assert data is not None
+    data = _sample_metrics(retained=False)
     exporter = GrpcMetricExporter(endpoint=receiver.grpc_url, compression=grpc.Compression.Gzip)
 
     assert exporter.export(data) is MetricExportResult.SUCCESS
     exporter.shutdown()
 
-    writer = StoreWriter.open(tmp_path / "in_process.duckdb")
-    assert DuckDBMetricExporter(writer).export(data) is MetricExportResult.SUCCESS
-    writer.flush(10)
-    query = "SELECT * FROM otel_metrics_gauge ORDER BY MetricName"
-    expected = writer.connection.cursor().execute(query).fetchall()
-    writer.close()
-    receiver.writer.flush(10)
-    received = receiver.writer.connection.cursor().execute(query).fetchall()
+    received = _metrics_received(receiver)
     assert len(received) == 1
-    assert received == expected
+    assert received == _metrics_in_process(tmp_path, data)
     assert receiver.stats.points_rejected == 1
 
 

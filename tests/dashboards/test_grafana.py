@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from test_live_metrics import (  # noqa: E402
     _copy_runs,
     _send_gauges,
     _shuffled_batches,
+    _wait_for_gauges,
     source,  # noqa: F401  (the fixture)
 )
 
@@ -87,11 +87,7 @@ def scraped(source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             assert receiver.writer.submit_traces(batch.cast(TRACES_ARROW))
         assert receiver.writer.flush(30)
         _send_gauges(receiver.url, runs["faults"])
-        deadline = time.monotonic() + 10
-        while receiver.writer.connection.cursor().execute(
-                "SELECT count(*) FROM otel_metrics_gauge").fetchone()[0] < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _wait_for_gauges(receiver, 4)
         text = httpx.get(f"{receiver.url}/metrics", timeout=30).text
     finally:
         receiver.stop()
