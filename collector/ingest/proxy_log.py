@@ -46,8 +46,10 @@ from kvscope import semconv
 from kvscope.collector.ingest.spans import (
     KIND_CLIENT,
     KIND_SERVER,
+    LineCounts,
     add_span,
     ingest_id,
+    matching_lines,
     read_source,
     resource,
 )
@@ -175,7 +177,8 @@ def read(path: Path) -> ProxyLog:
     by_conversation: dict[str, list[ProxyRequest]] = {}
     writers: set[str] = set()
     seconds: dict[str, int] = {}
-    unknown = proxy_lines = lines = 0
+    counts = LineCounts()
+    proxy_lines = 0
 
     def opened(rid: str, conv: str | None, number: int, now: int, resolution: int,
                lookup: str) -> ProxyRequest:
@@ -189,12 +192,7 @@ def read(path: Path) -> ProxyLog:
                 turns.append(request)
         return request
 
-    for number, raw in enumerate(text.splitlines(), start=1):
-        lines += 1
-        match = _LINE.match(raw)
-        if match is None:
-            unknown += 1
-            continue
+    for number, match in matching_lines(text, _LINE, counts):
         proxy_lines += 1
         stamp = match["time"]
         second = seconds.get(stamp)
@@ -225,7 +223,7 @@ def read(path: Path) -> ProxyLog:
         elif found := _PREFILL.match(message):
             done = requests.get(found["rid"])
             if done is None:
-                unknown += 1  # its lookup line is not in this file (a log cut at its start)
+                counts.unknown += 1  # its lookup line is not in this file (a log cut at its start)
                 continue
             done.prefill_ms = float(found["ms"])
             done.prefill_end_ns = now
@@ -235,20 +233,20 @@ def read(path: Path) -> ProxyLog:
             turns = by_conversation.get(found["conv"], [])
             latest = turns[-1] if turns else None
             if latest is None or latest.prefill_ms is None or latest.decode_request_id:
-                unknown += 1
+                counts.unknown += 1
                 continue
             latest.decode_request_id = found["decode_id"]
             latest.retention_blocks = int(found["blocks"])
             latest.cached_ns = now
         elif not _READY.match(message):
-            unknown += 1
+            counts.unknown += 1
     for request in requests.values():
         request.file_sha256, request.file_name = sha256, path.name
     if proxy_lines == 0:
         raise IngestError(f"{path}:1: no line of vLLM's or kvscope's proxy log (loggers "
-                          f"{VLLM_LOGGER!r}, {KVSCOPE_LOGGER!r}) in {lines} lines")
-    return ProxyLog(path, sha256, list(requests.values()), lines,
-                    unknown, sorted(writers))
+                          f"{VLLM_LOGGER!r}, {KVSCOPE_LOGGER!r}) in {counts.lines} lines")
+    return ProxyLog(path, sha256, list(requests.values()), counts.lines,
+                    counts.unknown, sorted(writers))
 
 
 # --- spans -------------------------------------------------------------------------------------

@@ -47,7 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from kvscope import semconv
-from kvscope.collector.ingest.spans import KIND_INTERNAL, add_span, ingest_id, read_source, resource
+from kvscope.collector.ingest.spans import (
+    KIND_INTERNAL,
+    LineCounts,
+    add_span,
+    ingest_id,
+    matching_lines,
+    read_source,
+    resource,
+)
 from kvscope.errors import IngestError
 from kvscope.store.rows import TraceRows
 
@@ -209,24 +217,20 @@ def read_role(path: Path, role: str | None) -> ServerLog:
     counts: dict[str, int] = {}
     metrics: dict[str, float] = {}
     invalid: list[str] = []
-    unknown = vllm_lines = lines = 0
+    read = LineCounts()
+    vllm_lines = 0
 
     def count(name: str) -> None:
         counts[name] = counts.get(name, 0) + 1
 
-    for number, raw in enumerate(text.splitlines(), start=1):
-        lines += 1
-        match = _LINE.match(raw)
-        if match is None:
-            unknown += 1
-            continue
+    for number, match in matching_lines(text, _LINE, read):
         vllm_lines += 1
         message = _ANSI.sub("", match["message"])
         now = to_ns(number, match["time"])
         if found := _METRICS.match(message):
             pairs = {m["key"].strip(): float(m["value"]) for m in _PAIR.finditer(found["pairs"])}
             if "Num successful transfers" not in pairs:
-                unknown += 1
+                read.unknown += 1
                 continue
             count("kv_transfer_metrics")
             for key in _SUMMED:
@@ -265,11 +269,11 @@ def read_role(path: Path, role: str | None) -> ServerLog:
         elif _WAITING.match(message):
             count("blocks_held_after_finish")
         else:
-            unknown += 1
+            read.unknown += 1
     if vllm_lines == 0:
         raise IngestError(f"{path}:1: no line in vLLM's log format ((process pid=N) LEVEL "
-                          f"MM-DD HH:MM:SS [file:line] message) in {lines} lines")
-    return ServerLog(path, source.sha256, role, events, lines, unknown,
+                          f"MM-DD HH:MM:SS [file:line] message) in {read.lines} lines")
+    return ServerLog(path, source.sha256, role, events, read.lines, read.unknown,
                      counts, metrics, invalid)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,26 @@ def read_source(path: Path) -> SourceFile:
         line = data.count(b"\n", 0, exc.start) + 1
         raise IngestError(f"{path}:{line}: not UTF-8 text") from None
     return SourceFile(data, text, mtime_ns, hashlib.sha256(data).hexdigest())
+
+
+@dataclass
+class LineCounts:
+    """Lines a log parser read, and those it could not place (counted, never errors)."""
+
+    lines: int = 0
+    unknown: int = 0
+
+
+def matching_lines(text: str, pattern: re.Pattern[str],
+                   counts: LineCounts) -> Iterator[tuple[int, re.Match[str]]]:
+    """(line number, match) of each line ``pattern`` matches; the others counted unknown."""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        counts.lines += 1
+        match = pattern.match(raw)
+        if match is None:
+            counts.unknown += 1
+            continue
+        yield number, match
 
 
 def ingest_id(sha256: str, *parts: object, size: int) -> str:

@@ -10,7 +10,7 @@ shared figure builders: no SQL, no aggregation heavier than selecting rows.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,8 +128,10 @@ __all__ = [
     "NOT_MEASURED",
     "VERSION",
     "Page",
+    "content_callback",
     "figure_of",
     "filter_note",
+    "filtered_page",
     "filters_of",
     "graph",
     "message",
@@ -139,19 +141,28 @@ __all__ = [
 ]
 
 
+def content_callback(app: Dash, data: DashboardData, content_id: str, controls: Sequence[str],
+                     content: Callable[..., list[Any]]) -> None:
+    """Re-render ``content_id`` with ``content(data, filters, *control values)`` whenever a
+    control's value, the shell's filters or the data version change."""
+    from dash import Input, Output
+
+    @app.callback(Output(content_id, "children"), *[Input(c, "value") for c in controls],
+                  Input(FILTERS, "data"), Input(VERSION, "data"))
+    def _content(*values: Any) -> list[Any]:
+        *chosen, raw, _version = values
+        return content(data, filters_of(raw), *chosen)
+
+
 def filtered_page(path: str, title: str, content_id: str,
                   content: Callable[[DashboardData, Filters], list[Any]]) -> Page:
     """A page whose only control is the shell's filters: a heading and one content holder."""
-    from dash import Input, Output
 
     def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
         return html.Div([html.H2(title), html.Div(id=content_id)])
 
     def register(app: Dash, data: DashboardData) -> None:
-        @app.callback(Output(content_id, "children"), Input(FILTERS, "data"),
-                      Input(VERSION, "data"))
-        def _content(raw: dict[str, Any] | None, version: int | None) -> list[Any]:
-            return content(data, filters_of(raw))
+        content_callback(app, data, content_id, (), content)
 
     return Page(path, title, layout, register)
 

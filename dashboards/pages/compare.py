@@ -6,17 +6,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from dash import Dash, Input, Output, dcc, html
+from dash import Dash, dcc, html
 
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
-    FILTERS,
-    VERSION,
     Page,
+    content_callback,
     figure_of,
     filter_note,
-    filters_of,
     message,
     table,
 )
@@ -61,11 +59,7 @@ def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
 
 
 def register(app: Dash, data: DashboardData) -> None:
-    @app.callback(Output(CONTENT, "children"), Input(RUN_A, "value"), Input(RUN_B, "value"),
-                  Input(FILTERS, "data"), Input(VERSION, "data"))
-    def _content(run_a: str | None, run_b: str | None, raw: dict[str, Any] | None,
-                 version: int | None) -> list[Any]:
-        return content(data, filters_of(raw), run_a, run_b)
+    content_callback(app, data, CONTENT, (RUN_A, RUN_B), content)
 
 
 PAGE = Page("/compare", "Compare", layout, register)

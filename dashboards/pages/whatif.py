@@ -6,18 +6,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import polars as pl
-from dash import Dash, Input, Output, dcc, html
+from dash import Dash, dcc, html
 
 from kvscope.analysis.whatif import MAX_SETTINGS
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
-    FILTERS,
-    VERSION,
     Page,
+    content_callback,
     figure_of,
     filter_note,
-    filters_of,
     message,
     table,
     with_labels,
@@ -76,11 +74,7 @@ def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
 
 
 def register(app: Dash, data: DashboardData) -> None:
-    @app.callback(Output(CONTENT, "children"), Input(TTL, "value"), Input(THRESHOLD, "value"),
-                  Input(FILTERS, "data"), Input(VERSION, "data"))
-    def _content(ttl: str | None, threshold: str | None, raw: dict[str, Any] | None,
-                 version: int | None) -> list[Any]:
-        return content(data, filters_of(raw), ttl, threshold)
+    content_callback(app, data, CONTENT, (TTL, THRESHOLD), content)
 
 
 PAGE = Page("/whatif", "What-if", layout, register)
