@@ -108,6 +108,8 @@ class KvRetentionRecord(NamedTuple):
 
 
 EngineRecord = ReuseDecisionRecord | KvTransferRecord | KvRetentionRecord
+# The record types, in the order a shipped record's code names them.
+ENGINE_RECORDS: tuple[type[Any], ...] = (ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
 
 
 @dataclass

@@ -35,13 +35,7 @@ from kvscope.child import (
     unpack,
     wait_ready,
 )
-from kvscope.collector.engine_telemetry import (
-    EngineRecord,
-    EngineTelemetry,
-    KvRetentionRecord,
-    KvTransferRecord,
-    ReuseDecisionRecord,
-)
+from kvscope.collector.engine_telemetry import ENGINE_RECORDS, EngineRecord, EngineTelemetry
 from kvscope.collector.proxy.export_process import record_from_tuple, record_to_tuple
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
 from kvscope.collector.span_rows import EngineRows, RowSink, cyclic_gc_per_batch, proxy_rows
@@ -52,7 +46,6 @@ from kvscope.store.writer import ROW_GROUP_ROWS
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ENGINE_RECORDS",
     "SPAN_PIPE_BUFFER",
     "SPAN_PROCESS_NICE",
     "Emitter",
@@ -69,9 +62,8 @@ class Emitter(Protocol):
     def emit(self, record: EngineRecord) -> None: ...
 
 
-# The record types by the code a shipped record carries (a record is its field values, in
-# order: it crosses the pipe as a plain tuple and is rebuilt with ``_make``).
-ENGINE_RECORDS: tuple[type[Any], ...] = (ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
+# A shipped record carries its type's index in ENGINE_RECORDS and its field values, in order:
+# it crosses the pipe as a plain tuple and is rebuilt with ``_make``.
 _CODE_OF = {kind: code for code, kind in enumerate(ENGINE_RECORDS)}
 
 

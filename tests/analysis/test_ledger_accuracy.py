@@ -13,19 +13,8 @@ import polars as pl
 import pytest
 
 from kvscope.analysis.ledger import HISTORY_CONTINUES, ledger
-from kvscope.emulator.simulator import (
-    FAULT_CLOCK_SKEW,
-    FAULT_HANDSHAKE,
-    FAULT_INVALID_PARAMS,
-    FAULT_NO_CONVERSATION_ID,
-    FAULT_PREEMPT,
-    FAULT_PROXY_RESTART,
-    FAULT_STRIP_METADATA,
-    FAULT_TRANSFER,
-    SimulationSettings,
-    iter_truth,
-    simulate,
-)
+from kvscope.emulator import simulator as sim
+from kvscope.emulator.simulator import SimulationSettings, iter_truth, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
@@ -89,16 +78,17 @@ def _assert_matches(joined: pl.DataFrame) -> None:
 
 FAULT_CASES = {
     "none": {},
-    FAULT_NO_CONVERSATION_ID: {"faults": {FAULT_NO_CONVERSATION_ID: 0.5}},
-    FAULT_STRIP_METADATA: {"faults": {FAULT_STRIP_METADATA: 0.5}},
-    FAULT_INVALID_PARAMS: {"faults": {FAULT_INVALID_PARAMS: 0.5}},
-    FAULT_PROXY_RESTART: {"faults": {FAULT_PROXY_RESTART: 0.3}},
-    FAULT_PREEMPT: {"faults": {FAULT_PREEMPT: 0.5}},
-    "handshake_recompute": {"faults": {FAULT_HANDSHAKE: 0.5},
+    sim.FAULT_NO_CONVERSATION_ID: {"faults": {sim.FAULT_NO_CONVERSATION_ID: 0.5}},
+    sim.FAULT_STRIP_METADATA: {"faults": {sim.FAULT_STRIP_METADATA: 0.5}},
+    sim.FAULT_INVALID_PARAMS: {"faults": {sim.FAULT_INVALID_PARAMS: 0.5}},
+    sim.FAULT_PROXY_RESTART: {"faults": {sim.FAULT_PROXY_RESTART: 0.3}},
+    sim.FAULT_PREEMPT: {"faults": {sim.FAULT_PREEMPT: 0.5}},
+    "handshake_recompute": {"faults": {sim.FAULT_HANDSHAKE: 0.5},
                             "kv_load_failure_policy": "recompute"},
-    "transfer_fail_policy": {"faults": {FAULT_TRANSFER: 0.5}},
-    "transfer_recompute": {"faults": {FAULT_TRANSFER: 0.5}, "kv_load_failure_policy": "recompute"},
-    "clock_skew_recompute": {"faults": {FAULT_CLOCK_SKEW: 0.5},
+    "transfer_fail_policy": {"faults": {sim.FAULT_TRANSFER: 0.5}},
+    "transfer_recompute": {"faults": {sim.FAULT_TRANSFER: 0.5},
+                           "kv_load_failure_policy": "recompute"},
+    "clock_skew_recompute": {"faults": {sim.FAULT_CLOCK_SKEW: 0.5},
                              "kv_load_failure_policy": "recompute"},
     "short_decode_ttl": {"decoder_kv_blocks_ttl": 8.0, "kv_load_failure_policy": "recompute"},
     "short_router_ttl": {"router_ttl": 6.0},
@@ -106,17 +96,18 @@ FAULT_CASES = {
     "prefill_bidir_off": {"prefill_bidirectional_kv_xfer": False},
     "decode_bidir_off": {"decode_bidirectional_kv_xfer": False},
     "small_prefill_cache": {"prefill_cache_blocks": 200},
-    "mix": {"faults": {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1,
-                       FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
-                       FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
+    "mix": {"faults": {sim.FAULT_NO_CONVERSATION_ID: 0.15, sim.FAULT_STRIP_METADATA: 0.1,
+                       sim.FAULT_TRANSFER: 0.1, sim.FAULT_HANDSHAKE: 0.05, sim.FAULT_PREEMPT: 0.1,
+                       sim.FAULT_INVALID_PARAMS: 0.05, sim.FAULT_PROXY_RESTART: 0.05},
             "decoder_kv_blocks_ttl": 20.0, "kv_load_failure_policy": "recompute"},
     # kvscope proxy --reuse-guard: edited histories get MISS params instead of decode's KV.
     "reuse_guard": {"reuse_guard": True},
     # The synchronous scheduler (vLLM on CPU, or async scheduling off): D offers one less.
     "sync": {"scheduling": "sync"},
-    "mix_sync": {"faults": {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1,
-                            FAULT_TRANSFER: 0.1, FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1,
-                            FAULT_INVALID_PARAMS: 0.05, FAULT_PROXY_RESTART: 0.05},
+    "mix_sync": {"faults": {sim.FAULT_NO_CONVERSATION_ID: 0.15, sim.FAULT_STRIP_METADATA: 0.1,
+                            sim.FAULT_TRANSFER: 0.1, sim.FAULT_HANDSHAKE: 0.05,
+                            sim.FAULT_PREEMPT: 0.1, sim.FAULT_INVALID_PARAMS: 0.05,
+                            sim.FAULT_PROXY_RESTART: 0.05},
                  "decoder_kv_blocks_ttl": 20.0, "scheduling": "sync"},
 }
 

@@ -145,6 +145,20 @@ def _metrics_received(receiver: Receiver) -> list[tuple[Any, ...]]:
     return receiver.writer.connection.cursor().execute(_GAUGES).fetchall()
 
 
+def _stop_in_order(process: subprocess.Popen[str]) -> None:
+    """SIGTERM: the served process stops in order (exit 0, its last line says so)."""
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert "stopped" in (process.stderr.read() if process.stderr else "")
+
+
+def _reap(process: subprocess.Popen[str]) -> None:
+    """Kill a served process a failed test left running."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
 def _status(response: httpx.Response) -> str:
     if response.headers["content-type"].startswith("application/json"):
         return str(response.json()["message"])
@@ -494,13 +508,9 @@ def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhil
                 body = encode_spans(_spans(5, f"sig-{i}")).SerializeToString()
                 response = client.post(f"{url}/v1/traces", content=body, headers=PROTOBUF)
                 assert response.status_code == 200
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
-        assert "stopped" in process.stderr.read()
+        _stop_in_order(process)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        _reap(process)
 
     con = duckdb.connect(str(path), read_only=True)
     try:

@@ -50,8 +50,10 @@ from test_receiver import (  # noqa: E402
     _live_traces,
     _metrics_in_process,
     _metrics_received,
+    _reap,
     _sample_metrics,
     _spans,
+    _stop_in_order,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,13 +341,9 @@ def test_sigterm_stops_both_listeners_and_writes_what_both_acknowledged(tmp_path
             assert http.export(_spans(5, f"http-{i}")) is SpanExportResult.SUCCESS
             assert over_grpc.export(_spans(5, f"grpc-{i}")) is SpanExportResult.SUCCESS
         over_grpc.shutdown()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
-        assert "stopped" in process.stderr.read()
+        _stop_in_order(process)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        _reap(process)
 
     assert _refuses_connections(int(http_url.rsplit(":", 1)[1]))
     assert _refuses_connections(int(grpc_url.rsplit(":", 1)[1]))

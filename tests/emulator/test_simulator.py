@@ -9,18 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvscope import semconv
-from kvscope.emulator.simulator import (
-    FAULT_CLOCK_SKEW,
-    FAULT_HANDSHAKE,
-    FAULT_INVALID_PARAMS,
-    FAULT_NO_CONVERSATION_ID,
-    FAULT_PREEMPT,
-    FAULT_PROXY_RESTART,
-    FAULT_STRIP_METADATA,
-    FAULT_TRANSFER,
-    SimulationSettings,
-    simulate,
-)
+from kvscope.emulator import simulator as sim
+from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import mooncake, mooncake_synthetic, synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
@@ -92,7 +82,7 @@ def test_feature_off_never_pulls(workload: Workload, tmp_path: Path) -> None:
 
 
 def test_same_seed_same_truth(workload: Workload, tmp_path: Path) -> None:
-    settings = SimulationSettings(profile="tiny", faults={FAULT_TRANSFER: 0.3}, seed=11)
+    settings = SimulationSettings(profile="tiny", faults={sim.FAULT_TRANSFER: 0.3}, seed=11)
     a = simulate(workload, tmp_path / "a.duckdb", settings)
     b = simulate(workload, tmp_path / "b.duckdb", settings)
     strip = [(t.conversation_id, t.turn_index, t.outcome, t.remote_reused_tokens, t.ttft_ms)
@@ -104,22 +94,22 @@ def test_same_seed_same_truth(workload: Workload, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ({"faults": {FAULT_NO_CONVERSATION_ID: 1.0}}, {outcomes.NO_CONVERSATION_ID}),
-        ({"faults": {FAULT_STRIP_METADATA: 1.0}}, {outcomes.NO_DECODE_METADATA}),
-        ({"faults": {FAULT_INVALID_PARAMS: 1.0}}, {outcomes.INVALID_PARAMS}),
-        ({"faults": {FAULT_PROXY_RESTART: 1.0}}, {outcomes.ROUTER_NO_ENTRY}),
+        ({"faults": {sim.FAULT_NO_CONVERSATION_ID: 1.0}}, {outcomes.NO_CONVERSATION_ID}),
+        ({"faults": {sim.FAULT_STRIP_METADATA: 1.0}}, {outcomes.NO_DECODE_METADATA}),
+        ({"faults": {sim.FAULT_INVALID_PARAMS: 1.0}}, {outcomes.INVALID_PARAMS}),
+        ({"faults": {sim.FAULT_PROXY_RESTART: 1.0}}, {outcomes.ROUTER_NO_ENTRY}),
         # A rescheduled request reads nothing again and computes locally, or stalls when its
         # remainder still asks for an asynchronous load (0.33.0 registers no second read).
-        ({"faults": {FAULT_PREEMPT: 1.0}}, {outcomes.PREEMPTED, outcomes.REUSED_LOCAL,
+        ({"faults": {sim.FAULT_PREEMPT: 1.0}}, {outcomes.PREEMPTED, outcomes.REUSED_LOCAL,
                                              outcomes.BELOW_THRESHOLD}),
         # Policy recompute: the re-issued load registers no read and waits forever (0.33.0).
-        ({"faults": {FAULT_HANDSHAKE: 1.0}, "kv_load_failure_policy": "recompute"},
+        ({"faults": {sim.FAULT_HANDSHAKE: 1.0}, "kv_load_failure_policy": "recompute"},
          {outcomes.LOAD_STALLED, outcomes.NO_DECODE_METADATA}),
-        ({"faults": {FAULT_TRANSFER: 1.0}, "kv_load_failure_policy": "recompute"},
+        ({"faults": {sim.FAULT_TRANSFER: 1.0}, "kv_load_failure_policy": "recompute"},
          {outcomes.LOAD_STALLED, outcomes.NO_DECODE_METADATA}),
-        ({"faults": {FAULT_CLOCK_SKEW: 1.0}, "kv_load_failure_policy": "recompute"},
+        ({"faults": {sim.FAULT_CLOCK_SKEW: 1.0}, "kv_load_failure_policy": "recompute"},
          {outcomes.LOAD_STALLED, outcomes.NO_DECODE_METADATA}),
-        ({"faults": {FAULT_TRANSFER: 1.0}}, {outcomes.LOAD_FAILED_ERRORED,
+        ({"faults": {sim.FAULT_TRANSFER: 1.0}}, {outcomes.LOAD_FAILED_ERRORED,
                                               outcomes.NO_DECODE_METADATA}),
         ({"decoder_kv_blocks_ttl": 1.0, "kv_load_failure_policy": "recompute"},
          {outcomes.LOAD_STALLED, outcomes.NO_DECODE_METADATA}),
@@ -145,7 +135,7 @@ def test_unknown_faults_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown fault"):
         SimulationSettings(faults={"gremlins": 1.0})
     with pytest.raises(ValueError, match="probability"):
-        SimulationSettings(faults={FAULT_TRANSFER: 2.0})
+        SimulationSettings(faults={sim.FAULT_TRANSFER: 2.0})
 
 
 def test_mooncake_follow_ups_continue_and_are_sent_at_their_trace_time(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from kvscope import semconv
 from kvscope.child import ChildStartError, pack, unpack
 from kvscope.collector.engine_telemetry import (
+    ENGINE_RECORDS,
     KvRetentionRecord,
     KvTransferRecord,
     ReuseDecisionRecord,
@@ -162,8 +163,8 @@ def test_span_process_runs_at_lower_priority_with_a_wide_pipe(tmp_path: Path) ->
 ])
 def test_an_engine_record_crosses_to_the_span_process_as_its_values(record: Any) -> None:
     """One encoding per engine event: what the span process rebuilds is the record itself."""
-    code = span_process.ENGINE_RECORDS.index(type(record))
+    code = ENGINE_RECORDS.index(type(record))
     shipped = unpack(pack([(0, code, tuple(record))]))
     assert shipped and pack(shipped)[:1] == b"M"  # plain values: marshal, not pickle
     (_, got_code, values), = shipped
-    assert span_process.ENGINE_RECORDS[got_code]._make(values) == record
+    assert ENGINE_RECORDS[got_code]._make(values) == record
