@@ -120,22 +120,14 @@ def _seed(db: str, spans: int) -> None:
         record_to_tuple,
         resolve_boundaries,
     )
-    from kvscope.collector.proxy.router import ConversationId
     from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
     maker = ProxyTelemetry(None)
     export = _RowExport(semconv.SERVICE_PROXY, db, 450.0)
     built = i = 0
     while built < spans:
-        record = maker.begin_turn("/v1/chat/completions", f"seed-{i}", None, None)
-        maker.conversation_started(record, ConversationId(f"seed-{i % 256}", "body"))
-        now = record.arrival_ns
-        record.lookup = semconv.ROUTER_HIT
-        record.prefill_start_ns, record.prefill_end_ns = now + 10, now + 2_000_000
-        record.decode_start_ns, record.first_token_ns = now + 2_000_010, now + 3_000_000
-        record.decode_end_ns = record.end_ns = now + 9_000_000
-        record.prompt_tokens, record.output_tokens, record.chunks = 900 + i % 512, 16, 17
-        maker.message_boundaries(record, _body(i % 256, i // 256 % 20, "seed"))
+        record = _served_turn(maker, f"seed-{i}", f"seed-{i % 256}", 900 + i % 512,
+                              _body(i % 256, i // 256 % 20, "seed"))
         maker.finish_turn(record)
         received = record_from_tuple(unpack(pack(record_to_tuple(record))))
         resolve_boundaries(received, maker.boundary_key)
@@ -148,28 +140,19 @@ def _seed(db: str, spans: int) -> None:
 
 def _records(n: int, start: int = 0) -> list[Any]:
     """``n`` finished turn records as the export child receives them (boundaries hashed)."""
-    from kvscope import semconv
     from kvscope.child import pack, unpack
     from kvscope.collector.proxy.export_process import (
         record_from_tuple,
         record_to_tuple,
         resolve_boundaries,
     )
-    from kvscope.collector.proxy.router import ConversationId
     from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
     maker = ProxyTelemetry(None)
     records = []
     for i in range(start, start + n):
-        record = maker.begin_turn("/v1/chat/completions", f"w-{i}", None, None)
-        maker.conversation_started(record, ConversationId(f"w-{i % 64}", "body"))
-        now = record.arrival_ns
-        record.lookup = semconv.ROUTER_HIT
-        record.prefill_start_ns, record.prefill_end_ns = now + 10, now + 2_000_000
-        record.decode_start_ns, record.first_token_ns = now + 2_000_010, now + 3_000_000
-        record.decode_end_ns = record.end_ns = now + 9_000_000
-        record.prompt_tokens, record.output_tokens, record.chunks = 900, 16, 17
-        maker.message_boundaries(record, _body(i % 64, i // 64 % 20, "w"))
+        record = _served_turn(maker, f"w-{i}", f"w-{i % 64}", 900,
+                              _body(i % 64, i // 64 % 20, "w"))
         maker.finish_turn(record)
         received = record_from_tuple(unpack(pack(record_to_tuple(record))))
         resolve_boundaries(received, maker.boundary_key)
@@ -226,6 +209,25 @@ def _body(conversation: int, turn: int, prefix: str) -> dict[str, Any]:
         messages.append({"role": "tool", "content": f"{k} passed, 1 failed " * 12})
     return {"model": "stub", "messages": messages, "stream": True, "max_tokens": OUTPUT_TOKENS,
             "conversation_id": f"{prefix}-{conversation}"}
+
+
+def _served_turn(maker: Any, request_id: str, conversation: str, prompt_tokens: int,
+                 body: Any) -> Any:
+    """A turn record as the proxy fills it for a router HIT (2 ms prefill, first token at
+    3 ms, end at 9 ms, 16 output tokens), its message boundaries hashed."""
+    from kvscope import semconv
+    from kvscope.collector.proxy.router import ConversationId
+
+    record = maker.begin_turn("/v1/chat/completions", request_id, None, None)
+    maker.conversation_started(record, ConversationId(conversation, "body"))
+    now = record.arrival_ns
+    record.lookup = semconv.ROUTER_HIT
+    record.prefill_start_ns, record.prefill_end_ns = now + 10, now + 2_000_000
+    record.decode_start_ns, record.first_token_ns = now + 2_000_010, now + 3_000_000
+    record.decode_end_ns = record.end_ns = now + 9_000_000
+    record.prompt_tokens, record.output_tokens, record.chunks = prompt_tokens, 16, 17
+    maker.message_boundaries(record, body)
+    return record
 
 
 @dataclass
