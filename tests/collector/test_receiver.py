@@ -152,6 +152,17 @@ def _stop_in_order(process: subprocess.Popen[str]) -> None:
     assert "stopped" in (process.stderr.read() if process.stderr else "")
 
 
+def _runs_recorded(path: Path) -> tuple[int, int]:
+    """(runs, runs ended) recorded in the store at ``path``."""
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        row = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
+    finally:
+        con.close()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def _reap(process: subprocess.Popen[str]) -> None:
     """Kill a served process a failed test left running."""
     if process.poll() is None:
@@ -600,12 +611,7 @@ def test_a_start_on_a_busy_port_adds_no_run_to_an_existing_store(tmp_path: Path)
             [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(path), "--port",
              str(port), "--grpc-port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2, result.stderr
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        runs = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
-    finally:
-        con.close()
-    assert runs == (1, 1)
+    assert _runs_recorded(path) == (1, 1)  # one run, ended: the failed start wrote nothing
 
 
 # --- SIGTERM stops serve and serve --dashboard the same orderly way (issue 22, defect 1) -------
