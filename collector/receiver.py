@@ -61,12 +61,9 @@ from kvscope.collector.otlp_intake import (
     Signal,
     too_large,
 )
-from kvscope.serving import bind, bound_port, close_all, stop_signals
+from kvscope.serving import BODY_READ_TIMEOUT_S, bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
-
-# Longest a client may take to send one request body.
-BODY_READ_TIMEOUT_S = 30.0
 
 _CONTENT_TYPES: dict[str, Encoding] = {
     "application/x-protobuf": "protobuf",

@@ -18,8 +18,8 @@ from typing import Any
 
 from werkzeug.serving import WSGIRequestHandler
 
-# Longest a client may take to send one request body, as the receiver and the proxy allow.
-BODY_READ_TIMEOUT_S = 30.0
+from kvscope.serving import BODY_READ_TIMEOUT_S
+
 # The dashboard's requests are callback payloads of a few KiB; nothing it serves needs more.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 _CHUNK = 64 * 1024

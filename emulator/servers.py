@@ -70,6 +70,7 @@ from kvscope.emulator.openai_api import (
 )
 from kvscope.emulator.reuse_model import DecodeNode, Fabric, NodeConfig, PrefillNode, PrefixCache
 from kvscope.reuse import params as reuse_params
+from kvscope.serving import BODY_READ_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ DEFAULT_MODEL = "kvscope-emulated"
 EXPIRED_TTL_S = 0.001
 # Hosts the proxy may rewrite remote_host to; the in-process side channel answers on all.
 LOOPBACK_ALIASES = ("127.0.0.1", "localhost")
-# Longest a client may take to send one request body (then 408), as the proxy and receiver.
-BODY_READ_TIMEOUT_S = 30.0
 # Without ignore_eos the emulated model "wants" this many tokens plus a seeded share of 240.
 _REAP_INTERVAL_S = 0.2
 

@@ -82,6 +82,8 @@ def close_all(sockets: list[socket.socket]) -> None:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Longest a client may take to send one request body (then 408): every kvscope server.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 @contextmanager
@@ -118,4 +120,4 @@ def stop_signals() -> Iterator[Callable[..., int]]:
         os.close(write_fd)
 
 
-__all__ = ["STOP_SIGNALS", "bind", "bound_port", "close_all", "stop_signals"]
+__all__ = ["BODY_READ_TIMEOUT_S", "STOP_SIGNALS", "bind", "bound_port", "close_all", "stop_signals"]

@@ -15,6 +15,7 @@ it); a client turn no proxy request matched keeps only the client's evidence.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvscope.collector.ingest.bench_stats import BenchStats, BenchTurn, turn_ids
@@ -34,13 +35,13 @@ def _fits(turn: BenchTurn, offset_ns: int, request: ProxyRequest) -> bool:
 def _take(turns: list[tuple[BenchTurn, int, str]], requests: list[ProxyRequest]) -> int:
     """Greedy in time order: each turn takes the oldest request left that fits it."""
     joined = 0
-    requests = sorted(requests, key=lambda r: (r.time_ns, r.line))
+    left = deque(sorted(requests, key=lambda r: (r.time_ns, r.line)))
     for turn, offset, sha256 in sorted(turns, key=lambda item: item[0].start_ns + item[1]):
         # Requests logged before this turn could start belong to nothing later either.
-        while requests and requests[0].time_ns < turn.start_ns + offset - TOLERANCE_NS:
-            requests.pop(0)
-        if requests and _fits(turn, offset, requests[0]):
-            request = requests.pop(0)
+        while left and left[0].time_ns < turn.start_ns + offset - TOLERANCE_NS:
+            left.popleft()
+        if left and _fits(turn, offset, left[0]):
+            request = left.popleft()
             request.joined_to = turn_ids(sha256, turn)
             turn.proxy = request
             joined += 1

@@ -8,8 +8,8 @@ Two writers log the same per-turn lines, and both are read:
   ``disagg_proxy`` (dpm.py:95): times to the second, in the proxy host's local time;
 * ``kvscope proxy`` (``kvscope.collector.proxy.app``, cited ``app.py:LINE``), logger
   ``kvscope.collector.proxy.turns`` in vLLM's words, formatted by the kvscope CLI
-  (``%(asctime)s %(levelname)s %(name)s: %(message)s``) or ``python -m kvscope.collector.proxy``
-  (vLLM's format with the default datefmt): times to the millisecond.
+  (``%(asctime)s %(levelname)s %(name)s: %(message)s``), or vLLM's format with the default
+  datefmt when an embedding process configures logging so: times to the millisecond.
 
 Per request id (the X-Request-Id sent to both P and D) the log says: its conversation id or
 that it had none; the router's lookup (``cache HIT`` then ``sending D's cached blocks``, a

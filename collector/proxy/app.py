@@ -50,10 +50,9 @@ from kvscope.reuse.router import (
     guard,
     prefill_params,
 )
+from kvscope.serving import BODY_READ_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
-# Longest a client may take to send one request body.
-BODY_READ_TIMEOUT_S = 30.0
 # Per-turn lines in vLLM's disagg_proxy_multiturn.py words (its troubleshooting greps them).
 turn_log = logging.getLogger("kvscope.collector.proxy.turns")
 
@@ -439,15 +438,15 @@ class Proxy:
         record.stream = client_wants_stream
         model = body.get("model")
         record.model = _storable(model) if isinstance(model, str) else None
-        if self.telemetry.enabled:
-            self.telemetry.message_boundaries(record, body)
-
         lookup = self.router.lookup(conversation.value)
         record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
         if self.config.log_turns:
             _log_lookup(record.x_request_id, conversation.value, lookup, self.router.ttl_s)
+        hashed = False
         if self.config.reuse_guard:
-            lookup = self._guard(body, lookup, record)
+            lookup, hashed = self._guard(body, lookup, record)
+        if self.telemetry.enabled and not hashed:  # the guard's pass fills the span's hashes
+            self.telemetry.message_boundaries(record, body)
         if self.config.log_turns:
             _log_offer(record.x_request_id, conversation.value, lookup)
         body["kv_transfer_params"] = prefill_params(lookup)
@@ -476,8 +475,10 @@ class Proxy:
             )
         return await self._collect(response, decode, stream, conversation.value, body, record)
 
-    def _guard(self, body: dict[str, Any], lookup: Lookup, record: TurnRecord) -> Lookup:
-        """--reuse-guard: keep decode's params only for a request that continues their turn.
+    def _guard(self, body: dict[str, Any], lookup: Lookup,
+               record: TurnRecord) -> tuple[Lookup, bool]:
+        """--reuse-guard: keep decode's params only for a request that continues their turn;
+        also whether it hashed the messages (then into the turn's boundaries too).
 
         Hashes every message of the request (~0.9 ms for 500 KB; the guard is opt-in). An
         edited history, a retry from an earlier point or another client's request under the
@@ -487,14 +488,14 @@ class Proxy:
             # A completions prompt is one message whose text grows: its hash cannot show a
             # continuation, so the guard does not judge it.
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
-            return lookup
+            return lookup, False
         key = self.telemetry.boundary_key
         try:
             count, hashes, roles = message_boundaries(body, key)
         except Exception:  # messages that do not hash (nested past the recursion limit)
             logger.debug("reuse guard: the request's messages do not hash", exc_info=True)
             record.reuse_guard = GUARD_UNCHECKED if lookup.params is not None else None
-            return lookup
+            return lookup, False
         chain = hashes.split(",") if hashes else []
         record.history_last = chain[-1] if chain else None
         if self.telemetry.enabled:
@@ -505,13 +506,13 @@ class Proxy:
             record.boundary_roles = roles[-BOUNDARY_HASHES_KEPT:]
             record.boundary_source = None
         if lookup.params is None:
-            return lookup
+            return lookup, True
         record.reuse_guard = guard(lookup, chain, roles)
         if record.reuse_guard == GUARD_EDITED:
             logger.info("reuse guard: conversation history edited since the turn of decode's "
                         "params; sending MISS params (request %s)", record.x_request_id)
-            return Lookup(lookup.result, lookup.age_s)
-        return lookup
+            return Lookup(lookup.result, lookup.age_s), True
+        return lookup, True
 
     def _headers(self, record: TurnRecord, traceparent: str) -> dict[str, str]:
         headers = {

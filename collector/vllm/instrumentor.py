@@ -101,10 +101,8 @@ def private_hook_matches(cls: type, name: str) -> bool:
 
 
 def expired_releases(output: Any) -> int | None:
-    """How many sends the worker's TTL reaper released in the step of ``output``.
-
-    From the NIXL connector's stats carried by the same ``KVConnectorOutput``
-    (``num_kv_expired_reqs``); None when the output carries no stats.
+    """``num_kv_expired_reqs`` of the NIXL connector's stats carried by ``output``: sends the
+    worker's TTL reaper released, plus reads it declined as expired; None without stats.
     """
     stats = getattr(output, "kv_connector_stats", None)
     data = getattr(stats, "data", None)
@@ -608,12 +606,15 @@ class NixlConnectorInstrumentor:
         sending = getattr(output, "finished_sending", None)
         if sending and state.pins:
             now_perf, now_ns = time.perf_counter(), time.time_ns()
-            # The worker's stats of the same step say how many of these its TTL reaper released
+            # The worker's stats of the same step count the sends its TTL reaper released
             # (num_kv_expired_reqs, base_worker.py _reap_expired_send_leases; the model runner
             # puts both in one KVConnectorOutput: kv_connector_model_runner_mixin.py): none or
-            # all of them is an observation; a mix, or counts summed over TP workers, falls
-            # back to comparing with the deadline.
-            expired = expired_releases(output)
+            # all of them is an observation. The same counter also counts reads the worker
+            # declined as expired (pull_worker.py, "Declining expired remote read"), which the
+            # step reports as failed receives: with any of those, as with a mix or counts
+            # summed over TP workers, the reason falls back to comparing with the deadline.
+            receive_failed = failed or getattr(output, "invalid_block_ids", None)
+            expired = None if receive_failed else expired_releases(output)
             observed = (semconv.RELEASE_NOTIFIED if expired == 0
                         else semconv.RELEASE_EXPIRED if expired == len(sending) else None)
             for req_id in sending:

@@ -342,6 +342,7 @@ def test_claim4_expiry_is_checked_at_read_time_after_the_handshake(
     req = request("c4-p", 140, offer)
     assert schedule(p, req, [12, 13, 14, 15]) == 99  # accepted at arrival
     assert time.perf_counter() + margin < offer["remote_blocks_expiry_time"]  # not expired yet
+    expired_before = len(worker.xfer_stats.data.get("num_kv_expired_reqs", []))
     seen = Results()
     seen(p, step(p))  # start_load_kv: handshake started, no expiry check yet
     assert not messages(vllm_log, "Declining expired remote read")
@@ -352,6 +353,9 @@ def test_claim4_expiry_is_checked_at_read_time_after_the_handshake(
     assert messages(vllm_log, "Declining expired remote read") == [
         "Declining expired remote read for c4-p from engine decode-engine."]
     assert "c4-p" in seen.of(p, "failed")
+    # The decline is counted where the TTL reaper's releases are (pull_worker.py:166,
+    # record_kv_expired_req): kvscope's release reason must not read it as a reaped send.
+    assert len(worker.xfer_stats.data.get("num_kv_expired_reqs", [])) == expired_before + 1
     assert p.worker.get_block_ids_with_load_errors() == {12, 13, 14, 15}
     assert p.values([12, 13, 14, 15]) == [0.0] * 4
     assert "c4-d" in d.worker.connector_worker._reqs_to_send  # D was not notified
