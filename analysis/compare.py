@@ -23,7 +23,7 @@ from typing import Any
 import polars as pl
 
 from kvscope.analysis import registry
-from kvscope.analysis.ledger import ENGINE_EVIDENCE_LOG
+from kvscope.analysis.ledger import hook_decided
 from kvscope.analysis.registry import (
     AnalysisContext,
     AnalysisError,
@@ -125,11 +125,7 @@ RETENTION_COLUMNS: dict[str, pl.DataType] = {
 
 def _with_prefill_split(ledger: pl.DataFrame) -> pl.DataFrame:
     """Add ``transfer_ms`` and ``compute_ms`` (null where the run had no engine hooks)."""
-    # A decision an ingested server log implied comes with no read times: not hook evidence.
-    decided = pl.col("decision").is_not_null()
-    if "engine_evidence" in ledger.columns:
-        decided = decided & (pl.col("engine_evidence") != ENGINE_EVIDENCE_LOG).fill_null(True)
-    hooks = decided.any().over("run_id")
+    hooks = hook_decided(ledger).any().over("run_id")
     transfer = pl.when(hooks).then(pl.col("d2p_ms").fill_null(0.0))
     return ledger.with_columns(
         transfer.alias("transfer_ms"), hooks.alias("engine_hooks")

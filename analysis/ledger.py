@@ -42,7 +42,6 @@ from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
     INVALID_EDITED,
-    INVALID_MISALIGNED,
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
@@ -248,6 +247,15 @@ def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.
 
 _ID_PREFIX = r"^(chatcmpl-|cmpl-)"
 _ID_SUFFIX = r"-[0-9A-Za-z]{8}$"
+
+
+def hook_decided(frame: pl.DataFrame) -> pl.Expr:
+    """Turns whose reuse decision came from kvscope's engine hooks (a decision an ingested
+    server log implied comes with no read times: it is not evidence of the transfers)."""
+    decided = pl.col("decision").is_not_null()
+    if "engine_evidence" in frame.columns:  # hand-built frames of tests may lack it
+        decided = decided & (pl.col("engine_evidence") != ENGINE_EVIDENCE_LOG).fill_null(True)
+    return decided
 
 
 def request_key(column: str) -> pl.Expr:
@@ -581,28 +589,29 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Whether the KV each turn loaded from decode belongs to its prompt (spans alone).
 
     Invalid when the read came after decode released the blocks (TTL reaper), when the
-    history was edited since the previous turn (message-boundary hashes), when a continuing
-    history's read reached past the reusable span, or — without hashes — when decode's sequence
-    is longer than the prompt (the read takes decode's last blocks). ``invalid_tokens`` is null
-    where the count is not measurable from counts alone (an edited history).
+    history was edited since the previous turn (message-boundary hashes), or when a continuing
+    history's read reached past what the prompt shares with decode's sequence (positions up to
+    prefill's own hit are its own: :func:`kvscope.reuse.validity.invalid_tokens`'s rule).
+    Without hashes a read is ``not_verified``: a decode sequence longer than the prompt is
+    misaligned only when it needs more blocks than the read fills (``validity.loaded_span``),
+    and the block size is not on the spans. ``invalid_tokens`` is null where the count is not
+    measurable from counts alone (an edited history).
     """
     c = pl.col
     loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("errored")
     reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
     history = c("history")
-    longer = c("offered_tokens") > c("prompt_tokens")
+    valid_end = pl.max_horizontal(c("reusable_tokens"), c("decision_local_hit").fill_null(0))
     kind = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
         .when(c("_stale")).then(pl.lit(INVALID_AFTER_RELEASE))
         .when(history == HISTORY_EDITED).then(pl.lit(INVALID_EDITED))
-        .when((history == HISTORY_CONTINUES) & (reach > c("reusable_tokens")))
+        .when((history == HISTORY_CONTINUES) & (reach > valid_end))
         .then(pl.lit(INVALID_BEYOND_PREFIX))
-        .when((history == HISTORY_UNKNOWN) & longer.fill_null(False))
-        .then(pl.lit(INVALID_MISALIGNED))
     )
     count = (
         pl.when(c("_invalid_kind") == INVALID_AFTER_RELEASE).then(c("to_pull_tokens"))
-        .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - c("reusable_tokens"))
+        .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - valid_end)
         .when(c("_invalid_kind").is_null() & loaded & (history == HISTORY_CONTINUES))
         .then(pl.lit(0, pl.Int64))
     )
@@ -644,9 +653,6 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (kind == INVALID_BEYOND_PREFIX, outcomes.REUSED_INVALID,
          pl.format(outcomes.EVIDENCE_INVALID[INVALID_BEYOND_PREFIX], c("to_pull_tokens"),
                    c("invalid_tokens"), reusable)),
-        (kind == INVALID_MISALIGNED, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_MISALIGNED], c("to_pull_tokens"),
-                   c("offered_tokens"), c("prompt_tokens"))),
         (c("history") == HISTORY_EDITED, outcomes.PREFIX_DIVERGED,
          pl.when(c("reuse_guard") == GUARD_EDITED)
          .then(pl.lit(outcomes.EVIDENCE_EDITED + "; the proxy's reuse guard sent MISS params"))

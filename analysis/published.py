@@ -27,7 +27,7 @@ import polars as pl
 
 from kvscope import published
 from kvscope.analysis.registry import AnalysisContext, register
-from kvscope.analysis.runs import run_settings, run_table
+from kvscope.analysis.runs import feature_state, run_settings, run_table
 
 SWEEP_FORMAT = "published_sweep"
 TOLERANCE = 0.15
@@ -64,11 +64,10 @@ def sweep_runs(runs: pl.DataFrame) -> list[dict[str, Any]]:
         workload = settings.get("workload_settings")
         if not isinstance(workload, dict) or workload.get("format") != SWEEP_FORMAT:
             continue
-        on = all(bool(settings.get(k)) for k in ("prefill_bidirectional_kv_xfer",
-                                                 "decode_bidirectional_kv_xfer"))
+        feature, _source = feature_state(settings, run["label"])
         out.append({
             "run_id": run["run_id"], "label": run["label"],
-            "profile": str(settings.get("profile")), "feature": "on" if on else "off",
+            "profile": str(settings.get("profile")), "feature": feature,
             "prompt_tokens": int(workload["shared_prefix_tokens"]),
             "workload": workload,
         })

@@ -131,12 +131,17 @@ def open_context(db: str | Path | ClickHouseSource,
     """Open ``db`` read-only for analysis (a DuckDB store, or a ClickHouse source), selecting
     ``runs`` (ids or labels) when given."""
     reader = StoreReader.open(db)
+    if not runs:
+        return AnalysisContext(reader)
     try:
-        ids = resolve_runs(reader.frame(runs_query(reader)), runs) if runs else None
+        table = reader.frame(runs_query(reader))
+        ids = resolve_runs(table, runs)
     except KvscopeError:
         reader.close()
         raise
-    return AnalysisContext(reader, runs=ids)
+    ctx = AnalysisContext(reader, runs=ids)
+    ctx.cached((RUN_TABLE, ()), lambda: table)  # read once: the context's run table
+    return ctx
 
 
 # --- what each run was ------------------------------------------------------------------------

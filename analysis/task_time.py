@@ -25,7 +25,7 @@ from typing import Any
 
 import polars as pl
 
-from kvscope.analysis.ledger import ENGINE_EVIDENCE_LOG
+from kvscope.analysis.ledger import hook_decided
 from kvscope.analysis.registry import AnalysisContext, intermediate, register
 
 PARTS = ("input_processing", "transfer", "generation", "tool_wait", "proxy_overhead")
@@ -80,11 +80,7 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     c = pl.col
     # Transfer spans come from the engine hooks: with hooks seen in the conversation, a turn
     # without one moved nothing; without any, transfer time is unknown (and inside the legs).
-    # A decision a server's log implied (kvscope ingest) says nothing of the reads that worked.
-    decided = c("decision").is_not_null()
-    if "engine_evidence" in ledger.columns:
-        decided = decided & (c("engine_evidence") != ENGINE_EVIDENCE_LOG).fill_null(True)
-    hooks = (decided | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()).any()
+    hooks = (hook_decided(ledger) | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()).any()
     # Only transfers inside a leg the proxy timed are part of the turn (a stalled prefill leg
     # can still show a P→D pull that no decode leg waited for).
     d2p = pl.when(c("prefill_ms").is_not_null()).then(c("d2p_ms").fill_null(0.0))

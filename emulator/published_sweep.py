@@ -33,7 +33,9 @@ class SweepRun:
 
     def workload(self, block_size: int) -> Workload:
         """The run's workload at ``block_size`` tokens a block."""
-        sweep = published.for_profile(self.settings.profile) or published.QWEN3_32B
+        sweep = published.for_profile(self.settings.profile)
+        if sweep is None:  # sweep_runs builds runs only for profiles with a published sweep
+            raise SettingError(f"no published sweep for profile {self.settings.profile!r}")
         return published_sweep.generate(
             self.prefix_tokens, conversations=sweep.conversations, turns=sweep.turns,
             new_tokens=sweep.new_tokens, output_tokens=sweep.output_tokens,

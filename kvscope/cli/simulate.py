@@ -61,8 +61,10 @@ class Option:
     def value(self, raw: str, where: str) -> Any:
         """``raw`` parsed and checked; SettingError naming ``where`` otherwise."""
         try:
-            value = self.parse(raw)
-        except ValueError as exc:
+            # A setting's own parser checks its range too (a TTL must be > 0), as everywhere.
+            value = (settings.SETTINGS[self.setting].parse(raw) if self.setting is not None
+                     else self.parse(raw))
+        except (ValueError, TypeError) as exc:
             raise SettingError(f"{where}: {exc}") from None
         if self.choices is not None and value not in self.choices:
             raise SettingError(f"{where}: choose one of {', '.join(self.choices)}")

@@ -1,0 +1,45 @@
+"""The ledger's reuse validity from counts: the same rule as ``kvscope.reuse.validity``, where the
+spans carry what it needs, and "not verified" where they do not (the block size)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from kvscope.analysis import ledger
+from kvscope.reuse import validity
+
+BLOCK = 16
+
+
+def _judge(**turn: object) -> dict[str, object]:
+    row = {"_read_ok": True, "errored": False, "_stale": False, "decision_local_hit": 0,
+           "to_pull_tokens": 0, "reusable_tokens": 0, "history": ledger.HISTORY_CONTINUES}
+    row.update(turn)
+    out = ledger._validity(pl.DataFrame([row]).lazy()).collect()
+    return out.row(0, named=True)
+
+
+def test_a_read_past_the_shared_prefix_counts_from_prefills_own_hit() -> None:
+    """Positions up to prefill's own hit are its own KV: only the pulled tokens past both the
+    shared prefix and that hit are invalid, as validity.invalid_tokens counts them."""
+    # Prefill holds 128 tokens itself, the prompt shares 100 with decode, 32 more are pulled.
+    got = _judge(decision_local_hit=128, to_pull_tokens=32, reusable_tokens=100)
+    expected = validity.invalid_tokens(128, 32, 160, 100, BLOCK)
+    assert (got["invalid_tokens"], got["_invalid_kind"]) == expected == (
+        32, validity.INVALID_BEYOND_PREFIX)
+    assert got["reuse_validity"] == ledger.VALIDITY_INVALID
+    # Within the shared prefix: valid, 0 tokens.
+    within = _judge(decision_local_hit=32, to_pull_tokens=64, reusable_tokens=100)
+    assert (within["invalid_tokens"], within["reuse_validity"]) == (0, ledger.VALIDITY_VALID)
+    assert validity.invalid_tokens(32, 64, 96, 100, BLOCK) == (0, None)
+
+
+def test_without_hashes_a_longer_decode_sequence_is_not_called_invalid() -> None:
+    """Decode's sequence one token longer than the prompt, in the prompt's last block, is an
+    aligned read (validity says so); without the block size on the spans the ledger cannot tell
+    it from a misaligned one, so it says "not verified", never raises the alarm."""
+    assert validity.invalid_tokens(0, 99, 101, 100, BLOCK) == (0, None)
+    got = _judge(history=ledger.HISTORY_UNKNOWN, to_pull_tokens=99, reusable_tokens=100,
+                 offered_tokens=101, prompt_tokens=100)
+    assert got["_invalid_kind"] is None
+    assert got["reuse_validity"] == ledger.VALIDITY_NOT_VERIFIED
