@@ -389,7 +389,7 @@ class LiveLedger:
         frames["turns"] = turns
         for name in ("prefill", "decode", "waits"):
             frames[name] = frames[name].filter(pl.col("trace_id").is_in(traces))
-        for name in ("decisions", "transfers", "retentions"):
+        for name in ("decisions", "transfers", "retentions", "vllm_requests"):
             frames[name] = frames[name].filter(
                 ledger_module.request_key("request_id").is_in(requests))
         assert self._models is not None

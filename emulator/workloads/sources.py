@@ -30,6 +30,18 @@ def load(kind: str, *, trace: str | Path | None = None, conversations: int | Non
         raise SettingError(f"--time-scale={time_compression}: must be > 0")
     if conversations is not None and conversations < 0:
         raise SettingError(f"--conversations={conversations}: must be >= 0")
+    raw_weka = kind == "weka" and trace is not None and (
+        Path(trace).is_dir() or Path(trace).suffix == ".json")
+    # An option the kind does not read is refused, never silently dropped.
+    given = {"--trace": trace is not None, "--token-scale": token_scale != 1.0,
+             "--arrival-rate": arrival_rate_per_s != 0.0, "a workload seed": seed != 0}
+    unused = {"synthetic": ("--trace", "--token-scale", "--arrival-rate"),
+              "weka": ("--token-scale",) if raw_weka else (),
+              "mooncake": ("--token-scale", "--arrival-rate", "a workload seed")}[kind]
+    ignored = [flag for flag in unused if given[flag]]
+    if ignored:
+        raise SettingError(f"--workload {kind}{' (raw traces)' if raw_weka else ''} does not "
+                           f"use {', '.join(ignored)}")
     if kind == "synthetic":
         from kvscope.emulator.workloads.synthetic import generate
 

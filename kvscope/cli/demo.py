@@ -15,7 +15,6 @@ Token counts of the traces are multiplied by ``--token-scale`` to keep requests 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -81,10 +80,14 @@ def _config(
 
 
 def _percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between ranks: the quantile the report's verdict and compare use."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    rank = q * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _run_one(label: str, config: EmulatorConfig, workload: Workload, options: DemoOptions,
@@ -142,7 +145,7 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
                                                        strict=False)
             ) or "none"
             line = (f"  {run['label']:<22} reuse {_fmt_rate(rate[0] if rate else None):>12}  "
-                    f"TTFT p50 {_fmt_ms(_median(ttft)):>8} p90 "
+                    f"TTFT p50 {_fmt_ms(_percentile(ttft, 0.5)):>8} p90 "
                     f"{_fmt_ms(_percentile(ttft, 0.9)):>8}  misses: {top_text}")
             print(line)
             if invalid:
@@ -160,10 +163,6 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
                 row = shares.filter((shares["run_id"] == rid) & (shares["component"] == "ttft"))
                 share = row["share_of_task"][0] if row.height else None
                 print(f"  {'':<22} TTFT share of task time {_fmt_rate(share)}")
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def run_demo(out: Path, options: DemoOptions | None = None) -> int:

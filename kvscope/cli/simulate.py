@@ -345,7 +345,7 @@ class ProgressLine:
         self.total = total
         self.stream = stream
         self.tty = stream.isatty()
-        self.every_s = 0.1 if self.tty else every_s
+        self.every_s = every_s  # plain lines only: on a terminal rich redraws at its pace
         self.started = time.monotonic()
         self._last = self.started
         self._live: Any = None

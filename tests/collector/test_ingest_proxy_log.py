@@ -5,7 +5,7 @@ strings of vLLM 0.33.0's ``disagg_proxy_multiturn.py`` (``dpm.py``: basicConfig 
 90-94, logger at 95, messages at 131-156, 368-370, 397-405, 414-430, 441-445), in the order
 its handler emits them; kvscope proxy's lines come from its own ``_log_lookup`` /
 ``_log_offer`` (``collector/proxy/app.py``) through the kvscope CLI's format. The contract tier
-(``tests/vllm_contract/test_vllm_clients.py``) ingests logs the real vLLM proxy wrote.
+(``tests/vllm_contract/test_ingest_round_trip.py``) ingests a log the real vLLM proxy wrote.
 """
 
 from __future__ import annotations

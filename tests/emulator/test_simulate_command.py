@@ -180,6 +180,9 @@ def test_simulate_the_raw_weka_traces(tmp_path: Path) -> None:
         (["--fault", "meteor=0.1"], "unknown fault"),
         (["--fault", "transfer_fail=2"], "within [0, 1]"),
         (["--decoder-kv-blocks-ttl", "soon"], "--decoder-kv-blocks-ttl=soon"),
+        # A setting's range is checked as every other command checks it (was accepted).
+        (["--decoder-kv-blocks-ttl", "-5"], "--decoder-kv-blocks-ttl=-5: must be > 0"),
+        (["--sweep", "kv-recompute-threshold=64,-3"], "must be >= 0"),
         (["--workload", "mooncake", "--trace", "absent.jsonl"], "cannot read"),
     ],
 )

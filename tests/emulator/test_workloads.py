@@ -430,3 +430,21 @@ def test_weka_csv_continuations_share_the_previous_prompt_and_reply() -> None:
     # A reset keeps the measured (block-granular) prefix.
     resets = [t for c in workload.conversations for t in c.turns if t.reset]
     assert all(t.shared_prefix_tokens % 64 == 0 for t in resets)
+
+
+def test_a_workload_option_its_kind_does_not_read_is_refused() -> None:
+    """``--token-scale`` on a Mooncake trace (or a trace file for the synthetic generator) was
+    silently dropped: the run went ahead full size. Now it is a one-line error naming it."""
+    from pathlib import Path
+
+    from kvscope.emulator.workloads import sources
+    from kvscope.errors import SettingError
+
+    trace = Path(__file__).parent / "data" / "mooncake_conversation_trace_head.jsonl"
+    with pytest.raises(SettingError, match="mooncake does not use --token-scale"):
+        sources.load("mooncake", trace=trace, token_scale=0.1)
+    with pytest.raises(SettingError, match="does not use --arrival-rate, a workload seed"):
+        sources.load("mooncake", trace=trace, arrival_rate_per_s=2.0, seed=3)
+    with pytest.raises(SettingError, match="synthetic does not use --trace"):
+        sources.load("synthetic", trace=trace)
+    assert sources.load("mooncake", trace=trace).num_requests == 328
