@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvscope import __version__, semconv
+from kvscope import semconv
 from kvscope.collector.ingest.spans import (
     KIND_CLIENT,
     KIND_INTERNAL,
-    STATUS_UNSET,
-    attrs,
+    add_span,
     ingest_id,
     read_source,
+    resource,
 )
 from kvscope.errors import IngestError
 from kvscope.store.rows import Attrs, TraceRows
@@ -264,12 +264,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     a proxy log was joined to carries its router evidence; the log adds its legs)."""
     from kvscope.collector.ingest import proxy_log
 
-    resource = attrs({
-        "service.name": semconv.SERVICE_VLLM_BENCHMARK,
-        semconv.RUN_ID: run_id,
-        semconv.INGEST_KIND: KIND,
-        semconv.INGEST_FILE: stats.path.name,
-    })
+    resource_attrs = resource(semconv.SERVICE_VLLM_BENCHMARK, run_id, KIND, stats.path.name)
     offset = stats.clock_offset_ns
     ends: dict[tuple[str, int], int] = {
         (t.conversation_id, t.turn_index): t.end_ns for t in stats.turns
@@ -277,15 +272,12 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     added = 0
 
     def add(name: str, trace_id: str, span_id: str, parent: str, kind: str, start_ns: int,
-            end_ns: int, attrs: Attrs, events: list[tuple[int, str, Attrs]]) -> None:
-        rows.add(
-            timestamp_ns=start_ns + offset, trace_id=trace_id, span_id=span_id,
-            parent_span_id=parent, trace_state="", span_name=name, span_kind=kind,
-            service_name=semconv.SERVICE_VLLM_BENCHMARK, resource_attributes=resource,
-            scope_name=semconv.SCOPE_NAME, scope_version=__version__, span_attributes=attrs,
-            duration_ns=max(end_ns - start_ns, 0), status_code=STATUS_UNSET,
-            status_message="", events=events, links=[],
-        )
+            end_ns: int, values: dict[str, Any], events: list[tuple[int, str, Attrs]]) -> None:
+        # Times in the file's clock: moved onto the Unix clock by the file's offset.
+        add_span(rows, resource_attrs=resource_attrs, service=semconv.SERVICE_VLLM_BENCHMARK,
+                 name=name, trace_id=trace_id, span_id=span_id, parent=parent, kind=kind,
+                 start_ns=start_ns + offset, end_ns=end_ns + offset, values=values,
+                 events=events)
 
     for turn in stats.turns:
         key = (turn.conversation_id, turn.turn_index)
@@ -308,16 +300,16 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             events.append((turn.start_ns + offset + round(turn.ttft_ms * _NS_PER_MS),
                            semconv.EVENT_FIRST_TOKEN, []))
         add(semconv.SPAN_TURN, trace_id, span_id, "", KIND_CLIENT, turn.start_ns,
-            turn.end_ns, attrs(values), events)
+            turn.end_ns, values, events)
         added += 1
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
             add(semconv.SPAN_TOOL_WAIT, trace_id, ingest_id(stats.sha256, *key, "wait", size=8),
-                span_id, KIND_INTERNAL, previous_end, turn.start_ns, attrs({
+                span_id, KIND_INTERNAL, previous_end, turn.start_ns, {
                     semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
                     semconv.TURN_INDEX: turn.turn_index,
                     semconv.WAIT_SOURCE: semconv.WAIT_INFERRED,
-                }), [])
+                }, [])
             added += 1
     return added
 
