@@ -513,7 +513,8 @@ def _readable(text: str) -> str:
               if p.startswith("Failed to parse ") and p.endswith(" field")]
     rest = ": ".join(p for p in parts if not (p.startswith("Failed to parse ")
                                              and p.endswith(" field")))
-    return f"{'.'.join(fields)}: {rest}" if fields else rest
+    message = f"{'.'.join(fields)}: {rest}" if fields else rest
+    return " ".join(message.split())  # one line: protobuf quotes the bad value, newlines too
 
 
 def _get(obj: dict[str, Any], camel: str, snake: str) -> Any:
