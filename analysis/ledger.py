@@ -1,9 +1,12 @@
 """The per-turn reuse ledger: one typed row per (run, conversation, turn), rebuilt from raw spans.
 
-Three steps, kept apart (STYLE §8): :func:`load_spans` runs the SQL (portable to the
-OpenTelemetry Collector's ClickHouse tables: only map look-ups and plain filters), :func:`build`
-shapes the frames into the ledger (pure polars), and :func:`persist` writes the typed derived
-table ``kvscope_ledger`` (collectors never write it).
+Three steps, kept apart (STYLE §8): :data:`TURN_QUERY` runs *in the engine* holding the spans
+(DuckDB, or ClickHouse with the OpenTelemetry Collector's tables: one definition, rendered per
+dialect by :mod:`kvscope.store.query`) and returns one row per turn with its legs and its
+engine evidence joined and aggregated; :func:`shape` decides each turn's history, token
+accounting, validity and outcome from those rows (row-wise polars); :func:`persist` writes the
+typed derived table ``kvscope_ledger`` (collectors never write it). :func:`build` runs the same
+per-turn SQL over extraction frames held in memory (the live ledger's, tests' hand-built ones).
 
 Joins (DESIGN §3): legs and tool waits hang off their ``kvscope.turn`` span (same trace, parent
 span id); engine spans join on the vLLM request id reduced to the proxy's X-Request-Id (vLLM
@@ -28,7 +31,7 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,6 +164,8 @@ _TURN_COLUMNS: _Columns = {
 _PREFILL_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
+    "leg_time": "Timestamp",
+    "leg_span_id": "SpanId",
     "prefill_ns": "Duration",
     "prefill_request_id": span_attr(semconv.VLLM_REQUEST_ID),
     "d_metadata_attached": span_attr(semconv.D_METADATA_ATTACHED),
@@ -170,6 +175,8 @@ _PREFILL_COLUMNS: _Columns = {
 _DECODE_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
+    "leg_time": "Timestamp",
+    "leg_span_id": "SpanId",
     "decode_ns": "Duration",
     "decode_request_id": span_attr(semconv.VLLM_REQUEST_ID),
     "metadata_returned": span_attr(semconv.RETENTION_METADATA_RETURNED),
@@ -178,10 +185,13 @@ _DECODE_COLUMNS: _Columns = {
 _WAIT_COLUMNS: _Columns = {
     "trace_id": "TraceId",
     "parent_span_id": "ParentSpanId",
+    "leg_time": "Timestamp",
+    "leg_span_id": "SpanId",
     "tool_wait_ns": "Duration",
 }
 _DECISION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "span_id": "SpanId",
     "engine": span_attr(semconv.ENGINE_ID),
     "time": "Timestamp",
     "decision": span_attr(semconv.DECISION),
@@ -195,12 +205,14 @@ _DECISION_COLUMNS: _Columns = {
 }
 _VLLM_REQUEST_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "span_id": "SpanId",
     "start": "Timestamp",
     "ttft_s": span_attr(semconv.VLLM_TIME_TO_FIRST_TOKEN),
     "queue_s": span_attr(semconv.VLLM_TIME_IN_QUEUE),
 }
 _TRANSFER_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "span_id": "SpanId",
     "engine": span_attr(semconv.ENGINE_ID),
     "direction": span_attr(semconv.TRANSFER_DIRECTION),
     "status": span_attr(semconv.TRANSFER_STATUS),
@@ -212,6 +224,7 @@ _TRANSFER_COLUMNS: _Columns = {
 }
 _RETENTION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "span_id": "SpanId",
     "engine": span_attr(semconv.ENGINE_ID),
     "start": "Timestamp",
     "duration_ns": "Duration",
@@ -220,34 +233,285 @@ _RETENTION_COLUMNS: _Columns = {
     "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
 }
 
-QUERIES: dict[str, query.Query] = {
-    "turns": query.spans(semconv.SPAN_TURN, _TURN_COLUMNS),
-    "prefill": query.spans(semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
-    "decode": query.spans(semconv.SPAN_GENERATION, _DECODE_COLUMNS),
-    "waits": query.spans(semconv.SPAN_TOOL_WAIT, _WAIT_COLUMNS),
-    "decisions": query.spans(semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
-    "transfers": query.spans(semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
-    "retentions": query.spans(semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
-    "vllm_requests": query.spans(semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
+# Each span kind the ledger reads: its span name and the columns taken from it.
+_KINDS: dict[str, tuple[str, _Columns]] = {
+    "turns": (semconv.SPAN_TURN, _TURN_COLUMNS),
+    "prefill": (semconv.SPAN_INPUT_PROCESSING, _PREFILL_COLUMNS),
+    "decode": (semconv.SPAN_GENERATION, _DECODE_COLUMNS),
+    "waits": (semconv.SPAN_TOOL_WAIT, _WAIT_COLUMNS),
+    "decisions": (semconv.SPAN_REUSE_DECISION, _DECISION_COLUMNS),
+    "transfers": (semconv.SPAN_KV_TRANSFER, _TRANSFER_COLUMNS),
+    "retentions": (semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
+    "vllm_requests": (semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
 }
+# The extraction queries: one per span kind, string-typed attributes.
+QUERIES: dict[str, query.Query] = {
+    name: query.spans(span, columns) for name, (span, columns) in _KINDS.items()}
 
 
 def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
     """Run the extraction queries; one frame of string-typed attributes per span kind.
 
-    On either engine: the reader renders each query in its dialect (DuckDB or ClickHouse).
+    What :func:`build` takes (the live ledger keeps these frames; tests shape them by hand).
+    The store's ledger does not come this way: :func:`ledger` runs :data:`TURN_QUERY` in the
+    engine and takes back one row per turn.
     """
-    # A bare connection (the store's own writer, rebuilding) still goes through the reader's
-    # seam for its error translation; it has no time limit, as rebuilding may take a while.
-    seam = reader if isinstance(reader, StoreReader) else StoreReader(reader, time_limit_s=None)
+    seam = _seam(reader)
     return {name: seam.frame(sql) for name, sql in QUERIES.items()}
 
 
-# --- shaping ----------------------------------------------------------------------------------
+def _seam(reader: StoreReader | duckdb.DuckDBPyConnection) -> StoreReader:
+    # A bare connection (the store's own writer, rebuilding) still goes through the reader's
+    # seam for its error translation; it has no time limit, as rebuilding may take a while.
+    return reader if isinstance(reader, StoreReader) else StoreReader(reader, time_limit_s=None)
+
+
+# --- per turn, in the engine --------------------------------------------------------------------
+#
+# The joins and per-request aggregations run as SQL in the engine that holds the spans (DuckDB,
+# or ClickHouse: the dialect renders what differs), over the extraction queries as common table
+# expressions; one row per turn comes back. Where several spans could serve one turn the first
+# by time wins, its span id breaking ties, so both engines choose the same one. Attribute
+# values stay strings unless SQL must compare or add them; :func:`_shape` casts the rest.
 
 _ID_PREFIX = r"^(chatcmpl-|cmpl-)"
 _ID_SUFFIX = r"-[0-9A-Za-z]{8}$"
 
+
+def _key(b: query.Binder, column: str) -> str:
+    """vLLM's internal request id reduced to the X-Request-Id it came from (SQL)."""
+    d = b.dialect
+    return d.strip(d.strip(column, b(_ID_PREFIX)), b(_ID_SUFFIX))
+
+
+def _measured(b: query.Binder, flag: str, value: str) -> str:
+    """``value`` unless the span says its time was not measured (an ingested log's)."""
+    return f"CASE WHEN {flag} = {b('false')} THEN NULL ELSE {value} END"
+
+
+def _first(partition: str, order: str, columns: str, source: str, *windows: str) -> str:
+    """Per ``partition``, the first row by ``order`` (with ``windows``' per-partition values)."""
+    extra = "".join(f", {w}" for w in windows)
+    return (f"SELECT * FROM (SELECT {columns}{extra}, row_number() OVER "
+            f"(PARTITION BY {partition} ORDER BY {order}) AS rn FROM {source}) WHERE rn = 1")
+
+
+def _decision_rows(b: query.Binder) -> str:
+    keyed = f"SELECT {_key(b, 'request_id')} AS x_key, * FROM decisions"
+    hooks = f"CASE WHEN decision_measured = {b('false')} THEN 0 ELSE 1 END"
+    return (f"SELECT x_key, engine, decision, local_hit, offered, to_pull, threshold, bidir, "
+            f"remote_count, row_number() OVER (PARTITION BY x_key ORDER BY \"time\", span_id) "
+            f"AS rn_first, row_number() OVER (PARTITION BY x_key ORDER BY \"time\" DESC, "
+            f"span_id DESC) AS rn_last, count(*) OVER (PARTITION BY x_key) AS n, "
+            f"max({hooks}) OVER (PARTITION BY x_key) AS any_hooks FROM ({keyed})")
+
+
+def _first_decision(b: query.Binder) -> str:
+    # The first decision says what prefill was offered and chose; the last one what the
+    # request ran with after a preemption or a reissue.
+    return (
+        "SELECT f.x_key AS x_key, f.decision AS decision, f.local_hit AS decision_local_hit, "
+        "f.offered AS offered_tokens, f.to_pull AS to_pull_tokens, "
+        "f.threshold AS threshold_tokens, f.bidir AS prefill_bidirectional, "
+        "f.engine AS prefill_engine, f.n AS decisions, l.local_hit AS final_local_hit, "
+        "l.decision AS last_decision, f.remote_count AS decision_remote_count, "
+        "f.any_hooks AS from_hooks "
+        "FROM (SELECT * FROM decision_rows WHERE rn_first = 1) AS f "
+        "JOIN (SELECT x_key, local_hit, decision FROM decision_rows WHERE rn_last = 1) AS l "
+        "ON l.x_key = f.x_key")
+
+
+def _transfer_rows(b: query.Binder) -> str:
+    d = b.dialect
+    return (f"SELECT {_key(b, 'request_id')} AS x_key, engine, direction, status, "
+            f"{d.to_int('size_bytes')} AS bytes, \"start\", span_id, request_outcome, "
+            f"{_measured(b, 'duration_measured', 'duration_ns')} AS measured_ns FROM transfers")
+
+
+def _d2p(b: query.Binder) -> str:
+    # vLLM can report one failed read twice: the worker's span with the exact status
+    # (declined_expired, handshake_failed, ...) and the scheduler's with the request's outcome.
+    # The most specific status stands: ok first, then anything but the generic "failed".
+    d = b.dialect
+    specificity = (f"CASE WHEN status = {b(semconv.TRANSFER_OK)} THEN 0 "
+                   f"WHEN status = {b(semconv.TRANSFER_FAILED)} THEN 2 ELSE 1 END")
+    errored = f"CASE WHEN request_outcome = {b(semconv.OUTCOME_ERROR)} THEN 1 ELSE 0 END"
+    reads = f"(SELECT * FROM transfer_rows WHERE direction = {b(semconv.DIRECTION_D_TO_P)})"
+    return _first(
+        "x_key", f"{specificity}, \"start\", span_id", "x_key, status AS d2p_status", reads,
+        "max(bytes) OVER (PARTITION BY x_key) AS d2p_bytes",
+        f"{d.int64('max(measured_ns) OVER (PARTITION BY x_key)')} AS d2p_ns",
+        "min(\"start\") OVER (PARTITION BY x_key) AS d2p_start",
+        f"max({errored}) OVER (PARTITION BY x_key) AS load_errored")
+
+
+def _p2d(b: query.Binder) -> str:
+    d = b.dialect
+    writes = f"(SELECT * FROM transfer_rows WHERE direction = {b(semconv.DIRECTION_P_TO_D)})"
+    return _first(
+        "x_key", "\"start\", span_id", "x_key, engine AS decode_engine", writes,
+        f"{d.int64('sum(bytes) OVER (PARTITION BY x_key)')} AS p2d_bytes",
+        f"{d.int64('sum(measured_ns) OVER (PARTITION BY x_key)')} AS p2d_ns")
+
+
+def _retention_first(b: query.Binder) -> str:
+    # One retention per decode request: the handle turn k is offered is turn k-1's.
+    return _first("request_id", "\"start\", span_id",
+                  "request_id, size_bytes, tokens, reason, \"start\", duration_ns", "retentions")
+
+
+def _vllm(b: query.Binder) -> str:
+    """Per X-Request-Id, what vLLM's own llm_request spans measured (one per engine leg).
+
+    The span starts at the engine's arrival (output_processor.py:951, 997); its first token is
+    ``time_to_first_token`` later. On a P/D turn the legs are prefill then decode: engine TTFT
+    is the first leg's arrival to the last leg's first token (the proxy's hop between them
+    included; on two hosts, their clocks' offset too), queueing the sum of the legs' queues.
+    """
+    d = b.dialect
+    keyed = f"(SELECT {_key(b, 'request_id')} AS x_key, * FROM vllm_requests)"
+    return _first(
+        "x_key", "\"start\" DESC, span_id DESC",
+        "x_key, \"start\" AS engine_last_start, ttft_s AS engine_last_ttft_s", keyed,
+        "min(\"start\") OVER (PARTITION BY x_key) AS engine_first_start",
+        f"sum({d.to_float('queue_s')}) OVER (PARTITION BY x_key) AS engine_queue_s")
+
+
+_TURN_FIELDS = (
+    "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
+    "duration_ns", "status_code", "ttft_ms", "prompt_tokens", "output_tokens", "router_lookup",
+    "router_entry_age_s", "reuse_guard", "boundary_hashes", "hash_key_id", "messages", "roles",
+    "observer", "duration_measured")
+# Previous turn's values: the row before in its conversation (same run), by turn index.
+_PREVIOUS = {
+    "prev_prompt": "prompt_tokens", "prev_output": "output_tokens",
+    "prev_hashes": "boundary_hashes", "prev_hash_key_id": "hash_key_id",
+    "prev_messages": "messages", "prev_returned": "metadata_returned",
+    "prev_index": "turn_number", "prev_held": "held_tokens",
+}
+
+
+def _joined(b: query.Binder) -> str:
+    d = b.dialect
+    turn = ", ".join(f"t.{name} AS {name}" for name in _TURN_FIELDS)
+    return (
+        f"SELECT {turn}, {d.to_int('t.turn_index')} AS turn_number, "
+        "p.prefill_ns AS prefill_ns, p.prefill_request_id AS prefill_request_id, "
+        "p.d_metadata_attached AS d_metadata_attached, "
+        "p.offered_tokens_proxy AS offered_tokens_proxy, p.retention_id AS retention_id, "
+        "g.decode_ns AS decode_ns, g.decode_request_id AS decode_request_id, "
+        "g.metadata_returned AS metadata_returned, g.decode_measured AS decode_measured, "
+        "w.tool_wait_ns AS tool_wait_ns, "
+        "f.decision AS decision, f.decision_local_hit AS decision_local_hit, "
+        "f.offered_tokens AS offered_tokens, f.to_pull_tokens AS to_pull_tokens, "
+        "f.threshold_tokens AS threshold_tokens, "
+        "f.prefill_bidirectional AS prefill_bidirectional, f.prefill_engine AS prefill_engine, "
+        "f.decisions AS decisions, f.final_local_hit AS final_local_hit, "
+        "f.last_decision AS last_decision, f.decision_remote_count AS decision_remote_count, "
+        "f.from_hooks AS from_hooks, "
+        "v.engine_first_start AS engine_first_start, v.engine_last_start AS engine_last_start, "
+        "v.engine_last_ttft_s AS engine_last_ttft_s, v.engine_queue_s AS engine_queue_s, "
+        "r.d2p_status AS d2p_status, r.d2p_bytes AS d2p_bytes, r.d2p_ns AS d2p_ns, "
+        "r.d2p_start AS d2p_start, r.load_errored AS load_errored, "
+        "s.p2d_bytes AS p2d_bytes, s.p2d_ns AS p2d_ns, s.decode_engine AS decode_engine, "
+        "o.size_bytes AS retention_bytes, o.duration_ns AS retention_ns, "
+        "o.reason AS retention_release, o.\"start\" AS retention_start, "
+        "h.tokens AS held_tokens "
+        "FROM turns AS t "
+        "LEFT JOIN prefill_leg AS p ON p.trace_id = t.trace_id AND p.parent_span_id = t.span_id "
+        "LEFT JOIN decode_leg AS g ON g.trace_id = t.trace_id AND g.parent_span_id = t.span_id "
+        "LEFT JOIN wait_leg AS w ON w.trace_id = t.trace_id AND w.parent_span_id = t.span_id "
+        "LEFT JOIN first_decision AS f ON f.x_key = t.x_request_id "
+        "LEFT JOIN vllm_request AS v ON v.x_key = t.x_request_id "
+        "LEFT JOIN d2p AS r ON r.x_key = t.x_request_id "
+        "LEFT JOIN p2d AS s ON s.x_key = t.x_request_id "
+        "LEFT JOIN retention_first AS o ON o.request_id = p.retention_id "
+        "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id")
+
+
+def _per_turn(b: query.Binder) -> str:
+    d = b.dialect
+    # Polars' order (nulls first) so the previous row is the same one on every path.
+    partition = "run_id, conversation_id"
+    order = "turn_number NULLS FIRST, arrival NULLS FIRST"
+    linked = "run_id IS NOT NULL AND conversation_id IS NOT NULL"
+    previous = ", ".join(
+        f"CASE WHEN {linked} THEN {d.lag(column, partition, order)} END AS {name}"
+        for name, column in _PREVIOUS.items())
+    return f"SELECT *, {previous} FROM joined"
+
+
+_LEGS: dict[str, str] = {
+    "prefill_leg": "prefill_ns, prefill_request_id, d_metadata_attached, offered_tokens_proxy, "
+                   "retention_id",
+    "decode_leg": "decode_ns, decode_request_id, metadata_returned, decode_measured",
+    "wait_leg": "tool_wait_ns",
+}
+_LEG_SOURCE = {"prefill_leg": "prefill", "decode_leg": "decode", "wait_leg": "waits"}
+
+
+def _leg(name: str) -> Callable[[query.Binder], str]:
+    def part(b: query.Binder) -> str:
+        return _first("trace_id, parent_span_id", "leg_time, leg_span_id",
+                      f"trace_id, parent_span_id, {_LEGS[name]}", _LEG_SOURCE[name])
+    return part
+
+
+# The per-turn parts over the extraction relations (QUERIES' names), in dependency order.
+_DERIVED: list[tuple[str, query.Part]] = [
+    *((name, _leg(name)) for name in _LEGS),
+    ("decision_rows", _decision_rows),
+    ("first_decision", _first_decision),
+    ("transfer_rows", _transfer_rows),
+    ("d2p", _d2p),
+    ("p2d", _p2d),
+    ("retention_first", _retention_first),
+    ("vllm_request", _vllm),
+    ("joined", _joined),
+]
+
+# The store's ledger rows before shaping: the extraction queries and the per-turn parts as one
+# statement, run in the engine.
+TURN_QUERY = query.compose([*QUERIES.items(), *_DERIVED], _per_turn)
+# The same parts over extraction frames registered under QUERIES' names (:func:`build`).
+_FRAMES_QUERY = query.compose(_DERIVED, _per_turn)
+
+
+def turn_rows(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """The per-turn rows the engine computes from the store's spans (before :func:`shape`)."""
+    return _seam(reader).frame(TURN_QUERY)
+
+
+def frame_turn_rows(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
+    """The per-turn rows of extraction frames (:func:`load_spans`' shape), by the same SQL on
+    an in-memory DuckDB. A frame may lack columns or be missing: they read as nulls."""
+    con = duckdb.connect()
+    try:
+        for name, (_, columns) in _KINDS.items():
+            con.register(name, _complete(frames.get(name), columns).to_arrow())
+        return StoreReader(con, time_limit_s=None).frame(_FRAMES_QUERY)
+    finally:
+        con.close()
+
+
+_COLUMN_TYPES: dict[query.Column, pl.DataType] = {
+    "Timestamp": pl.Datetime("ns"), "Duration": pl.UInt64()}
+
+
+def _complete(frame: pl.DataFrame | None, columns: _Columns) -> pl.DataFrame:
+    """``frame`` with every extraction column, those it lacks as typed nulls."""
+    frame = pl.DataFrame() if frame is None else frame
+    missing = [pl.lit(None, _COLUMN_TYPES.get(column, pl.String())).alias(name)
+               for name, column in columns.items() if name not in frame.columns]
+    if not missing:
+        return frame
+    if frame.width == 0:
+        return pl.DataFrame(schema={name: _COLUMN_TYPES.get(column, pl.String())
+                                    for name, column in columns.items()})
+    return frame.with_columns(missing)
+
+
+# --- shaping, per turn ------------------------------------------------------------------------
 
 def hook_decided(frame: pl.DataFrame) -> pl.Expr:
     """Turns whose reuse decision came from kvscope's engine hooks (a decision an ingested
@@ -301,162 +565,57 @@ def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.E
 
 
 def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
-    """Shape extracted span frames into the ledger (pure: no I/O).
-
-    One lazy query, collected once, so polars drops unused columns early (1M turns: 4.5 GiB peak
-    instead of 5.1). The in-memory engine: for these joins and sorts polars' streaming engine
-    measured 25 % slower here.
-    """
-    return _build({name: frame.lazy() for name, frame in frames.items()}).collect(
-        engine="in-memory")
+    """The ledger of extraction frames (:func:`load_spans`' shape): the per-turn SQL on an
+    in-memory DuckDB over the frames, then :func:`shape` (no I/O to a store)."""
+    return shape(frame_turn_rows(frames))
 
 
-def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
-    turns = frames["turns"]
-    if "observer" not in turns.collect_schema().names():
-        # Turn frames made without the column (callers shaping frames themselves): every turn
-        # is then the proxy's.
-        turns = turns.with_columns(pl.lit(None, pl.String).alias("observer"))
-    if "hash_key_id" not in turns.collect_schema().names():
-        # Likewise: hashes without a key id (stores from before keyed hashes) compare as before.
-        turns = turns.with_columns(pl.lit(None, pl.String).alias("hash_key_id"))
-    turns = turns.with_columns(
-        _int("turn_index"), _int("prompt_tokens"), _int("output_tokens"), _float("ttft_ms"),
-        _int("messages"),
+def shape(rows: pl.DataFrame) -> pl.DataFrame:
+    """The ledger from the engine's per-turn rows: each turn's history, reusable tokens,
+    where they came from, validity and outcome (row-wise; the joins are done)."""
+    return _shape(rows.lazy()).collect()
+
+
+def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
+    def ms(column: str, scale: float = 1e6) -> pl.Expr:
+        return pl.col(column).cast(pl.Float64) / scale
+
+    def plus_ns(start: str, ns: pl.Expr) -> pl.Expr:
+        return pl.col(start) + pl.duration(nanoseconds=ns.cast(pl.Int64))
+
+    unmeasured = pl.col("duration_measured") == "false"
+    ledger = rows.with_columns(
+        pl.col("turn_number").alias("turn_index"),
+        *(_int(c) for c in ("prompt_tokens", "output_tokens", "messages", "prev_prompt",
+                            "prev_output", "prev_messages", "prev_held", "decision_local_hit",
+                            "offered_tokens", "to_pull_tokens", "threshold_tokens",
+                            "final_local_hit", "decision_remote_count", "retention_bytes",
+                            "offered_tokens_proxy")),
+        *(_float(c) for c in ("ttft_ms", "router_entry_age_s", "engine_last_ttft_s")),
+        *(_bool(c) for c in ("d_metadata_attached", "metadata_returned", "prev_returned",
+                             "prefill_bidirectional")),
+    ).with_columns(
         pl.col("boundary_hashes").str.count_matches(",").add(1).alias("hashes_kept"),
-        _float("router_entry_age_s"),
-        (pl.col("arrival") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("end"),
-        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("turn_ms"),
-    )
-    if "duration_measured" in turns.collect_schema().names():
         # An ingested log that gave a turn's start only: its end and time are not measured.
-        unmeasured = pl.col("duration_measured") == "false"
-        turns = turns.with_columns(
-            pl.when(unmeasured).then(None).otherwise(pl.col(name)).alias(name)
-            for name in ("end", "turn_ms"))
-    prefill = frames["prefill"].rename({"parent_span_id": "span_id"}).with_columns(
-        (pl.col("prefill_ns").cast(pl.Float64) / 1e6).alias("prefill_ms"),
-        _bool("d_metadata_attached"), _int("offered_tokens_proxy"),
-    ).drop("prefill_ns").unique(["trace_id", "span_id"], keep="first")
-    decode = frames["decode"].rename({"parent_span_id": "span_id"})
-    decode_measured = (pl.col("decode_measured") != "false").fill_null(True) if (
-        "decode_measured" in decode.collect_schema().names()) else pl.lit(True)
-    decode = decode.with_columns(
-        pl.when(decode_measured).then(pl.col("decode_ns").cast(pl.Float64) / 1e6)
-        .alias("decode_ms"),
-        _bool("metadata_returned"),
-    ).drop("decode_ns").unique(["trace_id", "span_id"], keep="first")
-    waits = frames["waits"].rename({"parent_span_id": "span_id"}).with_columns(
-        (pl.col("tool_wait_ns").cast(pl.Float64) / 1e9).alias("tool_wait_s"),
-    ).drop("tool_wait_ns").unique(["trace_id", "span_id"], keep="first")
-
-    ledger = (
-        turns.join(prefill, on=["trace_id", "span_id"], how="left")
-        .join(decode, on=["trace_id", "span_id"], how="left")
-        .join(waits, on=["trace_id", "span_id"], how="left")
-    )
-
-    # Engine evidence, keyed by X-Request-Id.
-    decisions = frames["decisions"].with_columns(
-        request_key("request_id").alias("x_request_id"),
-        _int("local_hit"), _int("offered"), _int("to_pull"), _int("threshold"), _bool("bidir"),
-        *([_int("remote_count")] if "remote_count" in frames["decisions"].collect_schema().names()
-          else [pl.lit(None, pl.Int64).alias("remote_count")]),
-        # A decision an ingested server log implies has no measured time; the hooks' do.
-        ((pl.col("decision_measured") != "false").fill_null(True)
-         if "decision_measured" in frames["decisions"].collect_schema().names()
-         else pl.lit(True)).alias("from_hooks"),
-    ).sort("time")
-    first_decisions = decisions.group_by("x_request_id", maintain_order=True).agg(
-        pl.col("decision").first(), pl.col("local_hit").first().alias("decision_local_hit"),
-        pl.col("offered").first().alias("offered_tokens"),
-        pl.col("to_pull").first().alias("to_pull_tokens"),
-        pl.col("threshold").first().alias("threshold_tokens"),
-        pl.col("bidir").first().alias("prefill_bidirectional"),
-        pl.col("engine").first().alias("prefill_engine"),
-        pl.len().alias("decisions"),
-        pl.col("local_hit").last().alias("final_local_hit"),
-        pl.col("decision").last().alias("last_decision"),
-        pl.col("remote_count").first().alias("decision_remote_count"),
-        pl.col("from_hooks").any().alias("_from_hooks"),
-    )
-    transfer_measured = (pl.col("duration_measured") != "false").fill_null(True) if (
-        "duration_measured" in frames["transfers"].collect_schema().names()) else pl.lit(True)
-    transfers = frames["transfers"].with_columns(
-        request_key("request_id").alias("x_request_id"), _int("size_bytes"),
+        pl.when(~unmeasured.fill_null(False)).then(plus_ns("arrival", pl.col("duration_ns")))
+        .alias("end"),
+        pl.when(~unmeasured.fill_null(False)).then(ms("duration_ns")).alias("turn_ms"),
+        ms("prefill_ns").alias("prefill_ms"),
+        pl.when((pl.col("decode_measured") != "false").fill_null(True))
+        .then(ms("decode_ns")).alias("decode_ms"),
+        ms("tool_wait_ns", 1e9).alias("tool_wait_s"),
         # A read an ingested log only names has no measured time: null, never 0.
-        pl.when(transfer_measured).then(pl.col("duration_ns").cast(pl.Float64) / 1e6)
-        .alias("ms"),
-    )
-    # vLLM can report one failed read twice: the worker's span with the exact status
-    # (declined_expired, handshake_failed, ...) and the scheduler's with the request's outcome.
-    # Keep the most specific status: ok first, then anything but the generic "failed".
-    specificity = (
-        pl.when(pl.col("status") == semconv.TRANSFER_OK).then(0)
-        .when(pl.col("status") == semconv.TRANSFER_FAILED).then(2)
-        .otherwise(1)
-    )
-    d2p = transfers.filter(pl.col("direction") == semconv.DIRECTION_D_TO_P).with_columns(
-        specificity.alias("_specificity")
-    ).sort(["_specificity", "start"]).group_by("x_request_id", maintain_order=True).agg(
-        pl.col("status").first().alias("d2p_status"),
-        pl.col("size_bytes").max().alias("d2p_bytes"),
-        pl.col("ms").max().alias("d2p_ms"),
-        pl.col("start").min().alias("d2p_start"),
-        (pl.col("request_outcome") == semconv.OUTCOME_ERROR).any().alias("load_errored"),
-    )
-    p2d = transfers.filter(pl.col("direction") == semconv.DIRECTION_P_TO_D).group_by(
-        "x_request_id", maintain_order=True
-    ).agg(
-        pl.col("size_bytes").sum().alias("p2d_bytes"),
-        pl.col("ms").sum().alias("p2d_ms"),
-        pl.col("engine").first().alias("decode_engine"),
-    )
-    retentions = frames["retentions"].with_columns(
-        _int("size_bytes"), _int("tokens"),
-        (pl.col("start") + pl.duration(nanoseconds=pl.col("duration_ns"))).alias("released_at"),
-        (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),
-    )
-    # The handle turn k was offered is turn k-1's decode retention (by its vLLM request id).
-    offered = retentions.select(
-        pl.col("request_id").alias("retention_id"),
-        pl.col("size_bytes").alias("retention_bytes"),
-        pl.col("held_s").alias("retention_held_s"),
-        pl.col("reason").alias("retention_release"),
-        pl.col("released_at").alias("retention_released_at"),
-    ).unique("retention_id", keep="first")
-    # What decode holds KV for after this turn (remote_num_tokens of its own retention).
-    held = retentions.select(
-        pl.col("request_id").alias("decode_request_id"), pl.col("tokens").alias("held_tokens"),
-    ).unique("decode_request_id", keep="first")
-
-    ledger = (
-        ledger.join(first_decisions, on="x_request_id", how="left")
-        .join(_vllm_requests(frames), on="x_request_id", how="left")
-        .join(d2p, on="x_request_id", how="left")
-        .join(p2d, on="x_request_id", how="left")
-        .join(offered, on="retention_id", how="left")
-        .join(held, on="decode_request_id", how="left")
-    )
-
-    # Previous turn of the same conversation in the same run.
-    # Sorted by conversation, the previous row is the previous turn when it belongs to the same
-    # run and conversation: a plain shift, much cheaper than a window per conversation.
-    same = (pl.col("run_id") == pl.col("run_id").shift(1)) & (
-        pl.col("conversation_id") == pl.col("conversation_id").shift(1))
-
-    def previous(column: str) -> pl.Expr:
-        return pl.when(same).then(pl.col(column).shift(1))
-
-    ledger = ledger.sort(["run_id", "conversation_id", "turn_index", "arrival"]).with_columns(
-        previous("prompt_tokens").alias("prev_prompt"),
-        previous("output_tokens").alias("prev_output"),
-        previous("boundary_hashes").alias("prev_hashes"),
-        previous("hash_key_id").alias("prev_hash_key_id"),
-        previous("messages").alias("prev_messages"),
-        previous("metadata_returned").alias("prev_returned"),
-        previous("turn_index").alias("prev_index"),
-        previous("held_tokens").alias("prev_held"),
+        ms("d2p_ns").alias("d2p_ms"),
+        ms("p2d_ns").alias("p2d_ms"),
+        ms("retention_ns", 1e9).alias("retention_held_s"),
+        plus_ns("retention_start", pl.col("retention_ns")).alias("retention_released_at"),
+        (pl.col("from_hooks") == 1).alias("_from_hooks"),
+        (pl.col("load_errored") == 1).alias("load_errored"),
+        ((pl.col("engine_last_start") + pl.duration(
+            microseconds=(pl.col("engine_last_ttft_s") * 1e6).cast(pl.Int64))
+          - pl.col("engine_first_start")).dt.total_microseconds() / 1000)
+        .alias("engine_ttft_ms"),
+        (pl.col("engine_queue_s") * 1000).alias("engine_queue_ms"),
     )
     has_prev = pl.col("prev_index").is_not_null() & (
         pl.col("prev_index") == pl.col("turn_index") - 1
@@ -548,41 +707,9 @@ def _build(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
         pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
         .when(pl.col("decision").is_not_null()).then(pl.lit(ENGINE_EVIDENCE_LOG))
         .otherwise(pl.lit(None, pl.String)).alias("engine_evidence"))
-    ledger = ledger.with_columns(
-        (pl.col("arrival")).alias("arrival"),
-        pl.col("tool_wait_s"),
-    )
     return ledger.select(
         [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()]
     ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
-
-
-def _vllm_requests(frames: dict[str, pl.LazyFrame]) -> pl.LazyFrame:
-    """Per X-Request-Id, what vLLM's own llm_request spans measured (one per engine leg).
-
-    The span starts at the engine's arrival (output_processor.py:951, 997); its first token is
-    ``time_to_first_token`` later. On a P/D turn the legs are prefill then decode: engine TTFT
-    is the first leg's arrival to the last leg's first token (the proxy's hop between them
-    included; on two hosts, their clocks' offset too), queueing the sum of the legs' queues.
-    """
-    schema = {"x_request_id": pl.String(), "engine_ttft_ms": pl.Float64(),
-              "engine_queue_ms": pl.Float64()}
-    requests = frames.get("vllm_requests")
-    if requests is None or "request_id" not in requests.collect_schema().names():
-        return pl.LazyFrame(schema=schema)  # frames shaped by a caller without vLLM's spans
-    requests = requests.with_columns(
-        request_key("request_id").alias("x_request_id"), _float("ttft_s"), _float("queue_s"),
-    ).with_columns(
-        (pl.col("start") + pl.duration(microseconds=(pl.col("ttft_s") * 1e6).cast(pl.Int64)))
-        .alias("first_token"),
-    )
-    return requests.sort("start").group_by("x_request_id").agg(
-        ((pl.col("first_token").last() - pl.col("start").first()).dt.total_microseconds()
-         / 1000).alias("engine_ttft_ms"),
-        # Σ of the measured legs; null when no leg reported its queue.
-        pl.when(pl.col("queue_s").is_not_null().any())
-        .then(pl.col("queue_s").sum() * 1000).alias("engine_queue_ms"),
-    ).select(list(schema))
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
@@ -719,8 +846,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """Build the ledger of every run in a store."""
-    return build(load_spans(reader))
+    """Build the ledger of every run in a store: per-turn rows from the engine, then shaped."""
+    return shape(turn_rows(reader))
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
@@ -760,8 +887,8 @@ def rebuild(path: str | Path) -> int:
 def rebuild_clickhouse(source: ClickHouseSource) -> int:
     """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there.
 
-    The extraction queries run in ClickHouse; the per-turn shaping runs here in polars over
-    the extracted span rows (as for DuckDB), and the ledger is written back whole, swapped in.
+    The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back, are shaped
+    here, and the ledger is written back whole, swapped in.
     """
     from kvscope.store.clickhouse import ClickHouseReader
 

@@ -452,9 +452,6 @@ class PrefillServer(_EngineServer):
         em.drain_retentions()
         decided_ns = em.clock.wall_ns(now)
         self._record(result.decision.record(decided_ns, params, req.traceparent))
-        if result.rescheduled_decision is not None:
-            self._record(result.rescheduled_decision.record(decided_ns, params,
-                                                             req.traceparent))
         cost = em.cost
         t = now
         transfer = result.transfer
@@ -472,6 +469,10 @@ class PrefillServer(_EngineServer):
                 request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
                 traceparent=req.traceparent,
             ))
+        if result.rescheduled_decision is not None:
+            # The scheduler decides again once the read has finished or failed: a later step.
+            self._record(result.rescheduled_decision.record(
+                max(em.clock.wall_ns(t), decided_ns + 1_000_000), params, req.traceparent))
         error: str | None = None
         if result.stalled:
             # vLLM parks the request in WAITING_FOR_REMOTE_KVS for good; answer eventually.

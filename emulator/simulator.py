@@ -106,6 +106,8 @@ FAULT_INVALID_PARAMS = "invalid_params"  # the params P gets lack remote_request
 FAULT_HANDSHAKE = "handshake_fail"
 FAULT_TRANSFER = "transfer_fail"
 FAULT_PREEMPT = "preempt_after_read"
+# One scheduler step: the least time between a decision and the same request's next one.
+_NEXT_STEP_S = 0.001
 FAULT_CLOCK_SKEW = "clock_skew"  # P misjudges D's clock by the decode TTL (reads look expired)
 FAULT_PROXY_RESTART = "proxy_restart"  # the router loses its entries before this turn
 SIM_FAULTS = (
@@ -512,11 +514,12 @@ class Simulator:
             record.prompt_tokens = turn.prompt_tokens
             record.cached_tokens = result.local_hit_tokens
             record.prefill_start_ns = ns(t)
-            # Engine spans: the decision (and a re-decision after preemption or a failed load).
-            self._emit_decisions(p_tel, result, t, ns, params)
             transfer_s = 0.0
             if result.transfer is not None:
                 transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
+            # Engine spans: the decision (and a re-decision after preemption or a failed load).
+            self._emit_decisions(p_tel, result, t, transfer_s, ns, params)
+            if result.transfer is not None:
                 p_tel.emit(KvTransferRecord(
                     request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
                     direction=result.transfer.direction, status=result.transfer.status,
@@ -584,11 +587,15 @@ class Simulator:
             progress(turns, final)
         return SimulationResult(run_id, turns, 0, truth, final)  # spans: once all are stored
 
-    def _emit_decisions(self, tel: Emitter, result: PrefillResult, t: float, ns: Any,
-                        params: Mapping[str, Any]) -> None:
-        for decision in (result.decision, result.rescheduled_decision):
-            if decision is not None:
-                tel.emit(decision.record(ns(t), params))
+    def _emit_decisions(self, tel: Emitter, result: PrefillResult, t: float, transfer_s: float,
+                        ns: Any, params: Mapping[str, Any]) -> None:
+        if result.decision is not None:
+            tel.emit(result.decision.record(ns(t), params))
+        if result.rescheduled_decision is not None:
+            # The scheduler decides again once the read has finished or failed: a later step
+            # (at least one step after the first decision, as vLLM's are).
+            again = t + max(transfer_s, _NEXT_STEP_S)
+            tel.emit(result.rescheduled_decision.record(ns(again), params))
 
     def _emit_released(self, decode_tel: list[Emitter]) -> None:
         # Releases are emitted as their spans close; draining every node is cheap.

@@ -18,7 +18,7 @@ reads as NULL in DuckDB and as ``''`` in ClickHouse, so ClickHouse's look-up is
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,10 @@ __all__ = [
     "CLICKHOUSE",
     "DUCKDB",
     "Attr",
+    "Binder",
     "Dialect",
     "Query",
+    "compose",
     "point_attr",
     "resource_attr",
     "select",
@@ -69,13 +71,29 @@ Column = str | Attr
 
 @dataclass(frozen=True)
 class Dialect:
-    """What differs between the engines a :class:`Query` runs on: parameters and map look-ups."""
+    """What differs between the engines a :class:`Query` runs on.
+
+    Parameters and map look-ups, and the few functions the ledger's per-turn query needs whose
+    names or null rules differ: each renders SQL text from SQL text.
+    """
 
     name: str
     # (parameter name, its value) -> the placeholder in SQL text
     param: Callable[[str, Any], str]
     # (quoted map column, placeholder of the key) -> the attribute's value, NULL when absent
     attr: Callable[[str, str], str]
+    # a string -> its number, NULL when it is not one (``'12'``, ``'1e3'``; ``'x'`` -> NULL)
+    to_float: Callable[[str], str]
+    # a string -> its number truncated to a 64-bit integer, NULL when it is not one
+    to_int: Callable[[str], str]
+    # a number -> a 64-bit integer, NULL stays NULL (sums of unsigned durations, counts)
+    int64: Callable[[str], str]
+    # (a string, placeholder of a pattern) -> the string with the pattern's first match removed
+    strip: Callable[[str, str], str]
+    # (a value, PARTITION BY list, ORDER BY list) -> the value on the row before, NULL on the first
+    lag: Callable[[str, str, str], str]
+    # appended to a composed query (:func:`compose`): settings the query's meaning relies on
+    suffix: str = ""
 
 
 def _clickhouse_type(value: Any) -> str:
@@ -91,31 +109,76 @@ def _clickhouse_type(value: Any) -> str:
     raise TypeError(f"cannot bind a {type(value).__name__} as a ClickHouse query parameter")
 
 
-DUCKDB = Dialect("duckdb", lambda name, value: f"${name}", lambda m, key: f"{m}[{key}]")
+DUCKDB = Dialect(
+    "duckdb",
+    param=lambda name, value: f"${name}",
+    attr=lambda m, key: f"{m}[{key}]",
+    to_float=lambda x: f"TRY_CAST({x} AS DOUBLE)",
+    # DuckDB rounds a double cast to an integer; trunc first, as a float-to-int cast does.
+    to_int=lambda x: f"TRY_CAST(trunc(TRY_CAST({x} AS DOUBLE)) AS BIGINT)",
+    int64=lambda x: f"CAST({x} AS BIGINT)",
+    strip=lambda x, pattern: f"regexp_replace({x}, {pattern}, '')",
+    lag=lambda x, partition, order: f"lag({x}) OVER (PARTITION BY {partition} ORDER BY {order})",
+)
 CLICKHOUSE = Dialect(
     "clickhouse",
-    lambda name, value: f"{{{name}:{_clickhouse_type(value)}}}",
-    lambda m, key: f"if(mapContains({m}, {key}), {m}[{key}], NULL)",
+    param=lambda name, value: f"{{{name}:{_clickhouse_type(value)}}}",
+    attr=lambda m, key: f"if(mapContains({m}, {key}), {m}[{key}], NULL)",
+    to_float=lambda x: f"toFloat64OrNull({x})",
+    to_int=lambda x: f"accurateCastOrNull(trunc(toFloat64OrNull({x})), 'Int64')",
+    # CAST to a non-Nullable type fails on NULL; this one keeps it.
+    int64=lambda x: f"accurateCastOrNull({x}, 'Int64')",
+    strip=lambda x, pattern: f"replaceRegexpOne({x}, {pattern}, '')",
+    # ClickHouse has no lag(); lagInFrame reads the frame, which must reach the row before, and
+    # gives the type's default (not NULL) before the first row unless the value is Nullable.
+    lag=lambda x, partition, order: (
+        f"lagInFrame(toNullable({x}), 1) OVER (PARTITION BY {partition} ORDER BY {order} "
+        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"),
+    # A LEFT JOIN's unmatched columns are the type's default ('' and 0) unless this is set:
+    # the ledger's joins mean NULL (no span joined).
+    suffix=" SETTINGS join_use_nulls = 1",
 )
 _PLACEHOLDER = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class Binder:
+    """Binds values as the named parameters of one query, numbered as met (``p0``, ``p1``, …),
+    so a query composed of several parts numbers them once, the same in every dialect."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        self.params: dict[str, Any] = {}
+
+    def __call__(self, value: Any) -> str:
+        """The placeholder of ``value``, bound as the next parameter."""
+        name = f"p{len(self.params)}"
+        self.params[name] = value
+        return self.dialect.param(name, value)
+
+    def column(self, column: Column) -> str:
+        """A table column (quoted) or an attribute (its key bound)."""
+        if isinstance(column, Attr):
+            return self.dialect.attr(quote(column.map), self(column.key))
+        return quote(column)
 
 
 @dataclass(frozen=True)
 class Query:
     """SQL text with named parameters (``$name``) and their values.
 
-    ``sql`` is the DuckDB text. A query built by :func:`select` renders itself for each
-    dialect (``render``); one written by hand has its ``$name`` placeholders rewritten.
+    ``sql`` is the DuckDB text. A query built by :func:`select` or :func:`compose` renders
+    itself for each dialect (``build``); one written by hand has its ``$name`` placeholders
+    rewritten.
     """
 
     sql: str
     params: Mapping[str, Any] = field(default_factory=dict)
-    render: Callable[[Dialect], str] | None = field(default=None, compare=False, repr=False)
+    build: Callable[[Binder], str] | None = field(default=None, compare=False, repr=False)
 
     def text(self, dialect: Dialect) -> str:
         """The SQL text in ``dialect``."""
-        if self.render is not None:
-            return self.render(dialect)
+        if self.build is not None:
+            return self.build(Binder(dialect))
         if dialect is DUCKDB:
             return self.sql
 
@@ -127,6 +190,12 @@ class Query:
         return _PLACEHOLDER.sub(placeholder, self.sql)
 
 
+def _built(build: Callable[[Binder], str]) -> Query:
+    binder = Binder(DUCKDB)
+    sql = build(binder)
+    return Query(sql, binder.params, build)
+
+
 def select(table: str, columns: Mapping[str, Column], *,
            where: Mapping[Column, Any] | None = None, distinct: bool = False) -> Query:
     """``SELECT [DISTINCT] <columns> FROM table WHERE <each where entry>``.
@@ -134,36 +203,46 @@ def select(table: str, columns: Mapping[str, Column], *,
     ``columns`` maps output names to table columns or attributes. Each ``where`` entry compares
     a column or attribute with a value (``=``), or with each of a tuple's values (``IN``).
     """
-    def build(dialect: Dialect) -> tuple[str, dict[str, Any]]:
-        # Parameters are numbered in the order they are met, the same in every dialect.
-        params: dict[str, Any] = {}
-
-        def bind(value: Any) -> str:
-            name = f"p{len(params)}"
-            params[name] = value
-            return dialect.param(name, value)
-
-        def expr(column: Column) -> str:
-            if isinstance(column, Attr):
-                return dialect.attr(quote(column.map), bind(column.key))
-            return quote(column)
-
-        chosen = ", ".join(f"{expr(c)} AS {quote(alias)}" for alias, c in columns.items())
+    def build(bind: Binder) -> str:
+        chosen = ", ".join(f"{bind.column(c)} AS {quote(alias)}" for alias, c in columns.items())
         conditions = []
         for column, value in (where or {}).items():
             if isinstance(value, tuple):
-                conditions.append(f"{expr(column)} IN ({', '.join(bind(v) for v in value)})")
+                conditions.append(
+                    f"{bind.column(column)} IN ({', '.join(bind(v) for v in value)})")
             else:
-                conditions.append(f"{expr(column)} = {bind(value)}")
-        sql = (f"SELECT {'DISTINCT ' if distinct else ''}{chosen} FROM {quote(table)}"
-               + (f" WHERE {' AND '.join(conditions)}" if conditions else ""))
-        return sql, params
+                conditions.append(f"{bind.column(column)} = {bind(value)}")
+        return (f"SELECT {'DISTINCT ' if distinct else ''}{chosen} FROM {quote(table)}"
+                + (f" WHERE {' AND '.join(conditions)}" if conditions else ""))
 
-    sql, params = build(DUCKDB)
-    return Query(sql, params, lambda dialect: build(dialect)[0])
+    return _built(build)
 
 
 def spans(name: str, columns: Mapping[str, Column], *,
           where: Mapping[Column, Any] | None = None, distinct: bool = False) -> Query:
     """The spans called ``name`` (``otel_traces``), with more conditions in ``where``."""
     return select(TRACES, columns, where={"SpanName": name, **(where or {})}, distinct=distinct)
+
+
+# A part of a composed query: a query, or SQL text built with the composed query's binder.
+Part = Query | Callable[[Binder], str]
+
+
+def compose(parts: Sequence[tuple[str, Part]], final: Callable[[Binder], str]) -> Query:
+    """``WITH name AS (part), … final``: named parts as common table expressions, their
+    parameters numbered once; the dialect's ``suffix`` (settings) closes the statement."""
+    builders: list[tuple[str, Callable[[Binder], str]]] = []
+    for name, part in parts:
+        if isinstance(part, Query):
+            if part.build is None:
+                raise ValueError(f"part {name!r} is hand-written SQL: compose() needs a built "
+                                 "query")
+            builders.append((name, part.build))
+        else:
+            builders.append((name, part))
+
+    def build(bind: Binder) -> str:
+        ctes = ", ".join(f"{quote(name)} AS ({part(bind)})" for name, part in builders)
+        return (f"WITH {ctes} " if ctes else "") + final(bind) + bind.dialect.suffix
+
+    return _built(build)
