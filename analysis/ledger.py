@@ -299,11 +299,13 @@ def _first(partition: str, order: str, columns: str, source: str, *windows: str)
 def _decision_rows(b: query.Binder) -> str:
     keyed = f"SELECT {_key(b, 'request_id')} AS x_key, * FROM decisions"
     hooks = f"CASE WHEN decision_measured = {b('false')} THEN 0 ELSE 1 END"
+    d = b.dialect
     return (f"SELECT x_key, engine, decision, local_hit, offered, to_pull, threshold, bidir, "
             f"remote_count, row_number() OVER (PARTITION BY x_key ORDER BY \"time\", span_id) "
             f"AS rn_first, row_number() OVER (PARTITION BY x_key ORDER BY \"time\" DESC, "
-            f"span_id DESC) AS rn_last, count(*) OVER (PARTITION BY x_key) AS n, "
-            f"max({hooks}) OVER (PARTITION BY x_key) AS any_hooks FROM ({keyed})")
+            f"span_id DESC) AS rn_last, "
+            f"{d.int64('count(*) OVER (PARTITION BY x_key)')} AS n, "
+            f"{d.int64(f'max({hooks}) OVER (PARTITION BY x_key)')} AS any_hooks FROM ({keyed})")
 
 
 def _first_decision(b: query.Binder) -> str:
@@ -342,7 +344,7 @@ def _d2p(b: query.Binder) -> str:
         "max(bytes) OVER (PARTITION BY x_key) AS d2p_bytes",
         f"{d.int64('max(measured_ns) OVER (PARTITION BY x_key)')} AS d2p_ns",
         "min(\"start\") OVER (PARTITION BY x_key) AS d2p_start",
-        f"max({errored}) OVER (PARTITION BY x_key) AS load_errored")
+        f"{d.int64(f'max({errored}) OVER (PARTITION BY x_key)')} AS load_errored")
 
 
 def _p2d(b: query.Binder) -> str:

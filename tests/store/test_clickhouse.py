@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from polars.testing import assert_frame_equal
 
+from kvscope import semconv
 from kvscope.analysis import registry
 from kvscope.analysis.ledger import LEDGER_TABLE, load_spans
 from kvscope.analysis.registry import AnalysisContext
@@ -115,6 +116,31 @@ def test_the_ledgers_are_identical(both: tuple[AnalysisContext, AnalysisContext]
     seen = set(ledger["outcome"].unique())
     assert {outcomes.FIRST_TURN, outcomes.REUSED_REMOTE, outcomes.NO_CONVERSATION_ID} <= seen
     assert len(seen) >= 8, seen
+
+
+def test_the_engine_sends_back_one_row_per_turn(
+        both: tuple[AnalysisContext, AnalysisContext],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's joins run in each engine: what comes back is one row per turn span, the
+    same on both; the span rows themselves never leave the engine on the ledger's path."""
+    d, c = both
+    from kvscope.analysis import ledger as ledger_module
+
+    def no_extraction(reader: object) -> None:
+        raise AssertionError("the ledger read span rows back instead of per-turn rows")
+
+    monkeypatch.setattr(ledger_module, "load_spans", no_extraction)
+    _, counted = d.reader.rows("SELECT count(*) FROM otel_traces WHERE SpanName = $name",
+                               {"name": semconv.SPAN_TURN})
+    on_duck, on_click = ledger_module.turn_rows(d.reader), ledger_module.turn_rows(c.reader)
+    assert on_duck.height == on_click.height == counted[0][0]
+    keys = ["trace_id", "span_id"]
+    assert_frame_equal(on_duck.sort(keys), on_click.sort(keys), check_exact=True)
+    # The unmatched sides of the LEFT JOINs read as NULL on ClickHouse too (join_use_nulls):
+    # turns with no conversation id have no previous turn, first turns no read.
+    assert on_click["prev_index"].null_count() > 0 and on_click["d2p_status"].null_count() > 0
+    assert_frame_equal(ledger_module.shape(on_click), ledger_module.shape(on_duck),
+                       check_exact=True)
 
 
 @pytest.mark.parametrize("name", list(registry.analyses()))
