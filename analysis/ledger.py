@@ -379,11 +379,38 @@ def _vllm(b: query.Binder) -> str:
         f"sum({d.to_float('queue_s')}) OVER (PARTITION BY x_key) AS engine_queue_s")
 
 
-_TURN_FIELDS = (
-    "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
-    "duration_ns", "status_code", "ttft_ms", "prompt_tokens", "output_tokens", "router_lookup",
-    "router_entry_age_s", "reuse_guard", "boundary_hashes", "hash_key_id", "messages", "roles",
-    "observer", "duration_measured")
+# The per-turn row: (table alias, column, name). ``t`` the turn; its first prefill, decode and
+# tool-wait legs; ``f`` its decisions, ``v`` vLLM's request spans, ``r`` the D->P read, ``s``
+# the P->D writes; ``o`` the retention it was offered, ``h`` the one its decode left.
+_JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
+    *(("t", name, name) for name in (
+        "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
+        "duration_ns", "status_code", "ttft_ms", "router_lookup", "router_entry_age_s",
+        "reuse_guard", "boundary_hashes", "hash_key_id", "roles", "observer",
+        "duration_measured")),
+    *(("p", name, name) for name in (
+        "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
+        "retention_id")),
+    *(("g", name, name) for name in (
+        "decode_ns", "decode_request_id", "metadata_returned", "decode_measured")),
+    ("w", "tool_wait_ns", "tool_wait_ns"),
+    *(("f", name, name) for name in (
+        "decision", "decision_local_hit", "offered_tokens", "to_pull_tokens",
+        "threshold_tokens", "prefill_bidirectional", "prefill_engine", "decisions",
+        "final_local_hit", "last_decision", "decision_remote_count", "from_hooks")),
+    *(("v", name, name) for name in (
+        "engine_first_start", "engine_last_start", "engine_last_ttft_s", "engine_queue_s")),
+    *(("r", name, name) for name in (
+        "d2p_status", "d2p_bytes", "d2p_ns", "d2p_start", "load_errored")),
+    *(("s", name, name) for name in ("p2d_bytes", "p2d_ns", "decode_engine")),
+    ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
+    ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
+    ("h", "tokens", "held_tokens"),
+)
+# The turn's counts, as numbers already in the engine (history compares them).
+_TURN_NUMBERS = {"turn_number": "turn_index", "prompt_tokens": "prompt_tokens",
+                 "output_tokens": "output_tokens", "messages": "messages"}
+_JOINED_OUT = (*(name for _, _, name in _JOINED_FIELDS), *_TURN_NUMBERS)
 # Previous turn's values: the row before in its conversation (same run), by turn index.
 _PREVIOUS = {
     "prev_prompt": "prompt_tokens", "prev_output": "output_tokens",
@@ -395,30 +422,12 @@ _PREVIOUS = {
 
 def _joined(b: query.Binder) -> str:
     d = b.dialect
-    turn = ", ".join(f"t.{name} AS {name}" for name in _TURN_FIELDS)
+    fields = ", ".join(f"{alias}.{quote(column)} AS {name}"
+                       for alias, column, name in _JOINED_FIELDS)
+    numbers = ", ".join(f"{d.to_int(f't.{column}')} AS {name}"
+                        for name, column in _TURN_NUMBERS.items())
     return (
-        f"SELECT {turn}, {d.to_int('t.turn_index')} AS turn_number, "
-        "p.prefill_ns AS prefill_ns, p.prefill_request_id AS prefill_request_id, "
-        "p.d_metadata_attached AS d_metadata_attached, "
-        "p.offered_tokens_proxy AS offered_tokens_proxy, p.retention_id AS retention_id, "
-        "g.decode_ns AS decode_ns, g.decode_request_id AS decode_request_id, "
-        "g.metadata_returned AS metadata_returned, g.decode_measured AS decode_measured, "
-        "w.tool_wait_ns AS tool_wait_ns, "
-        "f.decision AS decision, f.decision_local_hit AS decision_local_hit, "
-        "f.offered_tokens AS offered_tokens, f.to_pull_tokens AS to_pull_tokens, "
-        "f.threshold_tokens AS threshold_tokens, "
-        "f.prefill_bidirectional AS prefill_bidirectional, f.prefill_engine AS prefill_engine, "
-        "f.decisions AS decisions, f.final_local_hit AS final_local_hit, "
-        "f.last_decision AS last_decision, f.decision_remote_count AS decision_remote_count, "
-        "f.from_hooks AS from_hooks, "
-        "v.engine_first_start AS engine_first_start, v.engine_last_start AS engine_last_start, "
-        "v.engine_last_ttft_s AS engine_last_ttft_s, v.engine_queue_s AS engine_queue_s, "
-        "r.d2p_status AS d2p_status, r.d2p_bytes AS d2p_bytes, r.d2p_ns AS d2p_ns, "
-        "r.d2p_start AS d2p_start, r.load_errored AS load_errored, "
-        "s.p2d_bytes AS p2d_bytes, s.p2d_ns AS p2d_ns, s.decode_engine AS decode_engine, "
-        "o.size_bytes AS retention_bytes, o.duration_ns AS retention_ns, "
-        "o.reason AS retention_release, o.\"start\" AS retention_start, "
-        "h.tokens AS held_tokens "
+        f"SELECT {fields}, {numbers} "
         "FROM turns AS t "
         "LEFT JOIN prefill_leg AS p ON p.trace_id = t.trace_id AND p.parent_span_id = t.span_id "
         "LEFT JOIN decode_leg AS g ON g.trace_id = t.trace_id AND g.parent_span_id = t.span_id "
@@ -431,6 +440,63 @@ def _joined(b: query.Binder) -> str:
         "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id")
 
 
+def _continues(b: query.Binder) -> str:
+    """Whether turn k's prompt is turn k-1's messages, then the assistant's reply, then more.
+
+    Boundary hashes are chained (hash i names messages 0..i), so k keeps k-1's messages exactly
+    when k-1's last hash is among k's; the message right after them must be the assistant's
+    reply (role ``a``) — a reset keeps the first messages too, then adds a summary instead. The
+    proxy keeps only the last few hashes and roles per turn; if k added more messages than
+    that, the relation is not decidable (see :func:`_history`). When roles were not recorded
+    the message after k-1's is not checked.
+    """
+    d = b.dialect
+    comma = b(",")
+    last = d.last_item("prev_hashes", comma)
+    kept = f"({comma} || boundary_hashes || {comma})"
+    found = d.find(kept, f"({comma} || {last} || {comma})")  # 1-based; 0: not among k's
+    # k-1's last message's index among k's kept ones: the commas before where it was found.
+    index = _count(b, f"substring({kept}, 1, {found} - 1)", comma)
+    reply_role = f"substring(roles, {index} + 2, 1)"
+    return (f"({found} > 0 AND messages > prev_messages "
+            f"AND (roles IS NULL OR {reply_role} = {b('a')}))")
+
+
+def _count(b: query.Binder, text: str, comma: str) -> str:
+    """How many times ``comma`` occurs in ``text`` (SQL)."""
+    return f"(length({text}) - length(replace({text}, {comma}, {b('')})))"
+
+
+def _history(b: query.Binder) -> str:
+    """Turn k's history relative to turn k-1, from message-boundary hashes (HISTORY_*)."""
+    same_key = ("(coalesce(hash_key_id = prev_hash_key_id, FALSE) "
+                "OR (hash_key_id IS NULL AND prev_hash_key_id IS NULL))")
+    has_prev = ("(prev_index IS NOT NULL AND prev_index = turn_number - 1 "
+                "AND conversation_id IS NOT NULL)")
+    empty = b("")
+    return (
+        f"CASE WHEN turn_number <= 1 THEN {b(HISTORY_FIRST)} "
+        f"WHEN NOT {has_prev} THEN {b(HISTORY_UNKNOWN)} "
+        f"WHEN boundary_hashes IS NULL OR prev_hashes IS NULL OR boundary_hashes = {empty} "
+        f"OR prev_hashes = {empty} THEN {b(HISTORY_UNKNOWN)} "
+        # Hashes made with different keys (a proxy restarted with a new key, two proxies with
+        # keys of their own) never match: not comparable, so never an edit.
+        f"WHEN NOT {same_key} THEN {b(HISTORY_UNKNOWN)} "
+        # A completions prompt is one message whose text grows turn by turn: one hash each
+        # cannot show a continuation (nor an edit).
+        f"WHEN messages <= 1 AND prev_messages <= 1 THEN {b(HISTORY_UNKNOWN)} "
+        f"WHEN {_continues(b)} THEN {b(HISTORY_CONTINUES)} "
+        # k added more messages than the proxy keeps hashes for: not decidable.
+        f"WHEN messages - prev_messages >= {_count(b, 'boundary_hashes', b(','))} + 1 "
+        f"THEN {b(HISTORY_UNKNOWN)} "
+        f"ELSE {b(HISTORY_EDITED)} END")
+
+
+# What leaves the engine: the turn's own fields, its joined evidence and the previous turn's
+# counts; the hashes stay behind (their verdict is ``history``).
+_OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles"}
+
+
 def _per_turn(b: query.Binder) -> str:
     d = b.dialect
     # Polars' order (nulls first) so the previous row is the same one on every path.
@@ -440,7 +506,9 @@ def _per_turn(b: query.Binder) -> str:
     previous = ", ".join(
         f"CASE WHEN {linked} THEN {d.lag(column, partition, order)} END AS {name}"
         for name, column in _PREVIOUS.items())
-    return f"SELECT *, {previous} FROM joined"
+    out = ", ".join(name for name in (*_JOINED_OUT, *_PREVIOUS) if name not in _OUT_DROPPED)
+    return (f"SELECT {out}, {_history(b)} AS history "
+            f"FROM (SELECT *, {previous} FROM joined) AS with_previous")
 
 
 _LEGS: dict[str, str] = {
@@ -543,29 +611,6 @@ def _bool(column: str) -> pl.Expr:
     return pl.col(column).str.to_lowercase() == "true"
 
 
-def _continues(prev: pl.Expr, cur: pl.Expr, prev_count: pl.Expr, cur_count: pl.Expr,
-               roles: pl.Expr) -> pl.Expr:
-    """Whether turn k's prompt is turn k-1's messages, then the assistant's reply, then more.
-
-    Boundary hashes are chained (hash i names messages 0..i), so k keeps k-1's messages exactly
-    when k-1's last hash is among k's; the message right after them must be the assistant's
-    reply (role ``a``) — a reset keeps the first messages too, then adds a summary instead. The
-    proxy keeps only the last few hashes and roles per turn; if k added more messages than
-    that, the relation is not decidable (see the caller). When roles were not recorded the
-    message after k-1's is not checked.
-    """
-    last = prev.str.split(",").list.last()
-    haystack = pl.lit(",") + cur + pl.lit(",")
-    found = haystack.str.find(pl.lit(",") + last + pl.lit(","), literal=True)
-    # Index of k-1's last message within k's kept list = commas before where it was found.
-    index = haystack.str.slice(0, found).str.count_matches(",")
-    reply_role = roles.str.slice(index + 1, 1)
-    return (
-        found.is_not_null() & (cur_count > prev_count)
-        & (roles.is_null() | (reply_role == "a"))
-    )
-
-
 def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     """The ledger of extraction frames (:func:`load_spans`' shape): the per-turn SQL on an
     in-memory DuckDB over the frames, then :func:`shape` (no I/O to a store)."""
@@ -597,7 +642,6 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         *(_bool(c) for c in ("d_metadata_attached", "metadata_returned", "prev_returned",
                              "prefill_bidirectional")),
     ).with_columns(
-        pl.col("boundary_hashes").str.count_matches(",").add(1).alias("hashes_kept"),
         # An ingested log that gave a turn's start only: its end and time are not measured.
         pl.when(~unmeasured.fill_null(False)).then(plus_ns("arrival", pl.col("duration_ns")))
         .alias("end"),
@@ -619,31 +663,6 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         .alias("engine_ttft_ms"),
         (pl.col("engine_queue_s") * 1000).alias("engine_queue_ms"),
     )
-    has_prev = pl.col("prev_index").is_not_null() & (
-        pl.col("prev_index") == pl.col("turn_index") - 1
-    ) & pl.col("conversation_id").is_not_null()
-    history = (
-        pl.when(pl.col("turn_index") <= 1).then(pl.lit(HISTORY_FIRST))
-        .when(~has_prev).then(pl.lit(HISTORY_UNKNOWN))
-        .when(pl.col("boundary_hashes").is_null() | pl.col("prev_hashes").is_null()
-              | (pl.col("boundary_hashes") == "") | (pl.col("prev_hashes") == ""))
-        .then(pl.lit(HISTORY_UNKNOWN))
-        # Hashes made with different keys (a proxy restarted with a new key, two proxies with
-        # keys of their own) never match: not comparable, so never an edit.
-        .when(~pl.col("hash_key_id").eq_missing(pl.col("prev_hash_key_id")))
-        .then(pl.lit(HISTORY_UNKNOWN))
-        # A completions prompt is one message whose text grows turn by turn: one hash each
-        # cannot show a continuation (nor an edit).
-        .when((pl.col("messages") <= 1) & (pl.col("prev_messages") <= 1))
-        .then(pl.lit(HISTORY_UNKNOWN))
-        .when(_continues(pl.col("prev_hashes"), pl.col("boundary_hashes"),
-                         pl.col("prev_messages"), pl.col("messages"), pl.col("roles")))
-        .then(pl.lit(HISTORY_CONTINUES))
-        .when(pl.col("messages") - pl.col("prev_messages") >= pl.col("hashes_kept"))
-        .then(pl.lit(HISTORY_UNKNOWN))
-        .otherwise(pl.lit(HISTORY_EDITED))
-    )
-    ledger = ledger.with_columns(history.alias("history"))
     offered_tokens = pl.coalesce(pl.col("offered_tokens"), pl.col("offered_tokens_proxy"))
     held_tokens = pl.coalesce(offered_tokens, pl.col("prev_held"),
                               pl.col("prev_prompt") + pl.col("prev_output") - 1)

@@ -92,6 +92,10 @@ class Dialect:
     strip: Callable[[str, str], str]
     # (a value, PARTITION BY list, ORDER BY list) -> the value on the row before, NULL on the first
     lag: Callable[[str, str, str], str]
+    # (a string, a needle) -> the needle's 1-based position in it, 0 when absent
+    find: Callable[[str, str], str]
+    # (a string, placeholder of a separator) -> its last item (all of it without a separator)
+    last_item: Callable[[str, str], str]
     # appended to a composed query (:func:`compose`): settings the query's meaning relies on
     suffix: str = ""
 
@@ -119,6 +123,8 @@ DUCKDB = Dialect(
     int64=lambda x: f"CAST({x} AS BIGINT)",
     strip=lambda x, pattern: f"regexp_replace({x}, {pattern}, '')",
     lag=lambda x, partition, order: f"lag({x}) OVER (PARTITION BY {partition} ORDER BY {order})",
+    find=lambda x, needle: f"strpos({x}, {needle})",
+    last_item=lambda x, sep: f"string_split({x}, {sep})[-1]",
 )
 CLICKHOUSE = Dialect(
     "clickhouse",
@@ -134,6 +140,9 @@ CLICKHOUSE = Dialect(
     lag=lambda x, partition, order: (
         f"lagInFrame(toNullable({x}), 1) OVER (PARTITION BY {partition} ORDER BY {order} "
         "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"),
+    find=lambda x, needle: f"position({x}, {needle})",
+    # splitByChar takes a constant separator: a bound parameter is one once substituted.
+    last_item=lambda x, sep: f"arrayElement(splitByChar({sep}, {x}), -1)",
     # A LEFT JOIN's unmatched columns are the type's default ('' and 0) unless this is set:
     # the ledger's joins mean NULL (no span joined).
     suffix=" SETTINGS join_use_nulls = 1",
