@@ -430,15 +430,6 @@ def test_retained_memory_on_simulated_runs(
     assert gpu["max_bytes"].max() == pytest.approx(5e9)
 
 
-def test_an_empty_store_gives_empty_frames_of_the_declared_columns(tmp_path: Path) -> None:
-    open_store(tmp_path / "empty.duckdb").close()
-    with registry.AnalysisContext.open(tmp_path / "empty.duckdb") as ctx:
-        for name in ("retention_cost", "retained_memory"):
-            frame = registry.run(ctx, name)
-            assert frame.is_empty()
-            assert frame.schema == pl.Schema(registry.get(name).columns)
-
-
 def test_a_notify_that_moved_bytes_counts_as_a_read() -> None:
     from kvscope.analysis.retention import read_handles, upgrade_reads
 

@@ -217,6 +217,19 @@ SPEC_EXAMPLE = {
     ]
 }
 
+# The example's attributes as stored: every AnyValue kind as its string.
+SPEC_ATTRIBUTES = {
+    "s": "some value",
+    "i": "42",
+    "i2": "-7",
+    "d": "1.5",
+    "b": "true",
+    "a": '[1,"x"]',
+    "kv": '{"k":false}',
+    "bytes": "AQI=",
+    "unset": "",
+}
+
 
 def test_the_spec_example_decodes_to_the_expected_row() -> None:
     batch = decode_trace_request(json.dumps(SPEC_EXAMPLE).encode(), "json")
@@ -232,17 +245,7 @@ def test_the_spec_example_decodes_to_the_expected_row() -> None:
     assert rows.status_code == ["STATUS_CODE_ERROR"] and rows.status_message == ["bad"]
     assert rows.service_name == ["my.service"]
     assert (rows.scope_name, rows.scope_version) == (["my.library"], ["1.0.0"])
-    assert dict(rows.span_attributes[0]) == {
-        "s": "some value",
-        "i": "42",
-        "i2": "-7",
-        "d": "1.5",
-        "b": "true",
-        "a": '[1,"x"]',
-        "kv": '{"k":false}',
-        "bytes": "AQI=",
-        "unset": "",
-    }
+    assert dict(rows.span_attributes[0]) == SPEC_ATTRIBUTES
     assert rows.events == [
         [{"Timestamp": 1544712660500000000, "Name": "first_token", "Attributes": []}]
     ]

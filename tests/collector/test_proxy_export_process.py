@@ -10,7 +10,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from kvscope import semconv
@@ -27,6 +26,7 @@ from kvscope.collector.proxy.export_process import (
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.errors import StoreLockedError
+from tests.stores import query
 
 KEY = BoundaryKey(b"test boundary key, 32 bytes long", "test")
 COLUMNS = ("SpanName, TraceId, SpanId, ParentSpanId, SpanKind, ServiceName, ResourceAttributes, "
@@ -67,11 +67,7 @@ def _turns(telemetry: ProxyTelemetry, n: int, *, seed: int = 7) -> list[TurnReco
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rows = con.execute(f"SELECT {COLUMNS} FROM otel_traces").fetchall()
-    finally:
-        con.close()
+    rows = query(db, f"SELECT {COLUMNS} FROM otel_traces")
     # A tool wait's span id is drawn at build time, and every resource has its own
     # service.instance.id; every other field must match.
     out = []

@@ -43,6 +43,8 @@ from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreLockedError
 from kvscope.store.writer import StoreWriter
+from tests.collector.test_otlp_decode import SPEC_ATTRIBUTES, SPEC_EXAMPLE
+from tests.stores import query
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 JSON = {"Content-Type": "application/json"}
@@ -154,13 +156,8 @@ def _stop_in_order(process: subprocess.Popen[str]) -> None:
 
 def _runs_recorded(path: Path) -> tuple[int, int]:
     """(runs, runs ended) recorded in the store at ``path``."""
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        row = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
-    finally:
-        con.close()
-    assert row is not None
-    return int(row[0]), int(row[1])
+    [(runs, ended)] = query(path, "SELECT count(*), count(ended_at) FROM kvscope_runs")
+    return int(runs), int(ended)
 
 
 def _reap(process: subprocess.Popen[str]) -> None:
@@ -237,37 +234,8 @@ def test_otlp_json_lands_like_the_in_process_path(receiver: Receiver, tmp_path: 
 
 
 def test_hand_written_spec_example_is_stored(receiver: Receiver) -> None:
-    example = {
-        "resourceSpans": [
-            {
-                "resource": {
-                    "attributes": [{"key": "service.name", "value": {"stringValue": "my.service"}}]
-                },
-                "scopeSpans": [
-                    {
-                        "scope": {"name": "my.library", "version": "1.0.0"},
-                        "spans": [
-                            {
-                                "traceId": "5B8EFFF798038103D269B633813FC60C",
-                                "spanId": "EEE19B7EC3C1B174",
-                                "parentSpanId": "EEE19B7EC3C1B173",
-                                "name": "I'm a server span",
-                                "startTimeUnixNano": "1544712660000000000",
-                                "endTimeUnixNano": "1544712661000000000",
-                                "kind": 2,
-                                "attributes": [
-                                    {"key": "my.span.attr", "value": {"stringValue": "some value"}}
-                                ],
-                            }
-                        ],
-                    }
-                ],
-            }
-        ]
-    }
-
     response = httpx.post(
-        f"{receiver.url}/v1/traces", content=json.dumps(example), headers=JSON
+        f"{receiver.url}/v1/traces", content=json.dumps(SPEC_EXAMPLE), headers=JSON
     )
 
     assert response.status_code == 200
@@ -285,7 +253,7 @@ def test_hand_written_spec_example_is_stored(receiver: Receiver) -> None:
             "SPAN_KIND_SERVER",
             "my.service",
             1_000_000_000,
-            {"my.span.attr": "some value"},
+            SPEC_ATTRIBUTES,
         )
     ]
 
@@ -523,12 +491,7 @@ def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhil
     finally:
         _reap(process)
 
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT count(*), count(DISTINCT SpanId) FROM otel_traces").fetchone() \
-            == (200, 200)
-    finally:
-        con.close()
+    assert query(path, "SELECT count(*), count(DISTINCT SpanId) FROM otel_traces") == [(200, 200)]
 
 
 def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Path) -> None:
@@ -677,13 +640,9 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
 
     assert acknowledged == 2 * 10 * 4 * 600
     assert not Path(f"{path}.wal").exists()
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (acknowledged,)
-        assert con.execute("SELECT count(*), count(ended_at), any_value(label) "
-                           "FROM kvscope_runs").fetchone() == (1, 1, "sigterm run")
-    finally:
-        con.close()
+    assert query(path, "SELECT count(*) FROM otel_traces") == [(acknowledged,)]
+    assert query(path, "SELECT count(*), count(ended_at), any_value(label) FROM kvscope_runs"
+                 ) == [(1, 1, "sigterm run")]
     assert list(spill.iterdir()) == []  # nothing in the system temp dir (where they once went)
     assert list(tmp_path.rglob("kvscope-batch-*")) == []  # nor beside the store
 
