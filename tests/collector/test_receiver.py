@@ -44,6 +44,7 @@ from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreLockedError
 from kvscope.store.writer import StoreWriter
 from tests.collector.test_otlp_decode import SPEC_ATTRIBUTES, SPEC_EXAMPLE
+from tests.raw_http import partial_body_answer, post_head
 from tests.stores import query
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -652,13 +653,9 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
     from kvscope.collector import receiver as receiver_module
 
     monkeypatch.setattr(receiver_module, "BODY_READ_TIMEOUT_S", 0.3)
-    with Receiver(tmp_path / "slow.duckdb") as rx, socket.create_connection(
-            ("127.0.0.1", rx.port)) as sock:
-        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/x-protobuf\r\nContent-Length: 1000\r\n\r\nab")
-        sock.settimeout(10)
-        answer = sock.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    with Receiver(tmp_path / "slow.duckdb") as rx:
+        answer = partial_body_answer("127.0.0.1", rx.port, "/v1/traces", "application/x-protobuf")
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
 
 
 # --- admission by bytes (issue 22: memory bounded by bytes, not rows) -------------------------
@@ -667,8 +664,7 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
 def _hold_partial_body(rx: Receiver, length: int) -> socket.socket:
     """A connection whose request announced ``length`` body bytes and sent two."""
     held = socket.create_connection(("127.0.0.1", rx.port))
-    held.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf"
-                 b"\r\nContent-Length: " + str(length).encode() + b"\r\n\r\nab")
+    held.sendall(post_head("/v1/traces", length, "application/x-protobuf") + b"ab")
     deadline = time.monotonic() + 10
     while httpx.get(f"{rx.url}/health").json()["inflight_bytes"] != length:
         assert time.monotonic() < deadline, "the held body was never admitted"
