@@ -578,7 +578,7 @@ class ProxyTelemetry:
             dropped += self.export_process.counts()["dropped_spans"]
         if self.telemetry is not None:
             stats = self.telemetry.span_processor.stats
-            dropped += stats.dropped + stats.export_failures
+            dropped += stats.dropped + stats.failed
             writer = self.telemetry.writer
             if writer is not None:
                 dropped += writer.stats.failed_rows
@@ -599,7 +599,7 @@ class ProxyTelemetry:
             stats = self.telemetry.span_processor.stats
             counts.update(
                 queued_spans=stats.queued,
-                exported_spans=stats.exported,
+                exported_spans=stats.sent,
                 dropped_spans=self.dropped_spans(),
             )
         return counts
