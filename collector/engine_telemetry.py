@@ -28,7 +28,6 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -48,6 +47,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvscope import semconv
+from kvscope.collector.queue_counts import QueueCounts
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +110,6 @@ class KvRetentionRecord(NamedTuple):
 EngineRecord = ReuseDecisionRecord | KvTransferRecord | KvRetentionRecord
 # The record types, in the order a shipped record's code names them.
 ENGINE_RECORDS: tuple[type[Any], ...] = (ReuseDecisionRecord, KvTransferRecord, KvRetentionRecord)
-
-
-@dataclass
-class EngineTelemetryStats:
-    """Counters of one :class:`EngineTelemetry`."""
-
-    recorded: int = 0
-    dropped: int = 0
-    emitted: int = 0
-    failed: int = 0
 
 
 def _static_decision(sampler: object) -> bool | None:
@@ -258,7 +248,7 @@ class EngineTelemetry:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
-        self.stats = EngineTelemetryStats()
+        self.stats = QueueCounts()
         self._warned = False
         self._thread: threading.Thread | None = None
         if background:
@@ -276,7 +266,7 @@ class EngineTelemetry:
                 self.stats.dropped += 1
                 return
             queue.append(record)  # deque.append is atomic under the GIL
-            self.stats.recorded += 1
+            self.stats.queued += 1
             # No lock and no wake-up per record: the thread polls every poll_interval_s and is
             # woken early only when the queue is half full (so a burst is not dropped).
             if len(queue) == self._wake_at and self._thread is not None:
@@ -295,7 +285,7 @@ class EngineTelemetry:
                 self._emit_transfer(record)
             else:
                 self._emit_retention(record)
-            self.stats.emitted += 1
+            self.stats.sent += 1
         except Exception:
             self.stats.failed += 1
             if not self._warned:

@@ -27,22 +27,13 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer
 
 from kvscope import __version__, semconv, settings
+from kvscope.collector.queue_counts import QueueCounts
 from kvscope.errors import SettingError
 
 if TYPE_CHECKING:
     from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ProcessorStats:
-    """Counters of a :class:`QueueSpanProcessor`."""
-
-    queued: int = 0
-    dropped: int = 0
-    exported: int = 0
-    export_failures: int = 0
 
 
 class QueueSpanProcessor(SpanProcessor):
@@ -64,7 +55,7 @@ class QueueSpanProcessor(SpanProcessor):
         self._cond = threading.Condition()
         self._flush_requests: list[threading.Event] = []
         self._shutdown = False
-        self.stats = ProcessorStats()
+        self.stats = QueueCounts()
         self._thread = threading.Thread(target=self._run, name="kvscope-span-export", daemon=True)
         self._thread.start()
 
@@ -96,9 +87,9 @@ class QueueSpanProcessor(SpanProcessor):
         finally:
             otel_context.detach(token)
         if result is SpanExportResult.SUCCESS:
-            self.stats.exported += len(batch)
+            self.stats.sent += len(batch)
         else:
-            self.stats.export_failures += len(batch)
+            self.stats.failed += len(batch)
 
     def _run(self) -> None:
         while True:

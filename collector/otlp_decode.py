@@ -24,7 +24,7 @@ from base64 import b64encode
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import pyarrow as pa
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
@@ -53,55 +53,44 @@ _MAX_REASONS = 3
 _HEX = re.compile(r"[0-9a-fA-F]*")
 
 
-@dataclass
-class TraceBatch:
-    """Decoded spans ready for the store, and what was rejected."""
+Rows = TypeVar("Rows", TraceRows, GaugeRows)
 
-    rows: TraceRows
-    rejected_spans: int = 0
+
+@dataclass
+class DecodedBatch(Generic[Rows]):
+    """Decoded rows ready for the store, and what was rejected (``noun``: what one row is)."""
+
+    rows: Rows
+    noun: str
+    rejected: int = 0
     reasons: list[str] = field(default_factory=list)
+
+    def reject(self, count: int, where: str, reason: str) -> None:
+        """Count ``count`` rejected items; the first few reasons are kept for the message."""
+        self.rejected += count
+        if count and len(self.reasons) <= _MAX_REASONS:
+            self.reasons.append(f"{where}: {reason}")
 
     @property
     def error_message(self) -> str:
         """One line for OTLP partial success ('' when nothing was rejected)."""
-        return _summary(self.rejected_spans, "span", self.reasons)
+        count, reasons = self.rejected, self.reasons
+        if not count:
+            return ""
+        shown = "; ".join(reasons[:_MAX_REASONS])
+        more = f" (and {len(reasons) - _MAX_REASONS} more)" if len(reasons) > _MAX_REASONS else ""
+        return f"{count} {self.noun}{'' if count == 1 else 's'} rejected: {shown}{more}"
 
     def to_arrow(self) -> pa.Table:
         """The rows as an Arrow table; PayloadError when a value cannot be stored."""
-        return _to_arrow(self.rows.to_arrow)
+        try:
+            return self.rows.to_arrow()
+        except (pa.ArrowException, OverflowError, UnicodeError, ValueError, TypeError) as exc:
+            raise PayloadError(f"a value cannot be stored: {exc}") from None
 
 
-@dataclass
-class GaugeBatch:
-    """Decoded gauge points ready for the store, and what was rejected."""
-
-    rows: GaugeRows
-    rejected_points: int = 0
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def error_message(self) -> str:
-        """One line for OTLP partial success ('' when nothing was rejected)."""
-        return _summary(self.rejected_points, "data point", self.reasons)
-
-    def to_arrow(self) -> pa.Table:
-        """The rows as an Arrow table; PayloadError when a value cannot be stored."""
-        return _to_arrow(self.rows.to_arrow)
-
-
-def _summary(count: int, noun: str, reasons: list[str]) -> str:
-    if not count:
-        return ""
-    shown = "; ".join(reasons[:_MAX_REASONS])
-    more = f" (and {len(reasons) - _MAX_REASONS} more)" if len(reasons) > _MAX_REASONS else ""
-    return f"{count} {noun}{'' if count == 1 else 's'} rejected: {shown}{more}"
-
-
-def _to_arrow(build: Callable[[], pa.Table]) -> pa.Table:
-    try:
-        return build()
-    except (pa.ArrowException, OverflowError, UnicodeError, ValueError, TypeError) as exc:
-        raise PayloadError(f"a value cannot be stored: {exc}") from None
+TraceBatch = DecodedBatch[TraceRows]
+GaugeBatch = DecodedBatch[GaugeRows]
 
 
 # --- values ------------------------------------------------------------------------------------
@@ -285,7 +274,7 @@ def decode_trace_bytes(body: bytes, run_id: str | None = None) -> TraceBatch:
 
 def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
     rows = TraceRows()
-    batch = TraceBatch(rows)
+    batch = TraceBatch(rows, "span")
     cache: dict[bytes, tuple[str, str]] = {}
     kind_names = SPAN_KIND_NAMES
     status_names = STATUS_CODE_NAMES
@@ -371,11 +360,7 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
                             }
                         )
                 if problem is not None:
-                    batch.rejected_spans += 1
-                    if len(batch.reasons) <= _MAX_REASONS:
-                        batch.reasons.append(
-                            f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]: {problem}"
-                        )
+                    batch.reject(1, f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]", problem)
                     continue
                 status = span.status
                 put_timestamp(start)
@@ -410,13 +395,9 @@ _UNSTORED_KINDS = {
 def decode_metrics(request: ExportMetricsServiceRequest, run_id: str | None = None
                    ) -> GaugeBatch:
     """Decode gauge and non-monotonic sum points; count every other point as rejected."""
-    batch = GaugeBatch(GaugeRows())
+    batch = GaugeBatch(GaugeRows(), "data point")
     add = batch.rows.add
-
-    def reject(count: int, where: str, reason: str) -> None:
-        batch.rejected_points += count
-        if count and len(batch.reasons) <= _MAX_REASONS:
-            batch.reasons.append(f"{where}: {reason}")
+    reject = batch.reject
 
     for r, resource_metrics in enumerate(request.resource_metrics):
         res_attrs = _with_run(_attrs(resource_metrics.resource.attributes), run_id)
@@ -582,24 +563,26 @@ def _normalise_metrics(data: dict[str, Any]) -> None:
                             _hex_ids(exemplar, where, _LINK_IDS)
 
 
-def parse_trace_request(body: bytes, encoding: Encoding) -> ExportTraceServiceRequest:
-    """Parse an OTLP/HTTP traces body; PayloadError names what is wrong."""
-    request = ExportTraceServiceRequest()
+_Request = TypeVar("_Request", ExportTraceServiceRequest, ExportMetricsServiceRequest)
+
+
+def _parse(request: _Request, body: bytes, encoding: Encoding,
+           normalise: Callable[[Any], None]) -> _Request:
     if encoding == "json":
-        _parse_json(body, request, _normalise_traces)
+        _parse_json(body, request, normalise)
     else:
         _parse_protobuf(body, request)
     return request
+
+
+def parse_trace_request(body: bytes, encoding: Encoding) -> ExportTraceServiceRequest:
+    """Parse an OTLP/HTTP traces body; PayloadError names what is wrong."""
+    return _parse(ExportTraceServiceRequest(), body, encoding, _normalise_traces)
 
 
 def parse_metrics_request(body: bytes, encoding: Encoding) -> ExportMetricsServiceRequest:
     """Parse an OTLP/HTTP metrics body; PayloadError names what is wrong."""
-    request = ExportMetricsServiceRequest()
-    if encoding == "json":
-        _parse_json(body, request, _normalise_metrics)
-    else:
-        _parse_protobuf(body, request)
-    return request
+    return _parse(ExportMetricsServiceRequest(), body, encoding, _normalise_metrics)
 
 
 def decode_trace_request(body: bytes, encoding: Encoding, run_id: str | None = None
@@ -621,6 +604,7 @@ def decode_metrics_request(body: bytes, encoding: Encoding, run_id: str | None =
 
 
 __all__ = [
+    "DecodedBatch",
     "Encoding",
     "GaugeBatch",
     "TraceBatch",

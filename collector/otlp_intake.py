@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 from google.protobuf.message import Message
@@ -42,7 +42,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from kvscope.collector.otlp_admission import ByteBudget, Reservation
-from kvscope.collector.otlp_decode import Encoding, decode_metrics_request, decode_trace_request
+from kvscope.collector.otlp_decode import (
+    DecodedBatch,
+    Encoding,
+    decode_metrics_request,
+    decode_trace_request,
+)
 from kvscope.errors import PayloadError
 from kvscope.store.schema import GAUGE_TABLE, TRACES_TABLE
 from kvscope.store.writer import StoreWriter
@@ -50,6 +55,15 @@ from kvscope.store.writer import StoreWriter
 logger = logging.getLogger(__name__)
 
 Signal = Literal["traces", "metrics"]
+_DECODERS: dict[Signal, Callable[[bytes, Encoding, str | None], DecodedBatch[Any]]] = {
+    "traces": decode_trace_request,
+    "metrics": decode_metrics_request,
+}
+# Per signal: the export response, its partial success and that message's count of rejections.
+_RESPONSES: dict[Signal, tuple[type[Message], type[Message], str]] = {
+    "traces": (ExportTraceServiceResponse, ExportTracePartialSuccess, "rejected_spans"),
+    "metrics": (ExportMetricsServiceResponse, ExportMetricsPartialSuccess, "rejected_data_points"),
+}
 # When a request is answered: after its rows are committed, or (the earlier way) once queued.
 Ack = Literal["durable", "queued"]
 # How long a busy writer asks senders to wait: HTTP's Retry-After, gRPC's RetryInfo.
@@ -178,9 +192,8 @@ class Intake:
             body = await self._inflate(loop, body, reservation)
             if reservation is not None:
                 self._count_bytes()
-        work = self._decode_traces if signal_kind == "traces" else self._decode_metrics
-        table, accepted, rejected, error_message = await loop.run_in_executor(
-            self._executor, work, body, encoding
+        table, batch = await loop.run_in_executor(
+            self._executor, self._decode, signal_kind, body, encoding
         )
         del body
         if self.ack == "durable":
@@ -188,24 +201,16 @@ class Intake:
         else:
             self._queue(signal_kind, table)
         if signal_kind == "traces":
-            self.stats.spans_accepted += accepted
-            self.stats.spans_rejected += rejected
-            return ExportTraceServiceResponse(
-                partial_success=ExportTracePartialSuccess(
-                    rejected_spans=rejected, error_message=error_message
-                )
-                if rejected
-                else None
-            )
-        self.stats.points_accepted += accepted
-        self.stats.points_rejected += rejected
-        return ExportMetricsServiceResponse(
-            partial_success=ExportMetricsPartialSuccess(
-                rejected_data_points=rejected, error_message=error_message
-            )
-            if rejected
-            else None
-        )
+            self.stats.spans_accepted += table.num_rows
+            self.stats.spans_rejected += batch.rejected
+        else:
+            self.stats.points_accepted += table.num_rows
+            self.stats.points_rejected += batch.rejected
+        response, partial_success, rejected_field = _RESPONSES[signal_kind]
+        if not batch.rejected:
+            return response()
+        return response(partial_success=partial_success(
+            **{rejected_field: batch.rejected}, error_message=batch.error_message))
 
     async def _inflate(self, loop: asyncio.AbstractEventLoop, body: bytes,
                        reservation: Reservation | None) -> bytes:
@@ -278,23 +283,13 @@ class Intake:
 
     # --- decoding (on the executor) -------------------------------------------------------------
 
-    def _decode_traces(self, body: bytes, encoding: Encoding
-                       ) -> tuple[pa.Table, int, int, str]:
+    def _decode(self, signal_kind: Signal, body: bytes, encoding: Encoding
+                ) -> tuple[pa.Table, DecodedBatch[Any]]:
         try:
-            batch = decode_trace_request(body, encoding, self.run_id)
-            table = batch.to_arrow()
+            batch = _DECODERS[signal_kind](body, encoding, self.run_id)
+            return batch.to_arrow(), batch
         except PayloadError as exc:
             raise Refused(400, str(exc)) from None
-        return table, table.num_rows, batch.rejected_spans, batch.error_message
-
-    def _decode_metrics(self, body: bytes, encoding: Encoding
-                        ) -> tuple[pa.Table, int, int, str]:
-        try:
-            batch = decode_metrics_request(body, encoding, self.run_id)
-            table = batch.to_arrow()
-        except PayloadError as exc:
-            raise Refused(400, str(exc)) from None
-        return table, table.num_rows, batch.rejected_points, batch.error_message
 
 
 __all__ = [

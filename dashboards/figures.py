@@ -10,7 +10,8 @@ Runs are named by a ``label`` column when the frame has one, else by ``run_id``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -19,6 +20,8 @@ import polars as pl
 from kvscope.reuse import outcomes
 
 GIB = float(1 << 30)
+# A figure builder: an analysis frame (None when not computed) in, a figure out.
+Builder = Callable[[pl.DataFrame | None], go.Figure]
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf",
             "#7f7f7f")
 _LAYOUT = {"template": "plotly_white", "height": 420, "margin": {"t": 60, "l": 60, "r": 20},
@@ -68,6 +71,24 @@ def _unusable(title: str, frame: pl.DataFrame | None, columns: Sequence[str],
     return None
 
 
+def _draws(title: str, columns: Sequence[str], what: str
+           ) -> Callable[[Callable[[pl.DataFrame, str], go.Figure]], Builder]:
+    """Decorator: the builder of ``title``, drawn by the function from a frame that holds
+    ``columns``; an absent, empty or partial frame gets the figure saying what is missing."""
+
+    def decorate(draw: Callable[[pl.DataFrame, str], go.Figure]) -> Builder:
+        @functools.wraps(draw)
+        def build(frame: pl.DataFrame | None) -> go.Figure:
+            bad = _unusable(title, frame, columns, what)
+            if bad is not None or frame is None:
+                return bad or missing(title, "no data")
+            return draw(frame, title)
+
+        return build
+
+    return decorate
+
+
 def _run_names(frame: pl.DataFrame) -> pl.DataFrame:
     """``frame`` with a ``_name`` column: its label where present, else its run id."""
     if "label" in frame.columns:
@@ -103,17 +124,14 @@ def _bin_labels(frame: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("TTFT vs prompt length", ("bin_lo_tokens", "bin_hi_tokens", "ttft_p50_ms"),
+        "TTFT by prompt length")
+def ttft_vs_prompt(frame: pl.DataFrame, title: str) -> go.Figure:
     """TTFT p50 (solid) and p90 (dashed) against prompt length, one pair of lines per run.
 
     Input: ``compare_by_prompt`` (run_id, label, bin_lo_tokens, bin_hi_tokens, ttft_p50_ms,
     ttft_p90_ms).
     """
-    title = "TTFT vs prompt length"
-    bad = _unusable(title, frame, ("bin_lo_tokens", "bin_hi_tokens", "ttft_p50_ms"),
-                    "TTFT by prompt length")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _bin_labels(_run_names(frame)).sort("_mid")
     if _all_null(data, "ttft_p50_ms"):
         return missing(title, "no first-token times: TTFT not measured")
@@ -136,18 +154,16 @@ def ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def prefill_split(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Prefill: compute vs D→P transfer, by prompt length",
+        ("bin_lo_tokens", "bin_hi_tokens", "prefill_ms_mean"),
+        "prefill time by prompt length")
+def prefill_split(frame: pl.DataFrame, title: str) -> go.Figure:
     """Prefill leg per prompt bin: paired bars per run, each split into compute and transfer.
 
     Input: ``compare_by_prompt`` (run_id, label, bin_lo_tokens, bin_hi_tokens,
     prefill_ms_mean, prefill_compute_ms_mean, transfer_ms_mean). A run without engine hooks has
     no split: its bar is the whole prefill leg, and a note says transfer was not measured.
     """
-    title = "Prefill: compute vs D→P transfer, by prompt length"
-    bad = _unusable(title, frame, ("bin_lo_tokens", "bin_hi_tokens", "prefill_ms_mean"),
-                    "prefill time by prompt length")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _bin_labels(_run_names(frame)).sort(["bin_lo_tokens", "_name"])
     if _all_null(data, "prefill_ms_mean"):
         return missing(title, "no prefill legs: prefill time not measured")
@@ -186,17 +202,14 @@ def _sweep_groups(frame: pl.DataFrame) -> list[tuple[str, pl.DataFrame]]:
     return [(name, rows.sort("prompt_tokens")) for name, rows in _groups(data, "_series")]
 
 
-def sweep_ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("TTFT vs prompt length", ("model", "feature", "prompt_tokens", "ttft_ms"),
+        "the published sweep")
+def sweep_ttft_vs_prompt(frame: pl.DataFrame, title: str) -> go.Figure:
     """TTFT against the swept prompt length: simulated (solid) and published (dashed).
 
     Input: ``published_sweep`` (model, profile, feature, prompt_tokens, ttft_ms,
     ttft_published_ms). Published points exist at the two ends of each sweep only.
     """
-    title = "TTFT vs prompt length"
-    bad = _unusable(title, frame, ("model", "feature", "prompt_tokens", "ttft_ms"),
-                    "the published sweep")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     fig = go.Figure()
     for i, (name, rows) in enumerate(_sweep_groups(frame)):
         fig.add_trace(go.Scatter(
@@ -215,18 +228,16 @@ def sweep_ttft_vs_prompt(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def sweep_prefill_split(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Prefill: compute vs D→P transfer, by prompt length",
+        ("model", "feature", "prompt_tokens", "prefill_ms"),
+        "the published sweep")
+def sweep_prefill_split(frame: pl.DataFrame, title: str) -> go.Figure:
     """Prefill per swept prompt length: paired ON/OFF bars, ON split into compute and transfer;
     the published prefill as dashed lines over them.
 
     Input: ``published_sweep`` (model, profile, feature, prompt_tokens, prefill_ms, compute_ms,
     transfer_ms, prefill_published_ms).
     """
-    title = "Prefill: compute vs D→P transfer, by prompt length"
-    bad = _unusable(title, frame, ("model", "feature", "prompt_tokens", "prefill_ms"),
-                    "the published sweep")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     fig = go.Figure()
     for i, (name, rows) in enumerate(_sweep_groups(frame)):
         x = [f"{t / 1000:g}k" for t in rows["prompt_tokens"].to_list()]
@@ -256,29 +267,32 @@ def sweep_prefill_split(frame: pl.DataFrame | None) -> go.Figure:
 # --- reuse ------------------------------------------------------------------------------------
 
 
-def reuse_by_turn(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Reuse by turn index (share of reusable tokens)",
+        ("turn_index", "local_share", "remote_share"),
+        "reuse by turn")
+def reuse_by_turn(frame: pl.DataFrame, title: str) -> go.Figure:
     """Share of reusable tokens reused, by turn index: remote (solid) and local (dotted) per run.
 
     Input: ``reuse_rate`` with by=turn_index (run_id, turn_index, local_share, remote_share).
     """
-    title = "Reuse by turn index (share of reusable tokens)"
-    bad = _unusable(title, frame, ("turn_index", "local_share", "remote_share"),
-                    "reuse by turn")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
-    data = _run_names(frame).sort("turn_index")
+    return _reuse_shares(title, _run_names(frame).sort("turn_index"), "turn_index",
+                         "turn index")
+
+
+def _reuse_shares(title: str, data: pl.DataFrame, x: str, x_title: str) -> go.Figure:
+    """Remote (solid) and local (dotted) share of reusable tokens against ``x``, per run."""
     if _all_null(data, "local_share") and _all_null(data, "remote_share"):
         return missing(title, "reusable tokens not measured (no boundary hashes, no offers)")
     fig = go.Figure()
     for i, (name, rows) in enumerate(_groups(data)):
-        x = rows["turn_index"].to_list()
-        fig.add_trace(go.Scatter(x=x, y=rows["remote_share"].to_list(), name=f"{name} remote",
+        xs = rows[x].to_list()
+        fig.add_trace(go.Scatter(x=xs, y=rows["remote_share"].to_list(), name=f"{name} remote",
                                  mode="lines+markers", line={"color": _color(i)},
                                  legendgroup=name))
-        fig.add_trace(go.Scatter(x=x, y=rows["local_share"].to_list(), name=f"{name} local",
+        fig.add_trace(go.Scatter(x=xs, y=rows["local_share"].to_list(), name=f"{name} local",
                                  mode="lines+markers", line={"color": _color(i), "dash": "dot"},
                                  legendgroup=name))
-    fig.update_layout(title=title, xaxis_title="turn index", yaxis_title="share of reusable",
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title="share of reusable",
                       yaxis_tickformat=".0%", yaxis_range=[0, 1.05], **_LAYOUT)
     return fig
 
@@ -288,15 +302,12 @@ NOT_MISSES = (outcomes.FIRST_TURN, outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL
 INVALID = outcomes.REUSED_INVALID
 
 
-def miss_causes(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Why reuse did not happen (share of turns k ≥ 2)", ("outcome", "share"), "miss causes")
+def miss_causes(frame: pl.DataFrame, title: str) -> go.Figure:
     """Missed-reuse causes: share of later turns per cause, one bar series per run.
 
     Input: ``miss_causes`` (run_id, outcome, turns, share); full-reuse outcomes are left out.
     """
-    title = "Why reuse did not happen (share of turns k ≥ 2)"
-    bad = _unusable(title, frame, ("outcome", "share"), "miss causes")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame).filter(~pl.col("outcome").is_in(NOT_MISSES))
     if data.is_empty():
         return missing(title, "no missed reuse: every later turn reused its earlier KV")
@@ -324,18 +335,15 @@ def miss_causes(frame: pl.DataFrame | None) -> go.Figure:
 _GPU_SOURCES = ("gpu_memory_used", "gpu_memory_total")
 
 
-def retained_memory(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Retained KV and GPU memory", ("run_id", "source", "time", "mean_bytes"),
+        "retained memory (no retention spans or gauges)")
+def retained_memory(frame: pl.DataFrame, title: str) -> go.Figure:
     """Retained KV bytes over time (per decode engine) beside GPU memory, in GiB.
 
     Input: ``retained_memory`` (run_id, source, engine_id, gpu_host, gpu_index, time,
     mean_bytes, max_bytes). Time is seconds since each run's first point, so runs recorded at
     different times line up. GPU series are dashed; without them a note says so.
     """
-    title = "Retained KV and GPU memory"
-    bad = _unusable(title, frame, ("run_id", "source", "time", "mean_bytes"),
-                    "retained memory (no retention spans or gauges)")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame).with_columns(
         ((pl.col("time") - pl.col("time").min().over("run_id")).dt.total_milliseconds() / 1e3)
         .alias("_t"),
@@ -421,7 +429,10 @@ def task_time(frame: pl.DataFrame | None, group: str | None = None) -> go.Figure
 _OBSERVED = "observed"
 
 
-def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("What-if: reuse and retention cost vs decoder_kv_blocks_ttl",
+        ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "token_reuse_rate", "retained_gib_s"),
+        "what-if results")
+def whatif_curves(frame: pl.DataFrame, title: str) -> go.Figure:
     """Reuse rate (left) and retained GiB·s (right) against the decode TTL, one line per threshold.
 
     Input: ``whatif`` (run_id, source, decoder_kv_blocks_ttl, kv_recompute_threshold,
@@ -431,12 +442,6 @@ def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
     """
     from plotly.subplots import make_subplots
 
-    title = "What-if: reuse and retention cost vs decoder_kv_blocks_ttl"
-    needed = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "token_reuse_rate",
-              "retained_gib_s")
-    bad = _unusable(title, frame, needed, "what-if results")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = frame.with_columns(
         pl.format("threshold {}", pl.col("kv_recompute_threshold")).alias("_line"))
     data = _run_names(data)
@@ -471,7 +476,8 @@ def whatif_curves(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def reuse_ladder(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Reuse ladder: ideal → observed (reusable tokens)", ("step", "tokens"), "the reuse ladder")
+def reuse_ladder(frame: pl.DataFrame, title: str) -> go.Figure:
     """The reuse ladder as a waterfall per run: ideal, the loss at each bound, observed.
 
     Input: ``ladder`` (run_id, step_order, step, tokens, basis): reusable tokens reachable at
@@ -480,10 +486,6 @@ def reuse_ladder(frame: pl.DataFrame | None) -> go.Figure:
     tokens were not measured is left out and named in a note (its loss then shows in the next
     measured step).
     """
-    title = "Reuse ladder: ideal → observed (reusable tokens)"
-    bad = _unusable(title, frame, ("step", "tokens"), "the reuse ladder")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame)
     if "step_order" in data.columns:
         data = data.sort("step_order", maintain_order=True)
@@ -525,44 +527,25 @@ def _since_run_start(frame: pl.DataFrame, column: str) -> pl.DataFrame:
         .alias("_t"))
 
 
-def reuse_over_time(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Reuse over time (share of reusable tokens, turns k ≥ 2)",
+        ("window_start", "local_share", "remote_share"),
+        "reuse over time")
+def reuse_over_time(frame: pl.DataFrame, title: str) -> go.Figure:
     """Share of reusable tokens reused per time window: remote (solid), local (dotted), per run.
 
     Input: ``reuse_rate`` with by=window (run_id, window_start, local_share, remote_share);
     time is seconds since each run's first window, so runs recorded apart line up.
     """
-    title = "Reuse over time (share of reusable tokens, turns k ≥ 2)"
-    bad = _unusable(title, frame, ("window_start", "local_share", "remote_share"),
-                    "reuse over time")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
-    data = _since_run_start(_run_names(frame), "window_start").sort("_t")
-    if _all_null(data, "local_share") and _all_null(data, "remote_share"):
-        return missing(title, "reusable tokens not measured (no boundary hashes, no offers)")
-    fig = go.Figure()
-    for i, (name, rows) in enumerate(_groups(data)):
-        x = rows["_t"].to_list()
-        fig.add_trace(go.Scatter(x=x, y=rows["remote_share"].to_list(), name=f"{name} remote",
-                                 mode="lines+markers", line={"color": _color(i)},
-                                 legendgroup=name))
-        fig.add_trace(go.Scatter(x=x, y=rows["local_share"].to_list(), name=f"{name} local",
-                                 mode="lines+markers", line={"color": _color(i), "dash": "dot"},
-                                 legendgroup=name))
-    fig.update_layout(title=title, xaxis_title="seconds since the run's first turn",
-                      yaxis_title="share of reusable", yaxis_tickformat=".0%",
-                      yaxis_range=[0, 1.05], **_LAYOUT)
-    return fig
+    return _reuse_shares(title, _since_run_start(_run_names(frame), "window_start").sort("_t"),
+                         "_t", "seconds since the run's first turn")
 
 
-def outcome_shares(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Outcomes of turns k ≥ 2", ("outcome", "share"), "outcomes")
+def outcome_shares(frame: pl.DataFrame, title: str) -> go.Figure:
     """Every outcome of turns k ≥ 2 (reuses and misses), stacked to 100 % per run.
 
     Input: ``miss_causes`` (run_id, outcome, turns, share).
     """
-    title = "Outcomes of turns k ≥ 2"
-    bad = _unusable(title, frame, ("outcome", "share"), "outcomes")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame)
     fig = go.Figure()
     outcomes = sorted(data["outcome"].unique().to_list(),
@@ -579,16 +562,13 @@ def outcome_shares(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def ttft_over_time(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("TTFT over time", ("window_start", "ttft_p50_ms"), "TTFT over time")
+def ttft_over_time(frame: pl.DataFrame, title: str) -> go.Figure:
     """TTFT p50 (solid) and p90 (dashed) per time window, per run.
 
     Input: run_id, window_start, ttft_p50_ms, ttft_p90_ms (the dashboard shapes it from the
     ledger); windows without first-token times stay gaps.
     """
-    title = "TTFT over time"
-    bad = _unusable(title, frame, ("window_start", "ttft_p50_ms"), "TTFT over time")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _since_run_start(_run_names(frame), "window_start").sort("_t")
     if _all_null(data, "ttft_p50_ms"):
         return missing(title, "no first-token times: TTFT not measured")
@@ -618,7 +598,8 @@ WATERFALL_PARTS = (
 )
 
 
-def conversation_waterfall(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Conversation waterfall", ("turn_index", "outcome"), "the conversation")
+def conversation_waterfall(frame: pl.DataFrame, title: str) -> go.Figure:
     """One conversation turn by turn: each turn's legs from its arrival, and the tool wait.
 
     Input: ledger rows of one conversation (turn_index, outcome, prefill_ms, d2p_ms, p2d_ms,
@@ -630,10 +611,6 @@ def conversation_waterfall(frame: pl.DataFrame | None) -> go.Figure:
     """
     from plotly.subplots import make_subplots
 
-    title = "Conversation waterfall"
-    bad = _unusable(title, frame, ("turn_index", "outcome"), "the conversation")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     rows = frame.sort("turn_index").to_dicts()
     labels = [f"turn {r['turn_index']}: {r['outcome']}" for r in rows]
     segments: dict[str, tuple[list[Any], list[Any], list[Any]]] = {
@@ -691,15 +668,13 @@ def conversation_waterfall(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def outcomes_over_time(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Missed-reuse causes over time (turns)", ("window_start", "outcome", "turns"),
+        "causes over time")
+def outcomes_over_time(frame: pl.DataFrame, title: str) -> go.Figure:
     """Missed-reuse causes per time window: stacked turns per cause (all runs together).
 
     Input: run_id, window_start, outcome, turns (shaped from the ledger, misses only).
     """
-    title = "Missed-reuse causes over time (turns)"
-    bad = _unusable(title, frame, ("window_start", "outcome", "turns"), "causes over time")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _since_run_start(_run_names(frame), "window_start")
     data = data.filter(~pl.col("outcome").is_in(NOT_MISSES))
     if data.is_empty():
@@ -714,15 +689,13 @@ def outcomes_over_time(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def outcomes_by_engine(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Missed-reuse causes by prefill engine (turns)", ("prefill_engine", "outcome", "turns"),
+        "causes by engine")
+def outcomes_by_engine(frame: pl.DataFrame, title: str) -> go.Figure:
     """Missed-reuse causes per prefill engine: stacked turns per cause.
 
     Input: prefill_engine, outcome, turns (shaped from the ledger, misses only).
     """
-    title = "Missed-reuse causes by prefill engine (turns)"
-    bad = _unusable(title, frame, ("prefill_engine", "outcome", "turns"), "causes by engine")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = frame.filter(~pl.col("outcome").is_in(NOT_MISSES)).with_columns(
         pl.col("prefill_engine").fill_null("engine not measured"))
     if data.is_empty():
@@ -735,15 +708,13 @@ def outcomes_by_engine(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def tokens_lost(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Reusable tokens recomputed, by cause", ("outcome", "recomputed_tokens"),
+        "tokens lost per cause")
+def tokens_lost(frame: pl.DataFrame, title: str) -> go.Figure:
     """Reusable tokens recomputed per miss cause, one bar series per run.
 
     Input: ``miss_causes`` (run_id, outcome, recomputed_tokens); a null count stays a gap.
     """
-    title = "Reusable tokens recomputed, by cause"
-    bad = _unusable(title, frame, ("outcome", "recomputed_tokens"), "tokens lost per cause")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame).filter(~pl.col("outcome").is_in(NOT_MISSES))
     if data.is_empty():
         return missing(title, "no missed reuse: no tokens lost")
@@ -763,17 +734,15 @@ _RETENTION_CLASSES = (("useful", "gib_s_useful", "#2ca02c"), ("idle", "gib_s_idl
                       ("wasted", "gib_s_wasted", "#d62728"), ("open", "gib_s_open", "#7f7f7f"))
 
 
-def retention_classes(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Retention cost: GiB·s useful / idle / wasted",
+        ("engine_id", "gib_s_useful", "gib_s_wasted"),
+        "retention cost (no retention spans)")
+def retention_classes(frame: pl.DataFrame, title: str) -> go.Figure:
     """GiB·s held per run and decode engine, stacked useful / idle / wasted / open.
 
     Input: ``retention_cost`` (run_id, engine_id, gib_s_useful, gib_s_idle, gib_s_wasted,
     gib_s_open).
     """
-    title = "Retention cost: GiB·s useful / idle / wasted"
-    bad = _unusable(title, frame, ("engine_id", "gib_s_useful", "gib_s_wasted"),
-                    "retention cost (no retention spans)")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame).with_columns(
         pl.concat_str([pl.col("_name"), pl.lit(" · "),
                        pl.col("engine_id").fill_null("engine not measured")]).alias("_bar"))
@@ -786,15 +755,13 @@ def retention_classes(frame: pl.DataFrame | None) -> go.Figure:
     return fig
 
 
-def hold_times(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Retention hold times against decoder_kv_blocks_ttl", ("held_s", "reason"),
+        "hold times (no retention spans)")
+def hold_times(frame: pl.DataFrame, title: str) -> go.Figure:
     """Distribution of retention hold times per release reason, with the TTL as a line.
 
     Input: retention spans (held_s, reason, ttl_s).
     """
-    title = "Retention hold times against decoder_kv_blocks_ttl"
-    bad = _unusable(title, frame, ("held_s", "reason"), "hold times (no retention spans)")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = frame.filter(pl.col("held_s").is_not_null())
     if data.is_empty():
         return missing(title, "no hold times: retention spans not measured")
@@ -818,15 +785,12 @@ def hold_times(frame: pl.DataFrame | None) -> go.Figure:
 # --- dashboard: TTFT vs task time -------------------------------------------------------------
 
 
-def ttft_vs_task(frame: pl.DataFrame | None) -> go.Figure:
+@_draws("Σ TTFT vs task time, per conversation", ("task_s", "ttft_sum_s"), "TTFT and task time")
+def ttft_vs_task(frame: pl.DataFrame, title: str) -> go.Figure:
     """Σ TTFT against task time per conversation, one colour per run (the diagonal = all TTFT).
 
     Input: ``task_time`` (run_id, conversation_id, task_s, ttft_sum_s).
     """
-    title = "Σ TTFT vs task time, per conversation"
-    bad = _unusable(title, frame, ("task_s", "ttft_sum_s"), "TTFT and task time")
-    if bad is not None or frame is None:
-        return bad or missing(title, "no data")
     data = _run_names(frame)
     if _all_null(data, "ttft_sum_s"):
         return missing(title, "no first-token times: TTFT not measured")

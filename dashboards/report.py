@@ -51,14 +51,14 @@ class FigureSpec:
 
     id: str
     analysis: str
-    build: Callable[[pl.DataFrame | None], go.Figure]
+    build: figures.Builder
     params: Mapping[str, Any] = field(default_factory=dict)
     # Shown instead when ``analysis`` cannot run here (an A/B pair's figure on one run).
     fallback: str | None = None
     # Drawn instead, by ``sweep_build``, when this analysis has rows (a store holding the
     # published sweep: simulated beside published).
     sweep: str | None = None
-    sweep_build: Callable[[pl.DataFrame | None], go.Figure] | None = None
+    sweep_build: figures.Builder | None = None
 
 
 FIGURES: tuple[FigureSpec, ...] = (

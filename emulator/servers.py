@@ -35,7 +35,7 @@ import random
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
@@ -81,7 +81,8 @@ EXPIRED_TTL_S = 0.001
 LOOPBACK_ALIASES = ("127.0.0.1", "localhost")
 # Without ignore_eos the emulated model "wants" this many tokens plus a seeded share of 240.
 _REAP_INTERVAL_S = 0.2
-
+# The engine model a server wraps.
+_Node = TypeVar("_Node", PrefillNode, DecodeNode)
 
 
 @dataclass(frozen=True)
@@ -255,13 +256,15 @@ def _overridden(node: PrefillNode | DecodeNode, **changes: Any) -> Iterator[None
 # --- the servers ----------------------------------------------------------------------------------
 
 
-class _EngineServer:
+class _EngineServer(Generic[_Node]):
     """Shared HTTP handling of one emulated engine; subclasses supply the engine's work."""
 
     role = ""
 
-    def __init__(self, emulation: Emulation, telemetry: EngineTelemetry | None) -> None:
+    def __init__(self, emulation: Emulation, node: _Node,
+                 telemetry: EngineTelemetry | None) -> None:
         self.emulation = emulation
+        self.node = node
         self.telemetry = telemetry
         self.rng = random.Random(f"{emulation.config.seed}-{id(self)}")
         # Prefill compute is serialised per engine (one batch at a time); decode overlaps.
@@ -269,7 +272,7 @@ class _EngineServer:
 
     @property
     def engine_id(self) -> str:
-        raise NotImplementedError
+        return self.node.config.engine_id
 
     def application(self) -> web.Application:
         """The aiohttp app serving vLLM's routes for this engine."""
@@ -405,19 +408,10 @@ class _EngineServer:
         return response
 
 
-class PrefillServer(_EngineServer):
+class PrefillServer(_EngineServer[PrefillNode]):
     """A prefill engine: local hit, D→P pull (or not), prefill compute, P→D params."""
 
     role = semconv.ROLE_PREFILL
-
-    def __init__(self, emulation: Emulation, node: PrefillNode,
-                 telemetry: EngineTelemetry | None) -> None:
-        super().__init__(emulation, telemetry)
-        self.node = node
-
-    @property
-    def engine_id(self) -> str:
-        return self.node.config.engine_id
 
     async def serve(self, request: web.Request, req: EmulatedRequest) -> web.StreamResponse:
         entered = time.monotonic()
@@ -508,15 +502,14 @@ class PrefillServer(_EngineServer):
         return response
 
 
-class DecodeServer(_EngineServer):
+class DecodeServer(_EngineServer[DecodeNode]):
     """A decode engine: P→D pull, token streaming, retention and D→P params on finish."""
 
     role = semconv.ROLE_DECODE
 
     def __init__(self, emulation: Emulation, node: DecodeNode,
                  telemetry: EngineTelemetry | None) -> None:
-        super().__init__(emulation, telemetry)
-        self.node = node
+        super().__init__(emulation, node, telemetry)
         self._drained = 0
         self._traceparents: dict[str, str | None] = {}
         self.retained_bytes = 0

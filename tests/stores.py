@@ -1,12 +1,16 @@
-"""Simulated stores several test modules share: seeded, so every build gives the same rows."""
+"""Stores several test modules share: simulated ones (seeded, so every build gives the same
+rows), and one way to read a store back."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
+from kvscope.store.database import open_readonly
 
 
 def on_off_store(db: Path, *, seed: int, conversations: int, turns_p50: int, max_turns: int,
@@ -31,3 +35,12 @@ def busy_workload(*, turns_p50: int, max_turns: int) -> Workload:
         seed=5, conversations=8, turns_p50=turns_p50, max_turns=max_turns,
         system_prompt_tokens=700, new_input_tokens_p50=250, think_time_p50_s=4,
         think_time_p90_s=30, reset_probability=0.08, subagent_probability=0.1)
+
+
+def query(db: Path, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+    """Every row ``sql`` (with bound ``params``) gives on the store ``db``, read-only."""
+    con = open_readonly(db)
+    try:
+        return con.execute(sql, list(params)).fetchall()
+    finally:
+        con.close()

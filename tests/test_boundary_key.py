@@ -26,6 +26,7 @@ from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
 from kvscope.reuse.router import history_continues
 from kvscope.store import StoreReader
+from tests.stores import query
 
 LOGGER = logger.name
 BODY = {"messages": [{"role": "system", "content": "You are a coding agent."},
@@ -172,8 +173,6 @@ def test_kvscope_proxy_hashes_with_the_persisted_key_in_its_export_process(
     directory keeps, and each turn span names its id."""
     import argparse
 
-    import duckdb
-
     from kvscope.cli.proxy import configure as add_proxy_arguments
     from kvscope.cli.proxy import telemetry_from_args
 
@@ -192,11 +191,7 @@ def test_kvscope_proxy_hashes_with_the_persisted_key_in_its_export_process(
         assert telemetry.flush(30)
     finally:
         telemetry.shutdown()
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        attrs = con.execute("SELECT SpanAttributes FROM otel_traces WHERE SpanName = ?",
-                            [semconv.SPAN_TURN]).fetchone()[0]
-    finally:
-        con.close()
+    [(attrs,)] = query(db, "SELECT SpanAttributes FROM otel_traces WHERE SpanName = ?",
+                       [semconv.SPAN_TURN])
     assert attrs[semconv.MESSAGE_BOUNDARY_HASH_KEY_ID] == key.key_id
     assert attrs[semconv.MESSAGE_BOUNDARY_HASHES] == boundary_hashes(BODY, key)[1]

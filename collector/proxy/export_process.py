@@ -373,9 +373,9 @@ class _SdkExport:
     def publish(self, counters: Any, built: int) -> None:
         stats = self.telemetry.span_processor.stats
         counters[_QUEUED] = stats.queued
-        counters[_EXPORTED] = stats.exported
+        counters[_EXPORTED] = stats.sent
         counters[_DROPPED] = stats.dropped
-        counters[_EXPORT_FAILED] = stats.export_failures
+        counters[_EXPORT_FAILED] = stats.failed
 
     def shutdown(self) -> None:
         self.telemetry.shutdown()

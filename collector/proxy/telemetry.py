@@ -265,6 +265,11 @@ class _ConversationClock:
             state[1] = end_ns
 
 
+def _add_known(attrs: dict[str, Any], values: Mapping[str, Any]) -> None:
+    """Add the ``values`` that are known: an attribute not measured is left out, never null."""
+    attrs.update({key: value for key, value in values.items() if value is not None})
+
+
 def sdk_spans(resource: Resource, scope: InstrumentationScope) -> SpanBuilder:
     """The SDK sink: a finished span's pieces as the ``ReadableSpan`` exporters take.
 
@@ -441,26 +446,18 @@ class ProxyTelemetry:
             turn_attrs[semconv.CONVERSATION_ID_SOURCE] = conversation.source
             if conversation.rejected is not None:
                 turn_attrs[semconv.CONVERSATION_ID_REJECTED] = conversation.rejected
-        if record.model is not None:
-            turn_attrs[semconv.GEN_AI_REQUEST_MODEL] = record.model
-        if record.prompt_tokens is not None:
-            turn_attrs[semconv.GEN_AI_USAGE_INPUT_TOKENS] = record.prompt_tokens
-        if record.output_tokens is not None:
-            turn_attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = record.output_tokens
-        if record.cached_tokens is not None:
-            turn_attrs[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = record.cached_tokens
-        if record.lookup is not None:
-            turn_attrs[semconv.ROUTER_LOOKUP] = record.lookup
-        if record.lookup_age_s is not None:
-            turn_attrs[semconv.ROUTER_ENTRY_AGE_S] = record.lookup_age_s
-        if record.reuse_guard is not None:
-            turn_attrs[semconv.REUSE_GUARD] = record.reuse_guard
-        if self.router_ttl_s is not None:
-            turn_attrs[semconv.ROUTER_TTL_S] = self.router_ttl_s
-        if record.prefill_instance is not None:
-            turn_attrs[semconv.PREFILL_INSTANCE] = record.prefill_instance
-        if record.decode_instance is not None:
-            turn_attrs[semconv.DECODE_INSTANCE] = record.decode_instance
+        _add_known(turn_attrs, {
+            semconv.GEN_AI_REQUEST_MODEL: record.model,
+            semconv.GEN_AI_USAGE_INPUT_TOKENS: record.prompt_tokens,
+            semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
+            semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: record.cached_tokens,
+            semconv.ROUTER_LOOKUP: record.lookup,
+            semconv.ROUTER_ENTRY_AGE_S: record.lookup_age_s,
+            semconv.REUSE_GUARD: record.reuse_guard,
+            semconv.ROUTER_TTL_S: self.router_ttl_s,
+            semconv.PREFILL_INSTANCE: record.prefill_instance,
+            semconv.DECODE_INSTANCE: record.decode_instance,
+        })
         if record.message_count:
             # The record holds the last hashes only; a longer list (a caller of its own) is cut.
             hashes = record.boundary_hashes
@@ -504,18 +501,14 @@ class ProxyTelemetry:
                 semconv.X_REQUEST_ID: record.x_request_id,
                 semconv.D_METADATA_ATTACHED: record.d_metadata_attached,
             }
-            if record.prefill_instance is not None:
-                attrs[semconv.PREFILL_INSTANCE] = record.prefill_instance
-            if record.prompt_tokens is not None:
-                attrs[semconv.PROMPT_TOKENS] = record.prompt_tokens
-            if record.cached_tokens is not None:
-                attrs[semconv.CACHED_TOKENS] = record.cached_tokens
-            if record.prefill_request_id is not None:
-                attrs[semconv.VLLM_REQUEST_ID] = record.prefill_request_id
-            if record.offered_request_id is not None:
-                attrs[semconv.OFFERED_REQUEST_ID] = record.offered_request_id
-            if record.offered_tokens is not None:
-                attrs[semconv.REMOTE_OFFERED_TOKENS] = record.offered_tokens
+            _add_known(attrs, {
+                semconv.PREFILL_INSTANCE: record.prefill_instance,
+                semconv.PROMPT_TOKENS: record.prompt_tokens,
+                semconv.CACHED_TOKENS: record.cached_tokens,
+                semconv.VLLM_REQUEST_ID: record.prefill_request_id,
+                semconv.OFFERED_REQUEST_ID: record.offered_request_id,
+                semconv.REMOTE_OFFERED_TOKENS: record.offered_tokens,
+            })
             spans.append(
                 self._leg(record, semconv.SPAN_INPUT_PROCESSING, record.prefill_span_id,
                           record.prefill_start_ns, record.prefill_end_ns, attrs, (),
@@ -527,16 +520,13 @@ class ProxyTelemetry:
                 semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
                 semconv.STREAM_CHUNKS: record.chunks,
             }
-            if record.decode_instance is not None:
-                attrs[semconv.DECODE_INSTANCE] = record.decode_instance
-            if record.output_tokens is not None:
-                attrs[semconv.GEN_AI_USAGE_OUTPUT_TOKENS] = record.output_tokens
-            if record.decode_request_id is not None:
-                attrs[semconv.VLLM_REQUEST_ID] = record.decode_request_id
-            if record.remote_num_tokens is not None:
-                attrs[semconv.REMOTE_NUM_TOKENS] = record.remote_num_tokens
-            if record.retention_blocks is not None:
-                attrs[semconv.RETENTION_BLOCKS] = record.retention_blocks
+            _add_known(attrs, {
+                semconv.DECODE_INSTANCE: record.decode_instance,
+                semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
+                semconv.VLLM_REQUEST_ID: record.decode_request_id,
+                semconv.REMOTE_NUM_TOKENS: record.remote_num_tokens,
+                semconv.RETENTION_BLOCKS: record.retention_blocks,
+            })
             if record.client_disconnected:
                 attrs[semconv.CLIENT_DISCONNECTED] = True
             spans.append(
@@ -588,7 +578,7 @@ class ProxyTelemetry:
             dropped += self.export_process.counts()["dropped_spans"]
         if self.telemetry is not None:
             stats = self.telemetry.span_processor.stats
-            dropped += stats.dropped + stats.export_failures
+            dropped += stats.dropped + stats.failed
             writer = self.telemetry.writer
             if writer is not None:
                 dropped += writer.stats.failed_rows
@@ -609,7 +599,7 @@ class ProxyTelemetry:
             stats = self.telemetry.span_processor.stats
             counts.update(
                 queued_spans=stats.queued,
-                exported_spans=stats.exported,
+                exported_spans=stats.sent,
                 dropped_spans=self.dropped_spans(),
             )
         return counts

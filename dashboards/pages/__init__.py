@@ -57,7 +57,7 @@ def graph(id_: str, fig: go.Figure) -> dcc.Graph:
 
 
 def figure_of(id_: str, title: str, result: Result,
-              build: Callable[[pl.DataFrame | None], go.Figure],
+              build: figures.Builder,
               labels: Mapping[str, str] | None = None) -> dcc.Graph:
     """The graph of one analysis result, or a figure saying why the result is missing."""
     if result.frame is None:

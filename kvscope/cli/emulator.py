@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvscope import settings
-from kvscope.cli.options import Command, setting_help
+from kvscope.cli.options import Command, add_workload_scaling, setting_help
 from kvscope.errors import SettingError
 from kvscope.serving import stop_signals
 
@@ -170,14 +170,8 @@ def _configure_replay(parser: argparse.ArgumentParser) -> None:
                              "trace_*.json; mooncake JSONL (required for mooncake)")
     parser.add_argument("--conversations", type=int, default=8,
                         help="number of sessions (synthetic) or traces (weka, mooncake)")
-    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
     parser.add_argument("--seed", type=int, default=0, help="seed of generated content/arrivals")
-    parser.add_argument("--token-scale", type=float, default=1.0,
-                        help="multiply weka CSV token counts (e.g. 0.05 for a fast demo)")
-    parser.add_argument("--arrival-rate", type=float, default=0.0,
-                        help="sessions per second for weka traces (0: all start at once)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="divide tool waits and start offsets by this factor")
+    add_workload_scaling(parser, "divide tool waits and start offsets by this factor")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="base URL of the OpenAI-compatible endpoint")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in each request")

@@ -19,6 +19,7 @@ __all__ = [
     "add_setting",
     "add_store",
     "add_store_and_runs",
+    "add_workload_scaling",
     "floats",
     "ints",
     "names",
@@ -79,27 +80,38 @@ def required(args: argparse.Namespace, name: str) -> Any:
     return value
 
 
-def floats(text: str) -> list[float]:
-    """A comma-separated list of numbers (an argparse type)."""
+def _numbers(text: str, convert: Callable[[str], Any], what: str) -> list[Any]:
     try:
-        return [float(v) for v in text.split(",") if v.strip()]
+        return [convert(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of numbers") from None
+            f"{text!r} is not a comma-separated list of {what}") from None
+
+
+def floats(text: str) -> list[float]:
+    """A comma-separated list of numbers (an argparse type)."""
+    return _numbers(text, float, "numbers")
 
 
 def ints(text: str) -> list[int]:
     """A comma-separated list of integers (an argparse type)."""
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers") from None
+    return _numbers(text, int, "integers")
 
 
 def names(text: str) -> list[str]:
     """A comma-separated list of names (an argparse type)."""
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_workload_scaling(parser: argparse.ArgumentParser, time_scale_help: str) -> None:
+    """Options that scale the workload ``sources.load`` reads: turns, tokens, arrivals, time."""
+    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="multiply weka CSV token counts (e.g. 0.05 for a fast demo)")
+    parser.add_argument("--arrival-rate", type=float, default=0.0,
+                        help="sessions per second for weka traces (0: all start at once)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help=time_scale_help)
 
 
 def add_clickhouse(parser: argparse.ArgumentParser) -> None:

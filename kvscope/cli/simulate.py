@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvscope import published, settings
+from kvscope.cli.options import add_workload_scaling
 from kvscope.emulator.cost_model import PROFILES
 from kvscope.emulator.simulator import (
     SIM_FAULTS,
@@ -134,13 +135,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=None,
                         help="sessions (synthetic, default 8), first traces (weka) or first "
                              "sessions (mooncake); default: all of a trace")
-    parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
-    parser.add_argument("--token-scale", type=float, default=1.0,
-                        help="multiply weka CSV token counts")
-    parser.add_argument("--arrival-rate", type=float, default=0.0,
-                        help="sessions a second for weka traces (0: all start at once)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="divide a trace's waits and start times by this (weka, mooncake)")
+    add_workload_scaling(parser, "divide a trace's waits and start times by this (weka, mooncake)")
     parser.add_argument("--workload-seed", type=int, default=0,
                         help="seed of the synthetic workload and of weka arrivals")
     for option in OPTIONS:

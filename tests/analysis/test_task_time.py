@@ -25,7 +25,6 @@ from kvscope.analysis.task_time import (
 )
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
-from kvscope.store.database import open_store
 
 T0 = dt.datetime(2026, 1, 1)
 
@@ -237,12 +236,3 @@ def test_task_time_on_a_simulated_run(simulated: tuple[Path, SimulationResult]) 
     assert by["tool_wait"]["share_of_task"] > 0.9
     assert math.isclose(sum(by[p]["share_of_task"] for p in COMPONENTS[1:-1]), 1.0,
                         rel_tol=1e-6)
-
-
-def test_an_empty_store_gives_empty_frames_of_the_declared_columns(tmp_path: Path) -> None:
-    open_store(tmp_path / "empty.duckdb").close()
-    with registry.AnalysisContext.open(tmp_path / "empty.duckdb") as ctx:
-        for name in ("task_time", "task_time_summary"):
-            frame = registry.run(ctx, name)
-            assert frame.is_empty()
-            assert frame.schema == pl.Schema(registry.get(name).columns)

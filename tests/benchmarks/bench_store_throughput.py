@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -58,13 +56,10 @@ from kvscope.store.writer import (
 
 BATCH = 8192
 ROOT = Path(__file__).resolve().parents[2]
-_LAUNCHER = (
-    "import sys\n"
-    "from kvscope.collector.receiver import run_receiver\n"
-    "def ready(listening):\n"
-    "    print(f'receiving on {listening.http_url}, OTLP/gRPC', file=sys.stderr, flush=True)\n"
-    "run_receiver(sys.argv[1], '127.0.0.1', 0, grpc_port=0, on_ready=ready, ack=sys.argv[2])\n"
-)
+sys.path.insert(0, str(ROOT / "tests" / "collector"))
+
+from served import Served  # noqa: E402
+
 ACKS = ("queued", "durable")
 
 
@@ -162,23 +157,8 @@ def bench_in_process(spans: list[ReadableSpan], workdir: Path) -> tuple[float, i
     return elapsed, retries
 
 
-class ServeProcess:
-    """``kvscope serve`` on an ephemeral port in a child process."""
-
-    def __init__(self, db: Path, ack: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCHER, str(db), ack],
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert self.process.stderr is not None
-        line = self.process.stderr.readline()
-        if " on http://" not in line:
-            self.process.kill()
-            raise RuntimeError(f"receiver did not start: {line!r}")
-        self.url = line.split(" on ", 1)[1].split(",", 1)[0]
+class ServeProcess(Served):
+    """A receiver with one way of acknowledging, in a child process; it counts rows written."""
 
     def written(self) -> int:
         return int(httpx.get(f"{self.url}/health").json()["rows_written"])
@@ -189,10 +169,6 @@ class ServeProcess:
             if time.monotonic() > deadline:
                 raise RuntimeError("receiver did not write every row in time")
             time.sleep(0.005)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(120)
 
 
 def _run_senders(senders: int, send: Callable[[int], None]) -> None:

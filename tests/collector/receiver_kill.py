@@ -11,11 +11,8 @@ write-ahead log) and every acknowledged id is looked up.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,24 +29,14 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from served import Served
 
 from kvscope import semconv
 from kvscope.store.database import open_store
 
-ROOT = Path(__file__).resolve().parents[2]
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 # A receiver with a chosen acknowledgement ("durable" or "queued"), printing what ``kvscope serve``
 # prints; without one the trial runs the real CLI, `kvscope serve`.
-_LAUNCHER = (
-    "import sys\n"
-    "from kvscope.collector.receiver import run_receiver\n"
-    "def ready(listening):\n"
-    "    print(f'kvscope serve: receiving OTLP/HTTP on {listening.http_url}, OTLP/gRPC on '\n"
-    "          f'{listening.grpc_url}', file=sys.stderr, flush=True)\n"
-    "run_receiver(sys.argv[1], '127.0.0.1', 0, grpc_port=0, on_ready=ready, ack=sys.argv[2])\n"
-)
-
-
 @dataclass
 class Round:
     """One start-send-kill round: spans acknowledged per sender kind."""
@@ -61,28 +48,6 @@ class Round:
 
     def all(self) -> set[str]:
         return set().union(*self.acknowledged.values()) if self.acknowledged else set()
-
-
-class _Serve:
-    def __init__(self, db: Path, ack: str | None) -> None:
-        argv = ([sys.executable, "-c", _LAUNCHER, str(db), ack] if ack else
-                [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(db), "--port", "0",
-                 "--grpc-port", "0"])
-        self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.process.stderr is not None
-        line = self.process.stderr.readline()
-        if "receiving OTLP/HTTP on " not in line:
-            self.process.kill()
-            raise RuntimeError(f"receiver did not start: {line!r}")
-        self.url = line.split(" on ", 1)[1].split(",", 1)[0]
-        self.grpc_target = line.split("OTLP/gRPC on http://", 1)[1].split(",", 1)[0].strip()
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
 
 
 class _Ids:
@@ -137,7 +102,7 @@ def run_round(db: Path, *, ack: str | None, seed: int, http_senders: int = 3,
     killed = threading.Event()
     # The official exporter's spans are made before the receiver starts (the SDK is slow).
     exporter_batches = [_sdk_spans(spans_per_request) for _ in range(40 * exporter_senders)]
-    serve = _Serve(db, ack)
+    serve = Served(db, ack)
 
     def acked(kind: str, span_ids: list[str]) -> None:
         with lock:
@@ -205,7 +170,7 @@ def run_round(db: Path, *, ack: str | None, seed: int, http_senders: int = 3,
         time.sleep(rng.uniform(*kill_after_s))
     finally:
         killed.set()
-        serve.kill()
+        serve.stop(signal.SIGKILL, 30)
         for thread in threads:
             thread.join(60)
     if errors:

@@ -9,10 +9,6 @@ environment (``KVSCOPE_MAX_REQUEST_BYTES``, ``KVSCOPE_MAX_INFLIGHT_BYTES``); the
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,8 +18,8 @@ import httpx
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from served import Served
 
-ROOT = Path(__file__).resolve().parents[2]
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 
@@ -84,18 +80,10 @@ class Load:
 def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes: int,
                   max_inflight_bytes: int, stored: bool = True) -> Load:
     """Send ``requests`` one-span requests at once to a fresh ``kvscope serve``; measure it."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "KVSCOPE_MAX_REQUEST_BYTES": str(max_request_bytes),
-           "KVSCOPE_MAX_INFLIGHT_BYTES": str(max_inflight_bytes)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(db), "--port", "0",
-         "--grpc-port", "0"], stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    served = Served(db, env={"KVSCOPE_MAX_REQUEST_BYTES": str(max_request_bytes),
+                             "KVSCOPE_MAX_INFLIGHT_BYTES": str(max_inflight_bytes)})
+    process, url = served.process, served.url
     try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
-        if "receiving OTLP/HTTP on " not in line:
-            raise RuntimeError(f"receiver did not start: {line!r}")
-        url = line.split(" on ", 1)[1].split(",", 1)[0]
         # Warm up (imports, the decoder, the first insert) before the baseline is read.
         assert httpx.post(f"{url}/v1/traces", content=one_span_request(10**6, 1000),
                           headers=PROTOBUF).status_code == 200
@@ -133,8 +121,7 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
         del bodies
         peak = _status_kib(process.pid, "VmHWM")
         health = httpx.get(f"{url}/health").json()
-        process.send_signal(signal.SIGTERM)
-        process.wait(120)
+        served.stop()
     finally:
         if process.poll() is None:
             process.kill()

@@ -72,7 +72,7 @@ def test_records_become_spans_with_their_own_times_and_parent() -> None:
     retention = spans[semconv.SPAN_KV_RETENTION]
     assert retention.attributes[semconv.RETENTION_BYTES] == 4096
     assert retention.attributes[semconv.ENGINE_ROLE] == semconv.ROLE_PREFILL
-    assert telemetry.stats.emitted == 3 and telemetry.stats.dropped == 0
+    assert telemetry.stats.sent == 3 and telemetry.stats.dropped == 0
 
 
 def test_a_full_queue_drops_and_counts_and_never_raises() -> None:
@@ -81,7 +81,7 @@ def test_a_full_queue_drops_and_counts_and_never_raises() -> None:
                                ttl_s=1.0, release_reason=semconv.RELEASE_EXPIRED)
     for _ in range(5):
         telemetry.record(record)
-    assert (telemetry.stats.recorded, telemetry.stats.dropped) == (2, 3)
+    assert (telemetry.stats.queued, telemetry.stats.dropped) == (2, 3)
     assert memory.get_finished_spans() == ()
 
 
@@ -220,7 +220,7 @@ def test_direct_spans_equal_the_tracers_spans(sampler_name: str, random_ids: boo
     # a sampled parent.
     expected = {"parent_based_on": 20, "always_on": 24, "parent_based_off": 12}[sampler_name]
     assert len(direct) == expected
-    assert telemetry.stats.emitted == len(_records()) and telemetry.stats.failed == 0
+    assert telemetry.stats.sent == len(_records()) and telemetry.stats.failed == 0
     errors = [s for s in direct if s.status.status_code is StatusCode.ERROR]
     assert errors and all(s.status.description == semconv.TRANSFER_FAILED for s in errors)
 

@@ -150,7 +150,7 @@ def test_exporter_never_raises_into_the_host(store_path: Path) -> None:
 
     broken = DuckDBSpanExporter(Broken())  # type: ignore[arg-type]
     assert broken.export(spans) is SpanExportResult.FAILURE
-    assert broken.failed_spans == len(spans)
+    assert broken.failed == len(spans)
 
 
 def test_processor_queue_is_bounded_and_counts_drops() -> None:

@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from kvscope import semconv
 from kvscope.collector import gpu
-from kvscope.store.database import open_readonly
+from tests.stores import query
 
 GIB = 1 << 30
 
@@ -152,12 +152,8 @@ def test_command_writes_samples_to_the_store(tmp_path: Path) -> None:
     timer.start()
     assert gpu.run_sampler(db=str(db), otlp_endpoint=None, interval_s=0.1, wait=stop.wait,
                            nvml=FakeNvml()) is None
-    con = open_readonly(db)
-    rows = con.execute(
-        "SELECT MetricName, Attributes[?], Value, ServiceName FROM otel_metrics_gauge "
-        "WHERE MetricName = ? ORDER BY 2",
-        [semconv.GPU_INDEX, semconv.METRIC_GPU_MEMORY_USED],
-    ).fetchall()
-    con.close()
+    rows = query(db, "SELECT MetricName, Attributes[?], Value, ServiceName FROM otel_metrics_gauge "
+                     "WHERE MetricName = ? ORDER BY 2",
+                 [semconv.GPU_INDEX, semconv.METRIC_GPU_MEMORY_USED])
     assert {(r[1], r[2]) for r in rows} == {("0", 10 * GIB), ("1", 3 * GIB)}
     assert {r[3] for r in rows} == {semconv.SERVICE_GPU_SAMPLER}

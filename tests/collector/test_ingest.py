@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from kvscope import cli, semconv
@@ -25,6 +24,7 @@ from kvscope.collector.ingest import bench_stats, ingest
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
 from kvscope.store import StoreReader
+from tests.stores import query
 
 # RequestStats (bsmt.py:119-131), in declaration order.
 REQUEST_STATS_FIELDS = (
@@ -102,14 +102,9 @@ def _ledger(db: Path) -> list[dict[str, Any]]:
 
 
 def _count(db: Path) -> tuple[int, int]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        traces = con.execute("SELECT count(*) FROM otel_traces").fetchone()
-        runs = con.execute("SELECT count(*) FROM kvscope_runs").fetchone()
-        assert traces is not None and runs is not None
-        return int(traces[0]), int(runs[0])
-    finally:
-        con.close()
+    [(traces, runs)] = query(db, "SELECT (SELECT count(*) FROM otel_traces), "
+                                 "(SELECT count(*) FROM kvscope_runs)")
+    return int(traces), int(runs)
 
 
 def test_turns_and_tool_waits_land_in_the_ledger(tmp_path: Path, stats_file: Path) -> None:
@@ -170,16 +165,10 @@ def test_times_keep_their_differences_and_end_at_the_files_mtime(
     db = tmp_path / "run.duckdb"
     ingest(db, [stats_file])
 
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rows = con.execute(
-            "SELECT SpanAttributes[?], SpanAttributes[?], epoch_ns(Timestamp), Duration, "
-            "epoch_ns(Events[1].Timestamp) FROM otel_traces WHERE SpanName = ?",
-            [semconv.GEN_AI_CONVERSATION_ID, semconv.TURN_INDEX, semconv.SPAN_TURN],
-        ).fetchall()
-        settings = con.execute("SELECT settings FROM kvscope_runs").fetchone()
-    finally:
-        con.close()
+    rows = query(db, "SELECT SpanAttributes[?], SpanAttributes[?], epoch_ns(Timestamp), Duration, "
+                     "epoch_ns(Events[1].Timestamp) FROM otel_traces WHERE SpanName = ?",
+                 [semconv.GEN_AI_CONVERSATION_ID, semconv.TURN_INDEX, semconv.SPAN_TURN])
+    [settings] = query(db, "SELECT settings FROM kvscope_runs")
     start = {(c, int(k)): (ts, dur, first) for c, k, ts, dur, first in rows}
     last_end = max(ts + dur for ts, dur, _ in start.values())
     assert last_end == mtime_ns

@@ -128,7 +128,7 @@ def test_protobuf_rows_equal_the_in_process_rows() -> None:
 
     batch = decode_trace_request(body, "protobuf")
 
-    assert batch.rejected_spans == 0 and batch.error_message == ""
+    assert batch.rejected == 0 and batch.error_message == ""
     assert _columns(batch.rows) == _columns(spans_to_rows(spans))
     # The comparison is not vacuous: every kind of value is there.
     rows = batch.rows
@@ -217,6 +217,19 @@ SPEC_EXAMPLE = {
     ]
 }
 
+# The example's attributes as stored: every AnyValue kind as its string.
+SPEC_ATTRIBUTES = {
+    "s": "some value",
+    "i": "42",
+    "i2": "-7",
+    "d": "1.5",
+    "b": "true",
+    "a": '[1,"x"]',
+    "kv": '{"k":false}',
+    "bytes": "AQI=",
+    "unset": "",
+}
+
 
 def test_the_spec_example_decodes_to_the_expected_row() -> None:
     batch = decode_trace_request(json.dumps(SPEC_EXAMPLE).encode(), "json")
@@ -232,17 +245,7 @@ def test_the_spec_example_decodes_to_the_expected_row() -> None:
     assert rows.status_code == ["STATUS_CODE_ERROR"] and rows.status_message == ["bad"]
     assert rows.service_name == ["my.service"]
     assert (rows.scope_name, rows.scope_version) == (["my.library"], ["1.0.0"])
-    assert dict(rows.span_attributes[0]) == {
-        "s": "some value",
-        "i": "42",
-        "i2": "-7",
-        "d": "1.5",
-        "b": "true",
-        "a": '[1,"x"]',
-        "kv": '{"k":false}',
-        "bytes": "AQI=",
-        "unset": "",
-    }
+    assert dict(rows.span_attributes[0]) == SPEC_ATTRIBUTES
     assert rows.events == [
         [{"Timestamp": 1544712660500000000, "Name": "first_token", "Attributes": []}]
     ]
@@ -284,7 +287,7 @@ def test_spans_with_bad_ids_are_rejected_one_by_one() -> None:
     batch = decode_trace_request(request.SerializeToString(), "protobuf")
 
     assert batch.rows.span_name == ["good-1", "good-2"]
-    assert batch.rejected_spans == 6
+    assert batch.rejected == 6
     message = batch.error_message
     assert message.startswith("6 spans rejected: ")
     assert "resourceSpans[0].scopeSpans[0].spans[1]: traceId is 3 bytes, expected 16" in message
@@ -301,13 +304,13 @@ def test_negative_durations_and_unknown_kinds_are_rejected_and_counted() -> None
     )
     batch = decode_trace_request(request.SerializeToString(), "protobuf")
     assert batch.rows.span_name == ["good"]
-    assert batch.rejected_spans == 2
+    assert batch.rejected == 2
     assert "spans[1]: endTimeUnixNano 10 is before startTimeUnixNano 20" in batch.error_message
     assert "spans[2]: kind 9 is not a SpanKind" in batch.error_message
     json_body = (b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":'
                  b'"0102030405060708090a0b0c0d0e0f10","spanId":"0102030405060708","name":"j",'
                  b'"kind":7,"startTimeUnixNano":"5","endTimeUnixNano":"6"}]}]}]}')
-    assert decode_trace_request(json_body, "json").rejected_spans == 1
+    assert decode_trace_request(json_body, "json").rejected == 1
 
 
 def test_a_repeated_attribute_key_keeps_its_last_value() -> None:
@@ -398,7 +401,7 @@ def test_json_ids_of_the_wrong_length_are_rejected_per_span() -> None:
     body = _with_span(traceId="abcd")
     batch = decode_trace_request(body, "json")
     assert len(batch.rows) == 0
-    assert batch.rejected_spans == 1
+    assert batch.rejected == 1
     assert "traceId is 2 bytes, expected 16" in batch.error_message
 
 
@@ -433,7 +436,7 @@ def test_metric_rows_equal_the_in_process_rows_and_others_are_counted() -> None:
     expected = metrics_to_rows(data)
     assert len(expected) == 3
     assert _columns(batch.rows) == _columns(expected)
-    assert batch.rejected_points == 2
+    assert batch.rejected == 2
     assert "monotonic sum points are not stored" in batch.error_message
     assert "histogram points are not stored" in batch.error_message
 
@@ -447,7 +450,7 @@ def test_metrics_json_decodes_like_protobuf() -> None:
     from_protobuf = decode_metrics_request(message.SerializeToString(), "protobuf")
 
     assert _columns(from_json.rows) == _columns(from_protobuf.rows)
-    assert from_json.rejected_points == from_protobuf.rejected_points == 2
+    assert from_json.rejected == from_protobuf.rejected == 2
 
 
 def test_malformed_metrics_raise_payload_error() -> None:

@@ -143,11 +143,11 @@ def _decode_and_store(con: duckdb.DuckDBPyConnection, body: bytes, encoding: Enc
     try:
         if signal == "traces":
             trace_batch = decode_trace_request(body, encoding, "fuzz-run")
-            table, rejected = trace_batch.to_arrow(), trace_batch.rejected_spans
+            table, rejected = trace_batch.to_arrow(), trace_batch.rejected
             target = "otel_traces"
         else:
             gauge_batch = decode_metrics_request(body, encoding, "fuzz-run")
-            table, rejected = gauge_batch.to_arrow(), gauge_batch.rejected_points
+            table, rejected = gauge_batch.to_arrow(), gauge_batch.rejected
             target = "otel_metrics_gauge"
     except PayloadError as exc:
         assert str(exc) and "\n" not in str(exc)  # one line that says what is wrong

@@ -58,6 +58,7 @@ from kvscope.collector.proxy.telemetry import (
 )
 from kvscope.errors import SettingError
 from kvscope.reuse.router import MISS_PARAMS
+from tests.raw_http import partial_body_answer, post_head
 
 sys.path.insert(0, str(Path(__file__).parent))
 from upstream_stub import (  # noqa: E402
@@ -461,9 +462,7 @@ def test_client_disconnect_cancels_upstream(tmp_path: Path) -> None:
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
                            "stream": True, "max_tokens": 200, "conversation_id": "c"}).encode()
         with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(post_head("/v1/chat/completions", len(body)) + body)
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         deadline = time.monotonic() + 5
         while dep.decode.disconnects == 0 and time.monotonic() < deadline:
@@ -959,9 +958,7 @@ def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: 
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
                            "stream": True, "max_tokens": 8, "conversation_id": "c"}).encode()
         with socket.create_connection(("127.0.0.1", dep.proxy.port)) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(post_head("/v1/chat/completions", len(body)) + body)
             deadline = time.monotonic() + 5
             while not dep.prefill.received:  # the prefill leg is in flight
                 assert time.monotonic() < deadline, "prefill never called"
@@ -1017,11 +1014,7 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
     from kvscope.collector.proxy import app as proxy_app
 
     monkeypatch.setattr(proxy_app, "BODY_READ_TIMEOUT_S", 0.3)
-    with deployment(tmp_path) as dep, socket.create_connection(
-            ("127.0.0.1", dep.proxy.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"mo")
-        sock.settimeout(10)
-        answer = sock.recv(4096)
+    with deployment(tmp_path) as dep:
+        answer = partial_body_answer("127.0.0.1", dep.proxy.port, "/v1/chat/completions")
     assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
     assert b"request body not received within 0.3 s" in answer

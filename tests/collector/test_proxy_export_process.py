@@ -10,7 +10,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from kvscope import semconv
@@ -27,6 +26,7 @@ from kvscope.collector.proxy.export_process import (
 from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.errors import StoreLockedError
+from tests.stores import query
 
 KEY = BoundaryKey(b"test boundary key, 32 bytes long", "test")
 COLUMNS = ("SpanName, TraceId, SpanId, ParentSpanId, SpanKind, ServiceName, ResourceAttributes, "
@@ -67,11 +67,7 @@ def _turns(telemetry: ProxyTelemetry, n: int, *, seed: int = 7) -> list[TurnReco
 
 
 def _rows(db: Path) -> list[tuple[Any, ...]]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rows = con.execute(f"SELECT {COLUMNS} FROM otel_traces").fetchall()
-    finally:
-        con.close()
+    rows = query(db, f"SELECT {COLUMNS} FROM otel_traces")
     # A tool wait's span id is drawn at build time, and every resource has its own
     # service.instance.id; every other field must match.
     out = []
@@ -183,13 +179,21 @@ def test_sdk_spans_carry_the_ids_parents_and_first_token_event_of_the_record() -
     assert prefill.events == ()
 
 
-def test_close_exports_everything_submitted(tmp_path: Path) -> None:
-    db = tmp_path / "close.duckdb"
-    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db), send_interval_s=5.0)
+def _finish_turns(n: int, **export: Any
+                  ) -> tuple[TurnExportProcess, ProxyTelemetry, list[TurnRecord]]:
+    """Telemetry sending through a new export process (``export``: its options), ``n`` turns
+    finished."""
+    process = TurnExportProcess(semconv.SERVICE_PROXY, **export)
     telemetry = ProxyTelemetry(None, export_process=process)
-    records = _turns(telemetry, 25)
+    records = _turns(telemetry, n)
     for record in records:
         telemetry.finish_turn(record)
+    return process, telemetry, records
+
+
+def test_close_exports_everything_submitted(tmp_path: Path) -> None:
+    db = tmp_path / "close.duckdb"
+    _, telemetry, records = _finish_turns(25, db=str(db), send_interval_s=5.0)
     telemetry.shutdown()  # no flush first: close itself sends and waits
     assert len(_rows(db)) == sum(span_count(r) for r in records)
 
@@ -248,11 +252,7 @@ def test_a_dead_export_process_costs_spans_not_turns(tmp_path: Path) -> None:
 
 def test_sigterm_makes_the_export_process_store_what_it_received(tmp_path: Path) -> None:
     db = tmp_path / "term.duckdb"
-    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db), send_interval_s=0.005)
-    telemetry = ProxyTelemetry(None, export_process=process)
-    records = _turns(telemetry, 20)
-    for record in records:
-        telemetry.finish_turn(record)
+    process, telemetry, records = _finish_turns(20, db=str(db), send_interval_s=0.005)
     deadline = time.monotonic() + 30
     while process.counts()["queued_spans"] < sum(map(span_count, records)):
         assert time.monotonic() < deadline

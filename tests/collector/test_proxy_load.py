@@ -8,13 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import duckdb
 import pytest
 
 from kvscope import semconv
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy import ProxyConfig, ProxyTelemetry, Upstream, build_app
 from kvscope.collector.proxy.export_process import TurnExportProcess
+from tests.stores import query
 
 sys.path.insert(0, str(Path(__file__).parent))
 from upstream_stub import ServerThread, StubState, decode_app, prefill_app  # noqa: E402
@@ -67,15 +67,9 @@ def test_256_concurrent_conversations_lose_and_duplicate_nothing(tmp_path: Path,
         assert telemetry.flush(60)
     finally:
         telemetry.shutdown()
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        rows = con.execute(
-            "SELECT SpanName, SpanAttributes[?], SpanAttributes[?], SpanAttributes[?] "
-            "FROM otel_traces",
-            [semconv.X_REQUEST_ID, semconv.ROUTER_LOOKUP, semconv.TURN_INDEX],
-        ).fetchall()
-    finally:
-        con.close()
+    rows = query(db, "SELECT SpanName, SpanAttributes[?], SpanAttributes[?], SpanAttributes[?] "
+                     "FROM otel_traces",
+                 [semconv.X_REQUEST_ID, semconv.ROUTER_LOOKUP, semconv.TURN_INDEX])
 
     sent_ids = [r.headers["X-Request-Id"] for r in prefill.received]
     assert len(sent_ids) == len(set(sent_ids)) == CONVERSATIONS * TURNS

@@ -43,6 +43,9 @@ from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreLockedError
 from kvscope.store.writer import StoreWriter
+from tests.collector.test_otlp_decode import SPEC_ATTRIBUTES, SPEC_EXAMPLE
+from tests.raw_http import partial_body_answer, post_head
+from tests.stores import query
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 JSON = {"Content-Type": "application/json"}
@@ -154,13 +157,8 @@ def _stop_in_order(process: subprocess.Popen[str]) -> None:
 
 def _runs_recorded(path: Path) -> tuple[int, int]:
     """(runs, runs ended) recorded in the store at ``path``."""
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        row = con.execute("SELECT count(*), count(ended_at) FROM kvscope_runs").fetchone()
-    finally:
-        con.close()
-    assert row is not None
-    return int(row[0]), int(row[1])
+    [(runs, ended)] = query(path, "SELECT count(*), count(ended_at) FROM kvscope_runs")
+    return int(runs), int(ended)
 
 
 def _reap(process: subprocess.Popen[str]) -> None:
@@ -237,37 +235,8 @@ def test_otlp_json_lands_like_the_in_process_path(receiver: Receiver, tmp_path: 
 
 
 def test_hand_written_spec_example_is_stored(receiver: Receiver) -> None:
-    example = {
-        "resourceSpans": [
-            {
-                "resource": {
-                    "attributes": [{"key": "service.name", "value": {"stringValue": "my.service"}}]
-                },
-                "scopeSpans": [
-                    {
-                        "scope": {"name": "my.library", "version": "1.0.0"},
-                        "spans": [
-                            {
-                                "traceId": "5B8EFFF798038103D269B633813FC60C",
-                                "spanId": "EEE19B7EC3C1B174",
-                                "parentSpanId": "EEE19B7EC3C1B173",
-                                "name": "I'm a server span",
-                                "startTimeUnixNano": "1544712660000000000",
-                                "endTimeUnixNano": "1544712661000000000",
-                                "kind": 2,
-                                "attributes": [
-                                    {"key": "my.span.attr", "value": {"stringValue": "some value"}}
-                                ],
-                            }
-                        ],
-                    }
-                ],
-            }
-        ]
-    }
-
     response = httpx.post(
-        f"{receiver.url}/v1/traces", content=json.dumps(example), headers=JSON
+        f"{receiver.url}/v1/traces", content=json.dumps(SPEC_EXAMPLE), headers=JSON
     )
 
     assert response.status_code == 200
@@ -285,7 +254,7 @@ def test_hand_written_spec_example_is_stored(receiver: Receiver) -> None:
             "SPAN_KIND_SERVER",
             "my.service",
             1_000_000_000,
-            {"my.span.attr": "some value"},
+            SPEC_ATTRIBUTES,
         )
     ]
 
@@ -523,12 +492,7 @@ def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhil
     finally:
         _reap(process)
 
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT count(*), count(DISTINCT SpanId) FROM otel_traces").fetchone() \
-            == (200, 200)
-    finally:
-        con.close()
+    assert query(path, "SELECT count(*), count(DISTINCT SpanId) FROM otel_traces") == [(200, 200)]
 
 
 def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Path) -> None:
@@ -677,13 +641,9 @@ def test_sigterm_writes_every_acknowledged_span_and_ends_the_run(
 
     assert acknowledged == 2 * 10 * 4 * 600
     assert not Path(f"{path}.wal").exists()
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT count(*) FROM otel_traces").fetchone() == (acknowledged,)
-        assert con.execute("SELECT count(*), count(ended_at), any_value(label) "
-                           "FROM kvscope_runs").fetchone() == (1, 1, "sigterm run")
-    finally:
-        con.close()
+    assert query(path, "SELECT count(*) FROM otel_traces") == [(acknowledged,)]
+    assert query(path, "SELECT count(*), count(ended_at), any_value(label) FROM kvscope_runs"
+                 ) == [(1, 1, "sigterm run")]
     assert list(spill.iterdir()) == []  # nothing in the system temp dir (where they once went)
     assert list(tmp_path.rglob("kvscope-batch-*")) == []  # nor beside the store
 
@@ -693,13 +653,9 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
     from kvscope.collector import receiver as receiver_module
 
     monkeypatch.setattr(receiver_module, "BODY_READ_TIMEOUT_S", 0.3)
-    with Receiver(tmp_path / "slow.duckdb") as rx, socket.create_connection(
-            ("127.0.0.1", rx.port)) as sock:
-        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/x-protobuf\r\nContent-Length: 1000\r\n\r\nab")
-        sock.settimeout(10)
-        answer = sock.recv(4096)
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    with Receiver(tmp_path / "slow.duckdb") as rx:
+        answer = partial_body_answer("127.0.0.1", rx.port, "/v1/traces", "application/x-protobuf")
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
 
 
 # --- admission by bytes (issue 22: memory bounded by bytes, not rows) -------------------------
@@ -708,8 +664,7 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
 def _hold_partial_body(rx: Receiver, length: int) -> socket.socket:
     """A connection whose request announced ``length`` body bytes and sent two."""
     held = socket.create_connection(("127.0.0.1", rx.port))
-    held.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf"
-                 b"\r\nContent-Length: " + str(length).encode() + b"\r\n\r\nab")
+    held.sendall(post_head("/v1/traces", length, "application/x-protobuf") + b"ab")
     deadline = time.monotonic() + 10
     while httpx.get(f"{rx.url}/health").json()["inflight_bytes"] != length:
         assert time.monotonic() < deadline, "the held body was never admitted"

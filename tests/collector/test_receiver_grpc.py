@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import grpc
 import httpx
 import pytest
@@ -42,6 +41,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from kvscope import semconv
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreError
+from tests.stores import query
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_receiver import (  # noqa: E402
@@ -343,14 +343,8 @@ def test_sigterm_stops_both_listeners_and_writes_what_both_acknowledged(tmp_path
 
     assert _refuses_connections(int(http_url.rsplit(":", 1)[1]))
     assert _refuses_connections(int(grpc_url.rsplit(":", 1)[1]))
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        assert con.execute("SELECT count(*), count(DISTINCT SpanId) FROM otel_traces").fetchone() \
-            == (200, 200)
-        assert con.execute("SELECT count(*) FROM kvscope_runs WHERE ended_at IS NOT NULL"
-                           ).fetchone() == (1,)
-    finally:
-        con.close()
+    assert query(path, "SELECT count(*), count(DISTINCT SpanId) FROM otel_traces") == [(200, 200)]
+    assert query(path, "SELECT count(*) FROM kvscope_runs WHERE ended_at IS NOT NULL") == [(1,)]
 
 
 def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
@@ -402,13 +396,8 @@ def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
             process.kill()
             process.wait()
 
-    con = duckdb.connect(str(path), read_only=True)
-    try:
-        stored = dict(con.execute(
-            "SELECT SpanAttributes[?], count(*) FROM otel_traces GROUP BY 1",
-            [semconv.GEN_AI_CONVERSATION_ID]).fetchall())
-    finally:
-        con.close()
+    stored = dict(query(path, "SELECT SpanAttributes[?], count(*) FROM otel_traces GROUP BY 1",
+                        [semconv.GEN_AI_CONVERSATION_ID]))
     assert len(acknowledged) >= 30
     assert {name.split("-")[0] for name in acknowledged} >= {"grpc0", "grpc1", "http"}
     # OTLP delivery is at least once (an exporter retries a call whose answer it lost), so

@@ -18,7 +18,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,15 +106,29 @@ async def _refuse_what_does_not_parse(request: web.Request, handler: Any) -> web
                        "param": None, "code": 400}}, status=400)
 
 
-def prefill_app(state: StubState) -> web.Application:
-    """A prefill server: one-token, non-streaming answers with P's kv_transfer_params."""
+def _engine_app(state: StubState,
+                answer: Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+                ) -> web.Application:
+    """An engine's two completion routes: each request recorded, then misbehaving as
+    ``state.mode`` says or answered by ``answer``."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         _record(state, request, body)
         bad = await _misbehave(state)
-        if bad is not None:
-            return bad
+        return bad if bad is not None else await answer(request, body)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[_refuse_what_does_not_parse])
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_post("/v1/completions", handle)
+    return app
+
+
+def prefill_app(state: StubState) -> web.Application:
+    """A prefill server: one-token, non-streaming answers with P's kv_transfer_params."""
+
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         n = prompt_words(body)
         params = body.get("kv_transfer_params") or {}
         # A D->P pull happens when decode's metadata came along; report it as cached tokens.
@@ -159,11 +173,7 @@ def prefill_app(state: StubState) -> web.Application:
             }
         )
 
-    app = web.Application(client_max_size=64 * 1024 * 1024,
-                          middlewares=[_refuse_what_does_not_parse])
-    app.router.add_post("/v1/chat/completions", handle)
-    app.router.add_post("/v1/completions", handle)
-    return app
+    return _engine_app(state, answer)
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -229,12 +239,7 @@ def decode_events(body: dict[str, Any], request_id: str, state: StubState) -> li
 def decode_app(state: StubState) -> web.Application:
     """A decode server streaming vLLM-shaped SSE with D's kv_transfer_params at the end."""
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        _record(state, request, body)
-        bad = await _misbehave(state)
-        if bad is not None:
-            return bad
+    async def answer(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         events = decode_events(body, request.headers.get("X-Request-Id", "?"), state)
         if state.keep:
             state.sent.append(b"".join(events))
@@ -259,11 +264,7 @@ def decode_app(state: StubState) -> web.Application:
         state.completed += 1
         return response
 
-    app = web.Application(client_max_size=64 * 1024 * 1024,
-                          middlewares=[_refuse_what_does_not_parse])
-    app.router.add_post("/v1/chat/completions", handle)
-    app.router.add_post("/v1/completions", handle)
-    return app
+    return _engine_app(state, answer)
 
 
 class ServerThread:

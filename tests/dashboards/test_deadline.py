@@ -17,6 +17,7 @@ import pytest
 from kvscope.dashboards import deadline
 from kvscope.dashboards.app import DashboardServer, create_app
 from kvscope.store.database import open_store
+from tests.raw_http import partial_body_answer, post_head
 
 _PAGE_CALLBACK = json.dumps({
     "output": "page.children", "outputs": {"id": "page", "property": "children"},
@@ -37,9 +38,7 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dashboar
 
 
 def _post_head(length: int) -> bytes:
-    return (b"POST /_dash-update-component HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: " + str(length).encode()
-            + b"\r\n\r\n")
+    return post_head("/_dash-update-component", length)
 
 
 def _answer(sock: socket.socket) -> bytes:
@@ -63,9 +62,8 @@ def test_a_callback_body_sent_in_parts_still_arrives_whole(server: DashboardServ
 
 
 def test_a_client_holding_a_partial_body_gets_408(server: DashboardServer) -> None:
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(_post_head(1000) + b"{")
-        assert _answer(sock).startswith(b"HTTP/1.1 408")
+    answer = partial_body_answer("127.0.0.1", server.port, "/_dash-update-component")
+    assert answer.startswith(b"HTTP/1.1 408")
 
 
 def test_a_body_trickled_byte_by_byte_gets_408_at_the_deadline(

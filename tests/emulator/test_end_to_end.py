@@ -15,7 +15,7 @@ from kvscope.emulator.servers import EmulatorConfig
 from kvscope.emulator.workloads.model import Workload
 from kvscope.emulator.workloads.synthetic import generate
 from kvscope.reuse import outcomes
-from kvscope.store import open_readonly
+from tests.stores import query
 
 TIME_SCALE = 50.0
 
@@ -42,14 +42,8 @@ def _run(tmp: Path, bidir: bool, seed: int = 1) -> tuple[Path, list[dict[str, An
 
 
 def _spans(db: Path, name: str, key: str) -> list[tuple[str, Any]]:
-    con = open_readonly(db)
-    try:
-        rows = con.execute(
-            "SELECT ServiceName, SpanAttributes[?] FROM otel_traces WHERE SpanName = ?",
-            [key, name],
-        ).fetchall()
-    finally:
-        con.close()
+    rows = query(db, "SELECT ServiceName, SpanAttributes[?] FROM otel_traces WHERE SpanName = ?",
+                 [key, name])
     return [(service, value) for service, value in rows]
 
 
@@ -71,23 +65,15 @@ def test_bidir_on_pulls_on_later_turns_and_spans_join_the_proxy_trace(tmp_path: 
                                      semconv.RETENTION_RELEASE_REASON)]
     # Each turn 1 and 2 was read by the next turn; each last turn is still held at the end.
     assert sorted(releases) == [semconv.RELEASE_OPEN] * 3 + [semconv.RELEASE_READ] * 6
-    con = open_readonly(db)
-    try:
-        orphans = con.execute(
-            "SELECT count(*) FROM otel_traces WHERE ServiceName IN (?, ?) AND TraceId NOT IN "
-            "(SELECT TraceId FROM otel_traces WHERE SpanName = ?)",
-            [semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE, semconv.SPAN_TURN],
-        ).fetchone()
-        gauge = con.execute(
-            "SELECT count(*), max(Value) FROM otel_metrics_gauge WHERE MetricName = ?",
-            [semconv.METRIC_KV_RETAINED],
-        ).fetchone()
-        run = con.execute("SELECT settings, ended_at FROM kvscope_runs").fetchone()
-    finally:
-        con.close()
-    assert orphans == (0,)  # engine spans carry the proxy's traceparent
-    assert gauge is not None and gauge[0] >= 1 and gauge[1] > 0
-    assert run is not None and run[1] is not None
+    orphans = query(db, "SELECT count(*) FROM otel_traces WHERE ServiceName IN (?, ?) AND "
+                        "TraceId NOT IN (SELECT TraceId FROM otel_traces WHERE SpanName = ?)",
+                    [semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE, semconv.SPAN_TURN])
+    [gauge] = query(db, "SELECT count(*), max(Value) FROM otel_metrics_gauge WHERE MetricName = ?",
+                    [semconv.METRIC_KV_RETAINED])
+    [run] = query(db, "SELECT settings, ended_at FROM kvscope_runs")
+    assert orphans == [(0,)]  # engine spans carry the proxy's traceparent
+    assert gauge[0] >= 1 and gauge[1] > 0
+    assert run[1] is not None
     settings = json.loads(run[0])
     assert settings["time_scale"] == TIME_SCALE and settings["bidirectional_kv_xfer"] is True
     assert settings["decoder_kv_blocks_ttl_wall_s"] == 480.0 / TIME_SCALE
@@ -131,14 +117,9 @@ def test_engines_and_proxy_exporting_to_one_receiver_are_one_run(tmp_path: Path)
             result = asyncio.run(replay(_workload(3), cluster.proxy_url,
                                         time_scale=TIME_SCALE, concurrency=2))
             assert result.summary()["errors"] == 0
-    con = open_readonly(db)
-    try:
-        runs = con.execute(
-            "SELECT ServiceName, list(DISTINCT ResourceAttributes[?]) FROM otel_traces "
-            "GROUP BY 1 ORDER BY 1", [semconv.RUN_ID]).fetchall()
-        recorded = [r[0] for r in con.execute("SELECT run_id FROM kvscope_runs").fetchall()]
-    finally:
-        con.close()
+    runs = query(db, "SELECT ServiceName, list(DISTINCT ResourceAttributes[?]) FROM otel_traces "
+                     "GROUP BY 1 ORDER BY 1", [semconv.RUN_ID])
+    recorded = [r[0] for r in query(db, "SELECT run_id FROM kvscope_runs")]
     assert len(recorded) == 1
     assert {service for service, _ in runs} == {
         semconv.SERVICE_PROXY, semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE}

@@ -29,6 +29,7 @@ from kvscope.reuse.params import (
     STATUS_LENGTH_CAPPED,
     STATUS_STOPPED,
 )
+from kvscope.reuse.router import MISS_PARAMS
 
 BS = 16
 TTL = 480.0
@@ -211,15 +212,7 @@ def test_falsy_block_ids_with_offer_is_invalid_and_router_miss_is_no_offer() -> 
     params = finished_turn(d, 1000)
     params["remote_block_ids"] = []
     assert p.decide("a", seq(1100), params).decision == semconv.DECISION_INVALID_PARAMS
-    miss = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    assert p.decide("b", seq(1100), miss).decision == semconv.DECISION_NO_OFFER
+    assert p.decide("b", seq(1100), dict(MISS_PARAMS)).decision == semconv.DECISION_NO_OFFER
 
 
 def test_present_but_none_host_passes_the_check_then_fails_handshake() -> None:
@@ -335,27 +328,25 @@ def test_preemption_with_prefix_caching_reuses_the_pulled_blocks_locally() -> No
     assert not result.stalled and result.local_hit_tokens == 992
 
 
-def test_a_read_past_the_common_prefix_is_invalid_reuse() -> None:
-    """Edited history: decode's tokens past the edit land in the prompt's positions."""
+@pytest.mark.parametrize(("prompt", "reusable", "invalid", "kind", "reused", "recomputed"), [
+    # Edited history: decode's tokens past the edit land in the prompt's positions; the valid
+    # part is still reuse (the first 400 tokens matched).
+    pytest.param(1100, 400, 599, "beyond_prefix", 400, 0, id="past-the-common-prefix"),
+    # Truncated history: the end-trimmed block list puts decode's tail (D offers 999 tokens:
+    # 63 blocks) at the start of a prompt of 19 blocks.
+    pytest.param(300, 300, 300, "misaligned", 0, 300, id="prompt-shorter-than-decode"),
+])
+def test_a_read_of_decode_s_blocks_into_the_wrong_positions_is_invalid_reuse(
+        prompt: int, reusable: int, invalid: int, kind: str, reused: int,
+        recomputed: int) -> None:
     p, d = deployment()
-    result = p.prefill("p-2", seq(1100), finished_turn(d, 1000), now=1.0)
-    accounting = account_turn(2, 400, result)
-    assert accounting.outcome == outcomes.REUSED_INVALID
-    assert accounting.extra == {"invalid_tokens": 599, "invalid_kind": "beyond_prefix"}
-    # The valid part is still reuse: the first 400 tokens matched.
-    assert accounting.remote_reused_tokens == 400 and accounting.recomputed_reusable_tokens == 0
-
-
-def test_a_prompt_shorter_than_decode_reads_decode_s_last_blocks() -> None:
-    """Truncated history: the end-trimmed block list puts decode's tail at the prompt's start."""
-    p, d = deployment()
-    params = finished_turn(d, 1000)  # D offers 999 tokens: 63 blocks
-    result = p.prefill("p-2", seq(300), params, now=1.0)  # 19 blocks of prompt
+    result = p.prefill("p-2", seq(prompt), finished_turn(d, 1000), now=1.0)
     assert result.decision.decision == semconv.DECISION_PULL and result.transfer is not None
-    accounting = account_turn(2, 300, result)
+    accounting = account_turn(2, reusable, result)
     assert accounting.outcome == outcomes.REUSED_INVALID
-    assert accounting.extra == {"invalid_tokens": 300, "invalid_kind": "misaligned"}
-    assert accounting.remote_reused_tokens == 0 and accounting.recomputed_reusable_tokens == 300
+    assert accounting.extra == {"invalid_tokens": invalid, "invalid_kind": kind}
+    assert accounting.remote_reused_tokens == reused
+    assert accounting.recomputed_reusable_tokens == recomputed
 
 
 def test_a_whole_valid_read_is_reused_remote_not_invalid() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +14,9 @@ from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.emulator.tokens import apply_chat_template
 from kvscope.reuse.params import P_PARAMS_EXTRA_FIELDS, PARAMS_FIELDS
+from kvscope.reuse.router import MISS_PARAMS
+from tests.raw_http import partial_body_answer
 
-MISS_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 MODEL = "kvscope-emulated"
 
 
@@ -229,10 +228,6 @@ def test_a_client_holding_a_partial_body_gets_408(cluster: EmulatedCluster,
     monkeypatch.setattr(servers, "BODY_READ_TIMEOUT_S", 0.3)
     for url in (cluster.prefill_urls[0], cluster.decode_urls[0]):
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
-            sock.settimeout(10)
-            answer = sock.recv(4096)
+        answer = partial_body_answer(host, int(port), "/v1/chat/completions")
         assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
         assert b"request body not received within 0.3 s" in answer
