@@ -72,14 +72,16 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
             pl.col("outcome").replace_strict(SUGGESTIONS, default="").alias("suggestion"),
         )
     )
-    return table.select(["run_id", *COLUMNS]).sort(["run_id", "turns"], descending=[False, True])
+    return table.select(
+        "run_id", *(pl.col(name).cast(dtype) for name, dtype in COLUMNS.items())
+    ).sort(["run_id", "turns"], descending=[False, True])
 
 
 @register(
     "miss_causes",
     "Outcomes and missed-reuse causes, with what each suggests",
     params=(Param("examples", int, 3, "example request ids per cause"),),
-    columns=COLUMNS,
+    columns={"run_id": pl.String(), **COLUMNS},
 )
 def miss_causes(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return cause_table(ctx.ledger(), params["examples"])

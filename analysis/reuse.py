@@ -69,7 +69,7 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
         .alias("token_reuse_rate"),
         pl.when(total > 0).then(pl.col("local_tokens") / total).alias("local_share"),
         pl.when(total > 0).then(pl.col("remote_tokens") / total).alias("remote_share"),
-    ).select(keys + list(COLUMNS)).sort(keys)
+    ).select(*keys, *(pl.col(name).cast(dtype) for name, dtype in COLUMNS.items())).sort(keys)
 
 
 @register(
@@ -80,7 +80,7 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
               GROUPINGS),
         Param("window_s", float, 60.0, "window length in seconds when by=window"),
     ),
-    columns=COLUMNS,
+    columns={"run_id": pl.String(), **COLUMNS},  # grouped by run (the default)
 )
 def reuse_rate(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return reuse_table(ctx.ledger(), params["by"], params["window_s"])
