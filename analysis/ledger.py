@@ -204,7 +204,7 @@ _DECISION_COLUMNS: _Columns = {
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
 }
 _VLLM_REQUEST_COLUMNS: _Columns = {
-    "request_id": span_attr(semconv.VLLM_REQUEST_ID),
+    "request_id": span_attr(semconv.VLLM_GEN_AI_REQUEST_ID),
     "span_id": "SpanId",
     "start": "Timestamp",
     "ttft_s": span_attr(semconv.VLLM_TIME_TO_FIRST_TOKEN),

@@ -225,7 +225,7 @@ GPU_PID = _attr("kvscope.gpu.pid", "", "Process id a per-process GPU memory samp
 # --- vLLM's own llm_request span (vLLM 0.33.0 vllm/tracing/utils.py:15-44, set by
 # OutputProcessor.do_tracing, vllm/v1/engine/output_processor.py:941-1001). vLLM's names, whose
 # times are in seconds without a unit in the name: declared here so nothing else spells them.
-VLLM_REQUEST_ID = _attr(
+VLLM_GEN_AI_REQUEST_ID = _attr(
     "gen_ai.request.id", "",
     "vLLM llm_request: the request's external id (chatcmpl-<X-Request-Id>).",
 )

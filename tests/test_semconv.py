@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 
 from kvscope import semconv
@@ -77,3 +78,13 @@ def test_genai_names_follow_the_opentelemetry_conventions() -> None:
     assert semconv.GEN_AI_CONVERSATION_ID == "gen_ai.conversation.id"
     assert semconv.GEN_AI_USAGE_INPUT_TOKENS == "gen_ai.usage.input_tokens"
     assert semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS == "gen_ai.usage.cache_read.input_tokens"
+
+
+def test_no_constant_is_assigned_twice() -> None:
+    """A second assignment silently re-points every user of a name (the registry only sees two
+    different keys): ``VLLM_REQUEST_ID`` once named both kvscope's hook attribute and vLLM's
+    ``gen_ai.request.id``, and the later one won everywhere."""
+    tree = ast.parse(Path(semconv.__file__).read_text())
+    names = Counter(target.id for node in tree.body if isinstance(node, ast.Assign)
+                    for target in node.targets if isinstance(target, ast.Name))
+    assert [name for name, count in names.items() if count > 1] == []

@@ -39,7 +39,7 @@ def _llm_request(rows: TraceRows, external_id: str, arrival: float, ttft_s: floa
                                                                 size=16),
              span_id=ingest_id("s", external_id, arrival, size=8), parent="", kind=KIND_SERVER,
              start_ns=int(arrival * _NS), end_ns=int((arrival + ttft_s + 0.01) * _NS),
-             values={semconv.VLLM_REQUEST_ID: external_id,
+             values={semconv.VLLM_GEN_AI_REQUEST_ID: external_id,
                      semconv.VLLM_TIME_TO_FIRST_TOKEN: ttft_s,
                      semconv.VLLM_TIME_IN_QUEUE: queue_s,
                      semconv.VLLM_E2E: ttft_s + 0.01,

@@ -52,7 +52,7 @@ trace.get_tracer_provider().shutdown()
 def test_kvscope_names_are_vllms_constants() -> None:
     from vllm.tracing.utils import SpanAttributes
 
-    assert (semconv.VLLM_REQUEST_ID, semconv.VLLM_TIME_IN_QUEUE,
+    assert (semconv.VLLM_GEN_AI_REQUEST_ID, semconv.VLLM_TIME_IN_QUEUE,
             semconv.VLLM_TIME_TO_FIRST_TOKEN, semconv.VLLM_E2E,
             semconv.VLLM_TIME_IN_MODEL_PREFILL, semconv.VLLM_PROMPT_TOKENS,
             semconv.VLLM_COMPLETION_TOKENS, semconv.VLLM_MAX_TOKENS) == (
