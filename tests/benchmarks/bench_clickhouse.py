@@ -17,18 +17,30 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
                of ``registry.iter_analyses()`` with default parameters. The process's peak RSS
                includes chdb's engine, which runs inside it.
 
+Larger than simulation allows (``--replicate K``, issue 20 part 6's 10M turns): the store of
+``--turns`` N is then made by replicate.py from the simulated store of N/K turns (generated as
+above when missing): K copies with distinct ids, one after the other in time, cached as
+``ledger-<N>-s<seed>-rep<K>x<N/K>.duckdb`` and ``chdb-<N>-s<seed>-rep<K>x<N/K>/`` so that nobody
+takes them for simulated ones. ``--phases`` picks what runs after the data exists (``extract``
+alone shows whether the engine's part fits before the ledger is tried); ``--rss-limit-mib``
+stops a phase whose resident memory passes the limit and says so instead of a figure.
+
 Where the work runs: on both engines the engine runs the extraction queries (span rows with
 their attributes); the per-turn ledger and the analyses run in polars over those rows, in this
 process (analysis/ledger.py). So the figures compare extraction plus the same polars work.
 
 Run:  .venv/bin/python tests/benchmarks/bench_clickhouse.py [--turns 100000,1000000]
-      [--cache-dir DIR] [--seed 1] [--engines duckdb,chdb]
+      [--cache-dir DIR] [--seed 1] [--engines duckdb,chdb] [--replicate K]
+      [--phases analyse,extract] [--rss-limit-mib MIB]
+e.g.  ... --turns 10000000 --replicate 10 --phases extract --rss-limit-mib 8192
 Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import queue as queue_module
 import sys
 import time
 from pathlib import Path
@@ -38,6 +50,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent.parent)]  # bench_ledger, tests.store.otelcol
 
 import bench_ledger  # noqa: E402  (after the path above)
+import replicate  # noqa: E402
 
 DATABASE = "otel"
 _COMPLETE = "LOADED"
@@ -108,6 +121,90 @@ def _print_side_by_side(turns: int, results: dict[str, dict[str, Any]]) -> None:
               f"peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x")
 
 
+def _status_kib(pid: int, field: str) -> int | None:
+    """One ``/proc/<pid>/status`` figure in KiB (``VmRSS``: resident now)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _in_process_capped(rss_limit_mib: float | None, fn: Any, *args: Any) -> dict[str, Any]:
+    """As ``bench_ledger._in_process``; with a limit, the fresh process is stopped once its
+    resident memory passes ``rss_limit_mib`` (polled twice a second) and the result says so:
+    ``{"stopped_at_rss_mib": ..., "after_s": ...}``. On a shared machine a phase that does not
+    fit must not take the machine's memory from the others."""
+    if rss_limit_mib is None:
+        return bench_ledger._in_process(fn, *args)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=bench_ledger._child, args=(fn, args, results))
+    start = time.perf_counter()
+    proc.start()
+    try:
+        while True:
+            try:
+                out: dict[str, Any] = results.get(timeout=0.5)
+                proc.join()
+                return out
+            except queue_module.Empty:
+                pass
+            rss_kib = _status_kib(proc.pid or 0, "VmRSS")
+            if rss_kib is not None and rss_kib / 1024 > rss_limit_mib:
+                proc.kill()
+                proc.join()
+                return {"stopped_at_rss_mib": rss_kib / 1024,
+                        "after_s": time.perf_counter() - start}
+            if not proc.is_alive():
+                try:  # it may have put its result just before it ended
+                    return dict(results.get(timeout=5))
+                except queue_module.Empty:
+                    raise RuntimeError(f"{getattr(fn, '__name__', fn)}: the process ended "
+                                       f"with exit code {proc.exitcode} and no result") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _stopped(result: dict[str, Any], limit: float | None) -> str | None:
+    if "stopped_at_rss_mib" not in result:
+        return None
+    return (f"stopped after {result['after_s']:.1f} s at {result['stopped_at_rss_mib']:.0f} MiB "
+            f"resident (--rss-limit-mib {limit:.0f}): does not fit; no figure")
+
+
+def _store(args: argparse.Namespace, turns: int) -> tuple[Path, Path]:
+    """The DuckDB store of ``turns`` turns and its chdb folder, made when missing: simulated,
+    or with ``--replicate K`` replicated from the simulated store of ``turns / K``."""
+    simulated = turns // args.replicate
+    db = args.cache_dir / f"ledger-{simulated}-s{args.seed}.duckdb"
+    if not db.exists():
+        print(f"generating {db} ...", flush=True)
+        gen = bench_ledger._in_process(bench_ledger._generate, db, simulated, args.seed)
+        print(f"generate: {gen['turns']} turns, {gen['spans']} spans, simulate "
+              f"{gen['simulate_s']:.1f} s, file {gen['file_mib']:.0f} MiB", flush=True)
+    if args.replicate == 1:
+        return db, args.cache_dir / f"chdb-{turns}-s{args.seed}"
+    name = replicate.replicated_name(simulated, args.seed, args.replicate)
+    target = args.cache_dir / name
+    if not target.exists():
+        print(f"replicating {db} x{args.replicate} into {target} ...", flush=True)
+        rep = _in_process_capped(args.rss_limit_mib, replicate.replicate, db, target,
+                                 args.replicate)
+        stopped = _stopped(rep, args.rss_limit_mib)
+        if stopped:
+            raise SystemExit(f"replicate: {stopped}")
+        print(f"replicate x{args.replicate}: {rep['rows']} rows in {rep['replicate_s']:.1f} s, "
+              f"time step {rep['step_ns'] / 3.6e12:.0f} h, file {rep['file_mib']:.0f} MiB",
+              flush=True)
+    stem = name.removeprefix("ledger-").removesuffix(".duckdb")
+    return target, args.cache_dir / f"chdb-{stem}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", default="100000,1000000",
@@ -115,39 +212,65 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cache-dir", type=Path, default=bench_ledger._DEFAULT_CACHE)
     parser.add_argument("--engines", default="duckdb,chdb", help="engines to run, in this order")
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="make each size from the simulated store of size/K, K times over")
+    parser.add_argument("--phases", default="analyse,extract",
+                        help="what runs on the data: analyse, extract or both")
+    parser.add_argument("--rss-limit-mib", type=float, default=None,
+                        help="stop a phase whose resident memory passes this")
     args = parser.parse_args()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+    if args.replicate < 1 or not phases <= {"analyse", "extract"}:
+        parser.error("--replicate takes K >= 1; --phases takes analyse and/or extract")
 
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
-        db = args.cache_dir / f"ledger-{turns}-s{args.seed}.duckdb"
-        if not db.exists():
-            print(f"generating {db} ...", flush=True)
-            gen = bench_ledger._in_process(bench_ledger._generate, db, turns, args.seed)
-            print(f"generate: {gen['turns']} turns, {gen['spans']} spans, simulate "
-                  f"{gen['simulate_s']:.1f} s, file {gen['file_mib']:.0f} MiB", flush=True)
-        folder = args.cache_dir / f"chdb-{turns}-s{args.seed}"
+        db, folder = _store(args, turns)
         if "chdb" in engines and not (folder / _COMPLETE).exists():
             if folder.exists():
                 import shutil
 
                 shutil.rmtree(folder)  # an incomplete load: start over
-            loaded = bench_ledger._in_process(_load, db, folder)
+            loaded = _in_process_capped(args.rss_limit_mib, _load, db, folder)
+            stopped = _stopped(loaded, args.rss_limit_mib)
+            if stopped:
+                raise SystemExit(f"load into chdb: {stopped}")
             print(f"load into chdb: {loaded['copied']} in {loaded['load_s']:.1f} s, folder "
                   f"{loaded['folder_mib']:.0f} MiB (DuckDB file {db.stat().st_size / 2**20:.0f} "
                   f"MiB), peak RSS {loaded['peak_rss_mib']:.0f} MiB", flush=True)
-        results: dict[str, dict[str, Any]] = {}
-        extraction: dict[str, dict[str, Any]] = {}
-        for engine in engines:
-            source = db if engine == "duckdb" else _source(folder)
-            results[engine] = bench_ledger._in_process(bench_ledger._analyse, source)
-            extraction[engine] = bench_ledger._in_process(_extract, source)
-        _print_side_by_side(turns, results)
-        print(f"  {'extraction alone':<20}"
-              + "".join(f"{e['extract_s']:10.2f} s" for e in extraction.values())
-              + f"   ({next(iter(extraction.values()))['rows']} span rows; fresh process each)")
-        print(f"  {'its peak RSS':<20}"
-              + "".join(f"{e['peak_rss_mib']:8.0f} MiB" for e in extraction.values()))
+        if "analyse" in phases:
+            results: dict[str, dict[str, Any]] = {}
+            for engine in engines:
+                source = db if engine == "duckdb" else _source(folder)
+                results[engine] = _in_process_capped(args.rss_limit_mib, bench_ledger._analyse,
+                                                     source)
+            stopped_any = {e: _stopped(r, args.rss_limit_mib) for e, r in results.items()}
+            for engine, note in stopped_any.items():
+                if note:
+                    print(f"\n{turns} turns, {engine} analyse: {note}")
+            if not any(stopped_any.values()):
+                _print_side_by_side(turns, results)
+        if "extract" in phases:
+            extraction: dict[str, dict[str, Any]] = {}
+            for engine in engines:
+                source = db if engine == "duckdb" else _source(folder)
+                extraction[engine] = _in_process_capped(args.rss_limit_mib, _extract, source)
+            notes = {e: _stopped(r, args.rss_limit_mib) for e, r in extraction.items()}
+            if any(notes.values()):
+                for engine, note in notes.items():
+                    print(f"  {engine} extraction alone: " + (
+                        note or f"{extraction[engine]['extract_s']:.2f} s, peak RSS "
+                                f"{extraction[engine]['peak_rss_mib']:.0f} MiB"))
+                continue
+            if "analyse" not in phases:
+                print(f"\n{turns} turns ({db.name})")
+                print(f"  {'step':<20}" + "".join(f"{e:>12}" for e in extraction))
+            print(f"  {'extraction alone':<20}"
+                  + "".join(f"{e['extract_s']:10.2f} s" for e in extraction.values())
+                  + f"   ({next(iter(extraction.values()))['rows']} span rows; fresh process each)")
+            print(f"  {'its peak RSS':<20}"
+                  + "".join(f"{e['peak_rss_mib']:8.0f} MiB" for e in extraction.values()))
 
 
 if __name__ == "__main__":

@@ -164,6 +164,7 @@ def replicate(source: Path, target: Path, replicas: int, *, gap_s: float = 3600.
     try:
         con.execute(f"SET memory_limit = {_sql_string(memory_limit)}")
         con.execute("SET preserve_insertion_order = false")
+        con.execute("SET enable_progress_bar = false")
         con.execute(f"ATTACH {_sql_string(str(source))} AS src (READ_ONLY)")
         for macro in _MACROS:
             con.execute(macro)
