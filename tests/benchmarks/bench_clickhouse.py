@@ -90,6 +90,9 @@ def _load_part(db: Path, folder: Path, window: tuple[int, int] | None) -> dict[s
     sources: list[tuple[str, str, list[int]]]
     try:
         con.execute("SET enable_progress_bar = false")
+        # DuckDB keeps the blocks it reads cached up to its memory limit (default 80 % of RAM):
+        # a whole-file scan would hold the file in this process.
+        con.execute("SET memory_limit = '1GB'")
         if window is None:
             reader.engine.command(render(TRACES_DDL, DATABASE, TRACES_TABLE))
             reader.engine.command(render(GAUGE_DDL, DATABASE, GAUGE_TABLE))
@@ -99,7 +102,8 @@ def _load_part(db: Path, folder: Path, window: tuple[int, int] | None) -> dict[s
         else:
             sources = [
                 (table, f"SELECT * FROM ({_flat_select(table, columns)}) "
-                        f"WHERE epoch_ns({time_column}) >= ? AND epoch_ns({time_column}) < ?",
+                        f"WHERE {time_column} >= make_timestamp_ns(?) "
+                        f"AND {time_column} < make_timestamp_ns(?)",  # row groups skipped
                  list(window))
                 for table, columns, time_column in (
                     (TRACES_TABLE, TRACES_COLUMNS, '"Timestamp"'),
@@ -124,6 +128,7 @@ def _windows(db: Path, parts: int) -> list[tuple[int, int]]:
 
     con = duckdb.connect(str(db), read_only=True)
     try:
+        con.execute("SET memory_limit = '1GB'")
         lo, hi = con.execute(
             "SELECT min(t), max(t) FROM (SELECT epoch_ns(\"Timestamp\") AS t FROM otel_traces "
             "UNION ALL SELECT epoch_ns(\"TimeUnix\") FROM otel_metrics_gauge)").fetchall()[0]
