@@ -164,36 +164,23 @@ def _load_in_parts(db: Path, folder: Path, parts: int,
             / 2**20}
 
 
-def _extract(source: Any) -> dict[str, Any]:
-    """Only the ledger's extraction queries (span rows per kind) in a fresh process: the part of
-    the ledger step the engine does."""
-    from kvscope.analysis.ledger import load_spans
+def _read_alone(source: Any, what: str) -> dict[str, Any]:
+    """One read of the ledger's alone, in a fresh process: ``span_rows`` (its extraction
+    queries, span rows per kind: what the ledger brought back before) or ``per_turn``
+    (``ledger.turn_rows``: the joins and aggregations in the engine, one row per turn back)."""
+    from kvscope.analysis.ledger import load_spans, turn_rows
     from kvscope.store.reader import StoreReader
 
     start = time.perf_counter()
     reader = StoreReader.open(source, time_limit_s=None)
     try:
-        frames = load_spans(reader)
+        if what == "per_turn":
+            rows = turn_rows(reader).height
+        else:
+            rows = sum(frame.height for frame in load_spans(reader).values())
     finally:
         reader.close()
-    return {"extract_s": time.perf_counter() - start,
-            "rows": sum(f.height for f in frames.values()),
-            "peak_rss_mib": bench_ledger._peak_rss_mib()}
-
-
-def _per_turn(source: Any) -> dict[str, Any]:
-    """Only the ledger's engine part (``ledger.turn_rows``: the joins and aggregations run in
-    the engine, one row per turn back) in a fresh process."""
-    from kvscope.analysis.ledger import turn_rows
-    from kvscope.store.reader import StoreReader
-
-    start = time.perf_counter()
-    reader = StoreReader.open(source, time_limit_s=None)
-    try:
-        rows = turn_rows(reader)
-    finally:
-        reader.close()
-    return {"extract_s": time.perf_counter() - start, "rows": rows.height,
+    return {"extract_s": time.perf_counter() - start, "rows": rows,
             "peak_rss_mib": bench_ledger._peak_rss_mib()}
 
 
@@ -369,14 +356,16 @@ def main() -> None:
                 _print_side_by_side(turns, results)
         # What the ledger brings back (per-turn rows, joined in the engine) against what it
         # would if every span row came back (the extraction queries, as the live ledger reads).
-        for phase, fn, label, unit in (("per_turn", _per_turn, "per-turn query", "rows"),
-                                       ("extract", _extract, "span rows alone", "span rows")):
+        for phase, what, label, unit in (("per_turn", "per_turn", "per-turn query", "rows"),
+                                         ("extract", "span_rows", "span rows alone",
+                                          "span rows")):
             if phase not in phases:
                 continue
             alone: dict[str, dict[str, Any]] = {}
             for engine in engines:
                 source = db if engine == "duckdb" else _source(folder)
-                alone[engine] = _in_process_capped(args.rss_limit_mib, fn, source)
+                alone[engine] = _in_process_capped(args.rss_limit_mib, _read_alone, source,
+                                                   what)
             notes = {e: _stopped(r, args.rss_limit_mib) for e, r in alone.items()}
             if any(notes.values()):
                 for engine, note in notes.items():
