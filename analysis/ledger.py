@@ -507,8 +507,11 @@ def _per_turn(b: query.Binder) -> str:
         f"CASE WHEN {linked} THEN {d.lag(column, partition, order)} END AS {name}"
         for name, column in _PREVIOUS.items())
     out = ", ".join(name for name in (*_JOINED_OUT, *_PREVIOUS) if name not in _OUT_DROPPED)
+    # The ledger's order, the engine's to keep: the rows are shaped as they stream back.
     return (f"SELECT {out}, {_history(b)} AS history "
-            f"FROM (SELECT *, {previous} FROM joined) AS with_previous")
+            f"FROM (SELECT *, {previous} FROM joined) AS with_previous "
+            "ORDER BY run_id NULLS FIRST, conversation_id NULLS FIRST, "
+            "turn_number NULLS FIRST, arrival NULLS FIRST")
 
 
 _LEGS: dict[str, str] = {
@@ -618,8 +621,9 @@ def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
 
 
 def shape(rows: pl.DataFrame) -> pl.DataFrame:
-    """The ledger from the engine's per-turn rows: each turn's history, reusable tokens,
-    where they came from, validity and outcome (row-wise; the joins are done)."""
+    """The ledger from the engine's per-turn rows: reusable tokens, where they came from,
+    validity and outcome. Row by row (the joins, the previous turn and the history are done),
+    so any batch of rows can be shaped on its own; the rows keep their order."""
     return _shape(rows.lazy()).collect()
 
 
@@ -728,9 +732,9 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
         .when(pl.col("decision").is_not_null()).then(pl.lit(ENGINE_EVIDENCE_LOG))
         .otherwise(pl.lit(None, pl.String)).alias("engine_evidence"))
+    # Row by row: the rows keep the order the engine sorted them in.
     return ledger.select(
-        [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()]
-    ).sort(["run_id", "conversation_id", "turn_index", "arrival"])
+        [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()])
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
@@ -867,8 +871,9 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """Build the ledger of every run in a store: per-turn rows from the engine, then shaped."""
-    return shape(turn_rows(reader))
+    """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
+    stream back (a batch at a time, so a large store's rows are never all held at once)."""
+    return pl.concat(_seam(reader).map_batches(TURN_QUERY, shape), rechunk=False)
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,14 @@ def _port(value: int) -> None:
 def _url(value: str) -> None:
     if value and not value.startswith(("http://", "https://")):
         raise ValueError("must start with http:// or https://")
+
+
+_MEMORY = re.compile(r"\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)")
+
+
+def _memory(value: str) -> None:
+    if value and not _MEMORY.fullmatch(value):
+        raise ValueError("must be an amount such as 4GB or 512MiB")
 
 
 def _log_level(value: str) -> None:
@@ -118,6 +127,15 @@ _DECLARED = [
         "Port of the OTLP/gRPC receiver (`kvscope serve`; vLLM's `--otlp-traces-endpoint` "
         "default protocol).",
         _port,
+    ),
+    Setting(
+        "store_memory_limit",
+        str,
+        "",
+        "Memory DuckDB may use for a reading command's queries (the ledger, analyses, report, "
+        "dashboard), e.g. 4GB; past it DuckDB spills to disk beside the store. Empty: DuckDB's "
+        "default, 80 % of RAM.",
+        _memory,
     ),
     Setting(
         "max_request_bytes",

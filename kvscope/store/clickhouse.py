@@ -265,6 +265,15 @@ class ClickHouseReader(StoreReader):
         frame = pl.DataFrame(self.arrow(sql, params))
         return frame
 
+    def map_batches(self, sql: str | Query, fn: Callable[[pl.DataFrame], T], *,
+                    rows: int = 1_000_000) -> list[T]:
+        """As :meth:`StoreReader.map_batches`; the result arrives whole (one Arrow stream),
+        and is converted and handed to ``fn`` a batch at a time."""
+        table = self.arrow(sql)
+        done = [fn(pl.DataFrame(pl.from_arrow(batch)))
+                for batch in table.to_batches(max_chunksize=rows)]
+        return done or [fn(pl.DataFrame(table.schema.empty_table()))]
+
     def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
         """Run one query and return (column names, rows)."""
         frame = self.frame(sql, params)

@@ -17,6 +17,7 @@ from typing import Any
 
 import duckdb
 
+from kvscope import settings
 from kvscope.errors import NewerSchemaError, NotAKvscopeStore, StoreError, StoreLockedError
 from kvscope.store import migrations
 from kvscope.store.schema import (
@@ -178,6 +179,9 @@ def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
     path = str(path)
     con = _connect(path, read_only=True)
     try:
+        limit = settings.resolve("store_memory_limit")
+        if limit:  # validated by the setting: an amount such as 4GB
+            con.execute(f"SET memory_limit = '{limit}'")
         # Readers only read this file: no COPY TO, ATTACH or extension loads from user SQL.
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")

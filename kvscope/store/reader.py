@@ -76,6 +76,19 @@ class StoreReader:
         table = self._limited(lambda: self._con.sql(text, params=bound).to_arrow_table())
         return pl.DataFrame(table)
 
+    def map_batches(self, sql: str | Query, fn: Callable[[pl.DataFrame], T], *,
+                    rows: int = 1_000_000) -> list[T]:
+        """Run one query and apply ``fn`` to its result in batches of about ``rows`` rows, in
+        the result's order, so the whole result is never held at once (the ledger shapes a
+        large store this way). An empty result is one empty batch."""
+        text, bound = _statement(sql, None)
+
+        def run() -> list[T]:
+            stream = self._con.sql(text, params=bound).to_arrow_reader(rows)
+            done = [fn(pl.DataFrame(pl.from_arrow(batch))) for batch in stream]
+            return done or [fn(pl.DataFrame(stream.schema.empty_table()))]
+        return self._limited(run)
+
     def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
         """Run one query and return (column names, rows)."""
         text, bound = _statement(sql, params)

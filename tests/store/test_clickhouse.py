@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
@@ -141,6 +142,12 @@ def test_the_engine_sends_back_one_row_per_turn(
     assert on_click["prev_index"].null_count() > 0 and on_click["d2p_status"].null_count() > 0
     assert_frame_equal(ledger_module.shape(on_click), ledger_module.shape(on_duck),
                        check_exact=True)
+    # Shaped a batch at a time (as a large store is), in the engine's order: the same ledger.
+    whole = d.ledger()
+    for reader in (d.reader, c.reader):
+        parts = reader.map_batches(ledger_module.TURN_QUERY, ledger_module.shape, rows=97)
+        assert len(parts) > 1
+        assert_frame_equal(pl.concat(parts), whole, check_exact=True)
 
 
 @pytest.mark.parametrize("name", list(registry.analyses()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,20 +22,54 @@ def reader(tmp_path: Path) -> StoreReader:
     return StoreReader.open(path, time_limit_s=0.3)
 
 
-@pytest.mark.parametrize("how", ["execute", "frame", "rows"])
+def _batches(reader: StoreReader, sql: str) -> list[int]:
+    return reader.map_batches(sql, len)
+
+
+@pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
 def test_every_query_path_is_interrupted_at_the_time_limit(reader: StoreReader, how: str) -> None:
     """``frame`` ran its (lazy) query outside the limit before: a slow analysis query ran on."""
+    run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
     with pytest.raises(StoreError, match="exceeded the 0.3 s time limit"):
-        result = getattr(reader, how)(SLOW)
+        result = run(SLOW)
         if how == "execute":
             result.fetchall()
 
 
-@pytest.mark.parametrize("how", ["execute", "frame", "rows"])
+@pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
 def test_every_query_path_translates_duckdb_errors(reader: StoreReader, how: str) -> None:
+    run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
     with pytest.raises(StoreError, match="query failed: "):
-        getattr(reader, how)("SELECT * FROM no_such_table")
+        run("SELECT * FROM no_such_table")
     assert reader.frame("SELECT ? AS x", [7])["x"].to_list() == [7]
+
+
+def test_batches_keep_the_order_and_an_empty_result_is_one_empty_batch(
+        reader: StoreReader) -> None:
+    sql = "SELECT range AS n FROM range(10) ORDER BY n DESC"
+    parts = reader.map_batches(sql, lambda frame: frame["n"].to_list(), rows=3)
+    assert len(parts) >= 2 and [n for part in parts for n in part] == list(range(9, -1, -1))
+    empty = reader.map_batches("SELECT 1 AS n WHERE false", lambda frame: frame.columns)
+    assert empty == [["n"]]
+
+
+def test_the_store_memory_limit_setting_bounds_a_reader(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.duckdb"
+    open_store(path).close()
+    monkeypatch.setenv("KVSCOPE_STORE_MEMORY_LIMIT", "256MiB")
+    limited = StoreReader.open(path)
+    try:
+        assert limited.rows("SELECT current_setting('memory_limit')")[1] == [("256.0 MiB",)]
+    finally:
+        limited.close()
+    # A value that is not an amount is ignored with a warning: DuckDB's default stays.
+    monkeypatch.setenv("KVSCOPE_STORE_MEMORY_LIMIT", "256; DROP")
+    default = StoreReader.open(path)
+    try:
+        assert default.rows("SELECT current_setting('memory_limit')")[1] != [("256.0 MiB",)]
+    finally:
+        default.close()
 
 
 
