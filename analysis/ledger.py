@@ -2,9 +2,10 @@
 
 Three steps, kept apart (STYLE §8): :data:`TURN_QUERY` runs *in the engine* holding the spans
 (DuckDB, or ClickHouse with the OpenTelemetry Collector's tables: one definition, rendered per
-dialect by :mod:`kvscope.store.query`) and returns one row per turn with its legs and its
-engine evidence joined and aggregated; :func:`shape` decides each turn's history, token
-accounting, validity and outcome from those rows (row-wise polars); :func:`persist` writes the
+dialect by :mod:`kvscope.store.query`) and returns one row per turn, sorted, with its legs,
+its engine evidence, the previous turn and its history already joined and decided;
+:func:`shape` decides token accounting, validity and outcome from those rows (row-wise polars,
+a batch at a time as they stream back); :func:`persist` writes the
 typed derived table ``kvscope_ledger`` (collectors never write it). :func:`build` runs the same
 per-turn SQL over extraction frames held in memory (the live ledger's, tests' hand-built ones).
 
