@@ -79,7 +79,10 @@ def _analyse(db: Path) -> dict[str, Any]:
     steps: list[tuple[str, float | None, str]] = []
     total_start = time.perf_counter()
     start = time.perf_counter()
-    ctx = registry.AnalysisContext.open(db)
+    from kvscope.store.reader import StoreReader
+
+    # No time limit: at 10M turns one query (the ledger's) runs past the readers' default 60 s.
+    ctx = registry.AnalysisContext(StoreReader.open(db, time_limit_s=None))
     steps.append(("open", time.perf_counter() - start, ""))
     with ctx:
         start = time.perf_counter()
