@@ -138,6 +138,14 @@ _DECLARED = [
         _memory,
     ),
     Setting(
+        "store_query_time_limit_s",
+        float,
+        60.0,
+        "Seconds one query of a reading command may run before it is stopped with an error "
+        "(0: no limit). A large store's ledger query may need more.",
+        _non_negative,
+    ),
+    Setting(
         "max_request_bytes",
         int,
         64 * 1024 * 1024,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 import duckdb
 import polars as pl
 
+from kvscope import settings
 from kvscope.errors import StoreError
 from kvscope.store.database import open_readonly
 from kvscope.store.query import DUCKDB, Dialect, Query
@@ -49,8 +50,14 @@ class StoreReader:
 
     @classmethod
     def open(cls, path: str | Path | ClickHouseSource, *,
-             time_limit_s: float | None = 60.0) -> StoreReader:
-        """Open the store at ``path`` read-only (or connect to a ClickHouse source)."""
+             time_limit_s: float | None | Literal["setting"] = "setting") -> StoreReader:
+        """Open the store at ``path`` read-only (or connect to a ClickHouse source).
+
+        Each query may run ``time_limit_s`` seconds (None: no limit); by default the
+        ``store_query_time_limit_s`` setting's (60 s; 0: no limit).
+        """
+        if time_limit_s == "setting":
+            time_limit_s = float(settings.resolve("store_query_time_limit_s")) or None
         if not isinstance(path, str | Path):
             from kvscope.store.clickhouse import ClickHouseReader
 

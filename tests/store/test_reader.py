@@ -94,3 +94,24 @@ def test_a_query_binds_every_key_and_value_by_name(tmp_path: Path) -> None:
         assert reader.rows(q)[1] == [("r", "v1", 5)]
     finally:
         reader.close()
+
+
+def test_the_query_time_limit_setting_is_the_readers_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.duckdb"
+    open_store(path).close()
+    monkeypatch.setenv("KVSCOPE_STORE_QUERY_TIME_LIMIT_S", "0.3")
+    limited = StoreReader.open(path)
+    try:
+        with pytest.raises(StoreError, match="exceeded the 0.3 s time limit"):
+            limited.rows(SLOW)
+    finally:
+        limited.close()
+    monkeypatch.setenv("KVSCOPE_STORE_QUERY_TIME_LIMIT_S", "0")  # no limit
+    unlimited = StoreReader.open(path)
+    explicit = StoreReader.open(path, time_limit_s=5.0)  # an explicit limit wins
+    try:
+        assert unlimited.time_limit_s is None and explicit.time_limit_s == 5.0
+    finally:
+        unlimited.close()
+        explicit.close()
