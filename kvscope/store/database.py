@@ -179,12 +179,16 @@ def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
     path = str(path)
     con = _connect(path, read_only=True)
     try:
-        limit = settings.resolve("store_memory_limit")
-        if limit:  # validated by the setting: an amount such as 4GB
-            con.execute(f"SET memory_limit = '{limit}'")
-        # Readers only read this file: no COPY TO, ATTACH or extension loads from user SQL.
-        con.execute("SET enable_external_access = false")
-        con.execute("SET lock_configuration = true")
+        # DuckDB shares one database instance among a process's connections to a file: a
+        # second reader of the same store finds it configured and locked already.
+        locked = con.execute("SELECT current_setting('lock_configuration')").fetchone()
+        if not (locked and locked[0]):
+            limit = settings.resolve("store_memory_limit")
+            if limit:  # validated by the setting: an amount such as 4GB
+                con.execute(f"SET memory_limit = '{limit}'")
+            # Readers only read this file: no COPY TO, ATTACH or extension loads from user SQL.
+            con.execute("SET enable_external_access = false")
+            con.execute("SET lock_configuration = true")
         version = schema_version(con, path)
         if version is None:
             raise NotAKvscopeStore(f"{path}: empty DuckDB file, not a kvscope store")

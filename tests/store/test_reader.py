@@ -118,3 +118,17 @@ def test_the_query_time_limit_setting_is_the_readers_default(
         assert explicit.time_limit_s == 5.0
     finally:
         explicit.close()
+
+
+def test_two_readers_of_one_store_in_one_process(tmp_path: Path) -> None:
+    """DuckDB shares a file's database instance within a process: the second reader finds its
+    configuration locked by the first, and must still open (read-only and sealed)."""
+    path = tmp_path / "two.duckdb"
+    open_store(path).close()
+    first, second = StoreReader.open(path), StoreReader.open(path)
+    try:
+        assert second.rows("SELECT count(*) FROM otel_traces")[1] == [(0,)]
+        assert second.rows("SELECT current_setting('enable_external_access')")[1] == [(False,)]
+    finally:
+        first.close()
+        second.close()
