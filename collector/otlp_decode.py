@@ -63,13 +63,16 @@ class DecodedBatch(Generic[Rows]):
     rows: Rows
     noun: str
     rejected: int = 0
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # the first _MAX_REASONS
+    reason_count: int = 0  # every reason given, kept or not
 
     def reject(self, count: int, where: str, reason: str) -> None:
         """Count ``count`` rejected items; the first few reasons are kept for the message."""
         self.rejected += count
-        if count and len(self.reasons) <= _MAX_REASONS:
-            self.reasons.append(f"{where}: {reason}")
+        if count:
+            self.reason_count += 1
+            if len(self.reasons) < _MAX_REASONS:
+                self.reasons.append(f"{where}: {reason}")
 
     @property
     def error_message(self) -> str:
@@ -77,8 +80,9 @@ class DecodedBatch(Generic[Rows]):
         count, reasons = self.rejected, self.reasons
         if not count:
             return ""
-        shown = "; ".join(reasons[:_MAX_REASONS])
-        more = f" (and {len(reasons) - _MAX_REASONS} more)" if len(reasons) > _MAX_REASONS else ""
+        shown = "; ".join(reasons)
+        hidden = self.reason_count - len(reasons)
+        more = f" (and {hidden} more)" if hidden > 0 else ""
         return f"{count} {self.noun}{'' if count == 1 else 's'} rejected: {shown}{more}"
 
     def to_arrow(self) -> pa.Table:

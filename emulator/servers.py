@@ -79,7 +79,7 @@ DEFAULT_MODEL = "kvscope-emulated"
 EXPIRED_TTL_S = 0.001
 # Hosts the proxy may rewrite remote_host to; the in-process side channel answers on all.
 LOOPBACK_ALIASES = ("127.0.0.1", "localhost")
-# Without ignore_eos the emulated model "wants" this many tokens plus a seeded share of 240.
+# How often decode nodes reap handles whose TTL has passed (vLLM reaps on its engine steps).
 _REAP_INTERVAL_S = 0.2
 # The engine model a server wraps.
 _Node = TypeVar("_Node", PrefillNode, DecodeNode)

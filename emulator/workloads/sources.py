@@ -34,8 +34,9 @@ def load(kind: str, *, trace: str | Path | None = None, conversations: int | Non
         Path(trace).is_dir() or Path(trace).suffix == ".json")
     # An option the kind does not read is refused, never silently dropped.
     given = {"--trace": trace is not None, "--token-scale": token_scale != 1.0,
-             "--arrival-rate": arrival_rate_per_s != 0.0, "a workload seed": seed != 0}
-    unused = {"synthetic": ("--trace", "--token-scale", "--arrival-rate"),
+             "--arrival-rate": arrival_rate_per_s != 0.0, "a workload seed": seed != 0,
+             "--time-scale": time_compression != 1.0}
+    unused = {"synthetic": ("--trace", "--token-scale", "--arrival-rate", "--time-scale"),
               "weka": ("--token-scale",) if raw_weka else (),
               "mooncake": ("--token-scale", "--arrival-rate", "a workload seed")}[kind]
     ignored = [flag for flag in unused if given[flag]]

@@ -186,6 +186,8 @@ def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
             limit = settings.resolve("store_memory_limit")
             if limit:  # validated by the setting: an amount such as 4GB
                 con.execute(f"SET memory_limit = '{limit}'")
+            # A library's queries draw nothing on the user's terminal.
+            con.execute("SET enable_progress_bar = false")
             # Readers only read this file: no COPY TO, ATTACH or extension loads from user SQL.
             con.execute("SET enable_external_access = false")
             con.execute("SET lock_configuration = true")

@@ -447,4 +447,7 @@ def test_a_workload_option_its_kind_does_not_read_is_refused() -> None:
         sources.load("mooncake", trace=trace, arrival_rate_per_s=2.0, seed=3)
     with pytest.raises(SettingError, match="synthetic does not use --trace"):
         sources.load("synthetic", trace=trace)
+    # The synthetic generator draws its own waits: a time scale was silently ignored.
+    with pytest.raises(SettingError, match="synthetic does not use --time-scale"):
+        sources.load("synthetic", time_compression=10.0)
     assert sources.load("mooncake", trace=trace).num_requests == 328
