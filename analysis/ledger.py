@@ -300,28 +300,36 @@ def _first(partition: str, order: str, columns: str, source: str, *windows: str)
 def _decision_rows(b: query.Binder) -> str:
     keyed = f"SELECT {_key(b, 'request_id')} AS x_key, * FROM decisions"
     hooks = f"CASE WHEN decision_measured = {b('false')} THEN 0 ELSE 1 END"
-    d = b.dialect
-    return (f"SELECT x_key, engine, decision, local_hit, offered, to_pull, threshold, bidir, "
-            f"remote_count, row_number() OVER (PARTITION BY x_key ORDER BY \"time\", span_id) "
-            f"AS rn_first, row_number() OVER (PARTITION BY x_key ORDER BY \"time\" DESC, "
-            f"span_id DESC) AS rn_last, "
-            f"{d.int64('count(*) OVER (PARTITION BY x_key)')} AS n, "
-            f"{d.int64(f'max({hooks}) OVER (PARTITION BY x_key)')} AS any_hooks FROM ({keyed})")
+    # Columns renamed (d_*): ClickHouse resolves a name to a select alias before a column, and
+    # _first_decision's outputs reuse some of these names.
+    taken = ", ".join(f"{column} AS d_{column}" for column in _DECISION_FIELDS)
+    return (f"SELECT x_key, {taken}, {hooks} AS hooks, "
+            f"row_number() OVER (PARTITION BY x_key ORDER BY \"time\", span_id) AS rn_first, "
+            f"row_number() OVER (PARTITION BY x_key ORDER BY \"time\" DESC, span_id DESC) "
+            f"AS rn_last FROM ({keyed})")
+
+
+# Per request: (column of its decisions, name) taken from the first decision, and from the last.
+_DECISION_FIELDS = ("decision", "local_hit", "offered", "to_pull", "threshold", "bidir",
+                    "engine", "remote_count")
+_FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit"),
+                   ("offered", "offered_tokens"), ("to_pull", "to_pull_tokens"),
+                   ("threshold", "threshold_tokens"), ("bidir", "prefill_bidirectional"),
+                   ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"))
+_LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
 def _first_decision(b: query.Binder) -> str:
     # The first decision says what prefill was offered and chose; the last one what the
-    # request ran with after a preemption or a reissue.
-    return (
-        "SELECT f.x_key AS x_key, f.decision AS decision, f.local_hit AS decision_local_hit, "
-        "f.offered AS offered_tokens, f.to_pull AS to_pull_tokens, "
-        "f.threshold AS threshold_tokens, f.bidir AS prefill_bidirectional, "
-        "f.engine AS prefill_engine, f.n AS decisions, l.local_hit AS final_local_hit, "
-        "l.decision AS last_decision, f.remote_count AS decision_remote_count, "
-        "f.any_hooks AS from_hooks "
-        "FROM (SELECT * FROM decision_rows WHERE rn_first = 1) AS f "
-        "JOIN (SELECT x_key, local_hit, decision FROM decision_rows WHERE rn_last = 1) AS l "
-        "ON l.x_key = f.x_key")
+    # request ran with after a preemption or a reissue. One pass over the decisions: each
+    # request's first and last rows are picked out by their rank.
+    d = b.dialect
+    picked = ", ".join(
+        f"max(CASE WHEN {rank} = 1 THEN d_{column} END) AS {name}"
+        for rank, columns in (("rn_first", _FIRST_DECISION), ("rn_last", _LAST_DECISION))
+        for column, name in columns)
+    return (f"SELECT x_key, {picked}, {d.int64('count(*)')} AS decisions, "
+            f"{d.int64('max(hooks)')} AS from_hooks FROM decision_rows GROUP BY x_key")
 
 
 def _transfer_rows(b: query.Binder) -> str:
@@ -638,8 +646,8 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     unmeasured = pl.col("duration_measured") == "false"
     ledger = rows.with_columns(
         pl.col("turn_number").alias("turn_index"),
-        *(_int(c) for c in ("prompt_tokens", "output_tokens", "messages", "prev_prompt",
-                            "prev_output", "prev_messages", "prev_held", "decision_local_hit",
+        # The turn's own counts (and the previous turn's) are integers already (_TURN_NUMBERS).
+        *(_int(c) for c in ("prev_held", "decision_local_hit",
                             "offered_tokens", "to_pull_tokens", "threshold_tokens",
                             "final_local_hit", "decision_remote_count", "retention_bytes",
                             "offered_tokens_proxy")),

@@ -464,7 +464,8 @@ class PrefillServer(_EngineServer[PrefillNode]):
                 traceparent=req.traceparent,
             ))
         if result.rescheduled_decision is not None:
-            # The scheduler decides again once the read has finished or failed: a later step.
+            # The re-decision is stamped once the read has finished or failed, and at least
+            # 1 ms after the first (never the same instant).
             self._record(result.rescheduled_decision.record(
                 max(em.clock.wall_ns(t), decided_ns + 1_000_000), params, req.traceparent))
         error: str | None = None

@@ -106,7 +106,7 @@ FAULT_INVALID_PARAMS = "invalid_params"  # the params P gets lack remote_request
 FAULT_HANDSHAKE = "handshake_fail"
 FAULT_TRANSFER = "transfer_fail"
 FAULT_PREEMPT = "preempt_after_read"
-# One scheduler step: the least time between a decision and the same request's next one.
+# The least time the emulators put between a decision and the same request's next one.
 _NEXT_STEP_S = 0.001
 FAULT_CLOCK_SKEW = "clock_skew"  # P misjudges D's clock by the decode TTL (reads look expired)
 FAULT_PROXY_RESTART = "proxy_restart"  # the router loses its entries before this turn
@@ -592,8 +592,8 @@ class Simulator:
         if result.decision is not None:
             tel.emit(result.decision.record(ns(t), params))
         if result.rescheduled_decision is not None:
-            # The scheduler decides again once the read has finished or failed: a later step
-            # (at least one step after the first decision, as vLLM's are).
+            # The re-decision comes once the read has finished or failed: stamped at the read's
+            # end, and at least _NEXT_STEP_S after the first (never the same instant).
             again = t + max(transfer_s, _NEXT_STEP_S)
             tel.emit(result.rescheduled_decision.record(ns(again), params))
 

@@ -270,8 +270,7 @@ class ClickHouseReader(StoreReader):
         """As :meth:`StoreReader.map_batches`; the result arrives whole (one Arrow stream),
         and is converted and handed to ``fn`` a batch at a time."""
         table = self.arrow(sql)
-        done = [fn(pl.DataFrame(pl.from_arrow(batch)))
-                for batch in table.to_batches(max_chunksize=rows)]
+        done = [fn(pl.DataFrame(batch)) for batch in table.to_batches(max_chunksize=rows)]
         return done or [fn(pl.DataFrame(table.schema.empty_table()))]
 
     def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:

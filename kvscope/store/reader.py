@@ -92,7 +92,7 @@ class StoreReader:
 
         def run() -> list[T]:
             stream = self._con.sql(text, params=bound).to_arrow_reader(rows)
-            done = [fn(pl.DataFrame(pl.from_arrow(batch))) for batch in stream]
+            done = [fn(pl.DataFrame(batch)) for batch in stream]
             return done or [fn(pl.DataFrame(stream.schema.empty_table()))]
         return self._limited(run)
 
