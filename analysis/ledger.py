@@ -523,19 +523,21 @@ def _per_turn(b: query.Binder) -> str:
             "turn_number NULLS FIRST, arrival NULLS FIRST")
 
 
-_LEGS: dict[str, str] = {
-    "prefill_leg": "prefill_ns, prefill_request_id, d_metadata_attached, offered_tokens_proxy, "
-                   "retention_id",
-    "decode_leg": "decode_ns, decode_request_id, metadata_returned, decode_measured",
-    "wait_leg": "tool_wait_ns",
+# A turn's first leg of each kind: (extraction relation, the columns taken), by CTE name.
+_LEGS: dict[str, tuple[str, str]] = {
+    "prefill_leg": ("prefill", "prefill_ns, prefill_request_id, d_metadata_attached, "
+                               "offered_tokens_proxy, retention_id"),
+    "decode_leg": ("decode", "decode_ns, decode_request_id, metadata_returned, decode_measured"),
+    "wait_leg": ("waits", "tool_wait_ns"),
 }
-_LEG_SOURCE = {"prefill_leg": "prefill", "decode_leg": "decode", "wait_leg": "waits"}
 
 
 def _leg(name: str) -> Callable[[query.Binder], str]:
+    source, columns = _LEGS[name]
+
     def part(b: query.Binder) -> str:
         return _first("trace_id, parent_span_id", "leg_time, leg_span_id",
-                      f"trace_id, parent_span_id, {_LEGS[name]}", _LEG_SOURCE[name])
+                      f"trace_id, parent_span_id, {columns}", source)
     return part
 
 
