@@ -65,3 +65,27 @@ def test_the_base_dependencies_hold_none_of_the_extras() -> None:
     assert not [p for p in ("duckdb", "pyarrow", "polars", "plotly", "dash", "aiohttp", "grpcio")
                 if p in base]
     assert set(project["optional-dependencies"]) >= {"store", "analysis", "dashboard", "all"}
+
+
+def test_version_answers_on_the_base_install_and_loads_no_extra() -> None:
+    done = _run(f"""
+from kvscope import cli
+rc = cli.main(["version"])
+print("rc", rc, sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r}))
+""")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert re.fullmatch(r"kvscope \S+ \(store schema \d+\)", lines[0]), done.stdout
+    assert lines[-1] == "rc 0 []"
+
+
+def test_main_configures_only_the_command_it_runs() -> None:
+    # Building every command's options imports the emulator, the proxy and the store; running
+    # one command must not (each configure imports what its own options need).
+    done = _run("""
+from kvscope import cli
+print("rc", cli.main(["settings"]))
+print(sorted(m for m in sys.modules if m.startswith(("kvscope.emulator", "kvscope.collector"))))
+""")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

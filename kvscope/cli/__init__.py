@@ -36,7 +36,7 @@ def _configure_version(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_version(args: argparse.Namespace) -> int:
-    from kvscope.store.schema import SCHEMA_VERSION
+    from kvscope.store.version import SCHEMA_VERSION
 
     print(f"kvscope {__version__} (store schema {SCHEMA_VERSION})")
     return 0
@@ -79,8 +79,14 @@ COMMANDS: list[Command] = _ordered([
     "demo"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (tests iterate it to check every command has help)."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with ``only``, the options of that one command alone.
+
+    Configuring a command imports what its options need (settings tables, emulator profiles,
+    the proxy's defaults), so ``main`` configures just the command it runs and ``kvscope
+    version`` or ``kvscope --help`` import nothing heavy. Without ``only`` every command is
+    configured (docs/settings.md and the tests iterate the whole parser).
+    """
     parser = argparse.ArgumentParser(
         prog="kvscope",
         description="Observe KV reuse in vLLM P/D deployments with bidirectional NIXL transfer.",
@@ -89,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         child = sub.add_parser(command.name, help=command.help, description=command.help)
+        if only is not None and command.name != only:
+            continue
         try:
             command.configure(child)
         except ModuleNotFoundError as exc:
@@ -135,8 +143,11 @@ def _needs_extra(exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvscope`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    # The command is the first word; any other first word (an option, a typo) needs no
+    # command's options to be answered, so none is configured.
+    parser = build_parser(only=given[0] if given else "")
+    args = parser.parse_args(given)
     logging.basicConfig(
         level=str(settings.resolve("log_level")).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,13 +1,42 @@
 """The DuckDB store: schema (mirroring the OpenTelemetry Collector's ClickHouse tables), writer,
-reader, migrations."""
+reader, migrations.
+
+The names below load their module on first use (PEP 562), so ``kvscope.store.version`` (what
+``kvscope version`` prints) imports neither DuckDB nor Arrow.
+"""
 
 from __future__ import annotations
 
-from kvscope.store.database import begin_run, end_run, open_readonly, open_store, table_counts
-from kvscope.store.reader import StoreReader
-from kvscope.store.rows import GaugeRows, TraceRows
-from kvscope.store.schema import SCHEMA_VERSION
-from kvscope.store.writer import StoreWriter, WriterStats, insert_arrow
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvscope.store.database import (
+        begin_run,
+        end_run,
+        open_readonly,
+        open_store,
+        table_counts,
+    )
+    from kvscope.store.reader import StoreReader
+    from kvscope.store.rows import GaugeRows, TraceRows
+    from kvscope.store.version import SCHEMA_VERSION
+    from kvscope.store.writer import StoreWriter, WriterStats, insert_arrow
+
+_MODULE_OF = {
+    "SCHEMA_VERSION": "version",
+    "GaugeRows": "rows",
+    "StoreReader": "reader",
+    "StoreWriter": "writer",
+    "TraceRows": "rows",
+    "WriterStats": "writer",
+    "begin_run": "database",
+    "end_run": "database",
+    "insert_arrow": "writer",
+    "open_readonly": "database",
+    "open_store": "database",
+    "table_counts": "database",
+}
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -23,3 +52,12 @@ __all__ = [
     "open_store",
     "table_counts",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

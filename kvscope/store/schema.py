@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# The version lives in its own light module; it is named here too, beside the tables it versions.
+from kvscope.store.version import SCHEMA_VERSION as SCHEMA_VERSION
 
 # OTLP enum value -> the string the ClickHouse exporter stores.
 SPAN_KIND_NAMES = {
