@@ -74,6 +74,10 @@ from kvscope.collector.engine_telemetry import (
 from kvscope.reuse.params import classify_observed
 
 logger = logging.getLogger(__name__)
+# What vLLM's operators must see goes to vLLM's log: a child of vLLM's own "vllm" logger, which
+# vLLM gives its handler and format in every process (kvscope's logger has no handler there).
+VLLM_LOGGER = "vllm.kvscope"
+vllm_logger = logging.getLogger(VLLM_LOGGER)
 
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -482,14 +486,14 @@ class NixlConnectorInstrumentor:
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(msg, *args)
+            vllm_logger.warning(msg, *args)
 
     def _hook_failed(self, where: str) -> None:
         self.stats.hook_errors += 1
         if where not in self._warned:
             self._warned.add(where)
-            logger.exception("kvscope hook %s failed (vLLM unaffected; further failures counted)",
-                             where)
+            vllm_logger.exception(
+                "kvscope hook %s failed (vLLM unaffected; further failures counted)", where)
 
     def _state(self, obj: Any) -> _EngineState:
         state: _EngineState | None = getattr(obj, "_kvscope_state", None)
