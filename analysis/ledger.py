@@ -374,8 +374,11 @@ def _p2d(b: query.Binder) -> str:
 
 
 def _retention_first(b: query.Binder) -> str:
-    # One retention per decode request: the handle turn k is offered is turn k-1's.
-    return _first("request_id", "\"start\", span_id",
+    # One retention per decode request: the handle turn k is offered is turn k-1's. The hooks'
+    # snapshot at pin time (open, no end) yields to the span of its release.
+    snapshot = (f"CASE WHEN reason = {b(semconv.RELEASE_OPEN)} AND duration_ns = 0 "
+                "THEN 1 ELSE 0 END")
+    return _first("request_id", f"{snapshot}, \"start\", span_id",
                   "request_id, size_bytes, tokens, reason, \"start\", duration_ns", "retentions")
 
 
