@@ -18,11 +18,11 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   released handles (``finished_sending``); ``request_finished``: decode pins a finished turn
   (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows; held past
   ``retention_snapshot_s`` it is recorded open, no end, until its release's span supersedes
-  it); ``shutdown``: the engine stops, what is still held is recorded open and sent and a prefill request
-  that ends after a failed load reports its outcome (vLLM's Scheduler finishes a request that
-  policy ``fail`` ends before it hands the connector the ``failed_recving`` that says why, so
-  a request finishing with its read unresolved is settled by the next
-  ``update_connector_output``).
+  it) and a prefill request that ends after a failed load reports its outcome (vLLM's
+  Scheduler finishes a request that policy ``fail`` ends before it hands the connector the
+  ``failed_recving`` that says why, so a request finishing with its read unresolved is settled
+  by the next ``update_connector_output``); ``shutdown``: the engine stops, what is still held
+  is recorded open and sent.
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
