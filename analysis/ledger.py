@@ -411,10 +411,12 @@ def _engine_hooks(b: query.Binder) -> str:
     """Per run, the engine hooks kvscope could not install (the engines' resource attribute
     ``kvscope.vllm.hooks_missing``, read off every engine span kind: a missing hook leaves its
     own kind without spans)."""
-    sources = " UNION ALL ".join(f"SELECT run_id, hooks_missing FROM {kind}"
-                                 for kind in ("decisions", "transfers", "retentions"))
-    return (f"SELECT run_id, max(hooks_missing) AS hooks_missing FROM ({sources}) AS e "
-            "WHERE hooks_missing IS NOT NULL GROUP BY run_id")
+    # Named apart from the output: ClickHouse resolves a name to a select alias first.
+    sources = " UNION ALL ".join(f"SELECT run_id AS hooks_run, hooks_missing AS missing "
+                                 f"FROM {kind}" for kind in ("decisions", "transfers",
+                                                             "retentions"))
+    return (f"SELECT hooks_run AS run_id, max(missing) AS hooks_missing FROM ({sources}) AS e "
+            "WHERE missing IS NOT NULL GROUP BY hooks_run")
 
 
 def _engine_turns(b: query.Binder) -> str:
@@ -429,10 +431,11 @@ def _engine_turns(b: query.Binder) -> str:
     """
     d = b.dialect
     keys = " UNION ALL ".join((
-        "SELECT x_key, run_id, \"time\" AS seen FROM decision_keys",
-        "SELECT x_key, run_id, \"start\" AS seen FROM transfer_rows",
-        f"SELECT {_key(b, 'request_id')} AS x_key, run_id, \"start\" AS seen FROM retentions",
-        f"SELECT {_key(b, 'request_id')} AS x_key, run_id, \"start\" AS seen "
+        "SELECT x_key, run_id AS key_run, \"time\" AS seen FROM decision_keys",
+        "SELECT x_key, run_id AS key_run, \"start\" AS seen FROM transfer_rows",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
+        "FROM retentions",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
         "FROM vllm_requests"))
     # Attribute strings, as a turn span's: both legs see one prompt; the output is the leg's
     # asked for more than one token (prefill's is max_tokens 1).
@@ -449,8 +452,8 @@ def _engine_turns(b: query.Binder) -> str:
               "observer": b(semconv.OBSERVER_ENGINE)}
     columns = ", ".join(
         f"{'NULL' if name in nulls else chosen[name]} AS {quote(name)}" for name in _TURN_COLUMNS)
-    return (f"SELECT {columns} FROM (SELECT x_key, max(run_id) AS run_id, min(seen) AS arrival "
-            f"FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
+    return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
+            f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
             "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) GROUP BY x_key) "
             f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
