@@ -190,6 +190,11 @@ _WAIT_COLUMNS: _Columns = {
     "leg_span_id": "SpanId",
     "tool_wait_ns": "Duration",
 }
+# On each engine span kind: its run, and the hooks its engine could not install (resource).
+_HOOKS_COLUMNS: _Columns = {
+    "run_id": resource_attr(semconv.RUN_ID),
+    "hooks_missing": resource_attr(semconv.HOOKS_MISSING),
+}
 _DECISION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
     "span_id": "SpanId",
@@ -203,6 +208,7 @@ _DECISION_COLUMNS: _Columns = {
     "bidir": span_attr(semconv.BIDIR_ENABLED),
     "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
+    **_HOOKS_COLUMNS,
 }
 _VLLM_REQUEST_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_GEN_AI_REQUEST_ID),
@@ -210,6 +216,10 @@ _VLLM_REQUEST_COLUMNS: _Columns = {
     "start": "Timestamp",
     "ttft_s": span_attr(semconv.VLLM_TIME_TO_FIRST_TOKEN),
     "queue_s": span_attr(semconv.VLLM_TIME_IN_QUEUE),
+    "run_id": resource_attr(semconv.RUN_ID),
+    "prompt_tokens": span_attr(semconv.VLLM_PROMPT_TOKENS),
+    "completion_tokens": span_attr(semconv.VLLM_COMPLETION_TOKENS),
+    "max_tokens": span_attr(semconv.VLLM_MAX_TOKENS),
 }
 _TRANSFER_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
@@ -222,6 +232,7 @@ _TRANSFER_COLUMNS: _Columns = {
     "duration_ns": "Duration",
     "request_outcome": span_attr(semconv.REQUEST_OUTCOME),
     "duration_measured": span_attr(semconv.DURATION_MEASURED),
+    **_HOOKS_COLUMNS,
 }
 _RETENTION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
@@ -232,6 +243,7 @@ _RETENTION_COLUMNS: _Columns = {
     "size_bytes": span_attr(semconv.RETENTION_BYTES),
     "reason": span_attr(semconv.RETENTION_RELEASE_REASON),
     "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
+    **_HOOKS_COLUMNS,
 }
 
 # Each span kind the ledger reads: its span name and the columns taken from it.
@@ -319,6 +331,10 @@ _FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit")
 _LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
+def _decision_keys(b: query.Binder) -> str:
+    return f"SELECT {_key(b, 'request_id')} AS x_key, run_id, \"time\" FROM decisions"
+
+
 def _first_decision(b: query.Binder) -> str:
     # The first decision says what prefill was offered and chose; the last one what the
     # request ran with after a preemption or a reissue. One pass over the decisions: each
@@ -334,7 +350,7 @@ def _first_decision(b: query.Binder) -> str:
 
 def _transfer_rows(b: query.Binder) -> str:
     d = b.dialect
-    return (f"SELECT {_key(b, 'request_id')} AS x_key, engine, direction, status, "
+    return (f"SELECT {_key(b, 'request_id')} AS x_key, run_id, engine, direction, status, "
             f"{d.to_int('size_bytes')} AS bytes, \"start\", span_id, request_outcome, "
             f"{_measured(b, 'duration_measured', 'duration_ns')} AS measured_ns FROM transfers")
 
@@ -366,8 +382,11 @@ def _p2d(b: query.Binder) -> str:
 
 
 def _retention_first(b: query.Binder) -> str:
-    # One retention per decode request: the handle turn k is offered is turn k-1's.
-    return _first("request_id", "\"start\", span_id",
+    # One retention per decode request: the handle turn k is offered is turn k-1's. The hooks'
+    # snapshot at pin time (open, no end) yields to the span of its release.
+    snapshot = (f"CASE WHEN reason = {b(semconv.RELEASE_OPEN)} AND duration_ns = 0 "
+                "THEN 1 ELSE 0 END")
+    return _first("request_id", f"{snapshot}, \"start\", span_id",
                   "request_id, size_bytes, tokens, reason, \"start\", duration_ns", "retentions")
 
 
@@ -386,6 +405,57 @@ def _vllm(b: query.Binder) -> str:
         "x_key, \"start\" AS engine_last_start, ttft_s AS engine_last_ttft_s", keyed,
         "min(\"start\") OVER (PARTITION BY x_key) AS engine_first_start",
         f"sum({d.to_float('queue_s')}) OVER (PARTITION BY x_key) AS engine_queue_s")
+
+
+def _engine_hooks(b: query.Binder) -> str:
+    """Per run, the engine hooks kvscope could not install (the engines' resource attribute
+    ``kvscope.vllm.hooks_missing``, read off every engine span kind: a missing hook leaves its
+    own kind without spans)."""
+    # Named apart from the output: ClickHouse resolves a name to a select alias first.
+    sources = " UNION ALL ".join(f"SELECT run_id AS hooks_run, hooks_missing AS missing "
+                                 f"FROM {kind}" for kind in ("decisions", "transfers",
+                                                             "retentions"))
+    return (f"SELECT hooks_run AS run_id, max(missing) AS hooks_missing FROM ({sources}) AS e "
+            "WHERE missing IS NOT NULL GROUP BY hooks_run")
+
+
+def _engine_turns(b: query.Binder) -> str:
+    """One row per X-Request-Id that engine spans name and no ``kvscope.turn`` does: the
+    requests of a deployment routed by vLLM's own proxy, llm-d or any router but kvscope's.
+
+    Its run is its engine spans'; it starts at the first of them. vLLM's ``llm_request`` spans
+    give the prompt and the output (the decode leg's: the one asked for more than prefill's one
+    token). Conversation, turn index and router fields stay null: only a proxy span knows them.
+    Once a turn span names the request (``kvscope ingest`` of the proxy's log later, say), its
+    row replaces this one.
+    """
+    d = b.dialect
+    keys = " UNION ALL ".join((
+        "SELECT x_key, run_id AS key_run, \"time\" AS seen FROM decision_keys",
+        "SELECT x_key, run_id AS key_run, \"start\" AS seen FROM transfer_rows",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
+        "FROM retentions",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
+        "FROM vllm_requests"))
+    # Attribute strings, as a turn span's: both legs see one prompt; the output is the leg's
+    # asked for more than one token (prefill's is max_tokens 1).
+    decode_leg = f"({d.to_int('max_tokens')} > 1 OR max_tokens IS NULL)"
+    usage = (f"SELECT {_key(b, 'request_id')} AS x_key, max(prompt_tokens) AS prompt_n, "
+             f"max(CASE WHEN {decode_leg} THEN completion_tokens END) AS output_n "
+             "FROM vllm_requests GROUP BY 1")
+    nulls = {"trace_id", "span_id", "conversation_id", "turn_index", "duration_ns",
+             "status_code", "ttft_ms", "router_lookup", "router_entry_age_s", "reuse_guard",
+             "boundary_hashes", "hash_key_id", "messages", "roles", "error_kind",
+             "duration_measured"}
+    chosen = {"run_id": "k.run_id", "x_request_id": "k.x_key", "arrival": "k.arrival",
+              "prompt_tokens": "u.prompt_n", "output_tokens": "u.output_n",
+              "observer": b(semconv.OBSERVER_ENGINE)}
+    columns = ", ".join(
+        f"{'NULL' if name in nulls else chosen[name]} AS {quote(name)}" for name in _TURN_COLUMNS)
+    return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
+            f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
+            "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) GROUP BY x_key) "
+            f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
 
 # The per-turn row: (table alias, column, name). ``t`` the turn; its first prefill, decode and
@@ -415,6 +485,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
     ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
     ("h", "tokens", "held_tokens"),
+    ("e", "hooks_missing", "hooks_missing"),
 )
 # The turn's counts, as numbers already in the engine (history compares them).
 _TURN_NUMBERS = {"turn_number": "turn_index", "prompt_tokens": "prompt_tokens",
@@ -437,7 +508,7 @@ def _joined(b: query.Binder) -> str:
                         for name, column in _TURN_NUMBERS.items())
     return (
         f"SELECT {fields}, {numbers} "
-        "FROM turns AS t "
+        "FROM (SELECT * FROM turns UNION ALL SELECT * FROM engine_turns) AS t "
         "LEFT JOIN prefill_leg AS p ON p.trace_id = t.trace_id AND p.parent_span_id = t.span_id "
         "LEFT JOIN decode_leg AS g ON g.trace_id = t.trace_id AND g.parent_span_id = t.span_id "
         "LEFT JOIN wait_leg AS w ON w.trace_id = t.trace_id AND w.parent_span_id = t.span_id "
@@ -446,7 +517,8 @@ def _joined(b: query.Binder) -> str:
         "LEFT JOIN d2p AS r ON r.x_key = t.x_request_id "
         "LEFT JOIN p2d AS s ON s.x_key = t.x_request_id "
         "LEFT JOIN retention_first AS o ON o.request_id = p.retention_id "
-        "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id")
+        "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id "
+        "LEFT JOIN engine_hooks AS e ON e.run_id = t.run_id")
 
 
 def _continues(b: query.Binder) -> str:
@@ -551,6 +623,9 @@ _DERIVED: list[tuple[str, query.Part]] = [
     ("p2d", _p2d),
     ("retention_first", _retention_first),
     ("vllm_request", _vllm),
+    ("engine_hooks", _engine_hooks),
+    ("decision_keys", _decision_keys),
+    ("engine_turns", _engine_turns),
     ("joined", _joined),
 ]
 
@@ -596,6 +671,11 @@ def _complete(frame: pl.DataFrame | None, columns: _Columns) -> pl.DataFrame:
 
 
 # --- shaping, per turn ------------------------------------------------------------------------
+
+# vLLM methods whose hooks give a kind of evidence (kvscope.vllm.hooks_missing names them).
+_DECISION_HOOKS = "get_num_new_matched_tokens|update_state_after_alloc"
+_READ_HOOKS = "start_load_kv|get_transfer_results"
+_FAILURE_CAUSE_HOOKS = "_read_blocks_for_req|_is_turn2_read_expired"
 
 def hook_decided(frame: pl.DataFrame) -> pl.Expr:
     """Turns whose reuse decision came from kvscope's engine hooks (a decision an ingested
@@ -800,6 +880,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     lookup = c("router_lookup")
     status = c("d2p_status")
     kind = c("_invalid_kind")
+    missing_hooks = pl.format("kvscope's hooks {} not installed in this vLLM",
+                              c("hooks_missing").str.replace_all(",", ", "))
     rules: list[tuple[pl.Expr, str, pl.Expr]] = [
         # Without a conversation id no turn can be linked to another, the first included.
         (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
@@ -809,6 +891,14 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         # nothing says whether or why the turn reused, so no miss cause is claimed.
         ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
          outcomes.UNKNOWN, pl.lit(outcomes.EVIDENCE_CLIENT_ONLY)),
+        # Engine spans alone (no proxy span): what needs the conversation (was there an earlier
+        # turn, did the router keep decode's params) is not known; engine facts still decide.
+        ((c("observer") == semconv.OBSERVER_ENGINE)
+         & (~engine_seen | (c("decision") == semconv.DECISION_NO_OFFER)), outcomes.UNKNOWN,
+         pl.when(engine_seen).then(pl.lit(
+             "engine spans only: prefill was offered no decode KV; whether an earlier turn "
+             "left any needs the conversation, which only a proxy span records"))
+         .otherwise(pl.lit("engine spans only, and no reuse decision among them"))),
         (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
          pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
         (kind == INVALID_EDITED, outcomes.REUSED_INVALID,
@@ -842,7 +932,13 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (lookup == semconv.ROUTER_CONSUMED, outcomes.HANDLE_CONSUMED,
          pl.lit("router entry already taken by an overlapping turn")),
         (~engine_seen, outcomes.UNKNOWN,
-         pl.lit("no engine hooks: prefill's reuse decision not observed")),
+         pl.when(c("hooks_missing").str.contains(_DECISION_HOOKS))
+         .then(pl.format("prefill's reuse decision not observed: {}", missing_hooks))
+         .otherwise(pl.lit("no engine hooks: prefill's reuse decision not observed"))),
+        # A pull whose read no span reports, in a run whose engines could not hook reads.
+        ((c("decision") == semconv.DECISION_PULL) & status.is_null()
+         & c("hooks_missing").str.contains(_READ_HOOKS), outcomes.UNKNOWN,
+         pl.format("prefill decided to pull, the D→P read not observed: {}", missing_hooks)),
         (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
          pl.lit(outcomes.EVIDENCE_INVALID_PARAMS)),
         (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
@@ -868,7 +964,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
          pl.lit(outcomes.EVIDENCE_HANDSHAKE)),
         (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
-         pl.lit(outcomes.EVIDENCE_TRANSFER)),
+         pl.when(c("hooks_missing").str.contains(_FAILURE_CAUSE_HOOKS))
+         .then(pl.format(outcomes.EVIDENCE_TRANSFER + "; why (declined as expired or not) not "
+                         "observed: {}", missing_hooks))
+         .otherwise(pl.lit(outcomes.EVIDENCE_TRANSFER))),
         (reusable.is_null(), outcomes.UNKNOWN,
          pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
         (done > 0, outcomes.PARTIAL, pl.format(outcomes.EVIDENCE_PARTIAL, done, reusable)),

