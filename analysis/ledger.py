@@ -190,6 +190,11 @@ _WAIT_COLUMNS: _Columns = {
     "leg_span_id": "SpanId",
     "tool_wait_ns": "Duration",
 }
+# On each engine span kind: its run, and the hooks its engine could not install (resource).
+_HOOKS_COLUMNS: _Columns = {
+    "run_id": resource_attr(semconv.RUN_ID),
+    "hooks_missing": resource_attr(semconv.HOOKS_MISSING),
+}
 _DECISION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
     "span_id": "SpanId",
@@ -203,6 +208,7 @@ _DECISION_COLUMNS: _Columns = {
     "bidir": span_attr(semconv.BIDIR_ENABLED),
     "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
+    **_HOOKS_COLUMNS,
 }
 _VLLM_REQUEST_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_GEN_AI_REQUEST_ID),
@@ -222,6 +228,7 @@ _TRANSFER_COLUMNS: _Columns = {
     "duration_ns": "Duration",
     "request_outcome": span_attr(semconv.REQUEST_OUTCOME),
     "duration_measured": span_attr(semconv.DURATION_MEASURED),
+    **_HOOKS_COLUMNS,
 }
 _RETENTION_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
@@ -232,6 +239,7 @@ _RETENTION_COLUMNS: _Columns = {
     "size_bytes": span_attr(semconv.RETENTION_BYTES),
     "reason": span_attr(semconv.RETENTION_RELEASE_REASON),
     "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
+    **_HOOKS_COLUMNS,
 }
 
 # Each span kind the ledger reads: its span name and the columns taken from it.
@@ -388,6 +396,16 @@ def _vllm(b: query.Binder) -> str:
         f"sum({d.to_float('queue_s')}) OVER (PARTITION BY x_key) AS engine_queue_s")
 
 
+def _engine_hooks(b: query.Binder) -> str:
+    """Per run, the engine hooks kvscope could not install (the engines' resource attribute
+    ``kvscope.vllm.hooks_missing``, read off every engine span kind: a missing hook leaves its
+    own kind without spans)."""
+    sources = " UNION ALL ".join(f"SELECT run_id, hooks_missing FROM {kind}"
+                                 for kind in ("decisions", "transfers", "retentions"))
+    return (f"SELECT run_id, max(hooks_missing) AS hooks_missing FROM ({sources}) AS e "
+            "WHERE hooks_missing IS NOT NULL GROUP BY run_id")
+
+
 # The per-turn row: (table alias, column, name). ``t`` the turn; its first prefill, decode and
 # tool-wait legs; ``f`` its decisions, ``v`` vLLM's request spans, ``r`` the D->P read, ``s``
 # the P->D writes; ``o`` the retention it was offered, ``h`` the one its decode left.
@@ -415,6 +433,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
     ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
     ("h", "tokens", "held_tokens"),
+    ("e", "hooks_missing", "hooks_missing"),
 )
 # The turn's counts, as numbers already in the engine (history compares them).
 _TURN_NUMBERS = {"turn_number": "turn_index", "prompt_tokens": "prompt_tokens",
@@ -446,7 +465,8 @@ def _joined(b: query.Binder) -> str:
         "LEFT JOIN d2p AS r ON r.x_key = t.x_request_id "
         "LEFT JOIN p2d AS s ON s.x_key = t.x_request_id "
         "LEFT JOIN retention_first AS o ON o.request_id = p.retention_id "
-        "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id")
+        "LEFT JOIN retention_first AS h ON h.request_id = g.decode_request_id "
+        "LEFT JOIN engine_hooks AS e ON e.run_id = t.run_id")
 
 
 def _continues(b: query.Binder) -> str:
@@ -551,6 +571,7 @@ _DERIVED: list[tuple[str, query.Part]] = [
     ("p2d", _p2d),
     ("retention_first", _retention_first),
     ("vllm_request", _vllm),
+    ("engine_hooks", _engine_hooks),
     ("joined", _joined),
 ]
 
@@ -596,6 +617,11 @@ def _complete(frame: pl.DataFrame | None, columns: _Columns) -> pl.DataFrame:
 
 
 # --- shaping, per turn ------------------------------------------------------------------------
+
+# vLLM methods whose hooks give a kind of evidence (kvscope.vllm.hooks_missing names them).
+_DECISION_HOOKS = "get_num_new_matched_tokens|update_state_after_alloc"
+_READ_HOOKS = "start_load_kv|get_transfer_results"
+_FAILURE_CAUSE_HOOKS = "_read_blocks_for_req|_is_turn2_read_expired"
 
 def hook_decided(frame: pl.DataFrame) -> pl.Expr:
     """Turns whose reuse decision came from kvscope's engine hooks (a decision an ingested
@@ -800,6 +826,8 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     lookup = c("router_lookup")
     status = c("d2p_status")
     kind = c("_invalid_kind")
+    missing_hooks = pl.format("kvscope's hooks {} not installed in this vLLM",
+                              c("hooks_missing").str.replace_all(",", ", "))
     rules: list[tuple[pl.Expr, str, pl.Expr]] = [
         # Without a conversation id no turn can be linked to another, the first included.
         (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
@@ -842,7 +870,13 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (lookup == semconv.ROUTER_CONSUMED, outcomes.HANDLE_CONSUMED,
          pl.lit("router entry already taken by an overlapping turn")),
         (~engine_seen, outcomes.UNKNOWN,
-         pl.lit("no engine hooks: prefill's reuse decision not observed")),
+         pl.when(c("hooks_missing").str.contains(_DECISION_HOOKS))
+         .then(pl.format("prefill's reuse decision not observed: {}", missing_hooks))
+         .otherwise(pl.lit("no engine hooks: prefill's reuse decision not observed"))),
+        # A pull whose read no span reports, in a run whose engines could not hook reads.
+        ((c("decision") == semconv.DECISION_PULL) & status.is_null()
+         & c("hooks_missing").str.contains(_READ_HOOKS), outcomes.UNKNOWN,
+         pl.format("prefill decided to pull, the D→P read not observed: {}", missing_hooks)),
         (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
          pl.lit(outcomes.EVIDENCE_INVALID_PARAMS)),
         (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
@@ -868,7 +902,10 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
          pl.lit(outcomes.EVIDENCE_HANDSHAKE)),
         (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
-         pl.lit(outcomes.EVIDENCE_TRANSFER)),
+         pl.when(c("hooks_missing").str.contains(_FAILURE_CAUSE_HOOKS))
+         .then(pl.format(outcomes.EVIDENCE_TRANSFER + "; why (declined as expired or not) not "
+                         "observed: {}", missing_hooks))
+         .otherwise(pl.lit(outcomes.EVIDENCE_TRANSFER))),
         (reusable.is_null(), outcomes.UNKNOWN,
          pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
         (done > 0, outcomes.PARTIAL, pl.format(outcomes.EVIDENCE_PARTIAL, done, reusable)),

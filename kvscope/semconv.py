@@ -220,6 +220,16 @@ REQUEST_OUTCOME = _attr(
 GPU_HOST = _attr("kvscope.gpu.host", "", "Host a GPU sample came from.")
 GPU_INDEX = _attr("kvscope.gpu.index", "", "GPU index on its host.")
 RUN_ID = _attr("kvscope.run.id", "", "kvscope run id (resource attribute).")
+VLLM_VERSION = _attr(
+    "kvscope.vllm.version", "", "The vLLM version an engine process runs (resource attribute)."
+)
+HOOKS_MISSING = _attr(
+    "kvscope.vllm.hooks_missing",
+    "",
+    "Hooks kvscope did not install in a vLLM process, as Class.method names, comma separated "
+    "(resource attribute; absent when every hook installed): the evidence they give is "
+    "missing from that engine's spans.",
+)
 GPU_PID = _attr("kvscope.gpu.pid", "", "Process id a per-process GPU memory sample is for.")
 
 # --- vLLM's own llm_request span (vLLM 0.33.0 vllm/tracing/utils.py:15-44, set by
@@ -270,6 +280,12 @@ OFFERED_REQUEST_ID = _attr(
 )
 STREAM_REQUESTED = _attr("kvscope.stream", "", "Whether the client asked for a streamed response.")
 STREAM_CHUNKS = _attr("kvscope.stream.chunks", "", "SSE data events decode sent for one turn.")
+DECODE_STREAMED = _attr(
+    "kvscope.decode.streamed",
+    "",
+    "Whether the proxy read decode's answer as a stream (vLLM >= 0.33) or whole (older vLLM, "
+    "whose streams carry no kv_transfer_params; the proxy then measures no TTFT).",
+)
 GEN_AI_RESPONSE_FINISH_REASONS = _attr(
     "gen_ai.response.finish_reasons", "", "Finish reason(s) of the generated choices."
 )

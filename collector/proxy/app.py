@@ -4,7 +4,10 @@ Behaviour matches vLLM's ``disagg_proxy_multiturn.py`` (see ``shared/reference``
 over prefill and decode instances; prefill called non-streaming with ``max_tokens=1`` and
 ``max_completion_tokens``/``min_tokens``/``stream_options`` dropped; decode always streamed; the
 client's stream is decode's bytes, written as they arrive; non-streaming clients get the body
-vLLM's proxy rebuilds (``usage: None``). kvscope adds: errors as OpenAI-style JSON with 400/502/504
+vLLM's proxy rebuilds (``usage: None``). Decode servers older than vLLM 0.33 stream no
+``kv_transfer_params`` (only a whole response carries them): the proxy asks each decode
+instance's ``GET /version`` once and calls those non-streaming (``--decode-params``), replaying
+the answer as SSE to a streaming client. kvscope adds: errors as OpenAI-style JSON with 400/502/504
 instead of hangs or bare 500s, one ``X-Request-Id`` and a W3C ``traceparent`` per leg, the
 ``X-Session-ID`` header as a fallback conversation id, ``GET /metrics``, and telemetry drops in
 ``GET /health``. A client that disconnects, at any point of its turn, ends the turn's upstream
@@ -41,6 +44,7 @@ from kvscope.collector.proxy.telemetry import (
     TurnRecord,
     message_boundaries,
 )
+from kvscope.reuse.params import streams_kv_transfer_params
 from kvscope.reuse.router import (
     GUARD_EDITED,
     GUARD_UNCHECKED,
@@ -62,6 +66,14 @@ PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options
 SESSION_HEADER = "X-Session-ID"
 # Agent prompts with long histories exceed aiohttp's 1 MiB default request size.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+# Where decode's kv_transfer_params are read: from its stream (vLLM >= 0.33), from a whole
+# (non-streaming) response (older vLLM: its streams carry none), or decided per decode instance
+# from its GET /version.
+DECODE_PARAMS_STREAM = "stream"
+DECODE_PARAMS_RESPONSE = "response"
+DECODE_PARAMS_AUTO = "auto"
+DECODE_PARAMS_MODES = (DECODE_PARAMS_AUTO, DECODE_PARAMS_STREAM, DECODE_PARAMS_RESPONSE)
 
 _ROUTER_KEY = web.AppKey("router", ConversationRouter)
 _TELEMETRY_KEY = web.AppKey("telemetry", ProxyTelemetry)
@@ -100,10 +112,15 @@ class ProxyConfig:
     reuse_guard: bool = False
     # Log each turn's cache HIT / MISS, "Prefill done in N ms", cached D blocks, as vLLM's proxy.
     log_turns: bool = True
+    # One of DECODE_PARAMS_MODES.
+    decode_params: str = DECODE_PARAMS_AUTO
 
     def __post_init__(self) -> None:
         if not self.prefillers or not self.decoders:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
+        if self.decode_params not in DECODE_PARAMS_MODES:
+            raise ValueError(f"decode_params must be one of {', '.join(DECODE_PARAMS_MODES)}, "
+                             f"not {self.decode_params!r}")
 
 
 def _log_lookup(request_id: str, conversation_id: str | None, lookup: Lookup,
@@ -298,6 +315,8 @@ class Proxy:
             total=None, sock_connect=config.connect_timeout_s,
             sock_read=config.decode_idle_timeout_s,
         )
+        # --decode-params auto: whether each decode instance streams its params, once known.
+        self._params_streamed: dict[Upstream, bool] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def _client_session(self, app: web.Application) -> AsyncIterator[None]:
@@ -456,9 +475,15 @@ class Proxy:
             record.offered_request_id = offered if isinstance(offered, str) else None
             record.offered_tokens = _int(lookup.params.get("remote_num_tokens"))
 
+        whole: dict[str, Any] | None = None
         try:
             await self._prefill(api_path, body, record)
-            upstream = await self._open_decode(api_path, body, record)
+            decode = next(self._decode_cycle)
+            if await self._streams_params(decode):
+                response = await self._open_decode(api_path, body, record, decode,
+                                                   include_usage=not client_wants_stream)
+            else:
+                whole = await self._decode_whole(api_path, body, record, decode)
         except UpstreamFailure as failure:
             record.fail(failure.leg, failure.kind, failure.status, failure.message)
             if failure.body:
@@ -467,7 +492,11 @@ class Proxy:
             error_type = "GatewayTimeoutError" if failure.status == 504 else "BadGatewayError"
             return _error_response(failure.status, failure.message, error_type)
 
-        response, decode = upstream
+        if whole is not None:
+            self._whole_ended(whole, conversation.value, decode, record)
+            if client_wants_stream:
+                return await self._replay_as_stream(request, whole, body, record)
+            return web.json_response(whole)
         stream = DecodeStream(collect_text=not client_wants_stream)
         if client_wants_stream:
             return await self._relay_stream(
@@ -585,13 +614,58 @@ class Proxy:
             record.prefill_request_id = request_id if isinstance(request_id, str) else None
             body["kv_transfer_params"] = p_params
 
+    async def _streams_params(self, decode: Upstream) -> bool:
+        """Whether ``decode`` puts its kv_transfer_params on its stream (vLLM >= 0.33).
+
+        ``--decode-params auto`` asks the instance's ``GET /version`` once: a version before
+        0.33 answers non-streaming from then on; no answer, or no version in it, keeps vLLM's
+        proxy's streamed call (asked again at the next turn only when the call itself failed).
+        """
+        mode = self.config.decode_params
+        if mode != DECODE_PARAMS_AUTO:
+            return mode == DECODE_PARAMS_STREAM
+        known = self._params_streamed.get(decode)
+        if known is not None:
+            return known
+        version: str | None = None
+        try:
+            async with self._session_or_fail().get(
+                f"http://{decode.host}:{decode.port}/version",
+                timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s),
+                headers=({"Authorization": f"Bearer {self.config.api_key}"}
+                         if self.config.api_key else None),
+            ) as resp:
+                if resp.status == 200:
+                    answer = await resp.json(content_type=None)
+                    if isinstance(answer, dict) and isinstance(answer.get("version"), str):
+                        version = answer["version"]
+        except (TimeoutError, aiohttp.ClientError):
+            return True  # decode is unreachable: the turn's own call says so
+        except ValueError:
+            pass  # a body that is not JSON: no version
+        streamed = streams_kv_transfer_params(version)
+        if streamed is False:
+            logger.warning(
+                "decode %s runs vLLM %s, whose streamed responses carry no kv_transfer_params: "
+                "calling it non-streaming (streaming clients get its answer as one SSE event; "
+                "the proxy measures no TTFT for them)", decode.name, version)
+        self._params_streamed[decode] = streamed is not False
+        return streamed is not False
+
     async def _open_decode(
-        self, api_path: str, body: dict[str, Any], record: TurnRecord
-    ) -> tuple[aiohttp.ClientResponse, Upstream]:
-        """Start decode's stream; fail before the client sees anything when it cannot start."""
+        self, api_path: str, body: dict[str, Any], record: TurnRecord, decode: Upstream,
+        include_usage: bool,
+    ) -> aiohttp.ClientResponse:
+        """Start decode's stream; fail before the client sees anything when it cannot start.
+
+        ``include_usage`` asks decode for its trailing usage event (a non-streaming client's
+        turn: the proxy rebuilds that client's body, so the event reaches no one, and the
+        turn's output tokens are known).
+        """
         payload = dict(body)
         payload["stream"] = True
-        decode = next(self._decode_cycle)
+        if include_usage:
+            payload["stream_options"] = {"include_usage": True}
         record.decode_instance = decode.name
         record.decode_start_ns = time.time_ns()
         leg = semconv.LEG_DECODE
@@ -619,7 +693,77 @@ class Proxy:
                 resp.release()
                 record.decode_end_ns = time.time_ns()
             _check_status(leg, decode, resp.status, raw)
-        return resp, decode
+        return resp
+
+    async def _decode_whole(
+        self, api_path: str, body: dict[str, Any], record: TurnRecord, decode: Upstream
+    ) -> dict[str, Any]:
+        """Call decode non-streaming (vLLM < 0.33: only its whole answer carries its params)."""
+        payload = dict(body)
+        payload["stream"] = False
+        payload.pop("stream_options", None)  # vLLM refuses it on a non-streaming request
+        record.decode_instance = decode.name
+        record.decode_streamed = False
+        record.decode_start_ns = time.time_ns()
+        leg = semconv.LEG_DECODE
+        try:
+            async with self._session_or_fail().post(
+                decode.url(api_path),
+                data=json.dumps(payload).encode(),
+                headers=self._headers(record, record.decode_traceparent()),
+                timeout=self._decode_timeout,
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TimeoutError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
+                                  f"decode {decode.name} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
+                                  f"decode {decode.name} unreachable: {exc}") from exc
+        finally:
+            record.decode_end_ns = time.time_ns()
+        _check_status(leg, decode, status, raw)
+        try:
+            answer = json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                                  f"decode {decode.name} returned invalid JSON") from exc
+        if not isinstance(answer, dict):
+            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                                  f"decode {decode.name} returned a non-object")
+        return answer
+
+    def _whole_ended(self, answer: dict[str, Any], conversation_id: str | None,
+                     decode: Upstream, record: TurnRecord) -> None:
+        """Take decode's params, output tokens and finish reasons from its whole answer; the
+        params leave the answer (the client never sees decode's blocks, as with a stream)."""
+        params = answer.pop("kv_transfer_params", None)
+        if isinstance(params, dict) and params:
+            self._keep_params([params], conversation_id, decode, record)
+        usage = answer.get("usage")
+        if isinstance(usage, dict):
+            record.output_tokens = _int(usage.get("completion_tokens"))
+        reasons = [str(c["finish_reason"]) for c in answer.get("choices") or ()
+                   if isinstance(c, dict) and c.get("finish_reason")]
+        if reasons:
+            record.finish_reasons = reasons
+
+    async def _replay_as_stream(self, request: web.Request, answer: dict[str, Any],
+                                body: dict[str, Any], record: TurnRecord) -> web.StreamResponse:
+        """A streaming client's SSE from decode's whole answer: one event per choice, the usage
+        event when the client asked for it (``stream_options.include_usage``), ``[DONE]``."""
+        response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        try:
+            await response.prepare(request)
+            for event in sse_events(answer, body):
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                record.chunks += 1
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            self._client_left(request, record, f"during the answer's stream ({exc or 'reset'})")
+        return response
 
     def _keep_params(
         self, found: list[dict[str, Any]], conversation_id: str | None, decode: Upstream,
@@ -752,6 +896,42 @@ class Proxy:
                 "usage": None,
             }
         return web.json_response(answer)
+
+
+def sse_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The SSE events of a whole chat or text completion ``answer``, as a stream of it would
+    end: each choice's message as one delta (or text), then the usage event when the request's
+    ``stream_options`` asked for it."""
+    chat = answer.get("object") == "chat.completion"
+    head = {"id": answer.get("id"),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": answer.get("created"), "model": answer.get("model")}
+    events: list[dict[str, Any]] = []
+    for choice in answer.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if chat:
+            message = choice.get("message")
+            delta = ({k: v for k, v in message.items() if v is not None}
+                     if isinstance(message, dict) else {})
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list):  # a streamed tool call names its position
+                delta["tool_calls"] = [dict(call, index=i) if isinstance(call, dict) else call
+                                       for i, call in enumerate(tool_calls)]
+            if not tool_calls:
+                delta.pop("tool_calls", None)
+            out = {"index": choice.get("index", 0), "delta": delta}
+        else:
+            out = {"index": choice.get("index", 0), "text": choice.get("text", "")}
+        out["logprobs"] = choice.get("logprobs")
+        out["finish_reason"] = choice.get("finish_reason")
+        if "stop_reason" in choice:
+            out["stop_reason"] = choice["stop_reason"]
+        events.append({**head, "choices": [out]})
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage"):
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return events
 
 
 def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None:

