@@ -216,6 +216,10 @@ _VLLM_REQUEST_COLUMNS: _Columns = {
     "start": "Timestamp",
     "ttft_s": span_attr(semconv.VLLM_TIME_TO_FIRST_TOKEN),
     "queue_s": span_attr(semconv.VLLM_TIME_IN_QUEUE),
+    "run_id": resource_attr(semconv.RUN_ID),
+    "prompt_tokens": span_attr(semconv.VLLM_PROMPT_TOKENS),
+    "completion_tokens": span_attr(semconv.VLLM_COMPLETION_TOKENS),
+    "max_tokens": span_attr(semconv.VLLM_MAX_TOKENS),
 }
 _TRANSFER_COLUMNS: _Columns = {
     "request_id": span_attr(semconv.VLLM_REQUEST_ID),
@@ -327,6 +331,10 @@ _FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit")
 _LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
+def _decision_keys(b: query.Binder) -> str:
+    return f"SELECT {_key(b, 'request_id')} AS x_key, run_id, \"time\" FROM decisions"
+
+
 def _first_decision(b: query.Binder) -> str:
     # The first decision says what prefill was offered and chose; the last one what the
     # request ran with after a preemption or a reissue. One pass over the decisions: each
@@ -342,7 +350,7 @@ def _first_decision(b: query.Binder) -> str:
 
 def _transfer_rows(b: query.Binder) -> str:
     d = b.dialect
-    return (f"SELECT {_key(b, 'request_id')} AS x_key, engine, direction, status, "
+    return (f"SELECT {_key(b, 'request_id')} AS x_key, run_id, engine, direction, status, "
             f"{d.to_int('size_bytes')} AS bytes, \"start\", span_id, request_outcome, "
             f"{_measured(b, 'duration_measured', 'duration_ns')} AS measured_ns FROM transfers")
 
@@ -374,8 +382,11 @@ def _p2d(b: query.Binder) -> str:
 
 
 def _retention_first(b: query.Binder) -> str:
-    # One retention per decode request: the handle turn k is offered is turn k-1's.
-    return _first("request_id", "\"start\", span_id",
+    # One retention per decode request: the handle turn k is offered is turn k-1's. The hooks'
+    # snapshot at pin time (open, no end) yields to the span of its release.
+    snapshot = (f"CASE WHEN reason = {b(semconv.RELEASE_OPEN)} AND duration_ns = 0 "
+                "THEN 1 ELSE 0 END")
+    return _first("request_id", f"{snapshot}, \"start\", span_id",
                   "request_id, size_bytes, tokens, reason, \"start\", duration_ns", "retentions")
 
 
@@ -400,10 +411,51 @@ def _engine_hooks(b: query.Binder) -> str:
     """Per run, the engine hooks kvscope could not install (the engines' resource attribute
     ``kvscope.vllm.hooks_missing``, read off every engine span kind: a missing hook leaves its
     own kind without spans)."""
-    sources = " UNION ALL ".join(f"SELECT run_id, hooks_missing FROM {kind}"
-                                 for kind in ("decisions", "transfers", "retentions"))
-    return (f"SELECT run_id, max(hooks_missing) AS hooks_missing FROM ({sources}) AS e "
-            "WHERE hooks_missing IS NOT NULL GROUP BY run_id")
+    # Named apart from the output: ClickHouse resolves a name to a select alias first.
+    sources = " UNION ALL ".join(f"SELECT run_id AS hooks_run, hooks_missing AS missing "
+                                 f"FROM {kind}" for kind in ("decisions", "transfers",
+                                                             "retentions"))
+    return (f"SELECT hooks_run AS run_id, max(missing) AS hooks_missing FROM ({sources}) AS e "
+            "WHERE missing IS NOT NULL GROUP BY hooks_run")
+
+
+def _engine_turns(b: query.Binder) -> str:
+    """One row per X-Request-Id that engine spans name and no ``kvscope.turn`` does: the
+    requests of a deployment routed by vLLM's own proxy, llm-d or any router but kvscope's.
+
+    Its run is its engine spans'; it starts at the first of them. vLLM's ``llm_request`` spans
+    give the prompt and the output (the decode leg's: the one asked for more than prefill's one
+    token). Conversation, turn index and router fields stay null: only a proxy span knows them.
+    Once a turn span names the request (``kvscope ingest`` of the proxy's log later, say), its
+    row replaces this one.
+    """
+    d = b.dialect
+    keys = " UNION ALL ".join((
+        "SELECT x_key, run_id AS key_run, \"time\" AS seen FROM decision_keys",
+        "SELECT x_key, run_id AS key_run, \"start\" AS seen FROM transfer_rows",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
+        "FROM retentions",
+        f"SELECT {_key(b, 'request_id')} AS x_key, run_id AS key_run, \"start\" AS seen "
+        "FROM vllm_requests"))
+    # Attribute strings, as a turn span's: both legs see one prompt; the output is the leg's
+    # asked for more than one token (prefill's is max_tokens 1).
+    decode_leg = f"({d.to_int('max_tokens')} > 1 OR max_tokens IS NULL)"
+    usage = (f"SELECT {_key(b, 'request_id')} AS x_key, max(prompt_tokens) AS prompt_n, "
+             f"max(CASE WHEN {decode_leg} THEN completion_tokens END) AS output_n "
+             "FROM vllm_requests GROUP BY 1")
+    nulls = {"trace_id", "span_id", "conversation_id", "turn_index", "duration_ns",
+             "status_code", "ttft_ms", "router_lookup", "router_entry_age_s", "reuse_guard",
+             "boundary_hashes", "hash_key_id", "messages", "roles", "error_kind",
+             "duration_measured"}
+    chosen = {"run_id": "k.run_id", "x_request_id": "k.x_key", "arrival": "k.arrival",
+              "prompt_tokens": "u.prompt_n", "output_tokens": "u.output_n",
+              "observer": b(semconv.OBSERVER_ENGINE)}
+    columns = ", ".join(
+        f"{'NULL' if name in nulls else chosen[name]} AS {quote(name)}" for name in _TURN_COLUMNS)
+    return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
+            f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
+            "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) GROUP BY x_key) "
+            f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
 
 # The per-turn row: (table alias, column, name). ``t`` the turn; its first prefill, decode and
@@ -456,7 +508,7 @@ def _joined(b: query.Binder) -> str:
                         for name, column in _TURN_NUMBERS.items())
     return (
         f"SELECT {fields}, {numbers} "
-        "FROM turns AS t "
+        "FROM (SELECT * FROM turns UNION ALL SELECT * FROM engine_turns) AS t "
         "LEFT JOIN prefill_leg AS p ON p.trace_id = t.trace_id AND p.parent_span_id = t.span_id "
         "LEFT JOIN decode_leg AS g ON g.trace_id = t.trace_id AND g.parent_span_id = t.span_id "
         "LEFT JOIN wait_leg AS w ON w.trace_id = t.trace_id AND w.parent_span_id = t.span_id "
@@ -572,6 +624,8 @@ _DERIVED: list[tuple[str, query.Part]] = [
     ("retention_first", _retention_first),
     ("vllm_request", _vllm),
     ("engine_hooks", _engine_hooks),
+    ("decision_keys", _decision_keys),
+    ("engine_turns", _engine_turns),
     ("joined", _joined),
 ]
 
@@ -837,6 +891,14 @@ def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
         # nothing says whether or why the turn reused, so no miss cause is claimed.
         ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
          outcomes.UNKNOWN, pl.lit(outcomes.EVIDENCE_CLIENT_ONLY)),
+        # Engine spans alone (no proxy span): what needs the conversation (was there an earlier
+        # turn, did the router keep decode's params) is not known; engine facts still decide.
+        ((c("observer") == semconv.OBSERVER_ENGINE)
+         & (~engine_seen | (c("decision") == semconv.DECISION_NO_OFFER)), outcomes.UNKNOWN,
+         pl.when(engine_seen).then(pl.lit(
+             "engine spans only: prefill was offered no decode KV; whether an earlier turn "
+             "left any needs the conversation, which only a proxy span records"))
+         .otherwise(pl.lit("engine spans only, and no reuse decision among them"))),
         (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
          pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
         (kind == INVALID_EDITED, outcomes.REUSED_INVALID,

@@ -220,13 +220,27 @@ def _num(column: str, dtype: pl.DataType) -> pl.Expr:
 
 
 def shape_retentions(raw: pl.DataFrame) -> pl.DataFrame:
-    """Type the string attributes of raw retention rows (:data:`RETENTION_SCHEMA`)."""
+    """Type the string attributes of raw retention rows (:data:`RETENTION_SCHEMA`), one per
+    retention (:func:`without_superseded_snapshots`)."""
     if raw.is_empty():
         return pl.DataFrame(schema=RETENTION_SCHEMA)
-    return raw.with_columns(
+    return without_superseded_snapshots(raw).with_columns(
         _num("size_bytes", pl.Int64()), _num("ttl_s", pl.Float64()),
         pl.col("duration_ns").cast(pl.Int64),
     ).select([pl.col(n).cast(t) for n, t in RETENTION_SCHEMA.items()])
+
+
+def without_superseded_snapshots(raw: pl.DataFrame) -> pl.DataFrame:
+    """Retention rows less the ``open`` snapshots a later span of the same retention replaced.
+
+    vLLM's engine hooks record each retention twice: when decode pins it (release reason
+    ``open``, no end: what stays in the store if the engine is killed before it releases) and
+    when decode releases it. Rows need ``run_id``, ``request_id``, ``reason``, ``duration_ns``.
+    """
+    snapshot = (pl.col("reason") == semconv.RELEASE_OPEN) & (
+        pl.col("duration_ns").cast(pl.Int64, strict=False) == 0)
+    spans = pl.len().over("run_id", "request_id")
+    return raw.filter(~(snapshot & (spans > 1)).fill_null(False))
 
 
 def shape_samples(raw: pl.DataFrame) -> pl.DataFrame:

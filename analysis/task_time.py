@@ -25,6 +25,7 @@ from typing import Any
 
 import polars as pl
 
+from kvscope import semconv
 from kvscope.analysis.ledger import hook_decided
 from kvscope.analysis.registry import AnalysisContext, intermediate, register
 
@@ -78,6 +79,8 @@ def _measured_sum(expr: pl.Expr) -> pl.Expr:
 def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     """Task time per conversation and its parts, in seconds (pure: ledger in, :data:`COLUMNS`)."""
     c = pl.col
+    # A request only engine spans know has no conversation: it is no part of a task.
+    ledger = ledger.filter(c("observer").ne_missing(semconv.OBSERVER_ENGINE))
     # Transfer spans come from the engine hooks: with hooks seen in the conversation, a turn
     # without one moved nothing; without any, transfer time is unknown (and inside the legs).
     hooks = (hook_decided(ledger) | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()).any()

@@ -58,6 +58,7 @@ from kvscope.analysis.registry import (
     intermediate,
     register,
 )
+from kvscope.analysis.retention import without_superseded_snapshots
 from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
@@ -124,8 +125,9 @@ def _num(column: str, dtype: pl.DataType) -> pl.Expr:
 
 
 def shape_retentions(raw: pl.DataFrame) -> pl.DataFrame:
-    """Typed retention spans: run_id, request_id, size_bytes, tokens, ttl_s, held_s, reason."""
-    return raw.select(
+    """Typed retention spans: run_id, request_id, size_bytes, tokens, ttl_s, held_s, reason
+    (one per retention: a pin's snapshot leaves when its release's span is there)."""
+    return without_superseded_snapshots(raw).select(
         "run_id", "request_id", _num("size_bytes", pl.Int64()), _num("tokens", pl.Int64()),
         _num("ttl_s", pl.Float64()), "reason",
         (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),

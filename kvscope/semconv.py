@@ -376,6 +376,9 @@ OUTCOME_ERROR = "error"
 OBSERVER_CLIENT = "client"
 # ... and of turns read from a proxy's log alone (kvscope ingest): no client record joined.
 OBSERVER_PROXY_LOG = "proxy_log"
+# ... and of the ledger's rows built from engine spans alone (no kvscope.turn span has the
+# request: vLLM's own proxy, llm-d or another router in front): one row per X-Request-Id.
+OBSERVER_ENGINE = "engine"
 
 WAIT_INFERRED = "inferred"
 WAIT_REPORTED = "reported"

@@ -208,6 +208,15 @@ _DECLARED = [
         "store needs the same file. Empty: one created once under $XDG_STATE_HOME/kvscope.",
     ),
     Setting(
+        "retention_snapshot_s",
+        float,
+        10.0,
+        "Seconds decode holds a finished turn's KV before kvscope's vLLM hooks record it as an "
+        "open retention span (what stays in the store when vLLM kills its engine core before "
+        "the release; the release's span supersedes it).",
+        _positive,
+    ),
+    Setting(
         "gpu_sample_interval_s",
         float,
         1.0,

@@ -21,6 +21,12 @@ All sources are parsed and checked before the store is opened, and their spans a
 one transaction with the run's record, so a malformed file (a one-line :class:`IngestError`
 naming file and line) or any failure leaves the store as it was. A file whose SHA-256 is already
 recorded in the store (under any name) is refused, so nothing is ever stored twice.
+
+Files of a deployment whose engines already exported to the store (``kvscope serve``: the vLLM
+plugin, vLLM's own tracing) join that run rather than begin one: when the proxy log's requests
+are named by the engine spans of exactly one run that has no turn of its own, its turns go into
+that run (its settings list the files under ``ingested``), and the ledger's rows built from
+engine spans alone give way to them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvscope import semconv
 from kvscope.collector.ingest import bench_stats, proxy_log, server_log
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
@@ -150,12 +157,48 @@ def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
             recorded = json.loads(settings or "{}")
         except json.JSONDecodeError:
             continue  # a run of another writer with settings kvscope did not write
-        if not isinstance(recorded, dict) or recorded.get("source") != _SOURCE:
+        if not isinstance(recorded, dict):
             continue
+        if recorded.get("source") != _SOURCE:  # a run ingest joined: its files are listed apart
+            recorded = recorded.get("ingested")
+            if not isinstance(recorded, dict):
+                continue
         for entry in recorded.get("files", []):
             if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
                 found[entry["sha256"]] = (str(run_id), str(label), str(entry.get("name", "")))
     return found
+
+
+# vLLM's request id → the X-Request-Id it came from (as the ledger reduces it).
+_ID_PREFIX = r"^(chatcmpl-|cmpl-)"
+_ID_SUFFIX = r"-[0-9A-Za-z]{8}$"
+
+
+def _engine_run(con: Any, request_ids: Sequence[str]) -> tuple[str, str, dict[str, Any]] | None:
+    """The run (id, label, settings) whose engine spans name ``request_ids``, when exactly one
+    run's do and it holds no turn span: the same deployment's engines, seen live."""
+    if not request_ids:
+        return None
+    rows = con.execute(
+        "SELECT DISTINCT ResourceAttributes[?] FROM otel_traces WHERE ServiceName IN (?, ?) "
+        "AND list_contains(?, regexp_replace(regexp_replace(SpanAttributes[?], ?, ''), ?, ''))",
+        [semconv.RUN_ID, semconv.SERVICE_PREFILL, semconv.SERVICE_DECODE, list(request_ids),
+         semconv.VLLM_REQUEST_ID, _ID_PREFIX, _ID_SUFFIX]).fetchall()
+    runs = [r[0] for r in rows if r[0] is not None]
+    if len(runs) != 1:
+        return None
+    turns = con.execute("SELECT count(*) FROM otel_traces WHERE SpanName = ? AND "
+                        "ResourceAttributes[?] = ?",
+                        [semconv.SPAN_TURN, semconv.RUN_ID, runs[0]]).fetchall()
+    found = con.execute(f"SELECT label, settings FROM {quote(RUNS_TABLE)} WHERE run_id = ?",
+                        [runs[0]]).fetchall()
+    if turns[0][0] or not found:
+        return None
+    try:
+        settings = json.loads(found[0][1] or "{}")
+    except json.JSONDecodeError:
+        settings = {}
+    return runs[0], str(found[0][0]), settings if isinstance(settings, dict) else {}
 
 
 def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None = None,
@@ -199,7 +242,17 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
             files = [{"name": path.name, "kind": source_kind.name, "sha256": content.sha256,
                       **content.run_settings()}
                      for path, source_kind, content in parsed]
-            run_id = begin_run(con, label, {"source": _SOURCE, "files": files})
+            request_ids = [r.x_request_id for _, _, c in parsed
+                           if isinstance(c, proxy_log.ProxyLog) for r in c.requests]
+            live = _engine_run(con, request_ids)
+            if live is None:
+                run_id = begin_run(con, label, {"source": _SOURCE, "files": files})
+            else:
+                run_id, label, settings = live
+                ingested = settings.setdefault("ingested", {"source": _SOURCE, "files": []})
+                ingested["files"] = [*ingested.get("files", []), *files]
+                con.execute(f"UPDATE {quote(RUNS_TABLE)} SET settings = ? WHERE run_id = ?",
+                            [json.dumps(settings, sort_keys=True, default=str), run_id])
             rows = TraceRows()
             added: list[Ingested] = []
             for path, source_kind, content in parsed:
@@ -210,7 +263,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                                       getattr(content, "unknown_lines", None)))
             if len(rows):
                 insert_arrow(con, TRACES_TABLE, rows.to_arrow())
-            end_run(con, run_id)
+            if live is None:
+                end_run(con, run_id)
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")

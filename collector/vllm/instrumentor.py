@@ -16,11 +16,13 @@ Hook map (0.33.0; see ``shared/reference/vllm-nixl-bidir.md`` §3–§5):
   ``kvscope.reuse_decision`` is recorded here (once per schedule, not once per retry of an
   allocation that failed); ``update_connector_output``: failed loads (``failed_recving``) and
   released handles (``finished_sending``); ``request_finished``: decode pins a finished turn
-  (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows) and a prefill request
-  that ends after a failed load reports its outcome (vLLM's Scheduler finishes a request that
-  policy ``fail`` ends before it hands the connector the ``failed_recving`` that says why, so
-  a request finishing with its read unresolved is settled by the next
-  ``update_connector_output``).
+  (``kvscope.kv_retention`` opens, ``kvscope.kv.retained_bytes`` grows; held past
+  ``retention_snapshot_s`` it is recorded open, no end, until its release's span supersedes
+  it) and a prefill request that ends after a failed load reports its outcome (vLLM's
+  Scheduler finishes a request that policy ``fail`` ends before it hands the connector the
+  ``failed_recving`` that says why, so a request finishing with its read unresolved is settled
+  by the next ``update_connector_output``); ``shutdown``: the engine stops, what is still held
+  is recorded open and sent.
 * worker ``start_load_kv`` (a read starts) and ``get_transfer_results`` (it finished or failed;
   ``get_finished`` calls it) give ``kvscope.kv_transfer``. Private methods tell *why* a read
   failed (``_read_blocks_for_req`` + ``_is_turn2_read_expired``: ``declined_expired``;
@@ -63,7 +65,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 from opentelemetry.trace import TracerProvider
 
-from kvscope import __version__, semconv
+from kvscope import __version__, semconv, settings
 from kvscope.collector.engine_telemetry import (
     EngineRecord,
     EngineTelemetry,
@@ -96,6 +98,7 @@ HOOK_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
     (SCHEDULER_CLASS, "update_state_after_alloc"): ("request", "blocks", "num_external_tokens"),
     (SCHEDULER_CLASS, "update_connector_output"): ("connector_output",),
     (SCHEDULER_CLASS, "request_finished"): ("request", "block_ids"),
+    (SCHEDULER_CLASS, "shutdown"): (),
     (WORKER_CLASS, "start_load_kv"): ("metadata",),
     (WORKER_CLASS, "get_transfer_results"): (),
     **{(WORKER_CLASS, name): params for name, params in PRIVATE_HOOK_SIGNATURES.items()},
@@ -105,6 +108,7 @@ HOOK_EVIDENCE: dict[str, str] = {
     "update_state_after_alloc": "prefill's reuse decisions",
     "update_connector_output": "failed loads and decode's retention releases",
     "request_finished": "decode's retentions and failed loads' outcomes",
+    "shutdown": "spans recorded just before the engine stops",
     "start_load_kv": "KV reads",
     "get_transfer_results": "KV reads",
     "_read_blocks_for_req": "reads declined as expired",
@@ -244,6 +248,8 @@ class _Pin:
     expiry_perf: float
     remote_num_tokens: int | None
     traceparent: str | None
+    # Recorded as an open retention already (held past retention_snapshot_s, or stopping).
+    snapshot: bool = False
 
 
 @dataclass
@@ -338,6 +344,12 @@ class NixlConnectorInstrumentor:
         self.vllm_version: str | None = None
         self.hooks_installed: list[str] = []
         self.hooks_missing: dict[str, str] = {}
+        # Decode schedulers' states by engine id, and the thread that records their long-held
+        # retentions as open spans (started at the first pin).
+        self._decode_states: dict[str, _EngineState] = {}
+        self._snapshot_s = 10.0
+        self._snapshotter: threading.Thread | None = None
+        self._snapshots_stop = threading.Event()
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -357,10 +369,13 @@ class NixlConnectorInstrumentor:
         meter_provider: MeterProvider | None = None,
         provider_factory: ProviderFactory | None = None,
         private_hooks: bool | None = None,
+        retention_snapshot_s: float | None = None,
     ) -> bool:
         """Wrap the role classes; a second call is a no-op. Returns whether hooks are installed.
 
         ``private_hooks`` forces the private hooks on or off (None: where their signatures match).
+        ``retention_snapshot_s`` (the setting of that name when None): how long decode holds a
+        retention before it is recorded as an open span.
         Raises ImportError when vLLM's NIXL connector is not importable; the plugin catches it.
         """
         with self._lock:
@@ -373,6 +388,7 @@ class NixlConnectorInstrumentor:
             scheduler_cls = getattr(importlib.import_module(SCHEDULER_MODULE), SCHEDULER_CLASS)
             worker_cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS)
             version = str(getattr(vllm, "__version__", "unknown"))
+            self._snapshot_s = settings.resolve("retention_snapshot_s", retention_snapshot_s)
             self._tracer_provider = tracer_provider
             self._meter_provider = meter_provider
             self._factory = provider_factory
@@ -382,6 +398,7 @@ class NixlConnectorInstrumentor:
                 (scheduler_cls, "update_state_after_alloc", self._wrap_after_alloc),
                 (scheduler_cls, "update_connector_output", self._wrap_connector_output),
                 (scheduler_cls, "request_finished", self._wrap_request_finished),
+                (scheduler_cls, "shutdown", self._wrap_shutdown),
                 (worker_cls, "start_load_kv", self._wrap_start_load),
                 (worker_cls, "get_transfer_results", self._wrap_transfer_results),
             ]
@@ -451,6 +468,8 @@ class NixlConnectorInstrumentor:
             self._restore()
             logging.getLogger(FAILURE_LOGGER).removeFilter(self._failure_filter)
             self._worker_states.clear()
+            self._decode_states.clear()
+            snapshotter, self._snapshotter = self._snapshotter, None
             self._instrumented = False
             self._private_hooks = False
             self._generation += 1
@@ -460,6 +479,10 @@ class NixlConnectorInstrumentor:
             self._role_providers.clear()
             self._meters_by_engine.clear()
             self.retained_bytes.clear()
+        if snapshotter is not None:
+            self._snapshots_stop.set()
+            snapshotter.join(5.0)
+            self._snapshots_stop = threading.Event()
         for t in telemetry:
             t.close()
 
@@ -758,6 +781,9 @@ class NixlConnectorInstrumentor:
         self.retained_bytes[state.engine_id] = (
             self.retained_bytes.get(state.engine_id, 0) + size
         )
+        self._decode_states[state.engine_id] = state
+        if self._snapshotter is None:
+            self._start_snapshots()
 
     def _failed_load(
         self, state: _EngineState, req_id: str, pull: tuple[int, int, str | None],
@@ -775,6 +801,67 @@ class NixlConnectorInstrumentor:
             request_outcome=outcome,
             traceparent=traceparent,
         ))
+
+    def _wrap_shutdown(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                self._stopping(sched)
+            except Exception:
+                self._hook_failed("shutdown")
+            return original(sched, *args, **kwargs)
+
+        return shutdown
+
+    def _stopping(self, sched: Any, timeout_s: float = 2.0) -> None:
+        """The engine stops (vLLM's EngineCore.shutdown → Scheduler.shutdown → the connector's,
+        when vLLM gives it the time: ``--shutdown-timeout``): every retention still held is
+        recorded open, and what the hooks recorded is sent before vLLM ends the process."""
+        state: _EngineState | None = getattr(sched, "_kvscope_state", None)
+        if state is None or state.generation != self._generation:
+            return
+        self._snapshot(state, 0)
+        for role, telemetry in list(state.telemetry.items()):
+            if telemetry.flush(timeout_s):
+                force_flush = getattr(self._providers(role)[0], "force_flush", None)
+                if callable(force_flush):
+                    force_flush(int(timeout_s * 1000))
+
+    # vLLM's API server stops its engine core with SIGTERM and, unless --shutdown-timeout says
+    # otherwise, SIGKILL right after: no hook runs then. A retention held longer than
+    # retention_snapshot_s is recorded open (no end) while the engine runs; the span of its
+    # release supersedes that snapshot (analyses keep one per retention).
+    def _start_snapshots(self) -> None:
+        with self._lock:
+            if self._snapshotter is not None or not self._instrumented:
+                return
+            stop = self._snapshots_stop
+            self._snapshotter = threading.Thread(
+                target=self._snapshots, args=(stop,), name="kvscope-retention-snapshots",
+                daemon=True)
+            self._snapshotter.start()
+
+    def _snapshots(self, stop: threading.Event) -> None:
+        interval = max(min(self._snapshot_s / 2, 5.0), 0.01)
+        while not stop.wait(interval):
+            for state in list(self._decode_states.values()):
+                try:
+                    self._snapshot(state, self._snapshot_s)
+                except Exception:
+                    self._hook_failed("retention snapshot")
+
+    def _snapshot(self, state: _EngineState, min_held_s: float) -> None:
+        """Record each retention ``state`` has held for ``min_held_s`` as open, once."""
+        if not state.pins:
+            return
+        before = time.time_ns() - int(min_held_s * 1e9)
+        for req_id, pin in list(state.pins.items()):
+            if pin.snapshot or pin.start_ns > before:
+                continue
+            pin.snapshot = True
+            self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
+                req_id, pin.start_ns, None, pin.blocks, pin.size_bytes, pin.ttl_s,
+                semconv.RELEASE_OPEN, pin.remote_num_tokens, pin.traceparent,
+            ))
 
     def open_retentions(self, sched: Any) -> list[str]:
         """Request ids a scheduler still holds pinned (for tests and shutdown reports)."""

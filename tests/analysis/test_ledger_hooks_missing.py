@@ -109,3 +109,29 @@ def test_without_the_attribute_a_lost_read_is_not_blamed_on_hooks(run: Path,
                                                                     tmp_path: Path) -> None:
     rows = _without(run, tmp_path, semconv.SPAN_KV_TRANSFER, None)
     assert "hooks" not in " ".join(rows["evidence"].to_list()[1:])
+
+
+def test_retention_snapshots_yield_to_their_release(run: Path, tmp_path: Path) -> None:
+    """The hooks record a long-held retention open (no end) before its release: the ledger
+    takes the release's span, whichever span id sorts first."""
+    db = tmp_path / "snap.duckdb"
+    db.write_bytes(run.read_bytes())
+    con = open_store(db)
+    try:
+        for span_id in ("0000000000000000", "ffffffffffffffff"):
+            con.execute(
+                "INSERT INTO otel_traces SELECT * REPLACE (? AS SpanId, 0::BIGINT AS Duration, "
+                "map_concat(SpanAttributes, MAP([?], [?])) AS SpanAttributes) "
+                "FROM otel_traces WHERE SpanName = ?",
+                [span_id, semconv.RETENTION_RELEASE_REASON, semconv.RELEASE_OPEN,
+                 semconv.SPAN_KV_RETENTION])
+    finally:
+        con.close()
+    reader = StoreReader.open(db)
+    try:
+        rows = ledger(reader).sort("turn_index")
+    finally:
+        reader.close()
+    assert rows["retention_release"].to_list() == [None, semconv.RELEASE_READ,
+                                                   semconv.RELEASE_READ]
+    assert all(s > 0 for s in rows["retention_held_s"].to_list()[1:])

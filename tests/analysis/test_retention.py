@@ -432,3 +432,29 @@ def test_a_notify_that_moved_bytes_counts_as_a_read() -> None:
     })
     out = upgrade_reads(retentions, read_handles(ledger))
     assert out["reason"].to_list() == [semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED]
+
+
+def test_a_pin_time_snapshot_yields_to_its_release() -> None:
+    """vLLM's hooks record a long-held retention open (no end) and then its release: one
+    retention, released; a snapshot with no release stays open (the engine was killed)."""
+    from kvscope.analysis.retention import shape_retentions
+    from kvscope.analysis.whatif import shape_retentions as whatif_retentions
+
+    gib = str(int(GIB))
+    raw = pl.DataFrame([
+        {"run_id": "r1", "engine_id": "d0", "request_id": "a", "start": _at(0.0),
+         "duration_ns": 0, "size_bytes": gib, "ttl_s": "480", "reason": "open"},
+        {"run_id": "r1", "engine_id": "d0", "request_id": "a", "start": _at(0.0),
+         "duration_ns": 30 * S, "size_bytes": gib, "ttl_s": "480", "reason": "read"},
+        {"run_id": "r1", "engine_id": "d0", "request_id": "b", "start": _at(50.0),
+         "duration_ns": 0, "size_bytes": gib, "ttl_s": "480", "reason": "open"},
+    ], schema_overrides={"duration_ns": pl.UInt64()})
+    typed = shape_retentions(raw)
+    assert typed.select("request_id", "reason").rows() == [("a", "read"), ("b", "open")]
+    ledger = ledger_frame([dict(conversation_id="x", turn_index=1, turn_ms=100_000.0)])
+    row = retention_cost_table(typed, ledger).to_dicts()[0]
+    assert (row["retentions"], row["released_read"], row["open"]) == (2, 1, 1)
+    assert row["gib_s_useful"] == pytest.approx(30.0)
+    assert row["gib_s_open"] == pytest.approx(50.0)  # held from 50 s to the data's end, 100 s
+    what = whatif_retentions(raw.drop("engine_id", "start").with_columns(tokens=pl.lit("10")))
+    assert what.select("request_id", "reason").rows() == [("a", "read"), ("b", "open")]

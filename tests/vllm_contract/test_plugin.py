@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,23 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
+def vllm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog, also fed by the ``vllm`` logger (vLLM's logging config stops its propagation)."""
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        vllm_logger.removeHandler(caplog.handler)
+
+
+def _resource(sink: OtlpSink) -> dict[str, str]:
+    """The resource attributes of the first exported spans."""
+    rs = sink.requests[0].resource_spans[0]
+    return {a.key: a.value.string_value for a in rs.resource.attributes}
+
+
+@pytest.fixture
 def sink() -> Iterator[OtlpSink]:
     s = OtlpSink()
     yield s
@@ -176,7 +194,7 @@ def test_vllm_plugins_allowlist_is_respected(
 
 def test_a_failure_to_instrument_logs_once_and_leaves_vllm_untouched(
     entry_point: None, fresh: None, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    vllm_log: pytest.LogCaptureFixture,
 ) -> None:
     def broken(*_: object, **__: object) -> bool:
         raise ImportError("no NIXL connector in this vLLM")
@@ -186,7 +204,58 @@ def test_a_failure_to_instrument_logs_once_and_leaves_vllm_untouched(
     vllm.plugins.load_general_plugins()  # must not raise
     plugin.register()
     assert not _wrapped()
-    assert len([r for r in caplog.records if "could not instrument" in r.message]) == 1
+    assert len([r for r in vllm_log.records if "could not instrument" in r.message]) == 1
+
+
+def test_the_instrumented_line_reaches_vllms_log(
+    entry_point: None, fresh: None, sink: OtlpSink, monkeypatch: pytest.MonkeyPatch,
+    vllm_log: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("KVSCOPE_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.port}")
+    vllm.plugins.load_general_plugins()
+    [line] = [r for r in vllm_log.records if "instrumented" in r.getMessage()]
+    # A child of vLLM's logger, which vLLM gives its handler and format in every process.
+    assert line.name.startswith("vllm.") and line.levelno == logging.INFO
+    assert any(h.name == "vllm" for h in logging.getLogger("vllm").handlers)
+    message = line.getMessage()
+    assert f"on vLLM {vllm.__version__}: 9 hooks installed (" in message
+    assert "NixlPullConnectorScheduler.request_finished" in message
+    assert "NOT installed" not in message
+    assert f"exporting to http://127.0.0.1:{sink.port}" in message
+    assert NixlConnectorInstrumentor().hooks_missing == {}
+
+
+def test_a_changed_signature_is_left_unhooked_and_named(
+    entry_point: None, fresh: None, sink: OtlpSink, monkeypatch: pytest.MonkeyPatch,
+    vllm_log: pytest.LogCaptureFixture,
+) -> None:
+    """A vLLM whose request_finished takes other parameters: that hook is not installed, the
+    others are; vLLM's log and the spans' resource say which, and what it costs."""
+    original = NixlPullConnectorScheduler.request_finished
+
+    def request_finished(self: Any, req: Any, blocks: Any) -> Any:
+        return original(self, req, blocks)
+
+    monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished", request_finished)
+    monkeypatch.setenv("KVSCOPE_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.port}")
+    vllm.plugins.load_general_plugins()
+    assert _wrapped()  # the other hooks are in
+    assert not getattr(NixlPullConnectorScheduler.request_finished, "_kvscope_wrapper", False)
+    missing = "NixlPullConnectorScheduler.request_finished"
+    assert NixlConnectorInstrumentor().hooks_missing == {
+        missing: "takes (req, blocks), not 0.33.0's (request, block_ids)"}
+    warned = [r.getMessage() for r in vllm_log.records if r.levelno == logging.WARNING]
+    assert any(missing in m and "decode's retentions" in m for m in warned)
+    [line] = [m for m in warned if "instrumented on vLLM" in m]
+    assert "8 hooks installed" in line and f"NOT installed: {missing} (takes (req, blocks)" in line
+    connector = KVConnectorFactory.create_connector(
+        vllm_config("kv_producer"), KVConnectorRole.SCHEDULER, kv_cache_config())
+    _one_decision(connector)
+    plugin.shutdown()
+    assert sink.got.wait(10)
+    resource = _resource(sink)
+    assert resource[semconv.HOOKS_MISSING] == missing
+    assert resource[semconv.VLLM_VERSION] == vllm.__version__
 
 
 def test_explicit_connector_class_through_the_factory(
