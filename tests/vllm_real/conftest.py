@@ -96,6 +96,8 @@ class Turns:
 _TURNS = Turns()
 # Seconds each process took to be ready (the summary prints them).
 _START_S: dict[str, float] = {}
+# Per turn: whether `kvscope ingest` of the real logs agrees with the hook ledger.
+INGEST_AGREEMENT: list[bool] = []
 
 
 @pytest.fixture(scope="session")
@@ -191,8 +193,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
           + pct(sum(bool(t.ledger_agrees) for t in judged), len(judged)))
     write("  oracle agreement:         "
           + pct(sum(bool(t.oracle_agrees) for t in oracle), len(oracle)))
+    compared = [t for t in _TURNS.turns if t.oracle_match is not None]
     write("  outputs token-exact:      "
-          + pct(sum(t.oracle_match for t in _TURNS.turns), len(_TURNS.turns)))
+          + pct(sum(bool(t.oracle_match) for t in compared), len(compared)))
+    write("  ingest = hook ledger:     "
+          + pct(sum(INGEST_AGREEMENT), len(INGEST_AGREEMENT)))
     for t in _TURNS.turns:
         if t.ledger_agrees is False or t.oracle_agrees is False:
             write(f"  disagree: {t.scenario} conv={t.conversation_id} turn={t.turn_index}: "

@@ -32,13 +32,16 @@ def test_an_edited_history_loads_foreign_kv_unless_guarded(deployment: Any, turn
     scenario = f"edited_history_{'guarded' if guarded else 'unguarded'}"
     proxy = deployment.guarded_proxy if guarded else deployment.proxy
     conversation = f"edited-{int(guarded)}"
-    first = [_user(_text(60, seed=30))]
+    # Texts of their own per variant: an invalid pull leaves foreign KV in prefill's prefix
+    # cache (test_an_invalid_pull_poisons_prefills_prefix_cache), which the same text would hit.
+    seed = 130 if guarded else 30
+    first = [_user(_text(60, seed=seed))]
     answer = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
                          turn_index=1, messages=first, max_tokens=72, previous=None,
                          not_offered="router_no_entry", proxy=proxy)
     # The client rewrites its first message (an edit), keeps the reply, adds a question.
-    edited = [_user(_text(60, seed=31)), {"role": "assistant", "content": "done"},
-              _user(_text(40, seed=32))]
+    edited = [_user(_text(60, seed=seed + 1)), {"role": "assistant", "content": "done"},
+              _user(_text(40, seed=seed + 2))]
     judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
                 turn_index=2, messages=edited, max_tokens=8, previous=answer,
                 not_offered="prefix_diverged", proxy=proxy)
@@ -58,12 +61,13 @@ def test_another_client_under_the_same_conversation_id(deployment: Any, turns: A
     scenario = f"other_client_{'guarded' if guarded else 'unguarded'}"
     proxy = deployment.guarded_proxy if guarded else deployment.proxy
     conversation = f"shared-{int(guarded)}"
+    seed = 140 if guarded else 40
     answer = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
-                         turn_index=1, messages=[_user(_text(60, seed=40))], max_tokens=72,
+                         turn_index=1, messages=[_user(_text(60, seed=seed))], max_tokens=72,
                          previous=None, not_offered="router_no_entry", proxy=proxy)
     # A single-message chat replaced by another one: another client, the same id.
     judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
-                turn_index=2, messages=[_user(_text(120, seed=41))], max_tokens=8,
+                turn_index=2, messages=[_user(_text(120, seed=seed + 1))], max_tokens=8,
                 previous=answer, not_offered="prefix_diverged", proxy=proxy)
     turns.scenarios_done.add(scenario)
     second = turns.of(scenario)[1]
@@ -71,6 +75,25 @@ def test_another_client_under_the_same_conversation_id(deployment: Any, turns: A
         assert second.vllm_pulled_tokens == 0 and second.oracle_match
     else:
         assert second.vllm_outcome == "reused_invalid" and not second.oracle_match
+
+
+def test_an_invalid_pull_poisons_prefills_prefix_cache(deployment: Any, turns: Any) -> None:
+    """After the unguarded edited turn loaded foreign KV, prefill caches those blocks under
+    that prompt's block hashes: the same prompt again, with no conversation id (nothing is
+    offered), hits prefill's prefix cache and computes from the foreign KV."""
+    scenario = "poisoned_prefix_cache"
+    if "edited_history_unguarded" not in turns.scenarios_done:
+        pytest.skip("needs test_an_edited_history_loads_foreign_kv_unless_guarded[unguarded]")
+    invalid = turns.of("edited_history_unguarded")[1]
+    assert invalid.vllm_outcome == "reused_invalid"
+    edited = [_user(_text(60, seed=31)), {"role": "assistant", "content": "done"},
+              _user(_text(40, seed=32))]
+    judged_turn(deployment, turns, scenario=scenario, conversation_id=None, turn_index=1,
+                messages=edited, max_tokens=8, previous=None, not_offered="no_conversation_id")
+    turns.scenarios_done.add(scenario)
+    again = turns.of(scenario)[0]
+    assert again.vllm_pulled_tokens == 0
+    assert not again.oracle_match  # the foreign KV, from prefill's own cache
 
 
 def test_a_prompt_shorter_than_decodes_sequence(deployment: Any, turns: Any) -> None:

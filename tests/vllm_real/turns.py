@@ -240,7 +240,9 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
         x_request_id = ServerLog(front.log).turn_offered(previous.x_request_id)
     evidence = log.prefill_turn(previous.x_request_id if previous else None, x_request_id)
     pulled = evidence.external_tokens or 0
-    if turn_index == 1:
+    if conversation_id is None and not evidence.offered:
+        outcome = "no_conversation_id"  # the proxy keys nothing: prefill gets MISS params
+    elif turn_index == 1:
         outcome = "first_turn"
     elif evidence.skipped_below_threshold:
         outcome = "below_threshold"
