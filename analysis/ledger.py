@@ -289,12 +289,19 @@ def _seam(reader: StoreReader | duckdb.DuckDBPyConnection) -> StoreReader:
 
 _ID_PREFIX = r"^(chatcmpl-|cmpl-)"
 _ID_SUFFIX = r"-[0-9A-Za-z]{8}$"
+# A completions request's engine ids also carry its prompt's index before the random suffix
+# (vLLM's completion serving: ``f"{request_id}-{i}"``, so ``cmpl-<X-Request-Id>-0-<8>``); chat
+# ids do not. At most 3 digits: a UUID's last group (12 characters) is never taken for one.
+_COMPLETIONS_PREFIX = "cmpl-%"
+_PROMPT_INDEX = r"-[0-9]{1,3}$"
 
 
 def _key(b: query.Binder, column: str) -> str:
     """vLLM's internal request id reduced to the X-Request-Id it came from (SQL)."""
     d = b.dialect
-    return d.strip(d.strip(column, b(_ID_PREFIX)), b(_ID_SUFFIX))
+    stripped = d.strip(d.strip(column, b(_ID_PREFIX)), b(_ID_SUFFIX))
+    return (f"CASE WHEN {column} LIKE {b(_COMPLETIONS_PREFIX)} "
+            f"THEN {d.strip(stripped, b(_PROMPT_INDEX))} ELSE {stripped} END")
 
 
 def _measured(b: query.Binder, flag: str, value: str) -> str:

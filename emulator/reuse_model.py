@@ -633,10 +633,12 @@ def vllm_request_id(base: str, rng: random.Random, *, chat: bool = True,
                     randomize: bool = True) -> str:
     """The engine request id vLLM derives from an X-Request-Id (``base``).
 
-    ``chatcmpl-``/``cmpl-`` + base, then ``-`` + 8 random hex digits unless
-    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` (``randomize=False``).
+    ``chatcmpl-``/``cmpl-`` + base (a completion's also ``-0``, its prompt's index: vLLM's
+    completion serving makes one engine request per prompt, ``f"{request_id}-{i}"``), then
+    ``-`` + 8 random hex digits unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``
+    (``randomize=False``).
     """
-    response_id = ("chatcmpl-" if chat else "cmpl-") + base
+    response_id = "chatcmpl-" + base if chat else f"cmpl-{base}-0"
     return f"{response_id}-{rng.getrandbits(32):08x}" if randomize else response_id
 
 

@@ -261,3 +261,30 @@ def test_a_read_the_reaper_overtook_is_invalid_reuse() -> None:
     assert row["outcome"] == outcomes.REUSED_INVALID, row["evidence"]
     assert row["invalid_tokens"] == 300 and row["remote_reused_tokens"] == 0
     assert "after decode released the blocks" in row["evidence"]
+
+
+@pytest.mark.parametrize("engine_request_id", [
+    "chatcmpl-9f0c2b7e-1d2a-4c3b-8e4f-123456789012-abcdef12",  # chat
+    # /v1/completions: vLLM makes one engine request per prompt, f"{request_id}-{i}"
+    # (vLLM 0.32 and 0.33 completion serving): found on real servers by tests/vllm_real.
+    "cmpl-9f0c2b7e-1d2a-4c3b-8e4f-123456789012-0-abcdef12",
+    "cmpl-9f0c2b7e-1d2a-4c3b-8e4f-123456789012-abcdef12",
+])
+def test_engine_spans_join_chat_and_completions_turns(engine_request_id: str) -> None:
+    from kvscope import semconv
+    from kvscope.analysis.ledger import QUERIES, build
+
+    x_request_id = "9f0c2b7e-1d2a-4c3b-8e4f-123456789012"  # a UUID whose last group is digits
+    frames = {name: pl.DataFrame() for name in QUERIES}
+    frames["turns"] = pl.DataFrame([{
+        "run_id": "r", "trace_id": "t", "span_id": "s", "x_request_id": x_request_id,
+        "conversation_id": "c", "turn_index": "2", "arrival": 0, "duration_ns": 10,
+        "prompt_tokens": "200", "router_lookup": semconv.ROUTER_HIT}]).with_columns(
+        pl.col("arrival").cast(pl.Datetime("ns")), pl.col("duration_ns").cast(pl.UInt64))
+    frames["decisions"] = pl.DataFrame([{
+        "request_id": engine_request_id, "engine": "p0", "time": 1,
+        "decision": semconv.DECISION_PULL, "local_hit": "32", "offered": "111",
+        "to_pull": "79", "threshold": "64", "bidir": "true"}]).with_columns(
+        pl.col("time").cast(pl.Datetime("ns")))
+    row = build(frames).row(0, named=True)
+    assert (row["decision"], row["to_pull_tokens"]) == (semconv.DECISION_PULL, 79)

@@ -1,0 +1,136 @@
+"""The ledger against vLLM's evidence and the oracle, turn by turn, for each scenario the tier
+ran (this module runs last: it stops the proxies and ``kvscope serve`` to read the store)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import polars as pl
+import pytest
+
+from tests.vllm_real.conftest import INGEST_AGREEMENT, TurnEvidence, Turns
+
+# Where the ledger and vLLM's evidence disagree on real servers (findings, reported; the
+# ledger's decision table is issue 28's): strict, so a fix shows as XPASS.
+_SINGLE_MESSAGE = ("the ledger treats a one-message chat like a completions prompt (history "
+                   "'unknown'), so a single-message chat replaced by another under the same "
+                   "conversation id is not seen as an edit")
+_KNOWN = {
+    "other_client_unguarded": _SINGLE_MESSAGE + ": vLLM loaded the other client's KV (the "
+                              "output differs) and the ledger says reused_remote",
+    "other_client_guarded": _SINGLE_MESSAGE + ": the guard withheld decode's params "
+                            "(reuse_guard history_edited) and the ledger says router_no_entry",
+    "poisoned_prefix_cache": "an invalid D->P pull leaves the foreign KV in prefill's prefix "
+                             "cache under the prompt's block hashes: a later request with that "
+                             "prefix loads it as a local hit (the output differs) and the ledger, "
+                             "which sees a valid local hit, cannot tell",
+}
+SCENARIOS = [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[name]))
+    if name in _KNOWN else name
+    for name in ("append_only", "below_threshold", "no_conversation_id", "shorter_prompt",
+                 "edited_history_unguarded", "edited_history_guarded",
+                 "other_client_unguarded", "other_client_guarded", "poisoned_prefix_cache",
+                 "concurrent", "decode_ttl", "decode_killed")
+]
+# The ledger's labels for a turn whose loaded KV matched its prompt (or that loaded none).
+_INVALID = "reused_invalid"
+
+
+@pytest.fixture(scope="module")
+def ledger(deployment: Any) -> pl.DataFrame:
+    """The ledger of everything the tier ran: proxies stopped (their spans flushed), then
+    ``kvscope serve`` stopped (everything acknowledged written), then built from the file."""
+    from kvscope.analysis.ledger import ledger as build
+    from kvscope.store.database import open_readonly
+
+    # Engines and vLLM's tracer export every 0.5 s; give them a few rounds.
+    time.sleep(3)
+    for proxy in (deployment.proxy, deployment.guarded_proxy):
+        proxy.stop(timeout_s=60)
+    time.sleep(2)
+    deployment.serve.stop()
+    con = open_readonly(deployment.serve.db)
+    try:
+        return build(con)
+    finally:
+        con.close()
+
+
+def _judge(turn: TurnEvidence, row: dict[str, Any] | None) -> None:
+    if row is None:
+        turn.ledger_agrees = False
+        turn.notes += " (no ledger row)"
+        return
+    turn.ledger_outcome = row["outcome"]
+    # Tokens read from decode: reused ones, or (for KV that does not match, which the ledger
+    # does not count as reused) what the finished read pulled.
+    pulled = row["remote_reused_tokens"]
+    if pulled is None:
+        pulled = row["to_pull_tokens"] if row["d2p_status"] == "ok" else 0
+    turn.ledger_pulled_tokens = pulled
+    turn.ledger_agrees = (row["outcome"] == turn.vllm_outcome
+                          and (pulled or 0) == turn.vllm_pulled_tokens)
+    # A turn the ledger calls reused_invalid must differ from the plain server's output;
+    # every other turn must be token-exact (an errored turn has no output to compare).
+    if turn.oracle_match is not None:
+        turn.oracle_agrees = (not turn.oracle_match) == (row["outcome"] == _INVALID)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ledger_matches_vllms_evidence_and_the_oracle(scenario: str, ledger: pl.DataFrame,
+                                                      turns: Turns) -> None:
+    if scenario not in turns.scenarios_done:
+        pytest.fail(f"scenario {scenario} did not finish its turns (see its test)")
+    rows = {r["x_request_id"]: r for r in ledger.to_dicts() if r["x_request_id"]}
+    mine = turns.of(scenario)
+    for turn in mine:
+        _judge(turn, rows.get(turn.x_request_id or ""))
+    table = [(t.turn_index, t.vllm_outcome, t.vllm_pulled_tokens, t.ledger_outcome,
+              t.ledger_pulled_tokens, t.oracle_match) for t in mine]
+    assert all(t.ledger_agrees for t in mine), table
+    assert all(t.oracle_agrees for t in mine), table
+
+
+@pytest.fixture(scope="module")
+def ingested(ledger: pl.DataFrame, deployment: Any) -> pl.DataFrame:
+    """The ledger of the same run rebuilt post hoc: ``kvscope ingest`` of the servers' and the
+    proxies' logs into a store of its own."""
+    from kvscope.analysis.ledger import ledger as build
+    from kvscope.store.database import open_readonly
+
+    db = deployment.logs / "ingested.duckdb"
+    sources = [f"vllm-prefill-log:{deployment.prefill.log}",
+               f"vllm-decode-log:{deployment.decode.log}",
+               *(f"vllm-proxy-log:{p}" for p in sorted(deployment.logs.glob("*proxy.log")))]
+    done = subprocess.run([sys.executable, "-m", "kvscope.cli", "ingest", "--db", str(db),
+                           *sources], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    con = open_readonly(db)
+    try:
+        return build(con)
+    finally:
+        con.close()
+
+
+def test_ingest_of_the_real_logs_agrees_with_the_hook_ledger(ledger: pl.DataFrame,
+                                                             ingested: pl.DataFrame,
+                                                             turns: Turns) -> None:
+    """Turn by turn: the same outcome, or ``unknown`` naming the evidence the logs lack."""
+    hooks = {r["x_request_id"]: r for r in ledger.to_dicts() if r["x_request_id"]}
+    post = {r["x_request_id"]: r for r in ingested.to_dicts() if r["x_request_id"]}
+    table = []
+    for turn in turns.turns:
+        hook, log = hooks.get(turn.x_request_id or ""), post.get(turn.x_request_id or "")
+        hook_outcome = hook["outcome"] if hook else None
+        log_outcome = log["outcome"] if log else None
+        agrees = log is not None and (log_outcome == hook_outcome or (
+            log_outcome == "unknown" and bool(log["evidence"])))
+        INGEST_AGREEMENT.append(agrees)
+        table.append((turn.scenario, turn.turn_index, hook_outcome, log_outcome,
+                      log["evidence"] if log else None))
+    assert all(INGEST_AGREEMENT), [row for row, ok in zip(table, INGEST_AGREEMENT, strict=True)
+                                   if not ok]

