@@ -487,10 +487,12 @@ class _Adapter(Collector):
 class LiveMetrics:
     """``GET /metrics`` for ``kvscope serve``: refresh the live ledger, then expose it."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, *beside: Collector) -> None:
         self.ledger = LiveLedger(con)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Adapter(self.ledger))
+        for collector in beside:
+            self.registry.register(collector)
 
     def __call__(self, accept: str | None) -> tuple[bytes, str]:
         """Refresh, then render in the format ``accept`` asks for: (body, Content-Type)."""
@@ -498,9 +500,10 @@ class LiveMetrics:
         return exposition.render(self.registry, accept)
 
 
-def metrics_source(con: duckdb.DuckDBPyConnection) -> LiveMetrics:
-    """The ``/metrics`` renderer over a store connection (what ``kvscope serve`` passes on)."""
-    return LiveMetrics(con)
+def metrics_source(con: duckdb.DuckDBPyConnection, *beside: Collector) -> LiveMetrics:
+    """The ``/metrics`` renderer over a store connection (what ``kvscope serve`` passes on),
+    exposing ``beside`` (the receiver's own counters) too."""
+    return LiveMetrics(con, *beside)
 
 
 __all__ = ["LEDGER_SERIES", "LiveLedger", "LiveMetrics", "contributions", "metrics_source",

@@ -37,7 +37,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +47,8 @@ from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.rpc import code_pb2, status_pb2
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvscope import settings
 from kvscope.collector.otlp_admission import ADMISSION_WAIT_S
@@ -61,6 +63,14 @@ from kvscope.collector.otlp_intake import (
     Signal,
     too_large,
 )
+from kvscope.exposition import (
+    RECEIVER_POINTS_REJECTED,
+    RECEIVER_REQUESTS_REFUSED,
+    RECEIVER_ROWS_DROPPED,
+    RECEIVER_ROWS_FAILED,
+    RECEIVER_SPANS_ACCEPTED,
+    RECEIVER_SPANS_REJECTED,
+)
 from kvscope.serving import BODY_READ_TIMEOUT_S, bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
@@ -73,8 +83,10 @@ _MEDIA_TYPES: dict[Encoding, str] = {v: k for k, v in _CONTENT_TYPES.items()}
 _READ_CHUNK = 256 * 1024
 # ``GET /metrics``: given the scraper's Accept header, the exposition body and its Content-Type.
 MetricsRenderer = Callable[[str | None], tuple[bytes, str]]
-# Builds the renderer once the store is open, from the receiver's store connection.
-MetricsSource = Callable[[Any], MetricsRenderer]
+# Builds the renderer once the store is open, from the receiver's store connection and a
+# collector of the receiver's own counters (:class:`ReceiverCollector`) to expose beside it.
+MetricsSource = Callable[[Any, Collector], MetricsRenderer]
+
 # How long a stop waits for requests in flight on each listener.
 _GRACE_S = 30.0
 
@@ -94,6 +106,34 @@ def _status_response(refused: Refused, encoding: Encoding) -> web.Response:
         content_type=_MEDIA_TYPES[encoding],
         headers=headers,
     )
+
+
+class ReceiverCollector(Collector):
+    """The receiver's counters as Prometheus series: spans and points it rejected, requests it
+    refused (by reason: the HTTP status's kind), rows its store writer dropped or failed."""
+
+    def __init__(self, server: _OtlpServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        stats, writer = self._server.stats, self._server.writer.stats
+        yield CounterMetricFamily(RECEIVER_SPANS_ACCEPTED, "Spans taken into the store queue",
+                                  value=stats.spans_accepted)
+        yield CounterMetricFamily(RECEIVER_SPANS_REJECTED, "Spans of accepted requests "
+                                  "rejected (OTLP partial_success)", value=stats.spans_rejected)
+        yield CounterMetricFamily(RECEIVER_POINTS_REJECTED, "Metric points of accepted "
+                                  "requests rejected (OTLP partial_success)",
+                                  value=stats.points_rejected)
+        refused = CounterMetricFamily(RECEIVER_REQUESTS_REFUSED, "Requests refused whole, by "
+                                      "reason (busy: 503, the sender retries)", labels=["reason"])
+        for reason, value in (("bad_request", stats.bad_requests), ("too_large", stats.too_large),
+                              ("unsupported", stats.unsupported), ("busy", stats.busy)):
+            refused.add_metric([reason], value)
+        yield refused
+        yield CounterMetricFamily(RECEIVER_ROWS_DROPPED, "Rows the store writer's queue refused",
+                                  value=writer.dropped_rows)
+        yield CounterMetricFamily(RECEIVER_ROWS_FAILED, "Rows the store writer failed to write",
+                                  value=writer.failed_rows)
 
 
 class _OtlpServer:
@@ -417,9 +457,10 @@ class Receiver:
                 writer, max_request_bytes=self.max_request_bytes,
                 max_queue_rows=self.max_queue_rows, max_inflight_bytes=self.max_inflight_bytes,
                 run_id=run_id, ack=self.ack,
-                metrics=(None if self._metrics_source is None
-                         else self._metrics_source(writer.connection)),
             )
+            if self._metrics_source is not None:
+                server.metrics = self._metrics_source(writer.connection,
+                                                      ReceiverCollector(server))
             try:
                 await server.start(sockets, grpc)
             except BaseException:
@@ -512,4 +553,4 @@ def run_receiver(
             receiver.stop(timeout=None)
 
 
-__all__ = ["Listening", "Receiver", "ReceiverStats", "run_receiver"]
+__all__ = ["Listening", "Receiver", "ReceiverCollector", "ReceiverStats", "run_receiver"]

@@ -136,7 +136,7 @@ def _run_dashboard(args: argparse.Namespace) -> int:
 
 def _configure_grafana(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--out", default=None,
-                        help="file to write (default: print the JSON to stdout)")
+                        help="file to write (default: print it to stdout)")
 
 
 def _run_grafana(args: argparse.Namespace) -> int:
@@ -151,6 +151,18 @@ def _run_grafana(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_alerts(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.prometheus_alerts import render
+
+    text = render()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote the Prometheus alert rules to {args.out}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = [
     Command("serve", "receive OTLP/HTTP and OTLP/gRPC traces and metrics into a store",
             _configure_serve, _run_serve),
@@ -158,4 +170,6 @@ COMMANDS = [
             _configure_dashboard, _run_dashboard),
     Command("grafana", "print (or write) the Grafana dashboard for kvscope serve's /metrics",
             _configure_grafana, _run_grafana),
+    Command("alerts", "print (or write) Prometheus alert rules for kvscope serve's and kvscope "
+            "proxy's /metrics", _configure_grafana, _run_alerts),
 ]
