@@ -58,7 +58,7 @@ def test_sql_table_output_is_exact(store: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         "run_id  label\n"
-        "------  -------------\n"
+        "─────────────────────\n"
         "r1      ON\n"
         "r2      OFF, \"quoted\"\n"
         "(2 rows)\n"
