@@ -23,7 +23,7 @@ from kvscope.cli.options import (
     ints,
     store_source,
 )
-from kvscope.errors import SettingError
+from kvscope.errors import SettingError, StoreError
 from kvscope.tables import format_rows
 
 if TYPE_CHECKING:
@@ -50,10 +50,24 @@ def _run_sql(args: argparse.Namespace) -> int:
     reader = StoreReader.open(args.file)
     try:
         columns, rows = reader.rows(args.query, args.param)
+    except StoreError as exc:
+        raise _unbuilt_ledger(exc, args.file) or exc from None
     finally:
         reader.close()
     sys.stdout.write(format_rows(columns, rows, args.format))
     return 0
+
+
+def _unbuilt_ledger(exc: Exception, store: str) -> SettingError | None:
+    """A hint for a query naming the ledger table before ``kvscope ledger`` built it (DuckDB
+    says only that the table does not exist)."""
+    from kvscope.analysis.ledger import LEDGER_TABLE
+
+    if f"Table with name {LEDGER_TABLE} does not exist" not in str(exc):
+        return None
+    return SettingError(
+        f"{store} has no {LEDGER_TABLE} table yet: build it with `kvscope ledger {store}` "
+        f"(from the raw spans), or read the ledger without it: `kvscope analyze {store} ledger`")
 
 
 def _configure_analyze(parser: argparse.ArgumentParser) -> None:
