@@ -28,7 +28,9 @@ stops both listeners accepting, lets their in-flight requests finish, and only t
 everything acknowledged and closes the store.
 ``GET /health`` reports the counters of both transports. ``GET /metrics`` answers when the
 receiver is given a metrics source (``kvscope serve``: the live ledger's series,
-:mod:`kvscope.analysis.live_metrics`, composed by the CLI).
+:mod:`kvscope.analysis.live_metrics`, beside the receiver's own counters), and
+``GET /v1/analyze/{name}`` when given a query source (``kvscope serve``: registered analyses on a
+snapshot of the store it writes, :mod:`kvscope.analysis.live_queries`); the CLI composes both.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -63,6 +65,7 @@ from kvscope.collector.otlp_intake import (
     Signal,
     too_large,
 )
+from kvscope.errors import KvscopeError
 from kvscope.exposition import (
     RECEIVER_POINTS_REJECTED,
     RECEIVER_REQUESTS_REFUSED,
@@ -87,6 +90,11 @@ MetricsRenderer = Callable[[str | None], tuple[bytes, str]]
 # collector of the receiver's own counters (:class:`ReceiverCollector`) to expose beside it.
 MetricsSource = Callable[[Any, Collector], MetricsRenderer]
 
+# ``GET /v1/analyze/{name}``: given the analysis name and the query string (name → values), a
+# JSON body; a KvscopeError is a bad request (400). Built like the metrics renderer, from the
+# receiver's store connection (``kvscope serve``: :mod:`kvscope.analysis.live_queries`).
+QueryAnswer = Callable[[str, Mapping[str, Sequence[str]]], bytes]
+QuerySource = Callable[[Any], QueryAnswer]
 # How long a stop waits for requests in flight on each listener.
 _GRACE_S = 30.0
 
@@ -149,6 +157,7 @@ class _OtlpServer:
         self.writer = writer
         self.run_id = run_id
         self.metrics = metrics
+        self.queries: QueryAnswer | None = None
         self.stats = self.intake.stats
         self.max_request_bytes = max_request_bytes
         self.stopping = False
@@ -164,6 +173,8 @@ class _OtlpServer:
         app.router.add_get("/health", self._health)
         if self.metrics is not None:
             app.router.add_get("/metrics", self._metrics_page)
+        if self.queries is not None:
+            app.router.add_get("/v1/analyze/{name}", self._analyze)
         return app
 
     async def start(self, sockets: list[socket.socket], grpc: GrpcListener | None = None
@@ -242,6 +253,17 @@ class _OtlpServer:
         body, content_type = await asyncio.get_running_loop().run_in_executor(
             None, self.metrics, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _analyze(self, request: web.Request) -> web.Response:
+        assert self.queries is not None
+        query = {key: request.query.getall(key) for key in request.query}
+        try:
+            # Reads the store: off the event loop, which keeps receiving.
+            body = await asyncio.get_running_loop().run_in_executor(
+                None, self.queries, request.match_info["name"], query)
+        except KvscopeError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.Response(body=body, content_type="application/json")
 
     async def _traces(self, request: web.Request) -> web.Response:
         return await self._export(request, "traces")
@@ -383,9 +405,11 @@ class Receiver:
         record_run: bool = False,
         ack: Ack = "durable",
         metrics: MetricsSource | None = None,
+        queries: QuerySource | None = None,
     ) -> None:
         self.db_path = db_path
         self._metrics_source = metrics
+        self._queries_source = queries
         # Record a run in kvscope_runs and stamp it on spans that name none (kvscope serve).
         self.record_run = record_run
         self.host = settings.resolve("host", host)
@@ -461,6 +485,8 @@ class Receiver:
             if self._metrics_source is not None:
                 server.metrics = self._metrics_source(writer.connection,
                                                       ReceiverCollector(server))
+            if self._queries_source is not None:
+                server.queries = self._queries_source(writer.connection)
             try:
                 await server.start(sockets, grpc)
             except BaseException:
@@ -530,6 +556,7 @@ def run_receiver(
     on_ready: Callable[[Listening], None] | None = None,
     ack: Ack = "durable",
     metrics: MetricsSource | None = None,
+    queries: QuerySource | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
@@ -543,7 +570,7 @@ def run_receiver(
         receiver = Receiver(db_path, host, port, grpc_port=grpc_port,
                             max_request_bytes=max_request_bytes, max_queue_rows=max_queue_rows,
                             max_inflight_bytes=max_inflight_bytes, record_run=True,
-                            ack=ack, metrics=metrics).start()
+                            ack=ack, metrics=metrics, queries=queries).start()
         try:
             if on_ready is not None:
                 on_ready(Listening(

@@ -55,14 +55,17 @@ def serve(db: str, host: str, port: int, grpc_port: int | None) -> int:
     :class:`~kvscope.errors.KvscopeError`, printed as one line by :func:`kvscope.cli.main`.
     """
     from kvscope.analysis.live_metrics import metrics_source
+    from kvscope.analysis.live_queries import answer_source
     from kvscope.collector.receiver import Listening, run_receiver
 
     def ready(listening: Listening) -> None:
         print(f"kvscope serve: receiving OTLP/HTTP on {listening.http_url}, OTLP/gRPC on "
               f"{listening.grpc_url}, writing {db}; Prometheus metrics on "
-              f"{listening.http_url}/metrics", file=sys.stderr, flush=True)
+              f"{listening.http_url}/metrics; read it meanwhile with kvscope analyze --live "
+              f"{listening.http_url} NAME", file=sys.stderr, flush=True)
 
-    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready, metrics=metrics_source)
+    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready, metrics=metrics_source,
+                 queries=answer_source)
     print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
           flush=True)
     return 0
@@ -74,6 +77,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
     from werkzeug.serving import select_address_family
 
     from kvscope.analysis.live_metrics import metrics_source
+    from kvscope.analysis.live_queries import answer_source
     from kvscope.collector.receiver import Receiver
     from kvscope.dashboards.app import DEFAULT_PORT, DashboardServer, create_app
 
@@ -82,7 +86,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
                                  else dashboard_port)
         try:
             receiver = Receiver(db, host, port, grpc_port=grpc_port, record_run=True,
-                                metrics=metrics_source).start()
+                                metrics=metrics_source, queries=answer_source).start()
         except BaseException:
             close_all(dashboard_sockets)
             raise
