@@ -96,6 +96,31 @@ def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MA
     return html.Div(children, id=id_) if id_ else html.Div(children)
 
 
+# Time windows: about WINDOWS_PER_RUN over the longest selected run, 1 s to MAX_WINDOW_S wide.
+WINDOWS_PER_RUN = 30
+MAX_WINDOW_S = 60.0
+
+
+def window_s(ledger: pl.DataFrame) -> float:
+    """A time-window width sized to the selection's runs, so a run shorter than a minute still
+    draws a line (whole seconds: windows are truncated to seconds)."""
+    if ledger.is_empty() or "arrival" not in ledger.columns:
+        return MAX_WINDOW_S
+    ends = pl.coalesce(pl.col("end"), pl.col("arrival")) if "end" in ledger.columns \
+        else pl.col("arrival")
+    spans = ledger.group_by("run_id").agg(
+        ((ends.max() - pl.col("arrival").min()).dt.total_milliseconds() / 1e3).alias("s"))
+    longest = spans["s"].max()
+    if not isinstance(longest, int | float):
+        return MAX_WINDOW_S
+    return float(min(MAX_WINDOW_S, max(1, round(longest / WINDOWS_PER_RUN))))
+
+
+def hint(text: str, id_: str | None = None) -> html.P:
+    """A line telling the reader what to do next (not an error: plain, muted)."""
+    return html.P(text, className="meta", id=id_) if id_ else html.P(text, className="meta")
+
+
 def message(text: str, id_: str | None = None) -> html.P:
     """A line saying what is missing or what was selected."""
     return html.P(text, className="missing", id=id_) if id_ else html.P(text, className="missing")
