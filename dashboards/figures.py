@@ -362,6 +362,10 @@ def miss_causes(frame: pl.DataFrame, title: str) -> go.Figure:
 # --- memory -----------------------------------------------------------------------------------
 
 _GPU_SOURCES = ("gpu_memory_used", "gpu_memory_total")
+# Legend names of the retained-memory sources (analysis.retention.SOURCE_*).
+MEMORY_SOURCES = {"retention_spans": "retained KV (from spans)",
+                  "retained_bytes_gauge": "retained KV (engine gauge)",
+                  "gpu_memory_used": "GPU memory used", "gpu_memory_total": "GPU memory total"}
 
 
 @_draws("Retained KV and GPU memory", ("run_id", "source", "time", "mean_bytes"),
@@ -384,7 +388,10 @@ def retained_memory(frame: pl.DataFrame, title: str) -> go.Figure:
     )
     gpu_index = pl.col("gpu_index").cast(pl.String) if "gpu_index" in data.columns else pl.lit(None)
     data = data.with_columns(
-        pl.concat_str([pl.col("_name"), pl.lit(" "), pl.col("source"), pl.lit(" "), where,
+        pl.concat_str([pl.col("_name"), pl.lit(" "),
+                       pl.col("source").replace_strict(MEMORY_SOURCES, default=pl.col("source"),
+                                                       return_dtype=pl.String),
+                       pl.lit(" "), where,
                        pl.when(gpu_index.is_not_null()).then(pl.lit(":") + gpu_index)
                        .otherwise(pl.lit(""))]).str.strip_chars().alias("_series")
     ).sort(["_series", "_t"])

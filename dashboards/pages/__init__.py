@@ -20,7 +20,7 @@ from dash import Dash, dcc, html
 
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters, Result
-from kvscope.dashboards.report import NOT_MEASURED, format_cell
+from kvscope.dashboards.report import NOT_MEASURED, as_shown, format_cell
 
 # Ids of the shell's stores every page reads.
 FILTERS = "filters"
@@ -79,12 +79,13 @@ def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MA
     """A frame as an HTML table; nulls read "not measured"; rows beyond ``max_rows`` counted."""
     if frame is None:
         return html.Div(f"not measured: {why}", className="missing", id=id_ or "")
+    frame = as_shown(frame)
     head = html.Tr([html.Th(c) for c in frame.columns])
     body = []
     for row in frame.head(max_rows).iter_rows():
         cells = []
-        for value in row:
-            text, css = format_cell(value)
+        for column, value in zip(frame.columns, row, strict=True):
+            text, css = format_cell(value, column)
             cells.append(html.Td(text, className=css))
         body.append(html.Tr(cells))
     shown = min(frame.height, max_rows)
