@@ -147,11 +147,15 @@ def format_cell(value: Any, column: str = "") -> tuple[str, str]:
 
 
 def as_shown(frame: pl.DataFrame) -> pl.DataFrame:
-    """A frame as a table shows it: runs by label (the ``label`` column, as ``run``), not by
-    their hex id, where the frame has both."""
+    """A frame as a table shows it: runs by label (the ``label`` column, as ``run``; a pair's
+    ``label_a``/``label_b``), not by their hex id, where the frame has both."""
     if "label" in frame.columns and "run_id" in frame.columns and "run" not in frame.columns:
         frame = frame.drop("run_id").rename({"label": "run"})
-        return frame.select("run", *[c for c in frame.columns if c != "run"])
+        frame = frame.select("run", *[c for c in frame.columns if c != "run"])
+    # A pair (compare): run_a / run_b beside label_a / label_b.
+    for side in ("a", "b"):
+        if {f"run_{side}", f"label_{side}"} <= set(frame.columns):
+            frame = frame.drop(f"run_{side}")
     return frame
 
 

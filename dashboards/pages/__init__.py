@@ -75,11 +75,12 @@ def with_labels(frame: pl.DataFrame, labels: Mapping[str, str]) -> pl.DataFrame:
 
 
 def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MAX_ROWS,
-          why: str | None = None) -> html.Div:
-    """A frame as an HTML table; nulls read "not measured"; rows beyond ``max_rows`` counted."""
+          why: str | None = None, labels: Mapping[str, str] | None = None) -> html.Div:
+    """A frame as an HTML table; nulls read "not measured"; rows beyond ``max_rows`` counted;
+    runs named by their label (``labels``: run id → label) rather than their id."""
     if frame is None:
         return html.Div(f"not measured: {why}", className="missing", id=id_ or "")
-    frame = as_shown(frame)
+    frame = as_shown(with_labels(frame, labels or {}))
     head = html.Tr([html.Th(c) for c in frame.columns])
     body = []
     for row in frame.head(max_rows).iter_rows():

@@ -38,7 +38,7 @@ def content(data: DashboardData, filters: Filters, run_a: str | None,
     labels = data.labels()
     parts: list[Any] = [
         filter_note(scope),
-        table(summary.frame, "compare-table", why=summary.why),
+        table(summary.frame, "compare-table", why=summary.why, labels=labels),
         figure_of("compare-ttft", "TTFT vs prompt", by_prompt, figures.ttft_vs_prompt, labels),
         figure_of("compare-prefill", "prefill split", by_prompt, figures.prefill_split, labels),
     ]

@@ -81,7 +81,7 @@ def drill(data: DashboardData, filters: Filters, cause: str | None) -> list[Any]
     shown = examples.select([c for c in EXAMPLE_COLUMNS if c in examples.columns])
     return [html.P(["suggested change: ", html.Strong(SUGGESTIONS.get(cause, "none recorded"))],
                    id="missed-suggestion"),
-            table(shown, "missed-examples")]
+            table(shown, "missed-examples", labels=data.labels())]
 
 
 def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:

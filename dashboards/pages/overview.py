@@ -40,7 +40,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                + (" (live: refreshes as spans arrive)" if data.live else ""),
                id="overview-freshness", className="meta"),
         html.H3("Sources"),
-        table(sources.frame, "overview-sources", why=sources.why),
+        table(sources.frame, "overview-sources", why=sources.why, labels=labels),
         html.H3("Reuse per run"),
         table(with_labels(reuse_run.frame, labels) if reuse_run.frame is not None else None,
               "overview-reuse-table", why=reuse_run.why),
