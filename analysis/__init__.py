@@ -8,13 +8,15 @@
                   sources.py which evidence a run or store holds; compare.py two runs side by side;
                   whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict;
                   published.py the published sweep beside its simulation; live_metrics.py the
-                  ledger kept current as spans arrive, as Prometheus series
+                  ledger kept current as spans arrive, as Prometheus series;
+                  live_queries.py analyses answered by kvscope serve while it writes
 
 Every module registers its analyses on import (see :data:`registry.MODULES`); nothing here is
 imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "ladder", "ledger", "live_metrics", "published", "registry",
+    "causes", "compare", "ladder", "ledger", "live_metrics", "live_queries",
+    "published", "registry",
     "retention", "reuse", "runs", "sources", "task_time", "verdict", "whatif", "windows",
 ]

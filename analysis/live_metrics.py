@@ -96,7 +96,7 @@ LEDGER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     INVALID_REUSE_TURNS: ("Turns whose read from decode loaded KV that does not belong to their "
                           "prompt (outcome reused_invalid): a correctness alarm", ()),
     INVALID_REUSE_TOKENS: ("Tokens such reads loaded that do not belong to the prompt, where "
-                           "countable", ()),
+                           "countable (absent where no such read was countable: not 0)", ()),
 }
 OUTCOME_CLASSES = {
     **dict.fromkeys(outcomes.MISS_CAUSES, "miss"),
@@ -188,6 +188,9 @@ def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[
         (c("outcome") == outcomes.REUSED_INVALID).sum().alias(INVALID_REUSE_TURNS),
         c("invalid_tokens").filter(c("outcome") == outcomes.REUSED_INVALID).sum()
         .alias(INVALID_REUSE_TOKENS),
+        # Invalid turns whose loaded-token count was measured: none, and the series is absent.
+        c("invalid_tokens").filter(c("outcome") == outcomes.REUSED_INVALID).is_not_null().sum()
+        .alias("invalid_tokens_counted"),
     )
     turns = frame.group_by([*keys, "outcome"]).agg(pl.len().alias("turns"))
     result: dict[str, dict[SeriesKey, float]] = {}
@@ -195,8 +198,11 @@ def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[
         labels = _ledger_labels(row, labels_of_run)
         into = result.setdefault(row["unit"], {})
         for name in (REUSABLE_TOKENS, REUSED_LOCAL_TOKENS, REUSED_REMOTE_TOKENS,
-                     RECOMPUTED_TOKENS, INVALID_REUSE_TURNS, INVALID_REUSE_TOKENS):
+                     RECOMPUTED_TOKENS, INVALID_REUSE_TURNS):
             into[(name, labels)] = float(row[name] or 0)
+        # Not measured is not 0: no invalid turn with a counted size, no invalid-token series.
+        if row["invalid_tokens_counted"]:
+            into[(INVALID_REUSE_TOKENS, labels)] = float(row[INVALID_REUSE_TOKENS])
     for row in turns.iter_rows(named=True):
         outcome = row["outcome"]
         labels = (*_ledger_labels(row, labels_of_run), outcome,
@@ -253,6 +259,7 @@ class LiveLedger:
         self._frames: dict[str, pl.DataFrame] = {}
         self._models: pl.DataFrame | None = None
         self._totals: dict[SeriesKey, float] = {}
+        self._contributors: dict[SeriesKey, int] = {}  # units contributing to each total
         self._gauges: dict[SeriesKey, tuple[object, float]] = {}  # → (sample time, value)
         self._transfer_bytes: dict[Labels, float] = {}
         self._transfers: dict[Labels, float] = {}
@@ -399,11 +406,16 @@ class LiveLedger:
         for unit in dirty:
             for key, value in self._contribution.pop(unit, {}).items():
                 self._totals[key] -= value
+                self._contributors[key] -= 1
+                if not self._contributors[key]:
+                    # No unit measures it any more: absent, not 0.
+                    del self._totals[key], self._contributors[key]
             new = fresh.get(unit)
             if new:
                 self._contribution[unit] = new
                 for key, value in new.items():
                     self._totals[key] = self._totals.get(key, 0.0) + value
+                    self._contributors[key] = self._contributors.get(key, 0) + 1
 
     # -- reading -----------------------------------------------------------------------------------
     def totals(self) -> dict[SeriesKey, float]:
@@ -487,10 +499,12 @@ class _Adapter(Collector):
 class LiveMetrics:
     """``GET /metrics`` for ``kvscope serve``: refresh the live ledger, then expose it."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, *beside: Collector) -> None:
         self.ledger = LiveLedger(con)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Adapter(self.ledger))
+        for collector in beside:
+            self.registry.register(collector)
 
     def __call__(self, accept: str | None) -> tuple[bytes, str]:
         """Refresh, then render in the format ``accept`` asks for: (body, Content-Type)."""
@@ -498,9 +512,10 @@ class LiveMetrics:
         return exposition.render(self.registry, accept)
 
 
-def metrics_source(con: duckdb.DuckDBPyConnection) -> LiveMetrics:
-    """The ``/metrics`` renderer over a store connection (what ``kvscope serve`` passes on)."""
-    return LiveMetrics(con)
+def metrics_source(con: duckdb.DuckDBPyConnection, *beside: Collector) -> LiveMetrics:
+    """The ``/metrics`` renderer over a store connection (what ``kvscope serve`` passes on),
+    exposing ``beside`` (the receiver's own counters) too."""
+    return LiveMetrics(con, *beside)
 
 
 __all__ = ["LEDGER_SERIES", "LiveLedger", "LiveMetrics", "contributions", "metrics_source",

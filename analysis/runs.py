@@ -41,6 +41,7 @@ __all__ = [
     "all_runs",
     "baseline_for",
     "choose_pair",
+    "context_over",
     "context_run_info",
     "feature_state",
     "open_context",
@@ -50,6 +51,7 @@ __all__ = [
     "run_settings",
     "run_table",
     "runs_query",
+    "with_run_labels",
 ]
 
 if TYPE_CHECKING:
@@ -131,17 +133,30 @@ def open_context(db: str | Path | ClickHouseSource,
     """Open ``db`` read-only for analysis (a DuckDB store, or a ClickHouse source), selecting
     ``runs`` (ids or labels) when given."""
     reader = StoreReader.open(db)
-    if not runs:
-        return AnalysisContext(reader)
     try:
-        table = reader.frame(runs_query(reader))
-        ids = resolve_runs(table, runs)
+        return context_over(reader, runs)
     except KvscopeError:
         reader.close()
         raise
-    ctx = AnalysisContext(reader, runs=ids)
+
+
+def context_over(reader: StoreReader, runs: Sequence[str] | None = None) -> AnalysisContext:
+    """An analysis context over an open reader (``kvscope serve``'s own cursor, for one),
+    selecting ``runs`` (ids or labels) when given."""
+    if not runs:
+        return AnalysisContext(reader)
+    table = reader.frame(runs_query(reader))
+    ctx = AnalysisContext(reader, runs=resolve_runs(table, runs))
     ctx.cached((RUN_TABLE, ()), lambda: table)  # read once: the context's run table
     return ctx
+
+
+def with_run_labels(frame: pl.DataFrame, runs: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with its ``run_id`` column shown as a ``run`` column of labels."""
+    labels = {rid: label or rid for rid, label in runs.select("run_id", "label").rows()}
+    return frame.with_columns(
+        pl.col("run_id").replace_strict(labels, default=pl.col("run_id"),
+                                        return_dtype=pl.String)).rename({"run_id": "run"})
 
 
 # --- what each run was ------------------------------------------------------------------------

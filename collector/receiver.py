@@ -28,7 +28,9 @@ stops both listeners accepting, lets their in-flight requests finish, and only t
 everything acknowledged and closes the store.
 ``GET /health`` reports the counters of both transports. ``GET /metrics`` answers when the
 receiver is given a metrics source (``kvscope serve``: the live ledger's series,
-:mod:`kvscope.analysis.live_metrics`, composed by the CLI).
+:mod:`kvscope.analysis.live_metrics`, beside the receiver's own counters), and
+``GET /v1/analyze/{name}`` when given a query source (``kvscope serve``: registered analyses on a
+snapshot of the store it writes, :mod:`kvscope.analysis.live_queries`); the CLI composes both.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +49,8 @@ from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.rpc import code_pb2, status_pb2
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvscope import settings
 from kvscope.collector.otlp_admission import ADMISSION_WAIT_S
@@ -61,6 +65,15 @@ from kvscope.collector.otlp_intake import (
     Signal,
     too_large,
 )
+from kvscope.errors import KvscopeError
+from kvscope.exposition import (
+    RECEIVER_POINTS_REJECTED,
+    RECEIVER_REQUESTS_REFUSED,
+    RECEIVER_ROWS_DROPPED,
+    RECEIVER_ROWS_FAILED,
+    RECEIVER_SPANS_ACCEPTED,
+    RECEIVER_SPANS_REJECTED,
+)
 from kvscope.serving import BODY_READ_TIMEOUT_S, bind, bound_port, close_all, stop_signals
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
@@ -73,8 +86,15 @@ _MEDIA_TYPES: dict[Encoding, str] = {v: k for k, v in _CONTENT_TYPES.items()}
 _READ_CHUNK = 256 * 1024
 # ``GET /metrics``: given the scraper's Accept header, the exposition body and its Content-Type.
 MetricsRenderer = Callable[[str | None], tuple[bytes, str]]
-# Builds the renderer once the store is open, from the receiver's store connection.
-MetricsSource = Callable[[Any], MetricsRenderer]
+# Builds the renderer once the store is open, from the receiver's store connection and a
+# collector of the receiver's own counters (:class:`ReceiverCollector`) to expose beside it.
+MetricsSource = Callable[[Any, Collector], MetricsRenderer]
+
+# ``GET /v1/analyze/{name}``: given the analysis name and the query string (name → values), a
+# JSON body; a KvscopeError is a bad request (400). Built like the metrics renderer, from the
+# receiver's store connection (``kvscope serve``: :mod:`kvscope.analysis.live_queries`).
+QueryAnswer = Callable[[str, Mapping[str, Sequence[str]]], bytes]
+QuerySource = Callable[[Any], QueryAnswer]
 # How long a stop waits for requests in flight on each listener.
 _GRACE_S = 30.0
 
@@ -96,6 +116,34 @@ def _status_response(refused: Refused, encoding: Encoding) -> web.Response:
     )
 
 
+class ReceiverCollector(Collector):
+    """The receiver's counters as Prometheus series: spans and points it rejected, requests it
+    refused (by reason: the HTTP status's kind), rows its store writer dropped or failed."""
+
+    def __init__(self, server: _OtlpServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        stats, writer = self._server.stats, self._server.writer.stats
+        yield CounterMetricFamily(RECEIVER_SPANS_ACCEPTED, "Spans taken into the store queue",
+                                  value=stats.spans_accepted)
+        yield CounterMetricFamily(RECEIVER_SPANS_REJECTED, "Spans of accepted requests "
+                                  "rejected (OTLP partial_success)", value=stats.spans_rejected)
+        yield CounterMetricFamily(RECEIVER_POINTS_REJECTED, "Metric points of accepted "
+                                  "requests rejected (OTLP partial_success)",
+                                  value=stats.points_rejected)
+        refused = CounterMetricFamily(RECEIVER_REQUESTS_REFUSED, "Requests refused whole, by "
+                                      "reason (busy: 503, the sender retries)", labels=["reason"])
+        for reason, value in (("bad_request", stats.bad_requests), ("too_large", stats.too_large),
+                              ("unsupported", stats.unsupported), ("busy", stats.busy)):
+            refused.add_metric([reason], value)
+        yield refused
+        yield CounterMetricFamily(RECEIVER_ROWS_DROPPED, "Rows the store writer's queue refused",
+                                  value=writer.dropped_rows)
+        yield CounterMetricFamily(RECEIVER_ROWS_FAILED, "Rows the store writer failed to write",
+                                  value=writer.failed_rows)
+
+
 class _OtlpServer:
     """Both listeners (HTTP, and gRPC when asked) over one intake; runs on whichever loop
     starts it."""
@@ -109,6 +157,7 @@ class _OtlpServer:
         self.writer = writer
         self.run_id = run_id
         self.metrics = metrics
+        self.queries: QueryAnswer | None = None
         self.stats = self.intake.stats
         self.max_request_bytes = max_request_bytes
         self.stopping = False
@@ -124,6 +173,8 @@ class _OtlpServer:
         app.router.add_get("/health", self._health)
         if self.metrics is not None:
             app.router.add_get("/metrics", self._metrics_page)
+        if self.queries is not None:
+            app.router.add_get("/v1/analyze/{name}", self._analyze)
         return app
 
     async def start(self, sockets: list[socket.socket], grpc: GrpcListener | None = None
@@ -202,6 +253,17 @@ class _OtlpServer:
         body, content_type = await asyncio.get_running_loop().run_in_executor(
             None, self.metrics, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _analyze(self, request: web.Request) -> web.Response:
+        assert self.queries is not None
+        query = {key: request.query.getall(key) for key in request.query}
+        try:
+            # Reads the store: off the event loop, which keeps receiving.
+            body = await asyncio.get_running_loop().run_in_executor(
+                None, self.queries, request.match_info["name"], query)
+        except KvscopeError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.Response(body=body, content_type="application/json")
 
     async def _traces(self, request: web.Request) -> web.Response:
         return await self._export(request, "traces")
@@ -343,9 +405,11 @@ class Receiver:
         record_run: bool = False,
         ack: Ack = "durable",
         metrics: MetricsSource | None = None,
+        queries: QuerySource | None = None,
     ) -> None:
         self.db_path = db_path
         self._metrics_source = metrics
+        self._queries_source = queries
         # Record a run in kvscope_runs and stamp it on spans that name none (kvscope serve).
         self.record_run = record_run
         self.host = settings.resolve("host", host)
@@ -417,9 +481,12 @@ class Receiver:
                 writer, max_request_bytes=self.max_request_bytes,
                 max_queue_rows=self.max_queue_rows, max_inflight_bytes=self.max_inflight_bytes,
                 run_id=run_id, ack=self.ack,
-                metrics=(None if self._metrics_source is None
-                         else self._metrics_source(writer.connection)),
             )
+            if self._metrics_source is not None:
+                server.metrics = self._metrics_source(writer.connection,
+                                                      ReceiverCollector(server))
+            if self._queries_source is not None:
+                server.queries = self._queries_source(writer.connection)
             try:
                 await server.start(sockets, grpc)
             except BaseException:
@@ -489,6 +556,7 @@ def run_receiver(
     on_ready: Callable[[Listening], None] | None = None,
     ack: Ack = "durable",
     metrics: MetricsSource | None = None,
+    queries: QuerySource | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then stop cleanly (blocking, on the main thread; the CLI).
 
@@ -502,7 +570,7 @@ def run_receiver(
         receiver = Receiver(db_path, host, port, grpc_port=grpc_port,
                             max_request_bytes=max_request_bytes, max_queue_rows=max_queue_rows,
                             max_inflight_bytes=max_inflight_bytes, record_run=True,
-                            ack=ack, metrics=metrics).start()
+                            ack=ack, metrics=metrics, queries=queries).start()
         try:
             if on_ready is not None:
                 on_ready(Listening(
@@ -512,4 +580,4 @@ def run_receiver(
             receiver.stop(timeout=None)
 
 
-__all__ = ["Listening", "Receiver", "ReceiverStats", "run_receiver"]
+__all__ = ["Listening", "Receiver", "ReceiverCollector", "ReceiverStats", "run_receiver"]

@@ -5,6 +5,8 @@
     report.py    the static HTML report
     app.py       the Dash app; pages/ its pages; deadline.py its server's body-read deadlines
     grafana_dashboard.py   the Grafana dashboard of ``kvscope serve``'s /metrics, generated
+    prometheus_alerts.py   Prometheus alert rules for kvscope's series, generated
 """
 
-__all__ = ["app", "data", "deadline", "figures", "grafana_dashboard", "pages", "report"]
+__all__ = ["app", "data", "deadline", "figures", "grafana_dashboard", "pages", "prometheus_alerts",
+           "report"]

@@ -16,6 +16,7 @@ dashboard`` and ``kvscope serve --dashboard``) live in :mod:`kvscope.cli.serve`.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ nav a{margin-right:1rem;text-decoration:none;color:#1f5fa8}nav a.active{font-wei
 .filters>div{min-width:14rem}.meta{color:#666;font-size:.85rem}.missing{color:#a33}
 main{padding:0 1rem 2rem}table{border-collapse:collapse;font-size:.8rem}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:left}th{background:#f4f4f4}
+td{max-width:28rem;overflow-wrap:anywhere}
 td.num{text-align:right}td.null{color:#999;font-style:italic}
 .table-wrap{max-height:420px;overflow:auto}.pair{display:flex;gap:1rem}.pair>div{flex:1}
 """
@@ -161,7 +163,8 @@ def create_app(source: Source | StoreWriter | DashboardData, *,
         value = kept or ids  # first load, or every ticked run gone: all runs
         conversations = data.conversations(Filters())["conversation_id"].unique().sort()
         span = data.time_span_s()
-        top = float(span) if span else 1.0
+        # Whole seconds: the slider's ends read "18", not "17.0963488".
+        top = float(math.ceil(span)) if span else 1.0
         lo, hi = (window or [0.0, top])[:2]
         # A window reaching the old end keeps reaching the end as a live store grows.
         if window is None or old_top is None or hi >= old_top:

@@ -24,6 +24,27 @@ GIB = float(1 << 30)
 Builder = Callable[[pl.DataFrame | None], go.Figure]
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf",
             "#7f7f7f")
+# One colour per outcome, on every page and in the report, in the order of the outcome table
+# (kvscope.reuse.outcomes.OUTCOMES): reuses green, the correctness alarm red, the first turn
+# grey, each miss cause its own hue; an outcome the table gains later gets a colour in turn.
+_OUTCOME_FIXED = {outcomes.FIRST_TURN: "#9e9e9e", outcomes.REUSED_REMOTE: "#2ca02c",
+                  outcomes.REUSED_LOCAL: "#98df8a", outcomes.PARTIAL: "#bcbd22",
+                  outcomes.REUSED_INVALID: "#d62728", outcomes.UNKNOWN: "#7f7f7f"}
+_MISS_PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#aec7e8",
+                 "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#9edae5", "#393b79", "#637939",
+                 "#8c6d31", "#843c39", "#7b4173", "#3182bd")
+OUTCOME_COLORS: dict[str, str] = {
+    **{o: _MISS_PALETTE[i % len(_MISS_PALETTE)]
+       for i, o in enumerate(o for o in outcomes.OUTCOMES if o not in _OUTCOME_FIXED)},
+    **_OUTCOME_FIXED,
+}
+
+
+def outcome_color(outcome: object) -> str:
+    """The colour of ``outcome`` wherever it is drawn (grey for a label not in the table)."""
+    return OUTCOME_COLORS.get(str(outcome), "#c7c7c7")
+
+
 _LAYOUT = {"template": "plotly_white", "height": 420, "margin": {"t": 60, "l": 60, "r": 20},
            "showlegend": True}
 
@@ -186,9 +207,17 @@ def prefill_split(frame: pl.DataFrame, title: str) -> go.Figure:
                                      "opacity": 0.6}))
     fig.update_layout(title=title, barmode="group", xaxis_title="prompt tokens",
                       yaxis_title="mean prefill leg (ms)", **_LAYOUT)
+    _bins_in_order(fig, data)
     if unsplit:
         note(fig, f"no engine hooks: transfer times not measured for {', '.join(unsplit)}")
     return fig
+
+
+def _bins_in_order(fig: go.Figure, data: pl.DataFrame) -> None:
+    """Prompt-length bins along x by their lower bound (as numbers, not as text, and whichever
+    run has a bin first)."""
+    order = data.unique("bin_lo_tokens").sort("bin_lo_tokens")["_bin"].to_list()
+    fig.update_xaxes(categoryorder="array", categoryarray=order)
 
 
 # --- the published sweep: simulated vs published -----------------------------------------------
@@ -333,6 +362,10 @@ def miss_causes(frame: pl.DataFrame, title: str) -> go.Figure:
 # --- memory -----------------------------------------------------------------------------------
 
 _GPU_SOURCES = ("gpu_memory_used", "gpu_memory_total")
+# Legend names of the retained-memory sources (analysis.retention.SOURCE_*).
+MEMORY_SOURCES = {"retention_spans": "retained KV (from spans)",
+                  "retained_bytes_gauge": "retained KV (engine gauge)",
+                  "gpu_memory_used": "GPU memory used", "gpu_memory_total": "GPU memory total"}
 
 
 @_draws("Retained KV and GPU memory", ("run_id", "source", "time", "mean_bytes"),
@@ -355,7 +388,10 @@ def retained_memory(frame: pl.DataFrame, title: str) -> go.Figure:
     )
     gpu_index = pl.col("gpu_index").cast(pl.String) if "gpu_index" in data.columns else pl.lit(None)
     data = data.with_columns(
-        pl.concat_str([pl.col("_name"), pl.lit(" "), pl.col("source"), pl.lit(" "), where,
+        pl.concat_str([pl.col("_name"), pl.lit(" "),
+                       pl.col("source").replace_strict(MEMORY_SOURCES, default=pl.col("source"),
+                                                       return_dtype=pl.String),
+                       pl.lit(" "), where,
                        pl.when(gpu_index.is_not_null()).then(pl.lit(":") + gpu_index)
                        .otherwise(pl.lit(""))]).str.strip_chars().alias("_series")
     ).sort(["_series", "_t"])
@@ -550,11 +586,12 @@ def outcome_shares(frame: pl.DataFrame, title: str) -> go.Figure:
     fig = go.Figure()
     outcomes = sorted(data["outcome"].unique().to_list(),
                       key=lambda o: (o not in NOT_MISSES, str(o)))
-    for i, outcome in enumerate(outcomes):
+    for outcome in outcomes:
         rows = data.filter(pl.col("outcome") == outcome).sort("_name")
         custom = rows["turns"].to_list() if "turns" in rows.columns else None
         fig.add_trace(go.Bar(x=rows["_name"].to_list(), y=rows["share"].to_list(),
-                             name=str(outcome), marker={"color": _color(i)}, customdata=custom,
+                             name=str(outcome), marker={"color": outcome_color(outcome)},
+                             customdata=custom,
                              hovertemplate=f"{outcome}: " + "%{y:.1%}"
                              + (" (%{customdata} turns)" if custom else "")))
     fig.update_layout(title=title, barmode="stack", yaxis_tickformat=".0%",
@@ -671,21 +708,32 @@ def conversation_waterfall(frame: pl.DataFrame, title: str) -> go.Figure:
 @_draws("Missed-reuse causes over time (turns)", ("window_start", "outcome", "turns"),
         "causes over time")
 def outcomes_over_time(frame: pl.DataFrame, title: str) -> go.Figure:
-    """Missed-reuse causes per time window: stacked turns per cause (all runs together).
+    """Missed-reuse causes per time window: stacked turns per cause, one panel per run.
 
     Input: run_id, window_start, outcome, turns (shaped from the ledger, misses only).
     """
+    from plotly.subplots import make_subplots
+
     data = _since_run_start(_run_names(frame), "window_start")
     data = data.filter(~pl.col("outcome").is_in(NOT_MISSES))
     if data.is_empty():
         return missing(title, "no missed reuse: every later turn reused its earlier KV")
-    sums = data.group_by("_t", "outcome").agg(pl.col("turns").sum()).sort("_t")
-    fig = go.Figure()
-    for i, (outcome, rows) in enumerate(_groups(sums, "outcome")):
-        fig.add_trace(go.Bar(x=rows["_t"].to_list(), y=rows["turns"].to_list(), name=outcome,
-                             marker={"color": _color(i)}))
-    fig.update_layout(title=title, barmode="stack", xaxis_title="seconds since the run's start",
-                      yaxis_title="turns", **_LAYOUT)
+    runs = _groups(data)
+    fig = make_subplots(rows=len(runs), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=[name for name, _ in runs])
+    shown: set[str] = set()
+    for row, (_, rows) in enumerate(runs, start=1):
+        sums = rows.group_by("_t", "outcome").agg(pl.col("turns").sum()).sort("_t")
+        for outcome, cause in _groups(sums, "outcome"):
+            fig.add_trace(go.Bar(x=cause["_t"].to_list(), y=cause["turns"].to_list(),
+                                 name=outcome, legendgroup=outcome,
+                                 showlegend=outcome not in shown,
+                                 marker={"color": outcome_color(outcome)}), row=row, col=1)
+            shown.add(outcome)
+        fig.update_yaxes(title_text="turns", row=row, col=1)
+    fig.update_xaxes(title_text="seconds since the run's start", row=len(runs), col=1)
+    layout = {**_LAYOUT, "height": max(420, 220 * len(runs))}
+    fig.update_layout(title=title, barmode="stack", **layout)
     return fig
 
 
@@ -701,9 +749,9 @@ def outcomes_by_engine(frame: pl.DataFrame, title: str) -> go.Figure:
     if data.is_empty():
         return missing(title, "no missed reuse: every later turn reused its earlier KV")
     fig = go.Figure()
-    for i, (outcome, rows) in enumerate(_groups(data, "outcome")):
+    for outcome, rows in _groups(data, "outcome"):
         fig.add_trace(go.Bar(x=rows["prefill_engine"].to_list(), y=rows["turns"].to_list(),
-                             name=outcome, marker={"color": _color(i)}))
+                             name=outcome, marker={"color": outcome_color(outcome)}))
     fig.update_layout(title=title, barmode="stack", yaxis_title="turns", **_LAYOUT)
     return fig
 

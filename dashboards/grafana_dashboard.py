@@ -9,8 +9,16 @@ checks it equals what the code generates, and that every query names a series a 
 
 Panels mirror the pages of kvscope's own dashboard that Prometheus can serve: reuse rate (token-
 weighted, local vs remote), outcomes and miss causes, invalid reuse, retained KV memory beside GPU
-memory, TTFT quantiles, and KV transfers by direction and status. Variables: the Prometheus data
-source, and the runs and models to show (multi-select, all by default).
+memory, TTFT quantiles, and KV transfers by direction and status; then ``kvscope proxy``'s own
+series (``kvscope_proxy_*``: turns, router lookups, upstream errors, TTFT) and the telemetry
+lost on the way (the receiver's and the proxy's drop counters). Variables: the runs and models to
+show (multi-select, all by default).
+
+Import wiring, as Grafana's own "export for sharing externally" writes it: ``__inputs`` declares
+the Prometheus data source (``DS_PROMETHEUS``) and every panel, target and variable names it as
+``${DS_PROMETHEUS}``, so the import dialog's choice is the one every query uses; ``__requires``
+lists Grafana, the Prometheus plugin and each panel type. A value never measured shows "no data"
+(``noValue``), never 0: the invalid-token count is exported only where the ledger counted it.
 """
 
 from __future__ import annotations
@@ -20,14 +28,23 @@ from collections.abc import Iterator
 from itertools import count
 from typing import Any
 
+from kvscope import exposition, semconv
 from kvscope.analysis import live_metrics as m
+from kvscope.exposition import prom_name
 
 UID = "kvscope-live"
 TITLE = "kvscope: KV reuse in vLLM P/D"
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+INPUT = "DS_PROMETHEUS"
+DATASOURCE = {"type": "prometheus", "uid": "${" + INPUT + "}"}
+# What a value never measured shows (Grafana's default would be a blank or, summed, 0).
+NO_VALUE = "no data"
+# The invalid-reuse stat: green at 0, red from the first turn.
+ALARM_THRESHOLDS = {"mode": "absolute", "steps": [{"color": "green", "value": None},
+                                                   {"color": "red", "value": 1}]}
 # Every query selects the dashboard's runs and models.
 _SEL = 'run=~"$run",model=~"$model"'
 _RUN = 'run=~"$run"'
+_MODEL_NAME = 'model_name=~"$model"'  # the proxy's label for what the client asked for
 WIDTH = 24
 
 
@@ -38,9 +55,15 @@ def _target(expr: str, legend: str, ref: str) -> dict[str, Any]:
 
 def _panel(ids: Iterator[int], title: str, kind: str, targets: list[tuple[str, str]],
            grid: tuple[int, int, int, int], *, unit: str = "short", description: str = "",
-           stacked: bool = False, **options: Any) -> dict[str, Any]:
+           stacked: bool = False, thresholds: dict[str, Any] | None = None,
+           decimals: int | None = None, **options: Any) -> dict[str, Any]:
     x, y, w, h = grid
-    defaults: dict[str, Any] = {"unit": unit}
+    defaults: dict[str, Any] = {"unit": unit, "noValue": NO_VALUE}
+    if thresholds is not None:
+        defaults["thresholds"] = thresholds
+        defaults["color"] = {"mode": "thresholds"}
+    if decimals is not None:
+        defaults["decimals"] = decimals
     if kind == "timeseries":
         defaults["custom"] = {"stacking": {"mode": "normal" if stacked else "none"},
                               "fillOpacity": 20 if stacked else 0}
@@ -98,7 +121,10 @@ def panels() -> list[dict[str, Any]]:
                [(f"sum({m.INVALID_REUSE_TURNS}{{{_SEL}}})", "turns"),
                 (f"sum({m.INVALID_REUSE_TOKENS}{{{_SEL}}})", "tokens")], (0, 14, 6, 6),
                description="Turns whose read from decode loaded KV that does not belong to "
-               "their prompt", reduceOptions={"calcs": ["lastNotNull"]}),
+               "their prompt (red from the first; the KvscopeInvalidReuse alert pages on it), "
+               "and the tokens they loaded where countable (no data: not countable)",
+               thresholds=ALARM_THRESHOLDS, decimals=0, colorMode="background",
+               graphMode="none", reduceOptions={"calcs": ["lastNotNull"]}),
         _panel(ids, "Recomputed reusable tokens /s", "timeseries",
                [(f"sum by (run) (deriv({m.RECOMPUTED_TOKENS}{{{_SEL}}}[$__rate_interval]))",
                  "{{run}}")], (6, 14, 18, 6),
@@ -125,6 +151,47 @@ def panels() -> list[dict[str, Any]]:
         _panel(ids, "KV transfers/s by status", "timeseries",
                [(f"sum by (status) (rate({m.TRANSFERS}_total{{{_RUN}}}[$__rate_interval]))",
                  "{{status}}")], (12, 36, 12, 8), unit="ops"),
+        *_proxy_panels(ids, 44),
+    ]
+
+
+def _proxy_panels(ids: Iterator[int], top: int) -> list[dict[str, Any]]:
+    """``kvscope proxy``'s series, and the telemetry lost on the way to the store."""
+    turns, lookups, errors, ttft, dropped = (
+        prom_name(semconv.METRIC_PROXY_TURNS), prom_name(semconv.METRIC_PROXY_ROUTER_LOOKUPS),
+        prom_name(semconv.METRIC_PROXY_UPSTREAM_ERRORS), prom_name(semconv.METRIC_PROXY_TTFT),
+        prom_name(semconv.METRIC_PROXY_TELEMETRY_DROPPED))
+    lost = '__name__=~"' + "|".join(f"{n}_total" for n in (
+        dropped, exposition.RECEIVER_SPANS_REJECTED, exposition.RECEIVER_ROWS_DROPPED,
+        exposition.RECEIVER_ROWS_FAILED)) + '"'
+    return [
+        _panel(ids, "Proxy: turns/s by route and outcome", "timeseries",
+               [(f"sum by (route, outcome) (rate({turns}_total{{{_MODEL_NAME}}}"
+                 "[$__rate_interval]))", "{{route}} {{outcome}}")], (0, top, 12, 8),
+               unit="reqps", stacked=True,
+               description="Turns kvscope proxy finished (outcome: ok or the error's kind)"),
+        _panel(ids, "Proxy: router lookups/s by result", "timeseries",
+               [(f"sum by (result) (rate({lookups}_total{{{_MODEL_NAME}}}[$__rate_interval]))",
+                 "{{result}}")], (12, top, 12, 8), unit="reqps", stacked=True,
+               description="The proxy router's conversation lookups: a hit sends decode's KV "
+               "params to prefill; stale, consumed and miss explain router_* miss causes"),
+        _panel(ids, "Proxy: TTFT", "timeseries",
+               [(f"histogram_quantile({q}, sum by (le) (rate({ttft}_bucket{{{_MODEL_NAME}}}"
+                 "[$__rate_interval])))", f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)],
+               (0, top + 8, 12, 8), unit="s",
+               description="Arrival at the proxy to the first token sent (vLLM's buckets)"),
+        _panel(ids, "Proxy: upstream errors/s by leg and kind", "timeseries",
+               [(f"sum by (leg, kind) (rate({errors}_total{{{_MODEL_NAME}}}"
+                 "[$__rate_interval]))", "{{leg}} {{kind}}")], (12, top + 8, 12, 8),
+               unit="reqps", description="Failed prefill or decode calls (no data: none "
+               "since the proxy started)"),
+        _panel(ids, "Telemetry lost (spans and rows)", "stat",
+               [(f"sum by (job) ({{{lost}}})", "{{job}}")], (0, top + 16, 24, 5),
+               description="Spans or rows the proxy's exporter dropped, the receiver rejected, "
+               "or its store writer dropped or failed: the ledger undercounts by this much "
+               "(the KvscopeTelemetryLost alert fires on growth)", decimals=0,
+               thresholds=ALARM_THRESHOLDS, colorMode="background", graphMode="none",
+               reduceOptions={"calcs": ["lastNotNull"]}),
     ]
 
 
@@ -135,11 +202,26 @@ def _variable(name: str, label: str, query: str) -> dict[str, Any]:
             "current": {"text": "All", "value": "$__all"}, "sort": 1}
 
 
+def _requires(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Grafana's ``__requires``: the Grafana version, the data source plugin, each panel type."""
+    kinds = sorted({p["type"] for p in panels})
+    return [{"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            *({"type": "panel", "id": kind, "name": _PANEL_NAMES[kind], "version": ""}
+              for kind in kinds)]
+
+
+_PANEL_NAMES = {"bargauge": "Bar gauge", "stat": "Stat", "timeseries": "Time series"}
+
+
 def dashboard() -> dict[str, Any]:
     """The whole dashboard model (Grafana's JSON model, importable as is)."""
+    board = panels()
     return {
-        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
+        "__inputs": [{"name": INPUT, "label": "Prometheus", "description": "the Prometheus "
+                      "that scrapes kvscope serve and kvscope proxy", "type": "datasource",
                       "pluginId": "prometheus", "pluginName": "Prometheus"}],
+        "__requires": _requires(board),
         "uid": UID,
         "title": TITLE,
         "description": "kvscope serve /metrics: per-turn KV reuse, miss causes, retained memory",
@@ -151,12 +233,10 @@ def dashboard() -> dict[str, Any]:
         "time": {"from": "now-1h", "to": "now"},
         "timezone": "utc",
         "templating": {"list": [
-            {"name": "datasource", "label": "Prometheus", "type": "datasource",
-             "query": "prometheus", "current": {}},
             _variable("run", "run", f"label_values({m.TURNS}, run)"),
             _variable("model", "model", f'label_values({m.TURNS}{{{_RUN}}}, model)'),
         ]},
-        "panels": panels(),
+        "panels": board,
     }
 
 
@@ -165,4 +245,4 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
 
 
-__all__ = ["TITLE", "UID", "dashboard", "panels", "render"]
+__all__ = ["DATASOURCE", "INPUT", "NO_VALUE", "TITLE", "UID", "dashboard", "panels", "render"]

@@ -82,6 +82,7 @@ max-width:1200px;padding:0 1rem;color:#222}
 h1{margin-bottom:.2rem}.meta{color:#666;font-size:.9rem}
 table{border-collapse:collapse;font-size:.8rem;margin:.5rem 0 1rem}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+td{max-width:28rem;overflow-wrap:anywhere}
 th{background:#f4f4f4;position:sticky;top:0}td.num{text-align:right}
 td.null{color:#999;font-style:italic}.verdict{border-left:4px solid #1f77b4;padding:.2rem 1rem;
 margin:1rem 0;background:#f8fbff}.verdict li{margin:.2rem 0}.figure{margin:1rem 0 2rem}
@@ -97,12 +98,43 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def format_cell(value: Any) -> tuple[str, str]:
-    """(text, css class) for one table cell; null reads "not measured"."""
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _unit_of(column: str) -> str | None:
+    """How a column's numbers read, from its name (units are part of names: STYLE §3)."""
+    if column == "share" or column.endswith(("_share", "_rate")):
+        return "%"
+    if column.endswith("_ms"):
+        return "ms"
+    if column.endswith("_bytes"):
+        return "bytes"
+    if column.endswith("_s") and not column.startswith("gib_s"):
+        return "s"
+    return None
+
+
+def format_cell(value: Any, column: str = "") -> tuple[str, str]:
+    """(text, css class) for one table cell; null reads "not measured"; a number reads in the
+    unit its column's name gives (shares as %, ``_ms`` as ms, ``_bytes`` in GiB/MiB, ``_s`` as
+    s), rounded."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return NOT_MEASURED, "null"
     if isinstance(value, bool):
         return str(value).lower(), ""
+    unit = _unit_of(column) if isinstance(value, int | float) else None
+    if unit == "%":
+        return f"{100 * value:.1f} %", "num"
+    if unit == "ms":
+        return f"{value:,.0f} ms" if abs(value) >= 100 else f"{value:.3g} ms", "num"
+    if unit == "bytes":
+        return _bytes(float(value)), "num"
+    if unit == "s":
+        return f"{value:,.0f} s" if abs(value) >= 100 else f"{value:.3g} s", "num"
     if isinstance(value, float):
         return round_float(value), "num"
     if isinstance(value, int):
@@ -114,14 +146,28 @@ def format_cell(value: Any) -> tuple[str, str]:
     return str(value), ""
 
 
+def as_shown(frame: pl.DataFrame) -> pl.DataFrame:
+    """A frame as a table shows it: runs by label (the ``label`` column, as ``run``; a pair's
+    ``label_a``/``label_b``), not by their hex id, where the frame has both."""
+    if "label" in frame.columns and "run_id" in frame.columns and "run" not in frame.columns:
+        frame = frame.drop("run_id").rename({"label": "run"})
+        frame = frame.select("run", *[c for c in frame.columns if c != "run"])
+    # A pair (compare): run_a / run_b beside label_a / label_b.
+    for side in ("a", "b"):
+        if {f"run_{side}", f"label_{side}"} <= set(frame.columns):
+            frame = frame.drop(f"run_{side}")
+    return frame
+
+
 def table_html(frame: pl.DataFrame, max_rows: int = MAX_TABLE_ROWS) -> str:
     """An escaped HTML table of the first ``max_rows`` rows, saying when rows were left out."""
+    frame = as_shown(frame)
     head = "".join(f"<th>{_e(c)}</th>" for c in frame.columns)
     body = []
     for row in frame.head(max_rows).iter_rows():
         cells = []
-        for value in row:
-            text, css = format_cell(value)
+        for column, value in zip(frame.columns, row, strict=True):
+            text, css = format_cell(value, column)
             cells.append(f'<td class="{css}">{_e(text)}</td>' if css else f"<td>{_e(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     shown = min(frame.height, max_rows)
@@ -293,6 +339,7 @@ __all__ = [
     "FIGURES",
     "MAX_TABLE_ROWS",
     "FigureSpec",
+    "as_shown",
     "figure_html",
     "format_cell",
     "render",

@@ -1,4 +1,5 @@
-"""Prometheus exposition shared by ``kvscope serve`` and ``kvscope proxy``: buckets and formats.
+"""Prometheus exposition shared by ``kvscope serve`` and ``kvscope proxy``: buckets, formats and
+the receiver's own series names (the alert rules read them too).
 
 Both servers keep their series in a :class:`prometheus_client.CollectorRegistry` of their own and
 answer ``GET /metrics`` through :func:`render`, which picks the text format (0.0.4) or
@@ -30,6 +31,21 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 )
 
 
+# ``kvscope serve``'s own counters (:class:`kvscope.collector.receiver.ReceiverCollector`),
+# exposed with ``_total``: what it took, refused or lost.
+RECEIVER_SPANS_ACCEPTED = "kvscope_receiver_spans_accepted"
+RECEIVER_SPANS_REJECTED = "kvscope_receiver_spans_rejected"
+RECEIVER_POINTS_REJECTED = "kvscope_receiver_points_rejected"
+RECEIVER_REQUESTS_REFUSED = "kvscope_receiver_requests_refused"
+RECEIVER_ROWS_DROPPED = "kvscope_receiver_rows_dropped"
+RECEIVER_ROWS_FAILED = "kvscope_receiver_rows_failed"
+
+
+def prom_name(name: str) -> str:
+    """The Prometheus name of a semconv metric name (dots become underscores)."""
+    return name.replace(".", "_")
+
+
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
     """The exposition of ``registry`` in the format ``accept`` asks for: (body, Content-Type)."""
     from prometheus_client.exposition import choose_encoder
@@ -38,4 +54,8 @@ def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]
     return encoder(registry), content_type
 
 
-__all__ = ["LATENCY_BUCKETS_S", "VLLM_TTFT_BUCKETS_S", "render"]
+__all__ = [
+    "LATENCY_BUCKETS_S", "RECEIVER_POINTS_REJECTED", "RECEIVER_REQUESTS_REFUSED",
+    "RECEIVER_ROWS_DROPPED", "RECEIVER_ROWS_FAILED", "RECEIVER_SPANS_ACCEPTED",
+    "RECEIVER_SPANS_REJECTED", "VLLM_TTFT_BUCKETS_S", "prom_name", "render",
+]

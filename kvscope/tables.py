@@ -75,16 +75,13 @@ def fit(widths: list[int], total: int, gap: int = 2) -> list[int]:
     return widths
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str,
                 width: int | None = None) -> str:
-    """Render a result as an aligned text table, CSV or JSON (a list of objects).
+    """Render a result as an aligned text table (drawn by rich), CSV or JSON (a list of objects).
 
     A table is fitted to ``width`` characters (default: the terminal's, when stdout is one) by
-    narrowing its widest columns and cutting their cells with an ellipsis.
+    narrowing its widest columns and cutting their cells with a visible "…"; a pipe or file
+    (no width) gets every cell whole.
     """
     if fmt == "json":
         records = [
@@ -104,15 +101,35 @@ def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str,
         widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
     limit = terminal_width() if width is None else width
     if limit is not None:
-        widths = fit(widths, limit)
-        columns = [_clip(c, w) for c, w in zip(columns, widths, strict=True)]
-        cells = [[_clip(v, w) for v, w in zip(row, widths, strict=True)] for row in cells]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip(),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += [
-        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(lines) + "\n"
+        widths = fit(widths, limit, gap=_GAP)
+    numeric = [bool(rows) and all(isinstance(row[i], int | float | Decimal) or row[i] is None
+                                  for row in rows) for i in range(len(columns))]
+    footer = f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
+    return _rich_table(columns, cells, widths, numeric) + footer + "\n"
+
+
+# Spaces between columns: the box's divider and one of padding.
+_GAP = 2
+
+
+def _rich_table(columns: Sequence[str], cells: list[list[str]], widths: list[int],
+                numeric: list[bool]) -> str:
+    """The table drawn by rich: a header rule, cells cut to their width with a visible "…",
+    numbers right-aligned; plain text (no colour), trailing spaces stripped."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="",
+                  padding=(0, 0, 0, 1))
+    for name, w, right in zip(columns, widths, numeric, strict=True):
+        table.add_column(name, width=w, no_wrap=True, overflow="ellipsis",
+                         justify="right" if right else "left")
+    for row in cells:
+        table.add_row(*row)
+    out = io.StringIO()
+    total = sum(widths) + _GAP * (len(widths) - 1)
+    Console(file=out, width=total, color_system=None, force_terminal=False, highlight=False,
+            markup=False, emoji=False, legacy_windows=False).print(table)
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    return "\n".join(line for line in lines if line) + "\n"

@@ -58,7 +58,7 @@ def test_sql_table_output_is_exact(store: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == (
         "run_id  label\n"
-        "------  -------------\n"
+        "─────────────────────\n"
         "r1      ON\n"
         "r2      OFF, \"quoted\"\n"
         "(2 rows)\n"
@@ -79,6 +79,8 @@ def test_sql_csv_and_json_output(store: Path) -> None:
         (["sql", "{missing}", "SELECT 1"], "no such store file"),
         (["sql", "{store}", "SELECT * FROM nope"], "query failed: Catalog Error"),
         (["sql", "{store}", "DELETE FROM kvscope_runs"], "query failed"),
+        (["sql", "{store}", "SELECT count(*) FROM kvscope_ledger"],
+         "no kvscope_ledger table yet: build it with `kvscope ledger "),
         (["sql", "{text}", "SELECT 1"], "not a DuckDB database"),
         (["serve"], "--db is required"),
         (["serve", "--db", "{store}", "--port", "99999"], "--port=99999"),

@@ -74,7 +74,11 @@ def test_tables_fit_the_width_and_cut_long_cells() -> None:
     # A terminal too narrow for the columns' minimum still shows every column.
     narrow = format_rows(columns, rows, "table", width=10)
     assert narrow.splitlines()[0].split() == ["run", "outcome", "evidence"]
-    assert all(len(cell) >= MIN_COLUMN_WIDTH - 1 for cell in narrow.splitlines()[1].split())
+    assert all(len(cell) >= MIN_COLUMN_WIDTH - 1 for cell in narrow.splitlines()[2].split())
+    # Drawn by rich: a header rule, numbers right-aligned.
+    numbers = format_rows(["run", "turns"], [("ON", 3), ("OFF", 120)], "table")
+    assert numbers.splitlines() == ["run  turns", "─" * 10, "ON       3", "OFF    120",
+                                    "(2 rows)"]
 
 
 @pytest.fixture(scope="module")

@@ -45,17 +45,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvscope import __version__, exposition, semconv
+from kvscope.exposition import prom_name
 
 # Distinct model names kept as label values; the rest become OTHER_MODEL.
 MAX_MODEL_NAMES = 32
 OTHER_MODEL = "other"
 # Each TTFT bucket takes a new exemplar (trace id) at most this often (turns' own clock).
 EXEMPLAR_EVERY_NS = 1_000_000_000
-
-
-def prom_name(name: str) -> str:
-    """The Prometheus name of a semconv metric name (dots become underscores)."""
-    return name.replace(".", "_")
 
 
 class TurnRecordLike(Protocol):

@@ -20,7 +20,7 @@ from dash import Dash, dcc, html
 
 from kvscope.dashboards import figures
 from kvscope.dashboards.data import DashboardData, Filters, Result
-from kvscope.dashboards.report import NOT_MEASURED, format_cell
+from kvscope.dashboards.report import NOT_MEASURED, as_shown, format_cell
 
 # Ids of the shell's stores every page reads.
 FILTERS = "filters"
@@ -75,16 +75,18 @@ def with_labels(frame: pl.DataFrame, labels: Mapping[str, str]) -> pl.DataFrame:
 
 
 def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MAX_ROWS,
-          why: str | None = None) -> html.Div:
-    """A frame as an HTML table; nulls read "not measured"; rows beyond ``max_rows`` counted."""
+          why: str | None = None, labels: Mapping[str, str] | None = None) -> html.Div:
+    """A frame as an HTML table; nulls read "not measured"; rows beyond ``max_rows`` counted;
+    runs named by their label (``labels``: run id → label) rather than their id."""
     if frame is None:
         return html.Div(f"not measured: {why}", className="missing", id=id_ or "")
+    frame = as_shown(with_labels(frame, labels or {}))
     head = html.Tr([html.Th(c) for c in frame.columns])
     body = []
     for row in frame.head(max_rows).iter_rows():
         cells = []
-        for value in row:
-            text, css = format_cell(value)
+        for column, value in zip(frame.columns, row, strict=True):
+            text, css = format_cell(value, column)
             cells.append(html.Td(text, className=css))
         body.append(html.Tr(cells))
     shown = min(frame.height, max_rows)
@@ -94,6 +96,31 @@ def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MA
                 html.Div(html.Table([html.Thead(head), html.Tbody(body)]),
                          className="table-wrap")]
     return html.Div(children, id=id_) if id_ else html.Div(children)
+
+
+# Time windows: about WINDOWS_PER_RUN over the longest selected run, 1 s to MAX_WINDOW_S wide.
+WINDOWS_PER_RUN = 30
+MAX_WINDOW_S = 60.0
+
+
+def window_s(ledger: pl.DataFrame) -> float:
+    """A time-window width sized to the selection's runs, so a run shorter than a minute still
+    draws a line (whole seconds: windows are truncated to seconds)."""
+    if ledger.is_empty() or "arrival" not in ledger.columns:
+        return MAX_WINDOW_S
+    ends = pl.coalesce(pl.col("end"), pl.col("arrival")) if "end" in ledger.columns \
+        else pl.col("arrival")
+    spans = ledger.group_by("run_id").agg(
+        ((ends.max() - pl.col("arrival").min()).dt.total_milliseconds() / 1e3).alias("s"))
+    longest = spans["s"].max()
+    if not isinstance(longest, int | float):
+        return MAX_WINDOW_S
+    return float(min(MAX_WINDOW_S, max(1, round(longest / WINDOWS_PER_RUN))))
+
+
+def hint(text: str, id_: str | None = None) -> html.P:
+    """A line telling the reader what to do next (not an error: plain, muted)."""
+    return html.P(text, className="meta", id=id_) if id_ else html.P(text, className="meta")
 
 
 def message(text: str, id_: str | None = None) -> html.P:

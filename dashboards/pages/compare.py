@@ -38,21 +38,42 @@ def content(data: DashboardData, filters: Filters, run_a: str | None,
     labels = data.labels()
     parts: list[Any] = [
         filter_note(scope),
-        table(summary.frame, "compare-table", why=summary.why),
+        table(summary.frame, "compare-table", why=summary.why, labels=labels),
         figure_of("compare-ttft", "TTFT vs prompt", by_prompt, figures.ttft_vs_prompt, labels),
         figure_of("compare-prefill", "prefill split", by_prompt, figures.prefill_split, labels),
     ]
     return [p for p in parts if p is not None]
 
 
+def default_pair(data: DashboardData) -> tuple[str, str] | None:
+    """The labels of the runs compare picks when none is chosen (the analysis's own choice:
+    the latest feature-ON run and its OFF baseline), or None when it cannot pick."""
+    from kvscope.analysis.runs import pick_runs
+    from kvscope.errors import KvscopeError
+
+    def pick(ctx: Any) -> tuple[str, str] | None:
+        try:
+            return pick_runs(ctx, None)
+        except KvscopeError:
+            return None
+
+    pair = data.derived("compare-default-pair", pick, Filters())
+    if pair is None:
+        return None
+    labels = data.labels()
+    return labels.get(pair[0], pair[0]), labels.get(pair[1], pair[1])
+
+
 def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:
     runs = [{"label": label, "value": run} for run, label in data.labels().items()]
+    pair = default_pair(data)
+    first, second = pair if pair is not None else ("none: pick two", "none: pick two")
     return html.Div([
         html.H2("Compare two runs"),
         html.Div([dcc.Dropdown(id=RUN_A, options=runs, value=query.get("a"),
-                               placeholder="run A (default: feature ON)"),
+                               placeholder=f"run A (default: {first})"),
                   dcc.Dropdown(id=RUN_B, options=runs, value=query.get("b"),
-                               placeholder="run B (default: its OFF baseline)")],
+                               placeholder=f"run B (default: {second}, its OFF baseline)")],
                  className="pair"),
         html.Div(id=CONTENT),
     ])

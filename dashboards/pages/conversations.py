@@ -61,7 +61,7 @@ def content(data: DashboardData, filters: Filters, picked: str | None) -> list[A
         html.Ul([html.Li(f"turn {t}: {o}", className="outcome-label")
                  for t, o in shown.select("turn_index", "outcome").iter_rows()],
                 id="conversation-outcomes"),
-        table(shown, "conversation-turns", max_rows=500),
+        table(shown, "conversation-turns", max_rows=500, labels=data.labels()),
     ]
 
 

@@ -17,15 +17,15 @@ from kvscope.dashboards.pages import (
     figure_of,
     filter_note,
     filters_of,
-    message,
+    hint,
     table,
+    window_s,
     with_labels,
 )
 
 CONTENT = "missed-content"
 CAUSE = "missed-cause"
 DRILL = "missed-drill"
-WINDOW_S = 60.0
 EXAMPLES = 20
 EXAMPLE_COLUMNS = ("run_id", "conversation_id", "turn_index", "x_request_id", "reusable_tokens",
                    "recomputed_reusable_tokens", "evidence")
@@ -45,8 +45,12 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     """Figures and the cause table (with suggestions) of one filter selection."""
     labels = data.labels()
     result = data.result("miss_causes", None, filters)
-    windows = data.result("outcome_windows", {"window_s": WINDOW_S}, filters)
+    windows = data.result("outcome_windows", {"window_s": window_s(data.ledger(filters))},
+                          filters)
     engines = data.result("outcome_engines", None, filters)
+    # With one prefill engine the by-engine chart repeats the totals: left out.
+    several = (engines.frame is not None and "prefill_engine" in engines.frame.columns
+               and engines.frame["prefill_engine"].n_unique() > 1)
     table_frame = None
     if result.frame is not None:
         table_frame = with_labels(result.frame, labels).filter(
@@ -56,7 +60,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
         filter_note(filters),
         figure_of("missed-over-time", "causes over time", windows, figures.outcomes_over_time,
                   labels),
-        figure_of("missed-by-engine", "causes by engine", engines, figures.outcomes_by_engine),
+        figure_of("missed-by-engine", "causes by engine", engines, figures.outcomes_by_engine)
+        if several else None,
         figure_of("missed-tokens", "tokens lost", result, figures.tokens_lost, labels),
         html.H3("Causes and the change each suggests"),
         table(table_frame, "missed-table", why=result.why),
@@ -67,7 +72,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
 def drill(data: DashboardData, filters: Filters, cause: str | None) -> list[Any]:
     """Example turns of one cause, with the suggestion."""
     if not cause:
-        return [message("pick a cause to see example turns")]
+        return [hint("pick a cause to see example turns", "missed-hint")]
     from kvscope.analysis.causes import SUGGESTIONS
 
     examples = data.derived(
@@ -76,7 +81,7 @@ def drill(data: DashboardData, filters: Filters, cause: str | None) -> list[Any]
     shown = examples.select([c for c in EXAMPLE_COLUMNS if c in examples.columns])
     return [html.P(["suggested change: ", html.Strong(SUGGESTIONS.get(cause, "none recorded"))],
                    id="missed-suggestion"),
-            table(shown, "missed-examples")]
+            table(shown, "missed-examples", labels=data.labels())]
 
 
 def layout(data: DashboardData, query: Mapping[str, str]) -> html.Div:

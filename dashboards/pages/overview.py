@@ -13,12 +13,12 @@ from kvscope.dashboards.pages import (
     filter_note,
     filtered_page,
     table,
+    window_s,
     with_labels,
 )
 from kvscope.reuse import outcomes
 
 CONTENT = "overview-content"
-WINDOW_S = 60.0
 
 
 def content(data: DashboardData, filters: Filters) -> list[Any]:
@@ -27,7 +27,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     ledger = data.ledger(filters)
     memory = data.result("retained_memory", None, filters)
     reuse_run = data.result("reuse_rate", {"by": "run"}, filters)
-    ttft = data.result("ttft_windows", {"window_s": WINDOW_S}, filters)
+    width = window_s(ledger)
+    ttft = data.result("ttft_windows", {"window_s": width}, filters)
     sources = data.result("evidence", None, filters)
     freshness = (f"last turn ended {ledger['end'].max()}" if "end" in ledger.columns
                  and ledger.height else "no turns stored yet")
@@ -39,12 +40,12 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                + (" (live: refreshes as spans arrive)" if data.live else ""),
                id="overview-freshness", className="meta"),
         html.H3("Sources"),
-        table(sources.frame, "overview-sources", why=sources.why),
+        table(sources.frame, "overview-sources", why=sources.why, labels=labels),
         html.H3("Reuse per run"),
         table(with_labels(reuse_run.frame, labels) if reuse_run.frame is not None else None,
               "overview-reuse-table", why=reuse_run.why),
         figure_of("overview-reuse", "reuse over time",
-                  data.result("reuse_rate", {"by": "window", "window_s": WINDOW_S}, filters),
+                  data.result("reuse_rate", {"by": "window", "window_s": width}, filters),
                   figures.reuse_over_time, labels),
         figure_of("overview-outcomes", "outcomes", data.result("miss_causes", None, filters),
                   figures.outcome_shares, labels),

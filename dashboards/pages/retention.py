@@ -38,7 +38,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
         figure_of("retention-holds", "hold times", data.retentions(filters),
                   figures.hold_times),
         html.H3("Retention cost per decode engine"),
-        table(cost_table, "retention-table", why=cost.why),
+        table(cost_table, "retention-table", why=cost.why, labels=labels),
     ]
     return [p for p in parts if p is not None]
 

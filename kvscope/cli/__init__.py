@@ -75,8 +75,8 @@ COMMANDS: list[Command] = _ordered([
             _configure_settings, _run_settings),
     *analysis.COMMANDS, *serve.COMMANDS, *collect.COMMANDS, *emulator.COMMANDS,
 ], ("version", "settings", "sql", "serve", "proxy", "emulate", "replay", "simulate", "dashboard",
-    "analyze", "ledger", "report", "grafana", "compare", "whatif", "gpu-sampler", "ingest",
-    "demo"))
+    "analyze", "ledger", "report", "grafana", "alerts", "compare", "whatif", "gpu-sampler",
+    "ingest", "demo"))
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvscope.cli.options import (
     Command,
@@ -23,13 +22,10 @@ from kvscope.cli.options import (
     ints,
     store_source,
 )
-from kvscope.errors import SettingError
+from kvscope.errors import SettingError, StoreError
 from kvscope.tables import format_rows
 
-if TYPE_CHECKING:
-    import polars as pl
-
-__all__ = ["COMMANDS", "with_run_labels"]
+__all__ = ["COMMANDS"]
 
 
 def _configure_sql(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +46,24 @@ def _run_sql(args: argparse.Namespace) -> int:
     reader = StoreReader.open(args.file)
     try:
         columns, rows = reader.rows(args.query, args.param)
+    except StoreError as exc:
+        raise _unbuilt_ledger(exc, args.file) or exc from None
     finally:
         reader.close()
     sys.stdout.write(format_rows(columns, rows, args.format))
     return 0
+
+
+def _unbuilt_ledger(exc: Exception, store: str) -> SettingError | None:
+    """A hint for a query naming the ledger table before ``kvscope ledger`` built it (DuckDB
+    says only that the table does not exist)."""
+    from kvscope.analysis.ledger import LEDGER_TABLE
+
+    if f"Table with name {LEDGER_TABLE} does not exist" not in str(exc):
+        return None
+    return SettingError(
+        f"{store} has no {LEDGER_TABLE} table yet: build it with `kvscope ledger {store}` "
+        f"(from the raw spans), or read the ledger without it: `kvscope analyze {store} ledger`")
 
 
 def _configure_analyze(parser: argparse.ArgumentParser) -> None:
@@ -63,21 +73,25 @@ def _configure_analyze(parser: argparse.ArgumentParser) -> None:
     add_format(parser)
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="an analysis parameter (repeatable)")
+    parser.add_argument("--live", default=None, metavar="URL",
+                        help="ask a running kvscope serve (its OTLP/HTTP URL, e.g. "
+                        "http://127.0.0.1:4318) instead of opening a store: serve holds its "
+                        "store for writing, and answers from a consistent snapshot")
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
     """Without a name: list the analyses with their titles and parameters. With one: print its
-    result as a table, JSON or CSV."""
+    result as a table, JSON or CSV (read from the store, or asked of a live ``kvscope serve``)."""
     from kvscope.analysis import registry
-    from kvscope.analysis.runs import open_context, run_table
+    from kvscope.analysis.live_queries import parse_params, run_analysis
 
-    params = {}
-    for item in args.param:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SettingError(f"--param {item!r}: expected NAME=VALUE")
-        params[key.strip()] = value
-    source = store_source(args)  # `analyze --clickhouse URL NAME` moves NAME to args.name
+    params = parse_params(args.param)
+    if args.live is not None:
+        if args.name is None and args.file is not None:
+            args.name, args.file = args.file, None  # `analyze --live URL NAME`
+        if args.file is not None:
+            raise SettingError("--live URL reads from kvscope serve: give no store file")
+    source = None if args.live is not None else store_source(args)
     if args.name is None:
         rows = [
             (a.name, a.title, ", ".join(f"{p.name}={p.default} ({p.help})" for p in a.params))
@@ -85,15 +99,47 @@ def _run_analyze(args: argparse.Namespace) -> int:
         ]
         sys.stdout.write(format_rows(["name", "title", "parameters"], rows, args.format))
         return 0
-    analysis = registry.get(args.name)
-    parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
-    with open_context(source, args.runs) as ctx:
-        frame = registry.run(ctx, args.name, parsed)
-        if args.format == "table" and "run_id" in frame.columns:
-            # People read runs by label; csv and json keep the id for programs.
-            frame = with_run_labels(frame, run_table(ctx))
+    registry.get(args.name).parse_params(params)  # refuse bad parameters before reading
+    labels = args.format == "table"  # people read runs by label; csv and json keep the id
+    if args.live is not None:
+        columns, answered = _ask_live(args.live, args.name, args.param, args.runs, labels)
+        sys.stdout.write(format_rows(columns, answered, args.format))
+        return 0
+    from kvscope.store.reader import StoreReader
+
+    assert source is not None
+    reader = StoreReader.open(source)
+    try:
+        frame = run_analysis(reader, args.name, params, args.runs, labels=labels)
+    finally:
+        reader.close()
     sys.stdout.write(format_rows(frame.columns, frame.rows(), args.format))
     return 0
+
+
+def _ask_live(url: str, name: str, params: list[str], runs: list[str] | None,
+              labels: bool) -> tuple[list[str], list[list[object]]]:
+    """An analysis answered by a running ``kvscope serve`` (``GET /v1/analyze/NAME``)."""
+    import httpx
+
+    query: list[tuple[str, str | int | float | bool | None]] = [
+        ("param", p) for p in params]
+    query.append(("labels", "1" if labels else "0"))
+    if runs:
+        query.append(("runs", ",".join(runs)))
+    target = f"{url.rstrip('/')}/v1/analyze/{name}"
+    try:
+        response = httpx.get(target, params=query, timeout=120)
+    except httpx.HTTPError as exc:
+        raise SettingError(f"--live {url}: cannot reach kvscope serve ({exc})") from None
+    if response.status_code == 404:
+        raise SettingError(f"--live {url}: no /v1/analyze there (is it kvscope serve's "
+                           "OTLP/HTTP port?)")
+    body = response.json() if response.headers.get("content-type", "").startswith(
+        "application/json") else {}
+    if response.status_code != 200:
+        raise SettingError(f"--live {url}: {body.get('error') or response.text.strip()}")
+    return list(body["columns"]), [list(row) for row in body["rows"]]
 
 
 def _configure_ledger(parser: argparse.ArgumentParser) -> None:
@@ -194,16 +240,6 @@ def _run_whatif(args: argparse.Namespace) -> int:
             print()
             sys.stdout.write(format_rows(fits.columns, fits.rows(), args.format))
     return 0
-
-
-def with_run_labels(frame: pl.DataFrame, runs: pl.DataFrame) -> pl.DataFrame:
-    """``frame`` with its ``run_id`` column shown as a ``run`` column of labels."""
-    import polars as pl
-
-    labels = {rid: label or rid for rid, label in runs.select("run_id", "label").rows()}
-    return frame.with_columns(
-        pl.col("run_id").replace_strict(labels, default=pl.col("run_id"),
-                                        return_dtype=pl.String)).rename({"run_id": "run"})
 
 
 COMMANDS = [

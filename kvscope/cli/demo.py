@@ -118,6 +118,29 @@ def _fmt_rate(value: float | None) -> str:
     return "not measured" if value is None else f"{100 * value:.1f} %"
 
 
+def banner(options: DemoOptions, conversations: int, turns: int) -> str:
+    """The demo's first line: the traces asked for (``--conversations``) and the conversations
+    they make with their subagents, which the runs and the report count."""
+    return (f"kvscope demo: {options.conversations} WEKA Claude Code traces ({conversations} "
+            f"conversations with their subagents), {turns} turns (tokens x{options.token_scale}, "
+            f"tool waits and TTLs /{options.time_scale:g}), profile {options.profile}")
+
+
+def run_lines(label: str, rate: float | None, ttft_p50: float | None, ttft_p90: float | None,
+              top_causes: list[tuple[str, float]], invalid: int) -> list[str]:
+    """A run's summary lines: reuse rate, TTFT, the top missed-reuse causes (share of turns
+    k>=2), and the correctness alarm, which is not a miss (its turns did reuse, wrongly)."""
+    causes = ", ".join(f"{o} {100 * s:.0f} %" for o, s in top_causes)
+    missed = f"missed reuse: {causes}" if causes else "missed reuse: no turn"
+    lines = [f"  {label:<22} reuse {_fmt_rate(rate):>12}  TTFT p50 {_fmt_ms(ttft_p50):>8} p90 "
+             f"{_fmt_ms(ttft_p90):>8}  {missed}"]
+    if invalid:
+        lines.append(f"  {'':<22} ALARM: {invalid} turn(s) did reuse decode's KV, but KV that "
+                     "does not match their prompt (reused_invalid: a correctness fault, counted "
+                     "apart from missed reuse; the report gives each one's evidence)")
+    return lines
+
+
 def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
     from kvscope.analysis import registry
 
@@ -129,7 +152,7 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
                      if "retention_cost" in registry.analyses() else None)
         shares = (registry.run(ctx, "task_time_summary")
                   if "task_time_summary" in registry.analyses() else None)
-        print("\nsummary")
+        print("\nsummary (turns k>=2; missed reuse: the top causes, as shares of those turns)")
         for run in runs:
             rid = run["run_id"]
             rows = ledger.filter(ledger["run_id"] == rid)
@@ -140,17 +163,11 @@ def _summary(db: Path, runs: list[dict[str, Any]]) -> None:
             shown_apart = [outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL, outcomes.REUSED_INVALID]
             top = causes.filter((causes["run_id"] == rid)
                                 & ~causes["outcome"].is_in(shown_apart))
-            top_text = ", ".join(
-                f"{o} {100 * s:.0f} %" for o, s in zip(top["outcome"][:3], top["share"][:3],
-                                                       strict=False)
-            ) or "none"
-            line = (f"  {run['label']:<22} reuse {_fmt_rate(rate[0] if rate else None):>12}  "
-                    f"TTFT p50 {_fmt_ms(_percentile(ttft, 0.5)):>8} p90 "
-                    f"{_fmt_ms(_percentile(ttft, 0.9)):>8}  misses: {top_text}")
-            print(line)
-            if invalid:
-                print(f"  {'':<22} ALARM: {invalid} turn(s) loaded decode KV that does not "
-                      "match their prompt (reused_invalid; the report gives each one's evidence)")
+            top_causes = list(zip(top["outcome"][:3], top["share"][:3], strict=False))
+            for line in run_lines(run["label"], rate[0] if rate else None,
+                                  _percentile(ttft, 0.5), _percentile(ttft, 0.9), top_causes,
+                                  invalid):
+                print(line)
             if retention is not None and retention.height:
                 held = retention.filter(retention["run_id"] == rid)
                 if held.height:
@@ -174,10 +191,7 @@ def run_demo(out: Path, options: DemoOptions | None = None) -> int:
         stale.unlink(missing_ok=True)
     workload = _workload(options)
     summary = workload.summary()
-    print(f"kvscope demo: {summary['conversations']} conversations, {summary['requests']} turns "
-          f"from the WEKA Claude Code traces (tokens x{options.token_scale}, tool waits and TTLs "
-          f"/{options.time_scale:g}), profile {options.profile}")
-    started = time.monotonic()
+    print(banner(options, summary["conversations"], summary["requests"]))
     plans = [
         ("feature OFF", _config(options, False, ())),
         ("feature ON", _config(options, True, ())),
@@ -202,6 +216,6 @@ def run_demo(out: Path, options: DemoOptions | None = None) -> int:
             print(f"\nreport:  {report}")
     print(f"store:   {db}  (kvscope sql {db} \"SELECT SpanName, count(*) FROM otel_traces "
           "GROUP BY 1\")")
-    print(f"done in {time.monotonic() - started:.0f} s")
+    # The time taken is the progress line's (kvscope.progress.steps), printed once.
     return 0
 

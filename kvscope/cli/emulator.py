@@ -248,7 +248,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out", help="folder for kvscope.duckdb and report.html")
     parser.add_argument("--conversations", type=int, default=10,
-                        help="WEKA traces to replay (default 10)")
+                        help="WEKA traces to replay (default 10; their subagents are "
+                        "conversations of their own, so the demo reports more)")
     parser.add_argument("--max-turns", type=int, default=8, help="turns per trace (default 8)")
     parser.add_argument("--time-scale", type=float, default=12.0,
                         help="divide tool waits and TTLs by this (default 12)")

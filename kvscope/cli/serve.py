@@ -55,14 +55,17 @@ def serve(db: str, host: str, port: int, grpc_port: int | None) -> int:
     :class:`~kvscope.errors.KvscopeError`, printed as one line by :func:`kvscope.cli.main`.
     """
     from kvscope.analysis.live_metrics import metrics_source
+    from kvscope.analysis.live_queries import answer_source
     from kvscope.collector.receiver import Listening, run_receiver
 
     def ready(listening: Listening) -> None:
         print(f"kvscope serve: receiving OTLP/HTTP on {listening.http_url}, OTLP/gRPC on "
               f"{listening.grpc_url}, writing {db}; Prometheus metrics on "
-              f"{listening.http_url}/metrics", file=sys.stderr, flush=True)
+              f"{listening.http_url}/metrics; read it meanwhile with kvscope analyze --live "
+              f"{listening.http_url} NAME", file=sys.stderr, flush=True)
 
-    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready, metrics=metrics_source)
+    run_receiver(db, host, port, grpc_port=grpc_port, on_ready=ready, metrics=metrics_source,
+                 queries=answer_source)
     print("kvscope serve: stopped; everything acknowledged is written", file=sys.stderr,
           flush=True)
     return 0
@@ -74,6 +77,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
     from werkzeug.serving import select_address_family
 
     from kvscope.analysis.live_metrics import metrics_source
+    from kvscope.analysis.live_queries import answer_source
     from kvscope.collector.receiver import Receiver
     from kvscope.dashboards.app import DEFAULT_PORT, DashboardServer, create_app
 
@@ -82,7 +86,7 @@ def serve_with_dashboard(db: str, host: str, port: int, grpc_port: int | None,
                                  else dashboard_port)
         try:
             receiver = Receiver(db, host, port, grpc_port=grpc_port, record_run=True,
-                                metrics=metrics_source).start()
+                                metrics=metrics_source, queries=answer_source).start()
         except BaseException:
             close_all(dashboard_sockets)
             raise
@@ -136,7 +140,7 @@ def _run_dashboard(args: argparse.Namespace) -> int:
 
 def _configure_grafana(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--out", default=None,
-                        help="file to write (default: print the JSON to stdout)")
+                        help="file to write (default: print it to stdout)")
 
 
 def _run_grafana(args: argparse.Namespace) -> int:
@@ -151,6 +155,18 @@ def _run_grafana(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_alerts(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.prometheus_alerts import render
+
+    text = render()
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote the Prometheus alert rules to {args.out}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = [
     Command("serve", "receive OTLP/HTTP and OTLP/gRPC traces and metrics into a store",
             _configure_serve, _run_serve),
@@ -158,4 +174,6 @@ COMMANDS = [
             _configure_dashboard, _run_dashboard),
     Command("grafana", "print (or write) the Grafana dashboard for kvscope serve's /metrics",
             _configure_grafana, _run_grafana),
+    Command("alerts", "print (or write) Prometheus alert rules for kvscope serve's and kvscope "
+            "proxy's /metrics", _configure_grafana, _run_alerts),
 ]

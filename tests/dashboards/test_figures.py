@@ -229,3 +229,59 @@ def test_nulls_stay_gaps(values: list[float | None]) -> None:
         assert not fig.data and "not measured" in _annotations(fig)[0]
     else:
         assert list(fig.data[0].y) == values
+
+
+def test_an_outcome_has_one_colour_on_every_figure() -> None:
+    """From the outcome table: each outcome its own colour, the alarm red, reuse green."""
+    from kvscope.reuse import outcomes
+
+    assert set(figures.OUTCOME_COLORS) == set(outcomes.OUTCOMES)
+    assert len(set(figures.OUTCOME_COLORS.values())) == len(outcomes.OUTCOMES)
+    assert figures.outcome_color(outcomes.REUSED_INVALID) == "#d62728"
+    shares = pl.DataFrame({"run_id": ["a", "a", "b"], "label": ["ON", "ON", "OFF"],
+                           "outcome": ["reused_remote", "transfer_failed", "transfer_failed"],
+                           "turns": [8, 2, 10], "share": [0.8, 0.2, 1.0]})
+    windows = pl.DataFrame({"run_id": ["a", "b", "b"], "label": ["ON", "OFF", "OFF"],
+                            "window_start": [T0, T0, T0 + timedelta(seconds=5)],
+                            "outcome": ["transfer_failed", "transfer_failed",
+                                        "decode_ttl_expired"], "turns": [2, 4, 6]})
+    engines = pl.DataFrame({"prefill_engine": ["p0", "p1"], "outcome": ["transfer_failed"] * 2,
+                            "turns": [1, 2]})
+    for fig in (figures.outcome_shares(shares), figures.outcomes_over_time(windows),
+                figures.outcomes_by_engine(engines)):
+        for trace in fig.data:
+            assert trace.marker.color == figures.outcome_color(trace.name), trace.name
+
+
+def test_missed_reuse_over_time_is_split_per_run() -> None:
+    windows = pl.DataFrame({"run_id": ["a", "b", "b"], "label": ["ON", "OFF", "OFF"],
+                            "window_start": [T0, T0, T0 + timedelta(seconds=5)],
+                            "outcome": ["transfer_failed"] * 3, "turns": [2, 4, 6]})
+    fig = figures.outcomes_over_time(windows)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == ["OFF", "ON"]  # one panel per run, named by label
+    assert {t.yaxis for t in fig.data} == {"y", "y2"}
+    assert sum(1 for t in fig.data if t.showlegend) == 1  # one legend entry per cause
+
+
+def test_prompt_bins_are_in_numeric_order() -> None:
+    frame = _by_prompt()
+    # A run whose only bin is the larger one comes first in sort order ("B" < "ON").
+    extra = frame.filter(pl.col("bin") == 1).with_columns(
+        pl.lit("b").alias("run_id"), pl.lit("B").alias("label"), pl.lit(9000).alias(
+            "bin_lo_tokens"), pl.lit(20000).alias("bin_hi_tokens"))
+    fig = figures.prefill_split(pl.concat([frame, extra], how="vertical_relaxed"))
+    assert list(fig.layout.xaxis.categoryarray) == ["1000–4000", "4000–9000", "9000–20000"]
+
+
+def test_time_windows_are_sized_to_the_run() -> None:
+    from kvscope.dashboards.pages import MAX_WINDOW_S, window_s
+
+    def ledger(seconds: float) -> pl.DataFrame:
+        return pl.DataFrame({"run_id": ["r", "r"], "arrival": [T0, T0 + timedelta(seconds=seconds)],
+                             "end": [T0 + timedelta(seconds=1), None]})
+
+    assert window_s(ledger(20)) == 1.0  # a 20 s run: 1 s windows, not one 60 s point
+    assert window_s(ledger(600)) == 20.0
+    assert window_s(ledger(36_000)) == MAX_WINDOW_S
+    assert window_s(pl.DataFrame()) == MAX_WINDOW_S

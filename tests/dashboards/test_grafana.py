@@ -7,14 +7,17 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope import cli
-from kvscope.analysis.live_metrics import metrics_source
+from kvscope.analysis.live_metrics import LEDGER_SERIES, metrics_source
+from kvscope.collector.proxy.metrics import ProxyMetrics
 from kvscope.collector.receiver import Receiver
 from kvscope.dashboards import grafana_dashboard
 from kvscope.store.schema import TRACES_ARROW
@@ -57,11 +60,22 @@ def test_dashboard_structure() -> None:
     for wanted in ("Reuse rate", "miss causes", "Retained KV beside GPU memory", "TTFT"):
         assert wanted in titles
     variables = {v["name"]: v for v in model["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource"
+    # Import wiring: the one declared input is what every panel, target and variable queries.
+    [declared] = model["__inputs"]
+    assert declared["type"] == "datasource" and declared["pluginId"] == "prometheus"
+    wired = {"type": "prometheus", "uid": "${" + declared["name"] + "}"}
+    required = {(r["type"], r["id"]) for r in model["__requires"]}
+    assert {("grafana", "grafana"), ("datasource", "prometheus")} <= required
+    for variable in variables.values():
+        assert variable["datasource"] == wired, variable["name"]
     for panel in model["panels"]:
         grid = panel["gridPos"]
         assert set(grid) == {"x", "y", "w", "h"} and grid["x"] + grid["w"] <= 24
-        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert panel["datasource"] == wired, panel["title"]
+        assert all(t["datasource"] == wired for t in panel["targets"]), panel["title"]
+        assert ("panel", panel["type"]) in required, panel["type"]
+        # Never measured reads "no data", not a blank or 0.
+        assert panel["fieldConfig"]["defaults"]["noValue"] == "no data"
         assert panel["targets"], panel["title"]
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs))
@@ -71,6 +85,12 @@ def test_dashboard_structure() -> None:
             # Variables used are declared.
             for name in re.findall(r"\$(\w+)", expr):
                 assert name in variables or name.startswith("__"), name
+    by_title = {p["title"]: p for p in model["panels"]}
+    alarm = by_title["Invalid reuse (correctness alarm)"]["fieldConfig"]["defaults"]
+    assert [(s["color"], s["value"]) for s in alarm["thresholds"]["steps"]] == [
+        ("green", None), ("red", 1)]
+    proxy = [p for p in model["panels"] if "kvscope_proxy_" in json.dumps(p["targets"])]
+    assert len(proxy) >= 4, "the proxy's series have panels"
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +111,24 @@ def scraped(source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         text = httpx.get(f"{receiver.url}/metrics", timeout=30).text
     finally:
         receiver.stop()
+    # The proxy's series, each with a sample (one finished turn, one failed leg).
+    proxy = ProxyMetrics()
+    proxy.scrape_time.dropped_spans = lambda: 0
+    proxy.scrape_time.router_entries = lambda: 0
+    proxy.observe(SimpleNamespace(
+        route="pd", model="m", prefill_instance="p0", decode_instance="d0", lookup="hit",
+        error_kind="timeout", error_leg="decode", client_disconnected=False,
+        first_token_ns=2_000_000, arrival_ns=1_000_000, trace_id=1, prefill_start_ns=None,
+        prefill_end_ns=None, decode_start_ns=None, decode_end_ns=None, end_ns=3_000_000))
     samples: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, set()).update(sample.labels)
+    for exposition in (text, generate_latest(proxy.registry).decode()):
+        for family in text_string_to_metric_families(exposition):
+            for sample in family.samples:
+                samples.setdefault(sample.name, set()).update(sample.labels)
+            if not family.samples and family.name in LEDGER_SERIES:
+                # Declared, no sample yet (the invalid-token count where none was countable):
+                # the ledger series' labels.
+                samples.setdefault(family.name, {"run", "run_id", "model", "engine"})
     return samples
 
 
@@ -112,7 +146,9 @@ def test_every_query_names_an_exported_series(scraped: dict[str, set[str]]) -> N
                 assert label in scraped[name], f"{name} has no label {label} ({expr})"
         for group in _BY.findall(expr):
             for label in (g.strip() for g in group.split(",")):
-                assert label in labels | {"le"}, f"by ({label}) names no label of {names}"
+                # job and instance: the labels Prometheus adds to every scraped series.
+                assert label in labels | {"le", "job", "instance"}, (
+                    f"by ({label}) names no label of {names}")
 
 
 def test_the_check_catches_a_wrong_name(scraped: dict[str, set[str]]) -> None:

@@ -147,3 +147,20 @@ def test_opens_in_headless_chromium(page: Path, tmp_path: Path) -> None:
     # plotly.js ran: every figure div holds its rendered SVG.
     assert result.stdout.count('class="plotly-graph-div') == len(report.FIGURES)
     assert result.stdout.count('class="main-svg"') >= len(report.FIGURES)
+
+
+def test_tables_read_in_units_with_runs_by_label() -> None:
+    from kvscope.dashboards.report import format_cell, table_html
+
+    assert format_cell(0.1234, "token_reuse_rate") == ("12.3 %", "num")
+    assert format_cell(0.5, "share") == ("50.0 %", "num")
+    assert format_cell(1234.567, "ttft_p50_ms") == ("1,235 ms", "num")
+    assert format_cell(12.345, "ttft_p50_ms") == ("12.3 ms", "num")
+    assert format_cell(3 * (1 << 30), "retained_bytes") == ("3.00 GiB", "num")
+    assert format_cell(None, "ttft_p50_ms")[0] == "not measured"
+    assert format_cell(0.25, "gib_s_total") == ("0.25", "num")  # GiB·s is not seconds
+    html = table_html(pl.DataFrame({"run_id": ["9f3a1c0d5e7b2a41"], "label": ["feature ON"],
+                                    "local_share": [0.25]}))
+    assert "9f3a1c0d5e7b2a41" not in html and "<th>run</th>" in html
+    assert html.index("<th>run</th>") < html.index("<th>local_share</th>")
+    assert "25.0 %" in html
