@@ -76,7 +76,9 @@ from kvscope.emulator.workloads.model import (
     Conversation,
     Turn,
     Workload,
+    WorkloadError,
     block_view,
+    check_times,
     send_time,
 )
 from kvscope.reuse import outcomes
@@ -304,6 +306,13 @@ class Simulator:
         turns and when the model has finished (the spans may still be being written then).
         """
         self._progress = progress
+        # Checked before the run is recorded: a workload that cannot run records nothing.
+        check_times(workload)
+        if workload.block_size != self.cost.block_size:
+            raise WorkloadError(
+                f"workload block size {workload.block_size} != profile block size "
+                f"{self.cost.block_size}"
+            )
         run_settings = self.settings.as_run_settings()
         run_settings["workload"] = workload.name
         run_settings["workload_settings"] = dict(workload.settings)
@@ -386,11 +395,6 @@ class Simulator:
     def _simulate(self, workload: Workload, view: BlockView, sink: _AnySink, run_id: str,
                   epoch_ns: int, spec: TelemetrySpec) -> SimulationResult:
         s = self.settings
-        if workload.block_size != self.cost.block_size:
-            raise ValueError(
-                f"workload block size {workload.block_size} != profile block size "
-                f"{self.cost.block_size}"
-            )
         # The proxy as requests meet it (trace and span ids); its spans are built by
         # spans_for, here or in the span process, as are the engines' from their records.
         proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)

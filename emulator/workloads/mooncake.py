@@ -60,6 +60,7 @@ from kvscope.emulator.workloads.model import (
     Workload,
     WorkloadError,
     mix_seed,
+    trace_seconds,
 )
 
 MOONCAKE_BLOCK_SIZE = 512
@@ -74,7 +75,11 @@ class _Row:
     hash_ids: tuple[int, ...]
 
 
-def _read(path: Path) -> list[_Row]:
+def _read(path: Path, trace_block_size: int = MOONCAKE_BLOCK_SIZE) -> list[_Row]:
+    """The trace's rows in timestamp order; :class:`WorkloadError` naming the file and line of
+    the first bad one (not JSON, a missing field, a timestamp that is not finite or outside
+    [0, MAX_TRACE_S], a negative length, ``hash_ids`` that do not cover ``input_length``) or
+    of a trace with no rows."""
     rows: list[_Row] = []
     try:
         text = path.read_text()
@@ -89,17 +94,29 @@ def _read(path: Path) -> list[_Row]:
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{where}: not JSON ({exc.msg})") from None
         try:
-            rows.append(
-                _Row(
-                    line,
-                    float(obj["timestamp"]),
-                    int(obj["input_length"]),
-                    int(obj["output_length"]),
-                    tuple(int(h) for h in obj.get("hash_ids", [])),
-                )
+            row = _Row(
+                line,
+                trace_seconds(obj["timestamp"], where, "timestamp", per_second=1000.0) * 1000.0,
+                int(obj["input_length"]),
+                int(obj["output_length"]),
+                tuple(int(h) for h in obj.get("hash_ids", [])),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, WorkloadError):
+                raise
             raise WorkloadError(f"{where}: malformed row ({exc!r})") from None
+        if row.input_length < 0 or row.output_length < 0:
+            raise WorkloadError(f"{where}: input_length {row.input_length} and output_length "
+                                f"{row.output_length} must be >= 0")
+        # One id per trace block of the prompt, the partial last one included.
+        needed = -(-row.input_length // trace_block_size)
+        if len(row.hash_ids) < needed:
+            raise WorkloadError(
+                f"{where}: {len(row.hash_ids)} hash_ids of {trace_block_size} tokens do not "
+                f"cover input_length {row.input_length} ({needed} needed)")
+        rows.append(row)
+    if not rows:
+        raise WorkloadError(f"mooncake trace {path}: empty (no requests)")
     # Stable sort: rows with equal timestamps keep file order.
     rows.sort(key=lambda r: r.timestamp_ms)
     return rows
@@ -244,7 +261,7 @@ def _sessions(rows: Sequence[_Row], trace_block_size: int
 
 def read_sessions(path: str | Path, *, trace_block_size: int = MOONCAKE_BLOCK_SIZE) -> Sessions:
     """Group a trace's rows into sessions: each session's file line numbers, and the summary."""
-    rows = _read(Path(path))
+    rows = _read(Path(path), trace_block_size)
     groups, summary = _sessions(rows, trace_block_size)
     return Sessions(tuple(tuple(r.line for r in g) for g in groups), summary)
 
@@ -283,10 +300,10 @@ def load(
         raise WorkloadError(f"mooncake workload: time_compression must be > 0: {time_compression}")
     if max_turns is not None and max_turns < 1:
         raise WorkloadError(f"mooncake workload: max_turns must be >= 1, got {max_turns}")
-    if conversations is not None and conversations < 0:
-        raise WorkloadError(f"mooncake workload: conversations must be >= 0, got {conversations}")
+    if conversations is not None and conversations < 1:
+        raise WorkloadError(f"mooncake workload: conversations must be >= 1, got {conversations}")
     source = Path(path)
-    rows = _read(source)
+    rows = _read(source, trace_block_size)
     if group:
         groups, summary = _sessions(rows, trace_block_size)
     else:

@@ -403,7 +403,7 @@ def test_mooncake_generator_is_seeded() -> None:
 
 def test_mooncake_bad_rows_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}\n'
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
                     '{"timestamp": 1, "input_length": 10}\n')
     with pytest.raises(WorkloadError, match=r"bad\.jsonl:2"):
         mooncake.load(path)
