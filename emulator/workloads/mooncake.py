@@ -59,9 +59,10 @@ session, another history).
 A follow-up's first blocks are the previous turn's prompt and output in the block view, and its
 trace ids follow. Time: the trace records when each request was *sent* and nothing about when its
 answer ended, so the gap between two sends also holds the previous request's service time (and
-timestamps are quantised, ~3 s in the FAST'25 traces). A follow-up keeps its send time (``Turn.sent_at_s``): the simulator and the replay driver
-send it then, or as soon as the previous turn ends when that is later, rather than adding the whole
-gap after the answer. ``think_time_s`` is the gap itself, an upper bound of the user's think time.
+timestamps are quantised, ~3 s in the FAST'25 traces). A follow-up keeps its send time
+(``Turn.sent_at_s``): the simulator and the replay driver send it then, or as soon as the
+previous turn ends when that is later, rather than adding the whole gap after the answer.
+``think_time_s`` is the gap itself, an upper bound of the user's think time.
 """
 
 from __future__ import annotations
