@@ -189,3 +189,16 @@ class DecodeMemory:
             self.running_blocks += blocks
         self.peak_blocks = max(self.peak_blocks, node.retained_blocks + self.running_blocks)
         return start
+
+
+__all__ = [
+    "CapacityError",
+    "DecodeMemory",
+    "GPUS",
+    "Gpu",
+    "HardwareProfile",
+    "MODELS",
+    "ModelShape",
+    "NO_GPU",
+    "hardware",
+]

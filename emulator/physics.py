@@ -219,3 +219,17 @@ def published_points(block_size: int = 16) -> list[Point]:
             out.append(Point(common[0], "transfer", *common[1:],
                              cal.transfer_on_ms[end], f"transfer {prefix}"))
     return out
+
+
+__all__ = [
+    "Constants",
+    "Engine",
+    "NegativeTimeError",
+    "Point",
+    "fit",
+    "predict",
+    "published_engines",
+    "published_points",
+    "read_terms",
+    "terms",
+]
