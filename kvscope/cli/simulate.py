@@ -396,6 +396,11 @@ class ProgressLine:
         text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
                 f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
                 f"virtual {_virtual(result.virtual_seconds)}")
+        if result.decode_queued_turns:
+            text += (f"; {result.decode_queued_turns:,} turns waited "
+                     f"{_virtual(result.decode_queue_s)} in all for decode KV blocks "
+                     f"({result.decode_kv_blocks:,} a decode engine, at most "
+                     f"{result.decode_peak_blocks:,} held)")
         self.stream.write(text + "\n")
         self.stream.flush()
 

@@ -81,10 +81,13 @@ def test_a_gpu_profile_caps_the_decode_blocks(tmp_path: Path) -> None:
 def test_decode_cache_blocks_changes_what_simulate_prints(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvscope.cli", "simulate", "--db", str(tmp_path / "s.duckdb"),
-         "--conversations", "12", "--quiet", "--sweep", "decode-cache-blocks=600,4194304"],
+         "--conversations", "12", "--sweep", "decode-cache-blocks=600,4194304"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if "decode-cache-blocks=" in line]
     assert len(rows) == 2
-    # The TTFT columns differ: the small engine's turns waited for blocks.
+    # The TTFT columns differ: the small engine's turns waited for blocks, as its line says.
     assert rows[0].split()[-2:] != rows[1].split()[-2:]
+    waited = [line for line in done.stderr.splitlines() if "for decode KV blocks" in line]
+    assert len(waited) == 1 and "decode-cache-blocks=600" in waited[0]
+    assert "(600 a decode engine" in waited[0]
