@@ -69,9 +69,12 @@ def ladder_table(turns: pl.DataFrame, observed: pl.DataFrame) -> pl.DataFrame:
     local = pl.min_horizontal(c("local_tokens"), reusable)
     seen = pl.min_horizontal(c("local_tokens") + c("observed_remote"), reusable)
     ttl = pl.coalesce(c("prev_ret_ttl_s"), c("ttl_s"))
+    # vLLM's margin on the run's clock (whatif.timeline: 5 s, cut by an emulator's scale).
+    margin = (c("margin_s") if "margin_s" in turns.columns
+              else pl.lit(KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S))
     # Unknown gap or TTL: the TTL cannot be blamed (the loss falls to a later step).
     fits = (
-        (c("gap_s") + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S < ttl).fill_null(True)
+        (c("gap_s") + margin < ttl).fill_null(True)
         & (c("age_s") <= c("router_ttl_s")).fill_null(True)
     )
     count = pl.min_horizontal(c("offered_tokens"), c("prompt_tokens")) - c("decision_local")

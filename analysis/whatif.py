@@ -23,7 +23,15 @@ no setting changes. For turn k (``gap`` = that tool wait):
    (``KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S``); otherwise it is declined and D keeps the handle;
 4. decode (``DecodeNode``): the handle is released at ``gap`` by a read, by a notify when
    ``gap < TTL`` (the reaper runs first), else at the TTL; a handle no turn consumes is held for
-   the TTL. Held GiB·s = bytes × held seconds.
+   the TTL. Held GiB·s = bytes × held seconds. A read or notify releases it as long after the
+   turn's arrival as observed (prefill queueing, the READ: ``prev_ret_delay_s``), and a handle
+   still held when the run ended is charged no longer than it was observed (its window): every
+   setting is read over the run's observed time, so at the observed setting the replay gives
+   the observed GiB·s.
+
+**One time base.** Every time is read on the clock the spans were timed on: an emulator run at
+``time_scale`` F (its settings say so) records TTLs in model seconds, so its TTL and vLLM's 5 s
+margin are divided by F (:func:`on_run_clock`); TTLs asked for are seconds of that clock.
 
 Turns whose observed outcome no setting can change, or that a fault decided (handshake, failed
 READ, preemption, invalid params, no conversation id, …), are *carried*: they keep their observed
@@ -169,18 +177,31 @@ TIMELINE_COLUMNS = (
     "prev_decision_local", "expired_read",
     # Setting-independent parts of the rules, computed once rather than once per setting.
     "count", "read_local", "failed_local", "read_remote", "prev_contacted",
+    # The run's clock: vLLM's expiry margin in it, the observation window of a handle still
+    # held when the run ended, and how long after the next turn's arrival a read or notify
+    # released the previous handle (see handle_times).
+    "margin_s", "prev_ret_window_s", "tail_ret_window_s", "prev_ret_delay_s",
 )
 
 
-def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
+def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
+             time_scales: Mapping[str, float] | None = None) -> pl.DataFrame:
     """Per turn, what the replay needs: gap, tokens, offer, router entry, the handles (pure).
 
     ``later``: turn k ≥ 2 whose reusable span was measured (the rows rates are over).
     ``replay``: a setting can change this turn (else it is carried as observed).
     ``prev_ret_*``: the handle turn k-1's decode pinned (the one turn k consumes);
     ``tail_ret_bytes``: this turn's own handle when no next turn consumes it.
+    ``time_scales``: per run, how much faster than its clock its engines' model time ran (an
+    emulator's ``time_scale``; default 1): ``retentions`` must already carry TTLs on the run's
+    clock (:func:`on_run_clock`), and vLLM's 5 s margin shrinks by the same factor.
     """
     c = pl.col
+    scales = dict(time_scales or {})
+    ledger = ledger.with_columns(
+        (KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
+         / c("run_id").replace_strict(scales, default=1.0, return_dtype=pl.Float64))
+        .alias("margin_s"))
     handles = retentions.select(
         "run_id", c("request_id").alias("decode_request_id"),
         c("size_bytes").alias("ret_bytes"), c("tokens").alias("ret_tokens"),
@@ -225,7 +246,7 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
     expired = (
         c("outcome").is_in([outcomes.DECODE_TTL_EXPIRED, outcomes.LOAD_FAILED_ERRORED])
         & (c("d2p_status") == semconv.TRANSFER_DECLINED_EXPIRED)
-        & (c("gap_s") + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= c("prev_ret_ttl_s"))
+        & (c("gap_s") + c("margin_s") >= c("prev_ret_ttl_s"))
     )
     decided = c("outcome").is_in(_DECIDED) & c("decision").is_in(_VALID_OFFER)
     # A genuinely expired read failed the turn (errored) under either failure policy.
@@ -269,7 +290,42 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame) -> pl.DataFrame:
         c("router_lookup").is_in([semconv.ROUTER_HIT, semconv.ROUTER_STALE]).fill_null(False)
         .alias("entry"),
         pl.when(~c("_has_next")).then(c("ret_bytes")).alias("tail_ret_bytes"),
-    ).select(TIMELINE_COLUMNS)
+    ).with_columns(*handle_times()).select(TIMELINE_COLUMNS)
+
+
+def handle_times() -> tuple[pl.Expr, ...]:
+    """The observed times a replayed handle's hold is bounded and shifted by (timeline columns).
+
+    ``prev_ret_window_s`` / ``tail_ret_window_s``: a handle still held when the run ended
+    (release ``open``) was observed that long; every setting is read over the same window, so
+    none is charged for time after the run (a replay holding it for the TTL charged the demo's
+    ON run 750 GiB·s where its spans hold 56). ``prev_ret_delay_s``: a handle released by the
+    next turn's read or notify was released that long after the turn arrived (prefill queueing
+    and the READ itself; 0 in the simulator, ~1 s on the demo's HTTP emulator, where tool waits
+    are cut 12-fold and engine times are not); a replayed read or notify keeps it.
+    """
+    c = pl.col
+    contacted = c("prev_ret_release").is_in([semconv.RELEASE_READ, semconv.RELEASE_NOTIFIED])
+    return (
+        pl.when(c("prev_ret_release") == semconv.RELEASE_OPEN).then(c("prev_ret_held_s"))
+        .alias("prev_ret_window_s"),
+        pl.when(c("tail_ret_bytes").is_not_null() & (c("ret_release") == semconv.RELEASE_OPEN))
+        .then(c("ret_held_s")).alias("tail_ret_window_s"),
+        pl.when(contacted & c("gap_s").is_not_null())
+        .then(pl.max_horizontal(c("prev_ret_held_s") - c("gap_s"), pl.lit(0.0)))
+        .otherwise(0.0).alias("prev_ret_delay_s"),
+    )
+
+
+def on_run_clock(retentions: pl.DataFrame, time_scales: Mapping[str, float]) -> pl.DataFrame:
+    """Retention spans with ``ttl_s`` on the run's clock: an emulator run at ``time_scale`` F
+    records the TTL in model seconds (480) and spans in wall time (held at most 480 / F), so
+    every setting of the what-if is read in the seconds of the clock the spans were timed on."""
+    if not time_scales or retentions.is_empty():
+        return retentions
+    return retentions.with_columns(
+        pl.col("ttl_s") / pl.col("run_id").replace_strict(
+            dict(time_scales), default=1.0, return_dtype=pl.Float64))
 
 
 # --- the replay --------------------------------------------------------------------------------
@@ -300,7 +356,7 @@ def replay(
     offered = c("entry") if router_ttl_s is None else c("entry") & (
         c("age_s") <= float(router_ttl_s))
     wants = (count >= threshold) & (count > 0) if threshold > 0 else count > 0
-    late = gap + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= ttl
+    late = gap + c("margin_s") >= ttl
     would_fail = (c("replay") & offered & wants & late).fill_null(False)
     streak = would_fail.cum_sum()
     before = pl.when(~would_fail).then(streak).forward_fill().fill_null(0)
@@ -327,7 +383,14 @@ def replay(
     )
     carried_held = pl.when(c("prev_contacted")).then(
         pl.min_horizontal(c("prev_ret_held_s"), pl.lit(ttl))).otherwise(pl.lit(ttl))
-    replay_held = pl.when(reads | (notifies & (gap < ttl))).then(gap).otherwise(pl.lit(ttl))
+    replay_held = pl.when(reads | (notifies & (gap < ttl))).then(
+        pl.min_horizontal(gap + c("prev_ret_delay_s"), pl.lit(ttl))).otherwise(pl.lit(ttl))
+
+    def observed_window(held: pl.Expr, window: str) -> pl.Expr:
+        # A handle the run ended on was observed only so long (handle_times).
+        return pl.when(c(window).is_not_null()).then(pl.min_horizontal(held, c(window))
+                                                     ).otherwise(held)
+
     replayed = c("replay")
     return frame.with_columns(
         *([path.alias("w_path")] if paths else []),
@@ -338,9 +401,10 @@ def replay(
         .otherwise(0).cast(pl.Int64).alias("w_remote"),
         pl.when(replayed).then(fails).otherwise(c("errored")).alias("w_errored"),
         pl.when(c("prev_ret_bytes").is_null() | prev_fails).then(None)
-        .when(replayed).then(replay_held).otherwise(carried_held).alias("w_prev_held_s"),
-        pl.when(c("tail_ret_bytes").is_not_null() & ~fails).then(pl.lit(ttl))
-        .alias("w_tail_held_s"),
+        .when(replayed).then(observed_window(replay_held, "prev_ret_window_s"))
+        .otherwise(observed_window(carried_held, "prev_ret_window_s")).alias("w_prev_held_s"),
+        pl.when(c("tail_ret_bytes").is_not_null() & ~fails)
+        .then(observed_window(pl.lit(ttl), "tail_ret_window_s")).alias("w_tail_held_s"),
     ).drop("_fails", "_prev_fails", "_offered", "_wants", "_late")
 
 
@@ -569,7 +633,7 @@ _REPLAY_INPUTS = (
     "later", "replay", "has_prev", "entry", "age_s", "gap_s", "count", "errored",
     "local_tokens", "observed_remote", "read_local", "failed_local", "read_remote",
     "prev_ret_bytes", "prev_ret_held_s", "prev_contacted", "tail_ret_bytes", "ttft_ms",
-    "prompt_tokens",
+    "prompt_tokens", "margin_s", "prev_ret_window_s", "tail_ret_window_s", "prev_ret_delay_s",
 )
 
 
@@ -655,7 +719,11 @@ def _recommend(table: pl.DataFrame, budget_gib_s: float | None) -> pl.DataFrame:
         observed_note = "no recommendation: observed retained GiB·s not measured; give a budget"
     else:
         fastest = priced.sort(order).row(0, named=True)
-        within = priced.filter(pl.col("retained_gib_s") <= budget * (1 + 1e-9) + 1e-12)
+        within = priced.filter(
+            (pl.col("retained_gib_s") <= budget * (1 + 1e-9) + 1e-12)
+            # The setting that ran kept the observed budget by definition: its replay is never
+            # ruled out by the replay's own error against what was observed.
+            | (pl.col("is_observed_setting") & pl.lit(budget_gib_s is None)))
         trade = (
             f"fastest: {_fmt_setting(fastest)} (TTFT p50 {fastest['ttft_p50_ms']:.1f} ms, "
             f"{fastest['retained_gib_s']:.2f} GiB·s)"
@@ -787,7 +855,21 @@ def _timeline(ctx: AnalysisContext, runs: tuple[str, ...]) -> pl.DataFrame:
     """The turns of ``runs`` on one timeline with their retentions (see :func:`timeline`)."""
     frames = _frames(ctx)
     return timeline(ctx.ledger().filter(pl.col("run_id").is_in(list(runs))),
-                    frames["retentions"].filter(pl.col("run_id").is_in(list(runs))))
+                    frames["retentions"].filter(pl.col("run_id").is_in(list(runs))),
+                    _time_scales(ctx))
+
+
+def _time_scales(ctx: AnalysisContext) -> dict[str, float]:
+    """Per run, its engines' ``time_scale`` where the run's settings record one other than 1
+    (an emulator run whose model time ran faster than the wall clock its spans are timed on)."""
+    from kvscope.analysis.runs import all_runs, run_settings
+
+    scales: dict[str, float] = {}
+    for row in all_runs(ctx).select("run_id", "settings").iter_rows(named=True):
+        value = run_settings(row["settings"]).get("time_scale")
+        if isinstance(value, int | float) and math.isfinite(value) and value > 0 and value != 1:
+            scales[str(row["run_id"])] = float(value)
+    return scales
 
 
 @intermediate("whatif_fits", shared=False)
@@ -797,9 +879,12 @@ def _fits(ctx: AnalysisContext, run: str | None) -> pl.DataFrame:
 
 
 def _frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
-    """Retention spans, D→P reads and router TTLs of the selected runs."""
+    """Retention spans (TTLs on each run's clock), D→P reads and router TTLs of the selected
+    runs."""
     frames: dict[str, pl.DataFrame] = ctx.get(_store_frames)
-    return {name: ctx.select_runs(frame) for name, frame in frames.items()}
+    out = {name: ctx.select_runs(frame) for name, frame in frames.items()}
+    out["retentions"] = on_run_clock(out["retentions"], _time_scales(ctx))
+    return out
 
 
 def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFrame]:

@@ -3,6 +3,8 @@
     reuse_model.py   the scheduler/worker behaviour of vLLM 0.33.0's NIXL readback, as a model
     cost_model.py    prefill/decode/transfer times per model profile; turn_mix.py the mean turn
                      composition the profiles are calibrated on
+    physics.py       prefill/transfer times from the model's shape and the hardware's limits
+    capacity.py      decode KV blocks from a GPU profile; turns waiting for blocks
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
@@ -14,6 +16,7 @@
 """
 
 __all__ = [
-    "cost_model", "faults", "ground_truth", "launcher", "openai_api", "published_sweep", "replay",
-    "reuse_model", "servers", "simulator", "span_process", "tokens", "turn_mix", "workloads",
+    "capacity", "cost_model", "faults", "ground_truth", "launcher", "openai_api", "physics",
+    "published_sweep", "replay", "reuse_model", "servers", "simulator", "span_process", "tokens",
+    "turn_mix", "workloads",
 ]

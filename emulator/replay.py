@@ -30,7 +30,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +41,8 @@ from kvscope.emulator.workloads.model import ChatHistory, Conversation, Turn, Wo
 from kvscope.errors import SettingError
 
 DEFAULT_MODEL = "kvscope-emulated"
+# Told (requests finished, turns in the workload, seconds since the start) after each request.
+Progress = Callable[[int, int, float], None]
 SESSION_HEADER = "X-Session-ID"
 CHAT_PATH = "/v1/chat/completions"
 
@@ -78,6 +80,8 @@ class ReplayResult:
     records: list[RequestRecord] = field(default_factory=list)
     duration_s: float = 0.0
     unsent_turns: int = 0
+    # The run was cancelled (Ctrl-C): the records are those finished before it.
+    interrupted: bool = False
 
     def summary(self) -> dict[str, float | int | None]:
         """Headline numbers: requests, errors, TTFT and latency percentiles (ms)."""
@@ -88,6 +92,7 @@ class ReplayResult:
             "requests": len(self.records),
             "errors": len(self.records) - len(ok),
             "unsent_turns": self.unsent_turns,
+            "interrupted": self.interrupted,
             "duration_s": round(self.duration_s, 3),
             "ttft_ms_p50": _percentile(ttft, 0.5),
             "ttft_ms_p90": _percentile(ttft, 0.9),
@@ -141,12 +146,18 @@ class _Driver:
         self.sink = sink
         self.result = ReplayResult()
         self.sent_turns = 0
+        self.progress: Progress | None = None
+        self.total_turns = workload.num_requests
+        self.started = time.perf_counter()
 
     def _record(self, record: RequestRecord) -> None:
         self.result.records.append(record)
         if self.sink is not None:
             self.sink.write(json.dumps(asdict(record), sort_keys=True) + "\n")
             self.sink.flush()
+        if self.progress is not None:
+            self.progress(len(self.result.records), self.total_turns,
+                          time.perf_counter() - self.started)
 
     def _body(self, conv: Conversation, turn: Turn, messages: list[dict[str, str]]) -> dict:
         body: dict[str, Any] = {
@@ -303,8 +314,14 @@ async def replay(
     request_timeout_s: float = 600.0,
     deadline_s: float | None = None,
     output: str | Path | None = None,
+    progress: Progress | None = None,
 ) -> ReplayResult:
-    """Replay ``workload`` against ``url`` and return every request's record."""
+    """Replay ``workload`` against ``url`` and return every request's record.
+
+    ``progress`` hears (requests finished, turns, seconds) after each request. Cancelled (Ctrl-C
+    under ``asyncio.run``), the run stops sending, and the records finished so far come back
+    with ``interrupted`` set instead of being lost.
+    """
     if not url.startswith(("http://", "https://")):
         raise SettingError(f"--url={url!r}: must start with http:// or https://")
     if concurrency < 1:
@@ -326,12 +343,22 @@ async def replay(
                 send_session_header=send_session_header, overlap_turns=overlap_turns,
                 retries=retries, sink=sink,
             )
+            driver.progress = progress
             t0 = asyncio.get_running_loop().time()
             tasks = [
                 asyncio.create_task(driver.conversation(conv, t0))
                 for conv in workload.conversations
             ]
-            done, not_done = await asyncio.wait(tasks, timeout=deadline_s)
+            try:
+                done, not_done = await asyncio.wait(tasks, timeout=deadline_s)
+            except asyncio.CancelledError:
+                # Ctrl-C: keep what finished. Uncancelled, asyncio.run returns the result
+                # rather than raising KeyboardInterrupt over it.
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                driver.result.interrupted = True
+                done, not_done = set(), set(tasks)
             for task in not_done:
                 task.cancel()
             await asyncio.gather(*not_done, return_exceptions=True)

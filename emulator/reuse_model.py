@@ -385,6 +385,8 @@ class DecodeNode:
             config.cache_capacity_blocks if config.enable_prefix_caching else 0
         )
         self.handles: dict[str, Retention] = {}
+        # Blocks the open handles pin (kept as handles open and close: read per admitted turn).
+        self.retained_blocks = 0
         self._expiries: list[tuple[float, str]] = []
         self._next_block_id = 0
         self.released: list[Retention] = []
@@ -421,6 +423,7 @@ class DecodeNode:
         block_ids = ids if self.compact_block_ids else list(ids)
         self._next_block_id += blocks
         self.handles[request_id] = retention
+        self.retained_blocks += blocks
         heapq.heappush(self._expiries, (expiry_local, request_id))
         params = kv_transfer_params(
             cfg,
@@ -488,6 +491,7 @@ class DecodeNode:
 
     def _release(self, request_id: str, when: float, reason: str) -> Retention:
         retention = self.handles.pop(request_id)
+        self.retained_blocks -= retention.blocks
         retention.end = when
         retention.release_reason = reason
         self.released.append(retention)

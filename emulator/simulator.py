@@ -17,7 +17,12 @@ step differs, the pieces each builder would make a ``ReadableSpan`` of are kept 
 row). Large runs build and write the spans in a span process (:class:`SpanProcess`) from the
 records this one ships, so the model and the spans use both cores. It also returns the ground
 truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger with.
-Not modelled: queueing and batching contention (each request is timed as if alone).
+Decode memory is bounded (:mod:`kvscope.emulator.capacity`): each decode engine has
+``decode_cache_blocks`` KV blocks, or what its GPU holds (``gpu``); retained handles and running
+requests share them, and a turn that does not fit waits for blocks (``TruthRow.decode_queue_s``;
+its first token and its P→D read move by the wait), as vLLM 0.33.0's scheduler queues a request
+it cannot allocate. Not modelled: compute queueing and batching contention (each request is
+timed as if alone), and running requests preempted for blocks.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from kvscope.collector.span_rows import (
     RowSink,
     cyclic_gc_per_batch,
 )
-from kvscope.emulator import cost_model
+from kvscope.emulator import capacity, cost_model
 from kvscope.emulator.reuse_model import (
     NO_FAULTS,
     DecodeNode,
@@ -76,7 +81,9 @@ from kvscope.emulator.workloads.model import (
     Conversation,
     Turn,
     Workload,
+    WorkloadError,
     block_view,
+    check_times,
     send_time,
 )
 from kvscope.reuse import outcomes
@@ -154,6 +161,11 @@ class SimulationSettings:
     prefill_prefix_caching: bool = True
     prefill_cache_blocks: int = 1 << 22
     decode_cache_blocks: int = 1 << 22
+    # A hardware profile sizing each decode engine's KV cache (kvscope.emulator.capacity):
+    # "none" leaves decode_cache_blocks alone; a GPU caps it at what the GPU holds.
+    gpu: str = "none"
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
     decode_clock_offset_s: float = 1234.5
     faults: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0
@@ -169,6 +181,20 @@ class SimulationSettings:
         for name, p in self.faults.items():
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"fault {name}: probability {p} is not within [0, 1]")
+        if self.decode_cache_blocks < 1:
+            raise ValueError(f"decode_cache_blocks {self.decode_cache_blocks} must be >= 1 (an "
+                             "engine without KV blocks serves nothing)")
+        if self.gpu != capacity.NO_GPU:
+            capacity.hardware(self.gpu, self.profile, self.gpu_memory_utilization,
+                              self.tensor_parallel_size)  # CapacityError names what is wrong
+
+    def decode_kv_blocks(self, block_size: int) -> int:
+        """KV blocks of each decode engine: ``decode_cache_blocks``, capped by the GPU's."""
+        if self.gpu == capacity.NO_GPU:
+            return self.decode_cache_blocks
+        engine = capacity.hardware(self.gpu, self.profile, self.gpu_memory_utilization,
+                                   self.tensor_parallel_size)
+        return min(self.decode_cache_blocks, engine.kv_blocks(block_size))
 
     def as_run_settings(self) -> dict[str, Any]:
         """The settings as recorded in ``kvscope_runs`` (flat, JSON-serialisable)."""
@@ -201,6 +227,8 @@ class TruthRow:
     router_lookup: str
     ttft_ms: float | None
     errored: bool
+    # Seconds the turn's decode waited for KV blocks (retained handles, running requests).
+    decode_queue_s: float = 0.0
 
 
 @dataclass
@@ -212,6 +240,12 @@ class SimulationResult:
     spans: int
     truth: list[TruthRow]
     virtual_seconds: float
+    # Decode memory (kvscope.emulator.capacity): each engine's KV blocks, the turns that
+    # waited for blocks and their total wait, the most blocks one engine held at once.
+    decode_kv_blocks: int = 0
+    decode_queued_turns: int = 0
+    decode_queue_s: float = 0.0
+    decode_peak_blocks: int = 0
 
 
 # Where the simulator's spans go: built here into a RowSink, or in a span process.
@@ -257,6 +291,8 @@ class Simulator:
             # vLLM's proxy rewrites remote_host to the decode HTTP host; here both resolve.
             self.fabric.register(node, hosts=(self._decode_http_host(i),))
             self.decoders.append(node)
+        self.decode_kv_blocks = s.decode_kv_blocks(self.cost.block_size)
+        self.memory = [capacity.DecodeMemory(self.decode_kv_blocks) for _ in self.decoders]
         self.prefillers = [
             PrefillNode(NodeConfig(
                 engine_id=f"prefill-{i}", side_channel_host=f"10.0.0.{i + 1}",
@@ -304,9 +340,17 @@ class Simulator:
         turns and when the model has finished (the spans may still be being written then).
         """
         self._progress = progress
+        # Checked before the run is recorded: a workload that cannot run records nothing.
+        check_times(workload)
+        if workload.block_size != self.cost.block_size:
+            raise WorkloadError(
+                f"workload block size {workload.block_size} != profile block size "
+                f"{self.cost.block_size}"
+            )
         run_settings = self.settings.as_run_settings()
         run_settings["workload"] = workload.name
         run_settings["workload_settings"] = dict(workload.settings)
+        run_settings["decode_kv_blocks"] = self.decode_kv_blocks
         turns = sum(len(c.turns) for c in workload.conversations)
         con = open_store(db)
         try:
@@ -386,11 +430,6 @@ class Simulator:
     def _simulate(self, workload: Workload, view: BlockView, sink: _AnySink, run_id: str,
                   epoch_ns: int, spec: TelemetrySpec) -> SimulationResult:
         s = self.settings
-        if workload.block_size != self.cost.block_size:
-            raise ValueError(
-                f"workload block size {workload.block_size} != profile block size "
-                f"{self.cost.block_size}"
-            )
         # The proxy as requests meet it (trace and span ids); its spans are built by
         # spans_for, here or in the span process, as are the engines' from their records.
         proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
@@ -553,14 +592,21 @@ class Simulator:
             d_rid = vllm_request_id(x_request_id, self._rng)
             p_params = prefill.finish_request(p_rid, prompt, result.local_hit_tokens)
             p_to_d = decode.admit(d_rid, prompt, p_params)
-            first = p_end + self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
-            end = first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
+            to_first = self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
+            decoding = to_first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
                 turn.prompt_tokens) / 1000.0
+            # Decode waits for KV blocks while retained handles and running requests hold them.
+            started = self.memory[di].admit(
+                decode, p_end, -(-(turn.prompt_tokens + turn.output_tokens)
+                                 // workload.block_size), decoding)
+            truth_args["decode_queue_s"] = started - p_end
+            first = started + to_first
+            end = started + decoding
             if p_to_d is not None:
                 d_tel = decode_tel[di]
                 d_tel.emit(KvTransferRecord(
-                    request_id=d_rid, start_ns=ns(p_end),
-                    end_ns=ns(p_end + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
+                    request_id=d_rid, start_ns=ns(started),
+                    end_ns=ns(started + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
                     direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
                     blocks=p_to_d.blocks, remote_engine_id=prefill.config.engine_id,
                 ))
@@ -585,7 +631,12 @@ class Simulator:
         sink.flush()
         if progress is not None:
             progress(turns, final)
-        return SimulationResult(run_id, turns, 0, truth, final)  # spans: once all are stored
+        memory = self.memory
+        return SimulationResult(  # spans: once all are stored
+            run_id, turns, 0, truth, final, decode_kv_blocks=self.decode_kv_blocks,
+            decode_queued_turns=sum(m.queued_turns for m in memory),
+            decode_queue_s=sum(m.queued_s for m in memory),
+            decode_peak_blocks=max((m.peak_blocks for m in memory), default=0))
 
     def _emit_decisions(self, tel: Emitter, result: PrefillResult, t: float, transfer_s: float,
                         ns: Any, params: Mapping[str, Any]) -> None:
@@ -677,6 +728,7 @@ class Simulator:
             ttft_ms=((record.first_token_ns - record.arrival_ns) / 1e6
                      if record.first_token_ns is not None else None),
             errored=bool(result is not None and (result.errored or result.stalled)),
+            decode_queue_s=turn.truth_args.get("decode_queue_s", 0.0),
         ))
 
 

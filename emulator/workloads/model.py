@@ -44,6 +44,32 @@ class WorkloadError(KvscopeError, ValueError):
     """A workload cannot be built: a bad trace file, row or option (the message names it)."""
 
 
+# The longest span a trace's times may cover: a run's timestamps are its epoch plus these
+# seconds, so a time beyond it (1e18 ms) would overflow the store's timestamps. A century is far
+# beyond any trace and far within them.
+MAX_TRACE_S = 100 * 365 * 86400.0
+
+
+def trace_seconds(value: object, where: str, what: str, *, per_second: float = 1.0) -> float:
+    """A trace's time field as seconds: finite, >= 0 and within :data:`MAX_TRACE_S`.
+
+    ``value`` is in units ``per_second`` to the second (Mooncake's milliseconds: 1000);
+    :class:`WorkloadError` naming ``where`` and ``what`` otherwise.
+    """
+    try:
+        raw = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise WorkloadError(f"{where}: {what} {value!r} is not a number") from None
+    if raw != raw or raw in (float("inf"), float("-inf")):
+        raise WorkloadError(f"{where}: {what} {value!r} is not a finite number")
+    seconds = raw / per_second
+    if not 0.0 <= seconds <= MAX_TRACE_S:
+        unit = "ms" if per_second == 1000.0 else "s"
+        raise WorkloadError(f"{where}: {what} {raw:g} {unit} is out of range (0 to "
+                            f"{MAX_TRACE_S * per_second:g} {unit})")
+    return seconds
+
+
 # --- block chains -------------------------------------------------------------------------------
 
 
@@ -240,6 +266,21 @@ class Workload:
             "output_tokens": sum(t.output_tokens for t in turns),
             "shared_prefix_tokens": sum(t.shared_prefix_tokens for t in turns),
         }
+
+
+def check_times(workload: Workload) -> None:
+    """:class:`WorkloadError` naming the conversation and turn of the first time that is not a
+    finite number within [0, MAX_TRACE_S] (start, think time, send time) or of a negative token
+    count: checked before a run is recorded, so a bad workload built in code records nothing."""
+    for conv in workload.conversations:
+        trace_seconds(conv.start_s, f"{workload.name}: conversation {conv.id}", "start_s")
+        for turn in conv.turns:
+            where = f"{workload.name}: conversation {conv.id} turn {turn.index}"
+            trace_seconds(turn.think_time_s, where, "think_time_s")
+            if turn.sent_at_s is not None:
+                trace_seconds(turn.sent_at_s, where, "sent_at_s")
+            if min(turn.prompt_tokens, turn.output_tokens, turn.shared_prefix_tokens) < 0:
+                raise WorkloadError(f"{where}: a negative token count")
 
 
 # --- block view ---------------------------------------------------------------------------------

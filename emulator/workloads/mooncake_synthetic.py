@@ -78,6 +78,16 @@ class TraceConfig:
     timestamp_quantum_ms: int = 3_000
     # Share of quantum ticks written 1 ms early (seeded per tick, as the real trace's are).
     early_tick_probability: float = 0.18
+    # Off by default (the defaults draw the same trace as before these knobs existed). A request
+    # is re-sent, identical, 3-30 s later with retry_probability (the session goes on from the
+    # original); a follow-up gets a sibling (a second continuation of the same turn, one turn
+    # long, sent 3-30 s after it) with branch_probability; and the history's copy of an answer
+    # is 1..short_answer_max_tokens shorter than the output with short_answer_probability (the
+    # real trace: 2 of 27 follow-ups shorter than the previous prompt and output).
+    retry_probability: float = 0.0
+    branch_probability: float = 0.0
+    short_answer_probability: float = 0.0
+    short_answer_max_tokens: int = 20
 
     def validate(self) -> None:
         """Raise :class:`WorkloadError` naming the first invalid field."""
@@ -93,6 +103,10 @@ class TraceConfig:
             "follow_up_document_probability": 0.0 <= self.follow_up_document_probability <= 1.0,
             "short_output_probability": 0.0 <= self.short_output_probability <= 1.0,
             "early_tick_probability": 0.0 <= self.early_tick_probability <= 1.0,
+            "retry_probability": 0.0 <= self.retry_probability <= 1.0,
+            "branch_probability": 0.0 <= self.branch_probability <= 1.0,
+            "short_answer_probability": 0.0 <= self.short_answer_probability <= 1.0,
+            "short_answer_max_tokens": self.short_answer_max_tokens >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -104,13 +118,15 @@ class TraceConfig:
 class GeneratedTrace:
     """A generated trace: its rows in file order and the sessions that made them.
 
-    ``sessions`` holds each session's row indices (0-based, file order) in turn order;
-    ``system_tokens`` the system prompt size of each row's session.
+    ``sessions`` holds each session's row indices (0-based, file order) in send order;
+    ``system_tokens`` the system prompt size of each row's session; ``parents`` each row's
+    parent: ``(row index, "follow_up" or "retry")``, None for a session's first request.
     """
 
     rows: tuple[dict[str, Any], ...]
     sessions: tuple[tuple[int, ...], ...]
     system_tokens: tuple[int, ...]
+    parents: tuple[tuple[int, str] | None, ...] = ()
 
     def write(self, path: str | Path) -> Path:
         """Write the rows as JSON lines (the Mooncake format) and return the path."""
@@ -119,8 +135,16 @@ class GeneratedTrace:
         return out
 
     def links(self) -> set[tuple[int, int]]:
-        """Every (earlier row, follow-up row) pair of consecutive turns of a session."""
-        return {(a, b) for turns in self.sessions for a, b in itertools.pairwise(turns)}
+        """Every (earlier row, follow-up row) pair: a follow-up and the request it continues."""
+        if not self.parents:
+            return {(a, b) for turns in self.sessions for a, b in itertools.pairwise(turns)}
+        return {(p[0], row) for row, p in enumerate(self.parents)
+                if p is not None and p[1] == "follow_up"}
+
+    def retries(self) -> set[tuple[int, int]]:
+        """Every (earlier row, the same request re-sent) pair."""
+        return {(p[0], row) for row, p in enumerate(self.parents)
+                if p is not None and p[1] == "retry"}
 
     def identifiable_links(self) -> set[tuple[int, int]]:
         """The links the ids can tell: the earlier prompt's full blocks hold some of the
@@ -173,16 +197,21 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
     cfg = TraceConfig(**{**base.__dict__, **overrides}) if overrides else base
     cfg.validate()
     rng = random.Random(cfg.seed)
-    # (send time s, session, turn, segments, output tokens)
-    requests: list[tuple[float, int, int, list[_Segment], int]] = []
+    # (send time s, session, turn, segments, output tokens, own key, parent key, kind)
+    requests: list[tuple[float, int, int, list[_Segment], int, int, int | None, str]] = []
     systems: list[int] = []
     start = 0.0
+
+    def quantum_gap() -> float:
+        return cfg.timestamp_quantum_ms / 1000.0 * rng.randint(1, 10)
+
     for session in range(cfg.sessions):
         start += rng.expovariate(cfg.arrival_rate_per_s)
         system = rng.choice(cfg.system_prompt_tokens)
         systems.append(system)
         segments: list[_Segment] = [(("system", system), system)]
         sent = start
+        parent: int | None = None
         for turn in range(1, cfg.max_turns + 1):
             if turn == 1 and rng.random() < cfg.first_question_probability:
                 p50, sigma = cfg.first_question_p50, cfg.first_question_sigma
@@ -193,12 +222,30 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
             else:
                 p50, sigma = cfg.follow_up_message_p50, cfg.follow_up_message_sigma
             words = _lognormal(rng, p50, sigma, cfg.max_message_tokens)
+            history = segments
             segments = [*segments, (("user", session, turn), words + cfg.message_overhead_tokens)]
             if rng.random() < cfg.short_output_probability:
                 output = rng.randint(1, cfg.short_output_max_tokens)
             else:
                 output = _lognormal(rng, cfg.output_p50, cfg.output_sigma, cfg.max_output_tokens)
-            requests.append((sent, session, turn, segments, output))
+            key = len(requests)
+            requests.append((sent, session, turn, segments, output, key, parent, "follow_up"))
+            if cfg.retry_probability and rng.random() < cfg.retry_probability:
+                requests.append((sent + quantum_gap(), session, turn, segments,
+                                 _lognormal(rng, cfg.output_p50, cfg.output_sigma,
+                                            cfg.max_output_tokens),
+                                 len(requests), key, "retry"))
+            if turn > 1 and cfg.branch_probability and rng.random() < cfg.branch_probability:
+                sibling = [*history, (("branch", session, turn),
+                                      _lognormal(rng, cfg.follow_up_message_p50,
+                                                 cfg.follow_up_message_sigma,
+                                                 cfg.max_message_tokens)
+                                      + cfg.message_overhead_tokens)]
+                requests.append((sent + quantum_gap(), session, turn, sibling,
+                                 _lognormal(rng, cfg.output_p50, cfg.output_sigma,
+                                            cfg.max_output_tokens),
+                                 len(requests), parent, "follow_up"))
+            parent = key
             if rng.random() >= cfg.continue_probability:
                 break
             prompt = sum(tokens for _, tokens in segments)
@@ -208,13 +255,17 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
                         cfg.think_time_p50_s * math.exp(cfg.think_time_sigma * rng.gauss(0, 1)))
             sent += service + think
             answer = output + cfg.message_overhead_tokens
+            if cfg.short_answer_probability and rng.random() < cfg.short_answer_probability:
+                answer = max(1, output - rng.randint(1, cfg.short_answer_max_tokens))
             segments = [*segments, (("answer", session, turn), answer)]
-    requests.sort(key=lambda r: (r[0], r[1], r[2]))
+    requests.sort(key=lambda r: (r[0], r[1], r[2], r[5]))
     ids: dict[tuple[int, tuple[tuple[Any, ...], ...]], int] = {}
     rows: list[dict[str, Any]] = []
     by_session: dict[int, list[int]] = {}
     row_systems: list[int] = []
-    for sent, session, _turn, segments, output in requests:
+    row_of: dict[int, int] = {}
+    parents: list[tuple[int, str] | None] = []
+    for sent, session, _turn, segments, output, key, parent, kind in requests:
         hash_ids: list[int] = []
         previous = -1
         for content in _block_contents(segments):
@@ -230,7 +281,9 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
             "output_length": output,
             "hash_ids": hash_ids,
         })
+        row_of[key] = len(rows) - 1
+        parents.append(None if parent is None else (row_of[parent], kind))
         by_session.setdefault(session, []).append(len(rows) - 1)
         row_systems.append(systems[session])
     sessions = tuple(tuple(by_session[s]) for s in sorted(by_session))
-    return GeneratedTrace(tuple(rows), sessions, tuple(row_systems))
+    return GeneratedTrace(tuple(rows), sessions, tuple(row_systems), tuple(parents))

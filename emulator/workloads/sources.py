@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvscope.emulator.workloads.model import DEFAULT_BLOCK_SIZE, Workload
+from kvscope.emulator.workloads.model import DEFAULT_BLOCK_SIZE, Workload, WorkloadError
 from kvscope.errors import SettingError
 
 __all__ = ["KINDS", "load"]
@@ -14,7 +14,16 @@ __all__ = ["KINDS", "load"]
 KINDS = ("synthetic", "weka", "mooncake")
 
 
-def load(kind: str, *, trace: str | Path | None = None, conversations: int | None = None,
+def load(kind: str, **options: object) -> Workload:
+    """The workload of ``kind`` (:func:`_load`); :class:`WorkloadError` when it has no turn (an
+    empty trace, a folder of empty traces): a run of nothing is never recorded."""
+    workload = _load(kind, **options)  # type: ignore[arg-type]
+    if workload.num_requests == 0:
+        raise WorkloadError(f"{workload.source or kind}: no turns to run (an empty trace?)")
+    return workload
+
+
+def _load(kind: str, *, trace: str | Path | None = None, conversations: int | None = None,
          max_turns: int | None = None, seed: int = 0, token_scale: float = 1.0,
          arrival_rate_per_s: float = 0.0, time_compression: float = 1.0,
          block_size: int = DEFAULT_BLOCK_SIZE) -> Workload:
@@ -28,8 +37,8 @@ def load(kind: str, *, trace: str | Path | None = None, conversations: int | Non
         raise SettingError(f"--workload {kind!r}: choose one of {', '.join(KINDS)}")
     if time_compression <= 0:
         raise SettingError(f"--time-scale={time_compression}: must be > 0")
-    if conversations is not None and conversations < 0:
-        raise SettingError(f"--conversations={conversations}: must be >= 0")
+    if conversations is not None and conversations < 1:
+        raise SettingError(f"--conversations={conversations}: must be >= 1")
     raw_weka = kind == "weka" and trace is not None and (
         Path(trace).is_dir() or Path(trace).suffix == ".json")
     # An option the kind does not read is refused, never silently dropped.

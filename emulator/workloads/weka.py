@@ -57,6 +57,7 @@ from kvscope.emulator.workloads.model import (
     Workload,
     WorkloadError,
     mix_seed,
+    trace_seconds,
 )
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "weka_cc"
@@ -183,13 +184,11 @@ def _agent_key(agent_id: str) -> tuple[int, int]:
 
 
 def _float(row: dict[str, str], name: str, where: str) -> float | None:
+    """A time column in seconds (None when empty): finite and within [0, MAX_TRACE_S]."""
     raw = row.get(name, "")
     if raw == "" or raw is None:
         return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise WorkloadError(f"{where}: column {name!r} is not a number: {raw!r}") from None
+    return trace_seconds(raw, where, f"column {name!r}")
 
 
 def _read_csv(
@@ -357,7 +356,8 @@ def _raw_requests(entries: Any, where: str) -> tuple[list[_Request], list[tuple[
         here = f"{where}: requests[{number}]"
         try:
             if entry.get("type") == "subagent":
-                subagents.append((float(entry["t"]), entry.get("requests", [])))
+                subagents.append((trace_seconds(entry["t"], here, "t"),
+                                  entry.get("requests", [])))
                 continue
             ids = [int(h) for h in entry["hash_ids"]]
             common = 0
@@ -367,16 +367,19 @@ def _raw_requests(entries: Any, where: str) -> tuple[list[_Request], list[tuple[
                 common += 1
             requests.append(
                 _Request(
-                    arrival_s=float(entry["t"]),
+                    arrival_s=trace_seconds(entry["t"], here, "t"),
                     prompt_tokens=int(entry["in"]),
                     output_tokens=int(entry["out"]),
                     shared_prefix_tokens=TRACE_BLOCK_SIZE * common if requests else 0,
-                    think_time_s=max(0.0, float(entry.get("think_time") or 0.0)),
+                    think_time_s=trace_seconds(entry.get("think_time") or 0.0, here,
+                                               "think_time"),
                     hash_ids=tuple(ids),
                 )
             )
             previous_ids = ids
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, WorkloadError):
+                raise
             raise WorkloadError(f"{here}: malformed request ({exc!r})") from None
     return requests, subagents
 

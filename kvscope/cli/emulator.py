@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from kvscope import settings
 from kvscope.cli.options import Command, add_workload_scaling, setting_help
@@ -179,7 +179,12 @@ def _configure_replay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=8,
                         help="number of sessions (synthetic) or traces (weka, mooncake)")
     parser.add_argument("--seed", type=int, default=0, help="seed of generated content/arrivals")
-    add_workload_scaling(parser, "divide tool waits and start offsets by this factor")
+    add_workload_scaling(parser, "divide every think time (the wait after a turn's answer "
+                                 "before the next turn) and every conversation's start offset by "
+                                 "this factor: 12 turns a 60 s tool wait into 5 s (a trace's "
+                                 "recorded send times too); token counts, the servers' "
+                                 "timing and their TTLs are not scaled (scale those on the "
+                                 "servers, e.g. kvscope emulate --time-scale)")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="base URL of the OpenAI-compatible endpoint")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in each request")
@@ -209,6 +214,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     workload = sources.load(args.workload, trace=args.trace, conversations=args.conversations,
                             max_turns=args.max_turns, seed=args.seed,
                             token_scale=args.token_scale, arrival_rate_per_s=args.arrival_rate)
+    progress = ReplayProgress(sys.stderr) if sys.stderr.isatty() else None
     result = asyncio.run(
         replay(
             workload,
@@ -225,12 +231,51 @@ def _run_replay(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             deadline_s=args.deadline,
             output=args.output,
+            progress=progress,
         )
     )
+    if progress is not None:
+        progress.close()
     summary = {"workload": workload.name, **result.summary()}
     sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+    if result.interrupted:
+        return 130  # the summary of what finished, as after Ctrl-C anywhere else
     succeeded = sum(1 for r in result.records if r.ok)
     return 0 if succeeded or not result.records else 1
+
+
+class ReplayProgress:
+    """``kvscope replay``'s progress on a terminal: requests done of the workload's turns, the
+    rate and the time left at that rate, redrawn in place at most every ``every_s``."""
+
+    def __init__(self, stream: TextIO, every_s: float = 0.5) -> None:
+        self.stream = stream
+        self.every_s = every_s
+        self._last = -every_s
+        self._drawn = False
+
+    @staticmethod
+    def text(done: int, total: int, elapsed_s: float) -> str:
+        """``12/80 turns (15%), 3.1 turns/s, ETA 22 s`` (ETA unknown before the first turn)."""
+        rate = done / elapsed_s if elapsed_s > 0 else 0.0
+        share = f" ({100 * done / total:.0f}%)" if total else ""
+        eta = f"ETA {max(total - done, 0) / rate:.0f} s" if rate > 0 else "ETA unknown"
+        return f"{done:,}/{total:,} turns{share}, {rate:.1f} turns/s, {eta}"
+
+    def __call__(self, done: int, total: int, elapsed_s: float) -> None:
+        if elapsed_s - self._last < self.every_s and done < total:
+            return
+        self._last = elapsed_s
+        self.stream.write("\r\x1b[2K" + self.text(done, total, elapsed_s))
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        """End the line drawn in place (the summary follows on stdout)."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from typing import Any, TextIO
 
 from kvscope import published, settings
 from kvscope.cli.options import add_workload_scaling
+from kvscope.emulator.capacity import GPUS, NO_GPU
 from kvscope.emulator.cost_model import PROFILES
 from kvscope.emulator.simulator import (
     SIM_FAULTS,
@@ -106,7 +107,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("prefill_cache_blocks", "--prefill-cache-blocks", int,
            "KV blocks each prefill engine's prefix cache may hold (vLLM: num_gpu_blocks)"),
     Option("decode_cache_blocks", "--decode-cache-blocks", int,
-           "KV blocks each decode engine may hold (vLLM: num_gpu_blocks)"),
+           "KV blocks each decode engine may hold (vLLM: num_gpu_blocks); retained handles "
+           "and running requests share them, a turn that does not fit waits"),
+    Option("gpu", "--gpu", str,
+           "size each decode engine's KV blocks from this GPU's memory, the profile's model "
+           "config and --gpu-memory-utilization (caps --decode-cache-blocks; none: off)",
+           (NO_GPU, *sorted(GPUS))),
+    Option("gpu_memory_utilization", "--gpu-memory-utilization", float,
+           "share of GPU memory vLLM may use (with --gpu)"),
+    Option("tensor_parallel_size", "--tensor-parallel-size", int,
+           "GPUs per decode engine (with --gpu: weights and KV heads split over them)"),
     Option("decode_clock_offset_s", "--decode-clock-offset", float,
            "seconds decode's clock is ahead of prefill's (times the decode index)"),
     Option("seed", "--seed", int, "seed of fault draws and request-id suffixes"),
@@ -386,6 +396,11 @@ class ProgressLine:
         text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
                 f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
                 f"virtual {_virtual(result.virtual_seconds)}")
+        if result.decode_queued_turns:
+            text += (f"; {result.decode_queued_turns:,} turns waited "
+                     f"{_virtual(result.decode_queue_s)} in all for decode KV blocks "
+                     f"({result.decode_kv_blocks:,} a decode engine, at most "
+                     f"{result.decode_peak_blocks:,} held)")
         self.stream.write(text + "\n")
         self.stream.flush()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import threading
 import time
@@ -291,3 +292,52 @@ def test_cli_entry_point(stub: Stub, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "--trace is required" in capsys.readouterr().err
     assert cli.main(["replay", "--url", stub.url, "--concurrency", "0"]) == 2
     assert "--concurrency=0" in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_the_summary_of_what_finished(
+        stub: Stub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGINT mid-run (as Ctrl-C sends it): the requests that finished are summarised and
+    written, the command exits 130, and nothing is left running."""
+    import os
+    import signal
+
+    stub.delay_s = 0.2
+    out = tmp_path / "cut.jsonl"
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        code = cli.main(["replay", "--workload", "synthetic", "--conversations", "3",
+                         "--max-turns", "40", "--time-scale", "100000", "--url", stub.url,
+                         "--output", str(out), "--concurrency", "2"])
+    finally:
+        timer.cancel()
+    assert code == 130
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["interrupted"] is True
+    total = synthetic.generate(conversations=3, seed=0, max_turns=40).num_requests
+    assert 0 < summary["requests"] < total
+    assert summary["unsent_turns"] > 0
+    assert len(out.read_text().splitlines()) == summary["requests"]
+
+
+def test_progress_says_turns_rate_and_eta() -> None:
+    from kvscope.cli.emulator import ReplayProgress
+
+    assert ReplayProgress.text(12, 80, 4.0) == "12/80 turns (15%), 3.0 turns/s, ETA 23 s"
+    assert ReplayProgress.text(0, 80, 0.0).endswith("ETA unknown")
+    stream = io.StringIO()
+    line = ReplayProgress(stream, every_s=10.0)
+    line(1, 80, 0.5)
+    line(2, 80, 0.6)  # within every_s: not redrawn
+    line(80, 80, 0.7)  # the last is always drawn
+    line.close()
+    drawn = stream.getvalue()
+    assert drawn.count("\r") == 2 and "80/80 turns (100%)" in drawn and drawn.endswith("\n")
+
+
+def test_help_states_what_the_time_scale_divides() -> None:
+    parser = cli.build_parser()
+    text = parser._subparsers._group_actions[0].choices["replay"].format_help()  # type: ignore[union-attr,index]
+    flat = " ".join(text.split())
+    assert "divide every think time" in flat and "start offset" in flat
+    assert "TTLs are not scaled" in flat

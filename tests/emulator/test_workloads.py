@@ -367,20 +367,24 @@ def test_mooncake_links_on_full_blocks_only(tmp_path: Path) -> None:
         {"timestamp": 3000, "input_length": 1200, "output_length": 20, "hash_ids": [0, 4, 5]},
         # Follows row 1: its full blocks [0, 2], not its partial id 3.
         {"timestamp": 6000, "input_length": 1600, "output_length": 20, "hash_ids": [0, 2, 6, 7]},
-        # Row 3 again (a retry): starts with its full blocks but is no longer: a new session.
+        # Row 3 again (a retry): the same ids, no longer: it joins row 3's session.
         {"timestamp": 9000, "input_length": 1200, "output_length": 5, "hash_ids": [0, 4, 5]},
         {"timestamp": 12000, "input_length": 2600, "output_length": 5,
          "hash_ids": [0, 2, 6, 9, 10, 11]},
     ]
     path = _mooncake_file(tmp_path, rows)
     found = mooncake.read_sessions(path)
-    assert found.lines == ((1, 4, 6), (2,), (3,), (5,))
-    assert found.summary.unlinked_on_prefix == 1  # row 5 (row 3 shares block 0 only)
+    assert found.lines == ((1, 4, 6), (2,), (3, 5))
+    assert found.parents == {4: (1, mooncake.FOLLOW_UP), 6: (4, mooncake.FOLLOW_UP),
+                             5: (3, mooncake.RETRY)}
+    assert (found.summary.unlinked_on_prefix, found.summary.retries) == (0, 1)
     work = mooncake.load(path)
     first = work.conversations[0]
     assert [t.sent_at_s for t in first.turns] == [0.0, 6.0, 12.0]
     assert [t.think_time_s for t in first.turns] == [0.0, 6.0, 6.0]
     assert first.turns[1].shared_prefix_tokens == 1110
+    retried = work.conversations[2].turns
+    assert retried[1].shared_prefix_tokens == retried[1].prompt_tokens == 1200
     single = mooncake.load(path, group=False)
     assert [len(c.turns) for c in single.conversations] == [1] * 6
     # Equal hash ids are equal blocks, across conversations too (the shared leading id 0), and
@@ -403,7 +407,7 @@ def test_mooncake_generator_is_seeded() -> None:
 
 def test_mooncake_bad_rows_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}\n'
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
                     '{"timestamp": 1, "input_length": 10}\n')
     with pytest.raises(WorkloadError, match=r"bad\.jsonl:2"):
         mooncake.load(path)

@@ -1,0 +1,84 @@
+"""Benchmark: the simulator's wall time on ~100k synthetic turns against a baseline checkout,
+side by side in one run, with the A/A noise of the current code against itself.
+
+The machine is shared, so an absolute time says little: each round runs, each in its own
+process, the baseline, the current code and the current code again (order rotated per round),
+simulating the same ``synthetic.generate(conversations=N, seed=1)`` workload with default
+settings into a fresh DuckDB file. It prints each time, the median ratio current / baseline and
+the median A/A ratio (current / current): a difference within the A/A spread is no difference.
+
+The baseline is a package tree importable as ``kvscope`` (the repo's layout maps collector,
+analysis, emulator and dashboards under it), made from a commit with::
+
+    git archive <commit> | tar -x -C /tmp/base
+    mkdir -p /tmp/basepkg && cp -r /tmp/base/kvscope /tmp/basepkg/ && \\
+      for d in collector analysis emulator dashboards; do \\
+        cp -r /tmp/base/$d /tmp/basepkg/kvscope/$d; done
+
+Run:  .venv/bin/python tests/benchmarks/bench_simulator_ratio.py --baseline /tmp/basepkg
+      [--turns 100000] [--rounds 3]
+Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+_CHILD = """
+import sys, time, tempfile, os
+from kvscope.emulator.simulator import simulate
+from kvscope.emulator.workloads import synthetic
+work = synthetic.generate(conversations=int(sys.argv[1]), seed=1)
+db = os.path.join(tempfile.mkdtemp(), "bench.duckdb")
+started = time.perf_counter()
+result = simulate(work, db)
+print(result.turns, time.perf_counter() - started)
+"""
+TURNS_PER_CONVERSATION = 31.1  # the generator's mean with its defaults (bench_simulator.py)
+
+
+def _run(pythonpath: str | None, conversations: int) -> tuple[int, float]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    with tempfile.TemporaryDirectory() as cwd:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(conversations)], env=env,
+                              cwd=cwd, capture_output=True, text=True, check=True)
+    turns, seconds = done.stdout.split()[-2:]
+    return int(turns), float(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="package tree of the baseline")
+    parser.add_argument("--turns", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    conversations = round(args.turns / TURNS_PER_CONVERSATION)
+    times: dict[str, list[float]] = {"baseline": [], "current": [], "current again": []}
+    kinds = list(times)
+    for number in range(args.rounds):
+        order = kinds[number % 3:] + kinds[:number % 3]
+        for kind in order:
+            turns, seconds = _run(args.baseline if kind == "baseline" else None, conversations)
+            times[kind].append(seconds)
+            print(f"round {number + 1} {kind:>13}: {turns:,} turns in {seconds:.2f} s",
+                  flush=True)
+    ratio = [c / b for c, b in zip(times["current"], times["baseline"], strict=True)]
+    noise = [c / a for c, a in zip(times["current"], times["current again"], strict=True)]
+    print(f"median seconds: baseline {statistics.median(times['baseline']):.2f}, current "
+          f"{statistics.median(times['current']):.2f}, current again "
+          f"{statistics.median(times['current again']):.2f}")
+    print(f"ratio current / baseline: median {statistics.median(ratio):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratio)})")
+    print(f"A/A current / current: median {statistics.median(noise):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in noise)})")
+
+
+if __name__ == "__main__":
+    main()
