@@ -29,7 +29,7 @@ from kvscope.analysis.registry import AnalysisContext, AnalysisError, intermedia
 from kvscope.errors import KvscopeError
 from kvscope.store import query
 from kvscope.store.reader import StoreReader
-from kvscope.store.schema import RUNS_TABLE
+from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
 
 __all__ = [
     "FEATURE_OFF",
@@ -142,6 +142,19 @@ def open_context(db: str | Path | ClickHouseSource,
     ctx = AnalysisContext(reader, runs=ids)
     ctx.cached((RUN_TABLE, ()), lambda: table)  # read once: the context's run table
     return ctx
+
+
+def require_spans(db: str | Path | ClickHouseSource) -> None:
+    """Raise :class:`AnalysisError` when ``db`` holds no spans: a report or an analysis of it
+    would print empty tables and look like a run in which nothing happened."""
+    reader = StoreReader.open(db)
+    try:
+        _, rows = reader.rows(f"SELECT 1 FROM {TRACES_TABLE} LIMIT 1")
+    finally:
+        reader.close()
+    if not rows:
+        raise AnalysisError(f"{db}: the store holds no spans ({TRACES_TABLE} is empty); "
+                            "nothing to analyze")
 
 
 # --- what each run was ------------------------------------------------------------------------

@@ -119,3 +119,15 @@ def test_ledger_refuses_a_missing_store_and_creates_nothing(
     assert cli.main(["ledger", str(missing)]) == 2
     assert "no such kvscope store" in capsys.readouterr().err
     assert not missing.exists()
+
+
+def test_report_and_analyze_exit_2_on_a_store_without_spans(tmp_path: Path) -> None:
+    db = tmp_path / "empty.duckdb"
+    open_store(db).close()
+    for argv in (["report", str(db), "-o", str(tmp_path / "r.html")],
+                 ["analyze", str(db), "reuse_rate"]):
+        done = run(*argv)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert "holds no spans" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()

@@ -29,7 +29,11 @@ from kvscope.tables import format_rows
 if TYPE_CHECKING:
     import polars as pl
 
-__all__ = ["COMMANDS", "with_run_labels"]
+__all__ = ["COMMANDS", "SQL_MAX_ROWS", "with_run_labels"]
+
+# Most rows `kvscope sql` prints: a terminal's or a script's worth, held as Python objects
+# (about 100-200 MB at a handful of columns). A larger result is refused with its reason.
+SQL_MAX_ROWS = 1_000_000
 
 
 def _configure_sql(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,7 @@ def _run_sql(args: argparse.Namespace) -> int:
 
     reader = StoreReader.open(args.file)
     try:
-        columns, rows = reader.rows(args.query, args.param)
+        columns, rows = reader.rows(args.query, args.param, max_rows=SQL_MAX_ROWS)
     finally:
         reader.close()
     sys.stdout.write(format_rows(columns, rows, args.format))
@@ -69,7 +73,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     """Without a name: list the analyses with their titles and parameters. With one: print its
     result as a table, JSON or CSV."""
     from kvscope.analysis import registry
-    from kvscope.analysis.runs import open_context, run_table
+    from kvscope.analysis.runs import open_context, require_spans, run_table
 
     params = {}
     for item in args.param:
@@ -87,6 +91,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         return 0
     analysis = registry.get(args.name)
     parsed = analysis.parse_params(params)  # refuse bad parameters before opening the store
+    require_spans(source)
     with open_context(source, args.runs) as ctx:
         frame = registry.run(ctx, args.name, parsed)
         if args.format == "table" and "run_id" in frame.columns:
@@ -127,11 +132,14 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    from kvscope.analysis.runs import require_spans
     from kvscope.dashboards.report import REPORT_STEPS, write_report
     from kvscope.progress import steps
 
+    source = store_source(args)
+    require_spans(source)
     with steps("kvscope report", REPORT_STEPS) as step:
-        path = write_report(store_source(args), args.out, args.runs, step)
+        path = write_report(source, args.out, args.runs, step)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 
