@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from kvscope.collector.ingest import bench_stats, proxy_log, server_log
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
+from kvscope.files import read_limited
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.rows import TraceRows
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE, quote
@@ -41,7 +42,7 @@ from kvscope.store.writer import insert_arrow
 
 _SOURCE = "kvscope ingest"
 # Enough of a file to tell its kind.
-_HEAD_CHARS = 4096
+_HEAD_BYTES = 4096
 
 
 class Parsed(Protocol):
@@ -120,11 +121,8 @@ class IngestResult:
 
 def detect(path: Path) -> Kind:
     """The kind of ``path`` from its first bytes; IngestError when no kind matches."""
-    try:
-        with path.open("r", encoding="utf-8", errors="replace") as handle:
-            head = handle.read(_HEAD_CHARS)
-    except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    head = read_limited(path, _HEAD_BYTES, "ingest source", IngestError, head=True).decode(
+        "utf-8", errors="replace")
     for kind in KINDS.values():
         if kind.looks_like(head):
             return kind

@@ -44,6 +44,10 @@ class WorkloadError(KvscopeError, ValueError):
     """A workload cannot be built: a bad trace file, row or option (the message names it)."""
 
 
+# Largest trace file a workload reads (read whole: the shipped weka CSV is 3.5 MB).
+MAX_TRACE_BYTES = 256 << 20
+
+
 # --- block chains -------------------------------------------------------------------------------
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from kvscope.emulator.workloads.model import (
     DEFAULT_BLOCK_SIZE,
+    MAX_TRACE_BYTES,
     BlockChain,
     Conversation,
     Turn,
@@ -61,6 +62,7 @@ from kvscope.emulator.workloads.model import (
     WorkloadError,
     mix_seed,
 )
+from kvscope.files import read_limited
 
 MOONCAKE_BLOCK_SIZE = 512
 
@@ -77,9 +79,9 @@ class _Row:
 def _read(path: Path) -> list[_Row]:
     rows: list[_Row] = []
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise WorkloadError(f"mooncake trace {path}: cannot read ({exc.strerror})") from None
+        text = read_limited(path, MAX_TRACE_BYTES, "mooncake trace", WorkloadError).decode()
+    except UnicodeDecodeError:
+        raise WorkloadError(f"mooncake trace {path}: not UTF-8 text") from None
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
