@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import duckdb
 import polars as pl
 
-from kvscope import semconv
+from kvscope import semconv, settings
 from kvscope.reuse import outcomes
 from kvscope.reuse.router import GUARD_EDITED
 from kvscope.reuse.validity import (
@@ -906,7 +906,7 @@ def rebuild(path: str | Path) -> int:
     Idempotent: the table is replaced whole in one transaction. Opens the file for writing, so a
     store another process is writing is refused (ask that process instead).
     """
-    con = open_store(path)
+    con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
     try:
         frame = ledger(con)
         con.execute("BEGIN TRANSACTION")
