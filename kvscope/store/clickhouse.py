@@ -302,6 +302,10 @@ class ClickHouseReader(StoreReader):
         """The connection (for writers: :func:`replace_table`, loading raw tables)."""
         return self._engine
 
+    def interrupt(self) -> None:
+        """Nothing to stop in this process: the query runs in ClickHouse, bounded by the
+        reader's time limit."""
+
     def close(self) -> None:
         """Close the connection."""
         self._engine.close()

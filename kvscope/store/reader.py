@@ -135,6 +135,11 @@ class StoreReader:
             if timer is not None:
                 timer.cancel()
 
+    def interrupt(self) -> None:
+        """Stop the query running on this reader now (from another thread); it fails with a
+        StoreError. Nothing happens when none runs."""
+        self._con.interrupt()
+
     def close(self) -> None:
         """Close the connection."""
         self._con.close()
