@@ -245,9 +245,11 @@ _KINDS: dict[str, tuple[str, _Columns]] = {
     "retentions": (semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
     "vllm_requests": (semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
 }
-# The extraction queries: one per span kind, string-typed attributes.
+# The extraction queries: one per span kind, string-typed attributes. DISTINCT: OTLP delivery
+# is at least once (a receiver that commits and dies before answering gets the spans again),
+# and every kind's columns include its SpanId, so a resent span is read once.
 QUERIES: dict[str, query.Query] = {
-    name: query.spans(span, columns) for name, (span, columns) in _KINDS.items()}
+    name: query.spans(span, columns, distinct=True) for name, (span, columns) in _KINDS.items()}
 
 
 def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
