@@ -299,7 +299,7 @@ def _begin_run(writer: StoreWriter, host: str, port: int, grpc_port: int | None)
 
 async def _bind_then_open(
     db_path: str | Path, host: str, port: int, grpc_port: int | None, max_request_bytes: int,
-    max_queue_rows: int, record_run: bool,
+    max_queue_rows: int, record_run: bool, max_inflight_bytes: int | None = None,
 ) -> tuple[list[socket.socket], GrpcListener | None, StoreWriter, str | None]:
     """Bind both addresses (OTLP/HTTP, then OTLP/gRPC unless ``grpc_port`` is None), then open
     the store (and record the run when asked).
@@ -313,7 +313,7 @@ async def _bind_then_open(
     grpc: GrpcListener | None = None
     try:
         if grpc_port is not None:
-            grpc = GrpcListener(max_request_bytes)
+            grpc = GrpcListener(max_request_bytes, max_inflight_bytes)
             await grpc.bind(host, grpc_port)
         writer = _open_writer(db_path, max_queue_rows)
     except BaseException:
@@ -428,7 +428,8 @@ class Receiver:
         async def launch() -> _OtlpServer:
             sockets, grpc, writer, run_id = await _bind_then_open(
                 self.db_path, self.host, self._requested_port, self._requested_grpc_port,
-                self.max_request_bytes, self.max_queue_rows, self.record_run)
+                self.max_request_bytes, self.max_queue_rows, self.record_run,
+                self.max_inflight_bytes)
             server = _OtlpServer(
                 writer, max_request_bytes=self.max_request_bytes,
                 max_queue_rows=self.max_queue_rows, max_inflight_bytes=self.max_inflight_bytes,
