@@ -35,7 +35,7 @@ from kvscope.collector.ingest import bench_stats, proxy_log, server_log
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.files import read_limited
-from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.store.database import batch_folder, begin_run, end_run, open_store
 from kvscope.store.rows import TraceRows
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE, quote
 from kvscope.store.writer import insert_arrow
@@ -215,6 +215,12 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
             raise
     finally:
         con.close()
+        try:
+            # The folder of the batch file the insert went through: empty now (an empty
+            # .kvscope-tmp was once left beside the store after every ingest).
+            batch_folder(db).rmdir()
+        except OSError:
+            pass  # absent, or files of another process (the next open_store removes those)
     return IngestResult(run_id, label, tuple(added), joined)
 
 

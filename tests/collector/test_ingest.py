@@ -313,6 +313,15 @@ def test_a_malformed_file_is_one_line_naming_file_and_line_and_keeps_the_store(
     assert _count(db) == before
 
 
+def test_ingest_leaves_no_batch_folder_beside_the_store(tmp_path: Path) -> None:
+    turns = [Turn(f"C{c}", t, c * 10_000.0 + t * 1000.0, 400.0, 100.0)
+             for c in range(300) for t in (1, 2, 3)]  # enough rows for the Parquet path
+    db = tmp_path / "run.duckdb"
+    ingest(db, [write_stats(tmp_path / "big.json", turns)])
+    assert _count(db)[0] > 900
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "run.duckdb"]
+
+
 def test_numbers_out_of_range_create_no_store(tmp_path: Path) -> None:
     record = request_stats(WORKLOAD[0])
     path = tmp_path / "huge.json"
