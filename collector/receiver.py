@@ -67,7 +67,14 @@ from kvscope.collector.otlp_intake import (
     busy,
     too_large,
 )
-from kvscope.serving import BODY_READ_TIMEOUT_S, bind, bound_port, close_all, stop_signals
+from kvscope.serving import (
+    BODY_READ_TIMEOUT_S,
+    bind,
+    bound_port,
+    close_all,
+    one_line_malformed_requests,
+    stop_signals,
+)
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -138,6 +145,7 @@ class _OtlpServer:
         given, OTLP/gRPC on a bound :class:`GrpcListener` (both taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
+        one_line_malformed_requests()
         runner = web.AppRunner(
             self.application(), auto_decompress=False, access_log=None, shutdown_timeout=_GRACE_S
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import logging
 import os
 import signal
 import socket
@@ -793,3 +794,24 @@ def test_large_requests_each_holding_part_of_their_body_do_not_wait_for_each_oth
         assert sorted(answers) == [200] * 4
         assert _count(rx) == 4
         assert httpx.get(f"{rx.url}/health").json()["inflight_bytes"] == 0
+
+
+def test_a_malformed_request_is_one_warning_line_not_a_traceback(
+    receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with caplog.at_level(logging.WARNING, logger="aiohttp.server"):
+        for request in bad:
+            with socket.create_connection(("127.0.0.1", receiver.port)) as sock:
+                sock.sendall(request)
+                sock.settimeout(10)
+                assert sock.recv(4096).startswith(b"HTTP/1.0 400")
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [r.levelname for r in records] == ["WARNING", "WARNING"]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert "malformed HTTP request (400, message: Invalid character in Content-Length:)" \
+        in records[0].getMessage()
