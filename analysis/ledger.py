@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import duckdb
 import polars as pl
 
-from kvscope import semconv
+from kvscope import semconv, settings
 from kvscope.reuse import outcomes
 from kvscope.reuse.router import GUARD_EDITED
 from kvscope.reuse.validity import (
@@ -257,9 +257,11 @@ _KINDS: dict[str, tuple[str, _Columns]] = {
     "retentions": (semconv.SPAN_KV_RETENTION, _RETENTION_COLUMNS),
     "vllm_requests": (semconv.SPAN_VLLM_REQUEST, _VLLM_REQUEST_COLUMNS),
 }
-# The extraction queries: one per span kind, string-typed attributes.
+# The extraction queries: one per span kind, string-typed attributes. DISTINCT: OTLP delivery
+# is at least once (a receiver that commits and dies before answering gets the spans again),
+# and every kind's columns include its SpanId, so a resent span is read once.
 QUERIES: dict[str, query.Query] = {
-    name: query.spans(span, columns) for name, (span, columns) in _KINDS.items()}
+    name: query.spans(span, columns, distinct=True) for name, (span, columns) in _KINDS.items()}
 
 
 def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
@@ -1012,7 +1014,7 @@ def rebuild(path: str | Path) -> int:
     Idempotent: the table is replaced whole in one transaction. Opens the file for writing, so a
     store another process is writing is refused (ask that process instead).
     """
-    con = open_store(path)
+    con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
     try:
         frame = ledger(con)
         con.execute("BEGIN TRANSACTION")

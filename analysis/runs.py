@@ -29,7 +29,7 @@ from kvscope.analysis.registry import AnalysisContext, AnalysisError, intermedia
 from kvscope.errors import KvscopeError
 from kvscope.store import query
 from kvscope.store.reader import StoreReader
-from kvscope.store.schema import RUNS_TABLE
+from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
 
 __all__ = [
     "FEATURE_OFF",
@@ -157,6 +157,19 @@ def with_run_labels(frame: pl.DataFrame, runs: pl.DataFrame) -> pl.DataFrame:
     return frame.with_columns(
         pl.col("run_id").replace_strict(labels, default=pl.col("run_id"),
                                         return_dtype=pl.String)).rename({"run_id": "run"})
+
+
+def require_spans(db: str | Path | ClickHouseSource) -> None:
+    """Raise :class:`AnalysisError` when ``db`` holds no spans: a report or an analysis of it
+    would print empty tables and look like a run in which nothing happened."""
+    reader = StoreReader.open(db)
+    try:
+        _, rows = reader.rows(f"SELECT 1 FROM {TRACES_TABLE} LIMIT 1")
+    finally:
+        reader.close()
+    if not rows:
+        raise AnalysisError(f"{db}: the store holds no spans ({TRACES_TABLE} is empty); "
+                            "nothing to analyze")
 
 
 # --- what each run was ------------------------------------------------------------------------

@@ -6,10 +6,13 @@ rows are in the store. Bounding requests by rows did not bound memory (24 concur
 one-span requests took the receiver to 4.9 GB), so :class:`ByteBudget` bounds the bytes of the
 requests in flight, on both transports:
 
-- OTLP/HTTP reserves the request's ``Content-Length`` (``max_request_bytes`` when the body is
-  chunked, given back once it is read) *before* reading the body, waiting up to
-  :data:`ADMISSION_WAIT_S` in arrival order; a body that is not read costs nothing but the
-  kernel's socket buffer.
+- OTLP/HTTP reserves bytes as the body arrives: at most :data:`UNRECEIVED_ALLOWANCE_BYTES`
+  ahead of what it has received (never more than the ``Content-Length``), waiting up to
+  :data:`ADMISSION_WAIT_S` in arrival order for each step. A slow or chunked upload so holds
+  what it sent, not what it announced: two senders trickling 64 MiB bodies once held the whole
+  128 MiB budget for 30 s and every other exporter got 503. The oldest request in flight grows
+  without waiting (past ``limit`` if it must), so requests that each hold part of their body
+  cannot wait for each other for ever: the bound is ``limit`` plus one request's size.
 - OTLP/gRPC receives the message before its handler runs, so it reserves the message's size
   without waiting (a request is refused at once when the budget is full) and grpc's own
   ``maximum_concurrent_rpcs`` bounds the messages it reads meanwhile.
@@ -30,6 +33,8 @@ from collections import deque
 # Longest an OTLP/HTTP request waits for room before it is answered 503 (Retry-After): shorter
 # than the OTLP exporters' default 10 s timeout, so that they see the 503 and retry.
 ADMISSION_WAIT_S = 5.0
+# Most bytes an OTLP/HTTP request holds beyond what it has received (one step of reading).
+UNRECEIVED_ALLOWANCE_BYTES = 1 << 20
 
 
 class ByteBudget:
@@ -43,7 +48,10 @@ class ByteBudget:
         self.limit = limit
         self.in_flight = 0
         self.peak = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # (bytes, granted, the reservation growing or None for a new request), in order.
+        self._waiters: deque[tuple[int, asyncio.Future[None], Reservation | None]] = deque()
+        # Reservations holding bytes, oldest first (a dict keeps insertion order).
+        self._holders: dict[Reservation, None] = {}
 
     def _fits(self, nbytes: int) -> bool:
         return self.in_flight == 0 or self.in_flight + nbytes <= self.limit
@@ -59,14 +67,19 @@ class ByteBudget:
         self._take(nbytes)
         return True
 
-    async def acquire(self, nbytes: int, wait_s: float) -> bool:
-        """Take ``nbytes``, waiting up to ``wait_s`` in arrival order; True when taken."""
+    async def acquire(self, nbytes: int, wait_s: float,
+                      owner: Reservation | None = None) -> bool:
+        """Take ``nbytes``, waiting up to ``wait_s`` in arrival order; True when taken.
+
+        ``owner``: the reservation these bytes grow; it is served at once when it becomes the
+        oldest holder while waiting.
+        """
         if self.try_acquire(nbytes):
             return True
         if wait_s <= 0:
             return False
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((nbytes, granted))
+        self._waiters.append((nbytes, granted, owner))
         try:
             async with asyncio.timeout(wait_s):
                 await asyncio.shield(granted)
@@ -91,8 +104,15 @@ class ByteBudget:
         self._wake()
 
     def _wake(self) -> None:
+        oldest = next(iter(self._holders), None)
+        for entry in list(self._waiters):
+            nbytes, granted, owner = entry
+            if oldest is not None and owner is oldest and not granted.done():
+                self._waiters.remove(entry)
+                self._take(nbytes)
+                granted.set_result(None)
         while self._waiters:
-            nbytes, granted = self._waiters[0]
+            nbytes, granted, _ = self._waiters[0]
             if granted.done():
                 self._waiters.popleft()
                 continue
@@ -101,6 +121,10 @@ class ByteBudget:
             self._waiters.popleft()
             self._take(nbytes)
             granted.set_result(None)
+
+    def is_oldest(self, reservation: Reservation) -> bool:
+        """Whether ``reservation`` is the oldest one holding bytes (it may grow at once)."""
+        return next(iter(self._holders), None) is reservation
 
     def room(self) -> int:
         """Bytes that could be taken now without waiting (0 when somebody waits)."""
@@ -115,6 +139,24 @@ class Reservation:
     def __init__(self, budget: ByteBudget, nbytes: int) -> None:
         self.budget = budget
         self.nbytes = nbytes
+        budget._holders[self] = None
+
+    async def grow(self, nbytes: int, wait_s: float) -> bool:
+        """Hold ``nbytes`` in all, waiting up to ``wait_s`` in arrival order; True when held.
+
+        The oldest reservation grows at once, even past the budget's limit: two requests each
+        waiting for the bytes the other holds would otherwise wait until both time out.
+        """
+        extra = nbytes - self.nbytes
+        if extra <= 0:
+            return True
+        budget = self.budget
+        if budget.is_oldest(self):
+            budget._take(extra)
+        elif not await budget.acquire(extra, wait_s, self):
+            return False
+        self.nbytes += extra
+        return True
 
     def shrink_to(self, nbytes: int) -> None:
         """Give back what this request holds beyond ``nbytes``."""
@@ -142,9 +184,9 @@ class Reservation:
 
     def close(self) -> None:
         """Give every byte back (idempotent)."""
-        if self.nbytes:
-            self.budget.release(self.nbytes)
-            self.nbytes = 0
+        self.budget._holders.pop(self, None)
+        nbytes, self.nbytes = self.nbytes, 0
+        self.budget.release(nbytes)  # wakes waiters, the next oldest holder among them
 
 
-__all__ = ["ADMISSION_WAIT_S", "ByteBudget", "Reservation"]
+__all__ = ["ADMISSION_WAIT_S", "UNRECEIVED_ALLOWANCE_BYTES", "ByteBudget", "Reservation"]

@@ -12,10 +12,10 @@ body be answered ``INVALID_ARGUMENT`` with the decoder's message (grpc's own des
 answer ``INTERNAL``). gzip (and deflate) are inflated by grpc itself, whose
 ``grpc.max_receive_message_length`` is set to ``max_request_bytes``; the intake checks the
 inflated size again. Each message is admitted by its bytes (``max_inflight_bytes``) without
-waiting, and ``GRPC_MAX_CONCURRENT_RPCS`` bounds how many grpc holds at once. Refusals carry
-the ``google.rpc`` code of the HTTP refusal (the same numbers as gRPC's status codes):
-INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a ``google.rpc.RetryInfo`` in the
-trailers, which the OTLP exporters honour.
+waiting, and :func:`concurrent_rpcs` (from that budget) bounds how many grpc holds at once.
+Refusals carry the ``google.rpc`` code of the HTTP refusal (the same numbers as gRPC's status
+codes): INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a ``google.rpc.RetryInfo``
+in the trailers, which the OTLP exporters honour.
 """
 
 from __future__ import annotations
@@ -32,10 +32,22 @@ from kvscope.collector.otlp_intake import RETRY_AFTER_S, Intake, Refused, Signal
 from kvscope.errors import KvscopeError
 
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
-# RPCs grpc serves at once; past it grpc answers RESOURCE_EXHAUSTED itself (the OTLP Python
-# exporter retries it). Each may hold a message of up to max_request_bytes that grpc read before
-# the intake's byte admission sees it, so this bounds that memory.
+# Most RPCs grpc serves at once; past it grpc answers RESOURCE_EXHAUSTED itself (the OTLP
+# exporters retry it). Each may hold a message of up to max_request_bytes that grpc read before
+# the intake's byte admission sees it, so :func:`concurrent_rpcs` sizes the limit to the budget.
 GRPC_MAX_CONCURRENT_RPCS = 16
+
+
+def concurrent_rpcs(max_request_bytes: int, max_inflight_bytes: int | None) -> int:
+    """RPCs grpc may serve at once: as many whole requests as the in-flight budget holds, plus
+    one, at least 2 and at most :data:`GRPC_MAX_CONCURRENT_RPCS`.
+
+    grpc reads a message whole before its handler runs, so what it holds beyond the budget is
+    bounded by this many messages: 16 of 64 MiB once took 7.9 GB under 24 concurrent 60 MiB
+    requests. With the defaults (64 MiB requests, 128 MiB budget) it is 3.
+    """
+    budget = max_inflight_bytes or 2 * max_request_bytes
+    return max(2, min(GRPC_MAX_CONCURRENT_RPCS, budget // max(1, max_request_bytes) + 1))
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
@@ -100,8 +112,9 @@ class GrpcListener:
     intake. A start that cannot bind its gRPC port therefore leaves the store untouched.
     """
 
-    def __init__(self, max_request_bytes: int) -> None:
+    def __init__(self, max_request_bytes: int, max_inflight_bytes: int | None = None) -> None:
         self.max_request_bytes = max_request_bytes
+        self.max_concurrent_rpcs = concurrent_rpcs(max_request_bytes, max_inflight_bytes)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._started = False
@@ -109,7 +122,7 @@ class GrpcListener:
     async def bind(self, host: str, port: int) -> int:
         """Bind ``host:port`` without serving yet (0 picks a free port; returned and kept in
         :attr:`port`). Raises :class:`~kvscope.errors.KvscopeError` when it cannot be bound."""
-        server = grpc.aio.server(maximum_concurrent_rpcs=GRPC_MAX_CONCURRENT_RPCS, options=[
+        server = grpc.aio.server(maximum_concurrent_rpcs=self.max_concurrent_rpcs, options=[
             ("grpc.max_receive_message_length", self.max_request_bytes),
             # grpc sets SO_REUSEPORT by default, so a second server on a busy port would share
             # it silently instead of failing to start.
@@ -157,4 +170,4 @@ class GrpcListener:
             self._server = None
 
 
-__all__ = ["GrpcListener", "grpc_target"]
+__all__ = ["GRPC_MAX_CONCURRENT_RPCS", "GrpcListener", "concurrent_rpcs", "grpc_target"]

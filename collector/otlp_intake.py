@@ -165,14 +165,15 @@ class Intake:
                 f"the receiver holds its limit of request bytes in flight "
                 f"(max_inflight_bytes {self.max_inflight_bytes}); retry later")
         reservation = Reservation(self.budget, nbytes)
-        self._count_bytes()
+        self.count_bytes()
         try:
             yield reservation
         finally:
             reservation.close()
-            self._count_bytes()
+            self.count_bytes()
 
-    def _count_bytes(self) -> None:
+    def count_bytes(self) -> None:
+        """Copy the budget's bytes held now (and most held) into the stats."""
         self.stats.inflight_bytes = self.budget.in_flight
         self.stats.peak_inflight_bytes = self.budget.peak
 
@@ -191,7 +192,7 @@ class Intake:
         if gzipped:
             body = await self._inflate(loop, body, reservation)
             if reservation is not None:
-                self._count_bytes()
+                self.count_bytes()
         table, batch = await loop.run_in_executor(
             self._executor, self._decode, signal_kind, body, encoding
         )

@@ -18,8 +18,9 @@ JSON bodies, gzip or identity encoding, responses in the request's encoding with
 
 Both ports are bound before the store is opened (:mod:`kvscope.serving`), so a start that
 cannot listen on either leaves the file untouched. A request's bytes are admitted against
-``max_inflight_bytes`` before its body is read (:mod:`kvscope.collector.otlp_admission`), so
-memory is bounded by bytes whatever the requests hold. A request is decoded completely before
+``max_inflight_bytes`` as its body arrives (:mod:`kvscope.collector.otlp_admission`), so
+memory is bounded by bytes whatever the requests hold, and a slow upload holds only what it
+sent. A request is decoded completely before
 anything is queued, so a bad request never touches rows already stored. Rows are acknowledged
 once committed (group commit across concurrent requests), so a SIGKILL loses nothing
 acknowledged; a request of any number of rows is taken. A clean stop (SIGINT/SIGTERM for
@@ -53,7 +54,11 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvscope import settings
-from kvscope.collector.otlp_admission import ADMISSION_WAIT_S
+from kvscope.collector.otlp_admission import (
+    ADMISSION_WAIT_S,
+    UNRECEIVED_ALLOWANCE_BYTES,
+    Reservation,
+)
 from kvscope.collector.otlp_decode import Encoding
 from kvscope.collector.otlp_grpc import GrpcListener, grpc_target
 from kvscope.collector.otlp_intake import (
@@ -63,6 +68,7 @@ from kvscope.collector.otlp_intake import (
     ReceiverStats,
     Refused,
     Signal,
+    busy,
     too_large,
 )
 from kvscope.errors import KvscopeError
@@ -74,7 +80,14 @@ from kvscope.exposition import (
     RECEIVER_SPANS_ACCEPTED,
     RECEIVER_SPANS_REJECTED,
 )
-from kvscope.serving import BODY_READ_TIMEOUT_S, bind, bound_port, close_all, stop_signals
+from kvscope.serving import (
+    BODY_READ_TIMEOUT_S,
+    bind,
+    bound_port,
+    close_all,
+    one_line_malformed_requests,
+    stop_signals,
+)
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import StoreWriter
 
@@ -183,6 +196,7 @@ class _OtlpServer:
         given, OTLP/gRPC on a bound :class:`GrpcListener` (both taken over)."""
         # The receiver inflates bodies itself, with a size limit (aiohttp's would not stop a
         # gzip bomb before it is in memory).
+        one_line_malformed_requests()
         runner = web.AppRunner(
             self.application(), auto_decompress=False, access_log=None, shutdown_timeout=_GRACE_S
         )
@@ -288,11 +302,12 @@ class _OtlpServer:
             length = request.content_length
             if length is not None and length > limit:
                 raise too_large(f"body exceeds max_request_bytes ({limit} bytes)")
-            # Admitted by bytes before the body is read: a chunked body holds the most it may
-            # be until it is read, then gives back the rest.
-            async with self.intake.admitted(limit if length is None else length,
+            # Admitted by bytes as the body arrives: at most UNRECEIVED_ALLOWANCE_BYTES ahead
+            # of what was received, so a slow or chunked upload holds what it sent.
+            expected = limit if length is None else length
+            async with self.intake.admitted(min(expected, UNRECEIVED_ALLOWANCE_BYTES),
                                             ADMISSION_WAIT_S) as reservation:
-                body = await self._read_body(request)
+                body = await self._read_body(request, reservation, expected)
                 reservation.shrink_to(len(body))
                 response = await self.intake.export(
                     signal_kind, body, encoding, gzipped=content_encoding == "gzip",
@@ -303,7 +318,9 @@ class _OtlpServer:
             return _status_response(refused, encoding or "json")
         return web.Response(body=_encode(response, encoding), content_type=_MEDIA_TYPES[encoding])
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request, reservation: Reservation,
+                         expected: int) -> bytes:
+        """The body, read in steps that each hold their bytes in the budget first."""
         limit = self.max_request_bytes
         refusal = too_large(f"body exceeds max_request_bytes ({limit} bytes)")
         chunks: list[bytes] = []
@@ -317,6 +334,13 @@ class _OtlpServer:
                     if total > limit:
                         raise refusal
                     chunks.append(chunk)
+                    wanted = min(max(expected, total), total + UNRECEIVED_ALLOWANCE_BYTES)
+                    if not await reservation.grow(wanted, ADMISSION_WAIT_S):
+                        raise busy(
+                            "the receiver holds its limit of request bytes in flight "
+                            f"(max_inflight_bytes {self.intake.max_inflight_bytes}); "
+                            "retry later")
+                    self.intake.count_bytes()
         except TimeoutError:
             raise Refused(408, f"request body not received within {BODY_READ_TIMEOUT_S:g} s",
                           code_pb2.DEADLINE_EXCEEDED) from None
@@ -345,7 +369,7 @@ def _begin_run(writer: StoreWriter, host: str, port: int, grpc_port: int | None)
 
 async def _bind_then_open(
     db_path: str | Path, host: str, port: int, grpc_port: int | None, max_request_bytes: int,
-    max_queue_rows: int, record_run: bool,
+    max_queue_rows: int, record_run: bool, max_inflight_bytes: int | None = None,
 ) -> tuple[list[socket.socket], GrpcListener | None, StoreWriter, str | None]:
     """Bind both addresses (OTLP/HTTP, then OTLP/gRPC unless ``grpc_port`` is None), then open
     the store (and record the run when asked).
@@ -359,7 +383,7 @@ async def _bind_then_open(
     grpc: GrpcListener | None = None
     try:
         if grpc_port is not None:
-            grpc = GrpcListener(max_request_bytes)
+            grpc = GrpcListener(max_request_bytes, max_inflight_bytes)
             await grpc.bind(host, grpc_port)
         writer = _open_writer(db_path, max_queue_rows)
     except BaseException:
@@ -476,7 +500,8 @@ class Receiver:
         async def launch() -> _OtlpServer:
             sockets, grpc, writer, run_id = await _bind_then_open(
                 self.db_path, self.host, self._requested_port, self._requested_grpc_port,
-                self.max_request_bytes, self.max_queue_rows, self.record_run)
+                self.max_request_bytes, self.max_queue_rows, self.record_run,
+                self.max_inflight_bytes)
             server = _OtlpServer(
                 writer, max_request_bytes=self.max_request_bytes,
                 max_queue_rows=self.max_queue_rows, max_inflight_bytes=self.max_inflight_bytes,

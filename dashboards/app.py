@@ -114,11 +114,14 @@ def warm(data: DashboardData) -> None:
     }
     with steps("kvscope dashboard: warming pages", len(pages)) as step:
         for name, render in pages.items():
+            if data.closing.is_set():  # stopping: DashboardData.close() interrupts queries
+                return
             step(name)
             try:
                 render()
             except Exception:  # a page that cannot render says so itself when opened
-                logger.warning("warming a dashboard page failed", exc_info=True)
+                if not data.closing.is_set():
+                    logger.warning("warming a dashboard page failed", exc_info=True)
 
 
 def create_app(source: Source | StoreWriter | DashboardData, *,

@@ -38,7 +38,7 @@ import polars as pl
 
 from kvscope.analysis import registry, runs
 from kvscope.analysis.registry import AnalysisContext
-from kvscope.errors import KvscopeError
+from kvscope.errors import KvscopeError, StoreError
 from kvscope.store.reader import Source, StoreReader
 from kvscope.store.writer import StoreWriter
 from kvscope.tables import NOT_MEASURED
@@ -190,6 +190,8 @@ class DashboardData:
                      if isinstance(source, str | Path) else str(source))
         self._lock = threading.RLock()
         self._version: _Version | None = None
+        # Set by close(): no new reader is opened, and warming stops between pages.
+        self.closing = threading.Event()
 
     # --- versions ---------------------------------------------------------------------------
 
@@ -211,6 +213,8 @@ class DashboardData:
 
     def _state(self) -> _Version:
         with self._lock:
+            if self.closing.is_set():
+                raise StoreError("the dashboard is stopping")
             now = time.monotonic()
             state = self._version
             if state is not None and (not self.live or now - state.checked_at < self.refresh_s):
@@ -229,12 +233,30 @@ class DashboardData:
         """When the current data version was opened (the freshness of what pages show)."""
         return self._state().built_at
 
-    def close(self) -> None:
-        """Close the reader (the live writer itself stays open: its owner closes it)."""
-        with self._lock:
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop the queries in progress, then close the reader (the live writer itself stays
+        open: its owner closes it).
+
+        A query runs under the lock (warming, a page's callback): it is interrupted until the
+        lock is free, so the reader is never closed under it, and no thread is left inside
+        DuckDB when the process exits (a SIGTERM while pages warmed once aborted the process:
+        "FATAL: exception not rethrown").
+        """
+        self.closing.set()
+        deadline = time.monotonic() + wait_s
+        while not self._lock.acquire(timeout=0.1):
+            version = self._version
+            if version is not None:
+                version.base.reader.interrupt()
+            if time.monotonic() > deadline:
+                logger.warning("a dashboard query did not stop within %g s", wait_s)
+                return
+        try:
             if self._version is not None:
                 self._version.base.close()
                 self._version = None
+        finally:
+            self._lock.release()
 
     # --- contexts and results ---------------------------------------------------------------
 

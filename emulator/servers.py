@@ -87,6 +87,18 @@ _REAP_INTERVAL_S = 0.2
 _Node = TypeVar("_Node", PrefillNode, DecodeNode)
 
 
+def _refuse_lone_surrogates(raw: bytes, body: object) -> None:
+    """Raise UnicodeEncodeError when ``body`` holds a string with a lone surrogate.
+
+    JSON may escape one (``"\\ud800"``) and Python decodes it, but it is not text: encoding it
+    later (a tokenizer, the answer) failed with a 500, which the proxy passed on as 502. A
+    body holds one only through a ``\\u`` escape or surrogate bytes, so others skip the walk.
+    """
+    if b"\\u" not in raw and b"\xed" not in raw:
+        return
+    json.dumps(body, ensure_ascii=False).encode("utf-8")
+
+
 @dataclass(frozen=True)
 class EmulatorConfig:
     """Everything one emulation is configured with (recorded in the run's settings)."""
@@ -311,11 +323,13 @@ class _EngineServer(Generic[_Node]):
         try:
             # A client holding a partial body must not hold the connection (and its buffer)
             # for ever; vLLM's server behind uvicorn would drop it too.
-            body = json.loads(await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S))
+            raw = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+            body = json.loads(raw)
+            _refuse_lone_surrogates(raw, body)
         except TimeoutError:
             return error_response(408, f"request body not received within "
                                   f"{BODY_READ_TIMEOUT_S:g} s", "BadRequestError")
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeError) as exc:
             return error_response(400, f"request body is not valid JSON: {exc}",
                                   "BadRequestError")
         try:

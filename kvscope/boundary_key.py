@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvscope import settings
 from kvscope.errors import SettingError
+from kvscope.files import read_limited
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ HASH_HEX = 16
 DEFAULT_KEY_FILE = "boundary-hash.key"
 _KEY_ID_MESSAGE = b"kvscope boundary hash key id"
 EPHEMERAL = "ephemeral"
+# A key file is one line of at most 128 hex characters; anything far larger is not a key file.
+MAX_KEY_FILE_BYTES = 4096
 
 
 def key_id_of(secret: bytes) -> str:
@@ -94,13 +97,14 @@ def state_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 def read_key_file(path: Path) -> BoundaryKey:
     """The key in ``path`` (hex); :class:`SettingError` naming the file when it is unusable."""
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise SettingError(
             f"boundary hash key file {path} does not exist: create it once (openssl rand -hex "
-            f"32 > {path}) and give every proxy that writes the store the same file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+            f"32 > {path}) and give every proxy that writes the store the same file")
+    data = read_limited(path, MAX_KEY_FILE_BYTES, "boundary hash key file", SettingError)
+    try:
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError as exc:
         raise SettingError(f"boundary hash key file {path}: cannot read it ({exc})") from None
     try:
         secret = bytes.fromhex(text)
@@ -149,6 +153,27 @@ def create_key_file(path: Path) -> BoundaryKey:
     return key
 
 
+def _check_state_dir(path: Path) -> None:
+    """Refuse a symlink at the default key path; warn of a state folder others can write.
+
+    Nobody names the default path, so a symlink there was planted: following it would hash
+    with (or create) a key where someone else chose. A folder others may write lets them
+    replace the key between runs.
+    """
+    if path.is_symlink():
+        raise SettingError(
+            f"boundary hash key file {path} is a symlink, and nobody configured it: refusing "
+            f"to follow it; remove it, or set {settings.SETTINGS['boundary_hash_key_file'].env_var}"
+            " to the key file you mean")
+    try:
+        mode = path.parent.stat().st_mode
+    except OSError:
+        return  # not created yet: create_key_file makes it 0700
+    if mode & 0o022:
+        logger.warning("kvscope: the boundary hash key folder %s is writable by other users "
+                       "(chmod 700 it): they can replace the key", path.parent)
+
+
 def resolve_boundary_key(explicit: str | None = None,
                          environ: Mapping[str, str] | None = None) -> BoundaryKey:
     """The key a proxy that stores spans hashes with (see the module docstring for the order)."""
@@ -156,6 +181,7 @@ def resolve_boundary_key(explicit: str | None = None,
     if configured:
         return read_key_file(Path(configured).expanduser())
     path = state_dir(environ) / DEFAULT_KEY_FILE
+    _check_state_dir(path)
     try:
         return create_key_file(path)
     except OSError as exc:

@@ -14,6 +14,7 @@ with acknowledged rows still queued.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import signal
@@ -120,4 +121,35 @@ def stop_signals() -> Iterator[Callable[..., int]]:
         os.close(write_fd)
 
 
-__all__ = ["BODY_READ_TIMEOUT_S", "STOP_SIGNALS", "bind", "bound_port", "close_all", "stop_signals"]
+class _OneLineMalformedRequests(logging.Filter):
+    """aiohttp's server logs a request it cannot parse at ERROR with a ten-line traceback:
+    every malformed request a client sends. It becomes one WARNING line naming the client and
+    what was wrong (aiohttp has already answered 400)."""
+
+    def __init__(self, malformed: type[BaseException]) -> None:
+        super().__init__()
+        self.malformed = malformed
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.malformed):
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            said = record.getMessage()
+            record.msg = "%s: malformed HTTP request (%s)"
+            record.args = (said, " ".join(lines[:2]) or type(exc).__name__)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def one_line_malformed_requests() -> None:
+    """Make aiohttp's server log a malformed request in one WARNING line (idempotent)."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    server_logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OneLineMalformedRequests) for f in server_logger.filters):
+        server_logger.addFilter(_OneLineMalformedRequests(HttpProcessingError))
+
+
+__all__ = ["BODY_READ_TIMEOUT_S", "STOP_SIGNALS", "bind", "bound_port", "close_all",
+           "one_line_malformed_requests", "stop_signals"]

@@ -131,10 +131,10 @@ _DECLARED = [
     Setting(
         "store_memory_limit",
         str,
-        "",
-        "Memory DuckDB may use for a reading command's queries (the ledger, analyses, report, "
-        "dashboard), e.g. 4GB; past it DuckDB spills to disk beside the store. Empty: DuckDB's "
-        "default, 80 % of RAM.",
+        "4GB",
+        "Memory DuckDB may use for a reading command's queries (`sql`, the ledger, analyses, "
+        "report, dashboard); past it DuckDB spills to disk beside the store, or the query "
+        "fails with an out-of-memory error. Empty: DuckDB's default, 80 % of RAM.",
         _memory,
     ),
     Setting(

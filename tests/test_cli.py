@@ -121,3 +121,28 @@ def test_ledger_refuses_a_missing_store_and_creates_nothing(
     assert cli.main(["ledger", str(missing)]) == 2
     assert "no such kvscope store" in capsys.readouterr().err
     assert not missing.exists()
+
+
+def test_report_and_analyze_exit_2_on_a_store_without_spans(tmp_path: Path) -> None:
+    db = tmp_path / "empty.duckdb"
+    open_store(db).close()
+    for argv in (["report", str(db), "-o", str(tmp_path / "r.html")],
+                 ["analyze", str(db), "reuse_rate"]):
+        done = run(*argv)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert "holds no spans" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_sql_runs_under_a_memory_limit_and_refuses_a_result_past_its_rows(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "s.duckdb"
+    open_store(db).close()
+    limit = run("sql", str(db), "SELECT current_setting('memory_limit') AS m", "--format", "csv")
+    assert limit.stdout.splitlines()[1] == "3.7 GiB"  # the store_memory_limit default, 4GB
+    done = run("sql", str(db), "SELECT * FROM range(3000000)")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("kvscope sql: error: the result has more than 1000000 rows; add a "
+                           "LIMIT or aggregate in the query\n")

@@ -41,14 +41,15 @@ from kvscope import semconv
 from kvscope.collector.ingest import bench_stats, proxy_log, server_log
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
-from kvscope.store.database import begin_run, end_run, open_store
+from kvscope.files import read_limited
+from kvscope.store.database import batch_folder, begin_run, end_run, open_store
 from kvscope.store.rows import TraceRows
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE, quote
 from kvscope.store.writer import insert_arrow
 
 _SOURCE = "kvscope ingest"
 # Enough of a file to tell its kind.
-_HEAD_CHARS = 4096
+_HEAD_BYTES = 4096
 
 
 class Parsed(Protocol):
@@ -127,11 +128,8 @@ class IngestResult:
 
 def detect(path: Path) -> Kind:
     """The kind of ``path`` from its first bytes; IngestError when no kind matches."""
-    try:
-        with path.open("r", encoding="utf-8", errors="replace") as handle:
-            head = handle.read(_HEAD_CHARS)
-    except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    head = read_limited(path, _HEAD_BYTES, "ingest source", IngestError, head=True).decode(
+        "utf-8", errors="replace")
     for kind in KINDS.values():
         if kind.looks_like(head):
             return kind
@@ -271,6 +269,12 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
             raise
     finally:
         con.close()
+        try:
+            # The folder of the batch file the insert went through: empty now (an empty
+            # .kvscope-tmp was once left beside the store after every ingest).
+            batch_folder(db).rmdir()
+        except OSError:
+            pass  # absent, or files of another process (the next open_store removes those)
     return IngestResult(run_id, label, tuple(added), joined)
 
 

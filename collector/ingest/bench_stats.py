@@ -69,6 +69,13 @@ FIELDS: dict[str, str] = {
     "client_id": _INT,  # bsmt.py:131
 }
 _NS_PER_MS = 1_000_000
+# Bounds of the numbers a record may hold. A time past ~31 years (perf_counter's clock starts
+# at boot) or a count past int64 is no benchmark's: left unchecked, 1e300 ms overflowed the
+# store's nanosecond timestamps only once the store was opened. Counts, ids and the record's
+# own times are never negative; ttft_ms is -1.0 when not measured (bsmt.py:363).
+_MAX_MS = 1e12
+_MAX_COUNT = 2**63 - 1
+_NON_NEGATIVE = ("start_time_ms", "latency_ms")
 
 
 @dataclass(slots=True)
@@ -170,6 +177,11 @@ def _elements(path: Path, text: str) -> Iterator[tuple[_Place, Any]]:
                 value, end = decoder.raw_decode(text, i)
             except json.JSONDecodeError as exc:
                 raise IngestError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+            except ValueError:
+                # Python refuses to convert an integer of more than 4300 digits.
+                line += text.count("\n", counted, i)
+                raise IngestError(f"{path}:{line}: a number in this record is too long "
+                                  "to be a request stat") from None
             line += text.count("\n", counted, i)
             counted = i
             yield _Place(path, text, i, end, line), value
@@ -202,6 +214,14 @@ def _checked(place: _Place, record: Any) -> dict[str, Any]:
               and math.isfinite(value))
         if not ok:
             raise IngestError(f"{place(name)}: {name} must be a finite {kind}, got {value!r}")
+        if kind == _INT and not 0 <= value <= _MAX_COUNT:
+            raise IngestError(f"{place(name)}: {name} must be between 0 and {_MAX_COUNT}, "
+                              f"got {value!r}")
+        if kind == _FLOAT:
+            low = 0.0 if name in _NON_NEGATIVE else -_MAX_MS
+            if not low <= value <= _MAX_MS:
+                raise IngestError(f"{place(name)}: {name} must be between {low:g} and "
+                                  f"{_MAX_MS:g}, got {value!r}")
     return record
 
 
@@ -212,9 +232,6 @@ def _turn(place: _Place, record: dict[str, Any]) -> BenchTurn:
     if messages < 1 or messages % 2 == 0:
         raise IngestError(f"{place('input_num_turns')}: input_num_turns must be odd and "
                           f"positive (the benchmark sends 1, 3, 5, ... messages), got {messages}")
-    if record["latency_ms"] < 0:
-        raise IngestError(f"{place('latency_ms')}: latency_ms must be >= 0, "
-                          f"got {record['latency_ms']!r}")
     ttft = record["ttft_ms"]
     return BenchTurn(
         line=place.line,

@@ -48,8 +48,10 @@ from kvscope.collector.ingest.spans import (
     KIND_SERVER,
     LineCounts,
     add_span,
+    count_value,
     ingest_id,
     matching_lines,
+    measure_value,
     read_source,
     resource,
 )
@@ -203,9 +205,11 @@ def read(path: Path) -> ProxyLog:
         writers.add(match["logger"])
         message = match["message"]
         if found := _HIT.match(message):
-            pending[found["conv"]] = (semconv.ROUTER_HIT, float(found["age"]))
+            pending[found["conv"]] = (semconv.ROUTER_HIT,
+                                      measure_value(path, number, found["age"]))
         elif found := _STALE.match(message):
-            pending[found["conv"]] = (semconv.ROUTER_STALE, float(found["age"]))
+            pending[found["conv"]] = (semconv.ROUTER_STALE,
+                                      measure_value(path, number, found["age"]))
         elif found := _SENDING.match(message):
             conv = found["conv"]
             _, age = pending.pop(conv, (semconv.ROUTER_HIT, None))
@@ -225,7 +229,7 @@ def read(path: Path) -> ProxyLog:
             if done is None:
                 counts.unknown += 1  # its lookup line is not in this file (a log cut at its start)
                 continue
-            done.prefill_ms = float(found["ms"])
+            done.prefill_ms = measure_value(path, number, found["ms"])
             done.prefill_end_ns = now
         elif found := _CACHED.match(message):
             # Decode's final chunk of the conversation's request in flight: its latest (a
@@ -236,7 +240,7 @@ def read(path: Path) -> ProxyLog:
                 counts.unknown += 1
                 continue
             latest.decode_request_id = found["decode_id"]
-            latest.retention_blocks = int(found["blocks"])
+            latest.retention_blocks = count_value(path, number, found["blocks"])
             latest.cached_ns = now
         elif not _READY.match(message):
             counts.unknown += 1

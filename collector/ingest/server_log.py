@@ -51,8 +51,10 @@ from kvscope.collector.ingest.spans import (
     KIND_INTERNAL,
     LineCounts,
     add_span,
+    count_value,
     ingest_id,
     matching_lines,
+    measure_value,
     read_source,
     resource,
 )
@@ -228,7 +230,8 @@ def read_role(path: Path, role: str | None) -> ServerLog:
         message = _ANSI.sub("", match["message"])
         now = to_ns(number, match["time"])
         if found := _METRICS.match(message):
-            pairs = {m["key"].strip(): float(m["value"]) for m in _PAIR.finditer(found["pairs"])}
+            pairs = {m["key"].strip(): measure_value(path, number, m["value"])
+                     for m in _PAIR.finditer(found["pairs"])}
             if "Num successful transfers" not in pairs:
                 read.unknown += 1
                 continue
@@ -240,8 +243,9 @@ def read_role(path: Path, role: str | None) -> ServerLog:
                 "Avg MB per transfer", 0) * pairs["Num successful transfers"]
         elif found := _SKIP.match(message):
             events.append(Event(number, now, found["rid"], semconv.DECISION_BELOW_THRESHOLD,
-                                count_tokens=int(found["count"]),
-                                threshold_tokens=int(found["threshold"])))
+                                count_tokens=count_value(path, number, found["count"]),
+                                threshold_tokens=count_value(path, number,
+                                                                   found["threshold"])))
         elif found := _DECLINED.match(message):
             events.append(Event(number, now, found["rid"], semconv.TRANSFER_DECLINED_EXPIRED,
                                 remote_engine_id=found["engine"]))

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvscope import __version__, semconv
 from kvscope.errors import IngestError
+from kvscope.files import read_limited
 from kvscope.store.rows import Attrs, TraceRows, stringify
 from kvscope.store.schema import SPAN_KIND_NAMES, STATUS_CODE_NAMES
 
@@ -32,10 +33,16 @@ class SourceFile:
     sha256: str
 
 
+# Largest source file ingest reads. A file is read whole and decoded (about twice its size in
+# memory, more while parsed); a larger log can be split (``split -C 256M``) and ingested as
+# several sources of one run.
+MAX_SOURCE_BYTES = 512 << 20
+
+
 def read_source(path: Path) -> SourceFile:
     """Read ``path`` as UTF-8 text; IngestError names the file (and the line of a bad byte)."""
+    data = read_limited(path, MAX_SOURCE_BYTES, "ingest source", IngestError)
     try:
-        data = path.read_bytes()
         mtime_ns = path.stat().st_mtime_ns
     except OSError as exc:
         raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
@@ -65,6 +72,31 @@ def matching_lines(text: str, pattern: re.Pattern[str],
             counts.unknown += 1
             continue
         yield number, match
+
+
+# Largest count a log line may carry: the store's analyses cast counts to BIGINT.
+MAX_COUNT = 2**63 - 1
+# Largest magnitude of a measured value (ms, s, MB) a log line may carry.
+MAX_MEASURE = 1e15
+
+
+def count_value(path: Path, line: int, text: str) -> int:
+    """A count a log line's pattern matched as digits; IngestError past :data:`MAX_COUNT`
+    (Python refuses to convert more than 4300 digits, and a larger count breaks every query)."""
+    if len(text) > len(str(MAX_COUNT)) or int(text) > MAX_COUNT:
+        raise IngestError(f"{path}:{line}: the count {text[:24]}{'...' if len(text) > 24 else ''}"
+                          f" is larger than {MAX_COUNT}")
+    return int(text)
+
+
+def measure_value(path: Path, line: int, text: str) -> float:
+    """A measured value (ms, s, MB) a log line's pattern matched; IngestError when it is not
+    finite or past :data:`MAX_MEASURE` in magnitude."""
+    value = float(text)
+    if not abs(value) <= MAX_MEASURE:
+        raise IngestError(f"{path}:{line}: the value {text[:24]}{'...' if len(text) > 24 else ''}"
+                          f" is out of range (at most {MAX_MEASURE:g} in magnitude)")
+    return value
 
 
 def ingest_id(sha256: str, *parts: object, size: int) -> str:
@@ -100,5 +132,7 @@ def add_span(rows: TraceRows, *, resource_attrs: Attrs, service: str, name: str,
     )
 
 
-__all__ = ["KIND_CLIENT", "KIND_INTERNAL", "KIND_SERVER", "STATUS_ERROR", "STATUS_UNSET",
-           "add_span", "attrs", "ingest_id", "resource"]
+__all__ = ["KIND_CLIENT", "KIND_INTERNAL", "KIND_SERVER", "MAX_COUNT", "MAX_MEASURE",
+           "MAX_SOURCE_BYTES",
+           "STATUS_ERROR", "STATUS_UNSET", "add_span", "attrs", "count_value", "ingest_id",
+           "measure_value", "resource"]

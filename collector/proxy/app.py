@@ -54,7 +54,7 @@ from kvscope.reuse.router import (
     guard,
     prefill_params,
 )
-from kvscope.serving import BODY_READ_TIMEOUT_S
+from kvscope.serving import BODY_READ_TIMEOUT_S, one_line_malformed_requests
 
 logger = logging.getLogger(__name__)
 # Per-turn lines in vLLM's disagg_proxy_multiturn.py words (its troubleshooting greps them).
@@ -979,6 +979,7 @@ async def configure_serving_gc(app: web.Application) -> None:
 
 def build_app(config: ProxyConfig, telemetry: ProxyTelemetry | None = None) -> web.Application:
     """The proxy as an aiohttp application (telemetry disabled when None)."""
+    one_line_malformed_requests()
     proxy = Proxy(config, telemetry or ProxyTelemetry(None, router_ttl_s=config.router_ttl_s))
     return proxy.application()
 

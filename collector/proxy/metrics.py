@@ -21,7 +21,8 @@ call on the event loop. Series (names unchanged from the hand-written exposition
                                             collectors
 
 ``model_name`` is what the client asked for (the request's ``model``), so its values are
-bounded: past :data:`MAX_MODEL_NAMES` distinct names, further ones are counted as ``other``.
+bounded: past :data:`MAX_MODEL_NAMES` distinct names, further ones are counted as ``other``; a
+name takes a slot only once a turn for it succeeded (names upstream refuses never do).
 The format follows the scraper's ``Accept`` header (:func:`kvscope.exposition.render`).
 """
 
@@ -143,13 +144,18 @@ class ProxyMetrics:
         self._lookups: dict[tuple[str, str], Any] = {}
         self._exemplar_ns: dict[tuple[str, ...], list[int | None]] = {}
 
-    def model_label(self, model: str | None) -> str:
-        """``model`` as a label value, bounded to :data:`MAX_MODEL_NAMES` distinct values."""
+    def model_label(self, model: str | None, served: bool = True) -> str:
+        """``model`` as a label value, bounded to :data:`MAX_MODEL_NAMES` distinct values.
+
+        A name takes one of the slots only with a turn upstream ``served``: the first 32 names
+        clients sent once took them for good, even names upstream refused (404 for a model it
+        does not serve). Until then its turns count as :data:`OTHER_MODEL`.
+        """
         if model is None:
             return ""
         if model in self._models:
             return model
-        if len(self._models) >= MAX_MODEL_NAMES:
+        if not served or len(self._models) >= MAX_MODEL_NAMES:
             return OTHER_MODEL
         self._models.add(model)
         return model
@@ -157,7 +163,7 @@ class ProxyMetrics:
     def observe(self, record: TurnRecordLike) -> None:
         """Count one finished turn (on the event loop; never raises into the turn: the caller
         catches)."""
-        model = self.model_label(record.model)
+        model = self.model_label(record.model, served=record.error_kind is None)
         prefill = record.prefill_instance or ""
         decode = record.decode_instance or ""
         key = (record.route, record.error_kind or "ok", model, prefill, decode)

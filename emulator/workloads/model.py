@@ -70,6 +70,10 @@ def trace_seconds(value: object, where: str, what: str, *, per_second: float = 1
     return seconds
 
 
+# Largest trace file a workload reads (read whole: the shipped weka CSV is 3.5 MB).
+MAX_TRACE_BYTES = 256 << 20
+
+
 # --- block chains -------------------------------------------------------------------------------
 
 

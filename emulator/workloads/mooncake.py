@@ -75,6 +75,7 @@ from pathlib import Path
 
 from kvscope.emulator.workloads.model import (
     DEFAULT_BLOCK_SIZE,
+    MAX_TRACE_BYTES,
     BlockChain,
     Conversation,
     Turn,
@@ -83,6 +84,7 @@ from kvscope.emulator.workloads.model import (
     mix_seed,
     trace_seconds,
 )
+from kvscope.files import read_limited
 
 MOONCAKE_BLOCK_SIZE = 512
 
@@ -103,9 +105,9 @@ def _read(path: Path, trace_block_size: int = MOONCAKE_BLOCK_SIZE) -> list[_Row]
     of a trace with no rows."""
     rows: list[_Row] = []
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise WorkloadError(f"mooncake trace {path}: cannot read ({exc.strerror})") from None
+        text = read_limited(path, MAX_TRACE_BYTES, "mooncake trace", WorkloadError).decode()
+    except UnicodeDecodeError:
+        raise WorkloadError(f"mooncake trace {path}: not UTF-8 text") from None
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue

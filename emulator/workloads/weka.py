@@ -41,6 +41,7 @@ Every option is recorded in the workload's ``settings``.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -50,6 +51,7 @@ from typing import Any
 
 from kvscope.emulator.workloads.model import (
     DEFAULT_BLOCK_SIZE,
+    MAX_TRACE_BYTES,
     MESSAGE_OVERHEAD_TOKENS,
     BlockChain,
     Conversation,
@@ -59,6 +61,7 @@ from kvscope.emulator.workloads.model import (
     mix_seed,
     trace_seconds,
 )
+from kvscope.files import read_limited
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "weka_cc"
 CSV_PATH = DATA_DIR / "traces_flat.csv"
@@ -196,11 +199,12 @@ def _read_csv(
 ) -> dict[str, dict[str, list[_Request]]]:
     traces: dict[str, dict[str, list[tuple[int, _Request]]]] = {}
     last_api: dict[tuple[str, str], float | None] = {}
+    data = read_limited(path, MAX_TRACE_BYTES, "weka trace", WorkloadError)
     try:
-        handle = path.open(newline="")
-    except OSError as exc:
-        raise WorkloadError(f"weka trace {path}: cannot open ({exc.strerror})") from None
-    with handle:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WorkloadError(f"weka trace {path}: not UTF-8 text") from None
+    with io.StringIO(text, newline="") as handle:
         reader = csv.DictReader(handle)
         missing = [c for c in _CSV_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
@@ -400,9 +404,9 @@ def load_raw(
     out: list[Conversation] = []
     for number, (file, start) in enumerate(zip(files, starts, strict=True)):
         try:
-            doc = json.loads(file.read_text())
-        except OSError as exc:
-            raise WorkloadError(f"weka trace {file}: cannot read ({exc.strerror})") from None
+            doc = json.loads(read_limited(file, MAX_TRACE_BYTES, "weka trace", WorkloadError))
+        except UnicodeDecodeError:
+            raise WorkloadError(f"weka trace {file}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise WorkloadError(f"{file}:{exc.lineno}: not JSON ({exc.msg})") from None
         if not isinstance(doc, dict) or doc.get("block_size") != TRACE_BLOCK_SIZE:

@@ -25,7 +25,11 @@ from kvscope.cli.options import (
 from kvscope.errors import SettingError, StoreError
 from kvscope.tables import format_rows
 
-__all__ = ["COMMANDS"]
+__all__ = ["COMMANDS", "SQL_MAX_ROWS"]
+
+# Most rows `kvscope sql` prints: a terminal's or a script's worth, held as Python objects
+# (about 100-200 MB at a handful of columns). A larger result is refused with its reason.
+SQL_MAX_ROWS = 1_000_000
 
 
 def _configure_sql(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +49,7 @@ def _run_sql(args: argparse.Namespace) -> int:
 
     reader = StoreReader.open(args.file)
     try:
-        columns, rows = reader.rows(args.query, args.param)
+        columns, rows = reader.rows(args.query, args.param, max_rows=SQL_MAX_ROWS)
     except StoreError as exc:
         raise _unbuilt_ledger(exc, args.file) or exc from None
     finally:
@@ -84,6 +88,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     result as a table, JSON or CSV (read from the store, or asked of a live ``kvscope serve``)."""
     from kvscope.analysis import registry
     from kvscope.analysis.live_queries import parse_params, run_analysis
+    from kvscope.analysis.runs import require_spans
 
     params = parse_params(args.param)
     if args.live is not None:
@@ -108,6 +113,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from kvscope.store.reader import StoreReader
 
     assert source is not None
+    require_spans(source)
     reader = StoreReader.open(source)
     try:
         frame = run_analysis(reader, args.name, params, args.runs, labels=labels)
@@ -173,11 +179,14 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    from kvscope.analysis.runs import require_spans
     from kvscope.dashboards.report import REPORT_STEPS, write_report
     from kvscope.progress import steps
 
+    source = store_source(args)
+    require_spans(source)
     with steps("kvscope report", REPORT_STEPS) as step:
-        path = write_report(store_source(args), args.out, args.runs, step)
+        path = write_report(source, args.out, args.runs, step)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
 

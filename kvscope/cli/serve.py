@@ -125,9 +125,16 @@ def _run_dashboard(args: argparse.Namespace) -> int:
 
     source = store_source(args)
     StoreReader.open(source).close()  # refuse a missing, locked or foreign store first
-    server = DashboardServer(create_app(source), resolved(args, "host"),
-                             DEFAULT_PORT if args.port is None else args.port)
+    # Signals are caught before the app starts warming its pages: a SIGTERM then stops it
+    # cleanly (DashboardServer.stop() interrupts the warming) instead of killing it.
     with stop_signals() as wait_for_stop:
+        app = create_app(source)
+        try:
+            server = DashboardServer(app, resolved(args, "host"),
+                                     DEFAULT_PORT if args.port is None else args.port)
+        except BaseException:
+            app.server.config["kvscope_data"].close()
+            raise
         server.start()
         try:
             print(f"kvscope dashboard: {server.url} (read-only: {source}); Ctrl-C stops",

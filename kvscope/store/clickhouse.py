@@ -273,9 +273,13 @@ class ClickHouseReader(StoreReader):
         done = [fn(pl.DataFrame(batch)) for batch in table.to_batches(max_chunksize=rows)]
         return done or [fn(pl.DataFrame(table.schema.empty_table()))]
 
-    def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
-        """Run one query and return (column names, rows)."""
+    def rows(self, sql: str | Query, params: Params = None, *,
+             max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
+        """Run one query and return (column names, rows); StoreError past ``max_rows``."""
         frame = self.frame(sql, params)
+        if max_rows is not None and frame.height > max_rows:
+            raise StoreError(f"the result has more than {max_rows} rows; add a LIMIT or "
+                             "aggregate in the query")
         return frame.columns, frame.rows()
 
     def execute(self, sql: str | Query, params: Params = None) -> Any:
@@ -297,6 +301,10 @@ class ClickHouseReader(StoreReader):
     def engine(self) -> Engine:
         """The connection (for writers: :func:`replace_table`, loading raw tables)."""
         return self._engine
+
+    def interrupt(self) -> None:
+        """Nothing to stop in this process: the query runs in ClickHouse, bounded by the
+        reader's time limit."""
 
     def close(self) -> None:
         """Close the connection."""

@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +124,78 @@ def schema_version(con: duckdb.DuckDBPyConnection, path: str) -> int | None:
     if row is None or not str(row[0]).isdigit():
         raise NotAKvscopeStore(f"{path}: {META_TABLE} has no valid schema_version; refusing")
     version = int(row[0])
+    if version < 1:
+        raise NotAKvscopeStore(
+            f"{path}: schema version {version} in {META_TABLE} is not one kvscope ever wrote "
+            "(versions start at 1); refusing to touch it"
+        )
     if version > SCHEMA_VERSION:
         raise NewerSchemaError(
             f"{path}: schema version {version} is newer than this kvscope understands "
             f"({SCHEMA_VERSION}); upgrade kvscope to read it"
         )
     return version
+
+
+@cache
+def _expected_columns() -> dict[str, tuple[tuple[str, str], ...]]:
+    """Table → (column, DuckDB type) of schema version :data:`SCHEMA_VERSION`, as DuckDB itself
+    spells the types (read back from the DDL run in an in-memory database)."""
+    con = duckdb.connect(":memory:")
+    try:
+        for statement in ddl():
+            con.execute(statement)
+        return {table: _columns(con, table) for table in KVSCOPE_TABLES}
+    finally:
+        con.close()
+
+
+def _columns(con: duckdb.DuckDBPyConnection, table: str) -> tuple[tuple[str, str], ...]:
+    rows = con.execute(
+        "SELECT column_name, data_type FROM information_schema.columns "
+        "WHERE table_schema = 'main' AND table_name = ? ORDER BY ordinal_position",
+        [table],
+    ).fetchall()
+    return tuple((str(name), str(kind)) for name, kind in rows)
+
+
+def check_schema(con: duckdb.DuckDBPyConnection, path: str) -> None:
+    """Refuse a store whose kvscope tables are not those of the current schema version.
+
+    A damaged store (a table or column dropped or retyped by hand, a half-copied file) would
+    otherwise be accepted and fail at every insert, so that exporters retry forever against a
+    receiver answering 503. The error names the first thing that is wrong.
+    """
+    tables = _tables(con)
+    for table, expected in _expected_columns().items():
+        if table not in tables:
+            raise NotAKvscopeStore(
+                f"{path}: table {table} is missing (schema version {SCHEMA_VERSION} has it); "
+                "a damaged store, refusing to use it"
+            )
+        present = _columns(con, table)
+        if present == expected:
+            continue
+        found = dict(present)
+        for column, kind in expected:
+            if column not in found:
+                raise NotAKvscopeStore(
+                    f"{path}: column {table}.{column} is missing; a damaged store, "
+                    "refusing to use it"
+                )
+            if found[column] != kind:
+                raise NotAKvscopeStore(
+                    f"{path}: column {table}.{column} is {found[column]}, expected {kind}; "
+                    "a damaged store, refusing to use it"
+                )
+        extra = [column for column in found if column not in dict(expected)]
+        # The writer inserts by position (INSERT ... SELECT *): an added or reordered column
+        # would fail every insert too.
+        raise NotAKvscopeStore(
+            f"{path}: table {table} has "
+            + (f"an extra column {extra[0]}" if extra else "its columns in another order")
+            + f" than schema version {SCHEMA_VERSION}; a damaged store, refusing to use it"
+        )
 
 
 def _initialise(con: duckdb.DuckDBPyConnection) -> None:
@@ -146,12 +213,15 @@ def _initialise(con: duckdb.DuckDBPyConnection) -> None:
         raise
 
 
-def open_store(path: str | Path, *, threads: int | None = None) -> duckdb.DuckDBPyConnection:
+def open_store(path: str | Path, *, threads: int | None = None,
+               memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """Open (creating if new) a store for writing; refuse foreign, newer or locked files.
 
     ``threads``: DuckDB's worker threads for this database (default: one per core). A process
     that only inserts span batches beside other busy processes does best with 1: the same
-    800k spans took 7.0 s of CPU instead of 8.0 s.
+    800k spans took 7.0 s of CPU instead of 8.0 s. ``memory_limit``: DuckDB's memory limit
+    (an amount such as 4GB, checked by the ``store_memory_limit`` setting); the ledger's
+    rebuild passes that setting's value, as readers use it.
     """
     path = str(path)
     if path != ":memory:":
@@ -161,11 +231,15 @@ def open_store(path: str | Path, *, threads: int | None = None) -> duckdb.DuckDB
         con.execute(f"SET checkpoint_threshold = '{WAL_CHECKPOINT_THRESHOLD}'")
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
+        if memory_limit:
+            checked = settings.resolve("store_memory_limit", memory_limit)
+            con.execute(f"SET memory_limit = '{checked}'")
         version = schema_version(con, path)
         if version is None:
             _initialise(con)
         elif version < SCHEMA_VERSION:
             migrations.upgrade(con, version)
+        check_schema(con, path)
     except BaseException:
         con.close()
         raise
@@ -199,6 +273,7 @@ def open_readonly(path: str | Path) -> duckdb.DuckDBPyConnection:
                 f"{path}: schema version {version} is older than {SCHEMA_VERSION}; "
                 "open it once for writing (e.g. `kvscope serve --db`) to upgrade it"
             )
+        check_schema(con, path)
     except BaseException:
         con.close()
         raise

@@ -96,13 +96,25 @@ class StoreReader:
             return done or [fn(pl.DataFrame(stream.schema.empty_table()))]
         return self._limited(run)
 
-    def rows(self, sql: str | Query, params: Params = None) -> tuple[list[str], list[tuple]]:
-        """Run one query and return (column names, rows)."""
+    def rows(self, sql: str | Query, params: Params = None, *,
+             max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
+        """Run one query and return (column names, rows).
+
+        ``max_rows``: refuse (StoreError) a result of more rows, fetched no further: DuckDB's
+        memory limit bounds the engine, not the Python objects a large result becomes.
+        """
         text, bound = _statement(sql, params)
 
         def run() -> tuple[list[str], list[tuple]]:
             result = self._con.execute(text, bound)
-            return [d[0] for d in result.description or []], result.fetchall()
+            names = [d[0] for d in result.description or []]
+            if max_rows is None:
+                return names, result.fetchall()
+            fetched = result.fetchmany(max_rows + 1)
+            if len(fetched) > max_rows:
+                raise StoreError(f"the result has more than {max_rows} rows; add a LIMIT or "
+                                 "aggregate in the query")
+            return names, fetched
         return self._limited(run)
 
     def _limited(self, run: Callable[[], T]) -> T:
@@ -122,6 +134,11 @@ class StoreReader:
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def interrupt(self) -> None:
+        """Stop the query running on this reader now (from another thread); it fails with a
+        StoreError. Nothing happens when none runs."""
+        self._con.interrupt()
 
     def close(self) -> None:
         """Close the connection."""

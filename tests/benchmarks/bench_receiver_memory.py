@@ -35,26 +35,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=60, help="MiB per request")
     parser.add_argument("--max-request-mib", type=int, default=64)
     parser.add_argument("--budget-mib", type=int, default=128, help="max_inflight_bytes, MiB")
+    parser.add_argument("--transports", default="http,grpc",
+                        help="comma-separated: http, grpc (OTLP/HTTP, OTLP/gRPC)")
+    parser.add_argument("--idle-s", type=float, default=5.0,
+                        help="seconds after the load at which the idle RSS is read")
+    parser.add_argument("--no-unbounded", action="store_true",
+                        help="skip the runs with the budget effectively off (they need GBs)")
     args = parser.parse_args(argv)
     print(f"{args.requests} concurrent one-span requests of {args.mib} MiB, "
           f"max_request_bytes {args.max_request_mib} MiB\n")
-    print(f"{'shape':<8} {'max_inflight':>13} {'base MiB':>9} {'peak MiB':>9} {'growth':>8} "
-          f"{'admitted MiB':>13} {'503s':>5} {'200s':>5} {'seconds':>8}")
-    for stored in (False, True):
-        for budget in (64 * 1024, args.budget_mib):
-            with tempfile.TemporaryDirectory(prefix="kvscope-mem-") as tmp:
-                load = big_body_load(Path(tmp) / "big.duckdb", requests=args.requests,
-                                     big_bytes=args.mib * MIB,
-                                     max_request_bytes=args.max_request_mib * MIB,
-                                     max_inflight_bytes=budget * MIB, stored=stored)
-            label = "off" if budget == 64 * 1024 else f"{budget} MiB"
-            print(f"{'stored' if stored else 'skipped':<8} {label:>13} "
-                  f"{load.baseline_rss_mib:9.0f} {load.peak_rss_mib:9.0f} "
-                  f"{load.peak_rss_mib - load.baseline_rss_mib:8.0f} "
-                  f"{load.peak_inflight_bytes / MIB:13.0f} {load.retried_503:>5} "
-                  f"{load.answered_200:>5} {load.seconds:8.1f}", flush=True)
-            for answer, count in load.other_answers.items():
-                print(f"{'':<8} {count} x {answer}", flush=True)
+    print(f"{'via':<5} {'shape':<8} {'max_inflight':>13} {'base MiB':>9} {'peak MiB':>9} "
+          f"{'growth':>8} {'idle MiB':>9} {'admitted MiB':>13} {'503s':>5} {'200s':>5} "
+          f"{'seconds':>8}")
+    budgets = [args.budget_mib] if args.no_unbounded else [64 * 1024, args.budget_mib]
+    for transport in args.transports.split(","):
+        for stored in (False, True):
+            for budget in budgets:
+                with tempfile.TemporaryDirectory(prefix="kvscope-mem-") as tmp:
+                    load = big_body_load(Path(tmp) / "big.duckdb", requests=args.requests,
+                                         big_bytes=args.mib * MIB,
+                                         max_request_bytes=args.max_request_mib * MIB,
+                                         max_inflight_bytes=budget * MIB, stored=stored,
+                                         transport=transport, idle_s=args.idle_s)
+                label = "off" if budget == 64 * 1024 else f"{budget} MiB"
+                print(f"{transport:<5} {'stored' if stored else 'skipped':<8} {label:>13} "
+                      f"{load.baseline_rss_mib:9.0f} {load.peak_rss_mib:9.0f} "
+                      f"{load.peak_rss_mib - load.baseline_rss_mib:8.0f} "
+                      f"{load.idle_rss_mib:9.0f} "
+                      f"{load.peak_inflight_bytes / MIB:13.0f} {load.retried_503:>5} "
+                      f"{load.answered_200:>5} {load.seconds:8.1f}", flush=True)
+                for answer, count in load.other_answers.items():
+                    print(f"{'':<14} {count} x {answer}", flush=True)
     return 0
 
 

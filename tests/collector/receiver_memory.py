@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,39 @@ class Load:
     seconds: float
     # Every final answer that was not 200: "status: first bytes of the body", counted.
     other_answers: dict[str, int]
+    # Resident memory ``idle_s`` after the load ended.
+    idle_rss_mib: float = 0.0
+
+
+def _grpc_sender(target: str, max_bytes: int) -> Callable[[bytes], tuple[int, bytes]]:
+    """A function sending one body over OTLP/gRPC: (HTTP-like status, details) of the answer
+    (503 for a refusal the exporters retry: UNAVAILABLE or RESOURCE_EXHAUSTED)."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+
+    channel = grpc.insecure_channel(target, options=[
+        ("grpc.max_send_message_length", max_bytes),
+        ("grpc.max_receive_message_length", max_bytes)])
+    stub = TraceServiceStub(channel)
+
+    def send(body: bytes) -> tuple[int, bytes]:
+        try:
+            stub.Export(ExportTraceServiceRequest.FromString(body), timeout=120)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                return 503, b""
+            return 500, f"{code}: {exc.details()}".encode()
+        return 200, b""
+    return send
 
 
 def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes: int,
-                  max_inflight_bytes: int, stored: bool = True) -> Load:
-    """Send ``requests`` one-span requests at once to a fresh ``kvscope serve``; measure it."""
+                  max_inflight_bytes: int, stored: bool = True,
+                  transport: str = "http", idle_s: float = 0.0) -> Load:
+    """Send ``requests`` one-span requests at once to a fresh ``kvscope serve`` over
+    ``transport`` (``http`` or ``grpc``); measure it. ``idle_s``: wait this long after the
+    load and read the resident memory then too (``idle_rss_mib``)."""
     served = Served(db, env={"KVSCOPE_MAX_REQUEST_BYTES": str(max_request_bytes),
                              "KVSCOPE_MAX_INFLIGHT_BYTES": str(max_inflight_bytes)})
     process, url = served.process, served.url
@@ -95,20 +124,28 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
         lock = threading.Lock()
         go = threading.Barrier(requests)
 
+        grpc_send = (_grpc_sender(served.grpc_target, max_request_bytes + (1 << 20))
+                     if transport == "grpc" else None)
+
         def send(body: bytes) -> None:
             go.wait()
             with httpx.Client(timeout=120) as client:
                 while True:
-                    response = client.post(f"{url}/v1/traces", content=body, headers=PROTOBUF)
-                    if response.status_code != 503:
+                    if grpc_send is not None:
+                        status, content = grpc_send(body)
+                    else:
+                        response = client.post(f"{url}/v1/traces", content=body,
+                                               headers=PROTOBUF)
+                        status, content = response.status_code, response.content
+                    if status != 503:
                         break
                     with lock:
                         retried[0] += 1
                     time.sleep(0.2)  # Retry-After says 1 s; shorter keeps the run short
                 with lock:
-                    answered.append(response.status_code)
-                    if response.status_code != 200:
-                        key = f"{response.status_code}: {response.content[:120]!r}"
+                    answered.append(status)
+                    if status != 200:
+                        key = f"{status}: {content[:120]!r}"
                         others[key] = others.get(key, 0) + 1
 
         start = time.perf_counter()
@@ -120,6 +157,8 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
         seconds = time.perf_counter() - start
         del bodies
         peak = _status_kib(process.pid, "VmHWM")
+        time.sleep(idle_s)
+        idle = _status_kib(process.pid, "VmRSS")
         health = httpx.get(f"{url}/health").json()
         served.stop()
     finally:
@@ -136,4 +175,4 @@ def big_body_load(db: Path, *, requests: int, big_bytes: int, max_request_bytes:
         con.close()
     return Load(baseline / 1024, peak / 1024, answered.count(200), retried[0],
                 int(stored[0]) if stored else 0, int(health["peak_inflight_bytes"]), seconds,
-                others)
+                others, idle / 1024)

@@ -275,6 +275,17 @@ def _malformed(tmp_path: Path) -> list[tuple[str, str, str]]:
          f":{good.count(chr(10)) + 2}: unexpected data after the array"),
         ("nan latency", good.replace('"latency_ms": 400.0', '"latency_ms": NaN'),
          ":5: latency_ms must be a finite number"),
+        # Numbers no benchmark writes: each once gave a traceback (OverflowError with the store
+        # already created, ValueError) or was stored.
+        ("huge start time", json.dumps([{**record, "start_time_ms": 1e300}], indent=2),
+         ":6: start_time_ms must be between 0 and 1e+12, got 1e+300"),
+        ("long integer", json.dumps([record], indent=2).replace(
+            '"input_num_tokens": 100', '"input_num_tokens": ' + "9" * 5000),
+         ":2: a number in this record is too long"),
+        ("negative tokens", json.dumps([{**record, "output_num_tokens": -5}], indent=2),
+         ":9: output_num_tokens must be between 0 and 9223372036854775807, got -5"),
+        ("negative start", json.dumps([{**record, "start_time_ms": -1.5}], indent=2),
+         ":6: start_time_ms must be between 0 and 1e+12, got -1.5"),
     ]
     written = []
     for name, text, message in cases:
@@ -300,6 +311,24 @@ def test_a_malformed_file_is_one_line_naming_file_and_line_and_keeps_the_store(
         assert text.startswith(path + ":") and message in text and "\n" not in text, (name, text)
 
     assert _count(db) == before
+
+
+def test_ingest_leaves_no_batch_folder_beside_the_store(tmp_path: Path) -> None:
+    turns = [Turn(f"C{c}", t, c * 10_000.0 + t * 1000.0, 400.0, 100.0)
+             for c in range(300) for t in (1, 2, 3)]  # enough rows for the Parquet path
+    db = tmp_path / "run.duckdb"
+    ingest(db, [write_stats(tmp_path / "big.json", turns)])
+    assert _count(db)[0] > 900
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json", "run.duckdb"]
+
+
+def test_numbers_out_of_range_create_no_store(tmp_path: Path) -> None:
+    record = request_stats(WORKLOAD[0])
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps([{**record, "start_time_ms": 1e300}], indent=2))
+    with pytest.raises(IngestError, match="start_time_ms must be between"):
+        ingest(tmp_path / "run.duckdb", [path])
+    assert not (tmp_path / "run.duckdb").exists()
 
 
 def test_an_unknown_kind_of_file_is_refused(tmp_path: Path) -> None:

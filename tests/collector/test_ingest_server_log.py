@@ -184,6 +184,23 @@ def test_a_malformed_server_log_is_one_line_naming_file_and_line(tmp_path: Path)
     assert _count(db) == before
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    ("9" * 5000, "the count 999999999999999999999999... is larger than 9223372036854775807"),
+    ("9223372036854775808", "the count 9223372036854775808 is larger than"),
+])
+def test_a_count_past_int64_is_one_line_naming_file_and_line(
+    tmp_path: Path, value: str, message: str
+) -> None:
+    good = _prefill_log(tmp_path / "good.log").read_text().splitlines()
+    assert ": 40 remote tokens" in good[2]
+    bad = tmp_path / "bad.log"
+    bad.write_text("\n".join(good[:2] + [good[2].replace(": 40 ", f": {value} ")]) + "\n")
+    with pytest.raises(IngestError) as raised:
+        ingest(tmp_path / "run.duckdb", [f"{server_log.KIND_PREFILL}:{bad}"])
+    assert str(raised.value).startswith(f"{bad}:3: {message}")
+    assert not (tmp_path / "run.duckdb").exists()
+
+
 def test_kind_prefix_names_a_known_kind_only(tmp_path: Path) -> None:
     with pytest.raises(IngestError, match="cannot read"):
         ingest(tmp_path / "run.duckdb", [f"{server_log.KIND_DECODE}:{tmp_path}/missing.log"])

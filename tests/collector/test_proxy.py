@@ -640,6 +640,22 @@ def test_model_names_are_bounded() -> None:
     assert _value(text, "kvscope_proxy_turns_total", model_name=OTHER_MODEL) == 5
 
 
+def test_names_upstream_refuses_take_no_model_name_slot() -> None:
+    """Once the first 32 names clients sent took the slots for good, even ones upstream
+    answered 404: a served model that came later was counted as ``other``."""
+    metrics = ProxyMetrics()
+    for i in range(MAX_MODEL_NAMES + 5):
+        refused = _record(0.01, model=f"typo-{i}")
+        refused.fail("prefill", semconv.ERROR_UPSTREAM_STATUS, 404, "model not found")
+        metrics.observe(refused)
+    metrics.observe(_record(0.01, model="served-model"))
+    text = metrics.render(None)[0].decode()
+    names = {s.labels["model_name"] for family in text_string_to_metric_families(text)
+             for s in family.samples if s.name == "kvscope_proxy_turns_total"}
+    assert names == {"served-model", OTHER_MODEL}
+    assert _value(text, "kvscope_proxy_turns_total", model_name="served-model") == 1
+
+
 # --- router semantics -----------------------------------------------------------------------------
 class _Clock:
     def __init__(self) -> None:

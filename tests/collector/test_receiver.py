@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import logging
 import os
 import signal
 import socket
@@ -726,3 +727,91 @@ def test_a_gzip_body_is_admitted_by_its_inflated_size(tmp_path: Path) -> None:
         response = httpx.post(f"{rx.url}/v1/traces", content=body, headers=headers)
         assert response.status_code == 200, _status(response)
         assert _count(rx) == 1
+
+
+def _slow_sender(rx: Receiver, length: int | None) -> socket.socket:
+    """A connection sending a ``length``-byte body (chunked when None) two bytes at a time:
+    it has sent two bytes when this returns, and sends no more until closed."""
+    held = socket.create_connection(("127.0.0.1", rx.port))
+    if length is None:
+        held.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/x-protobuf\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+    else:
+        held.sendall(post_head("/v1/traces", length, "application/x-protobuf") + b"ab")
+    return held
+
+
+def test_two_slow_uploads_hold_only_what_they_sent_and_other_exporters_are_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvscope.collector import receiver as receiver_module
+    from kvscope.collector.otlp_admission import UNRECEIVED_ALLOWANCE_BYTES
+
+    # Each slow sender once held its whole announced body (or max_request_bytes when chunked):
+    # two of them took the budget (16 MiB), and every other exporter waited, then got 503.
+    monkeypatch.setattr(receiver_module, "ADMISSION_WAIT_S", 1.0)
+    spans = _spans(2)
+    body = encode_spans(spans).SerializeToString()
+    with Receiver(tmp_path / "slow.duckdb", max_request_bytes=8 << 20,
+                  max_inflight_bytes=16 << 20) as rx:
+        with _slow_sender(rx, 8 << 20), _slow_sender(rx, None):
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{rx.url}/health").json()["inflight_bytes"] == 0:
+                assert time.monotonic() < deadline, "the slow uploads were never admitted"
+                time.sleep(0.02)
+            held = httpx.get(f"{rx.url}/health").json()["inflight_bytes"]
+            assert held == 2 * (UNRECEIVED_ALLOWANCE_BYTES + 2)  # sent, and one step ahead
+            answers = [httpx.post(f"{rx.url}/v1/traces", content=body, headers=PROTOBUF,
+                                  timeout=10).status_code for _ in range(5)]
+            assert answers == [200] * 5
+        assert _count(rx) == 5 * len(spans)
+        assert httpx.get(f"{rx.url}/health").json()["busy"] == 0
+
+
+def test_large_requests_each_holding_part_of_their_body_do_not_wait_for_each_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four 6 MiB bodies against a 2 MiB budget: each is admitted on its first step, then the
+    budget is full of partial bodies. The oldest grows at once, so they finish one by one
+    instead of all waiting for room until answered 503."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from receiver_memory import one_span_request
+
+    from kvscope.collector import receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "ADMISSION_WAIT_S", 30.0)
+    bodies = [one_span_request(k, 6 << 20, stored=False) for k in range(4)]
+    answers: list[int] = []
+    with Receiver(tmp_path / "parts.duckdb", max_request_bytes=8 << 20,
+                  max_inflight_bytes=2 << 20) as rx:
+        senders = [threading.Thread(target=lambda b=b: answers.append(httpx.post(
+            f"{rx.url}/v1/traces", content=b, headers=PROTOBUF, timeout=60).status_code))
+            for b in bodies]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(90)
+        assert sorted(answers) == [200] * 4
+        assert _count(rx) == 4
+        assert httpx.get(f"{rx.url}/health").json()["inflight_bytes"] == 0
+
+
+def test_a_malformed_request_is_one_warning_line_not_a_traceback(
+    receiver: Receiver, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+           b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with caplog.at_level(logging.WARNING, logger="aiohttp.server"):
+        for request in bad:
+            with socket.create_connection(("127.0.0.1", receiver.port)) as sock:
+                sock.sendall(request)
+                sock.settimeout(10)
+                assert sock.recv(4096).startswith(b"HTTP/1.0 400")
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [r.levelname for r in records] == ["WARNING", "WARNING"]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+    assert "malformed HTTP request (400, message: Invalid character in Content-Length:)" \
+        in records[0].getMessage()

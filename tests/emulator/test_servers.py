@@ -221,6 +221,17 @@ def test_malformed_json_is_a_400(cluster: EmulatedCluster) -> None:
     assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
 
 
+def test_a_lone_surrogate_is_a_400_not_a_500(cluster: EmulatedCluster) -> None:
+    # Valid JSON, not text: once a 500 from the emulator (and a 502 from the proxy).
+    for content in ('"\\ud800 hello"', '"\\udfff"'):
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "X"}]}
+                          ).replace('"X"', content).encode()
+        resp = httpx.post(cluster.prefill_urls[0] + "/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["type"] == "BadRequestError"
+
+
 def test_a_client_holding_a_partial_body_gets_408(cluster: EmulatedCluster,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from kvscope.emulator import servers

@@ -134,3 +134,44 @@ def test_readers_cannot_write_or_reach_files(store_path: Path, tmp_path: Path) -
     names, rows = reader.rows("SELECT count(*) AS n FROM otel_traces WHERE SpanName = ?", ["x"])
     assert (names, rows) == (["n"], [(0,)])
     reader.close()
+
+
+@pytest.mark.parametrize("version", ["0", "00"])
+def test_a_schema_version_below_one_is_refused_in_one_line(store_path: Path, version: str) -> None:
+    con = open_store(store_path)
+    con.execute("UPDATE kvscope_meta SET value = ? WHERE key = 'schema_version'", [version])
+    con.close()
+    before = _digest(store_path)
+    for opener in (open_store, StoreReader.open):
+        with pytest.raises(NotAKvscopeStore,
+                           match="schema version 0 in kvscope_meta is not one kvscope ever"):
+            opener(store_path)
+    assert _digest(store_path) == before
+
+
+# What a hand-edited or half-restored store can lack; each must be refused at open, naming it.
+DAMAGE = [
+    ("DROP TABLE otel_metrics_gauge", "table otel_metrics_gauge is missing"),
+    ("ALTER TABLE otel_traces DROP COLUMN StatusMessage",
+     "column otel_traces.StatusMessage is missing"),
+    ("ALTER TABLE otel_traces ALTER Duration TYPE BIGINT",
+     "column otel_traces.Duration is BIGINT, expected UBIGINT"),
+    ("ALTER TABLE otel_traces ADD COLUMN note VARCHAR", "an extra column note"),
+    ("DROP TABLE kvscope_runs", "table kvscope_runs is missing"),
+]
+
+
+@pytest.mark.parametrize(("damage", "named"), DAMAGE)
+def test_a_damaged_store_is_refused_at_open_naming_what_is_wrong(
+    store_path: Path, damage: str, named: str
+) -> None:
+    open_store(store_path).close()
+    con = duckdb.connect(str(store_path))
+    con.execute(damage)
+    con.close()
+    before = _digest(store_path)
+    for opener in (open_store, StoreReader.open):
+        with pytest.raises(NotAKvscopeStore, match=named) as caught:
+            opener(store_path)
+        assert "\n" not in str(caught.value)
+    assert _digest(store_path) == before
