@@ -11,6 +11,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 # Public modules (none is imported with the package: the vLLM plugin path stays light).
 __all__ = [
-    "__version__", "boundary_key", "child", "cli", "errors", "exposition", "fit", "progress",
+    "__version__", "boundary_key", "child", "cli", "errors", "exposition", "files", "fit",
+    "progress",
     "published", "reuse", "semconv", "serving", "settings", "store", "tables",
 ]
