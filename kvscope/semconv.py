@@ -76,6 +76,11 @@ SPAN_INPUT_PROCESSING = _span(
     "kvscope.input_processing",
     "The prefill leg: P queue, D->P pull, prefill compute and the first token.",
 )
+SPAN_TURN_ATTEMPT = _span(
+    "kvscope.turn_attempt",
+    "A request that failed and that a later request of its conversation repeated (a retry): "
+    "evidence of the turn, not a turn of its own.",
+)
 SPAN_GENERATION = _span("kvscope.generation", "The decode leg: P->D pull and decode.")
 SPAN_TOOL_WAIT = _span(
     "kvscope.tool_wait", "End of turn k-1's response to arrival of turn k of one conversation."
@@ -105,6 +110,13 @@ GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = _attr(
 
 # --- turn (proxy) -------------------------------------------------------------------------------
 TURN_INDEX = _attr("kvscope.turn.index", "", "1-based turn number within its conversation.")
+TURN_ATTEMPTS = _attr(
+    "kvscope.turn.attempts", "",
+    "Requests sent for this turn: the failed ones a client retried, plus the one recorded.",
+)
+RETRIED_BY_REQUEST_ID = _attr(
+    "kvscope.turn.retried_by", "", "X-Request-Id of the request that repeated a failed attempt."
+)
 CONVERSATION_ID_SOURCE = _attr(
     "kvscope.conversation.id_source", "", "Where the id came from: body, header or none."
 )
