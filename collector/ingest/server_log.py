@@ -491,6 +491,7 @@ def read_role(path: Path, role: str | None) -> ServerLog:
         elif found := _FAILING.match(message):
             count("failing_requests_lines")
             for rid_text in _request_ids(found["ids"]):
+                sighting(rid_text)
                 events.append(Event(number, now, rid_text, semconv.OUTCOME_ERROR))
         elif found := _MATCHED.match(message):
             own_hit[found["params"]] = int(found["computed"])
