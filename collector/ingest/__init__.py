@@ -10,6 +10,9 @@ SHA-256. Kinds:
     vllm-server-log    a vLLM server's log, role not named (:mod:`.server_log`); named:
     vllm-prefill-log   ... a prefill server's
     vllm-decode-log    ... a decode server's (the direction of a failed read is the role's)
+    vllm-metrics       a snapshot of a vLLM server's /metrics (:mod:`.vllm_metrics`): vLLM's
+                       own reuse counters, recorded with the run for reconciliation; named:
+    vllm-prefill-metrics, vllm-decode-metrics
 
 A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
 ``--kind`` names every source's.
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvscope.collector.ingest import bench_stats, proxy_log, server_log
+from kvscope.collector.ingest import bench_stats, proxy_log, server_log, vllm_metrics
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.store.database import begin_run, end_run, open_store
@@ -90,6 +93,19 @@ KINDS: dict[str, Kind] = {
     server_log.KIND_DECODE: Kind(
         server_log.KIND_DECODE, "a vLLM decode server's log", lambda head: False,
         server_log.read_decode, server_log.add_spans,
+    ),
+    vllm_metrics.KIND: Kind(
+        vllm_metrics.KIND, "a snapshot of a vLLM server's /metrics (Prometheus text), role not "
+        "named (name it: vllm-prefill-metrics:FILE)",
+        vllm_metrics.looks_like, vllm_metrics.read, vllm_metrics.add_spans,
+    ),
+    vllm_metrics.KIND_PREFILL: Kind(
+        vllm_metrics.KIND_PREFILL, "a snapshot of a vLLM prefill server's /metrics",
+        lambda head: False, vllm_metrics.read_prefill, vllm_metrics.add_spans,
+    ),
+    vllm_metrics.KIND_DECODE: Kind(
+        vllm_metrics.KIND_DECODE, "a snapshot of a vLLM decode server's /metrics",
+        lambda head: False, vllm_metrics.read_decode, vllm_metrics.add_spans,
     ),
 }
 
