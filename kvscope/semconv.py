@@ -181,6 +181,12 @@ MESSAGE_ROLES = _attr(
 )
 PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
 CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
+DECODE_CACHED_TOKENS = _attr(
+    "kvscope.decode.cached_tokens", "tokens",
+    "Cached prompt tokens decode reported (its stream's usage.prompt_tokens_details."
+    "cached_tokens, with --enable-prompt-tokens-details and include_usage): its own prefix "
+    "hit plus what it loaded from prefill.",
+)
 D_METADATA_ATTACHED = _attr(
     "kvscope.d_metadata_attached", "", "Whether decode's retained-KV metadata went to prefill."
 )
