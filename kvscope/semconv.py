@@ -60,6 +60,8 @@ SERVICE_DECODE = "vllm-decode"
 SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
 # Turns read from vLLM's multi-turn benchmark's --stats-json-output (kvscope ingest).
 SERVICE_VLLM_BENCHMARK = "vllm-multi-turn-benchmark"
+# Turns read from kvscope replay --output (kvscope ingest).
+SERVICE_KVSCOPE_REPLAY = "kvscope-replay"
 # Turns read from a proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy's turn lines).
 SERVICE_PROXY_LOG = "vllm-disagg-proxy"
 # Spans read from a vLLM server's log whose role (prefill or decode) the log did not show.

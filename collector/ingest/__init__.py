@@ -5,6 +5,8 @@ one command becomes one run in ``kvscope_runs``, whose settings list each file's
 SHA-256. Kinds:
 
     vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
+    kvscope-replay     kvscope replay --output's JSON lines (:mod:`.replay_records`), read as
+                       the benchmark's stats are (joined to a proxy log the same way)
     vllm-proxy-log     vLLM's disagg_proxy_multiturn.py log, or kvscope proxy's turn lines
                        (:mod:`.proxy_log`)
     vllm-server-log    a vLLM server's log, role not named (:mod:`.server_log`); named:
@@ -34,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvscope.collector.ingest import bench_stats, proxy_log, server_log, vllm_metrics
+from kvscope.collector.ingest import (
+    bench_stats,
+    proxy_log,
+    replay_records,
+    server_log,
+    vllm_metrics,
+)
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.store.database import begin_run, end_run, open_store
@@ -76,6 +84,10 @@ KINDS: dict[str, Kind] = {
     bench_stats.KIND: Kind(
         bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
         bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
+    ),
+    replay_records.KIND: Kind(
+        replay_records.KIND, "kvscope replay --output (JSON lines, one per request)",
+        replay_records.looks_like, replay_records.read, bench_stats.add_spans,
     ),
     proxy_log.KIND: Kind(
         proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
