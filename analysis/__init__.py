@@ -16,5 +16,6 @@ imported with the package.
 
 __all__ = [
     "causes", "compare", "ladder", "ledger", "live_metrics", "published", "registry",
-    "retention", "reuse", "runs", "sources", "task_time", "verdict", "whatif", "windows",
+    "reconcile", "retention", "reuse", "runs", "sources", "task_time", "verdict", "whatif",
+    "windows",
 ]
