@@ -15,6 +15,8 @@ SHA-256. Kinds:
     vllm-metrics       a snapshot of a vLLM server's /metrics (:mod:`.vllm_metrics`): vLLM's
                        own reuse counters, recorded with the run for reconciliation; named:
     vllm-prefill-metrics, vllm-decode-metrics
+    weka-kv-cache-tester  an output file of the WEKA kv-cache-tester (:mod:`.weka_tester`):
+                       what it measured, recorded with the run (no turn spans)
 
 A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
 ``--kind`` names every source's.
@@ -42,6 +44,7 @@ from kvscope.collector.ingest import (
     replay_records,
     server_log,
     vllm_metrics,
+    weka_tester,
 )
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
@@ -118,6 +121,11 @@ KINDS: dict[str, Kind] = {
     vllm_metrics.KIND_DECODE: Kind(
         vllm_metrics.KIND_DECODE, "a snapshot of a vLLM decode server's /metrics",
         lambda head: False, vllm_metrics.read_decode, vllm_metrics.add_spans,
+    ),
+    weka_tester.KIND: Kind(
+        weka_tester.KIND, "an output of the WEKA kv-cache-tester (detailed_results, "
+        "summary_trace_replay, user_lifecycle CSV or test_metadata.json): recorded with the run",
+        weka_tester.looks_like, weka_tester.read, weka_tester.add_spans,
     ),
 }
 
