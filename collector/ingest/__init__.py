@@ -19,7 +19,9 @@ SHA-256. Kinds:
                        what it measured, recorded with the run (no turn spans)
 
 A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
-``--kind`` names every source's.
+``--kind`` names every source's. A source ``http://HOST:PORT/metrics`` (or
+``vllm-prefill-metrics:http://...``) is a vLLM server's ``/metrics``, scraped when the command
+runs.
 
 A run's benchmark stats and proxy logs are joined (:mod:`.join`): a client turn takes the
 proxy's evidence for the request that served it, so each turn is one ledger row.
@@ -33,6 +35,7 @@ recorded in the store (under any name) is refused, so nothing is ever stored twi
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +59,7 @@ from kvscope.store.writer import insert_arrow
 _SOURCE = "kvscope ingest"
 # Enough of a file to tell its kind.
 _HEAD_CHARS = 4096
+_URL_SCHEMES = ("http://", "https://")
 
 
 class Parsed(Protocol):
@@ -177,6 +181,18 @@ def _named(source: str | Path) -> tuple[str | None, Path]:
     return None, Path(source)
 
 
+def _scraped(source: str | Path, scratch: Path) -> tuple[str, Path] | None:
+    """A live ``/metrics`` URL (``http://HOST:PORT/metrics``, or ``vllm-prefill-metrics:URL``)
+    scraped now into ``scratch``: (its kind, the snapshot); None for a file."""
+    text = str(source)
+    prefix, sep, rest = text.partition(":")
+    if sep and prefix in KINDS and rest.startswith(_URL_SCHEMES):
+        return prefix, vllm_metrics.scrape(rest, scratch)
+    if text.startswith(_URL_SCHEMES):
+        return vllm_metrics.KIND, vllm_metrics.scrape(text, scratch)
+    return None
+
+
 def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
     """SHA-256 of every file already ingested → (run id, label, file name)."""
     found: dict[str, tuple[str, str, str]] = {}
@@ -207,8 +223,9 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
         raise IngestError(f"unknown --kind {kind!r} (known: {', '.join(KINDS)})")
     parsed: list[tuple[Path, Kind, Parsed]] = []
     first_seen: dict[str, Path] = {}
+    scratch = tempfile.TemporaryDirectory(prefix="kvscope-ingest-")
     for source in sources:
-        named, path = _named(source)
+        named, path = _scraped(source, Path(scratch.name)) or _named(source)
         name = named or kind
         source_kind = KINDS[name] if name is not None else detect(path)
         content = source_kind.read(path)
@@ -217,6 +234,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                               "twice; nothing was written")
         first_seen[content.sha256] = path
         parsed.append((path, source_kind, content))
+    # Scraped snapshots were read whole (on an error above, the directory's finalizer removes it).
+    scratch.cleanup()
     label = run_label or f"{_SOURCE} {', '.join(path.name for path, _, _ in parsed)}"
     joined = join([c for _, _, c in parsed if isinstance(c, bench_stats.BenchStats)],
                   [c for _, _, c in parsed if isinstance(c, proxy_log.ProxyLog)])

@@ -126,6 +126,32 @@ def read_role(path: Path, role: str | None) -> VllmMetrics:
     return parsed
 
 
+# A scrape's body beyond this is refused (a vLLM server's /metrics is a few hundred KiB).
+SCRAPE_MAX_BYTES = 64 * 1024 * 1024
+SCRAPE_TIMEOUT_S = 10.0
+
+
+def scrape(url: str, into: Path) -> Path:
+    """GET ``url`` (a vLLM server's ``/metrics``) now and keep the body as a snapshot file in
+    ``into``, named after the host and port; IngestError names the URL on any failure."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(url)
+    name = f"metrics-{parts.hostname or 'host'}-{parts.port or parts.scheme}.prom"
+    try:
+        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
+            body = response.read(SCRAPE_MAX_BYTES + 1)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise IngestError(f"{url}: cannot scrape: {getattr(exc, 'reason', exc)}") from None
+    if len(body) > SCRAPE_MAX_BYTES:
+        raise IngestError(f"{url}: more than {SCRAPE_MAX_BYTES} bytes; not a /metrics page")
+    path = into / name
+    path.write_bytes(body)
+    return path
+
+
 def read(path: Path) -> VllmMetrics:
     """A snapshot whose server's role was not named."""
     return read_role(path, None)
@@ -145,4 +171,4 @@ def add_spans(parsed: VllmMetrics, run_id: str, rows: TraceRows) -> int:
 
 
 __all__ = ["KIND", "KIND_DECODE", "KIND_PREFILL", "VllmMetrics", "add_spans", "looks_like",
-           "read", "read_decode", "read_prefill", "read_role"]
+           "read", "read_decode", "read_prefill", "read_role", "scrape"]

@@ -130,3 +130,45 @@ def test_an_unexplained_difference_is_flagged(tmp_path: Path) -> None:
     rows = {r["quantity"]: r for r in _run(tmp_path, external=900)}
     scheduled = rows["d2p_tokens_scheduled"]
     assert (scheduled["difference"], scheduled["flagged"]) == (216.0, True)
+
+
+def test_a_live_metrics_url_is_scraped(tmp_path: Path) -> None:
+    """``vllm-prefill-metrics:http://127.0.0.1:PORT/metrics`` scrapes the page when ingest runs
+    (a real HTTP server on loopback serving the snapshot); an unreachable URL is one line."""
+    import http.server
+    import threading
+
+    body = write_snapshot(tmp_path / "served.txt", 684, 412, 900, 1, 1, 0).read_bytes()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        result = ingest(tmp_path / "run.duckdb",
+                        [f"{vllm_metrics.KIND_PREFILL}:http://127.0.0.1:{port}/metrics"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    (source,) = result.sources
+    assert (source.kind, source.path.name) == (vllm_metrics.KIND_PREFILL,
+                                               f"metrics-127.0.0.1-{port}.prom")
+    with registry.AnalysisContext.open(tmp_path / "run.duckdb") as ctx:
+        runs = registry.run(ctx, "reconciliation")
+    # vLLM's counters, with no turn of the run to set them beside: the ledger's side is not
+    # measured (null), and nothing is flagged.
+    assert runs["vllm_value"].null_count() == 0
+    assert runs["ledger_value"].null_count() == runs.height
+    assert not runs["flagged"].any()
+    with pytest.raises(IngestError, match=r"^http://127\.0\.0\.1:9/metrics: cannot scrape"):
+        ingest(tmp_path / "other.duckdb", ["http://127.0.0.1:9/metrics"])
