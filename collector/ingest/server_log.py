@@ -340,8 +340,10 @@ def _params(text: str) -> dict[str, Any]:
 def _read_direction(params: dict[str, Any]) -> str | None:
     """The direction of the read an allocation's params ask for (pull_scheduler.py:129-175):
     decode's blocks read by prefill for ``do_remote_decode`` with remote blocks (D→P), prefill's
-    read by decode for ``do_remote_prefill`` (P→D); None when the params ask for no read."""
-    if not params.get("remote_block_ids"):
+    read by decode for ``do_remote_prefill`` (P→D); None when the params ask for no read, or
+    the request's one read was already set up (``_remote_blocks_processed``: a preempted
+    request allocated again reads nothing, pull_scheduler.py:130-134, 188-189)."""
+    if not params.get("remote_block_ids") or params.get("_remote_blocks_processed"):
         return None
     if params.get("do_remote_decode"):
         return semconv.DIRECTION_D_TO_P

@@ -254,6 +254,10 @@ def _pull_log(path: Path, style: str) -> Path:
             "Num remote_block_ids: %s. ", pulled, "decode-engine-0", 24, 25)
     log.log(_at(1000) + 1, logging.DEBUG, "scheduler.py:3570",
             "Finished recving KV transfer for request %s", pulled)
+    # Preempted and allocated again: its one read was set up already, so nothing is read.
+    _allocation(log, _at(1000) + 1, 16, 384, {
+        **_params("chatcmpl-r-0-1-aaaaaaaa", 400, [*range(25)]),
+        "_remote_blocks_processed": True})
     # CONV_1 turn 2: prefill's own cache covers the offer, so it only notifies decode
     # (num_external_tokens 0); the handshake for that notification fails.
     notify = "chatcmpl-r-1-2-Qw12Er34"
@@ -301,7 +305,7 @@ def test_every_format_gives_the_same_evidence(tmp_path: Path, style: str) -> Non
     assert log.events[0].offered_request_id == "chatcmpl-r-0-1-aaaaaaaa"
     # The notify-only request's failed handshake is no read (vLLM drops it).
     assert log.counts["notify_only_failures"] == 1
-    assert log.counts["allocations_without_read"] == 2
+    assert log.counts["allocations_without_read"] == 3
     assert log.counts["remote_metadata_invalidated"] == 1
     assert log.invalidated_remote_engines == ["decode-engine-0"]
     assert log.engine == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480}
