@@ -21,6 +21,7 @@ from kvscope import semconv
 from kvscope.collector.ingest import KINDS, detect, ingest, server_log
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
+from kvscope.store.rows import TraceRows
 from tests.collector.test_ingest import _count, _ledger
 from tests.collector.test_ingest_proxy_log import (
     T0,
@@ -351,3 +352,24 @@ def test_a_pull_the_log_shows_is_reused_in_the_ledger(tmp_path: Path) -> None:
     # Prefill's log shows no decision for it: what it reused is not measured.
     assert notify["remote_reused_tokens"] is None
     assert notify["recomputed_reusable_tokens"] is None
+
+
+def test_a_decode_log_s_pull_is_a_p_to_d_read_and_no_reuse_decision(tmp_path: Path) -> None:
+    """On decode, an allocation with do_remote_prefill is its P→D read of prefill's blocks:
+    a read, never a reuse decision (those are prefill's)."""
+    log = ServerLogFile(tmp_path / "decode.log")
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "prefill-engine-0",
+              "remote_request_id": "chatcmpl-r-0-1-pppppppp", "remote_host": "10.0.0.1",
+              "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 47}
+    _allocation(log, _at(0), 0, 47, params)
+    log.log(_at(0) + 1, logging.DEBUG, "scheduler.py:3570",
+            "Finished recving KV transfer for request %s", "chatcmpl-r-0-1-dddddddd")
+    parsed = server_log.read_decode(log.write())
+    assert [(e.what, e.direction) for e in parsed.events] == [
+        (semconv.DECISION_PULL, semconv.DIRECTION_P_TO_D),
+        (semconv.TRANSFER_OK, semconv.DIRECTION_P_TO_D)]
+    rows = TraceRows()
+    assert server_log.add_spans(parsed, "run", rows) == 1  # the read only
+    table = rows.to_arrow().to_pylist()
+    assert [r["SpanName"] for r in table] == [semconv.SPAN_KV_TRANSFER]
