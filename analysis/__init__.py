@@ -16,7 +16,7 @@ imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "ladder", "ledger", "live_metrics", "live_queries",
-    "published", "registry",
-    "retention", "reuse", "runs", "sources", "task_time", "verdict", "whatif", "windows",
+    "causes", "compare", "ladder", "ledger", "live_metrics", "live_queries", "published",
+    "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time", "verdict",
+    "whatif", "windows",
 ]

@@ -62,7 +62,9 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
         later.group_by(["run_id", "outcome"], maintain_order=True)
         .agg(
             pl.len().alias("turns"),
-            pl.col("recomputed_reusable_tokens").sum().alias("recomputed_tokens"),
+            # Null where no turn's count was measured (never a sum of nothing shown as 0).
+            pl.when(pl.col("recomputed_reusable_tokens").is_not_null().any())
+            .then(pl.col("recomputed_reusable_tokens").sum()).alias("recomputed_tokens"),
             pl.col("x_request_id").head(examples).str.join(", ").alias("example_requests"),
             pl.col("evidence").first().alias("example_evidence"),
         )

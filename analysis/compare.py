@@ -164,7 +164,9 @@ def run_stats(ledger: pl.DataFrame) -> pl.DataFrame:
         .agg(
             pl.col("task_s").quantile(0.5, "linear").alias("task_time_p50_s"),
             pl.col("task_s").quantile(0.9, "linear").alias("task_time_p90_s"),
-            pl.col("task_s").sum().alias("task_time_total_s"),
+            # A run with no task time measured (no turn ends) has no total, not 0.
+            pl.when(pl.col("task_s").is_not_null().any()).then(pl.col("task_s").sum())
+            .alias("task_time_total_s"),
         )
     )
     joined = per_turn.join(tasks, on="run_id", how="left").with_columns(

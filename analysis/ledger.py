@@ -794,9 +794,13 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         offered_tokens.alias("offered_tokens"),
     )
     # P's evidence: the final schedule's local hit (after a preemption or recompute it is what
-    # the request ran with); a read counts when it moved bytes and finished ok.
+    # the request ran with); a read counts when it moved bytes and finished ok. A server log
+    # names no bytes (null, not 0): its read counts when it finished ok.
     read_ok = (pl.col("d2p_status") == semconv.TRANSFER_OK) & (
-        pl.col("d2p_bytes").fill_null(0) > 0)
+        pl.col("d2p_bytes").fill_null(1) > 0)
+    # Whether prefill's engine left any evidence for the turn (hooks or a server log): without
+    # it, what the turn reused from decode is not measured (null), not 0.
+    engine_seen = pl.col("decision").is_not_null() | pl.col("d2p_status").is_not_null()
     # Decode's reaper released the handle before the READ finished (D frees blocks on the
     # READ's notification, so a release by the reaper before then left the READ reading freed
     # blocks: P reports success, D logs "Potentially invalid KV blocks").
@@ -806,15 +810,18 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         pl.col("retention_released_at") <= read_end)
     preempted = read_ok & (pl.col("decisions").fill_null(0) > 1)
     reusable_col = pl.col("reusable_tokens")
-    local = pl.when(pl.col("errored")).then(pl.lit(0, pl.Int64)).otherwise(
-        pl.min_horizontal(pl.col("final_local_hit"), reusable_col))
+    # min_horizontal skips nulls: an unmeasured hit (or reusable span) stays unmeasured.
+    local = (pl.when(pl.col("errored")).then(pl.lit(0, pl.Int64))
+             .when(pl.col("final_local_hit").is_null()).then(pl.lit(None, pl.Int64))
+             .otherwise(pl.min_horizontal(pl.col("final_local_hit"), reusable_col)))
     reach = pl.col("decision_local_hit") + pl.col("to_pull_tokens")
     remote = (
-        pl.when(pl.col("errored") | ~read_ok.fill_null(False) | stale.fill_null(False)
-                | preempted.fill_null(False))
+        pl.when(pl.col("errored") | stale.fill_null(False) | preempted.fill_null(False))
         .then(pl.lit(0, pl.Int64))
-        # min_horizontal skips nulls: an unmeasured reusable span leaves remote unmeasured.
-        .when(reusable_col.is_null()).then(pl.lit(None, pl.Int64))
+        .when(~engine_seen).then(pl.lit(None, pl.Int64))
+        .when(~read_ok.fill_null(False)).then(pl.lit(0, pl.Int64))
+        # A read whose reach (own hit + tokens pulled) or reusable span was not measured.
+        .when(reusable_col.is_null() | reach.is_null()).then(pl.lit(None, pl.Int64))
         .otherwise((pl.min_horizontal(reach, reusable_col) - local).clip(lower_bound=0))
     )
     ledger = ledger.with_columns(
@@ -823,8 +830,9 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         preempted.fill_null(False).alias("_preempted"),
         read_ok.fill_null(False).alias("_read_ok"),
     ).with_columns(remote.alias("remote_reused_tokens")).with_columns(
-        (reusable_col - pl.col("local_hit_tokens").fill_null(0)
-         - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
+        # Null when either part was not measured: the rest is not known to be recomputed.
+        (reusable_col - pl.col("local_hit_tokens")
+         - pl.col("remote_reused_tokens")).alias("recomputed_reusable_tokens"),
     )
     ledger = _validity(ledger)
     ledger = _label(ledger)

@@ -180,11 +180,14 @@ def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[
     later = c("turn_index") >= 2
     measured = later & c("reusable_tokens").is_not_null()
     keys = ["unit", "run_id_label", "model_label", "engine_label"]
+    measured_sums = {REUSABLE_TOKENS: c("reusable_tokens").filter(later),
+                     REUSED_LOCAL_TOKENS: c("local_hit_tokens").filter(measured),
+                     REUSED_REMOTE_TOKENS: c("remote_reused_tokens").filter(measured),
+                     RECOMPUTED_TOKENS: c("recomputed_reusable_tokens").filter(later)}
     tokens = frame.group_by(keys).agg(
-        c("reusable_tokens").filter(later).sum().alias(REUSABLE_TOKENS),
-        c("local_hit_tokens").filter(measured).sum().alias(REUSED_LOCAL_TOKENS),
-        c("remote_reused_tokens").filter(measured).sum().alias(REUSED_REMOTE_TOKENS),
-        c("recomputed_reusable_tokens").filter(later).sum().alias(RECOMPUTED_TOKENS),
+        *(values.sum().alias(name) for name, values in measured_sums.items()),
+        # Values measured per sum: a unit with none adds no series (absent, not 0).
+        *(values.count().alias(f"_measured {name}") for name, values in measured_sums.items()),
         (c("outcome") == outcomes.REUSED_INVALID).sum().alias(INVALID_REUSE_TURNS),
         c("invalid_tokens").filter(c("outcome") == outcomes.REUSED_INVALID).sum()
         .alias(INVALID_REUSE_TOKENS),
@@ -199,7 +202,8 @@ def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[
         into = result.setdefault(row["unit"], {})
         for name in (REUSABLE_TOKENS, REUSED_LOCAL_TOKENS, REUSED_REMOTE_TOKENS,
                      RECOMPUTED_TOKENS, INVALID_REUSE_TURNS):
-            into[(name, labels)] = float(row[name] or 0)
+            if row.get(f"_measured {name}", 1):
+                into[(name, labels)] = float(row[name] or 0)
         # Not measured is not 0: no invalid turn with a counted size, no invalid-token series.
         if row["invalid_tokens_counted"]:
             into[(INVALID_REUSE_TOKENS, labels)] = float(row[INVALID_REUSE_TOKENS])
@@ -259,7 +263,8 @@ class LiveLedger:
         self._frames: dict[str, pl.DataFrame] = {}
         self._models: pl.DataFrame | None = None
         self._totals: dict[SeriesKey, float] = {}
-        self._contributors: dict[SeriesKey, int] = {}  # units contributing to each total
+        # How many units contribute to each series: a series none measures is absent, not 0.
+        self._contributors: dict[SeriesKey, int] = {}
         self._gauges: dict[SeriesKey, tuple[object, float]] = {}  # → (sample time, value)
         self._transfer_bytes: dict[Labels, float] = {}
         self._transfers: dict[Labels, float] = {}

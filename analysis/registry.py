@@ -117,6 +117,7 @@ MODULES = (
     "kvscope.analysis.ladder",
     "kvscope.analysis.verdict",
     "kvscope.analysis.sources",
+    "kvscope.analysis.reconcile",
 )
 _loaded = False
 

@@ -36,12 +36,18 @@ COLUMNS: dict[str, pl.DataType] = {
 }
 
 
+def _measured_sum(values: pl.Expr) -> pl.Expr:
+    """The sum of the values measured; null when none was (a sum of nothing is not 0)."""
+    return pl.when(values.is_not_null().any()).then(values.sum())
+
+
 def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -> pl.DataFrame:
     """Reuse over turns k ≥ 2, grouped by ``by`` (pure: no I/O).
 
-    Token-weighted rate = Σ(local + remote) / Σ reusable over turns whose reusable count was
-    measured; turn-weighted rate = mean of per-turn (local + remote) / reusable over turns with
-    reusable > 0. Rates are null where nothing was measured (never shown as 0).
+    Token-weighted rate = Σ(local + remote) / Σ reusable over turns whose reusable, local and
+    remote counts were measured; turn-weighted rate = mean of per-turn (local + remote) /
+    reusable over such turns with reusable > 0. Rates and sums are null where nothing was
+    measured (never shown as 0).
     """
     later = ledger.filter(pl.col("turn_index") >= 2)
     if by == "window":
@@ -49,21 +55,27 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
             pl.col("arrival").dt.truncate(f"{max(int(window_s), 1)}s").alias("window_start")
         )
     keys = _GROUP_COLUMNS[by]
-    measured = pl.col("reusable_tokens").is_not_null()
-    reused = pl.col("local_hit_tokens").fill_null(0) + pl.col("remote_reused_tokens").fill_null(0)
-    per_turn = pl.when(pl.col("reusable_tokens") > 0).then(reused / pl.col("reusable_tokens"))
+    # A turn is measured when its reusable span and both parts reused from it were: a turn
+    # whose engine left no evidence has no local or remote count (null), and is left out.
+    measured = (pl.col("reusable_tokens").is_not_null()
+                & pl.col("local_hit_tokens").is_not_null()
+                & pl.col("remote_reused_tokens").is_not_null())
+    reused = pl.col("local_hit_tokens") + pl.col("remote_reused_tokens")
+    per_turn = pl.when(measured & (pl.col("reusable_tokens") > 0)).then(
+        reused / pl.col("reusable_tokens"))
     grouped = later.group_by(keys, maintain_order=True).agg(
         pl.len().alias("turns"),
         measured.sum().alias("measured_turns"),
-        pl.col("reusable_tokens").sum().alias("reusable_tokens"),
-        pl.col("local_hit_tokens").filter(measured).sum().alias("local_tokens"),
-        pl.col("remote_reused_tokens").filter(measured).sum().alias("remote_tokens"),
-        pl.col("recomputed_reusable_tokens").sum().alias("recomputed_tokens"),
+        _measured_sum(pl.col("reusable_tokens")).alias("reusable_tokens"),
+        pl.col("reusable_tokens").filter(measured).sum().alias("_measured_reusable"),
+        _measured_sum(pl.col("local_hit_tokens").filter(measured)).alias("local_tokens"),
+        _measured_sum(pl.col("remote_reused_tokens").filter(measured)).alias("remote_tokens"),
+        _measured_sum(pl.col("recomputed_reusable_tokens")).alias("recomputed_tokens"),
         per_turn.mean().alias("turn_reuse_rate"),
         pl.col("outcome").is_in(REUSED).sum().alias("turns_fully_reused"),
         (pl.col("outcome") == outcomes.UNKNOWN).sum().alias("turns_unknown"),
     )
-    total = pl.col("reusable_tokens")
+    total = pl.col("_measured_reusable")
     return grouped.with_columns(
         pl.when(total > 0).then((pl.col("local_tokens") + pl.col("remote_tokens")) / total)
         .alias("token_reuse_rate"),

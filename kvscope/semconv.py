@@ -60,6 +60,8 @@ SERVICE_DECODE = "vllm-decode"
 SERVICE_GPU_SAMPLER = "kvscope-gpu-sampler"
 # Turns read from vLLM's multi-turn benchmark's --stats-json-output (kvscope ingest).
 SERVICE_VLLM_BENCHMARK = "vllm-multi-turn-benchmark"
+# Turns read from kvscope replay --output (kvscope ingest).
+SERVICE_KVSCOPE_REPLAY = "kvscope-replay"
 # Turns read from a proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy's turn lines).
 SERVICE_PROXY_LOG = "vllm-disagg-proxy"
 # Spans read from a vLLM server's log whose role (prefill or decode) the log did not show.
@@ -75,6 +77,11 @@ SPAN_TURN = _span(
 SPAN_INPUT_PROCESSING = _span(
     "kvscope.input_processing",
     "The prefill leg: P queue, D->P pull, prefill compute and the first token.",
+)
+SPAN_TURN_ATTEMPT = _span(
+    "kvscope.turn_attempt",
+    "A request that failed and that a later request of its conversation repeated (a retry): "
+    "evidence of the turn, not a turn of its own.",
 )
 SPAN_GENERATION = _span("kvscope.generation", "The decode leg: P->D pull and decode.")
 SPAN_TOOL_WAIT = _span(
@@ -105,6 +112,13 @@ GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = _attr(
 
 # --- turn (proxy) -------------------------------------------------------------------------------
 TURN_INDEX = _attr("kvscope.turn.index", "", "1-based turn number within its conversation.")
+TURN_ATTEMPTS = _attr(
+    "kvscope.turn.attempts", "",
+    "Requests sent for this turn: the failed ones a client retried, plus the one recorded.",
+)
+RETRIED_BY_REQUEST_ID = _attr(
+    "kvscope.turn.retried_by", "", "X-Request-Id of the request that repeated a failed attempt."
+)
 CONVERSATION_ID_SOURCE = _attr(
     "kvscope.conversation.id_source", "", "Where the id came from: body, header or none."
 )
@@ -169,6 +183,12 @@ MESSAGE_ROLES = _attr(
 )
 PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
 CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
+DECODE_CACHED_TOKENS = _attr(
+    "kvscope.decode.cached_tokens", "tokens",
+    "Cached prompt tokens decode reported (its stream's usage.prompt_tokens_details."
+    "cached_tokens, with --enable-prompt-tokens-details and include_usage): its own prefix "
+    "hit plus what it loaded from prefill.",
+)
 D_METADATA_ATTACHED = _attr(
     "kvscope.d_metadata_attached", "", "Whether decode's retained-KV metadata went to prefill."
 )

@@ -45,12 +45,13 @@ pip() { "$PY" -m pip install --quiet "$@" 2> >(grep -v "^WARNING: Location" >&2)
 pip "torch==2.13.0"
 # 2. vLLM without its declared deps: they would pull CUDA torch, triton, flashinfer, nvidia-*.
 pip --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
-# 3. The light runtime packages vLLM's scheduler-side imports need (ranges from its metadata).
+# 3. The light runtime packages vLLM's scheduler-side imports need (ranges from its metadata),
+#    and python-json-logger, vLLM's --log-formatter json (the server-log contract tests).
 pip packaging psutil "pyzmq>=25" urllib3 regex numpy "transformers>=5.16.1,<5.21.0" cbor2 \
   "aiohttp>=3.14.4" "requests>=2.33" "oss-harmony>=0.0.11" "openai>=2.25" "pillow>=13" \
   pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo "prometheus_client>=0.18" \
   "apache-tvm-ffi==0.1.11" "fastapi>=0.133,<0.137" partial-json-parser "llguidance>=1.7,<1.8" \
-  einops "pydantic>=2.12"
+  einops "pydantic>=2.12" python-json-logger
 # 4. NIXL (after CPU torch, so it does not drag a CUDA stack).
 pip "nixl==1.5.1"
 # 5. kvscope itself, without plotly/dash: only what the hooks and OTLP export import.

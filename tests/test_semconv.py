@@ -57,6 +57,8 @@ def test_every_design_span_and_metric_is_declared() -> None:
     assert spans == {
         "kvscope.turn", "kvscope.input_processing", "kvscope.generation", "kvscope.tool_wait",
         "kvscope.reuse_decision", "kvscope.kv_transfer", "kvscope.kv_retention",
+        # A failed request a client retried (kvscope ingest of a proxy log; issue 30).
+        "kvscope.turn_attempt",
     }
     assert {c.name for c in semconv.metrics()} >= {
         "kvscope.gpu.memory.used_bytes", "kvscope.gpu.memory.total_bytes",

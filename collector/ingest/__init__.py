@@ -5,14 +5,23 @@ one command becomes one run in ``kvscope_runs``, whose settings list each file's
 SHA-256. Kinds:
 
     vllm-bench-stats   vLLM's multi-turn benchmark --stats-json-output (:mod:`.bench_stats`)
+    kvscope-replay     kvscope replay --output's JSON lines (:mod:`.replay_records`), read as
+                       the benchmark's stats are (joined to a proxy log the same way)
     vllm-proxy-log     vLLM's disagg_proxy_multiturn.py log, or kvscope proxy's turn lines
                        (:mod:`.proxy_log`)
     vllm-server-log    a vLLM server's log, role not named (:mod:`.server_log`); named:
     vllm-prefill-log   ... a prefill server's
     vllm-decode-log    ... a decode server's (the direction of a failed read is the role's)
+    vllm-metrics       a snapshot of a vLLM server's /metrics (:mod:`.vllm_metrics`): vLLM's
+                       own reuse counters, recorded with the run for reconciliation; named:
+    vllm-prefill-metrics, vllm-decode-metrics
+    weka-kv-cache-tester  an output file of the WEKA kv-cache-tester (:mod:`.weka_tester`):
+                       what it measured, recorded with the run (no turn spans)
 
 A source written ``KIND:PATH`` names that file's kind (e.g. ``vllm-prefill-log:p.log``);
-``--kind`` names every source's.
+``--kind`` names every source's. A source ``http://HOST:PORT/metrics`` (or
+``vllm-prefill-metrics:http://...``) is a vLLM server's ``/metrics``, scraped when the command
+runs.
 
 A run's benchmark stats and proxy logs are joined (:mod:`.join`): a client turn takes the
 proxy's evidence for the request that served it, so each turn is one ledger row.
@@ -32,13 +41,21 @@ engine spans alone give way to them.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvscope import semconv
-from kvscope.collector.ingest import bench_stats, proxy_log, server_log
+from kvscope.collector.ingest import (
+    bench_stats,
+    proxy_log,
+    replay_records,
+    server_log,
+    vllm_metrics,
+    weka_tester,
+)
 from kvscope.collector.ingest.join import join
 from kvscope.errors import IngestError
 from kvscope.files import read_limited
@@ -50,6 +67,7 @@ from kvscope.store.writer import insert_arrow
 _SOURCE = "kvscope ingest"
 # Enough of a file to tell its kind.
 _HEAD_BYTES = 4096
+_URL_SCHEMES = ("http://", "https://")
 
 
 class Parsed(Protocol):
@@ -82,6 +100,10 @@ KINDS: dict[str, Kind] = {
         bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
         bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
     ),
+    replay_records.KIND: Kind(
+        replay_records.KIND, "kvscope replay --output (JSON lines, one per request)",
+        replay_records.looks_like, replay_records.read, bench_stats.add_spans,
+    ),
     proxy_log.KIND: Kind(
         proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
         proxy_log.looks_like, proxy_log.read, proxy_log.add_spans,
@@ -98,6 +120,24 @@ KINDS: dict[str, Kind] = {
     server_log.KIND_DECODE: Kind(
         server_log.KIND_DECODE, "a vLLM decode server's log", lambda head: False,
         server_log.read_decode, server_log.add_spans,
+    ),
+    vllm_metrics.KIND: Kind(
+        vllm_metrics.KIND, "a snapshot of a vLLM server's /metrics (Prometheus text), role not "
+        "named (name it: vllm-prefill-metrics:FILE)",
+        vllm_metrics.looks_like, vllm_metrics.read, vllm_metrics.add_spans,
+    ),
+    vllm_metrics.KIND_PREFILL: Kind(
+        vllm_metrics.KIND_PREFILL, "a snapshot of a vLLM prefill server's /metrics",
+        lambda head: False, vllm_metrics.read_prefill, vllm_metrics.add_spans,
+    ),
+    vllm_metrics.KIND_DECODE: Kind(
+        vllm_metrics.KIND_DECODE, "a snapshot of a vLLM decode server's /metrics",
+        lambda head: False, vllm_metrics.read_decode, vllm_metrics.add_spans,
+    ),
+    weka_tester.KIND: Kind(
+        weka_tester.KIND, "an output of the WEKA kv-cache-tester (detailed_results, "
+        "summary_trace_replay, user_lifecycle CSV or test_metadata.json): recorded with the run",
+        weka_tester.looks_like, weka_tester.read, weka_tester.add_spans,
     ),
 }
 
@@ -144,6 +184,18 @@ def _named(source: str | Path) -> tuple[str | None, Path]:
     if sep and prefix in KINDS and not Path(text).exists():
         return prefix, Path(rest)
     return None, Path(source)
+
+
+def _scraped(source: str | Path, scratch: Path) -> tuple[str, Path] | None:
+    """A live ``/metrics`` URL (``http://HOST:PORT/metrics``, or ``vllm-prefill-metrics:URL``)
+    scraped now into ``scratch``: (its kind, the snapshot); None for a file."""
+    text = str(source)
+    prefix, sep, rest = text.partition(":")
+    if sep and prefix in KINDS and rest.startswith(_URL_SCHEMES):
+        return prefix, vllm_metrics.scrape(rest, scratch)
+    if text.startswith(_URL_SCHEMES):
+        return vllm_metrics.KIND, vllm_metrics.scrape(text, scratch)
+    return None
 
 
 def _recorded(con: Any) -> dict[str, tuple[str, str, str]]:
@@ -212,8 +264,9 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
         raise IngestError(f"unknown --kind {kind!r} (known: {', '.join(KINDS)})")
     parsed: list[tuple[Path, Kind, Parsed]] = []
     first_seen: dict[str, Path] = {}
+    scratch = tempfile.TemporaryDirectory(prefix="kvscope-ingest-")
     for source in sources:
-        named, path = _named(source)
+        named, path = _scraped(source, Path(scratch.name)) or _named(source)
         name = named or kind
         source_kind = KINDS[name] if name is not None else detect(path)
         content = source_kind.read(path)
@@ -222,6 +275,8 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                               "twice; nothing was written")
         first_seen[content.sha256] = path
         parsed.append((path, source_kind, content))
+    # Scraped snapshots were read whole (on an error above, the directory's finalizer removes it).
+    scratch.cleanup()
     label = run_label or f"{_SOURCE} {', '.join(path.name for path, _, _ in parsed)}"
     joined = join([c for _, _, c in parsed if isinstance(c, bench_stats.BenchStats)],
                   [c for _, _, c in parsed if isinstance(c, proxy_log.ProxyLog)])

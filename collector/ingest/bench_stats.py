@@ -39,6 +39,8 @@ from kvscope import semconv
 from kvscope.collector.ingest.spans import (
     KIND_CLIENT,
     KIND_INTERNAL,
+    STATUS_ERROR,
+    STATUS_UNSET,
     add_span,
     ingest_id,
     read_source,
@@ -89,10 +91,14 @@ class BenchTurn:
     start_ns: int
     latency_ns: int
     ttft_ms: float | None
-    tpot_ms: float
+    tpot_ms: float | None
     input_tokens: int
-    output_tokens: int
-    client_id: int
+    output_tokens: int | None
+    client_id: int | None
+    # A failed request (kvscope replay's records; the benchmark writes successes only): its
+    # error; and the earlier failed attempts of the same turn (their line, start, error).
+    error: str | None = None
+    failed_attempts: tuple[tuple[int, int, str], ...] = ()
     # The proxy's record of the same request, when the run's proxy log was joined (.join).
     proxy: ProxyRequest | None = None
 
@@ -110,6 +116,9 @@ class BenchStats:
     turns: list[BenchTurn]
     # Added to the file's clock to give Unix time: its last end lands on the file's mtime.
     clock_offset_ns: int
+    # Who wrote it (kvscope replay's records are read into the same shape, .replay_records).
+    kind: str = "vllm-bench-stats"
+    service: str = semconv.SERVICE_VLLM_BENCHMARK
 
     @property
     def records(self) -> int:
@@ -117,6 +126,8 @@ class BenchStats:
 
     def run_settings(self) -> dict[str, Any]:
         """The clock anchor, recorded with the run (the file's times are perf_counter)."""
+        if self.kind != KIND:
+            return {"clock": "Unix time, as recorded"}
         return {"clock": "perf_counter, last end at the file's mtime",
                 "clock_offset_ns": self.clock_offset_ns}
 
@@ -281,7 +292,7 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     a proxy log was joined to carries its router evidence; the log adds its legs)."""
     from kvscope.collector.ingest import proxy_log
 
-    resource_attrs = resource(semconv.SERVICE_VLLM_BENCHMARK, run_id, KIND, stats.path.name)
+    resource_attrs = resource(stats.service, run_id, stats.kind, stats.path.name)
     offset = stats.clock_offset_ns
     ends: dict[tuple[str, int], int] = {
         (t.conversation_id, t.turn_index): t.end_ns for t in stats.turns
@@ -289,12 +300,14 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     added = 0
 
     def add(name: str, trace_id: str, span_id: str, parent: str, kind: str, start_ns: int,
-            end_ns: int, values: dict[str, Any], events: list[tuple[int, str, Attrs]]) -> None:
+            end_ns: int, values: dict[str, Any], events: list[tuple[int, str, Attrs]],
+            error: str | None = None) -> None:
         # Times in the file's clock: moved onto the Unix clock by the file's offset.
-        add_span(rows, resource_attrs=resource_attrs, service=semconv.SERVICE_VLLM_BENCHMARK,
+        add_span(rows, resource_attrs=resource_attrs, service=stats.service,
                  name=name, trace_id=trace_id, span_id=span_id, parent=parent, kind=kind,
                  start_ns=start_ns + offset, end_ns=end_ns + offset, values=values,
-                 events=events)
+                 events=events, status=STATUS_ERROR if error is not None else STATUS_UNSET,
+                 status_message=error or "")
 
     for turn in stats.turns:
         key = (turn.conversation_id, turn.turn_index)
@@ -308,6 +321,8 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             semconv.CLIENT_OUTPUT_TOKENS: turn.output_tokens,
             semconv.CLIENT_TPOT_MS: turn.tpot_ms,
             semconv.CLIENT_ID: turn.client_id,
+            semconv.TURN_ATTEMPTS: (len(turn.failed_attempts) + 1 if turn.failed_attempts
+                                    else None),
         }
         if turn.proxy is not None:
             values.update(proxy_log.turn_values(turn.proxy))
@@ -317,8 +332,17 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
             events.append((turn.start_ns + offset + round(turn.ttft_ms * _NS_PER_MS),
                            semconv.EVENT_FIRST_TOKEN, []))
         add(semconv.SPAN_TURN, trace_id, span_id, "", KIND_CLIENT, turn.start_ns,
-            turn.end_ns, values, events)
+            turn.end_ns, values, events, turn.error)
         added += 1
+        for line, start_ns, error in turn.failed_attempts:
+            # A failed request the client repeated: evidence of the turn, not a turn.
+            add(semconv.SPAN_TURN_ATTEMPT, ingest_id(stats.sha256, *key, line, "trace", size=16),
+                ingest_id(stats.sha256, *key, line, "attempt", size=8), "", KIND_CLIENT,
+                start_ns, start_ns, {semconv.GEN_AI_CONVERSATION_ID: turn.conversation_id,
+                                     semconv.TURN_INDEX: turn.turn_index,
+                                     semconv.TURN_OBSERVER: semconv.OBSERVER_CLIENT,
+                                     semconv.DURATION_MEASURED: False}, [], error)
+            added += 1
         previous_end = ends.get((turn.conversation_id, turn.turn_index - 1))
         if previous_end is not None and previous_end <= turn.start_ns:
             add(semconv.SPAN_TOOL_WAIT, trace_id, ingest_id(stats.sha256, *key, "wait", size=8),

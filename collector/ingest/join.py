@@ -60,7 +60,8 @@ def join(stats: Sequence[BenchStats], logs: Sequence[ProxyLog]) -> int:
     requests: dict[str | None, list[ProxyRequest]] = {}
     for log in logs:
         for request in log.requests:
-            requests.setdefault(request.conversation_id, []).append(request)
+            if request.retried_by is None:  # a retried attempt served no client turn
+                requests.setdefault(request.conversation_id, []).append(request)
     joined = sum(_take(turns.get(conv, []), found)
                  for conv, found in requests.items() if conv is not None)
     left = [item for items in turns.values() for item in items if item[0].proxy is None]

@@ -28,6 +28,17 @@ id whose prefill finished and for which no ``cached D blocks`` line followed had
 decode (vLLM logs the line whenever decode returned params for a conversation, dpm.py:288-292,
 dpm.py:340-344); without a conversation id that is not logged either way (not measured).
 
+Failures: vLLM's proxy lets an upstream error propagate, so uvicorn logs the 5xx it answered
+(its access line) and the traceback, whose exception line is the cause (an
+``httpx.HTTPStatusError`` names the upstream's status). Neither names the request: a failure is
+placed on the only request in its prefill leg at that point (no ``Prefill done`` yet), and
+counted as not placed (``errors_not_placed``) when several or none were; a failure after the
+prefill leg (in decode's stream) is not placed. A request that follows a failed one of the
+same conversation repeats its turn (a client sends the next turn only after a response): it
+takes the failed one's turn index and ``kvscope.turn.attempts``, and the failed one becomes a
+``kvscope.turn_attempt`` span (its cause and status kept, no extra turn). A failed request no
+request repeated is an errored turn with its cause as the span's status message.
+
 Lines of other loggers (uvicorn's access log, tracebacks) and proxy lines of no known pattern
 are counted (``unknown_lines``), not errors. A file that is not UTF-8, a proxy line whose time
 does not parse, or a file named a proxy log with no proxy line at all is an IngestError naming
@@ -46,11 +57,12 @@ from kvscope import semconv
 from kvscope.collector.ingest.spans import (
     KIND_CLIENT,
     KIND_SERVER,
+    STATUS_ERROR,
+    STATUS_UNSET,
     LineCounts,
     add_span,
     count_value,
     ingest_id,
-    matching_lines,
     measure_value,
     read_source,
     resource,
@@ -95,6 +107,19 @@ _PREFILL = re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>\d+)ms$")
 # "Ready: %d prefill, %d decode instances" (dpm.py:369): known, carries nothing per turn.
 _READY = re.compile(r"^Ready: \d+ prefill, \d+ decode instances$")
 
+# Failures. vLLM's proxy lets an upstream error propagate (dpm.py _send_to_prefill and
+# _stream_from_decode call raise_for_status): uvicorn, run with its default log config
+# (dpm.py __main__), logs the access line with the status its error handler sent
+# (uvicorn/logging.py AccessFormatter: '%(levelprefix)s %(client_addr)s - "%(request_line)s"
+# %(status_code)s') and "Exception in ASGI application" with the traceback, whose last
+# unindented line is the exception (the cause).
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ACCESS = re.compile(r'^(?:INFO|WARNING|ERROR):\s+\S+ - "(?P<method>[A-Z]+) \S+ HTTP/[\d.]+" '
+                     r"(?P<status>\d{3})\b")
+_TRACEBACK = re.compile(r"^(?:\+ Exception Group )?Traceback \(most recent call last\):$")
+_EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Timeout|Failure))"
+                        r"(?::\s*(?P<message>.*))?$")
+
 _NS_PER_S = 1_000_000_000
 _NS_PER_MS = 1_000_000
 
@@ -117,12 +142,23 @@ class ProxyRequest:
     decode_request_id: str | None = None
     retention_blocks: int | None = None
     cached_ns: int | None = None
+    # A failure the log placed on this request: its cause (the exception line) and HTTP status.
+    error_cause: str | None = None
+    error_status: int | None = None
+    # The request that repeated this failed one (a client's retry of the same turn), and how
+    # many requests this turn took up to this one.
+    retried_by: str | None = None
+    attempts: int = 1
     # (trace id, span id) of the client's record of the same turn, when one took this request's
     # evidence (kvscope ingest's join): the legs hang under it.
     joined_to: tuple[str, str] | None = None
     # The log it came from (span ids and resource).
     file_sha256: str = ""
     file_name: str = ""
+
+    @property
+    def errored(self) -> bool:
+        return self.error_cause is not None or self.error_status is not None
 
     @property
     def params_returned(self) -> bool | None:
@@ -144,6 +180,9 @@ class ProxyLog:
     lines: int
     unknown_lines: int
     writers: list[str] = field(default_factory=list)
+    # Failures the log shows that no single request could take (several were in their
+    # prefill leg, or none was).
+    errors_not_placed: int = 0
 
     @property
     def records(self) -> int:
@@ -152,7 +191,8 @@ class ProxyLog:
     def run_settings(self) -> dict[str, Any]:
         """What the run records about this log."""
         return {"clock": "the proxy host's local time, as logged", "writers": self.writers,
-                "lines": self.lines, "unknown_lines": self.unknown_lines}
+                "lines": self.lines, "unknown_lines": self.unknown_lines,
+                "errors_not_placed": self.errors_not_placed}
 
 
 def looks_like(head: str) -> bool:
@@ -168,6 +208,68 @@ def _time_ns(path: Path, number: int, stamp: str, ms: str | None) -> int:
     return int(moment.timestamp()) * _NS_PER_S + int(ms or 0) * _NS_PER_MS
 
 
+@dataclass
+class _Failures:
+    """Places the failures a log shows (an access line of status >= 500, a traceback) on the
+    request that failed: the only one in its prefill leg (no ``Prefill done`` yet) when the
+    failure is logged. A traceback and a 5xx access line with no proxy line between them are
+    one failure (uvicorn logs both, in either order)."""
+
+    in_prefill: dict[str, ProxyRequest] = field(default_factory=dict)
+    last: ProxyRequest | None = None
+    not_placed: int = 0
+    in_traceback: bool = False
+    cause: str | None = None
+
+    def proxy_line(self) -> None:
+        """A proxy line ends a traceback, and what follows is a new failure."""
+        self.end_traceback()
+        self.last = None
+
+    def end_traceback(self) -> None:
+        if self.in_traceback:
+            self.in_traceback = False
+            if self.cause is not None:
+                self.failed(self.cause, None)
+
+    def failed(self, cause: str | None, status: int | None) -> None:
+        last = self.last
+        if last is not None and (cause is None or last.error_cause is None) and (
+                status is None or last.error_status is None):
+            # The other half of the failure just logged (placed or not).
+            last.error_cause = last.error_cause or cause
+            last.error_status = last.error_status or status
+            return
+        if len(self.in_prefill) != 1:
+            self.not_placed += 1
+            # Holds the halves seen, so the other half is not counted again.
+            self.last = ProxyRequest(0, "", None, None, 0, 0, "", error_cause=cause,
+                                     error_status=status)
+            return
+        (request,) = self.in_prefill.values()
+        self.in_prefill.clear()
+        request.error_cause, request.error_status = cause, status
+        self.last = request
+
+    def other_line(self, raw: str) -> None:
+        """A line of another logger: uvicorn's access line, a traceback, or neither."""
+        line = _ANSI.sub("", raw)
+        if _TRACEBACK.match(line):
+            self.end_traceback()
+            self.in_traceback, self.cause = True, None
+            return
+        if self.in_traceback:
+            if found := _EXCEPTION.match(line):
+                self.cause = line  # a chained exception's line replaces the one before
+                return
+            if line[:1] in (" ", "\t", "|", "+", "^", "~") or not line.strip() or (
+                    line.startswith(("During handling", "The above exception"))):
+                return
+        self.end_traceback()
+        if (found := _ACCESS.match(line)) and int(found["status"]) >= 500:
+            self.failed(None, int(found["status"]))
+
+
 def read(path: Path) -> ProxyLog:
     """Parse one proxy log; IngestError names the file and line of a problem."""
     source = read_source(path)
@@ -180,6 +282,7 @@ def read(path: Path) -> ProxyLog:
     writers: set[str] = set()
     seconds: dict[str, int] = {}
     counts = LineCounts()
+    failures = _Failures()
     proxy_lines = 0
 
     def opened(rid: str, conv: str | None, number: int, now: int, resolution: int,
@@ -187,14 +290,30 @@ def read(path: Path) -> ProxyLog:
         request = requests.get(rid)
         if request is None:
             turns = by_conversation.setdefault(conv, []) if conv is not None else None
-            request = ProxyRequest(number, rid, conv, len(turns) + 1 if turns is not None
-                                   else None, now, resolution, lookup)
+            previous = turns[-1] if turns else None
+            request = ProxyRequest(number, rid, conv, None, now, resolution, lookup)
+            if previous is not None and previous.errored and previous.retried_by is None:
+                # The conversation's last request failed: this one repeats its turn (a client
+                # sends the next turn only after a response).
+                previous.retried_by = rid
+                request.turn_index = previous.turn_index
+                request.attempts = previous.attempts + 1
+            elif turns is not None:
+                request.turn_index = (previous.turn_index or 0) + 1 if previous else 1
             requests[rid] = request
+            failures.in_prefill[rid] = request
             if turns is not None:
                 turns.append(request)
         return request
 
-    for number, match in matching_lines(text, _LINE, counts):
+    for number, raw in enumerate(text.splitlines(), start=1):
+        counts.lines += 1
+        match = _LINE.match(raw)
+        if match is None:
+            counts.unknown += 1
+            failures.other_line(raw)
+            continue
+        failures.proxy_line()
         proxy_lines += 1
         stamp = match["time"]
         second = seconds.get(stamp)
@@ -231,6 +350,7 @@ def read(path: Path) -> ProxyLog:
                 continue
             done.prefill_ms = measure_value(path, number, found["ms"])
             done.prefill_end_ns = now
+            failures.in_prefill.pop(done.x_request_id, None)
         elif found := _CACHED.match(message):
             # Decode's final chunk of the conversation's request in flight: its latest (a
             # client sends turn k+1 after turn k's response, which ends after this line).
@@ -244,13 +364,14 @@ def read(path: Path) -> ProxyLog:
             latest.cached_ns = now
         elif not _READY.match(message):
             counts.unknown += 1
+    failures.end_traceback()
     for request in requests.values():
         request.file_sha256, request.file_name = sha256, path.name
     if proxy_lines == 0:
         raise IngestError(f"{path}:1: no line of vLLM's or kvscope's proxy log (loggers "
                           f"{VLLM_LOGGER!r}, {KVSCOPE_LOGGER!r}) in {counts.lines} lines")
     return ProxyLog(path, sha256, list(requests.values()), counts.lines,
-                    counts.unknown, sorted(writers))
+                    counts.unknown, sorted(writers), failures.not_placed)
 
 
 # --- spans -------------------------------------------------------------------------------------
@@ -262,7 +383,22 @@ def turn_values(request: ProxyRequest) -> dict[str, Any]:
         semconv.X_REQUEST_ID: request.x_request_id,
         semconv.ROUTER_LOOKUP: request.lookup,
         semconv.ROUTER_ENTRY_AGE_S: request.entry_age_s,
+        semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None,
     }
+
+
+def _error_values(request: ProxyRequest) -> dict[str, Any]:
+    """The failure's attributes: the HTTP status the proxy answered (its access line; the
+    upstream's own status is in the cause) and the kind of error, where logged."""
+    kind = None
+    if request.error_cause is not None:
+        kind = (semconv.ERROR_TIMEOUT if "Timeout" in request.error_cause.split(":")[0]
+                else semconv.ERROR_CONNECT if "Connect" in request.error_cause.split(":")[0]
+                else None)
+    if kind is None and (request.error_status is not None
+                         or "HTTPStatusError" in (request.error_cause or "")):
+        kind = semconv.ERROR_UPSTREAM_STATUS
+    return {semconv.HTTP_RESPONSE_STATUS_CODE: request.error_status, semconv.ERROR_KIND: kind}
 
 
 def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
@@ -313,15 +449,24 @@ def add_spans(log: ProxyLog, run_id: str, rows: TraceRows) -> int:
             continue
         trace_id = ingest_id(log.sha256, request.x_request_id, "trace", size=16)
         span_id = ingest_id(log.sha256, request.x_request_id, "turn", size=8)
-        add_span(rows, resource_attrs=resource_attrs, service=semconv.SERVICE_PROXY_LOG,
-                 name=semconv.SPAN_TURN, trace_id=trace_id, span_id=span_id, parent="",
-                 kind=KIND_SERVER, start_ns=request.time_ns, end_ns=request.time_ns,
-                 values={**turn_values(request),
-                         semconv.GEN_AI_CONVERSATION_ID: request.conversation_id,
-                         semconv.TURN_INDEX: request.turn_index,
-                         semconv.TURN_OBSERVER: semconv.OBSERVER_PROXY_LOG,
-                         semconv.INGEST_LINE: request.line,
-                         semconv.DURATION_MEASURED: False})
+        common = {"resource_attrs": resource_attrs, "service": semconv.SERVICE_PROXY_LOG,
+                  "trace_id": trace_id, "span_id": span_id, "parent": "", "kind": KIND_SERVER,
+                  "start_ns": request.time_ns, "end_ns": request.time_ns,
+                  "status": STATUS_ERROR if request.errored else STATUS_UNSET,
+                  "status_message": request.error_cause or ""}
+        values = {semconv.X_REQUEST_ID: request.x_request_id,
+                  semconv.GEN_AI_CONVERSATION_ID: request.conversation_id,
+                  semconv.TURN_INDEX: request.turn_index, semconv.INGEST_LINE: request.line,
+                  semconv.DURATION_MEASURED: False, **_error_values(request)}
+        if request.retried_by is not None:
+            # A failed attempt the client repeated: evidence of the turn, not a turn.
+            add_span(rows, name=semconv.SPAN_TURN_ATTEMPT, **common, values={
+                **values, semconv.RETRIED_BY_REQUEST_ID: request.retried_by})
+            added += 1
+            continue
+        add_span(rows, name=semconv.SPAN_TURN, **common, values={
+            **turn_values(request), **values,
+            semconv.TURN_OBSERVER: semconv.OBSERVER_PROXY_LOG})
         added += 1 + add_legs(request, run_id, rows, trace_id, span_id)
     return added
 

@@ -1,11 +1,18 @@
 """A vLLM server's log (prefill or decode) → the NIXL connector's per-request evidence and totals.
 
-vLLM 0.33.0 formats every line as ``vllm/logger.py:28-33`` says: ``{VLLM_LOGGING_PREFIX}
-(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d]
-%(message)s`` with ``datefmt="%m-%d %H:%M:%S"`` (no year, whole seconds, the server's local
-time; the year is taken from the file's modification time). ``fileinfo`` is the file's name, or
-its shortened path at DEBUG (``vllm/logging_utils/formatter.py``); a multi-line message repeats
-the header on each line (same file).
+vLLM 0.33.0 writes a line in one of three formats, all read:
+
+* plain (``vllm/logger.py:28-33``): ``{VLLM_LOGGING_PREFIX}(%(vllm_process_name)s
+  pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s`` with
+  ``datefmt="%m-%d %H:%M:%S"`` (no year, whole seconds, the server's local time; the year is
+  taken from the file's modification time). ``fileinfo`` is the file's name, or its shortened
+  path at DEBUG (``vllm/logging_utils/formatter.py``); a multi-line message repeats the header
+  on each line (same file);
+* coloured (``ColoredFormatter``, ``logging_utils/formatter.py:98-136``, on a terminal or with
+  ``VLLM_LOGGING_COLOR=1``): the same with ANSI codes around the process, level, time and file;
+* JSON (``--log-formatter json``, ``vllm/logger.py:241-248``): python-json-logger with the
+  fields of ``formatter.py:7-9`` (asctime, levelname, name, processName, process, message) and
+  logging's default date format (year and milliseconds, local time).
 
 Per request id (vLLM's internal id, which the ledger reduces to the proxy's X-Request-Id):
 
@@ -33,6 +40,37 @@ correctness alarm, listed by request id), ``Got invalid KVTransferParams``
 (``nixl/pull_scheduler.py:180-184``) and ``request_finished(...) waiting for N seconds``
 (DEBUG, ``nixl/pull_scheduler.py:258-263``). Every other line is counted as unknown.
 
+Pulls and their success, from the DEBUG lines (a real server's log at ``VLLM_LOGGING_LEVEL=DEBUG``
+shows no other per-request line of a read that went well):
+
+* ``NIXLConnector update_state_after_alloc: num_external_tokens=N, kv_transfer_params=...``
+  (``nixl/pull_scheduler.py:112-117``) with N > 0 and remote blocks in the params is a read of N
+  tokens (decode's offer, ``remote_num_tokens``, is in the params; prefill's own hit is the
+  ``num_computed_tokens`` of the ``get_num_new_matched_tokens`` line before it,
+  pull_scheduler.py:52-57). The line names no request: it is tied to the first request a later
+  line names as read (``start_load_kv for request``, pull_worker.py:61-68, a failure, a decline,
+  or the scheduler's ``Finished recving KV transfer for request``, scheduler.py:3570), its token
+  counts kept only when no other waiting read had other counts;
+* ``Finished recving`` is the read's success unless a line says it failed: vLLM lists failed
+  reads among the finished ones too. ``Skipping KV post-processing for failed request``
+  (``nixl/base_worker.py:3253-3256``) is a failed read, the only line of one to a peer whose
+  metadata was invalidated (``Local NIXL metadata for remote engine … was invalidated``,
+  base_worker.py:4011-4016: counted, the engines listed).
+
+A failed handshake or transfer of a notify-only request (its context's ``num_local_blocks`` is
+0: prefill's own cache covered decode's offer) is no read and no pull: vLLM drops it
+(base_worker.py:3218-3224), and it is only counted. The start-up line (``nixl/base_scheduler.py
+:187-194``) gives ``kv_recompute_threshold`` and ``decoder_kv_blocks_ttl``; the periodic stats
+line (``v1/metrics/loggers.py:276-340``) its ``KV fetch: … in progress`` gauge (the highest
+seen: a read stalled) and its ``Preemptions`` (per interval, summed).
+
+What the logs cannot show: the ``KV Transfer metrics`` line is logged at DEBUG while the engine
+is idle (``v1/metrics/loggers.py:278-280``), so at INFO the intervals of an idle engine
+(expiries of decode's blocks while no request runs, for one) are missing from the sums; and
+each line's counts are since the previous line (they reset,
+``kv_connector/v1/metrics.py:93-111``), so a lost or cut line loses its interval. The sums are
+lower bounds.
+
 The log has no duration for any of these: spans from it carry ``kvscope.duration_measured`` =
 false, and their counts of tokens or bytes are left out where the line does not give them.
 """
@@ -40,7 +78,9 @@ false, and their counts of tokens or bytes are left out where the line does not 
 from __future__ import annotations
 
 import ast
+import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -53,7 +93,6 @@ from kvscope.collector.ingest.spans import (
     add_span,
     count_value,
     ingest_id,
-    matching_lines,
     measure_value,
     read_source,
     resource,
@@ -65,14 +104,21 @@ KIND = "vllm-server-log"
 KIND_PREFILL = "vllm-prefill-log"
 KIND_DECODE = "vllm-decode-log"
 
-# vllm/logger.py:28-33 (the prefix, VLLM_LOGGING_PREFIX, is any text before the process name).
+# vllm/logger.py:28-33 (the prefix, VLLM_LOGGING_PREFIX, is any text before the process name),
+# matched once the colour codes of ColoredFormatter (logging_utils/formatter.py:98-136: around
+# the process, the level, the time and the file) are taken out.
 _LINE = re.compile(
-    r"^(?:\x1b\[[0-9;]*m)?.*?\((?P<process>[^()]+?) pid=(?P<pid>\d+)\) "
-    r"(?:\x1b\[[0-9;]*m)?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)(?:\x1b\[[0-9;]*m)? "
+    r"^.*?\((?P<process>[^()]+?) pid=(?P<pid>\d+)\) "
+    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
     r"(?P<time>\d\d-\d\d \d\d:\d\d:\d\d) \[(?P<file>[^\]:]+):(?P<lineno>\d+)\] "
     r"(?P<message>.*)$"
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# vllm/logger.py:241-248 (--log-formatter json): python-json-logger's JsonFormatter with
+# logging_utils/formatter.py:7-9's fields, "%(asctime)s %(levelname)s %(name)s %(processName)s
+# %(process)d %(message)s", and no datefmt: logging's default, "YYYY-MM-DD HH:MM:SS,mmm".
+_JSON_TIME = re.compile(r"^(?P<second>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d{3})$")
+_LEVELS = frozenset(("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
 # kv_connector/v1/metrics.py:108; keys and values from nixl/stats.py:119-160.
 _METRICS = re.compile(r"^KV Transfer metrics: (?P<pairs>.*)$")
 _PAIR = re.compile(r"(?P<key>[^=,]+?)=(?P<value>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?:, |$)")
@@ -108,6 +154,41 @@ _INVALID_PARAMS = re.compile(r"^Got invalid KVTransferParams: .* This request wi
 # nixl/pull_scheduler.py:258-263
 _WAITING = re.compile(r"^NIXLConnector request_finished\((?P<rid>\S+)\) waiting for "
                       r"(?P<ttl>\d+) seconds before releasing blocks$")
+# nixl/base_worker.py:3253-3256: every failed read the worker finishes (HMA or not), including
+# those that fail with no per-request line (a peer whose metadata was invalidated).
+_POST_PROCESS_SKIPPED = re.compile(r"^Skipping KV post-processing for failed request "
+                                   r"(?P<rid>\S+)$")
+# nixl/base_worker.py:4011-4016: later reads from that engine fail fast (base_worker's
+# _read_blocks_for_req, pull_worker.py:141-145) until a new handshake.
+_METADATA_INVALIDATED = re.compile(r"^Local NIXL metadata for remote engine (?P<engine>\S+) "
+                                   r"was invalidated; re-handshaking after reads drain"
+                                   r"(?: and a (?P<backoff>\d+)s backoff)?\.$")
+# nixl/base_scheduler.py:187-194 (no space after "tokens.": vLLM's own text).
+_STARTUP = re.compile(r"^Bidirectional KV transfer is enabled and the kv recompute threshold "
+                      r"is set to (?P<threshold>\d+) tokens\.\s*KV blocks on D are released "
+                      r"after a TTL of (?P<ttl>\d+) seconds\.$")
+# v1/metrics/loggers.py:276-340, the periodic line ("Engine 000: " prefix, loggers.py:177-178);
+# its optional parts: loggers.py:303-307 (gauges now) and 310-312 (since the last line).
+_STATS = re.compile(r"^(?:Engine \d+: )?Avg prompt throughput: ")
+_KV_FETCH = re.compile(r"KV fetch: (?P<waiting>\d+) waiting to start, (?P<progress>\d+) in "
+                       r"progress, (?P<completed>\d+) completed waiting")
+_PREEMPTIONS = re.compile(r"Preemptions: (?P<n>\d+)")
+# nixl/pull_scheduler.py:52-57 (DEBUG): prefill's own hit as the connector sees it.
+_MATCHED = re.compile(r"^NIXLConnector get_num_new_matched_tokens: num_computed_tokens="
+                      r"(?P<computed>\d+), kv_transfer_params=(?P<params>.*)$")
+# nixl/pull_scheduler.py:112-117 (DEBUG): the tokens the scheduler allocated to load from the
+# remote engine; > 0 with remote blocks is a read (pull_scheduler.py:129-175). No request id.
+_ALLOCATED = re.compile(r"^NIXLConnector update_state_after_alloc: num_external_tokens="
+                        r"(?P<tokens>\d+), kv_transfer_params=(?P<params>.*)$")
+# nixl/pull_worker.py:61-68 (DEBUG): the worker starts a request's read (or, with no local
+# blocks, only notifies the remote: pull_worker.py:69-76).
+_START_LOAD = re.compile(r"^start_load_kv for request (?P<rid>\S+) from remote engine "
+                         r"(?P<engine>\S+)\. Num local_block_ids: (?P<local>\d+)\. "
+                         r"Num remote_block_ids: (?P<remote>\d+)\.\s*$")
+# v1/core/sched/scheduler.py:3570 (DEBUG): the workers finished the request's read, failed or
+# not (a failed one is also in failed_recving); never logged for a notify-only request.
+_FINISHED_RECVING = re.compile(r"^Finished recving KV transfer for request (?P<rid>\S+)$")
+_CONTEXT_LOCAL_BLOCKS = re.compile(r"'num_local_blocks': (?P<n>\d+)")
 
 
 
@@ -136,10 +217,18 @@ class Event:
     line: int
     time_ns: int
     request_id: str
-    what: str  # "below_threshold", "declined_expired", a semconv.TRANSFER_* status, "errored"
+    # semconv.DECISION_BELOW_THRESHOLD or DECISION_PULL, a semconv.TRANSFER_* status, or
+    # semconv.OUTCOME_ERROR (the scheduler failed the request for its read)
+    what: str
     remote_engine_id: str | None = None
+    # Below threshold: the remote count compared; pull: the tokens allocated to load.
     count_tokens: int | None = None
     threshold_tokens: int | None = None
+    local_hit_tokens: int | None = None
+    # The read's direction where a line shows it; else the log's role decides.
+    direction: str | None = None
+    offered_request_id: str | None = None
+    offered_tokens: int | None = None
 
 
 @dataclass
@@ -155,6 +244,9 @@ class ServerLog:
     counts: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     invalid_block_reads: list[str] = field(default_factory=list)
+    # The start-up line's kv_recompute_threshold and decoder_kv_blocks_ttl.
+    engine: dict[str, Any] = field(default_factory=dict)
+    invalidated_remote_engines: list[str] = field(default_factory=list)
 
     @property
     def records(self) -> int:
@@ -165,12 +257,26 @@ class ServerLog:
         return {"role": self.role, "clock": "the server's local time, whole seconds, year "
                 "from the file's mtime", "lines": self.lines, "unknown_lines": self.unknown_lines,
                 "counts": self.counts, "kv_transfer_metrics": self.metrics,
-                "potentially_invalid_kv_block_reads": self.invalid_block_reads}
+                "potentially_invalid_kv_block_reads": self.invalid_block_reads,
+                "engine_settings": self.engine,
+                "invalidated_remote_engines": self.invalidated_remote_engines}
 
 
 def looks_like(head: str) -> bool:
-    """Whether the start of a file holds a vLLM log line (kind detection)."""
-    return any(_LINE.match(line) for line in head.splitlines()[:200])
+    """Whether the start of a file holds a vLLM log line, in any format (kind detection)."""
+    for line in head.splitlines()[:200]:
+        if _LINE.match(_ANSI.sub("", line)):
+            return True
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if (isinstance(value, dict) and value.get("levelname") in _LEVELS
+                    and str(value.get("name", "")).startswith("vllm")
+                    and isinstance(value.get("message"), str)):
+                return True
+    return False
 
 
 def _clock(path: Path, mtime_ns: int) -> Any:
@@ -210,25 +316,145 @@ def _request_ids(text: str) -> list[str]:
     return sorted(str(v) for v in value)
 
 
+@dataclass(frozen=True, slots=True)
+class _Allocated:
+    """An ``update_state_after_alloc`` line of a read, not yet tied to its request."""
+
+    line: int
+    time_ns: int
+    tokens: int
+    local_hit_tokens: int | None
+    direction: str
+    remote_engine_id: str | None
+    remote_request_id: str | None
+    offered_tokens: int | None  # remote_num_tokens: decode's offer
+
+
+def _params(text: str) -> dict[str, Any]:
+    """The kv_transfer_params dict as vLLM logs it (its repr); empty when it is not one."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _read_direction(params: dict[str, Any]) -> str | None:
+    """The direction of the read an allocation's params ask for (pull_scheduler.py:129-175):
+    decode's blocks read by prefill for ``do_remote_decode`` with remote blocks (D→P), prefill's
+    read by decode for ``do_remote_prefill`` (P→D); None when the params ask for no read, or
+    the request's one read was already set up (``_remote_blocks_processed``: a preempted
+    request allocated again reads nothing, pull_scheduler.py:130-134, 188-189)."""
+    if not params.get("remote_block_ids") or params.get("_remote_blocks_processed"):
+        return None
+    if params.get("do_remote_decode"):
+        return semconv.DIRECTION_D_TO_P
+    if params.get("do_remote_prefill"):
+        return semconv.DIRECTION_P_TO_D
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """One line of vLLM's logger in any of its formats: its time and message."""
+
+    time_ns: int
+    message: str
+
+
+def _lines(path: Path, text: str, mtime_ns: int,
+           read: LineCounts) -> Iterator[tuple[int, _Line]]:
+    """(line number, line) of each line vLLM's logger wrote, plain, coloured or JSON; the
+    others counted unknown."""
+    to_ns = _clock(path, mtime_ns)
+    json_seconds: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        read.lines += 1
+        if raw.startswith("{"):
+            found = _json_line(path, number, raw, json_seconds)
+            if found is not None:
+                yield number, found
+                continue
+        match = _LINE.match(_ANSI.sub("", raw))
+        if match is None:
+            read.unknown += 1
+            continue
+        yield number, _Line(to_ns(number, match["time"]), match["message"])
+
+
+def _json_line(path: Path, number: int, raw: str, seconds: dict[str, int]) -> _Line | None:
+    """A line of vLLM's JSON format (vllm/logger.py:241-248); None when it is not one."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    message, stamp = value.get("message"), value.get("asctime")
+    if (not isinstance(message, str) or not isinstance(stamp, str)
+            or value.get("levelname") not in _LEVELS or "name" not in value):
+        return None
+    found = _JSON_TIME.match(stamp)
+    if found is None:
+        raise IngestError(f"{path}:{number}: time {stamp!r} is not a date and time "
+                          "(vLLM's JSON format: YYYY-MM-DD HH:MM:SS,mmm)")
+    second = seconds.get(found["second"])
+    if second is None:
+        try:
+            moment = datetime.strptime(found["second"], "%Y-%m-%d %H:%M:%S")  # local time
+        except ValueError:
+            raise IngestError(f"{path}:{number}: time {stamp!r} is not a date and "
+                              "time") from None
+        second = seconds[found["second"]] = int(moment.timestamp()) * _NS_PER_S
+    return _Line(second + int(found["ms"]) * 1_000_000, message)
+
+
 def read_role(path: Path, role: str | None) -> ServerLog:
     """Parse one vLLM server log of ``role``; IngestError names the file and line of a problem."""
     source = read_source(path)
-    text, mtime_ns = source.text, source.mtime_ns
-    to_ns = _clock(path, mtime_ns)
     events: list[Event] = []
     counts: dict[str, int] = {}
     metrics: dict[str, float] = {}
+    engine: dict[str, Any] = {}
     invalid: list[str] = []
+    invalidated: list[str] = []
     read = LineCounts()
     vllm_lines = 0
+    # Reads the scheduler allocated, in order, until a line names their request (the
+    # allocation line names none); prefill's own hit per params, from the line before.
+    allocated: list[_Allocated] = []
+    own_hit: dict[str, int] = {}
+    sighted: set[str] = set()
+    finished: dict[str, tuple[int, int]] = {}
 
     def count(name: str) -> None:
         counts[name] = counts.get(name, 0) + 1
 
-    for number, match in matching_lines(text, _LINE, read):
+    def sighting(rid: str) -> None:
+        """The first line naming a read's request ties it to the oldest allocated read. The
+        tokens are the request's only when no other read waited with other counts (reads
+        finish out of order); otherwise the read is placed with its tokens not measured."""
+        if rid in sighted:
+            return
+        sighted.add(rid)
+        if not allocated:
+            return
+        first = allocated.pop(0)
+        alike = all((a.tokens, a.local_hit_tokens) == (first.tokens, first.local_hit_tokens)
+                    for a in allocated)
+        if not alike:
+            count("reads_of_ambiguous_tokens")
+        events.append(Event(first.line, first.time_ns, rid, semconv.DECISION_PULL,
+                            remote_engine_id=first.remote_engine_id,
+                            count_tokens=first.tokens if alike else None,
+                            local_hit_tokens=first.local_hit_tokens if alike else None,
+                            direction=first.direction,
+                            offered_request_id=first.remote_request_id,
+                            offered_tokens=first.offered_tokens))
+
+    for number, line in _lines(path, source.text, source.mtime_ns, read):
         vllm_lines += 1
-        message = _ANSI.sub("", match["message"])
-        now = to_ns(number, match["time"])
+        message, now = line.message, line.time_ns
         if found := _METRICS.match(message):
             pairs = {m["key"].strip(): measure_value(path, number, m["value"])
                      for m in _PAIR.finditer(found["pairs"])}
@@ -247,20 +473,71 @@ def read_role(path: Path, role: str | None) -> ServerLog:
                                 threshold_tokens=count_value(path, number,
                                                                    found["threshold"])))
         elif found := _DECLINED.match(message):
+            sighting(found["rid"])
             events.append(Event(number, now, found["rid"], semconv.TRANSFER_DECLINED_EXPIRED,
-                                remote_engine_id=found["engine"]))
+                                remote_engine_id=found["engine"],
+                                direction=semconv.DIRECTION_D_TO_P))
         elif found := _FAILURE.match(message):
             status = _failure_status(found["type"])
             rid = _CONTEXT_ID.search(found["context"])
             count(f"nixl_failure_{found['type']}")
-            if status is not None and rid is not None and rid["rid"] != "None":
+            local = _CONTEXT_LOCAL_BLOCKS.search(found["context"])
+            if status is not None and local is not None and local["n"] == "0":
+                # A notify-only request (prefill's own cache covered the offer): vLLM drops
+                # its failure (base_worker.py:3218-3224, it is not in _recving_metadata).
+                count("notify_only_failures")
+            elif status is not None and rid is not None and rid["rid"] != "None":
+                sighting(rid["rid"])
                 remote = _CONTEXT_REMOTE.search(found["context"])
                 events.append(Event(number, now, rid["rid"], status,
                                     remote_engine_id=remote["engine"] if remote else None))
+        elif found := _POST_PROCESS_SKIPPED.match(message):
+            sighting(found["rid"])
+            events.append(Event(number, now, found["rid"], semconv.TRANSFER_FAILED))
         elif found := _FAILING.match(message):
             count("failing_requests_lines")
             for rid_text in _request_ids(found["ids"]):
+                sighting(rid_text)
                 events.append(Event(number, now, rid_text, semconv.OUTCOME_ERROR))
+        elif found := _MATCHED.match(message):
+            own_hit[found["params"]] = int(found["computed"])
+        elif found := _ALLOCATED.match(message):
+            params = _params(found["params"])
+            direction = _read_direction(params)
+            if direction is not None and int(found["tokens"]) > 0:
+                remote_id = params.get("remote_request_id")
+                remote_engine = params.get("remote_engine_id")
+                offered = params.get("remote_num_tokens")
+                allocated.append(_Allocated(
+                    number, now, int(found["tokens"]), own_hit.get(found["params"]), direction,
+                    str(remote_engine) if remote_engine is not None else None,
+                    str(remote_id) if remote_id is not None else None,
+                    offered if isinstance(offered, int) else None))
+            else:
+                count("allocations_without_read")
+        elif found := _START_LOAD.match(message):
+            if found["local"] != "0":  # no local blocks: a notification only
+                sighting(found["rid"])
+        elif found := _FINISHED_RECVING.match(message):
+            sighting(found["rid"])
+            finished.setdefault(found["rid"], (number, now))
+        elif found := _METADATA_INVALIDATED.match(message):
+            count("remote_metadata_invalidated")
+            invalidated.append(found["engine"])
+        elif found := _STARTUP.match(message):
+            engine["kv_recompute_threshold"] = int(found["threshold"])
+            engine["decoder_kv_blocks_ttl"] = int(found["ttl"])
+        elif _STATS.match(message):
+            count("stats_lines")
+            if fetch := _KV_FETCH.search(message):
+                count("stats_lines_with_kv_fetch")
+                in_progress = int(fetch["progress"])
+                metrics["Max KV fetch in progress"] = max(
+                    metrics.get("Max KV fetch in progress", 0), in_progress)
+                metrics["Max KV fetch waiting to start"] = max(
+                    metrics.get("Max KV fetch waiting to start", 0), int(fetch["waiting"]))
+            if preempted := _PREEMPTIONS.search(message):
+                metrics["Preemptions"] = metrics.get("Preemptions", 0) + int(preempted["n"])
         elif _RECOVERED.match(message):
             count("recovered_from_load_failure")
         elif found := _RELEASED_EXPIRED.match(message):
@@ -276,9 +553,27 @@ def read_role(path: Path, role: str | None) -> ServerLog:
             read.unknown += 1
     if vllm_lines == 0:
         raise IngestError(f"{path}:1: no line in vLLM's log format ((process pid=N) LEVEL "
-                          f"MM-DD HH:MM:SS [file:line] message) in {read.lines} lines")
+                          f"MM-DD HH:MM:SS [file:line] message, or its JSON format) in "
+                          f"{read.lines} lines")
+    if allocated:
+        counts["allocated_reads_never_named"] = len(allocated)
+    # A finished read succeeded unless a line said it failed (vLLM lists a failed read among
+    # the finished ones too, scheduler.py:3569-3570 with base_worker.py:3218-3225).
+    failed = {e.request_id for e in events if e.what in _FAILED_READ}
+    pulls = {e.request_id: e for e in events if e.what == semconv.DECISION_PULL}
+    for request_id, (number, now) in finished.items():
+        if request_id not in failed:
+            pull = pulls.get(request_id)
+            events.append(Event(number, now, request_id, semconv.TRANSFER_OK,
+                                remote_engine_id=pull.remote_engine_id if pull else None,
+                                direction=pull.direction if pull else None))
+    events.sort(key=lambda e: e.line)
     return ServerLog(path, source.sha256, role, events, read.lines, read.unknown,
-                     counts, metrics, invalid)
+                     counts, metrics, invalid, engine, invalidated)
+
+
+_FAILED_READ = frozenset((semconv.TRANSFER_FAILED, semconv.TRANSFER_HANDSHAKE_FAILED,
+                          semconv.TRANSFER_DECLINED_EXPIRED, semconv.OUTCOME_ERROR))
 
 
 def read(path: Path) -> ServerLog:
@@ -333,10 +628,19 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
                 semconv.TOKENS_TO_PULL: 0})
             continue
         # A turn-2 read is always decode's blocks read by prefill (pull_worker.py:160).
-        direction = (semconv.DIRECTION_D_TO_P if event.what == semconv.TRANSFER_DECLINED_EXPIRED
-                     else _DIRECTION.get(log.role or ""))
+        direction = event.direction or _DIRECTION.get(log.role or "")
         if direction is None:
             continue  # the direction of this read depends on the role, not named
+        if event.what == semconv.DECISION_PULL:
+            if direction == semconv.DIRECTION_D_TO_P:
+                pulled.add(event.request_id)
+                span(event, semconv.SPAN_REUSE_DECISION, "decision", {
+                    semconv.DECISION: semconv.DECISION_PULL,
+                    semconv.TOKENS_TO_PULL: event.count_tokens,
+                    semconv.LOCAL_HIT_TOKENS: event.local_hit_tokens,
+                    semconv.REMOTE_OFFERED_TOKENS: event.offered_tokens,
+                    semconv.REMOTE_ENGINE_ID: event.remote_engine_id})
+            continue
         if direction == semconv.DIRECTION_D_TO_P and event.request_id not in pulled:
             # Prefill read (or tried to read) decode's blocks: it had decided to pull.
             pulled.add(event.request_id)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,18 +59,6 @@ class LineCounts:
 
     lines: int = 0
     unknown: int = 0
-
-
-def matching_lines(text: str, pattern: re.Pattern[str],
-                   counts: LineCounts) -> Iterator[tuple[int, re.Match[str]]]:
-    """(line number, match) of each line ``pattern`` matches; the others counted unknown."""
-    for number, raw in enumerate(text.splitlines(), start=1):
-        counts.lines += 1
-        match = pattern.match(raw)
-        if match is None:
-            counts.unknown += 1
-            continue
-        yield number, match
 
 
 # Largest count a log line may carry: the store's analyses cast counts to BIGINT.

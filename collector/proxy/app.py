@@ -230,6 +230,7 @@ class DecodeStream:
         self.model: str | None = None
         self.created: int | None = None
         self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None  # decode's usage.prompt_tokens_details
         self.done = False
 
     def feed(self, chunk: bytes) -> list[dict[str, Any]]:
@@ -294,6 +295,9 @@ class DecodeStream:
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion_tokens = _int(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                self.cached_tokens = _int(details.get("cached_tokens"))
         params = event.get("kv_transfer_params")
         return params if isinstance(params, dict) and params else None
 
@@ -787,6 +791,7 @@ class Proxy:
         record.first_token_ns = stream.first_event_ns
         record.chunks = stream.events
         record.output_tokens = stream.completion_tokens
+        record.decode_cached_tokens = stream.cached_tokens
         if stream.finish_reason is not None:
             record.finish_reasons = [stream.finish_reason]
 

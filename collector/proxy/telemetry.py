@@ -206,6 +206,7 @@ class TurnRecord:
     prefill_request_id: str | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    decode_cached_tokens: int | None = None
     decode_start_ns: int | None = None
     first_token_ns: int | None = None
     decode_end_ns: int | None = None
@@ -453,6 +454,7 @@ class ProxyTelemetry:
             semconv.GEN_AI_USAGE_INPUT_TOKENS: record.prompt_tokens,
             semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
             semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: record.cached_tokens,
+            semconv.DECODE_CACHED_TOKENS: record.decode_cached_tokens,
             semconv.ROUTER_LOOKUP: record.lookup,
             semconv.ROUTER_ENTRY_AGE_S: record.lookup_age_s,
             semconv.REUSE_GUARD: record.reuse_guard,

@@ -1,4 +1,5 @@
-"""Overview: reuse over time, outcomes, TTFT p50/p90, retained memory, freshness and sources."""
+"""Overview: reuse over time, outcomes, TTFT p50/p90, retained memory, freshness, sources and
+vLLM's own counters beside the ledger."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     width = window_s(ledger)
     ttft = data.result("ttft_windows", {"window_s": width}, filters)
     sources = data.result("evidence", None, filters)
+    reconciled = data.result("reconciliation", None, filters)
     freshness = (f"last turn ended {ledger['end'].max()}" if "end" in ledger.columns
                  and ledger.height else "no turns stored yet")
     parts: list[Any] = [
@@ -41,6 +43,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
                id="overview-freshness", className="meta"),
         html.H3("Sources"),
         table(sources.frame, "overview-sources", why=sources.why, labels=labels),
+        html.H3("vLLM's own counters beside the ledger"),
+        reconciliation_table(reconciled.frame, reconciled.why),
         html.H3("Reuse per run"),
         table(with_labels(reuse_run.frame, labels) if reuse_run.frame is not None else None,
               "overview-reuse-table", why=reuse_run.why),
@@ -53,6 +57,15 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
         figure_of("overview-memory", "retained memory", memory, figures.retained_memory, labels),
     ]
     return [p for p in parts if p is not None]
+
+
+def reconciliation_table(frame: Any, why: str | None) -> Any:
+    """The reconciliation rows, or what would give them (a /metrics snapshot ingested)."""
+    if frame is not None and frame.height == 0:
+        return html.P("not measured: no vLLM /metrics snapshot in these runs (kvscope ingest "
+                      "vllm-prefill-metrics:FILE)", className="missing",
+                      id="overview-reconciliation")
+    return table(frame, "overview-reconciliation", why=why)
 
 
 def invalid_alarm(ledger: Any) -> Any:

@@ -81,7 +81,8 @@ COMMANDS = [
             _configure_proxy, _run_proxy),
     Command("gpu-sampler", "sample GPU memory with NVML as kvscope gauges",
             _configure_gpu_sampler, _run_gpu_sampler),
-    Command("ingest", "store a run's own files (vLLM benchmark stats, proxy log, server logs) "
+    Command("ingest", "store a run's own files (vLLM benchmark stats, proxy log, server logs, "
+            "/metrics snapshots) "
             "as a kvscope run",
             _configure_ingest, _run_ingest),
 ]

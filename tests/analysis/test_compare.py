@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from kvscope import cli
 from kvscope.analysis import compare, registry, runs
+from kvscope.analysis.causes import cause_table
 from kvscope.analysis.ledger import LEDGER_SCHEMA
 from kvscope.analysis.registry import AnalysisContext, AnalysisError
+from kvscope.analysis.reuse import reuse_table
 from kvscope.analysis.verdict import verdict_sentences, verdict_table
 from kvscope.reuse import outcomes
 from tests.stores import on_off_store
@@ -318,3 +320,33 @@ def test_main_compare_prints_both_tables(ab_store: Path,
     assert cli.main(["compare", str(ab_store), "--runs", "OFF,ON"]) == 0
     text = capsys.readouterr().out
     assert text.count("rows)") == 2 and "ttft_p50_ms" in text
+
+
+def test_unmeasured_quantities_are_null_not_zero() -> None:
+    """A run with no turn end has no task time; turns whose engine left no evidence add no
+    local or remote tokens and no reuse rate (issue 30: never a sum of nothing shown as 0)."""
+    ledger = _ledger([
+        {"run_id": "r", "conversation_id": "c1", "turn_index": 1, "arrival": T0,
+         "outcome": outcomes.FIRST_TURN},
+        {"run_id": "r", "conversation_id": "c1", "turn_index": 2,
+         "arrival": T0 + timedelta(seconds=5), "reusable_tokens": 400,
+         "outcome": outcomes.UNKNOWN},
+    ])
+    stats = compare.run_stats(ledger).row(0, named=True)
+    assert stats["task_time_total_s"] is None
+    assert stats["ttft_share_of_task"] is None
+    (reuse,) = reuse_table(ledger).iter_rows(named=True)
+    assert (reuse["measured_turns"], reuse["reusable_tokens"]) == (0, 400)
+    assert reuse["local_tokens"] is None and reuse["remote_tokens"] is None
+    assert reuse["recomputed_tokens"] is None
+    assert reuse["token_reuse_rate"] is None and reuse["turn_reuse_rate"] is None
+    (cause,) = cause_table(ledger).iter_rows(named=True)
+    assert cause["recomputed_tokens"] is None
+    # With a measured turn beside it, the rates are over the measured turn only.
+    measured = _ledger([*ledger.to_dicts(), {
+        "run_id": "r", "conversation_id": "c2", "turn_index": 2, "arrival": T0,
+        "reusable_tokens": 100, "local_hit_tokens": 20, "remote_reused_tokens": 60,
+        "recomputed_reusable_tokens": 20, "outcome": outcomes.REUSED_REMOTE}])
+    (reuse,) = reuse_table(measured).iter_rows(named=True)
+    assert (reuse["measured_turns"], reuse["local_tokens"], reuse["remote_tokens"]) == (1, 20, 60)
+    assert reuse["token_reuse_rate"] == pytest.approx(0.8)

@@ -263,3 +263,30 @@ def test_scrape_agrees_with_analyze(source: Path, tmp_path: Path,
                   host="node-1", gpu="0") == 40 << 30
     assert _value(families[live_metrics.GPU_TOTAL_BYTES], live_metrics.GPU_TOTAL_BYTES,
                   host="node-1", gpu="0") == 80 << 30
+
+
+def test_a_series_no_turn_measured_is_absent_not_zero() -> None:
+    """Turns whose engine left no evidence (remote and local null) add no reuse series: the
+    series is absent from /metrics, never 0 (issue 30)."""
+    from kvscope.analysis.ledger import LEDGER_SCHEMA
+
+    def turn(conv: str, **values: Any) -> dict[str, Any]:
+        row = {name: None for name in LEDGER_SCHEMA}
+        row.update(run_id="r", conversation_id=conv, x_request_id=f"x-{conv}", turn_index=2,
+                   outcome="unknown", reusable_tokens=400, **values)
+        return row
+
+    models = pl.DataFrame({"x_request_id": ["x-a"], "model": ["m"]})
+    unmeasured = pl.DataFrame([turn("a")], schema=LEDGER_SCHEMA)
+    series = {name for unit in contributions(unmeasured, models, {}).values()
+              for name, _ in unit}
+    assert live_metrics.REUSABLE_TOKENS in series
+    assert live_metrics.REUSED_REMOTE_TOKENS not in series
+    assert live_metrics.REUSED_LOCAL_TOKENS not in series
+    assert live_metrics.RECOMPUTED_TOKENS not in series
+    measured = pl.DataFrame([turn("b", local_hit_tokens=0, remote_reused_tokens=0,
+                                  recomputed_reusable_tokens=400)], schema=LEDGER_SCHEMA)
+    values = {name: value for unit in contributions(measured, models, {}).values()
+              for (name, _), value in unit.items()}
+    assert values[live_metrics.REUSED_REMOTE_TOKENS] == 0.0  # measured 0 stays 0
+    assert values[live_metrics.RECOMPUTED_TOKENS] == 400.0

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pytest
 
 from kvscope import semconv
@@ -294,3 +295,87 @@ def test_cli_names_each_source_its_counts_and_the_join(
         "5 client turns joined to the proxy's record of them"]
     assert lines[3].startswith("run ") and lines[3].endswith(f"('ON') written to {db}")
     assert len(lines) == 4
+
+
+def _uvicorn_failure(log: LogFile, status: int, url: str) -> None:
+    """What uvicorn logs when vLLM's proxy lets an upstream error propagate: the access line
+    of the 500 its error handler sent, then the ASGI traceback ending in httpx's exception."""
+    log.raw('INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 500 '
+            "Internal Server Error")
+    log.raw("ERROR:    Exception in ASGI application")
+    log.raw("Traceback (most recent call last):")
+    log.raw('  File "/app/disagg_proxy_multiturn.py", line 201, in _send_to_prefill')
+    log.raw("    resp.raise_for_status()")
+    log.raw("httpx.HTTPStatusError: Server error "
+            f"'{status} Internal Server Error' for url '{url}'")
+    log.raw("For more information check: https://example.invalid/status/500")
+
+
+def test_an_upstream_failure_is_an_errored_turn_and_a_retry_is_the_same_turn(
+        tmp_path: Path) -> None:
+    log = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    url = "http://127.0.0.1:8100/v1/chat/completions"
+    _vllm_turn(log, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-0-1-aaaaaaaa")
+    # CONV_0 turn 2: prefill answers 500; the client retries, and the retry goes through.
+    log.log(_at(1000), logging.INFO, "conv=%s: cache HIT (age=%.1fs)", "CONV_0", 0.6)
+    log.log(_at(1000), logging.INFO,
+            "[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
+            "r-0-2a", "CONV_0", "chatcmpl-r-0-1-aaaaaaaa")
+    _uvicorn_failure(log, 500, url)
+    _vllm_turn(log, _at(1001), "r-0-2b", "CONV_0", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-0-2b-bbbbbbbb")
+    _vllm_turn(log, _at(2000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.0,
+               offered="chatcmpl-r-0-2b-bbbbbbbb", decode_id="chatcmpl-r-0-3-cccccccc")
+    # CONV_1 turn 1 fails and is not retried.
+    log.log(_at(3000), logging.INFO, "[%s] conv=%s: cache MISS", "r-1-1", "CONV_1")
+    _uvicorn_failure(log, 503, url)
+    path = log.write()
+
+    parsed = proxy_log.read(path)
+    by_id = {r.x_request_id: r for r in parsed.requests}
+    first = by_id["r-0-2a"]
+    assert (first.error_status, first.retried_by, first.turn_index) == (500, "r-0-2b", 2)
+    assert first.error_cause is not None and first.error_cause.startswith(
+        "httpx.HTTPStatusError: Server error '500")
+    assert (by_id["r-0-2b"].turn_index, by_id["r-0-2b"].attempts) == (2, 2)
+    assert by_id["r-0-3"].turn_index == 3
+    # The status is the proxy's answer (uvicorn's 500); the upstream's 503 is in the cause.
+    assert (by_id["r-1-1"].error_status, by_id["r-1-1"].retried_by) == (500, None)
+    assert parsed.errors_not_placed == 0
+
+    db = tmp_path / "run.duckdb"
+    ingest(db, [path])
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    # The retry is turn 2, once; the failed attempt is no extra turn.
+    assert sorted(rows) == [("CONV_0", 1), ("CONV_0", 2), ("CONV_0", 3), ("CONV_1", 1)]
+    assert rows[("CONV_0", 2)]["x_request_id"] == "r-0-2b"
+    assert rows[("CONV_0", 2)]["errored"] is False
+    assert rows[("CONV_1", 1)]["errored"] is True
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        attempt = con.execute(
+            "SELECT StatusCode, StatusMessage, SpanAttributes[?] FROM otel_traces "
+            "WHERE SpanName = ?",
+            [semconv.RETRIED_BY_REQUEST_ID, semconv.SPAN_TURN_ATTEMPT]).fetchall()
+        cause = con.execute(
+            "SELECT StatusMessage, SpanAttributes[?] FROM otel_traces WHERE SpanName = ? "
+            "AND SpanAttributes[?] = 'r-1-1'",
+            [semconv.HTTP_RESPONSE_STATUS_CODE, semconv.SPAN_TURN,
+             semconv.X_REQUEST_ID]).fetchall()
+    finally:
+        con.close()
+    assert [(a[0], a[2]) for a in attempt] == [("STATUS_CODE_ERROR", "r-0-2b")]
+    assert attempt[0][1].startswith("httpx.HTTPStatusError")
+    assert cause[0][0].startswith("httpx.HTTPStatusError: Server error '503")
+    assert cause[0][1] == "500"
+
+
+def test_a_failure_with_several_requests_in_prefill_is_not_placed(tmp_path: Path) -> None:
+    log = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    log.log(_at(0), logging.INFO, "[%s] conv=%s: cache MISS", "r-0-1", "CONV_0")
+    log.log(_at(0), logging.INFO, "[%s] conv=%s: cache MISS", "r-1-1", "CONV_1")
+    _uvicorn_failure(log, 500, "http://127.0.0.1:8100/v1/chat/completions")
+    parsed = proxy_log.read(log.write())
+    assert parsed.errors_not_placed == 1
+    assert not any(r.errored for r in parsed.requests)

@@ -9,6 +9,7 @@ classes log.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvscope import semconv
 from kvscope.collector.ingest import KINDS, detect, ingest, server_log
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
+from kvscope.store.rows import TraceRows
 from tests.collector.test_ingest import _count, _ledger
 from tests.collector.test_ingest_proxy_log import (
     T0,
@@ -36,21 +38,45 @@ VLLM_LINE_FORMAT = ("(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asc
 VLLM_LINE_DATEFMT = "%m-%d %H:%M:%S"  # vllm/logger.py:33
 
 
-class ServerLogFile:
-    """Lines as vLLM's logger writes them, from a given source file and line, at given times."""
+# vllm/logging_utils/formatter.py:107-136 (ColoredFormatter): cyan process, grey time and file,
+# the level in its colour.
+GREY, RESET = "\033[90m", "\033[0m"
+LEVEL_COLOURS = {"DEBUG": "\033[37m", "INFO": "\033[32m", "WARNING": "\033[33m",
+                 "ERROR": "\033[31m", "CRITICAL": "\033[35m"}
+VLLM_COLOURED_FORMAT = ("\033[0;36m(%(vllm_process_name)s pid=%(process)d)\033[0;0m "
+                        f"%(levelname)s {GREY}%(asctime)s{RESET} "
+                        f"{GREY}[%(fileinfo)s:%(lineno)d]{RESET} %(message)s")
+PLAIN, COLOURED, JSON = "plain", "coloured", "json"
+STYLES = (PLAIN, COLOURED, JSON)
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.formatter = logging.Formatter(VLLM_LINE_FORMAT, VLLM_LINE_DATEFMT)
+
+class ServerLogFile:
+    """Lines as vLLM's logger writes them, from a given source file and line, at given times,
+    in one of its three formats: plain (``vllm`` formatter), coloured (``vllm_color``) or JSON
+    (``--log-formatter json``: python-json-logger over ``formatter.py:7-9``'s fields, logging's
+    default date format)."""
+
+    def __init__(self, path: Path, style: str = PLAIN) -> None:
+        self.path, self.style = path, style
+        self.formatter = logging.Formatter(
+            VLLM_COLOURED_FORMAT if style == COLOURED else VLLM_LINE_FORMAT, VLLM_LINE_DATEFMT)
         self.lines: list[str] = []
 
     def log(self, at: float, level: int, where: str, msg: str, *args: Any) -> None:
         filename, lineno = where.split(":")
-        record = logging.LogRecord("vllm", level, filename, int(lineno), msg, args, None)
+        record = logging.LogRecord("vllm.x", level, filename, int(lineno), msg, args, None)
         record.created, record.msecs = at, 0.0
         record.vllm_process_name = "EngineCore_DP0"
         record.process = 4242
         record.fileinfo = filename
+        if self.style == JSON:
+            self.lines.append(json.dumps({
+                "asctime": logging.Formatter().formatTime(record), "levelname":
+                record.levelname, "name": "vllm.x", "processName": "EngineCore_DP0",
+                "process": 4242, "message": record.getMessage()}))
+            return
+        if self.style == COLOURED:
+            record.levelname = f"{LEVEL_COLOURS[record.levelname]}{record.levelname}{RESET}"
         self.lines.append(self.formatter.format(record))
 
     def write(self, mtime: float = T0 + 60) -> Path:
@@ -118,8 +144,9 @@ def test_a_vllm_server_log_is_detected_and_read(tmp_path: Path) -> None:
                            "MB transferred": 20.0}
     assert log.counts == {"kv_transfer_metrics": 2, "nixl_failure_transfer_failed": 1,
                           "failing_requests_lines": 1}
-    # The startup line carries no per-request evidence; the traceback is not vLLM's format.
-    assert log.unknown_lines == 2
+    # The start-up line gives the engine's settings; the traceback is not vLLM's format.
+    assert log.engine == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480}
+    assert log.unknown_lines == 1
     # Whole seconds in the server's local time; the year from the file's mtime.
     assert log.events[0].time_ns == int(_at(1000)) * 1_000_000_000
 
@@ -206,3 +233,160 @@ def test_kind_prefix_names_a_known_kind_only(tmp_path: Path) -> None:
         ingest(tmp_path / "run.duckdb", [f"{server_log.KIND_DECODE}:{tmp_path}/missing.log"])
     with pytest.raises(IngestError, match="cannot read"):
         ingest(tmp_path / "run.duckdb", [f"no-such-kind:{tmp_path}/x.log"])
+
+
+def _params(rid: str | None, tokens: int | None, blocks: list[int] | None) -> dict[str, Any]:
+    """The kv_transfer_params vLLM's proxy sends prefill: decode's, or none to read."""
+    return {"do_remote_decode": True, "do_remote_prefill": False,
+            "remote_engine_id": "decode-engine-0" if rid else None,
+            "remote_request_id": rid, "remote_block_ids": blocks,
+            "remote_host": "10.0.0.2" if rid else None, "remote_port": 5600 if rid else None,
+            "remote_num_tokens": tokens}
+
+
+def _allocation(log: ServerLogFile, at: float, computed: int, external: int,
+                params: dict[str, Any]) -> None:
+    """The scheduler's two DEBUG lines for one request (pull_scheduler.py:52-57, 112-117)."""
+    log.log(at, logging.DEBUG, "pull_scheduler.py:52",
+            "NIXLConnector get_num_new_matched_tokens: num_computed_tokens=%s, "
+            "kv_transfer_params=%s", computed, params)
+    log.log(at, logging.DEBUG, "pull_scheduler.py:112",
+            "NIXLConnector update_state_after_alloc: num_external_tokens=%s, "
+            "kv_transfer_params=%s", external, params)
+
+
+def _pull_log(path: Path, style: str) -> Path:
+    """Prefill's log of one pulled turn (CONV_0 turn 2), a failed read (CONV_0 turn 3) and a
+    notify-only request whose handshake failed (CONV_1 turn 2), at vLLM's DEBUG level."""
+    log = ServerLogFile(path, style)
+    log.log(_at(0) - 30, logging.INFO, "base_scheduler.py:188",
+            "Bidirectional KV transfer is enabled and the kv recompute threshold is set to %d "
+            "tokens.KV blocks on D are released after a TTL of %d seconds.", 64, 480)
+    # Turn 1 of CONV_0: nothing to read.
+    _allocation(log, _at(0), 0, 0, _params(None, None, None))
+    # CONV_0 turn 2: 16 tokens of its own, 384 to load from decode's 25 blocks.
+    pulled = "chatcmpl-r-0-2-Xy12Ab34"
+    _allocation(log, _at(1000), 16, 384, _params("chatcmpl-r-0-1-aaaaaaaa", 400, [*range(25)]))
+    log.log(_at(1000), logging.DEBUG, "pull_worker.py:61",
+            "start_load_kv for request %s from remote engine %s. Num local_block_ids: %s. "
+            "Num remote_block_ids: %s. ", pulled, "decode-engine-0", 24, 25)
+    log.log(_at(1000) + 1, logging.DEBUG, "scheduler.py:3570",
+            "Finished recving KV transfer for request %s", pulled)
+    # Preempted and allocated again: its one read was set up already, so nothing is read.
+    _allocation(log, _at(1000) + 1, 16, 384, {
+        **_params("chatcmpl-r-0-1-aaaaaaaa", 400, [*range(25)]),
+        "_remote_blocks_processed": True})
+    # CONV_1 turn 2: prefill's own cache covers the offer, so it only notifies decode
+    # (num_external_tokens 0); the handshake for that notification fails.
+    notify = "chatcmpl-r-1-2-Qw12Er34"
+    _allocation(log, _at(2000), 380, 0, _params("chatcmpl-r-1-1-bbbbbbbb", 380, [*range(24)]))
+    log.log(_at(2000), logging.DEBUG, "pull_worker.py:61",
+            "start_load_kv for request %s from remote engine %s. Num local_block_ids: %s. "
+            "Num remote_block_ids: %s. ", notify, "decode-engine-1", 0, 24)
+    context = {"failure_type": "handshake_failed", "request_id": notify,
+               "engine_id": "prefill-engine-0", "remote_engine_id": "decode-engine-1",
+               "remote_request_id": "chatcmpl-r-1-1-bbbbbbbb", "remote_host": "10.0.0.3",
+               "remote_port": 5600, "num_local_blocks": 0, "num_remote_blocks": 24,
+               "local_block_ids_sample": []}
+    log.log(_at(2000), logging.ERROR, "base_worker.py:1471",
+            "NIXL transfer failure: %s | Context: %s", "handshake_failed", context)
+    log.log(_at(2000), logging.WARNING, "base_worker.py:4011",
+            "Local NIXL metadata for remote engine %s was invalidated; re-handshaking after "
+            "reads drain%s.", "decode-engine-0", " and a 2s backoff")
+    # CONV_0 turn 3: a read of the invalidated peer fails fast, with no per-read failure line.
+    failed = "chatcmpl-r-0-3-Zx98Cv76"
+    _allocation(log, _at(3000), 16, 300, _params("chatcmpl-r-0-2-cccccccc", 316, [*range(20)]))
+    log.log(_at(3000), logging.WARNING, "base_worker.py:3253",
+            "Skipping KV post-processing for failed request %s", failed)
+    log.log(_at(3000), logging.DEBUG, "scheduler.py:3570",
+            "Finished recving KV transfer for request %s", failed)
+    log.log(_at(3000) + 5, logging.INFO, "loggers.py:335",
+            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+            "tokens/s, Running: %d reqs, Waiting: %d reqs, KV fetch: %d waiting to start, %d "
+            "in progress, %d completed waiting, Preemptions: %d, %s KV cache usage: %.1f%%",
+            120.0, 30.5, 1, 2, 0, 2, 0, 3, "GPU", 4.5)
+    return log.write()
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_every_format_gives_the_same_evidence(tmp_path: Path, style: str) -> None:
+    path = _pull_log(tmp_path / f"prefill-{style}.log", style)
+    assert detect(path) is KINDS[server_log.KIND]
+    log = server_log.read_prefill(path)
+    assert log.unknown_lines == 0, path.read_text()
+    assert [(e.request_id, e.what, e.count_tokens, e.local_hit_tokens) for e in log.events] == [
+        ("chatcmpl-r-0-2-Xy12Ab34", semconv.DECISION_PULL, 384, 16),
+        ("chatcmpl-r-0-2-Xy12Ab34", semconv.TRANSFER_OK, None, None),
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.DECISION_PULL, 300, 16),
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.TRANSFER_FAILED, None, None)]
+    assert log.events[0].remote_engine_id == "decode-engine-0"
+    assert log.events[0].offered_request_id == "chatcmpl-r-0-1-aaaaaaaa"
+    # The notify-only request's failed handshake is no read (vLLM drops it).
+    assert log.counts["notify_only_failures"] == 1
+    assert log.counts["allocations_without_read"] == 3
+    assert log.counts["remote_metadata_invalidated"] == 1
+    assert log.invalidated_remote_engines == ["decode-engine-0"]
+    assert log.engine == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480}
+    assert log.metrics == {"Max KV fetch in progress": 2, "Max KV fetch waiting to start": 0,
+                           "Preemptions": 3}
+    # Whole seconds in the plain formats, milliseconds in JSON: here the same instants.
+    assert log.events[1].time_ns == int(_at(1000) + 1) * 1_000_000_000
+
+
+def test_a_pull_the_log_shows_is_reused_in_the_ledger(tmp_path: Path) -> None:
+    """num_external_tokens and "Finished recving" are a pull and its success: the turn is no
+    longer ``unknown``; the notify-only handshake failure adds no read."""
+    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-0-1-aaaaaaaa")
+    _vllm_turn(proxy, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-1-1-bbbbbbbb")
+    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
+               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
+    _vllm_turn(proxy, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_HIT, age=1.0,
+               offered="chatcmpl-r-1-1-bbbbbbbb", decode_id="chatcmpl-r-1-2-dddddddd")
+    _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
+               offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
+    db = tmp_path / "run.duckdb"
+    prefill = _pull_log(tmp_path / "prefill.log", PLAIN)
+    ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
+                f"{server_log.KIND_PREFILL}:{prefill}"])
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    pulled = rows[("CONV_0", 2)]
+    assert pulled["d2p_status"] == semconv.TRANSFER_OK
+    assert pulled["to_pull_tokens"] == 384
+    # The offer (remote_num_tokens 400) is the reusable span; 16 were prefill's own.
+    assert (pulled["outcome"], pulled["evidence"]) == (outcomes.REUSED_REMOTE,
+                                                       "pulled 384, local 16")
+    assert (pulled["reusable_tokens"], pulled["local_hit_tokens"],
+            pulled["remote_reused_tokens"], pulled["recomputed_reusable_tokens"]) == (
+        400, 16, 384, 0)
+    failed = rows[("CONV_0", 3)]
+    assert failed["d2p_status"] == semconv.TRANSFER_FAILED
+    assert failed["remote_reused_tokens"] == 0
+    notify = rows[("CONV_1", 2)]
+    assert notify["d2p_status"] is None and notify["decision"] is None
+    # Prefill's log shows no decision for it: what it reused is not measured.
+    assert notify["remote_reused_tokens"] is None
+    assert notify["recomputed_reusable_tokens"] is None
+
+
+def test_a_decode_log_s_pull_is_a_p_to_d_read_and_no_reuse_decision(tmp_path: Path) -> None:
+    """On decode, an allocation with do_remote_prefill is its P→D read of prefill's blocks:
+    a read, never a reuse decision (those are prefill's)."""
+    log = ServerLogFile(tmp_path / "decode.log")
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "prefill-engine-0",
+              "remote_request_id": "chatcmpl-r-0-1-pppppppp", "remote_host": "10.0.0.1",
+              "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 47}
+    _allocation(log, _at(0), 0, 47, params)
+    log.log(_at(0) + 1, logging.DEBUG, "scheduler.py:3570",
+            "Finished recving KV transfer for request %s", "chatcmpl-r-0-1-dddddddd")
+    parsed = server_log.read_decode(log.write())
+    assert [(e.what, e.direction) for e in parsed.events] == [
+        (semconv.DECISION_PULL, semconv.DIRECTION_P_TO_D),
+        (semconv.TRANSFER_OK, semconv.DIRECTION_P_TO_D)]
+    rows = TraceRows()
+    assert server_log.add_spans(parsed, "run", rows) == 1  # the read only
+    table = rows.to_arrow().to_pylist()
+    assert [r["SpanName"] for r in table] == [semconv.SPAN_KV_TRANSFER]

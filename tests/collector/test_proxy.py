@@ -1034,3 +1034,18 @@ def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
         answer = partial_body_answer("127.0.0.1", dep.proxy.port, "/v1/chat/completions")
     assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
     assert b"request body not received within 0.3 s" in answer
+
+
+def test_decodes_reported_cached_tokens_are_on_the_turn(tmp_path: Path) -> None:
+    """vLLM's decode reports usage.prompt_tokens_details.cached_tokens in its stream's usage
+    (with --enable-prompt-tokens-details and include_usage): recorded on the turn span; a turn
+    whose decode reported none has no such attribute (not measured, not 0)."""
+    with deployment(tmp_path) as dep:
+        dep.decode.cached_tokens = 3
+        assert dep.chat("c-usage", stream=True,
+                        stream_options={"include_usage": True}).status_code == 200
+        assert dep.chat("c-usage", "again", stream=True).status_code == 200
+        spans = dep.spans()
+    reported, silent = turn_spans(spans)
+    assert reported["attrs"][semconv.DECODE_CACHED_TOKENS] == "3"
+    assert semconv.DECODE_CACHED_TOKENS not in silent["attrs"]

@@ -67,6 +67,9 @@ class StubState:
     engine_id: str = "engine"
     side_channel_host: str = "10.0.0.9"
     side_channel_port: int = 5600
+    # Decode's usage.prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details);
+    # None: not reported.
+    cached_tokens: int | None = None
 
 
 def _record(state: StubState, request: web.Request, body: dict[str, Any]) -> None:
@@ -231,7 +234,11 @@ def decode_events(body: dict[str, Any], request_id: str, state: StubState) -> li
         events.append(sse({"id": rid, "object": obj, "created": created, "model": model,
                            "choices": [], "usage": {"prompt_tokens": n_in,
                                                     "completion_tokens": n_out,
-                                                    "total_tokens": n_in + n_out}}))
+                                                    "total_tokens": n_in + n_out,
+                                                    **({"prompt_tokens_details": {
+                                                        "cached_tokens": state.cached_tokens}}
+                                                       if state.cached_tokens is not None
+                                                       else {})}}))
     events.append(b"data: [DONE]\n\n")
     return events
 

@@ -163,7 +163,22 @@ def test_empty_store_says_what_is_missing(tmp_path: Path) -> None:
         notes = " ".join(a.text for a in fig.layout.annotations)
         assert "not measured" in notes or "no data" in notes
     assert graphs(retention.content(data, Filters()))
+    assert "no vLLM /metrics snapshot in these runs" in text
     data.close()
+
+
+def test_overview_sets_vllms_counters_beside_the_ledger(tmp_path: Path) -> None:
+    from tests.collector.test_ingest_vllm_metrics import _run
+
+    _run(tmp_path, external=900)  # ingests a run with a prefill /metrics snapshot
+    data = open_data(tmp_path / "run.duckdb")
+    try:
+        found = _find(overview.content(data, Filters()), "overview-reconciliation")
+        assert found is not None
+        text = texts([found])
+        assert "d2p_tokens_scheduled" in text and "d2p_tokens_reused" in text
+    finally:
+        data.close()
 
 
 def test_source_table_names_missing_hooks() -> None:

@@ -341,3 +341,36 @@ def test_help_states_what_the_time_scale_divides() -> None:
     flat = " ".join(text.split())
     assert "divide every think time" in flat and "start offset" in flat
     assert "TTLs are not scaled" in flat
+
+
+def test_the_output_is_ingested_as_client_turns(stub: Stub, tmp_path: Path) -> None:
+    """kvscope ingest reads replay's own output (issue 30): one client turn per turn, its
+    failed attempts kept as kvscope.turn_attempt spans, a turn that never succeeded errored."""
+    from kvscope.collector.ingest import KINDS, detect, ingest, replay_records
+    from tests.collector.test_ingest import _ledger
+
+    stub.fail.add("bad")
+    out = tmp_path / "records.jsonl"
+    asyncio.run(replay(_workload(_conv("bad", turns=1), _conv("good", turns=2)), stub.url,
+                       retries=1, output=out))
+    assert detect(out) is KINDS[replay_records.KIND]
+    db = tmp_path / "run.duckdb"
+    result = ingest(db, [out])
+    assert [(s.kind, s.records) for s in result.sources] == [(replay_records.KIND, 3)]
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    assert sorted(rows) == [("bad", 1), ("good", 1), ("good", 2)]
+    assert rows[("bad", 1)]["errored"] is True
+    assert rows[("good", 2)]["errored"] is False and rows[("good", 2)]["ttft_ms"] is not None
+    assert rows[("good", 2)]["tool_wait_s"] is not None
+    import duckdb
+
+    from kvscope import semconv
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        attempts = con.execute("SELECT StatusCode, StatusMessage FROM otel_traces WHERE "
+                               "SpanName = ?", [semconv.SPAN_TURN_ATTEMPT]).fetchall()
+    finally:
+        con.close()
+    assert [code for code, _ in attempts] == ["STATUS_CODE_ERROR"]
+    assert "HTTP 500" in attempts[0][1]

@@ -60,7 +60,8 @@ class Engine:
     """One real v1 Scheduler with the real NixlConnector, stepped by hand as EngineCore does."""
 
     def __init__(self, model_config: Any, kv_role: str, *, prefix_caching: bool = True,
-                 max_batched_tokens: int = 512, **connector: Any) -> None:
+                 max_batched_tokens: int = 512, log_stats: bool = False,
+                 **connector: Any) -> None:
         from vllm.config import CacheConfig, SchedulerConfig
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -78,7 +79,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, kv_cache_config(NUM_BLOCKS),
                                    block_size=BLOCK_SIZE,
                                    structured_output_manager=StructuredOutputManager(self.config),
-                                   log_stats=False)
+                                   log_stats=log_stats)
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)

@@ -36,12 +36,31 @@ model_config = e2e.model_config
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
 
-def write_vllm_log(path: Path, records: Iterable[logging.LogRecord]) -> Path:
-    """``records`` as vLLM's own handler formats them (vllm/logger.py DEFAULT_LOGGING_CONFIG)."""
-    from vllm.logger import _DATE_FORMAT, _FORMAT
-    from vllm.logging_utils import NewLineFormatter
+PLAIN, COLOURED, JSON = "plain", "coloured", "json"
+STYLES = (PLAIN, COLOURED, JSON)
 
-    formatter = NewLineFormatter(_FORMAT, _DATE_FORMAT, log_level="DEBUG")
+
+def vllm_formatter(style: str = PLAIN) -> logging.Formatter:
+    """vLLM's own formatter of a style, as ``vllm/logger.py``'s logging config builds it: the
+    ``vllm`` (NewLineFormatter) and ``vllm_color`` (ColoredFormatter) formatters of
+    DEFAULT_LOGGING_CONFIG, or, for ``--log-formatter json``, python-json-logger's JsonFormatter
+    with ``JSON_FORMAT`` (logger.py:241-248)."""
+    from vllm.logger import _DATE_FORMAT, _FORMAT
+    from vllm.logging_utils import ColoredFormatter, NewLineFormatter
+    from vllm.logging_utils.formatter import JSON_FORMAT
+
+    if style == JSON:
+        from pythonjsonlogger.jsonlogger import JsonFormatter
+
+        return JsonFormatter(JSON_FORMAT)
+    kind = ColoredFormatter if style == COLOURED else NewLineFormatter
+    return kind(_FORMAT, _DATE_FORMAT, log_level="DEBUG")
+
+
+def write_vllm_log(path: Path, records: Iterable[logging.LogRecord],
+                   style: str = PLAIN) -> Path:
+    """``records`` as vLLM's own handler formats them (vllm/logger.py DEFAULT_LOGGING_CONFIG)."""
+    formatter = vllm_formatter(style)
     for record in records:
         if not hasattr(record, "vllm_process_name"):
             # A record made before vLLM installed its record factory: the factory's own
@@ -66,7 +85,10 @@ class Collect(logging.Handler):
 # other tests of this process) has its logger disabled by that dictConfig, and this process may
 # run with a raised level; a server imports them after, at INFO, so they log here as there.
 LOGGERS = (f"{NIXL}.pull_scheduler", f"{NIXL}.base_worker", "vllm.v1.core.sched.scheduler",
-           "vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+           "vllm.distributed.kv_transfer.kv_connector.v1.metrics", f"{NIXL}.base_scheduler")
+# At DEBUG, as a server at VLLM_LOGGING_LEVEL=DEBUG logs them: the skip, the allocation and
+# "Finished recving" lines.
+DEBUG_LOGGERS = (LOGGERS[0], LOGGERS[2])
 
 
 @pytest.fixture
@@ -77,10 +99,10 @@ def vllm_records() -> Iterator[list[logging.LogRecord]]:
     saved = [(log.level, log.disabled) for log in loggers]
     root.addHandler(handler)
     for log in loggers:
-        # DEBUG for the skip line; the others as a server at its default INFO logs them
-        # (this test process may have raised the "vllm" logger's level).
+        # DEBUG for the scheduler's lines; the others as a server at its default INFO logs
+        # them (this test process may have raised the "vllm" logger's level).
         log.disabled = False
-        log.setLevel(logging.DEBUG if log is loggers[0] else logging.INFO)
+        log.setLevel(logging.DEBUG if log.name in DEBUG_LOGGERS else logging.INFO)
     try:
         yield handler.records
     finally:
@@ -100,12 +122,20 @@ def test_prefill_lines_of_the_real_scheduler_connector_and_stats(
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
     below, failed = "chatcmpl-turn-below-Ab12Cd34", "chatcmpl-turn-failed-Ef56Gh78"
+    pulled = "chatcmpl-turn-pulled-Ij90Kl12"
     # 1. The pull scheduler skips an offer 48 tokens long: below the threshold of 64.
     # Prefix caching off: the second request's prompt is the first's.
     p = e2e.Engine(model_config, "kv_producer", prefix_caching=False)
     p.add(below, 170, e2e.offer(48))
     p.step()
-    # 2. A pulled read fails (the worker's report) under the default policy "fail".
+    # 2. A pulled read that goes well: the scheduler allocates 160 tokens to load (DEBUG
+    # update_state_after_alloc) and the worker reports the read finished ("Finished recving").
+    add(p, pulled, 170, e2e.offer(160), SamplingParams(max_tokens=1))
+    runner = Runner(p)
+    for _ in range(3):
+        out = p.scheduler.schedule()
+        p.scheduler.update_from_output(out, runner.answer(out))
+    # 3. A pulled read fails (the worker's report) under the default policy "fail".
     # The NIXL worker reports a failed non-HMA read as failed_recving with every local block
     # invalid (base_worker.py get_transfer_results; test_real_scheduler_claims.read_then_fail).
     req = add(p, failed, 170, e2e.offer(160), SamplingParams(max_tokens=1))
@@ -116,11 +146,11 @@ def test_prefill_lines_of_the_real_scheduler_connector_and_stats(
     p.scheduler.update_from_output(out, Runner(p).answer(out, KVConnectorOutput(
         finished_recving={failed}, failed_recving={failed}, invalid_block_ids=set(local))))
     assert req.is_finished()
-    # 3. The worker's structured failure line for that read.
+    # 4. The worker's structured failure line for that read.
     NixlBaseConnectorWorker._log_failure(
         SimpleNamespace(engine_id="prefill-engine", _recving_metadata={}),
         failure_type="transfer_failed", req_id=failed)
-    # 4. One logging interval of real connector stats: 2 reads, 1 failure, 1 expired request.
+    # 5. One logging interval of real connector stats: 2 reads, 1 failure, 1 expired request.
     stats = NixlKVConnectorStats()
     for _ in range(2):
         stats.record_transfer(SimpleNamespace(xferDuration=1500, postDuration=200,
@@ -131,18 +161,37 @@ def test_prefill_lines_of_the_real_scheduler_connector_and_stats(
     kv_logging.observe(stats.data)
     kv_logging.log()
 
-    path = write_vllm_log(tmp_path / "prefill.log", vllm_records)
+    texts = []
+    for style in STYLES:
+        path = write_vllm_log(tmp_path / f"prefill-{style}.log", vllm_records, style)
+        texts.append(path.read_text())
+        _check_prefill_log(path, below, pulled, failed)
+    # Three formats indeed: colour codes in one, JSON objects in another.
+    assert "\x1b[" in texts[1] and "\x1b[" not in texts[0]
+    assert all(line.startswith("{") for line in texts[2].splitlines())
+
+
+def _check_prefill_log(path: Path, below: str, pulled: str, failed: str) -> None:
     text = path.read_text()
     assert "Skipping remote pull for" in text and "Failing 1 request(s)" in text, text
+    assert "update_state_after_alloc: num_external_tokens=160" in text, text
+    assert f"Finished recving KV transfer for request {pulled}" in text, text
     log = server_log.read_prefill(path)
     assert [(e.request_id, e.what) for e in log.events] == [
         (below, semconv.DECISION_BELOW_THRESHOLD),
+        (pulled, semconv.DECISION_PULL),
+        (pulled, semconv.TRANSFER_OK),
+        (failed, semconv.DECISION_PULL),
         (failed, semconv.OUTCOME_ERROR),
         (failed, semconv.TRANSFER_FAILED)], text
     assert (log.events[0].count_tokens, log.events[0].threshold_tokens) == (48, 64)
+    pull = log.events[1]
+    assert (pull.count_tokens, pull.local_hit_tokens, pull.offered_tokens) == (160, 0, 160)
+    assert pull.remote_engine_id == "decode-engine"
     assert log.metrics == {"Num successful transfers": 2, "Num failed transfers": 1,
                            "Num KV expired reqs": 1, "Num notifs after expiry": 0,
                            "MB transferred": 8.0}
     assert log.counts["kv_transfer_metrics"] == 1
-    # Every line is in vLLM's format; those with no per-request evidence are counted.
-    assert log.unknown_lines == log.lines - 4 - log.counts["kv_transfer_metrics"]
+    assert "allocated_reads_never_named" not in log.counts
+    # The connector's start-up line (base_scheduler.py:187-194) with this engine's settings.
+    assert log.engine == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480}, text

@@ -1,0 +1,174 @@
+"""``kvscope ingest`` of a vLLM server's /metrics snapshot, and the ``reconciliation`` analysis.
+
+The snapshot is written by prometheus_client (the library vLLM's metrics use) with vLLM
+0.33.0's metric names, types and labels (``v1/metrics/loggers.py:569-590, 757-797``,
+``kv_connector/v1/nixl/stats.py:180-285``): counters expose ``_total``, histograms ``_count``
+and ``_sum``, every series carries ``model_name`` and ``engine``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvscope import semconv
+from kvscope.analysis import registry
+from kvscope.collector.ingest import KINDS, detect, ingest, vllm_metrics
+from kvscope.errors import IngestError
+from tests.collector.test_ingest_proxy_log import (
+    VLLM_DATEFMT,
+    VLLM_FORMAT,
+    LogFile,
+    _at,
+    _stats,
+    _vllm_turn,
+)
+from tests.collector.test_ingest_server_log import PLAIN, _pull_log
+
+LABELS = ["model_name", "engine"]
+
+
+def write_snapshot(path: Path, external: int, local_hit: int, computed: int,
+                   transfers: int, failed: int, expired: int) -> Path:
+    """A prefill server's /metrics as vLLM's PrometheusStatLogger exposes it."""
+    reg = CollectorRegistry()
+    by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                        [*LABELS, "source"], registry=reg)
+    for source, value in (("local_compute", computed), ("local_cache_hit", local_hit),
+                          ("external_kv_transfer", external)):
+        by_source.labels("m", "0", source).inc(value)
+    cached = Counter("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by tier.",
+                     [*LABELS, "source"], registry=reg)
+    for source in ("device", "host", "p2p", "disk", "external_unspecified"):
+        cached.labels("m", "0", source).inc(
+            external if source == "p2p" else local_hit if source == "device" else 0)
+    fetch = Gauge("vllm:num_requests_kv_fetch_by_stage", "Waiting requests by KV load stage.",
+                  [*LABELS, "stage"], registry=reg)
+    for stage in ("waiting_to_start", "in_progress", "completed_waiting"):
+        fetch.labels("m", "0", stage).set(0)
+    xfer = Histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration.",
+                     LABELS, registry=reg)
+    size = Histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred.",
+                     LABELS, registry=reg)
+    for _ in range(transfers):
+        xfer.labels("m", "0").observe(0.002)
+        size.labels("m", "0").observe(4 * 2**20)
+    for name, value in (("vllm:nixl_num_failed_transfers", failed),
+                        ("vllm:nixl_num_failed_notifications", 0),
+                        ("vllm:nixl_num_kv_expired_reqs", expired),
+                        ("vllm:nixl_num_notifications_after_expiry", 0)):
+        Counter(name, "NIXL counter.", LABELS, registry=reg).labels("m", "0").inc(value)
+    path.write_bytes(generate_latest(reg))
+    return path
+
+
+def test_a_snapshot_is_detected_and_its_counters_read(tmp_path: Path) -> None:
+    path = write_snapshot(tmp_path / "metrics.txt", 684, 412, 900, 1, 1, 0)
+    assert detect(path) is KINDS[vllm_metrics.KIND]
+    parsed = vllm_metrics.read_prefill(path)
+    counters = parsed.engines["m/0"]
+    assert counters["prompt_tokens_external_kv_transfer"] == 684
+    assert counters["prompt_tokens_local_cache_hit"] == 412
+    assert counters["cached_tokens_p2p"] == 684
+    assert counters["nixl_transfers"] == 1
+    assert counters["nixl_bytes_transferred"] == 4 * 2**20
+    assert counters["nixl_failed_transfers"] == 1
+    assert counters["nixl_notifications_after_expiry"] == 0
+    assert counters["kv_fetch_in_progress"] == 0
+
+
+def test_a_file_with_no_vllm_sample_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text("# TYPE up gauge\nup 1\n")
+    with pytest.raises(IngestError, match=r"other\.txt:1: no vllm: sample"):
+        ingest(tmp_path / "run.duckdb", [f"{vllm_metrics.KIND_PREFILL}:{other}"])
+
+
+def _run(tmp_path: Path, external: int) -> list[dict]:
+    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-0-1-aaaaaaaa")
+    _vllm_turn(proxy, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-1-1-bbbbbbbb")
+    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
+               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
+    _vllm_turn(proxy, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_HIT, age=1.0,
+               offered="chatcmpl-r-1-1-bbbbbbbb", decode_id="chatcmpl-r-1-2-dddddddd")
+    _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
+               offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
+    db = tmp_path / "run.duckdb"
+    snapshot = write_snapshot(tmp_path / "prefill-metrics.txt", external, 412, 900, 1, 1, 0)
+    ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
+                f"vllm-prefill-log:{_pull_log(tmp_path / 'prefill.log', PLAIN)}",
+                f"{vllm_metrics.KIND_PREFILL}:{snapshot}"])
+    with registry.AnalysisContext.open(db) as ctx:
+        return registry.run(ctx, "reconciliation").to_dicts()
+
+
+def test_reconciliation_sets_the_ledger_beside_vllms_counters(tmp_path: Path) -> None:
+    rows = {r["quantity"]: r for r in _run(tmp_path, external=684)}
+    assert {r["role"] for r in rows.values()} == {semconv.ROLE_PREFILL}
+    scheduled = rows["d2p_tokens_scheduled"]
+    # The log's pulls (384 + 300) are the tokens vLLM counted as loaded from decode.
+    assert (scheduled["ledger_value"], scheduled["vllm_value"]) == (684.0, 684.0)
+    assert scheduled["flagged"] is False
+    reused = rows["d2p_tokens_reused"]
+    # The failed read's 300 tokens: counted by vLLM at admission, reused by nobody.
+    assert (reused["ledger_value"], reused["vllm_value"], reused["explained"]) == (
+        384.0, 684.0, 300.0)
+    assert reused["flagged"] is False
+    assert "1 turns not measured" in reused["explanation"]  # CONV_1 turn 2: no evidence
+    assert (rows["reads_failed"]["ledger_value"], rows["reads_failed"]["vllm_value"]) == (
+        1.0, 1.0)
+    assert rows["reads_ok"]["ledger_value"] == 1.0
+    assert rows["local_cache_hit_tokens"]["flagged"] is False
+
+
+def test_an_unexplained_difference_is_flagged(tmp_path: Path) -> None:
+    rows = {r["quantity"]: r for r in _run(tmp_path, external=900)}
+    scheduled = rows["d2p_tokens_scheduled"]
+    assert (scheduled["difference"], scheduled["flagged"]) == (216.0, True)
+
+
+def test_a_live_metrics_url_is_scraped(tmp_path: Path) -> None:
+    """``vllm-prefill-metrics:http://127.0.0.1:PORT/metrics`` scrapes the page when ingest runs
+    (a real HTTP server on loopback serving the snapshot); an unreachable URL is one line."""
+    import http.server
+    import threading
+
+    body = write_snapshot(tmp_path / "served.txt", 684, 412, 900, 1, 1, 0).read_bytes()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        result = ingest(tmp_path / "run.duckdb",
+                        [f"{vllm_metrics.KIND_PREFILL}:http://127.0.0.1:{port}/metrics"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    (source,) = result.sources
+    assert (source.kind, source.path.name) == (vllm_metrics.KIND_PREFILL,
+                                               f"metrics-127.0.0.1-{port}.prom")
+    with registry.AnalysisContext.open(tmp_path / "run.duckdb") as ctx:
+        runs = registry.run(ctx, "reconciliation")
+    # vLLM's counters, with no turn of the run to set them beside: the ledger's side is not
+    # measured (null), and nothing is flagged.
+    assert runs["vllm_value"].null_count() == 0
+    assert runs["ledger_value"].null_count() == runs.height
+    assert not runs["flagged"].any()
+    with pytest.raises(IngestError, match=r"^http://127\.0\.0\.1:9/metrics: cannot scrape"):
+        ingest(tmp_path / "other.duckdb", ["http://127.0.0.1:9/metrics"])
