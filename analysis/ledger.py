@@ -25,9 +25,9 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
   tokenizer: null, and the outcome is ``prefix_diverged``.
 * ``local_hit_tokens`` / ``remote_reused_tokens`` / ``recomputed_reusable_tokens`` from P's
   reuse decision and the D→P transfer (a read that moved bytes and finished ``ok``).
-* ``outcome`` — one label from :data:`kvscope.reuse.outcomes.OUTCOMES`, decided in the order
-  of :mod:`kvscope.reuse.outcomes`, with ``evidence`` saying what decided it and which
-  evidence was missing when it is ``unknown``.
+* ``outcome`` — one label from :data:`kvscope.reuse.outcomes.OUTCOMES`, decided by the one
+  decision table :data:`kvscope.reuse.decisions.TABLE` over the turn's facts, with
+  ``evidence`` saying what decided it and which evidence was missing when it is ``unknown``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ import duckdb
 import polars as pl
 
 from kvscope import semconv
-from kvscope.reuse import outcomes
-from kvscope.reuse.router import GUARD_EDITED
+from kvscope.reuse import decisions
 from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
@@ -126,11 +125,11 @@ VALIDITY_VALID = "valid"
 VALIDITY_INVALID = "invalid"
 VALIDITY_NOT_VERIFIED = "not_verified"  # loaded KV, but no boundary hashes to check it against
 
-# History relation of turn k to turn k-1, from message-boundary hashes.
-HISTORY_FIRST = "first"
-HISTORY_CONTINUES = "continues"
-HISTORY_EDITED = "edited"
-HISTORY_UNKNOWN = "unknown"
+# History relation of turn k to turn k-1, from message-boundary hashes (the decision table's).
+HISTORY_FIRST = decisions.HISTORY_FIRST
+HISTORY_CONTINUES = decisions.HISTORY_CONTINUES
+HISTORY_EDITED = decisions.HISTORY_EDITED
+HISTORY_UNKNOWN = decisions.HISTORY_UNKNOWN
 
 
 # Columns name what they read (kvscope.store.query): every key and value is a bound parameter,
@@ -789,96 +788,58 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
-    """Decide each turn's outcome and its evidence, in the order of :mod:`outcomes`."""
+    """Decide each turn's outcome and its evidence: the facts its spans show, read by the one
+    decision table (:data:`kvscope.reuse.decisions.TABLE`)."""
+    label, evidence = decisions.polars_exprs(_facts())
+    return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+
+
+def _facts() -> dict[str, pl.Expr]:
+    """The decision table's facts (:data:`kvscope.reuse.decisions.FACTS`) from a shaped row."""
     c = pl.col
-    reusable, local, remote = c("reusable_tokens"), c("local_hit_tokens"), c("remote_reused_tokens")
-    offered = c("offered_tokens")
-    target = pl.when(offered.fill_null(0) > 0).then(
-        pl.min_horizontal(reusable, pl.max_horizontal(offered, local))).otherwise(reusable)
-    done = local.fill_null(0) + remote.fill_null(0)
     engine_seen = c("decision").is_not_null()
     lookup = c("router_lookup")
-    status = c("d2p_status")
-    kind = c("_invalid_kind")
-    rules: list[tuple[pl.Expr, str, pl.Expr]] = [
-        # Without a conversation id no turn can be linked to another, the first included.
-        (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
-         pl.lit(outcomes.EVIDENCE_NO_CONVERSATION_ID)),
-        (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit(outcomes.EVIDENCE_FIRST_TURN)),
+    local, remote = c("local_hit_tokens"), c("remote_reused_tokens")
+    offered = c("offered_tokens")
+    # The previous turn gave the router nothing to keep: decode returned no params, or the turn
+    # never reached decode (it failed first). Only where the proxy saw the previous turn: for a
+    # client's record, a missing decode leg is evidence not collected (a proxy log joined to it
+    # says whether decode returned params: prev_returned is then set).
+    returned = c("prev_returned")
+    prev_params = (
+        pl.when(returned.fill_null(False)).then(pl.lit(decisions.PREV_RETURNED))
+        .when(c("prev_index").is_not_null()
+              & (c("observer").is_null() | returned.is_not_null()))
+        .then(pl.when(returned.is_null()).then(pl.lit(decisions.PREV_NO_DECODE))
+              .otherwise(pl.lit(decisions.PREV_NONE)))
+    )
+    return {
         # A client's own record (kvscope ingest) with no proxy or engine span joined to it:
         # nothing says whether or why the turn reused, so no miss cause is claimed.
-        ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
-         outcomes.UNKNOWN, pl.lit(outcomes.EVIDENCE_CLIENT_ONLY)),
-        (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
-        (kind == INVALID_EDITED, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_EDITED], c("to_pull_tokens"))),
-        (kind == INVALID_BEYOND_PREFIX, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_BEYOND_PREFIX], c("to_pull_tokens"),
-                   c("invalid_tokens"), reusable)),
-        (c("history") == HISTORY_EDITED, outcomes.PREFIX_DIVERGED,
-         pl.when(c("reuse_guard") == GUARD_EDITED)
-         .then(pl.lit(outcomes.EVIDENCE_EDITED + "; the proxy's reuse guard sent MISS params"))
-         .otherwise(pl.lit(outcomes.EVIDENCE_EDITED + " (message-boundary hashes)"))),
-        (engine_seen & (done >= target) & (done > 0) & (remote > 0), outcomes.REUSED_REMOTE,
-         pl.format(outcomes.EVIDENCE_REUSED_REMOTE, remote, local)),
-        (engine_seen & (done >= target) & (done > 0), outcomes.REUSED_LOCAL,
-         pl.format(outcomes.EVIDENCE_REUSED_LOCAL, local)),
-        # The previous turn gave the router nothing to keep: decode returned no params, or the
-        # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
-        # or "consumed" when the previous turn's own lookup took the last one).
-        # Only where the proxy saw the previous turn: for a client's record, a missing decode
-        # leg is evidence not collected, not a turn that never reached decode (a proxy log
-        # joined to it says whether decode returned params: prev_returned is then set).
-        (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False)
-         & (c("observer").is_null() | c("prev_returned").is_not_null()),
-         outcomes.NO_DECODE_METADATA,
-         pl.when(c("prev_returned").is_null())
-         .then(pl.lit("previous turn never reached decode"))
-         .otherwise(pl.lit(outcomes.EVIDENCE_NO_DECODE_METADATA))),
-        (lookup == semconv.ROUTER_MISS, outcomes.ROUTER_NO_ENTRY, pl.lit("router lookup miss")),
-        (lookup == semconv.ROUTER_STALE, outcomes.ROUTER_TTL_EXPIRED,
-         pl.format("router entry {} s old", c("router_entry_age_s").round(1))),
-        (lookup == semconv.ROUTER_CONSUMED, outcomes.HANDLE_CONSUMED,
-         pl.lit("router entry already taken by an overlapping turn")),
-        (~engine_seen, outcomes.UNKNOWN,
-         pl.lit("no engine hooks: prefill's reuse decision not observed")),
-        (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
-         pl.lit(outcomes.EVIDENCE_INVALID_PARAMS)),
-        (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
-         pl.lit(outcomes.EVIDENCE_NO_OFFER)),
-        (~c("prefill_bidirectional").fill_null(True)
-         & (c("decision") != semconv.DECISION_LOCAL_COVERS), outcomes.PREFILL_BIDIR_DISABLED,
-         pl.lit(outcomes.EVIDENCE_BIDIR_OFF)),
-        (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
-         pl.format(outcomes.EVIDENCE_BELOW_THRESHOLD,
-                   pl.coalesce(c("offered_tokens") - c("decision_local_hit"),
-                               c("decision_remote_count")), c("threshold_tokens"))),
-        (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
-         pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
-        (c("_preempted"), outcomes.PREEMPTED, pl.lit(outcomes.EVIDENCE_PREEMPTED)),
-        (status.is_not_null() & (status != semconv.TRANSFER_OK)
-         & c("load_errored").fill_null(False),
-         outcomes.LOAD_FAILED_ERRORED, pl.format(outcomes.EVIDENCE_LOAD_FAILED, status)),
-        (status.is_not_null() & (status != semconv.TRANSFER_OK)
-         & (c("last_decision") == semconv.DECISION_REISSUED),
-         outcomes.LOAD_STALLED, pl.format(outcomes.EVIDENCE_LOAD_STALLED, status)),
-        (status == semconv.TRANSFER_DECLINED_EXPIRED, outcomes.DECODE_TTL_EXPIRED,
-         pl.lit(outcomes.EVIDENCE_DECLINED)),
-        (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
-         pl.lit(outcomes.EVIDENCE_HANDSHAKE)),
-        (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
-         pl.lit(outcomes.EVIDENCE_TRANSFER)),
-        (reusable.is_null(), outcomes.UNKNOWN,
-         pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
-        (done > 0, outcomes.PARTIAL, pl.format(outcomes.EVIDENCE_PARTIAL, done, reusable)),
-    ]
-    label: pl.Expr = pl.lit(outcomes.UNKNOWN)
-    evidence: pl.Expr = pl.lit(outcomes.EVIDENCE_UNEXPLAINED)
-    for condition, name, why in reversed(rules):
-        label = pl.when(condition.fill_null(False)).then(pl.lit(name)).otherwise(label)
-        evidence = pl.when(condition.fill_null(False)).then(why).otherwise(evidence)
-    return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+        "client_only": (c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null()
+        & ~engine_seen,
+        "common_prefix": pl.lit(None, pl.Int64),  # not measurable from spans
+        "prev_params": prev_params,
+        "engine_seen": engine_seen,
+        "bidir": c("prefill_bidirectional"),
+        "offered": offered,
+        # The connector's count: min(offered, prompt) - local hit (pull_count), as vLLM compares.
+        "below_count": pl.coalesce(
+            c("decision_remote_count"),
+            pl.min_horizontal(offered, c("prompt_tokens")) - c("decision_local_hit")),
+        "threshold": c("threshold_tokens"),
+        "preempted": c("_preempted"),
+        "read_status": c("d2p_status"),
+        "load_errored": c("load_errored").fill_null(False),
+        "load_reissued": c("last_decision") == semconv.DECISION_REISSUED,
+        "loaded": c("to_pull_tokens"),
+        "invalid_kind": c("_invalid_kind"),
+        "reusable": c("reusable_tokens"),
+        "local": local,
+        "remote": remote,
+        "reused": local.fill_null(0) + remote.fill_null(0),
+        "coverable": decisions.coverable_expr(c("reusable_tokens"), offered, local),
+    }
 
 
 def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:

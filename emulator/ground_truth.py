@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from kvscope.emulator import reuse_model
 from kvscope.emulator.tokens import BlockSeq, common_prefix_len
-from kvscope.reuse import outcomes
+from kvscope.reuse import decisions
 
 
 @dataclass
@@ -248,14 +248,17 @@ class TruthRecorder:
                 self.oracle.match(prompt, prompt_ids) if prompt is not None else Match(None, 0, 0)
             )
             previous = match.previous
+            turn_index = previous.turn_index + 1 if previous is not None else 1
+            # The table's label for a turn whose prefill was never seen; the evidence says so.
+            outcome, _ = decisions.decide({"turn_index": turn_index, "engine_seen": False})
             row = TruthRow(
                 run_id=self.run_id,
                 x_request_id=x_request_id,
-                turn_index=previous.turn_index + 1 if previous is not None else 1,
+                turn_index=turn_index,
                 previous_x_request_id=previous.x_request_id if previous is not None else None,
                 reusable_tokens=match.reusable_tokens,
                 recomputed_reusable_tokens=match.reusable_tokens,
-                outcome=outcomes.FIRST_TURN if previous is None else outcomes.UNKNOWN,
+                outcome=outcome,
                 evidence="no prefill leg seen for this request",
                 prompt_tokens=prompt_tokens,
             )

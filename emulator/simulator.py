@@ -79,7 +79,6 @@ from kvscope.emulator.workloads.model import (
     block_view,
     send_time,
 )
-from kvscope.reuse import outcomes
 from kvscope.reuse.params import (
     FAILURE_POLICY_FAIL,
     SCHEDULING_ASYNC,
@@ -642,19 +641,11 @@ class Simulator:
         accounting = account_turn(
             conv_turn, reusable, turn.result,
             router_lookup=turn.truth_args["router_lookup"],
+            router_entry_age_s=turn.lookup.age_s,
             decode_returned_params=self._returned.get(turn.conversation_index, True),
+            history_edited=self._messages.diverged(turn.conversation_index, turn.turn_position),
+            reuse_guard=record.reuse_guard,
         )
-        # Two rules account_turn cannot see (see outcomes.py): a request without a
-        # conversation id can be linked to nothing, its first turn included; and a prompt that
-        # does not extend the previous turn (history edited, reset) diverged — unless its read
-        # loaded KV that does not match the prompt, the alarm that comes first.
-        if turn.conversation.value is None:
-            accounting = replace(accounting, outcome=outcomes.NO_CONVERSATION_ID,
-                                 evidence=outcomes.EVIDENCE_NO_CONVERSATION_ID)
-        elif (conv_turn > 1 and accounting.outcome != outcomes.REUSED_INVALID
-              and self._messages.diverged(turn.conversation_index, turn.turn_position)):
-            accounting = replace(accounting, outcome=outcomes.PREFIX_DIVERGED,
-                                 evidence=outcomes.EVIDENCE_EDITED)
         self._returned[turn.conversation_index] = returned
         result = turn.result
         truth.append(TruthRow(

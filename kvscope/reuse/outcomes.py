@@ -46,8 +46,6 @@ holds wins:
 
 from __future__ import annotations
 
-from kvscope import semconv
-
 FIRST_TURN = "first_turn"
 REUSED_REMOTE = "reused_remote"
 REUSED_LOCAL = "reused_local"
@@ -99,14 +97,6 @@ OUTCOMES: tuple[str, ...] = (
 REUSE_OUTCOMES: tuple[str, ...] = (REUSED_REMOTE, REUSED_LOCAL, PARTIAL)
 # Every label after turn 1 that is not a valid reuse: the alarm first, then the miss causes.
 MISS_CAUSES: tuple[str, ...] = tuple(o for o in OUTCOMES if o not in REUSE_OUTCOMES + (FIRST_TURN,))
-
-# The router's lookup results (semconv.ROUTER_*) and the outcome each one explains.
-ROUTER_OUTCOMES: dict[str, str] = {
-    semconv.ROUTER_NO_CONVERSATION_ID: NO_CONVERSATION_ID,
-    semconv.ROUTER_STALE: ROUTER_TTL_EXPIRED,
-    semconv.ROUTER_CONSUMED: HANDLE_CONSUMED,
-    semconv.ROUTER_MISS: ROUTER_NO_ENTRY,
-}
 
 # Evidence, one template per rule ("{}" placeholders, filled in order).
 EVIDENCE_FIRST_TURN = "turn 1"
