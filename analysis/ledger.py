@@ -45,6 +45,7 @@ from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
     INVALID_EDITED,
+    INVALID_MISALIGNED,
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
@@ -160,6 +161,7 @@ _TURN_COLUMNS: _Columns = {
     "error_kind": span_attr(semconv.ERROR_KIND),
     "observer": span_attr(semconv.TURN_OBSERVER),
     "duration_measured": span_attr(semconv.DURATION_MEASURED),
+    "route": span_attr(semconv.HTTP_ROUTE),
 }
 _PREFILL_COLUMNS: _Columns = {
     "trace_id": "TraceId",
@@ -201,6 +203,7 @@ _DECISION_COLUMNS: _Columns = {
     "threshold": span_attr(semconv.THRESHOLD_TOKENS),
     "bidir": span_attr(semconv.BIDIR_ENABLED),
     "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
+    "block_size": span_attr(semconv.KV_BLOCK_SIZE),
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
 }
 _VLLM_REQUEST_COLUMNS: _Columns = {
@@ -310,11 +313,12 @@ def _decision_rows(b: query.Binder) -> str:
 
 # Per request: (column of its decisions, name) taken from the first decision, and from the last.
 _DECISION_FIELDS = ("decision", "local_hit", "offered", "to_pull", "threshold", "bidir",
-                    "engine", "remote_count")
+                    "engine", "remote_count", "block_size")
 _FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit"),
                    ("offered", "offered_tokens"), ("to_pull", "to_pull_tokens"),
                    ("threshold", "threshold_tokens"), ("bidir", "prefill_bidirectional"),
-                   ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"))
+                   ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"),
+                   ("block_size", "block_size"))
 _LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
@@ -395,7 +399,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
         "duration_ns", "status_code", "ttft_ms", "router_lookup", "router_entry_age_s",
         "reuse_guard", "boundary_hashes", "hash_key_id", "roles", "observer",
-        "duration_measured")),
+        "duration_measured", "route")),
     *(("p", name, name) for name in (
         "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
         "retention_id")),
@@ -405,7 +409,8 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     *(("f", name, name) for name in (
         "decision", "decision_local_hit", "offered_tokens", "to_pull_tokens",
         "threshold_tokens", "prefill_bidirectional", "prefill_engine", "decisions",
-        "final_local_hit", "last_decision", "decision_remote_count", "from_hooks")),
+        "final_local_hit", "last_decision", "decision_remote_count", "from_hooks",
+        "block_size")),
     *(("v", name, name) for name in (
         "engine_first_start", "engine_last_start", "engine_last_ttft_s", "engine_queue_s")),
     *(("r", name, name) for name in (
@@ -491,8 +496,11 @@ def _history(b: query.Binder) -> str:
         # keys of their own) never match: not comparable, so never an edit.
         f"WHEN NOT {same_key} THEN {b(HISTORY_UNKNOWN)} "
         # A completions prompt is one message whose text grows turn by turn: one hash each
-        # cannot show a continuation (nor an edit).
-        f"WHEN messages <= 1 AND prev_messages <= 1 THEN {b(HISTORY_UNKNOWN)} "
+        # cannot show a continuation (nor an edit). A chat's messages each have their hash, a
+        # single one too: a single message replaced by another is an edit.
+        f"WHEN messages <= 1 AND prev_messages <= 1 "
+        f"AND coalesce(route, {empty}) NOT LIKE {b('%/chat/completions')} "
+        f"THEN {b(HISTORY_UNKNOWN)} "
         f"WHEN {_continues(b)} THEN {b(HISTORY_CONTINUES)} "
         # k added more messages than the proxy keeps hashes for: not decidable.
         f"WHEN messages - prev_messages >= {_count(b, 'boundary_hashes', b(','))} + 1 "
@@ -502,7 +510,8 @@ def _history(b: query.Binder) -> str:
 
 # What leaves the engine: the turn's own fields, its joined evidence and the previous turn's
 # counts; the hashes stay behind (their verdict is ``history``).
-_OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles"}
+_OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles",
+                "route"}
 
 
 def _per_turn(b: query.Binder) -> str:
@@ -648,7 +657,7 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     ledger = rows.with_columns(
         pl.col("turn_number").alias("turn_index"),
         # The turn's own counts (and the previous turn's) are integers already (_TURN_NUMBERS).
-        *(_int(c) for c in ("prev_held", "decision_local_hit",
+        *(_int(c) for c in ("prev_held", "decision_local_hit", "block_size",
                             "offered_tokens", "to_pull_tokens", "threshold_tokens",
                             "final_local_hit", "decision_remote_count", "retention_bytes",
                             "offered_tokens_proxy")),
@@ -737,6 +746,16 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
          - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
     )
     ledger = _validity(ledger)
+    # A misaligned read put decode's last blocks in the prompt's positions: nothing of it is
+    # reuse (as after release).
+    misaligned = (pl.col("_invalid_kind") == INVALID_MISALIGNED).fill_null(False)
+    ledger = ledger.with_columns(
+        pl.when(misaligned).then(pl.lit(0, pl.Int64)).otherwise(pl.col("remote_reused_tokens"))
+        .alias("remote_reused_tokens"),
+    ).with_columns(
+        (reusable_col - pl.col("local_hit_tokens").fill_null(0)
+         - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
+    )
     ledger = _label(ledger)
     ledger = ledger.with_columns(
         pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
@@ -750,32 +769,48 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Whether the KV each turn loaded from decode belongs to its prompt (spans alone).
 
-    Invalid when the read came after decode released the blocks (TTL reaper), when the
-    history was edited since the previous turn (message-boundary hashes), or when a continuing
-    history's read reached past what the prompt shares with decode's sequence (positions up to
-    prefill's own hit are its own: :func:`kvscope.reuse.validity.invalid_tokens`'s rule).
-    Without hashes a read is ``not_verified``: a decode sequence longer than the prompt is
-    misaligned only when it needs more blocks than the read fills (``validity.loaded_span``),
-    and the block size is not on the spans. ``invalid_tokens`` is null where the count is not
-    measurable from counts alone (an edited history).
+    Invalid when the read came after decode released the blocks (TTL reaper); when it was
+    misaligned (:func:`kvscope.reuse.validity.loaded_span`: decode's list is end-trimmed, so a
+    sequence that needs more blocks than the read fills hands prefill decode's last blocks —
+    decided from the block size the decision span records; without it, a continuing history
+    whose decode sequence is longer than what the read reaches is misaligned, since nothing
+    proves both ends fall in one block); when the history was edited since the previous turn
+    (message-boundary hashes); or when a continuing history's read reached past what the prompt
+    shares with decode's sequence (positions up to prefill's own hit are its own:
+    :func:`kvscope.reuse.validity.invalid_tokens`'s rule). Without hashes an aligned read is
+    ``not_verified``. ``invalid_tokens`` is the count whenever the evidence gives it (0 when
+    prefill was seen loading nothing), null where it does not (an edited history, an
+    unverified read, no engine evidence).
     """
     c = pl.col
     loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("errored")
-    reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
+    local = c("decision_local_hit").fill_null(0)
+    reach = local + c("to_pull_tokens").fill_null(0)
     history = c("history")
-    valid_end = pl.max_horizontal(c("reusable_tokens"), c("decision_local_hit").fill_null(0))
+    valid_end = pl.max_horizontal(c("reusable_tokens"), local)
+    block = c("block_size")
+    # Decode's sequence: what it offered (remote_num_tokens), the length its list is cut to.
+    sequence = c("offered_tokens")
+    shifted = (
+        pl.when(block > 0)
+        .then((sequence + block - 1) // block != (reach + block - 1) // block)
+        .when(history == HISTORY_CONTINUES).then(sequence > reach)
+    ).fill_null(False)
     kind = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
         .when(c("_stale")).then(pl.lit(INVALID_AFTER_RELEASE))
+        .when(shifted).then(pl.lit(INVALID_MISALIGNED))
         .when(history == HISTORY_EDITED).then(pl.lit(INVALID_EDITED))
         .when((history == HISTORY_CONTINUES) & (reach > valid_end))
         .then(pl.lit(INVALID_BEYOND_PREFIX))
     )
     count = (
-        pl.when(c("_invalid_kind") == INVALID_AFTER_RELEASE).then(c("to_pull_tokens"))
+        pl.when(c("_invalid_kind").is_in([INVALID_AFTER_RELEASE, INVALID_MISALIGNED]))
+        .then(c("to_pull_tokens"))
         .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - valid_end)
         .when(c("_invalid_kind").is_null() & loaded & (history == HISTORY_CONTINUES))
         .then(pl.lit(0, pl.Int64))
+        .when(~loaded & c("decision").is_not_null()).then(pl.lit(0, pl.Int64))
     )
     validity = (
         pl.when(~loaded).then(pl.lit(None, pl.String))

@@ -556,7 +556,8 @@ class ReuseDecision:
             self.request_id, time_ns, self.local_hit_tokens,
             offered if isinstance(offered, int) else None, self.tokens_to_pull, self.threshold,
             self.decision, self.bidirectional_kv_xfer, self.prompt_tokens,
-            remote_engine if isinstance(remote_engine, str) else None, traceparent)
+            remote_engine if isinstance(remote_engine, str) else None, traceparent,
+            self.block_size)
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").

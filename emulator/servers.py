@@ -623,5 +623,8 @@ class DecodeServer(_EngineServer[DecodeNode]):
             req.x_request_id, req.request_id, self.engine_id, state["sequence"], prompt_n,
             sent, status, state.get("retention"), on_wire, p_to_d_bytes, sorted(hit),
             prompt=req.prompt, prompt_ids=req.prompt_ids,
+            # What decode computed KV for, as it counts remote_num_tokens (kept or not).
+            held_tokens=reuse_params.remote_num_tokens(
+                state["sequence"].num_tokens, self.node.config.scheduling, status),
         )
         return response
