@@ -200,6 +200,8 @@ class TruthRow:
     router_lookup: str
     ttft_ms: float | None
     errored: bool
+    # What happened, as the decision table's facts (the outcome is the table's reading of them).
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -668,6 +670,7 @@ class Simulator:
             ttft_ms=((record.first_token_ns - record.arrival_ns) / 1e6
                      if record.first_token_ns is not None else None),
             errored=bool(result is not None and (result.errored or result.stalled)),
+            facts=accounting.facts,
         ))
 
 
