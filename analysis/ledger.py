@@ -863,7 +863,7 @@ def _facts() -> dict[str, pl.Expr]:
             c("decision_remote_count"),
             pl.min_horizontal(offered, c("prompt_tokens")) - c("decision_local_hit")),
         "threshold": c("threshold_tokens"),
-        "preempted": c("_preempted"),
+        "rescheduled": c("_preempted"),
         "read_status": c("d2p_status"),
         "load_errored": c("load_errored").fill_null(False),
         "load_reissued": c("last_decision") == semconv.DECISION_REISSUED,

@@ -958,7 +958,7 @@ def turn_facts(
     facts |= {
         "decision": decision.decision, "bidir": decision.bidirectional_kv_xfer,
         "offered": offered, "below_count": decision.count, "threshold": decision.threshold,
-        "prompt_tokens": decision.prompt_tokens, "preempted": result.preempted,
+        "prompt_tokens": decision.prompt_tokens, "rescheduled": result.preempted,
         "read_status": (transfer.status if transfer is not None and result.load_failed
                         else semconv.TRANSFER_OK if transfer is not None else None),
         "load_errored": result.load_failed and result.errored,

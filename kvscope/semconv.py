@@ -200,7 +200,7 @@ REMOTE_COUNT_TOKENS = _attr(
     "(vLLM's count; from a server log's skip line, where offer and hit are not logged).",
 )
 KV_BLOCK_SIZE = _attr(
-    "kvscope.kv.block_size", "tokens",
+    "kvscope.kv.block_size_tokens", "tokens",
     "Tokens per KV block on prefill (cache_config.block_size): says which of decode's blocks a "
     "read lands where (kvscope.reuse.validity.loaded_span).",
 )

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import polars as pl
+from typing import TYPE_CHECKING, Any
 
 from kvscope import semconv
 from kvscope.reuse import outcomes
@@ -54,6 +52,9 @@ from kvscope.reuse.validity import (
     INVALID_EDITED,
     INVALID_MISALIGNED,
 )
+
+if TYPE_CHECKING:  # polars is imported by the rendering only: the scalar evaluator stays light
+    import polars as pl
 
 # History relation of turn k to turn k-1 (the ledger's HISTORY_* values, the truth's too).
 HISTORY_FIRST = "first"
@@ -82,7 +83,7 @@ FACTS: dict[str, tuple[type, str]] = {
     "offered": (int, "decode's remote_num_tokens offered to prefill"),
     "below_count": (int, "the connector's count min(offered, prompt) - local hit"),
     "threshold": (int, "kv_recompute_threshold"),
-    "preempted": (bool, "the request was rescheduled after its read"),
+    "rescheduled": (bool, "the request was rescheduled after its read"),
     "read_status": (str, "the D->P read's status (semconv.TRANSFER_*)"),
     "load_errored": (bool, "a failed read ended the request in error (policy fail)"),
     "load_reissued": (bool, "a failed read was re-issued (policy recompute)"),
@@ -214,7 +215,7 @@ TABLE: tuple[Rule, ...] = (
          outcomes.EVIDENCE_BELOW_THRESHOLD, (Arg("below_count"), Arg("threshold"))),
     Rule(outcomes.SCHEDULER_SKIPPED, (_c("decision", EQ, semconv.DECISION_SCHEDULER_SKIPPED),),
          outcomes.EVIDENCE_SCHEDULER_SKIPPED),
-    Rule(outcomes.PREEMPTED, (_c("preempted", EQ, True),), outcomes.EVIDENCE_PREEMPTED),
+    Rule(outcomes.PREEMPTED, (_c("rescheduled", EQ, True),), outcomes.EVIDENCE_PREEMPTED),
     Rule(outcomes.LOAD_FAILED_ERRORED, (*_READ_FAILED, _c("load_errored", EQ, True)),
          outcomes.EVIDENCE_LOAD_FAILED, (Arg("read_status"),)),
     Rule(outcomes.LOAD_STALLED, (*_READ_FAILED, _c("load_reissued", EQ, True)),
@@ -246,6 +247,8 @@ def coverable(reusable: int | None, offered: int | None, local: int | None) -> i
 
 def coverable_expr(reusable: pl.Expr, offered: pl.Expr, local: pl.Expr) -> pl.Expr:
     """:func:`coverable` over columns (null offers read as none)."""
+    import polars as pl
+
     return pl.when(offered.fill_null(0) > 0).then(
         pl.min_horizontal(reusable, pl.max_horizontal(offered, local.fill_null(0)))
     ).otherwise(reusable).cast(pl.Int64)
@@ -313,6 +316,8 @@ def decide(facts: Mapping[str, Any]) -> tuple[str, str]:
 # --- polars rendering ---------------------------------------------------------------------------
 
 def _expr(cond: Cond, col: Mapping[str, pl.Expr]) -> pl.Expr:
+    import polars as pl
+
     value = col[cond.fact]
     if cond.op == IS_NULL:
         return value.is_null()
@@ -337,6 +342,8 @@ def _expr(cond: Cond, col: Mapping[str, pl.Expr]) -> pl.Expr:
 
 
 def _evidence(rule: Rule, col: Mapping[str, pl.Expr]) -> pl.Expr:
+    import polars as pl
+
     if not rule.args:
         return pl.lit(rule.evidence)
     args = []
@@ -354,6 +361,8 @@ def polars_exprs(columns: Mapping[str, pl.Expr] | None = None) -> tuple[pl.Expr,
     ``columns`` maps a fact to the expression that holds it; a fact not named is read from the
     column of its own name.
     """
+    import polars as pl
+
     col = {name: pl.col(name) for name in FACTS} | dict(columns or {})
     label: pl.Expr = pl.lit(FALLBACK.outcome)
     evidence: pl.Expr = pl.lit(FALLBACK.evidence)
