@@ -393,7 +393,8 @@ class DecodeNode:
         """``request_finished`` on D for a sequence of prompt + output tokens.
 
         Returns the pinned retention and the ``kv_transfer_params`` D sends back, or
-        ``(None, None)`` when bidir is off, the request did not finish normally or has no blocks.
+        ``(None, None)`` when bidir is off or the request did not finish normally; with no
+        blocks to keep, ``(None, params)`` with empty block ids and 0 tokens (as vLLM).
         """
         cfg = self.config
         self.cache.touch(sequence)
@@ -402,7 +403,10 @@ class DecodeNode:
         num_computed = remote_num_tokens(sequence.num_tokens, cfg.scheduling, status)
         blocks = math.ceil(num_computed / cfg.block_size)
         if blocks == 0:
-            return None, None
+            # pull_scheduler.py request_finished: no blocks to delay-free → (False, params) with
+            # empty block ids, remote_num_tokens 0 and no expiry (P's offer check then fails).
+            return None, kv_transfer_params(cfg, is_prefill=False, request_id=request_id,
+                                            block_ids=[], num_computed_tokens=0, expiry=None)
         self.reap(now)
         expiry_local = cfg.local_time(now) + cfg.decoder_kv_blocks_ttl
         retention = Retention(

@@ -95,9 +95,9 @@ class EmulatorConfig:
     bidirectional_kv_xfer: bool = True
     kv_recompute_threshold: int = 64
     decoder_kv_blocks_ttl: float = 480.0
-    # vLLM's default is "fail"; the emulator recomputes so each read failure keeps its own label
-    # (switch with the load_failure_policy_fail fault or this field).
-    kv_load_failure_policy: reuse_model.FailurePolicy = "recompute"
+    # vLLM's default: a failed load ends the request in error ("recompute" resets it to 0
+    # computed tokens and, with the offer unchanged, it waits for a read that never comes).
+    kv_load_failure_policy: reuse_model.FailurePolicy = "fail"
     block_size: int = tokens.DEFAULT_BLOCK_SIZE
     # vLLM's --async-scheduling (on by default off CPU): decode offers prompt + output after a
     # stop token, one less under the synchronous scheduler.

@@ -503,3 +503,14 @@ def test_prompt_logprobs_turn_a_pull_into_notify_only() -> None:
     assert decision.tokens_to_pull == 0 and result.transfer is None
     assert d.released[-1].release_reason == semconv.RELEASE_NOTIFIED
     assert account_turn(2, 999, result).outcome == outcomes.SCHEDULER_SKIPPED
+
+
+def test_a_decode_finishing_with_no_blocks_returns_params_with_empty_block_ids() -> None:
+    """pull_scheduler.py request_finished with no blocks: ``(False, params)``, empty block ids,
+    ``remote_num_tokens`` 0, no expiry. Nothing is retained, and prefill's offer check fails."""
+    _, d = deployment(scheduling=SCHEDULING_SYNC)
+    retention, params = d.finish_request("d-1", seq(1), STATUS_STOPPED, now=1.0)
+    assert retention is None and params is not None
+    assert params["remote_block_ids"] == [[]] and params["remote_num_tokens"] == 0
+    assert params["remote_blocks_expiry_time"] is None and params["do_remote_decode"] is True
+    assert list(params) == list(PARAMS_FIELDS)
