@@ -595,6 +595,14 @@ class PrefillResult:
     rescheduled_decision: ReuseDecision | None
     decode_release: str | None
 
+    @property
+    def cached_tokens(self) -> int:
+        """What vLLM reports as the request's cached prompt tokens (``num_cached_tokens``):
+        local hit + external tokens at its first schedule (``PrefillStats.set``, scheduler.py),
+        whether or not the read then succeeds; P returns it to D as
+        ``remote_prefill_cached_tokens``, which D reports as ``cached_tokens``."""
+        return self.decision.local_hit_tokens + self.decision.tokens_to_pull
+
 
 @dataclass
 class _RequestState:

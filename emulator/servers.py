@@ -497,9 +497,9 @@ class PrefillServer(_EngineServer[PrefillNode]):
         def finish(status: str) -> dict[str, Any] | None:
             if not wants_params:
                 return None
-            return self.node.finish_request(req.request_id, req.prompt, cached)
+            return self.node.finish_request(req.request_id, req.prompt, result.cached_tokens)
 
-        response, _, _ = await self._generate(request, req, cached, finish)
+        response, _, _ = await self._generate(request, req, result.cached_tokens, finish)
         return response
 
 
@@ -611,7 +611,11 @@ class DecodeServer(_EngineServer[DecodeNode]):
                 return None
             return out
 
-        response, sent, status = await self._generate(request, req, None, finish)
+        # vLLM's output processor reports P's count (remote_prefill_cached_tokens, local +
+        # external at P's first schedule) as the decode response's cached_tokens.
+        p_cached = (req.params or {}).get("remote_prefill_cached_tokens")
+        response, sent, status = await self._generate(
+            request, req, p_cached if isinstance(p_cached, int) else None, finish)
         if status == reuse_params.STATUS_ABORTED and "sequence" not in state:
             words, _ = plan_output(req, cfg.seed)
             sequence = req.prompt.extend([tokens.token_id(w) for w in words[:sent]])

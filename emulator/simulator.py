@@ -513,7 +513,7 @@ class Simulator:
             record.decode_instance = f"{self._decode_http_host(di)}:8200"
             record.prefill_request_id = p_rid
             record.prompt_tokens = turn.prompt_tokens
-            record.cached_tokens = result.local_hit_tokens
+            record.cached_tokens = result.cached_tokens
             record.prefill_start_ns = ns(t)
             transfer_s = 0.0
             if result.transfer is not None:
@@ -552,7 +552,7 @@ class Simulator:
             p_end = t + prefill_s
             record.prefill_end_ns = ns(p_end)
             d_rid = vllm_request_id(x_request_id, self._rng)
-            p_params = prefill.finish_request(p_rid, prompt, result.local_hit_tokens)
+            p_params = prefill.finish_request(p_rid, prompt, result.cached_tokens)
             p_to_d = decode.admit(d_rid, prompt, p_params)
             first = p_end + self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
             end = first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(

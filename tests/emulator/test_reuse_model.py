@@ -514,3 +514,21 @@ def test_a_decode_finishing_with_no_blocks_returns_params_with_empty_block_ids()
     assert params["remote_block_ids"] == [[]] and params["remote_num_tokens"] == 0
     assert params["remote_blocks_expiry_time"] is None and params["do_remote_decode"] is True
     assert list(params) == list(PARAMS_FIELDS)
+
+
+def test_cached_tokens_are_vllms_local_plus_external_at_the_first_schedule() -> None:
+    """PrefillStats.set (scheduler.py): num_cached_tokens = local hit + external tokens when the
+    request is first scheduled, whether or not the read then succeeds. Simulator and HTTP
+    emulator both report this count (P's usage; D's via remote_prefill_cached_tokens)."""
+    p, d = deployment()
+    params = finished_turn(d, 1000)
+    pulled = p.prefill("p-2", seq(1150), params, now=30.0)
+    assert pulled.cached_tokens == pulled.decision.tokens_to_pull == 999
+    # Single use: the same params again read freed blocks; vLLM still counted them cached.
+    stale = p.prefill("p-3", seq(1150), params, now=31.0)
+    assert stale.transfer is not None and stale.transfer.stale_handle
+    assert stale.remote_reused_tokens == 0 and stale.cached_tokens == 999
+    p, d = deployment(threshold=2000)
+    below = p.prefill("p-4", seq(1150), finished_turn(d, 1000), now=32.0)
+    assert below.decision.decision == semconv.DECISION_BELOW_THRESHOLD
+    assert below.cached_tokens == 0
