@@ -78,6 +78,8 @@ from kvscope.reuse.params import (
 )
 from kvscope.reuse.validity import (
     INVALID_BEYOND_PREFIX,
+    UNRECOGNIZED_NOTIFY,
+    UNRECOGNIZED_READ,
     invalid_tokens,
 )
 
@@ -386,6 +388,11 @@ class DecodeNode:
         self._expiries: list[tuple[float, str]] = []
         self._next_block_id = 0
         self.released: list[Retention] = []
+        # "Potentially invalid KV blocks" lines decode would log, by case
+        # (validity.UNRECOGNIZED_READ / UNRECOGNIZED_NOTIFY): vLLM's
+        # num_notifications_after_expiry is their sum.
+        self.notifications_after_expiry: dict[str, int] = {
+            UNRECOGNIZED_READ: 0, UNRECOGNIZED_NOTIFY: 0}
 
     def finish_request(
         self, request_id: str, sequence: Blocks, status: str, now: float
@@ -478,7 +485,9 @@ class DecodeNode:
         self.reap(now)
         if request_id not in self.handles:
             # vLLM logs "Potentially invalid KV blocks for unrecognized request"; a READ still
-            # moves whatever the freed blocks now hold.
+            # moves whatever the freed blocks now hold, a notify-only message moves nothing.
+            self.notifications_after_expiry[
+                UNRECOGNIZED_READ if read else UNRECOGNIZED_NOTIFY] += 1
             return ReadReply(False, None)
         reason = semconv.RELEASE_READ if read else semconv.RELEASE_NOTIFIED
         return ReadReply(True, self._release(request_id, now, reason))

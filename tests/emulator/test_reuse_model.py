@@ -532,3 +532,24 @@ def test_cached_tokens_are_vllms_local_plus_external_at_the_first_schedule() -> 
     below = p.prefill("p-4", seq(1150), finished_turn(d, 1000), now=32.0)
     assert below.decision.decision == semconv.DECISION_BELOW_THRESHOLD
     assert below.cached_tokens == 0
+
+
+def test_potentially_invalid_kv_blocks_cases_are_counted_and_labelled() -> None:
+    """Decode logs "Potentially invalid KV blocks" for any notification of an id it no longer
+    tracks: a READ after release moved freed blocks (reused_invalid, after_release); a
+    notify-only message after the reaper moved nothing (not invalid)."""
+    p, d = deployment()
+    params = finished_turn(d, 1000)
+    p.prefill("p-2", seq(1150), params, now=30.0)
+    stale = p.prefill("p-3", seq(1150), params, now=31.0)  # single use: the handle is gone
+    assert d.notifications_after_expiry == {"read_after_release": 1, "notify_after_release": 0}
+    assert account_turn(2, 1000, stale).outcome == outcomes.REUSED_INVALID
+    # Prefill's own cache covers the offer: notify-only, sent after decode's reaper ran.
+    p, d = deployment(p_caching=True)
+    p.prefill("p-warm", seq(1150), None, now=0.0)
+    params = finished_turn(d, 1000)
+    late = p.prefill("p-4", seq(1150), params, now=TTL + 10)
+    assert late.decision.decision == semconv.DECISION_LOCAL_COVERS and late.transfer is None
+    assert d.notifications_after_expiry == {"read_after_release": 0, "notify_after_release": 1}
+    accounting = account_turn(2, 999, late)
+    assert accounting.outcome == outcomes.REUSED_LOCAL and not accounting.extra
