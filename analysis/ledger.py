@@ -25,9 +25,9 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
   tokenizer: null, and the outcome is ``prefix_diverged``.
 * ``local_hit_tokens`` / ``remote_reused_tokens`` / ``recomputed_reusable_tokens`` from P's
   reuse decision and the D→P transfer (a read that moved bytes and finished ``ok``).
-* ``outcome`` — one label from :data:`kvscope.reuse.outcomes.OUTCOMES`, decided in the order
-  of :mod:`kvscope.reuse.outcomes`, with ``evidence`` saying what decided it and which
-  evidence was missing when it is ``unknown``.
+* ``outcome`` — one label from :data:`kvscope.reuse.outcomes.OUTCOMES`, decided by the one
+  decision table :data:`kvscope.reuse.decisions.TABLE` over the turn's facts, with
+  ``evidence`` saying what decided it and which evidence was missing when it is ``unknown``.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ import duckdb
 import polars as pl
 
 from kvscope import semconv, settings
-from kvscope.reuse import outcomes
-from kvscope.reuse.router import GUARD_EDITED
+from kvscope.reuse import decisions
 from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
     INVALID_EDITED,
+    INVALID_MISALIGNED,
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
@@ -126,11 +126,11 @@ VALIDITY_VALID = "valid"
 VALIDITY_INVALID = "invalid"
 VALIDITY_NOT_VERIFIED = "not_verified"  # loaded KV, but no boundary hashes to check it against
 
-# History relation of turn k to turn k-1, from message-boundary hashes.
-HISTORY_FIRST = "first"
-HISTORY_CONTINUES = "continues"
-HISTORY_EDITED = "edited"
-HISTORY_UNKNOWN = "unknown"
+# History relation of turn k to turn k-1, from message-boundary hashes (the decision table's).
+HISTORY_FIRST = decisions.HISTORY_FIRST
+HISTORY_CONTINUES = decisions.HISTORY_CONTINUES
+HISTORY_EDITED = decisions.HISTORY_EDITED
+HISTORY_UNKNOWN = decisions.HISTORY_UNKNOWN
 
 
 # Columns name what they read (kvscope.store.query): every key and value is a bound parameter,
@@ -161,6 +161,7 @@ _TURN_COLUMNS: _Columns = {
     "error_kind": span_attr(semconv.ERROR_KIND),
     "observer": span_attr(semconv.TURN_OBSERVER),
     "duration_measured": span_attr(semconv.DURATION_MEASURED),
+    "route": span_attr(semconv.HTTP_ROUTE),
 }
 _PREFILL_COLUMNS: _Columns = {
     "trace_id": "TraceId",
@@ -207,6 +208,7 @@ _DECISION_COLUMNS: _Columns = {
     "threshold": span_attr(semconv.THRESHOLD_TOKENS),
     "bidir": span_attr(semconv.BIDIR_ENABLED),
     "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
+    "block_size": span_attr(semconv.KV_BLOCK_SIZE),
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
     **_HOOKS_COLUMNS,
 }
@@ -332,11 +334,12 @@ def _decision_rows(b: query.Binder) -> str:
 
 # Per request: (column of its decisions, name) taken from the first decision, and from the last.
 _DECISION_FIELDS = ("decision", "local_hit", "offered", "to_pull", "threshold", "bidir",
-                    "engine", "remote_count")
+                    "engine", "remote_count", "block_size")
 _FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit"),
                    ("offered", "offered_tokens"), ("to_pull", "to_pull_tokens"),
                    ("threshold", "threshold_tokens"), ("bidir", "prefill_bidirectional"),
-                   ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"))
+                   ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"),
+                   ("block_size", "block_size"))
 _LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
@@ -455,7 +458,7 @@ def _engine_turns(b: query.Binder) -> str:
     nulls = {"trace_id", "span_id", "conversation_id", "turn_index", "duration_ns",
              "status_code", "ttft_ms", "router_lookup", "router_entry_age_s", "reuse_guard",
              "boundary_hashes", "hash_key_id", "messages", "roles", "error_kind",
-             "duration_measured"}
+             "duration_measured", "route"}
     chosen = {"run_id": "k.run_id", "x_request_id": "k.x_key", "arrival": "k.arrival",
               "prompt_tokens": "u.prompt_n", "output_tokens": "u.output_n",
               "observer": b(semconv.OBSERVER_ENGINE)}
@@ -475,7 +478,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
         "duration_ns", "status_code", "ttft_ms", "router_lookup", "router_entry_age_s",
         "reuse_guard", "boundary_hashes", "hash_key_id", "roles", "observer",
-        "duration_measured")),
+        "duration_measured", "route")),
     *(("p", name, name) for name in (
         "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
         "retention_id")),
@@ -485,7 +488,8 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     *(("f", name, name) for name in (
         "decision", "decision_local_hit", "offered_tokens", "to_pull_tokens",
         "threshold_tokens", "prefill_bidirectional", "prefill_engine", "decisions",
-        "final_local_hit", "last_decision", "decision_remote_count", "from_hooks")),
+        "final_local_hit", "last_decision", "decision_remote_count", "from_hooks",
+        "block_size")),
     *(("v", name, name) for name in (
         "engine_first_start", "engine_last_start", "engine_last_ttft_s", "engine_queue_s")),
     *(("r", name, name) for name in (
@@ -573,8 +577,11 @@ def _history(b: query.Binder) -> str:
         # keys of their own) never match: not comparable, so never an edit.
         f"WHEN NOT {same_key} THEN {b(HISTORY_UNKNOWN)} "
         # A completions prompt is one message whose text grows turn by turn: one hash each
-        # cannot show a continuation (nor an edit).
-        f"WHEN messages <= 1 AND prev_messages <= 1 THEN {b(HISTORY_UNKNOWN)} "
+        # cannot show a continuation (nor an edit). A chat's messages each have their hash, a
+        # single one too: a single message replaced by another is an edit.
+        f"WHEN messages <= 1 AND prev_messages <= 1 "
+        f"AND coalesce(route, {empty}) NOT LIKE {b('%/chat/completions')} "
+        f"THEN {b(HISTORY_UNKNOWN)} "
         f"WHEN {_continues(b)} THEN {b(HISTORY_CONTINUES)} "
         # k added more messages than the proxy keeps hashes for: not decidable.
         f"WHEN messages - prev_messages >= {_count(b, 'boundary_hashes', b(','))} + 1 "
@@ -584,7 +591,8 @@ def _history(b: query.Binder) -> str:
 
 # What leaves the engine: the turn's own fields, its joined evidence and the previous turn's
 # counts; the hashes stay behind (their verdict is ``history``).
-_OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles"}
+_OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles",
+                "route"}
 
 
 def _per_turn(b: query.Binder) -> str:
@@ -738,7 +746,7 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     ledger = rows.with_columns(
         pl.col("turn_number").alias("turn_index"),
         # The turn's own counts (and the previous turn's) are integers already (_TURN_NUMBERS).
-        *(_int(c) for c in ("prev_held", "decision_local_hit",
+        *(_int(c) for c in ("prev_held", "decision_local_hit", "block_size",
                             "offered_tokens", "to_pull_tokens", "threshold_tokens",
                             "final_local_hit", "decision_remote_count", "retention_bytes",
                             "offered_tokens_proxy")),
@@ -835,6 +843,16 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
          - pl.col("remote_reused_tokens")).alias("recomputed_reusable_tokens"),
     )
     ledger = _validity(ledger)
+    # A misaligned read put decode's last blocks in the prompt's positions: nothing of it is
+    # reuse (as after release).
+    misaligned = (pl.col("_invalid_kind") == INVALID_MISALIGNED).fill_null(False)
+    ledger = ledger.with_columns(
+        pl.when(misaligned).then(pl.lit(0, pl.Int64)).otherwise(pl.col("remote_reused_tokens"))
+        .alias("remote_reused_tokens"),
+    ).with_columns(
+        (reusable_col - pl.col("local_hit_tokens").fill_null(0)
+         - pl.col("remote_reused_tokens").fill_null(0)).alias("recomputed_reusable_tokens"),
+    )
     ledger = _label(ledger)
     ledger = ledger.with_columns(
         pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
@@ -848,32 +866,48 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Whether the KV each turn loaded from decode belongs to its prompt (spans alone).
 
-    Invalid when the read came after decode released the blocks (TTL reaper), when the
-    history was edited since the previous turn (message-boundary hashes), or when a continuing
-    history's read reached past what the prompt shares with decode's sequence (positions up to
-    prefill's own hit are its own: :func:`kvscope.reuse.validity.invalid_tokens`'s rule).
-    Without hashes a read is ``not_verified``: a decode sequence longer than the prompt is
-    misaligned only when it needs more blocks than the read fills (``validity.loaded_span``),
-    and the block size is not on the spans. ``invalid_tokens`` is null where the count is not
-    measurable from counts alone (an edited history).
+    Invalid when the read came after decode released the blocks (TTL reaper); when it was
+    misaligned (:func:`kvscope.reuse.validity.loaded_span`: decode's list is end-trimmed, so a
+    sequence that needs more blocks than the read fills hands prefill decode's last blocks —
+    decided from the block size the decision span records; without it, a continuing history
+    whose decode sequence is longer than what the read reaches is misaligned, since nothing
+    proves both ends fall in one block); when the history was edited since the previous turn
+    (message-boundary hashes); or when a continuing history's read reached past what the prompt
+    shares with decode's sequence (positions up to prefill's own hit are its own:
+    :func:`kvscope.reuse.validity.invalid_tokens`'s rule). Without hashes an aligned read is
+    ``not_verified``. ``invalid_tokens`` is the count whenever the evidence gives it (0 when
+    prefill was seen loading nothing), null where it does not (an edited history, an
+    unverified read, no engine evidence).
     """
     c = pl.col
     loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("errored")
-    reach = c("decision_local_hit").fill_null(0) + c("to_pull_tokens").fill_null(0)
+    local = c("decision_local_hit").fill_null(0)
+    reach = local + c("to_pull_tokens").fill_null(0)
     history = c("history")
-    valid_end = pl.max_horizontal(c("reusable_tokens"), c("decision_local_hit").fill_null(0))
+    valid_end = pl.max_horizontal(c("reusable_tokens"), local)
+    block = c("block_size")
+    # Decode's sequence: what it offered (remote_num_tokens), the length its list is cut to.
+    sequence = c("offered_tokens")
+    shifted = (
+        pl.when(block > 0)
+        .then((sequence + block - 1) // block != (reach + block - 1) // block)
+        .when(history == HISTORY_CONTINUES).then(sequence > reach)
+    ).fill_null(False)
     kind = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
         .when(c("_stale")).then(pl.lit(INVALID_AFTER_RELEASE))
+        .when(shifted).then(pl.lit(INVALID_MISALIGNED))
         .when(history == HISTORY_EDITED).then(pl.lit(INVALID_EDITED))
         .when((history == HISTORY_CONTINUES) & (reach > valid_end))
         .then(pl.lit(INVALID_BEYOND_PREFIX))
     )
     count = (
-        pl.when(c("_invalid_kind") == INVALID_AFTER_RELEASE).then(c("to_pull_tokens"))
+        pl.when(c("_invalid_kind").is_in([INVALID_AFTER_RELEASE, INVALID_MISALIGNED]))
+        .then(c("to_pull_tokens"))
         .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - valid_end)
         .when(c("_invalid_kind").is_null() & loaded & (history == HISTORY_CONTINUES))
         .then(pl.lit(0, pl.Int64))
+        .when(~loaded & c("decision").is_not_null()).then(pl.lit(0, pl.Int64))
     )
     validity = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
@@ -886,115 +920,64 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
-    """Decide each turn's outcome and its evidence, in the order of :mod:`outcomes`."""
+    """Decide each turn's outcome and its evidence: the facts its spans show, read by the one
+    decision table (:data:`kvscope.reuse.decisions.TABLE`)."""
+    label, evidence = decisions.polars_exprs(_facts())
+    return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+
+
+def _facts() -> dict[str, pl.Expr]:
+    """The decision table's facts (:data:`kvscope.reuse.decisions.FACTS`) from a shaped row."""
     c = pl.col
-    reusable, local, remote = c("reusable_tokens"), c("local_hit_tokens"), c("remote_reused_tokens")
-    offered = c("offered_tokens")
-    target = pl.when(offered.fill_null(0) > 0).then(
-        pl.min_horizontal(reusable, pl.max_horizontal(offered, local))).otherwise(reusable)
-    done = local.fill_null(0) + remote.fill_null(0)
     engine_seen = c("decision").is_not_null()
     lookup = c("router_lookup")
-    status = c("d2p_status")
-    kind = c("_invalid_kind")
-    missing_hooks = pl.format("kvscope's hooks {} not installed in this vLLM",
-                              c("hooks_missing").str.replace_all(",", ", "))
-    rules: list[tuple[pl.Expr, str, pl.Expr]] = [
-        # Without a conversation id no turn can be linked to another, the first included.
-        (lookup == semconv.ROUTER_NO_CONVERSATION_ID, outcomes.NO_CONVERSATION_ID,
-         pl.lit(outcomes.EVIDENCE_NO_CONVERSATION_ID)),
-        (c("turn_index") <= 1, outcomes.FIRST_TURN, pl.lit(outcomes.EVIDENCE_FIRST_TURN)),
+    local, remote = c("local_hit_tokens"), c("remote_reused_tokens")
+    offered = c("offered_tokens")
+    # The previous turn gave the router nothing to keep: decode returned no params, or the turn
+    # never reached decode (it failed first). Only where the proxy saw the previous turn: for a
+    # client's record, a missing decode leg is evidence not collected (a proxy log joined to it
+    # says whether decode returned params: prev_returned is then set).
+    returned = c("prev_returned")
+    prev_params = (
+        pl.when(returned.fill_null(False)).then(pl.lit(decisions.PREV_RETURNED))
+        .when(c("prev_index").is_not_null()
+              & (c("observer").is_null() | returned.is_not_null()))
+        .then(pl.when(returned.is_null()).then(pl.lit(decisions.PREV_NO_DECODE))
+              .otherwise(pl.lit(decisions.PREV_NONE)))
+    )
+    missing = c("hooks_missing")
+    named = missing.str.replace_all(",", ", ")
+    return {
+        "engine_only": c("observer") == semconv.OBSERVER_ENGINE,
+        "decision_hooks_missing": pl.when(missing.str.contains(_DECISION_HOOKS)).then(named),
+        "read_hooks_missing": pl.when(missing.str.contains(_READ_HOOKS)).then(named),
+        "cause_hooks_missing": pl.when(missing.str.contains(_FAILURE_CAUSE_HOOKS)).then(named),
         # A client's own record (kvscope ingest) with no proxy or engine span joined to it:
         # nothing says whether or why the turn reused, so no miss cause is claimed.
-        ((c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null() & ~engine_seen,
-         outcomes.UNKNOWN, pl.lit(outcomes.EVIDENCE_CLIENT_ONLY)),
-        # Engine spans alone (no proxy span): what needs the conversation (was there an earlier
-        # turn, did the router keep decode's params) is not known; engine facts still decide.
-        ((c("observer") == semconv.OBSERVER_ENGINE)
-         & (~engine_seen | (c("decision") == semconv.DECISION_NO_OFFER)), outcomes.UNKNOWN,
-         pl.when(engine_seen).then(pl.lit(
-             "engine spans only: prefill was offered no decode KV; whether an earlier turn "
-             "left any needs the conversation, which only a proxy span records"))
-         .otherwise(pl.lit("engine spans only, and no reuse decision among them"))),
-        (kind == INVALID_AFTER_RELEASE, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_AFTER_RELEASE], c("to_pull_tokens"))),
-        (kind == INVALID_EDITED, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_EDITED], c("to_pull_tokens"))),
-        (kind == INVALID_BEYOND_PREFIX, outcomes.REUSED_INVALID,
-         pl.format(outcomes.EVIDENCE_INVALID[INVALID_BEYOND_PREFIX], c("to_pull_tokens"),
-                   c("invalid_tokens"), reusable)),
-        (c("history") == HISTORY_EDITED, outcomes.PREFIX_DIVERGED,
-         pl.when(c("reuse_guard") == GUARD_EDITED)
-         .then(pl.lit(outcomes.EVIDENCE_EDITED + "; the proxy's reuse guard sent MISS params"))
-         .otherwise(pl.lit(outcomes.EVIDENCE_EDITED + " (message-boundary hashes)"))),
-        (engine_seen & (done >= target) & (done > 0) & (remote > 0), outcomes.REUSED_REMOTE,
-         pl.format(outcomes.EVIDENCE_REUSED_REMOTE, remote, local)),
-        (engine_seen & (done >= target) & (done > 0), outcomes.REUSED_LOCAL,
-         pl.format(outcomes.EVIDENCE_REUSED_LOCAL, local)),
-        # The previous turn gave the router nothing to keep: decode returned no params, or the
-        # turn never reached decode (it failed first). A lookup then finds no entry ("miss",
-        # or "consumed" when the previous turn's own lookup took the last one).
-        # Only where the proxy saw the previous turn: for a client's record, a missing decode
-        # leg is evidence not collected, not a turn that never reached decode (a proxy log
-        # joined to it says whether decode returned params: prev_returned is then set).
-        (c("prev_index").is_not_null() & ~c("prev_returned").fill_null(False)
-         & (c("observer").is_null() | c("prev_returned").is_not_null()),
-         outcomes.NO_DECODE_METADATA,
-         pl.when(c("prev_returned").is_null())
-         .then(pl.lit("previous turn never reached decode"))
-         .otherwise(pl.lit(outcomes.EVIDENCE_NO_DECODE_METADATA))),
-        (lookup == semconv.ROUTER_MISS, outcomes.ROUTER_NO_ENTRY, pl.lit("router lookup miss")),
-        (lookup == semconv.ROUTER_STALE, outcomes.ROUTER_TTL_EXPIRED,
-         pl.format("router entry {} s old", c("router_entry_age_s").round(1))),
-        (lookup == semconv.ROUTER_CONSUMED, outcomes.HANDLE_CONSUMED,
-         pl.lit("router entry already taken by an overlapping turn")),
-        (~engine_seen, outcomes.UNKNOWN,
-         pl.when(c("hooks_missing").str.contains(_DECISION_HOOKS))
-         .then(pl.format("prefill's reuse decision not observed: {}", missing_hooks))
-         .otherwise(pl.lit("no engine hooks: prefill's reuse decision not observed"))),
-        # A pull whose read no span reports, in a run whose engines could not hook reads.
-        ((c("decision") == semconv.DECISION_PULL) & status.is_null()
-         & c("hooks_missing").str.contains(_READ_HOOKS), outcomes.UNKNOWN,
-         pl.format("prefill decided to pull, the D→P read not observed: {}", missing_hooks)),
-        (c("decision") == semconv.DECISION_INVALID_PARAMS, outcomes.INVALID_PARAMS,
-         pl.lit(outcomes.EVIDENCE_INVALID_PARAMS)),
-        (c("decision") == semconv.DECISION_NO_OFFER, outcomes.ROUTER_NO_ENTRY,
-         pl.lit(outcomes.EVIDENCE_NO_OFFER)),
-        (~c("prefill_bidirectional").fill_null(True)
-         & (c("decision") != semconv.DECISION_LOCAL_COVERS), outcomes.PREFILL_BIDIR_DISABLED,
-         pl.lit(outcomes.EVIDENCE_BIDIR_OFF)),
-        (c("decision") == semconv.DECISION_BELOW_THRESHOLD, outcomes.BELOW_THRESHOLD,
-         pl.format(outcomes.EVIDENCE_BELOW_THRESHOLD,
-                   pl.coalesce(c("offered_tokens") - c("decision_local_hit"),
-                               c("decision_remote_count")), c("threshold_tokens"))),
-        (c("decision") == semconv.DECISION_SCHEDULER_SKIPPED, outcomes.SCHEDULER_SKIPPED,
-         pl.lit(outcomes.EVIDENCE_SCHEDULER_SKIPPED)),
-        (c("_preempted"), outcomes.PREEMPTED, pl.lit(outcomes.EVIDENCE_PREEMPTED)),
-        (status.is_not_null() & (status != semconv.TRANSFER_OK)
-         & c("load_errored").fill_null(False),
-         outcomes.LOAD_FAILED_ERRORED, pl.format(outcomes.EVIDENCE_LOAD_FAILED, status)),
-        (status.is_not_null() & (status != semconv.TRANSFER_OK)
-         & (c("last_decision") == semconv.DECISION_REISSUED),
-         outcomes.LOAD_STALLED, pl.format(outcomes.EVIDENCE_LOAD_STALLED, status)),
-        (status == semconv.TRANSFER_DECLINED_EXPIRED, outcomes.DECODE_TTL_EXPIRED,
-         pl.lit(outcomes.EVIDENCE_DECLINED)),
-        (status == semconv.TRANSFER_HANDSHAKE_FAILED, outcomes.HANDSHAKE_FAILED,
-         pl.lit(outcomes.EVIDENCE_HANDSHAKE)),
-        (status == semconv.TRANSFER_FAILED, outcomes.TRANSFER_FAILED,
-         pl.when(c("hooks_missing").str.contains(_FAILURE_CAUSE_HOOKS))
-         .then(pl.format(outcomes.EVIDENCE_TRANSFER + "; why (declined as expired or not) not "
-                         "observed: {}", missing_hooks))
-         .otherwise(pl.lit(outcomes.EVIDENCE_TRANSFER))),
-        (reusable.is_null(), outcomes.UNKNOWN,
-         pl.lit("reusable tokens not measured (no boundary hashes and no offer)")),
-        (done > 0, outcomes.PARTIAL, pl.format(outcomes.EVIDENCE_PARTIAL, done, reusable)),
-    ]
-    label: pl.Expr = pl.lit(outcomes.UNKNOWN)
-    evidence: pl.Expr = pl.lit(outcomes.EVIDENCE_UNEXPLAINED)
-    for condition, name, why in reversed(rules):
-        label = pl.when(condition.fill_null(False)).then(pl.lit(name)).otherwise(label)
-        evidence = pl.when(condition.fill_null(False)).then(why).otherwise(evidence)
-    return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+        "client_only": (c("observer") == semconv.OBSERVER_CLIENT) & lookup.is_null()
+        & ~engine_seen,
+        "common_prefix": pl.lit(None, pl.Int64),  # not measurable from spans
+        "prev_params": prev_params,
+        "engine_seen": engine_seen,
+        "bidir": c("prefill_bidirectional"),
+        "offered": offered,
+        # The connector's count: min(offered, prompt) - local hit (pull_count), as vLLM compares.
+        "below_count": pl.coalesce(
+            c("decision_remote_count"),
+            pl.min_horizontal(offered, c("prompt_tokens")) - c("decision_local_hit")),
+        "threshold": c("threshold_tokens"),
+        "rescheduled": c("_preempted"),
+        "read_status": c("d2p_status"),
+        "load_errored": c("load_errored").fill_null(False),
+        "load_reissued": c("last_decision") == semconv.DECISION_REISSUED,
+        "loaded": c("to_pull_tokens"),
+        "invalid_kind": c("_invalid_kind"),
+        "reusable": c("reusable_tokens"),
+        "local": local,
+        "remote": remote,
+        "reused": local.fill_null(0) + remote.fill_null(0),
+        "coverable": decisions.coverable_expr(c("reusable_tokens"), offered, local),
+    }
 
 
 def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:

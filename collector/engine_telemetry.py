@@ -76,6 +76,7 @@ class ReuseDecisionRecord(NamedTuple):
     prompt_tokens: int | None = None
     remote_engine_id: str | None = None
     traceparent: str | None = None
+    block_size: int | None = None
 
 
 class KvTransferRecord(NamedTuple):
@@ -348,6 +349,8 @@ class EngineTelemetry:
             attrs[semconv.PROMPT_TOKENS] = r.prompt_tokens
         if r.remote_engine_id:
             attrs[semconv.REMOTE_ENGINE_ID] = r.remote_engine_id
+        if r.block_size:
+            attrs[semconv.KV_BLOCK_SIZE] = r.block_size
         self._span(semconv.SPAN_REUSE_DECISION, r.traceparent, attrs, r.time_ns, r.time_ns)
 
     def _emit_transfer(self, r: KvTransferRecord) -> None:

@@ -6,25 +6,29 @@ turn key)`` alone, where the turn key is a hash of the turn's prompt tokens. The
 workload therefore meets the same faults on every run, whatever the request ids, the arrival
 order or the concurrency, and the prefill and decode legs of one turn (same prompt) agree.
 
-Where each fault acts (leg) and the ground-truth outcome of turn k it produces (failure policy
-``recompute`` unless ``load_failure_policy_fail`` is also on):
+Where each fault acts (leg) and the ground-truth outcome of turn k it produces. A failed read
+(``expire_before_next_turn``, ``handshake_fail``, ``transfer_fail``, ``clock_skew``) reaches
+vLLM's scheduler through ``failed_recving``: under ``kv_load_failure_policy=fail`` (vLLM's
+default, the emulator's too) the turn ends in error → ``load_failed_errored``; under
+``recompute`` its computed tokens are reset to 0, the unchanged offer is accepted again, no read
+is registered, and it stalls → ``load_stalled``. The read's own status (``declined_expired``,
+``handshake_failed``, ``failed``) is in the evidence.
 
 - ``decode_no_bidir`` (decode): bidir off at D for turn k-1 → ``no_decode_metadata``.
 - ``strip_stream_metadata`` (decode): D pins blocks, the stream omits ``kv_transfer_params``
   → ``no_decode_metadata`` (and D's blocks expire unread).
-- ``expire_before_next_turn`` (decode): turn k-1 pinned with a tiny TTL → ``decode_ttl_expired``.
+- ``expire_before_next_turn`` (decode): turn k-1 pinned with a tiny TTL: the read is declined.
 - ``prefill_no_bidir`` (prefill): bidir off at P; a pull offer parks the request, which stalls
   → ``prefill_bidir_disabled``.
 - ``invalid_params`` (prefill): ``remote_request_id`` removed from the offer → ``invalid_params``.
-- ``handshake_fail`` (prefill): the NIXL handshake to D fails → ``handshake_failed``.
-- ``transfer_fail`` (prefill): the NIXL READ fails → ``transfer_failed``.
-- ``clock_skew`` (prefill): P misjudges D's clock by one TTL, the read is declined
-  → ``decode_ttl_expired``.
+- ``handshake_fail`` (prefill): the NIXL handshake to D fails.
+- ``transfer_fail`` (prefill): the NIXL READ fails.
+- ``clock_skew`` (prefill): P misjudges D's clock by one TTL, the read is declined.
 - ``preempt_after_read`` (prefill): P is preempted after its read → ``preempted`` (*).
 - ``evict_prefix_cache`` (prefill): memory pressure empties P's prefix cache first (less local
   reuse: the pull covers more, or the turn recomputes).
-- ``load_failure_policy_fail`` (prefill): ``kv_load_failure_policy=fail`` for this request; with a
-  failing load → ``load_failed_errored``.
+- ``load_failure_policy_fail`` (prefill): ``kv_load_failure_policy=fail`` for this request (for a
+  server run with ``recompute``); with a failing load → ``load_failed_errored``.
 
 (*) with P's prefix cache off; with it on, the pulled blocks are cached and the reschedule
 covers them locally (``reused_local``), as the reuse model says.

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from kvscope.emulator import reuse_model
 from kvscope.emulator.tokens import BlockSeq, common_prefix_len
-from kvscope.reuse import outcomes
+from kvscope.reuse import decisions
 
 
 @dataclass
@@ -45,6 +45,15 @@ class FinishedSequence:
     x_request_id: str
     decode_request_id: str
     params_on_wire: bool
+    # Tokens decode holds KV for (remote_num_tokens at request_finished: one less than the
+    # sequence after a length-capped turn or under the synchronous scheduler); None: all.
+    held_tokens: int | None = None
+
+    def reusable(self, common_prefix: int) -> int:
+        """The reusable tokens of a prompt sharing ``common_prefix`` tokens with this sequence:
+        the ledger's definition, capped at what decode holds KV for."""
+        return common_prefix if self.held_tokens is None else min(common_prefix,
+                                                                  self.held_tokens)
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class SequenceOracle:
                 continue
             tail = candidate.seq.tail
             if common_prefix_len(tail, prompt_ids[m * bs : m * bs + len(tail)]) == len(tail):
-                return Match(candidate, candidate.seq.num_tokens, shared)
+                return Match(candidate, candidate.reusable(candidate.seq.num_tokens), shared)
         return Match(None, 0, shared)
 
 
@@ -183,7 +192,8 @@ class TruthRecorder:
         offered = self.oracle.by_decode_request.get(offered_request_id or "")
         if offered is not None and offered is not match.previous:
             # The router's entry names the previous turn, whatever the prompt holds.
-            match = Match(offered, common_prefix_tokens(offered, prompt, prompt_ids),
+            match = Match(offered, offered.reusable(common_prefix_tokens(offered, prompt,
+                                                                         prompt_ids)),
                           match.shared_prefix_tokens)
         previous = match.previous
         turn_index = previous.turn_index + 1 if previous is not None else 1
@@ -239,6 +249,7 @@ class TruthRecorder:
         faults: Sequence[str],
         prompt: BlockSeq | None = None,
         prompt_ids: Sequence[int] = (),
+        held_tokens: int | None = None,
     ) -> TruthRow:
         """Complete the turn at decode's finish and index its sequence for the next turn."""
         row = self._pending.pop(x_request_id, None)
@@ -248,14 +259,17 @@ class TruthRecorder:
                 self.oracle.match(prompt, prompt_ids) if prompt is not None else Match(None, 0, 0)
             )
             previous = match.previous
+            turn_index = previous.turn_index + 1 if previous is not None else 1
+            # The table's label for a turn whose prefill was never seen; the evidence says so.
+            outcome, _ = decisions.decide({"turn_index": turn_index, "engine_seen": False})
             row = TruthRow(
                 run_id=self.run_id,
                 x_request_id=x_request_id,
-                turn_index=previous.turn_index + 1 if previous is not None else 1,
+                turn_index=turn_index,
                 previous_x_request_id=previous.x_request_id if previous is not None else None,
                 reusable_tokens=match.reusable_tokens,
                 recomputed_reusable_tokens=match.reusable_tokens,
-                outcome=outcomes.FIRST_TURN if previous is None else outcomes.UNKNOWN,
+                outcome=outcome,
                 evidence="no prefill leg seen for this request",
                 prompt_tokens=prompt_tokens,
             )
@@ -271,7 +285,7 @@ class TruthRecorder:
             row.retention_bytes = retention.bytes
         self.oracle.add(
             FinishedSequence(sequence, row.turn_index, x_request_id, decode_request_id,
-                             params_on_wire)
+                             params_on_wire, held_tokens)
         )
         self._write(row)
         return row

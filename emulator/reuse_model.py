@@ -65,7 +65,7 @@ from typing import Any
 from kvscope import semconv
 from kvscope.collector.engine_telemetry import KvRetentionRecord, ReuseDecisionRecord
 from kvscope.emulator.tokens import DEFAULT_BLOCK_SIZE, Blocks, BlockSeq
-from kvscope.reuse import outcomes
+from kvscope.reuse import decisions
 from kvscope.reuse.params import (
     FAILURE_POLICY_FAIL,
     RETAINING_STATUSES,
@@ -77,9 +77,9 @@ from kvscope.reuse.params import (
     remote_num_tokens,
 )
 from kvscope.reuse.validity import (
-    INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
-    INVALID_MISALIGNED,
+    UNRECOGNIZED_NOTIFY,
+    UNRECOGNIZED_READ,
     invalid_tokens,
 )
 
@@ -390,6 +390,11 @@ class DecodeNode:
         self._expiries: list[tuple[float, str]] = []
         self._next_block_id = 0
         self.released: list[Retention] = []
+        # "Potentially invalid KV blocks" lines decode would log, by case
+        # (validity.UNRECOGNIZED_READ / UNRECOGNIZED_NOTIFY): vLLM's
+        # num_notifications_after_expiry is their sum.
+        self.notifications_after_expiry: dict[str, int] = {
+            UNRECOGNIZED_READ: 0, UNRECOGNIZED_NOTIFY: 0}
 
     def finish_request(
         self, request_id: str, sequence: Blocks, status: str, now: float
@@ -397,7 +402,8 @@ class DecodeNode:
         """``request_finished`` on D for a sequence of prompt + output tokens.
 
         Returns the pinned retention and the ``kv_transfer_params`` D sends back, or
-        ``(None, None)`` when bidir is off, the request did not finish normally or has no blocks.
+        ``(None, None)`` when bidir is off or the request did not finish normally; with no
+        blocks to keep, ``(None, params)`` with empty block ids and 0 tokens (as vLLM).
         """
         cfg = self.config
         self.cache.touch(sequence)
@@ -406,7 +412,10 @@ class DecodeNode:
         num_computed = remote_num_tokens(sequence.num_tokens, cfg.scheduling, status)
         blocks = math.ceil(num_computed / cfg.block_size)
         if blocks == 0:
-            return None, None
+            # pull_scheduler.py request_finished: no blocks to delay-free → (False, params) with
+            # empty block ids, remote_num_tokens 0 and no expiry (P's offer check then fails).
+            return None, kv_transfer_params(cfg, is_prefill=False, request_id=request_id,
+                                            block_ids=[], num_computed_tokens=0, expiry=None)
         self.reap(now)
         expiry_local = cfg.local_time(now) + cfg.decoder_kv_blocks_ttl
         retention = Retention(
@@ -479,7 +488,9 @@ class DecodeNode:
         self.reap(now)
         if request_id not in self.handles:
             # vLLM logs "Potentially invalid KV blocks for unrecognized request"; a READ still
-            # moves whatever the freed blocks now hold.
+            # moves whatever the freed blocks now hold, a notify-only message moves nothing.
+            self.notifications_after_expiry[
+                UNRECOGNIZED_READ if read else UNRECOGNIZED_NOTIFY] += 1
             return ReadReply(False, None)
         reason = semconv.RELEASE_READ if read else semconv.RELEASE_NOTIFIED
         return ReadReply(True, self._release(request_id, now, reason))
@@ -562,7 +573,8 @@ class ReuseDecision:
             self.request_id, time_ns, self.local_hit_tokens,
             offered if isinstance(offered, int) else None, self.tokens_to_pull, self.threshold,
             self.decision, self.bidirectional_kv_xfer, self.prompt_tokens,
-            remote_engine if isinstance(remote_engine, str) else None, traceparent)
+            remote_engine if isinstance(remote_engine, str) else None, traceparent,
+            self.block_size)
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
@@ -595,6 +607,14 @@ class PrefillResult:
     stalled: bool
     rescheduled_decision: ReuseDecision | None
     decode_release: str | None
+
+    @property
+    def cached_tokens(self) -> int:
+        """What vLLM reports as the request's cached prompt tokens (``num_cached_tokens``):
+        local hit + external tokens at its first schedule (``PrefillStats.set``, scheduler.py),
+        whether or not the read then succeeds; P returns it to D as
+        ``remote_prefill_cached_tokens``, which D reports as ``cached_tokens``."""
+        return self.decision.local_hit_tokens + self.decision.tokens_to_pull
 
 
 @dataclass
@@ -871,6 +891,8 @@ class TurnAccounting:
     outcome: str
     evidence: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # What happened, as the decision table's facts (kvscope.reuse.decisions.FACTS).
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 def account_turn(
@@ -880,16 +902,62 @@ def account_turn(
     *,
     router_lookup: str = semconv.ROUTER_HIT,
     decode_returned_params: bool = True,
+    router_entry_age_s: float | None = None,
+    history_edited: bool = False,
+    reuse_guard: str | None = None,
 ) -> TurnAccounting:
-    """Split turn ``turn_index``'s reusable tokens and label it (see :mod:`outcomes`).
+    """Split turn ``turn_index``'s reusable tokens and label it: the facts of what happened,
+    read by the one decision table (:data:`kvscope.reuse.decisions.TABLE`).
 
     ``reusable_tokens`` is the common prefix of the prompt with decode's sequence, capped at the
-    tokens decode holds KV for. ``extra`` carries ``invalid_tokens`` and ``invalid_kind`` when a
-    read loaded KV that does not match the prompt (:mod:`kvscope.reuse.validity`).
+    tokens decode holds KV for. ``history_edited``: the messages do not extend the previous
+    turn's (edited, reset). ``facts`` are the table's facts; ``extra`` carries, when a read
+    loaded KV that does not match the prompt, ``invalid_tokens`` and ``invalid_kind``
+    (:mod:`kvscope.reuse.validity`).
     """
+    facts = turn_facts(turn_index, reusable_tokens, result, router_lookup=router_lookup,
+                       decode_returned_params=decode_returned_params,
+                       router_entry_age_s=router_entry_age_s, history_edited=history_edited,
+                       reuse_guard=reuse_guard)
+    outcome, evidence = decisions.decide(facts)
     if turn_index <= 1:
-        return TurnAccounting(0, 0, 0, 0, outcomes.FIRST_TURN, outcomes.EVIDENCE_FIRST_TURN)
+        accounting = TurnAccounting(0, 0, 0, 0, outcome, evidence)
+    else:
+        accounting = TurnAccounting(
+            facts["reusable"], facts["local"], facts["remote"],
+            facts["reusable"] - facts["local"] - facts["remote"], outcome, evidence)
+    accounting.facts = facts
+    if facts.get("invalid_tokens"):
+        accounting.extra = {"invalid_tokens": facts["invalid_tokens"],
+                            "invalid_kind": facts["invalid_kind"]}
+    return accounting
+
+
+def turn_facts(
+    turn_index: int,
+    reusable_tokens: int,
+    result: PrefillResult | None,
+    *,
+    router_lookup: str = semconv.ROUTER_HIT,
+    decode_returned_params: bool = True,
+    router_entry_age_s: float | None = None,
+    history_edited: bool = False,
+    reuse_guard: str | None = None,
+) -> dict[str, Any]:
+    """What happened to one turn, as the decision table's facts (the emulator knows them all)."""
+    facts: dict[str, Any] = {
+        "turn_index": turn_index, "router_lookup": router_lookup,
+        "router_entry_age_s": router_entry_age_s, "reuse_guard": reuse_guard,
+        "client_only": False,
+        "prev_params": decisions.PREV_RETURNED if decode_returned_params else decisions.PREV_NONE,
+        "engine_seen": result is not None,
+    }
+    if turn_index <= 1:
+        return facts | {"history": decisions.HISTORY_FIRST}
     reusable = max(reusable_tokens, 0)
+    facts["history"] = decisions.HISTORY_EDITED if history_edited else (
+        decisions.HISTORY_CONTINUES)
+    facts["common_prefix"] = reusable
     ran = result is not None and not (result.errored or result.stalled)
     invalid, kind, loaded = 0, None, 0
     if ran and result is not None and result.transfer is not None and result.transfer.tokens:
@@ -905,75 +973,23 @@ def account_turn(
         if result.remote_reused_tokens and kind in (None, INVALID_BEYOND_PREFIX):
             reach = result.local_hit_tokens + result.remote_reused_tokens
             remote = max(min(reach, reusable) - local, 0)
-    recomputed = reusable - local - remote
-
-    def done(outcome: str, evidence: str) -> TurnAccounting:
-        return TurnAccounting(reusable, local, remote, recomputed, outcome, evidence)
-
-    offered = result.decision.remote_offered_tokens if result is not None else 0
-    if invalid > 0 and result is not None:
-        prompt = result.decision.prompt_tokens
-        args = {
-            INVALID_BEYOND_PREFIX: (loaded, invalid, reusable),
-            INVALID_MISALIGNED: (loaded, offered, prompt),
-            INVALID_AFTER_RELEASE: (loaded,),
-        }[str(kind)]
-        accounting = done(outcomes.REUSED_INVALID,
-                          outcomes.EVIDENCE_INVALID[str(kind)].format(*args))
-        accounting.extra = {"invalid_tokens": invalid, "invalid_kind": kind}
-        return accounting
-    if reusable == 0:
-        label = outcomes.PREFIX_DIVERGED if offered else outcomes.UNKNOWN
-        return done(label, outcomes.EVIDENCE_NO_COMMON_PREFIX)
-    target = min(reusable, max(offered, local)) if offered else reusable
-    if local + remote >= target and local + remote > 0:
-        if remote > 0:
-            return done(outcomes.REUSED_REMOTE,
-                        outcomes.EVIDENCE_REUSED_REMOTE.format(remote, local))
-        return done(outcomes.REUSED_LOCAL, outcomes.EVIDENCE_REUSED_LOCAL.format(local))
-    cause = _miss_cause(result, router_lookup, decode_returned_params)
-    if cause is not None:
-        return done(*cause)
-    if local + remote > 0:
-        return done(outcomes.PARTIAL, outcomes.EVIDENCE_PARTIAL.format(local + remote, reusable))
-    return done(outcomes.UNKNOWN, outcomes.EVIDENCE_UNEXPLAINED)
-
-
-def _miss_cause(
-    result: PrefillResult | None, router_lookup: str, decode_returned: bool
-) -> tuple[str, str] | None:
-    if router_lookup == semconv.ROUTER_NO_CONVERSATION_ID:
-        return outcomes.NO_CONVERSATION_ID, outcomes.EVIDENCE_NO_CONVERSATION_ID
-    if not decode_returned:
-        return outcomes.NO_DECODE_METADATA, outcomes.EVIDENCE_NO_DECODE_METADATA
-    if router_lookup in outcomes.ROUTER_OUTCOMES:
-        return outcomes.ROUTER_OUTCOMES[router_lookup], f"router lookup {router_lookup}"
+    facts |= {"reusable": reusable, "local": local, "remote": remote,
+              "reused": local + remote, "loaded": loaded,
+              "invalid_kind": kind if invalid > 0 else None, "invalid_tokens": invalid}
     if result is None:
-        return None
+        facts["coverable"] = reusable
+        return facts
     decision = result.decision
-    if decision.decision == semconv.DECISION_INVALID_PARAMS:
-        return outcomes.INVALID_PARAMS, outcomes.EVIDENCE_INVALID_PARAMS
-    if decision.decision == semconv.DECISION_NO_OFFER:
-        return outcomes.ROUTER_NO_ENTRY, outcomes.EVIDENCE_NO_OFFER
-    if not decision.bidirectional_kv_xfer and decision.decision != semconv.DECISION_LOCAL_COVERS:
-        return outcomes.PREFILL_BIDIR_DISABLED, outcomes.EVIDENCE_BIDIR_OFF
-    if decision.decision == semconv.DECISION_BELOW_THRESHOLD:
-        return outcomes.BELOW_THRESHOLD, outcomes.EVIDENCE_BELOW_THRESHOLD.format(
-            decision.count, decision.threshold)
-    if decision.decision == semconv.DECISION_SCHEDULER_SKIPPED:
-        return outcomes.SCHEDULER_SKIPPED, outcomes.EVIDENCE_SCHEDULER_SKIPPED
-    if result.preempted:
-        return outcomes.PREEMPTED, outcomes.EVIDENCE_PREEMPTED
     transfer = result.transfer
-    if result.load_failed and transfer is not None:
-        if result.errored:
-            return outcomes.LOAD_FAILED_ERRORED, outcomes.EVIDENCE_LOAD_FAILED.format(
-                transfer.status)
-        if result.stalled:
-            return outcomes.LOAD_STALLED, outcomes.EVIDENCE_LOAD_STALLED.format(transfer.status)
-        if transfer.status == semconv.TRANSFER_DECLINED_EXPIRED:
-            return outcomes.DECODE_TTL_EXPIRED, outcomes.EVIDENCE_DECLINED
-        if transfer.status == semconv.TRANSFER_HANDSHAKE_FAILED:
-            return outcomes.HANDSHAKE_FAILED, outcomes.EVIDENCE_HANDSHAKE
-        return outcomes.TRANSFER_FAILED, outcomes.EVIDENCE_TRANSFER
-    return None
+    offered = decision.remote_offered_tokens
+    facts |= {
+        "decision": decision.decision, "bidir": decision.bidirectional_kv_xfer,
+        "offered": offered, "below_count": decision.count, "threshold": decision.threshold,
+        "prompt_tokens": decision.prompt_tokens, "rescheduled": result.preempted,
+        "read_status": (transfer.status if transfer is not None and result.load_failed
+                        else semconv.TRANSFER_OK if transfer is not None else None),
+        "load_errored": result.load_failed and result.errored,
+        "load_reissued": result.load_failed and result.stalled,
+        "coverable": decisions.coverable(reusable, offered, local),
+    }
+    return facts

@@ -109,9 +109,9 @@ class EmulatorConfig:
     bidirectional_kv_xfer: bool = True
     kv_recompute_threshold: int = 64
     decoder_kv_blocks_ttl: float = 480.0
-    # vLLM's default is "fail"; the emulator recomputes so each read failure keeps its own label
-    # (switch with the load_failure_policy_fail fault or this field).
-    kv_load_failure_policy: reuse_model.FailurePolicy = "recompute"
+    # vLLM's default: a failed load ends the request in error ("recompute" resets it to 0
+    # computed tokens and, with the offer unchanged, it waits for a read that never comes).
+    kv_load_failure_policy: reuse_model.FailurePolicy = "fail"
     block_size: int = tokens.DEFAULT_BLOCK_SIZE
     # vLLM's --async-scheduling (on by default off CPU): decode offers prompt + output after a
     # stop token, one less under the synchronous scheduler.
@@ -523,9 +523,9 @@ class PrefillServer(_EngineServer[PrefillNode]):
         def finish(status: str) -> dict[str, Any] | None:
             if not wants_params:
                 return None
-            return self.node.finish_request(req.request_id, req.prompt, cached)
+            return self.node.finish_request(req.request_id, req.prompt, result.cached_tokens)
 
-        response, _, _ = await self._generate(request, req, cached, finish)
+        response, _, _ = await self._generate(request, req, result.cached_tokens, finish)
         return response
 
 
@@ -637,7 +637,11 @@ class DecodeServer(_EngineServer[DecodeNode]):
                 return None
             return out
 
-        response, sent, status = await self._generate(request, req, None, finish)
+        # vLLM's output processor reports P's count (remote_prefill_cached_tokens, local +
+        # external at P's first schedule) as the decode response's cached_tokens.
+        p_cached = (req.params or {}).get("remote_prefill_cached_tokens")
+        response, sent, status = await self._generate(
+            request, req, p_cached if isinstance(p_cached, int) else None, finish)
         if status == reuse_params.STATUS_ABORTED and "sequence" not in state:
             words, _ = plan_output(req, cfg.seed)
             sequence = req.prompt.extend([tokens.token_id(w) for w in words[:sent]])
@@ -651,5 +655,8 @@ class DecodeServer(_EngineServer[DecodeNode]):
             req.x_request_id, req.request_id, self.engine_id, state["sequence"], prompt_n,
             sent, status, state.get("retention"), on_wire, p_to_d_bytes, sorted(hit),
             prompt=req.prompt, prompt_ids=req.prompt_ids,
+            # What decode computed KV for, as it counts remote_num_tokens (kept or not).
+            held_tokens=reuse_params.remote_num_tokens(
+                state["sequence"].num_tokens, self.node.config.scheduling, status),
         )
         return response

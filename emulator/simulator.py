@@ -86,7 +86,6 @@ from kvscope.emulator.workloads.model import (
     check_times,
     send_time,
 )
-from kvscope.reuse import outcomes
 from kvscope.reuse.params import (
     FAILURE_POLICY_FAIL,
     SCHEDULING_ASYNC,
@@ -229,6 +228,8 @@ class TruthRow:
     errored: bool
     # Seconds the turn's decode waited for KV blocks (retained handles, running requests).
     decode_queue_s: float = 0.0
+    # What happened, as the decision table's facts (the outcome is the table's reading of them).
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -551,7 +552,7 @@ class Simulator:
             record.decode_instance = f"{self._decode_http_host(di)}:8200"
             record.prefill_request_id = p_rid
             record.prompt_tokens = turn.prompt_tokens
-            record.cached_tokens = result.local_hit_tokens
+            record.cached_tokens = result.cached_tokens
             record.prefill_start_ns = ns(t)
             transfer_s = 0.0
             if result.transfer is not None:
@@ -590,7 +591,7 @@ class Simulator:
             p_end = t + prefill_s
             record.prefill_end_ns = ns(p_end)
             d_rid = vllm_request_id(x_request_id, self._rng)
-            p_params = prefill.finish_request(p_rid, prompt, result.local_hit_tokens)
+            p_params = prefill.finish_request(p_rid, prompt, result.cached_tokens)
             p_to_d = decode.admit(d_rid, prompt, p_params)
             to_first = self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
             decoding = to_first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
@@ -693,19 +694,11 @@ class Simulator:
         accounting = account_turn(
             conv_turn, reusable, turn.result,
             router_lookup=turn.truth_args["router_lookup"],
+            router_entry_age_s=turn.lookup.age_s,
             decode_returned_params=self._returned.get(turn.conversation_index, True),
+            history_edited=self._messages.diverged(turn.conversation_index, turn.turn_position),
+            reuse_guard=record.reuse_guard,
         )
-        # Two rules account_turn cannot see (see outcomes.py): a request without a
-        # conversation id can be linked to nothing, its first turn included; and a prompt that
-        # does not extend the previous turn (history edited, reset) diverged — unless its read
-        # loaded KV that does not match the prompt, the alarm that comes first.
-        if turn.conversation.value is None:
-            accounting = replace(accounting, outcome=outcomes.NO_CONVERSATION_ID,
-                                 evidence=outcomes.EVIDENCE_NO_CONVERSATION_ID)
-        elif (conv_turn > 1 and accounting.outcome != outcomes.REUSED_INVALID
-              and self._messages.diverged(turn.conversation_index, turn.turn_position)):
-            accounting = replace(accounting, outcome=outcomes.PREFIX_DIVERGED,
-                                 evidence=outcomes.EVIDENCE_EDITED)
         self._returned[turn.conversation_index] = returned
         result = turn.result
         truth.append(TruthRow(
@@ -729,6 +722,7 @@ class Simulator:
                      if record.first_token_ns is not None else None),
             errored=bool(result is not None and (result.errored or result.stalled)),
             decode_queue_s=turn.truth_args.get("decode_queue_s", 0.0),
+            facts=accounting.facts,
         ))
 
 

@@ -219,6 +219,11 @@ REMOTE_COUNT_TOKENS = _attr(
     "Remote tokens beyond prefill's own hit that kv_recompute_threshold was compared with "
     "(vLLM's count; from a server log's skip line, where offer and hit are not logged).",
 )
+KV_BLOCK_SIZE = _attr(
+    "kvscope.kv.block_size_tokens", "tokens",
+    "Tokens per KV block on prefill (cache_config.block_size): says which of decode's blocks a "
+    "read lands where (kvscope.reuse.validity.loaded_span).",
+)
 THRESHOLD_TOKENS = _attr(
     "kvscope.kv_recompute_threshold_tokens", "tokens", "kv_recompute_threshold in force."
 )

@@ -660,7 +660,7 @@ class NixlConnectorInstrumentor:
             request.request_id, time_ns, local, offered, to_pull,
             int(sched.kv_recompute_threshold), decision,
             bool(sched.is_bidirectional_kv_xfer_enabled), request.num_prompt_tokens,
-            remote_engine, _traceparent(request),
+            remote_engine, _traceparent(request), _block_size(sched),
         ))
 
     def _wrap_connector_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1008,3 +1008,9 @@ class NixlConnectorInstrumentor:
                   else semconv.TRANSFER_FAILED)
         # Logged from the handshake thread too: one dict store, atomic in CPython.
         state.read_failures.setdefault(str(req_id), status)
+
+
+def _block_size(sched: Any) -> int | None:
+    """The connector scheduler's block size (``cache_config.block_size``), when it has one."""
+    size = getattr(sched, "block_size", None)
+    return size if isinstance(size, int) and size > 0 else None

@@ -50,9 +50,9 @@ def _configure_emulate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=None,
                         help=setting_help("decoder_kv_blocks_ttl") + " (model seconds)")
     parser.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
-                        default="recompute",
-                        help="what P does after a failed load (vLLM's default is fail; the "
-                             "emulator's recompute keeps each failure's own outcome)")
+                        default="fail",
+                        help="what P does after a failed load (default: fail, as vLLM; with "
+                             "recompute a failed NIXL read stalls the request)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=True, help="the engines' scheduler (vLLM's default off CPU: "
                         "async; decode then offers prompt + output after a stop token, the "

@@ -4,10 +4,12 @@
                   pull count, the worker's expiry guard, remote_num_tokens by scheduling mode
     router.py     the proxy's per-conversation cache of decode's params (single use, TTL)
     validity.py   which of decode's blocks a read puts where, and whether they match the prompt
-    outcomes.py   the closed list of per-turn outcomes, their order and evidence
+    outcomes.py   the closed list of per-turn outcomes and their evidence templates
+    decisions.py  every outcome as one ordered table of rules over named facts, with a scalar
+                  evaluator and a polars rendering
 
 Pure: no I/O, no clock, nothing above ``kvscope.semconv``. The emulator's model, the vLLM
 instrumentor, the proxy, the ledger and what-if import these; none re-spells them.
 """
 
-__all__ = ["outcomes", "params", "router", "validity"]
+__all__ = ["decisions", "outcomes", "params", "router", "validity"]

@@ -46,8 +46,6 @@ holds wins:
 
 from __future__ import annotations
 
-from kvscope import semconv
-
 FIRST_TURN = "first_turn"
 REUSED_REMOTE = "reused_remote"
 REUSED_LOCAL = "reused_local"
@@ -100,14 +98,6 @@ REUSE_OUTCOMES: tuple[str, ...] = (REUSED_REMOTE, REUSED_LOCAL, PARTIAL)
 # Every label after turn 1 that is not a valid reuse: the alarm first, then the miss causes.
 MISS_CAUSES: tuple[str, ...] = tuple(o for o in OUTCOMES if o not in REUSE_OUTCOMES + (FIRST_TURN,))
 
-# The router's lookup results (semconv.ROUTER_*) and the outcome each one explains.
-ROUTER_OUTCOMES: dict[str, str] = {
-    semconv.ROUTER_NO_CONVERSATION_ID: NO_CONVERSATION_ID,
-    semconv.ROUTER_STALE: ROUTER_TTL_EXPIRED,
-    semconv.ROUTER_CONSUMED: HANDLE_CONSUMED,
-    semconv.ROUTER_MISS: ROUTER_NO_ENTRY,
-}
-
 # Evidence, one template per rule ("{}" placeholders, filled in order).
 EVIDENCE_FIRST_TURN = "turn 1"
 EVIDENCE_INVALID = {
@@ -141,3 +131,11 @@ EVIDENCE_PARTIAL = "reused {} of {}"
 EVIDENCE_CLIENT_ONLY = ("client-side record only: router lookup, decode's params, reuse "
                         "decision and transfers not measured")
 EVIDENCE_UNEXPLAINED = "no rule explains the miss"
+
+# Engine spans alone (no proxy span names the request): what needs the conversation is unknown.
+EVIDENCE_ENGINE_ONLY_NO_DECISION = "engine spans only, and no reuse decision among them"
+EVIDENCE_ENGINE_ONLY_NO_OFFER = (
+    "engine spans only: prefill was offered no decode KV; whether an earlier turn left any "
+    "needs the conversation, which only a proxy span records")
+# The hooks kvscope could not install in this vLLM ({}: their names).
+EVIDENCE_HOOKS_MISSING = "kvscope's hooks {} not installed in this vLLM"

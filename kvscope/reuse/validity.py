@@ -11,6 +11,23 @@ load KV that does not match the prompt:
 * **a read racing decode's TTL reaper**: the blocks were freed (and may be reused) before the
   READ; P reports success and D logs "Potentially invalid KV blocks" (``after_release``).
 
+"Potentially invalid KV blocks for unrecognized request" (``pull_worker.py``
+``_get_new_notifs``, counted as ``num_notifications_after_expiry``) is logged for *any*
+notification whose request id decode no longer tracks, in three cases:
+
+* the reaper released the blocks before P posted its READ (:data:`UNRECOGNIZED_READ`);
+* the reaper released them while the READ was in flight (also :data:`UNRECOGNIZED_READ`: the
+  notification comes when the READ ends);
+* a notify-only message (local hit covers the offer, below threshold, a notify-only pull) after
+  the reaper released them (:data:`UNRECOGNIZED_NOTIFY`): nothing was read, nothing is invalid.
+
+The rule for a read after release: freed blocks go back to decode's free pool holding their
+data; they turn into another request's KV only when decode allocates them again before the READ
+ends. The READ is invalid exactly when that could have happened; the spans cannot show block
+reuse, so the ledger labels every read that ended after release ``after_release`` (a
+correctness alarm that may be false when decode allocated nothing in between), and a notify-only
+message after release is never invalid.
+
 One definition serves the emulator's ground truth (which knows the tokens) and the ledger (which
 knows message-boundary hashes and counts): :func:`loaded_span` says which of decode's blocks land
 where, :func:`invalid_tokens` how many loaded tokens do not belong to their position.
@@ -25,6 +42,10 @@ from kvscope.reuse.params import blocks_for
 INVALID_BEYOND_PREFIX = "beyond_prefix"
 INVALID_MISALIGNED = "misaligned"
 INVALID_AFTER_RELEASE = "after_release"
+# The cases of decode's "Potentially invalid KV blocks" line (a notification for a request id it
+# no longer tracks): a READ that came or ended after release, or a notify-only message.
+UNRECOGNIZED_READ = "read_after_release"
+UNRECOGNIZED_NOTIFY = "notify_after_release"
 # What the ledger can say from message-boundary hashes alone: the history was edited, so the
 # tokens loaded past the edit do not match (how many is not measurable without a tokenizer).
 INVALID_EDITED = "edited"

@@ -13,9 +13,12 @@ BLOCK = 16
 
 def _judge(**turn: object) -> dict[str, object]:
     row = {"_read_ok": True, "errored": False, "_stale": False, "decision_local_hit": 0,
-           "to_pull_tokens": 0, "reusable_tokens": 0, "history": ledger.HISTORY_CONTINUES}
+           "to_pull_tokens": 0, "reusable_tokens": 0, "history": ledger.HISTORY_CONTINUES,
+           "block_size": None, "offered_tokens": None, "decision": "pull"}
     row.update(turn)
-    out = ledger._validity(pl.DataFrame([row]).lazy()).collect()
+    frame = pl.DataFrame([row], schema_overrides={
+        "block_size": pl.Int64, "offered_tokens": pl.Int64, "reusable_tokens": pl.Int64})
+    out = ledger._validity(frame.lazy()).collect()
     return out.row(0, named=True)
 
 

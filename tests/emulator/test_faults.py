@@ -25,8 +25,11 @@ _conversations = itertools.count()
 
 
 def _config(**overrides: Any) -> EmulatorConfig:
+    # Policy recompute (vLLM's default is fail, the emulator's too): each failed read then
+    # shows the stall it causes; load_failure_policy_fail switches a turn back to fail.
     base: dict[str, Any] = dict(time_scale=50.0, prefill_prefix_caching=False,
-                                stall_timeout_s=0.2, allow_fault_headers=True)
+                                stall_timeout_s=0.2, allow_fault_headers=True,
+                                kv_load_failure_policy="recompute")
     base.update(overrides)
     return EmulatorConfig(**base)
 
@@ -68,8 +71,9 @@ def test_no_fault_reuses_remote(cluster: EmulatedCluster) -> None:
     assert resp.status_code == 200
     assert row.outcome == outcomes.REUSED_REMOTE and row.decision == semconv.DECISION_PULL
     # Length-capped (ignore_eos, max_tokens): even the async scheduler skips the step that
-    # would compute the last token, so D holds and offers one token less than prompt + output.
-    assert row.remote_reused_tokens == row.reusable_tokens - 1
+    # would compute the last token, so D holds and offers one token less than prompt + output,
+    # and reusable tokens count what D holds (the ledger's definition): all of them were pulled.
+    assert row.remote_reused_tokens == row.reusable_tokens
     assert row.transfer_status == semconv.TRANSFER_OK and row.transfer_bytes > 0
 
 
@@ -130,9 +134,11 @@ def test_cli_flag_switches_a_fault_for_every_turn() -> None:
                                       "50", "--no-enable-prefix-caching"])
     config = config_from_args(args)
     assert config.faults.describe() == {faults.HANDSHAKE_FAIL: 1.0}
+    # vLLM's default policy, the emulator's too: the failed read ends the request in error.
+    assert config.kv_load_failure_policy == "fail"
     with EmulatedCluster(config, proxy=True) as c:
         row, _ = two_turns(c)
-    assert row.outcome == outcomes.LOAD_STALLED
+    assert row.outcome == outcomes.LOAD_FAILED_ERRORED
 
 
 def test_mix_is_deterministic_under_seed_and_honours_probability() -> None:

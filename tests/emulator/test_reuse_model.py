@@ -503,3 +503,53 @@ def test_prompt_logprobs_turn_a_pull_into_notify_only() -> None:
     assert decision.tokens_to_pull == 0 and result.transfer is None
     assert d.released[-1].release_reason == semconv.RELEASE_NOTIFIED
     assert account_turn(2, 999, result).outcome == outcomes.SCHEDULER_SKIPPED
+
+
+def test_a_decode_finishing_with_no_blocks_returns_params_with_empty_block_ids() -> None:
+    """pull_scheduler.py request_finished with no blocks: ``(False, params)``, empty block ids,
+    ``remote_num_tokens`` 0, no expiry. Nothing is retained, and prefill's offer check fails."""
+    _, d = deployment(scheduling=SCHEDULING_SYNC)
+    retention, params = d.finish_request("d-1", seq(1), STATUS_STOPPED, now=1.0)
+    assert retention is None and params is not None
+    assert params["remote_block_ids"] == [[]] and params["remote_num_tokens"] == 0
+    assert params["remote_blocks_expiry_time"] is None and params["do_remote_decode"] is True
+    assert list(params) == list(PARAMS_FIELDS)
+
+
+def test_cached_tokens_are_vllms_local_plus_external_at_the_first_schedule() -> None:
+    """PrefillStats.set (scheduler.py): num_cached_tokens = local hit + external tokens when the
+    request is first scheduled, whether or not the read then succeeds. Simulator and HTTP
+    emulator both report this count (P's usage; D's via remote_prefill_cached_tokens)."""
+    p, d = deployment()
+    params = finished_turn(d, 1000)
+    pulled = p.prefill("p-2", seq(1150), params, now=30.0)
+    assert pulled.cached_tokens == pulled.decision.tokens_to_pull == 999
+    # Single use: the same params again read freed blocks; vLLM still counted them cached.
+    stale = p.prefill("p-3", seq(1150), params, now=31.0)
+    assert stale.transfer is not None and stale.transfer.stale_handle
+    assert stale.remote_reused_tokens == 0 and stale.cached_tokens == 999
+    p, d = deployment(threshold=2000)
+    below = p.prefill("p-4", seq(1150), finished_turn(d, 1000), now=32.0)
+    assert below.decision.decision == semconv.DECISION_BELOW_THRESHOLD
+    assert below.cached_tokens == 0
+
+
+def test_potentially_invalid_kv_blocks_cases_are_counted_and_labelled() -> None:
+    """Decode logs "Potentially invalid KV blocks" for any notification of an id it no longer
+    tracks: a READ after release moved freed blocks (reused_invalid, after_release); a
+    notify-only message after the reaper moved nothing (not invalid)."""
+    p, d = deployment()
+    params = finished_turn(d, 1000)
+    p.prefill("p-2", seq(1150), params, now=30.0)
+    stale = p.prefill("p-3", seq(1150), params, now=31.0)  # single use: the handle is gone
+    assert d.notifications_after_expiry == {"read_after_release": 1, "notify_after_release": 0}
+    assert account_turn(2, 1000, stale).outcome == outcomes.REUSED_INVALID
+    # Prefill's own cache covers the offer: notify-only, sent after decode's reaper ran.
+    p, d = deployment(p_caching=True)
+    p.prefill("p-warm", seq(1150), None, now=0.0)
+    params = finished_turn(d, 1000)
+    late = p.prefill("p-4", seq(1150), params, now=TTL + 10)
+    assert late.decision.decision == semconv.DECISION_LOCAL_COVERS and late.transfer is None
+    assert d.notifications_after_expiry == {"read_after_release": 0, "notify_after_release": 1}
+    accounting = account_turn(2, 999, late)
+    assert accounting.outcome == outcomes.REUSED_LOCAL and not accounting.extra

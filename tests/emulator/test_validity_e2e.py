@@ -200,3 +200,89 @@ def test_completions_turns_are_not_judged_by_one_hash(tmp_path: Path) -> None:
     assert truth[1].transfer_status is not None  # the guard did not block the pull
     assert rows["history"].to_list()[1] == "unknown"
     assert rows["outcome"].to_list()[1] != outcomes.REUSED_INVALID
+
+
+def test_a_single_message_chat_replaced_under_its_id_is_invalid_reuse(tmp_path: Path) -> None:
+    """A chat of one message, then another single message under the same conversation id: the
+    boundary hash of a chat's one message is as good as any, so the ledger sees the edit the
+    truth sees (before, a lone hash was taken for a completions prompt: "not verified")."""
+    db = tmp_path / "single.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        cid = f"single-{next(_ids)}"
+        _ask(cluster.proxy_url, cid, [{"role": "user", "content": "alpha " * 300}])
+        _ask(cluster.proxy_url, cid, [{"role": "user", "content": "bravo " * 320}])
+        truth = list(cluster.emulation.truth.rows)
+    rows = _rows(db)
+    assert truth[1].outcome == outcomes.REUSED_INVALID
+    assert rows["history"].to_list()[1] == "edited"
+    assert rows["outcome"].to_list() == [r.outcome for r in truth]
+    assert rows["reuse_validity"].to_list()[1] == "invalid"
+
+
+def test_truth_reusable_follows_the_ledger_after_a_length_capped_turn(tmp_path: Path) -> None:
+    """A turn that hit max_tokens: decode holds KV for prompt + output - 1 tokens (it never
+    ran the last one), and both truth and ledger count that many as reusable."""
+    db = tmp_path / "capped.duckdb"
+    with EmulatedCluster(_config(), db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        cid = f"capped-{next(_ids)}"
+        messages = [{"role": "system", "content": "rules " * 200},
+                    {"role": "user", "content": "task " * 40}]
+        body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 7,
+                                "stream": False, "conversation_id": cid}
+        resp = httpx.post(cluster.proxy_url + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["finish_reason"] == "length"
+        reply = str(resp.json()["choices"][0]["message"]["content"])
+        _ask(cluster.proxy_url, cid, [*messages, {"role": "assistant", "content": reply},
+                                      {"role": "user", "content": "go on " * 30}])
+        truth = list(cluster.emulation.truth.rows)
+    rows = _rows(db)
+    assert truth[0].finish_status == "finished_length_capped"
+    assert rows["reusable_tokens"].to_list()[1] == truth[1].reusable_tokens
+    assert rows["outcome"].to_list() == [r.outcome for r in truth]
+
+
+def _cached(db: Path) -> dict[str, int | None]:
+    """The cached prompt tokens each turn's span recorded (prefill's usage), by X-Request-Id."""
+    from kvscope import semconv
+    from kvscope.store.query import span_attr, spans
+
+    sql = spans(semconv.SPAN_TURN, {
+        "x": span_attr(semconv.X_REQUEST_ID),
+        "cached": span_attr(semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS)})
+    reader = StoreReader.open(db)
+    try:
+        frame = reader.frame(sql)
+    finally:
+        reader.close()
+    return {x: None if c is None else int(c) for x, c in frame.iter_rows()}
+
+
+def test_cached_tokens_are_reported_as_vllm_counts_them(tmp_path: Path) -> None:
+    """vLLM's cached prompt tokens: local hit + external tokens at prefill's first schedule
+    (PrefillStats.set); decode reports P's count. The HTTP emulator and the simulator both
+    report that: a turn that pulled N tokens reports local + N, not its local hit alone."""
+    from kvscope.emulator.simulator import SimulationSettings, simulate
+    from kvscope.emulator.workloads import synthetic
+
+    db = tmp_path / "cached.duckdb"
+    config = EmulatorConfig(time_scale=50.0, prefill_prefix_caching=False, stall_timeout_s=0.2,
+                            enable_prompt_tokens_details=True)
+    with EmulatedCluster(config, db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        _edited_conversation(cluster.proxy_url)
+        truth = list(cluster.emulation.truth.rows)
+    cached = _cached(db)
+    assert truth[1].outcome == outcomes.REUSED_REMOTE
+    assert cached[truth[1].x_request_id] == (truth[1].local_hit_tokens
+                                            + truth[1].remote_reused_tokens) > 0
+    sim_db = tmp_path / "sim.duckdb"
+    workload = synthetic.generate(seed=2, conversations=3, turns_p50=4, max_turns=5)
+    result = simulate(workload, sim_db, SimulationSettings(profile="tiny", seed=2))
+    cached = _cached(sim_db)
+    pulled = [row for row in result.truth if row.outcome == outcomes.REUSED_REMOTE]
+    assert pulled
+    for row in pulled:
+        assert cached[row.x_request_id] == row.local_hit_tokens + row.remote_reused_tokens

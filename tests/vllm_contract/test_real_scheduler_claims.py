@@ -316,9 +316,11 @@ def test_prompt_logprobs_notify_only_recv_in_the_worker_metadata(model_config: A
 def read_then_fail(p: e2e.Engine, how: str, bad_block: int = 0) -> tuple[Request, list[Any]]:
     """P pulls a 160-token offer; the worker then reports the read failed in one
     KVConnectorOutput: ``failed_recving`` (the id in finished_recving too), ``invalid_block_ids``
-    (the ``bad_block``-th local block, plus finished_recving), or ``worker``: what the real NIXL
-    worker sends for a failed non-HMA read, both at once with every local block invalid
-    (base_worker.py:get_transfer_results, kv_connector_model_runner_mixin.py)."""
+    (the ``bad_block``-th local block, plus finished_recving: a report NIXL never sends alone),
+    ``worker``: what the real NIXL worker sends for a failed non-HMA read, both at once with
+    every local block invalid (base_worker.py:get_transfer_results,
+    kv_connector_model_runner_mixin.py), or ``worker_bad_block``: failed_recving with only the
+    ``bad_block``-th block invalid (NIXL's shape, the bad block anywhere)."""
     req = add(p, "p-t2", 170, e2e.offer(160), SamplingParams(max_tokens=1))
     out = p.scheduler.schedule()
     [local] = out.kv_connector_metadata.reqs_to_recv["p-t2"].local_block_ids
@@ -327,9 +329,9 @@ def read_then_fail(p: e2e.Engine, how: str, bad_block: int = 0) -> tuple[Request
     out = p.scheduler.schedule()
     assert out.num_scheduled_tokens == {}
     kv = KVConnectorOutput(finished_recving={"p-t2"})
-    if how in ("failed_recving", "worker"):
+    if how in ("failed_recving", "worker", "worker_bad_block"):
         kv.failed_recving = {"p-t2"}
-    if how == "invalid_block_ids":
+    if how in ("invalid_block_ids", "worker_bad_block"):
         kv.invalid_block_ids = {local[bad_block]}
     if how == "worker":
         kv.invalid_block_ids = set(local)
@@ -372,13 +374,34 @@ def test_recompute_policy_resets_to_zero_and_stalls_for_good(model_config: Any, 
     assert p.free_blocks() == free0 - 10  # held for a read nobody issues
 
 
-def test_recompute_policy_with_a_later_bad_block_recomputes_locally(model_config: Any) -> None:
-    """Claim 3, the other branch: REFUTED that recompute always stalls. With invalid_block_ids
-    naming a later block (the 4th of 10), scheduler.py:_update_requests_with_invalid_blocks
-    truncates num_computed_tokens to 3 * 16 = 48 (not 0); _update_waiting_for_remote_kv caches
-    those 48 tokens; schedule() does not ask the connector again (only when
-    num_computed_tokens == 0), so the remaining 122 prompt tokens are recomputed locally and
-    the turn finishes.
+@pytest.mark.parametrize("bad_block", [0, 3, 9])
+def test_recompute_policy_stalls_after_every_failed_nixl_read(model_config: Any,
+                                                              bad_block: int) -> None:
+    """Claim 3 for NIXL, whichever block was bad: CONFIRMED that recompute stalls. The NIXL
+    worker reports every failed read in ``failed_recving`` and fills ``invalid_block_ids`` only
+    in that same branch (base_worker.py:get_transfer_results); update_from_output runs
+    _handle_failed_recving (num_computed_tokens = 0) *before* _handle_invalid_blocks, which then
+    finds no computed block of the request to truncate. The unchanged offer is accepted again,
+    no read is registered, and the request waits in WAITING_FOR_REMOTE_KVS for good."""
+    p = engine(model_config, "kv_producer", policy="recompute")
+    req, outputs = read_then_fail(p, "worker_bad_block", bad_block=bad_block)
+    assert outputs == [] and req.num_computed_tokens == 0
+    for _ in range(10):
+        out = p.scheduler.schedule()
+        assert out.num_scheduled_tokens == {}
+        assert out.kv_connector_metadata.reqs_to_recv == {}
+        p.scheduler.update_from_output(out, Runner(p).answer(out))
+        assert p.status("p-t2") == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_a_lone_invalid_block_report_nixl_never_sends_would_recompute_locally(
+        model_config: Any) -> None:
+    """Why "recompute always stalls" once read as refuted: a report of ``invalid_block_ids``
+    naming a later block (the 4th of 10) *without* ``failed_recving`` makes
+    scheduler.py:_update_requests_with_invalid_blocks truncate num_computed_tokens to 3 * 16 =
+    48, and the remaining 122 prompt tokens are recomputed locally. NIXL never sends that report
+    (see test_recompute_policy_stalls_after_every_failed_nixl_read): it is another connector's
+    shape, kept here so the scheduler's branch stays pinned down.
     """
     p = engine(model_config, "kv_producer", policy="recompute")
     asked = spy(p.nixl, "get_num_new_matched_tokens")

@@ -86,6 +86,8 @@ def test_reuse_decision_span_field_by_field(
     assert a[semconv.BIDIR_ENABLED] is bidir
     assert a[semconv.PROMPT_TOKENS] == 170
     assert a[semconv.REMOTE_ENGINE_ID] == "decode-engine"
+    # cache_config.block_size, so the ledger can tell an aligned read from a misaligned one.
+    assert a[semconv.KV_BLOCK_SIZE] == sched.block_size > 0
     assert format(span.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
     # The read is registered exactly when bidir is on at P (R10 otherwise).
     assert ("chatcmpl-t2" in sched._reqs_need_recv) is bidir
