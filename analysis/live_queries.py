@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from datetime import date, datetime
-from decimal import Decimal
-from typing import Any
 
 import duckdb
 import polars as pl
@@ -29,6 +26,7 @@ from kvscope.analysis import registry
 from kvscope.analysis.runs import context_over, run_table, with_run_labels
 from kvscope.errors import SettingError
 from kvscope.store.reader import StoreReader
+from kvscope.tables import jsonable
 
 # The receiver's route (``{name}``: the analysis).
 ROUTE = "/v1/analyze/{name}"
@@ -59,14 +57,6 @@ def run_analysis(reader: StoreReader, name: str, params: Mapping[str, str],
     return frame
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return float(value)
-    return value
-
-
 def answer_source(con: duckdb.DuckDBPyConnection) -> Answer:
     """The ``/v1/analyze/{name}`` answerer over the receiver's store connection."""
 
@@ -82,7 +72,7 @@ def answer_source(con: duckdb.DuckDBPyConnection) -> Answer:
                                  labels=labels)
         finally:
             cursor.close()
-        rows = [[_jsonable(v) for v in row] for row in frame.rows()]
+        rows = [[jsonable(v) for v in row] for row in frame.rows()]
         return json.dumps({"columns": frame.columns, "rows": rows}, default=str).encode()
 
     return answer

@@ -42,7 +42,8 @@ def _text_cell(value: Any) -> str:
     return round_float(value) if isinstance(value, float) else _cell(value)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A cell as JSON holds it (dates as ISO text, decimals as floats, bytes as hex)."""
     if isinstance(value, datetime | date):
         return value.isoformat()
     if isinstance(value, Decimal):
@@ -85,7 +86,7 @@ def format_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str,
     """
     if fmt == "json":
         records = [
-            {c: _jsonable(v) for c, v in zip(columns, row, strict=True)} for row in rows
+            {c: jsonable(v) for c, v in zip(columns, row, strict=True)} for row in rows
         ]
         return json.dumps(records, indent=2, default=str) + "\n"
     if fmt == "csv":

@@ -6,7 +6,7 @@ Run from the repository root:  .venv/bin/python scripts/scrape_vs_analyze.py
 # ruff: noqa
 import json, subprocess, sys, tempfile
 from pathlib import Path
-sys.path.insert(0, "tests/analysis")
+sys.path[:0] = [".", "tests/analysis"]  # the repository root: tests.stores
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from test_live_metrics import MIX, _copy_runs, _shuffled_batches
