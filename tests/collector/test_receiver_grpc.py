@@ -404,3 +404,14 @@ def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
     # an acknowledged conversation has at least its two turn spans.
     missing = [c for c in acknowledged if stored.get(c, 0) < 2]
     assert missing == []
+
+
+def test_grpc_serves_as_many_rpcs_at_once_as_the_budget_holds_whole() -> None:
+    """grpc reads a message whole before admission sees it: 16 RPCs of 64 MiB once held 1 GiB
+    beyond a 128 MiB budget (7.9 GB peak under 24 concurrent 60 MiB requests)."""
+    from kvscope.collector.otlp_grpc import GrpcListener
+
+    mib = 1 << 20
+    assert GrpcListener(64 * mib, 128 * mib).max_concurrent_rpcs == 3  # the defaults
+    assert GrpcListener(64 * mib, 32 * mib).max_concurrent_rpcs == 2  # one alone, one waiting
+    assert GrpcListener(1 * mib, 128 * mib).max_concurrent_rpcs == 16  # small requests
