@@ -186,15 +186,15 @@ def _named(source: str | Path) -> tuple[str | None, Path]:
     return None, Path(source)
 
 
-def _scraped(source: str | Path, scratch: Path) -> tuple[str, Path] | None:
+def _scraped(source: str | Path, scratch: Path) -> tuple[str | None, Path] | None:
     """A live ``/metrics`` URL (``http://HOST:PORT/metrics``, or ``vllm-prefill-metrics:URL``)
-    scraped now into ``scratch``: (its kind, the snapshot); None for a file."""
+    scraped now into ``scratch``: (its kind when named, the snapshot); None for a file."""
     text = str(source)
     prefix, sep, rest = text.partition(":")
     if sep and prefix in KINDS and rest.startswith(_URL_SCHEMES):
         return prefix, vllm_metrics.scrape(rest, scratch)
-    if text.startswith(_URL_SCHEMES):
-        return vllm_metrics.KIND, vllm_metrics.scrape(text, scratch)
+    if text.startswith(_URL_SCHEMES):  # its kind: --kind's, else detected from the page
+        return None, vllm_metrics.scrape(text, scratch)
     return None
 
 

@@ -375,7 +375,7 @@ def _lines(path: Path, text: str, mtime_ns: int,
             if found is not None:
                 yield number, found
                 continue
-        match = _LINE.match(_ANSI.sub("", raw))
+        match = _LINE.match(_ANSI.sub("", raw) if "\x1b" in raw else raw)
         if match is None:
             read.unknown += 1
             continue

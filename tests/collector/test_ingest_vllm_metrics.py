@@ -157,6 +157,9 @@ def test_a_live_metrics_url_is_scraped(tmp_path: Path) -> None:
         port = server.server_address[1]
         result = ingest(tmp_path / "run.duckdb",
                         [f"{vllm_metrics.KIND_PREFILL}:http://127.0.0.1:{port}/metrics"])
+        # Unnamed, the page's kind is detected from what it serves.
+        detected = ingest(tmp_path / "detected.duckdb", [f"http://127.0.0.1:{port}/metrics"])
+        assert [s.kind for s in detected.sources] == [vllm_metrics.KIND]
     finally:
         server.shutdown()
         server.server_close()

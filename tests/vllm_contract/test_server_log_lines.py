@@ -78,6 +78,10 @@ class Collect(logging.Handler):
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        # Freeze the message now, as vLLM's StreamHandler formats it when emitted: the args can
+        # be objects vLLM changes right after logging them (update_state_after_alloc's
+        # kv_transfer_params gains _remote_blocks_processed), which a later format would show.
+        record.msg, record.args = record.getMessage(), None
         self.records.append(record)
 
 
