@@ -523,9 +523,13 @@ def _joined(b: query.Binder) -> str:
                        for alias, column, name in _JOINED_FIELDS)
     numbers = ", ".join(f"{d.to_int(f't.{column}')} AS {name}"
                         for name, column in _TURN_NUMBERS.items())
+    # A union pairs columns by position: name them, in one order, on both sides (a frame built
+    # by hand need not list its columns in the extraction's order).
+    turn_columns = ", ".join(quote(name) for name in _TURN_COLUMNS)
     return (
         f"SELECT {fields}, {numbers} "
-        "FROM (SELECT * FROM turns UNION ALL SELECT * FROM engine_turns) AS t "
+        f"FROM (SELECT {turn_columns} FROM turns "
+        f"UNION ALL SELECT {turn_columns} FROM engine_turns) AS t "
         "LEFT JOIN prefill_leg AS p ON p.trace_id = t.trace_id AND p.parent_span_id = t.span_id "
         "LEFT JOIN decode_leg AS g ON g.trace_id = t.trace_id AND g.parent_span_id = t.span_id "
         "LEFT JOIN wait_leg AS w ON w.trace_id = t.trace_id AND w.parent_span_id = t.span_id "
