@@ -93,7 +93,7 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     record.prefill_request_id, record.decode_request_id = "p-1", "d-1"
     record.remote_num_tokens, record.retention_blocks = 175, 11
     record.client_disconnected, record.error_leg = True, "prefill"
-    record.decode_streamed = False
+    record.decode_streamed, record.decode_cached_tokens = False, 96
     record.error_kind, record.error_message, record.status_code = "x", "y", 502
     record.boundary_hashes, record.boundary_roles, record.message_count = "00aa,00bb", "su", 2
     record.boundary_key_id = KEY.key_id
