@@ -427,8 +427,10 @@ def _engine_hooks(b: query.Binder) -> str:
 
 
 def _engine_turns(b: query.Binder) -> str:
-    """One row per X-Request-Id that engine spans name and no ``kvscope.turn`` does: the
-    requests of a deployment routed by vLLM's own proxy, llm-d or any router but kvscope's.
+    """One row per X-Request-Id that engine spans of a run without ``kvscope.turn`` spans
+    name (and no turn span does): the requests of a deployment routed by vLLM's own proxy,
+    llm-d or any router but kvscope's. In a run the proxy recorded, an engine request no turn
+    names (a warm-up sent to an engine directly, a turn whose spans were lost) adds no row.
 
     Its run is its engine spans'; it starts at the first of them. vLLM's ``llm_request`` spans
     give the prompt and the output (the decode leg's: the one asked for more than prefill's one
@@ -461,7 +463,9 @@ def _engine_turns(b: query.Binder) -> str:
         f"{'NULL' if name in nulls else chosen[name]} AS {quote(name)}" for name in _TURN_COLUMNS)
     return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
             f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
-            "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) GROUP BY x_key) "
+            "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) "
+            "AND key_run NOT IN (SELECT run_id FROM turns WHERE run_id IS NOT NULL) "
+            "GROUP BY x_key) "
             f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
 

@@ -126,7 +126,8 @@ ProviderFactory = Callable[[str], tuple[TracerProvider, MeterProvider | None]]
 
 def private_hook_matches(cls: type, name: str) -> bool:
     """Whether ``cls.name`` exists and takes 0.33.0's leading parameters (after ``self``)."""
-    return hook_mismatch(cls, name, PRIVATE_HOOK_SIGNATURES[name]) is None
+    want = PRIVATE_HOOK_SIGNATURES.get(name)
+    return want is not None and hook_mismatch(cls, name, want) is None
 
 
 def hook_mismatch(cls: type, name: str, want: tuple[str, ...]) -> str | None:
@@ -428,8 +429,9 @@ class NixlConnectorInstrumentor:
             installed = 0
             for cls, name, make in hooks:
                 # A target missing or changed is left alone; the others still install.
-                why = hook_mismatch(cls, name, HOOK_SIGNATURES[(cls.__name__, name)])
-                qualified = f"{cls.__name__}.{name}"
+                role_class = SCHEDULER_CLASS if cls is scheduler_cls else WORKER_CLASS
+                why = hook_mismatch(cls, name, HOOK_SIGNATURES[(role_class, name)])
+                qualified = f"{role_class}.{name}"
                 if why is None and self._install(cls, name, make):
                     installed += 1
                     self.hooks_installed.append(qualified)

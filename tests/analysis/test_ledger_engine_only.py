@@ -162,3 +162,21 @@ def test_ingesting_the_routers_log_joins_the_same_run(
     # The file is recorded with the run: ingesting it again is refused.
     with pytest.raises(Exception, match="already in"):
         ingest(db, [log])
+
+
+def test_a_stray_engine_request_in_a_proxied_run_adds_no_row(tmp_path: Path) -> None:
+    """A request sent to an engine directly (a warm-up) in a run the proxy recorded."""
+    db = tmp_path / "proxied.duckdb"
+    config = EmulatorConfig(time_scale=50.0, prefill_prefix_caching=False)
+    with EmulatedCluster(config, db=db, proxy=True) as cluster:
+        assert cluster.proxy_url is not None
+        _conversation(cluster.proxy_url, "a")
+        body = {"model": MODEL, "prompt": "warm up " * 50, "max_tokens": 2,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        resp = httpx.post(cluster.prefill_urls[0] + "/v1/completions", json=body,
+                          headers={"X-Request-Id": "warm-up"}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    assert query(db, "SELECT count(*) FROM otel_traces WHERE SpanAttributes[?] LIKE ?",
+                 [semconv.VLLM_REQUEST_ID, "%warm-up%"])[0][0] >= 1
+    rows = _ledger(db)
+    assert rows.height == 3 and rows["observer"].null_count() == 3

@@ -174,3 +174,20 @@ def test_sse_events_of_a_whole_answer() -> None:
                                      "logprobs": {"tokens": ["a", "b"]},
                                      "finish_reason": "length"}]
     assert events[1]["choices"] == [] and events[1]["usage"]["completion_tokens"] == 2
+
+
+def test_the_flag_and_its_check() -> None:
+    import argparse
+
+    from kvscope.cli.proxy import config_from_args, configure
+    from kvscope.collector.proxy.app import ProxyConfig, Upstream
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert config_from_args(parser.parse_args([])).decode_params == DECODE_PARAMS_AUTO
+    args = parser.parse_args(["--decode-params", DECODE_PARAMS_RESPONSE])
+    assert config_from_args(args).decode_params == DECODE_PARAMS_RESPONSE
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--decode-params", "sometimes"])
+    with pytest.raises(ValueError, match="decode_params must be one of auto, stream, response"):
+        ProxyConfig([Upstream("h", 1)], [Upstream("h", 2)], decode_params="sometimes")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,35 @@ def vllm_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixt
         vllm_logger.removeHandler(caplog.handler)
 
 
+@contextmanager
+def vllm_configured_logging() -> Iterator[io.StringIO]:
+    """vLLM's own logging set-up, as its API server and engine-core processes apply it
+    (``vllm.logger.configure_logging``), its handler writing to a buffer; undone afterwards."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    vllm_logger = logging.getLogger("vllm")
+    saved = (list(vllm_logger.handlers), vllm_logger.level, vllm_logger.propagate,
+             logging.getLogRecordFactory())
+    configure_logging(LoggingConfig(log_level="INFO", configure_logging=True))
+    buffer = io.StringIO()
+    for handler in vllm_logger.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(buffer)
+    try:
+        yield buffer
+    finally:
+        vllm_logger.handlers[:] = saved[0]
+        vllm_logger.setLevel(saved[1])
+        vllm_logger.propagate = saved[2]
+        logging.setLogRecordFactory(saved[3])
+
+
+def _records(log: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """Each record once (a record can reach caplog's handler both on ``vllm`` and the root)."""
+    return list({id(r): r for r in log.records}.values())
+
+
 def _resource(sink: OtlpSink) -> dict[str, str]:
     """The resource attributes of the first exported spans."""
     rs = sink.requests[0].resource_spans[0]
@@ -204,24 +235,22 @@ def test_a_failure_to_instrument_logs_once_and_leaves_vllm_untouched(
     vllm.plugins.load_general_plugins()  # must not raise
     plugin.register()
     assert not _wrapped()
-    assert len([r for r in vllm_log.records if "could not instrument" in r.message]) == 1
+    assert len([r for r in _records(vllm_log) if "could not instrument" in r.message]) == 1
 
 
 def test_the_instrumented_line_reaches_vllms_log(
     entry_point: None, fresh: None, sink: OtlpSink, monkeypatch: pytest.MonkeyPatch,
-    vllm_log: pytest.LogCaptureFixture,
 ) -> None:
+    """Through vLLM's own handler and format (kvscope's logger has none in a vLLM process)."""
     monkeypatch.setenv("KVSCOPE_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.port}")
-    vllm.plugins.load_general_plugins()
-    [line] = [r for r in vllm_log.records if "instrumented" in r.getMessage()]
-    # A child of vLLM's logger, which vLLM gives its handler and format in every process.
-    assert line.name.startswith("vllm.") and line.levelno == logging.INFO
-    assert any(h.name == "vllm" for h in logging.getLogger("vllm").handlers)
-    message = line.getMessage()
-    assert f"on vLLM {vllm.__version__}: 9 hooks installed (" in message
-    assert "NixlPullConnectorScheduler.request_finished" in message
-    assert "NOT installed" not in message
-    assert f"exporting to http://127.0.0.1:{sink.port}" in message
+    with vllm_configured_logging() as out:
+        vllm.plugins.load_general_plugins()
+    [line] = [line for line in out.getvalue().splitlines() if "instrumented" in line]
+    assert " INFO " in line and "[plugin.py:" in line  # vLLM's format
+    assert f"on vLLM {vllm.__version__}: 9 hooks installed (" in line
+    assert "NixlPullConnectorScheduler.request_finished" in line
+    assert "NOT installed" not in line
+    assert f"exporting to http://127.0.0.1:{sink.port}" in line
     assert NixlConnectorInstrumentor().hooks_missing == {}
 
 
@@ -244,7 +273,7 @@ def test_a_changed_signature_is_left_unhooked_and_named(
     missing = "NixlPullConnectorScheduler.request_finished"
     assert NixlConnectorInstrumentor().hooks_missing == {
         missing: "takes (req, blocks), not 0.33.0's (request, block_ids)"}
-    warned = [r.getMessage() for r in vllm_log.records if r.levelno == logging.WARNING]
+    warned = [r.getMessage() for r in _records(vllm_log) if r.levelno == logging.WARNING]
     assert any(missing in m and "decode's retentions" in m for m in warned)
     [line] = [m for m in warned if "instrumented on vLLM" in m]
     assert "8 hooks installed" in line and f"NOT installed: {missing} (takes (req, blocks)" in line
