@@ -88,6 +88,8 @@ class Turns:
 
     turns: list[TurnEvidence] = field(default_factory=list)
     scenarios_done: set[str] = field(default_factory=set)
+    # Per turn: whether `kvscope ingest` of the real logs agrees with the hook ledger.
+    ingest_agrees: list[bool] = field(default_factory=list)
 
     def of(self, scenario: str) -> list[TurnEvidence]:
         return [t for t in self.turns if t.scenario == scenario]
@@ -96,8 +98,6 @@ class Turns:
 _TURNS = Turns()
 # Seconds each process took to be ready (the summary prints them).
 _START_S: dict[str, float] = {}
-# Per turn: whether `kvscope ingest` of the real logs agrees with the hook ledger.
-INGEST_AGREEMENT: list[bool] = []
 
 
 @pytest.fixture(scope="session")
@@ -197,7 +197,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     write("  outputs token-exact:      "
           + pct(sum(bool(t.oracle_match) for t in compared), len(compared)))
     write("  ingest = hook ledger:     "
-          + pct(sum(INGEST_AGREEMENT), len(INGEST_AGREEMENT)))
+          + pct(sum(_TURNS.ingest_agrees), len(_TURNS.ingest_agrees)))
     for t in _TURNS.turns:
         if t.ledger_agrees is False or t.oracle_agrees is False:
             write(f"  disagree: {t.scenario} conv={t.conversation_id} turn={t.turn_index}: "

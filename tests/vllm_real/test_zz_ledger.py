@@ -11,7 +11,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from tests.vllm_real.conftest import INGEST_AGREEMENT, TurnEvidence, Turns
+from tests.vllm_real.conftest import TurnEvidence, Turns
 
 # Where the ledger and vLLM's evidence disagree on real servers (findings, reported; the
 # ledger's decision table is issue 28's): strict, so a fix shows as XPASS.
@@ -92,7 +92,8 @@ def test_ledger_matches_vllms_evidence_and_the_oracle(scenario: str, ledger: pl.
     table = [(t.turn_index, t.vllm_outcome, t.vllm_pulled_tokens, t.ledger_outcome,
               t.ledger_pulled_tokens, t.oracle_match) for t in mine]
     assert all(t.ledger_agrees for t in mine), table
-    assert all(t.oracle_agrees for t in mine), table
+    # An errored turn has no output: the oracle has nothing to say about it.
+    assert all(t.oracle_agrees for t in mine if t.oracle_match is not None), table
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +117,17 @@ def ingested(ledger: pl.DataFrame, deployment: Any) -> pl.DataFrame:
         con.close()
 
 
-def test_ingest_of_the_real_logs_agrees_with_the_hook_ledger(ledger: pl.DataFrame,
-                                                             ingested: pl.DataFrame,
-                                                             turns: Turns) -> None:
-    """Turn by turn: the same outcome, or ``unknown`` naming the evidence the logs lack."""
+# What `kvscope ingest` cannot see in the logs (a finding, reported): the proxy's --reuse-guard
+# line is not read, so a turn the guard sent MISS params is taken for a router miss.
+_INGEST_GAPS = {"edited_history_guarded": "ingest does not read the proxy's reuse-guard line "
+                "('sending MISS params'): the guarded turn is router_no_entry, not "
+                "prefix_diverged"}
+
+
+def _ingest_table(ledger: pl.DataFrame, ingested: pl.DataFrame,
+                  turns: Turns) -> list[tuple[Any, ...]]:
+    """Per turn: scenario, turn, hook outcome, ingest outcome, ingest evidence, agreement
+    (the same outcome, or ``unknown`` naming the evidence the logs lack)."""
     hooks = {r["x_request_id"]: r for r in ledger.to_dicts() if r["x_request_id"]}
     post = {r["x_request_id"]: r for r in ingested.to_dicts() if r["x_request_id"]}
     table = []
@@ -129,8 +137,22 @@ def test_ingest_of_the_real_logs_agrees_with_the_hook_ledger(ledger: pl.DataFram
         log_outcome = log["outcome"] if log else None
         agrees = log is not None and (log_outcome == hook_outcome or (
             log_outcome == "unknown" and bool(log["evidence"])))
-        INGEST_AGREEMENT.append(agrees)
         table.append((turn.scenario, turn.turn_index, hook_outcome, log_outcome,
-                      log["evidence"] if log else None))
-    assert all(INGEST_AGREEMENT), [row for row, ok in zip(table, INGEST_AGREEMENT, strict=True)
-                                   if not ok]
+                      log["evidence"] if log else None, agrees))
+    return table
+
+
+def test_ingest_of_the_real_logs_agrees_with_the_hook_ledger(ledger: pl.DataFrame,
+                                                             ingested: pl.DataFrame,
+                                                             turns: Turns) -> None:
+    """Turn by turn: the same outcome, or ``unknown`` naming the evidence the logs lack."""
+    table = _ingest_table(ledger, ingested, turns)
+    turns.ingest_agrees[:] = [row[-1] for row in table]
+    assert [row for row in table if not row[-1] and row[0] not in _INGEST_GAPS] == []
+
+
+@pytest.mark.xfail(strict=True, reason="; ".join(_INGEST_GAPS.values()))
+def test_ingest_sees_what_the_reuse_guard_did(ledger: pl.DataFrame, ingested: pl.DataFrame,
+                                              turns: Turns) -> None:
+    table = _ingest_table(ledger, ingested, turns)
+    assert [row for row in table if not row[-1] and row[0] in _INGEST_GAPS] == []
