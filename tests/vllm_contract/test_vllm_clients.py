@@ -420,16 +420,15 @@ def test_bidir_on_turns_after_the_first_are_pulled_from_decode(
     run = _run(tmp_path, workload)
     _check_workload(run)
     _check_ingested(tmp_path, run)
-    by_id = {r["x_request_id"]: r for r in run.truth}
     for row in run.later:
         assert row["outcome"] == outcomes.REUSED_REMOTE, row
         assert row["decision"] == semconv.DECISION_PULL, row
         assert row["transfer_status"] == semconv.TRANSFER_OK, row
         # Under the async scheduler (vLLM's default off CPU, the emulator's too) decode offers
-        # prompt + output after a stop token, one less after max_tokens; all of it arrives.
-        previous = by_id[row["previous_x_request_id"]]
-        short = 0 if previous["finish_status"] == "finished_stopped" else 1
-        assert row["remote_reused_tokens"] == row["reusable_tokens"] - short > 0, row
+        # prompt + output after a stop token, one less after max_tokens (the last sampled
+        # token's KV was never computed); what is reusable follows the ledger's definition, so
+        # all of it arrives either way.
+        assert row["remote_reused_tokens"] == row["reusable_tokens"] > 0, row
         assert row["local_hit_tokens"] == 0, row
     # The spans say the same: one pull decision and one finished D→P read per later turn,
     # on prefill, for exactly the turns the ground truth names.
@@ -507,7 +506,8 @@ def test_fault_transfer_fail_stalls_the_turn_and_vllms_stack_drops_it(
     follow is timing, so only what every run shares is asserted.
     """
     run = _run(tmp_path, workload,
-               emulator_flags=["--fault", "transfer_fail", "--stall-timeout", "1"])
+               emulator_flags=["--fault", "transfer_fail", "--stall-timeout", "1",
+                               "--kv-load-failure-policy", "recompute"])
     failed = run.later
     assert failed, run.logs
     for row in failed:
