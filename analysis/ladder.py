@@ -13,7 +13,10 @@ on the tokens that could have been reused:
    threshold`` keeps only its local hit (estimated with the observed threshold);
 4. ``capacity_bounded`` — also, a turn lost to memory keeps only its local hit (estimated from
    observed evidence: the ``preempted`` outcome; prefix-cache evictions are not observable
-   without more hooks);
+   without more hooks). Memory also costs time without costing tokens: vLLM 0.33.0 queues a
+   request decode cannot allocate while it retains blocks (it never frees retained blocks to
+   make room; tests/vllm_contract/test_decode_memory_claims.py), so this row's
+   ``decode_queue_s`` is the run's total ledger ``decode_queue_ms`` (null: not measured);
 5. ``observed`` — the ledger's local + remote (measured).
 
 Each step is taken per turn as ``max(observed, min(previous step, rule))``: a bound never claims
@@ -52,10 +55,13 @@ COLUMNS: dict[str, pl.DataType] = {
     "lost_to": pl.String(),
     "basis": pl.String(),
     "evidence": pl.String(),
+    # capacity_bounded only: seconds the run's turns queued at decode for KV blocks.
+    "decode_queue_s": pl.Float64(),
 }
 
 
-def ladder_table(turns: pl.DataFrame, observed: pl.DataFrame) -> pl.DataFrame:
+def ladder_table(turns: pl.DataFrame, observed: pl.DataFrame,
+                 ledger: pl.DataFrame | None = None) -> pl.DataFrame:
     """The ladder per run from a :func:`whatif.timeline` and the observed settings (pure)."""
     c = pl.col
     # A read declined as expired fails the turn (nothing reused, local included) and leaves the
@@ -101,9 +107,11 @@ def ladder_table(turns: pl.DataFrame, observed: pl.DataFrame) -> pl.DataFrame:
           for prev, step in zip(STEPS, STEPS[1:], strict=False)],
         c("ttl_s").first(), c("threshold_tokens").first(), c("router_ttl_s").first(),
     ).sort("run_id")
+    queue = _decode_queue_s(ledger)
     rows: list[dict[str, Any]] = []
     for run in per_run.iter_rows(named=True):
         ideal = run["ideal"]
+        run["decode_queue_s"] = queue.get(run["run_id"])
         evidence = _evidence(run)
         for order, (step, cause) in enumerate(zip(STEPS, CAUSES, strict=True)):
             previous = run[STEPS[order - 1]] if order else None
@@ -116,8 +124,19 @@ def ladder_table(turns: pl.DataFrame, observed: pl.DataFrame) -> pl.DataFrame:
                 "lost_to": cause,
                 "basis": _basis(step, run),
                 "evidence": evidence[step],
+                "decode_queue_s": run["decode_queue_s"] if step == "capacity_bounded" else None,
             })
     return pl.DataFrame(rows, schema=COLUMNS)
+
+
+def _decode_queue_s(ledger: pl.DataFrame | None) -> dict[str, float]:
+    """Per run, the seconds its turns queued at decode (runs with no timed turn are absent)."""
+    if ledger is None or "decode_queue_ms" not in ledger.columns:
+        return {}
+    queue = pl.col("decode_queue_ms").cast(pl.Float64)
+    sums = ledger.filter(queue.is_not_null()).group_by("run_id").agg(
+        (queue.sum() / 1000).alias("s"))
+    return dict(zip(sums["run_id"].to_list(), sums["s"].to_list(), strict=True))
 
 
 def _basis(step: str, run: Mapping[str, Any]) -> str:
@@ -140,7 +159,10 @@ def _evidence(run: Mapping[str, Any]) -> dict[str, str]:
         "ttl_bounded": f"gap + {KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S:g} s < decoder_kv_blocks_ttl "
                        f"({ttl}) and router entry age <= router TTL ({router})",
         "threshold_bounded": f"pull of min(offered, prompt) - local >= threshold ({threshold})",
-        "capacity_bounded": "turns preempted after their read keep only the local hit",
+        "capacity_bounded": "turns preempted after their read keep only the local hit; decode "
+                            "queued for KV blocks "
+                            + ("not measured" if run["decode_queue_s"] is None
+                               else f"{run['decode_queue_s']:.1f} s in all"),
         "observed": "ledger local_hit_tokens + remote_reused_tokens",
     }
 
@@ -153,4 +175,4 @@ def _evidence(run: Mapping[str, Any]) -> dict[str, str]:
 )
 def ladder(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     data = whatif.inputs(ctx, params["run"])
-    return ladder_table(data["timeline"], data["observed"])
+    return ladder_table(data["timeline"], data["observed"], data["ledger"])

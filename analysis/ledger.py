@@ -115,6 +115,10 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     # first engine's arrival to the last engine's first token, and the time queued in all.
     "engine_ttft_ms": pl.Float64(),
     "engine_queue_ms": pl.Float64(),
+    # The proxy's decode leg start to decode's first P->D read: decode issues the read only once
+    # its scheduler allocated the request's blocks, so this is the time decode queued for KV
+    # blocks (retained handles and running requests held them), plus the hop. Null: no read.
+    "decode_queue_ms": pl.Float64(),
 }
 
 # engine_evidence: kvscope's engine hooks, or lines of a server's log (kvscope ingest).
@@ -390,7 +394,8 @@ def _p2d(b: query.Binder) -> str:
     return _first(
         "x_key", "\"start\", span_id", "x_key, engine AS decode_engine", writes,
         f"{d.int64('sum(bytes) OVER (PARTITION BY x_key)')} AS p2d_bytes",
-        f"{d.int64('sum(measured_ns) OVER (PARTITION BY x_key)')} AS p2d_ns")
+        f"{d.int64('sum(measured_ns) OVER (PARTITION BY x_key)')} AS p2d_ns",
+        "min(\"start\") OVER (PARTITION BY x_key) AS p2d_start")
 
 
 def _retention_first(b: query.Binder) -> str:
@@ -487,7 +492,8 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
         "retention_id")),
     *(("g", name, name) for name in (
-        "decode_ns", "decode_request_id", "metadata_returned", "decode_measured")),
+        "decode_ns", "decode_request_id", "metadata_returned", "decode_measured",
+        "decode_start")),
     ("w", "tool_wait_ns", "tool_wait_ns"),
     *(("f", name, name) for name in (
         "decision", "decision_local_hit", "offered_tokens", "to_pull_tokens",
@@ -498,7 +504,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "engine_first_start", "engine_last_start", "engine_last_ttft_s", "engine_queue_s")),
     *(("r", name, name) for name in (
         "d2p_status", "d2p_bytes", "d2p_ns", "d2p_start", "load_errored")),
-    *(("s", name, name) for name in ("p2d_bytes", "p2d_ns", "decode_engine")),
+    *(("s", name, name) for name in ("p2d_bytes", "p2d_ns", "decode_engine", "p2d_start")),
     ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
     ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
     ("h", "tokens", "held_tokens"),
@@ -624,7 +630,8 @@ def _per_turn(b: query.Binder) -> str:
 _LEGS: dict[str, tuple[str, str]] = {
     "prefill_leg": ("prefill", "prefill_ns, prefill_request_id, d_metadata_attached, "
                                "offered_tokens_proxy, retention_id"),
-    "decode_leg": ("decode", "decode_ns, decode_request_id, metadata_returned, decode_measured"),
+    "decode_leg": ("decode", "decode_ns, decode_request_id, metadata_returned, decode_measured, "
+                             "leg_time AS decode_start"),
     "wait_leg": ("waits", "tool_wait_ns"),
 }
 
@@ -782,6 +789,8 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
           - pl.col("engine_first_start")).dt.total_microseconds() / 1000)
         .alias("engine_ttft_ms"),
         (pl.col("engine_queue_s") * 1000).alias("engine_queue_ms"),
+        ((pl.col("p2d_start") - pl.col("decode_start")).dt.total_microseconds() / 1000)
+        .alias("decode_queue_ms"),
     )
     offered_tokens = pl.coalesce(pl.col("offered_tokens"), pl.col("offered_tokens_proxy"))
     held_tokens = pl.coalesce(offered_tokens, pl.col("prev_held"),

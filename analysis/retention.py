@@ -116,6 +116,11 @@ COST_COLUMNS: dict[str, pl.DataType] = {
     "prefill_s_saved": pl.Float64(),
     "gib_s_per_prefill_s_saved": pl.Float64(),
     "saved_basis": pl.String(),
+    # What retention cost the engine's new requests: the ledger's decode_queue_ms of the turns it
+    # decoded (vLLM queues a request that cannot get blocks; retained ones are never taken back).
+    # Null when no turn there has a P->D read to time (not measured).
+    "decode_queue_s_total": pl.Float64(),
+    "decode_queue_ms_p90": pl.Float64(),
 }
 
 MEMORY_COLUMNS: dict[str, pl.DataType] = {
@@ -426,8 +431,10 @@ def retention_cost_table(
     savings = prefill_savings(ledger, retentions, fit, fit_by, min_fit_turns)
     total = pl.col("gib_s_total")
     saved = pl.col("prefill_s_saved")
+    queued = _decode_queue(ledger)
     table = cost.join(savings, on=["run_id", "engine_id"], how="full", coalesce=True,
-                      nulls_equal=True).with_columns(
+                      nulls_equal=True).join(queued, on=["run_id", "engine_id"], how="left",
+                                             nulls_equal=True).with_columns(
         pl.when(total > 0).then(pl.col("gib_s_useful") / total).alias("useful_share"),
         pl.when(pl.col("ttl_s") > 0).then(pl.col("held_s_p90") / pl.col("ttl_s"))
         .alias("held_p90_of_ttl"),
@@ -436,6 +443,19 @@ def retention_cost_table(
     )
     return table.select([pl.col(n).cast(t) for n, t in COST_COLUMNS.items()]).sort(
         ["run_id", "engine_id"], nulls_last=True)
+
+
+def _decode_queue(ledger: pl.DataFrame) -> pl.DataFrame:
+    """Per run × decode engine, the time its turns queued for KV blocks (ledger decode_queue_ms)."""
+    schema = {"run_id": pl.String(), "engine_id": pl.String(),
+              "decode_queue_s_total": pl.Float64(), "decode_queue_ms_p90": pl.Float64()}
+    if not {"decode_queue_ms", "decode_engine"} <= set(ledger.columns):
+        return pl.DataFrame(schema=schema)
+    queue = pl.col("decode_queue_ms").cast(pl.Float64)
+    return ledger.filter(queue.is_not_null() & pl.col("decode_engine").is_not_null()).group_by(
+        "run_id", pl.col("decode_engine").alias("engine_id")).agg(
+        (queue.sum() / 1000).alias("decode_queue_s_total"),
+        queue.quantile(0.9, "linear").alias("decode_queue_ms_p90")).cast(schema)  # type: ignore[arg-type]
 
 
 def retained_series(

@@ -16,6 +16,7 @@ queueing); a *running* request that needs a block preempts the last running requ
 holds for a later reader (``request_finished`` → ``delay_free_blocks``) is in neither list: its
 blocks are freed only by the connector (a read, a notify, or the TTL reaper), never to make room.
 So retained blocks make new requests *queue*; nothing retained is lost to memory pressure.
+``tests/vllm_contract/test_decode_memory_claims.py`` checks all three on the real scheduler.
 
 :class:`DecodeMemory` models that per decode engine in the simulator: a turn's decode reserves
 its whole sequence's blocks when it is admitted (prompt + output, so a running request never

@@ -34,27 +34,44 @@ class TurnMix:
     read_blocks: float  # mean whole blocks per read (a partial last block moves whole)
 
 
-def turn_mix(workload: Workload, kv_recompute_threshold: int = 64) -> TurnMix:
-    """The means of ``workload``'s turns with P's prefix cache off (see the module docstring)."""
-    prompts = computed = reads = pulled = blocks = 0
-    turns = 0
+@dataclass(frozen=True)
+class TurnShape:
+    """One turn as P prices it: its prompt, what it computes and pulls with the feature ON."""
+
+    prompt_tokens: int
+    computed_on_tokens: int
+    pulled_tokens: int  # 0: no read
+    read_blocks: int  # whole blocks of the read (a partial last block moves whole)
+
+
+def turn_shapes(workload: Workload, kv_recompute_threshold: int = 64) -> list[TurnShape]:
+    """Each of ``workload``'s turns with P's prefix cache off (see the module docstring)."""
+    out: list[TurnShape] = []
     for conv in workload.conversations:
         previous = None
         for turn in conv.turns:
-            turns += 1
-            prompts += turn.prompt_tokens
             count = 0
             if previous is not None and turn.shared_prefix_tokens > 0 and not turn.reset:
                 offered = remote_num_tokens(previous.prompt_tokens + previous.output_tokens)
                 count = max(pull_count(offered, turn.prompt_tokens, 0), 0)
                 if below_threshold(count, kv_recompute_threshold):
                     count = 0
-            if count:
-                reads += 1
-                pulled += count
-                blocks += math.ceil(count / workload.block_size)
-            computed += max(turn.prompt_tokens - count, 1)  # a full hit computes the last token
+            # A full hit still computes the last token.
+            out.append(TurnShape(turn.prompt_tokens, max(turn.prompt_tokens - count, 1), count,
+                                 math.ceil(count / workload.block_size)))
             previous = turn
+    return out
+
+
+def turn_mix(workload: Workload, kv_recompute_threshold: int = 64) -> TurnMix:
+    """The means of ``workload``'s turns with P's prefix cache off (see the module docstring)."""
+    shapes = turn_shapes(workload, kv_recompute_threshold)
+    turns = len(shapes)
+    prompts = sum(t.prompt_tokens for t in shapes)
+    computed = sum(t.computed_on_tokens for t in shapes)
+    reads = sum(1 for t in shapes if t.pulled_tokens)
+    pulled = sum(t.pulled_tokens for t in shapes)
+    blocks = sum(t.read_blocks for t in shapes)
     if not turns:
         raise ValueError(f"workload {workload.name!r} has no turns to calibrate on")
     return TurnMix(
@@ -67,4 +84,4 @@ def turn_mix(workload: Workload, kv_recompute_threshold: int = 64) -> TurnMix:
     )
 
 
-__all__ = ["TurnMix", "turn_mix"]
+__all__ = ["TurnMix", "TurnShape", "turn_mix", "turn_shapes"]

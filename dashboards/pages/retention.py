@@ -19,7 +19,8 @@ CONTENT = "retention-content"
 COST_COLUMNS = ("run_id", "engine_id", "retentions", "released_read", "released_notified",
                 "expired", "open", "gib_s_useful", "gib_s_idle", "gib_s_wasted", "gib_s_open",
                 "useful_share", "held_s_p50", "held_s_p90", "ttl_s", "prefill_s_saved",
-                "gib_s_per_prefill_s_saved", "saved_basis")
+                "gib_s_per_prefill_s_saved", "saved_basis", "decode_queue_s_total",
+                "decode_queue_ms_p90")
 
 
 def content(data: DashboardData, filters: Filters) -> list[Any]:

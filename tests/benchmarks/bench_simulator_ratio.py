@@ -30,27 +30,31 @@ import sys
 import tempfile
 
 _CHILD = """
-import sys, time, tempfile, os
+import sys, time, tempfile, os, resource
 from kvscope.emulator.simulator import simulate
 from kvscope.emulator.workloads import synthetic
 work = synthetic.generate(conversations=int(sys.argv[1]), seed=1)
 db = os.path.join(tempfile.mkdtemp(), "bench.duckdb")
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 result = simulate(work, db)
-print(result.turns, time.perf_counter() - started)
+wall = time.perf_counter() - started
+child = resource.getrusage(resource.RUSAGE_CHILDREN)
+# CPU seconds of this process and its span process: on a loaded machine wall time mostly
+# measures the other tenants; CPU time is what the code itself cost.
+print(result.turns, wall, time.process_time() - cpu + child.ru_utime + child.ru_stime)
 """
 TURNS_PER_CONVERSATION = 31.1  # the generator's mean with its defaults (bench_simulator.py)
 
 
-def _run(pythonpath: str | None, conversations: int) -> tuple[int, float]:
+def _run(pythonpath: str | None, conversations: int) -> tuple[int, float, float]:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     with tempfile.TemporaryDirectory() as cwd:
         done = subprocess.run([sys.executable, "-c", _CHILD, str(conversations)], env=env,
                               cwd=cwd, capture_output=True, text=True, check=True)
-    turns, seconds = done.stdout.split()[-2:]
-    return int(turns), float(seconds)
+    turns, seconds, cpu = done.stdout.split()[-3:]
+    return int(turns), float(seconds), float(cpu)
 
 
 def main() -> None:
@@ -61,14 +65,17 @@ def main() -> None:
     args = parser.parse_args()
     conversations = round(args.turns / TURNS_PER_CONVERSATION)
     times: dict[str, list[float]] = {"baseline": [], "current": [], "current again": []}
+    cpus: dict[str, list[float]] = {kind: [] for kind in times}
     kinds = list(times)
     for number in range(args.rounds):
         order = kinds[number % 3:] + kinds[:number % 3]
         for kind in order:
-            turns, seconds = _run(args.baseline if kind == "baseline" else None, conversations)
+            turns, seconds, cpu = _run(args.baseline if kind == "baseline" else None,
+                                       conversations)
             times[kind].append(seconds)
-            print(f"round {number + 1} {kind:>13}: {turns:,} turns in {seconds:.2f} s",
-                  flush=True)
+            cpus[kind].append(cpu)
+            print(f"round {number + 1} {kind:>13}: {turns:,} turns in {seconds:.2f} s "
+                  f"({cpu:.2f} CPU s)", flush=True)
     ratio = [c / b for c, b in zip(times["current"], times["baseline"], strict=True)]
     noise = [c / a for c, a in zip(times["current"], times["current again"], strict=True)]
     print(f"median seconds: baseline {statistics.median(times['baseline']):.2f}, current "
@@ -78,6 +85,11 @@ def main() -> None:
           f"(rounds: {', '.join(f'{r:.3f}' for r in ratio)})")
     print(f"A/A current / current: median {statistics.median(noise):.3f} "
           f"(rounds: {', '.join(f'{r:.3f}' for r in noise)})")
+    cpu_ratio = [c / b for c, b in zip(cpus["current"], cpus["baseline"], strict=True)]
+    cpu_noise = [c / a for c, a in zip(cpus["current"], cpus["current again"], strict=True)]
+    print(f"CPU ratio current / baseline: median {statistics.median(cpu_ratio):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in cpu_ratio)}); A/A median "
+          f"{statistics.median(cpu_noise):.3f}")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,28 @@ def test_decode_cache_blocks_changes_what_simulate_prints(tmp_path: Path) -> Non
     waited = [line for line in done.stderr.splitlines() if "for decode KV blocks" in line]
     assert len(waited) == 1 and "decode-cache-blocks=600" in waited[0]
     assert "(600 a decode engine" in waited[0]
+
+
+def test_the_wait_shows_in_the_ledger_the_ladder_and_the_retention_cost(tmp_path: Path) -> None:
+    from kvscope.analysis.registry import AnalysisContext, run
+
+    small = _run(tmp_path, "small", decode_cache_blocks=4000)
+    roomy = _run(tmp_path, "roomy")
+    for result, name in ((small, "small"), (roomy, "roomy")):
+        with AnalysisContext.open(tmp_path / f"{name}.duckdb") as ctx:
+            turns = ctx.ledger()
+            steps = run(ctx, "ladder")
+            cost = run(ctx, "retention_cost")
+        # The ledger times decode's queue from what the spans show (the proxy's decode leg to
+        # decode's P->D read); it is what the simulator made the turns wait, turn by turn.
+        truth = {r.x_request_id: r.decode_queue_s for r in result.truth if r.decode_request_id}
+        measured = dict(zip(turns["x_request_id"], turns["decode_queue_ms"], strict=True))
+        assert truth and set(truth) <= set(measured)
+        for x_request_id, waited_s in truth.items():
+            assert measured[x_request_id] == pytest.approx(waited_s * 1000, abs=1e-3)
+        assert (turns["decode_queue_ms"] > 0).sum() == result.decode_queued_turns
+        [capacity_row] = steps.filter(steps["step"] == "capacity_bounded").iter_rows(named=True)
+        assert capacity_row["decode_queue_s"] == pytest.approx(result.decode_queue_s)
+        assert f"{result.decode_queue_s:.1f} s in all" in capacity_row["evidence"]
+        assert cost["decode_queue_s_total"].sum() == pytest.approx(result.decode_queue_s)
+    assert small.decode_queue_s > 0 and roomy.decode_queue_s == 0

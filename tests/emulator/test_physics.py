@@ -45,3 +45,23 @@ def test_a_negative_time_is_an_error_not_a_number() -> None:
                              ("link", "inverse"): 1.0})
     with pytest.raises(physics.NegativeTimeError, match="below zero"):
         physics.predict(engines, bad, point)
+
+
+def test_a_published_point_is_the_mean_of_its_turns_costs_not_the_mean_turns_cost() -> None:
+    engine = physics.published_engines()["qwen3-32b"]
+    on = next(p for p in physics.published_points() if p.label == "prefill ON 24k")
+    assert len(on.turns) == 100 and sum(1 for t in on.turns if t.pulled_tokens) == 90
+    # A chat's first turn computes its whole prompt; the others 150 tokens after the pull.
+    first = on.turns[0]
+    assert first.pulled_tokens == 0 and first.computed_on_tokens == first.prompt_tokens
+    per_turn = [engine.prefill_ideal_ms(t.computed_on_tokens,
+                                        t.prompt_tokens - t.computed_on_tokens)
+                for t in on.turns]
+    coefficient = physics.terms(engine, on)[("qwen3-32b", "inverse")]
+    assert coefficient == pytest.approx(sum(per_turn) / len(per_turn))
+    mean_turn = dataclasses.replace(on, turns=())
+    assert physics.terms(engine, mean_turn)[("qwen3-32b", "inverse")] > 1.2 * coefficient
+    # The read's coefficients are the mean per read (the published transfer is per read).
+    transfer = next(p for p in physics.published_points() if p.label == "transfer 24k")
+    assert physics.terms(engine, transfer)[("link", "latency")] == pytest.approx(1.0)
+    assert physics.terms(engine, on)[("link", "latency")] == pytest.approx(0.9)

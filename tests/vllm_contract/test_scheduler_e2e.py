@@ -61,7 +61,7 @@ class Engine:
 
     def __init__(self, model_config: Any, kv_role: str, *, prefix_caching: bool = True,
                  max_batched_tokens: int = 512, log_stats: bool = False,
-                 **connector: Any) -> None:
+                 num_blocks: int = NUM_BLOCKS, **connector: Any) -> None:
         from vllm.config import CacheConfig, SchedulerConfig
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -71,12 +71,12 @@ class Engine:
         from tests.vllm_contract.conftest import vllm_config
 
         cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
-        cache.num_gpu_blocks = NUM_BLOCKS
+        cache.num_gpu_blocks = num_blocks
         scheduler = SchedulerConfig(max_num_batched_tokens=max_batched_tokens, max_num_seqs=8,
                                     max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False)
         self.config = vllm_config(kv_role, model=model_config, scheduler=scheduler, cache=cache,
                                   **connector)
-        self.scheduler = Scheduler(self.config, kv_cache_config(NUM_BLOCKS),
+        self.scheduler = Scheduler(self.config, kv_cache_config(num_blocks),
                                    block_size=BLOCK_SIZE,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    log_stats=log_stats)
