@@ -89,6 +89,16 @@ def _filtered(extraction: query.Query, where: str, values: dict[str, object], *,
                        {**extraction.params, **values})
 
 
+def _narrowed(extraction: query.Query, condition: str, values: dict[str, object]) -> query.Query:
+    """An extraction query with one more condition on ``otel_traces``' own columns (so DuckDB
+    filters before it looks attributes up)."""
+    return query.Query(f"{extraction.sql} AND {condition}", {**extraction.params, **values})
+
+
+_BY_TRACE = '"TraceId" IN (SELECT unnest($traces))'
+_BY_X_REQUEST_ID = '"SpanAttributes"[$x_key] IN (SELECT unnest($keys))'
+
+
 def _key_sql(column: str, params: dict[str, object]) -> str:
     """The ledger's own request-id reduction (``ledger._key``) on ``column``, its parameters
     bound into ``params`` under names of their own."""
@@ -112,15 +122,22 @@ def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None =
     queries = {name: _rows_between(q, None, high) for name, q in ledger_module.QUERIES.items()}
     wanted = sorted(set(units))
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    # First by the attributes themselves (one look-up a span), then by the exact unit.
+    conversations = [u.split(_SEP, 2)[2] for u in wanted if u.split(_SEP, 2)[1] == "c"]
+    requests = [u.split(_SEP, 2)[2] for u in wanted if u.split(_SEP, 2)[1] == "x"]
+    narrowed = _narrowed(
+        queries["turns"], '("SpanAttributes"[$c_key] IN (SELECT unnest($convs)) OR '
+        '"SpanAttributes"[$x_key] IN (SELECT unnest($keys)))',
+        {"c_key": semconv.GEN_AI_CONVERSATION_ID, "convs": conversations,
+         "x_key": semconv.X_REQUEST_ID, "keys": requests})
     frames = {"turns": reader.frame(_filtered(
-        queries["turns"], f"{unit} IN (SELECT unnest($units))", {"units": wanted}))}
+        narrowed, f"{unit} IN (SELECT unnest($units))", {"units": wanted}))}
     turns = frames["turns"]
     traces = turns["trace_id"].drop_nulls().unique().to_list()
     keys = turns["x_request_id"].drop_nulls().unique().to_list()
     runs = turns["run_id"].drop_nulls().unique().to_list()
     for name in ("prefill", "decode", "waits"):
-        frames[name] = reader.frame(_filtered(
-            queries[name], "trace_id IN (SELECT unnest($traces))", {"traces": traces}))
+        frames[name] = reader.frame(_narrowed(queries[name], _BY_TRACE, {"traces": traces}))
     held = {*frames["prefill"]["retention_id"].drop_nulls().to_list(),
             *frames["decode"]["decode_request_id"].drop_nulls().to_list()}
     for name in ("decisions", "transfers", "vllm_requests"):
@@ -201,11 +218,11 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
                                            "TRUE", params, columns=f"DISTINCT {key} AS k"))
             engine_keys.update(found["k"].drop_nulls().to_list())
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
-    named = reader.frame(_filtered(
-        ledger_module.QUERIES["turns"],
-        "trace_id IN (SELECT unnest($traces)) OR x_request_id IN (SELECT unnest($keys))",
-        {"traces": traces, "keys": sorted(engine_keys)},
-        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
+    named = pl.concat([reader.frame(_filtered(
+        _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
+        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id")) for condition, values in (
+            (_BY_TRACE, {"traces": traces}),
+            (_BY_X_REQUEST_ID, {"keys": sorted(engine_keys), "x_key": semconv.X_REQUEST_ID}))])
     units.update(named["unit"].to_list())
     # An engine span no turn names makes a row of its own in a run without turn spans.
     unnamed = engine_keys - set(named["x_request_id"].drop_nulls().to_list())
@@ -214,7 +231,9 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
             ledger_module.request_key("request_id").is_in(list(unnamed)))["run_id"].to_list()}
         if not runs <= _runs_with_turns(reader, runs):
             return Touched(frozenset(units), "engine spans of a run without turn spans")
-    if turns.height and _engine_only_rows(reader, turns["run_id"].unique().to_list()):
+    runs_now = turns["run_id"].unique().to_list()
+    if (turns.height and reader.has_table(ledger_module.LEDGER_TABLE)
+            and _engine_only_rows(reader, runs_now)):
         return Touched(frozenset(units), "turn spans in a run the ledger holds engine rows of")
     changed = _hooks_changed(reader, fresh, low)
     if changed:
