@@ -218,11 +218,13 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
                                            "TRUE", params, columns=f"DISTINCT {key} AS k"))
             engine_keys.update(found["k"].drop_nulls().to_list())
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    lookups: list[tuple[str, dict[str, object]]] = [
+        (_BY_TRACE, {"traces": traces}),
+        (_BY_X_REQUEST_ID, {"keys": sorted(engine_keys), "x_key": semconv.X_REQUEST_ID})]
     named = pl.concat([reader.frame(_filtered(
         _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
-        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id")) for condition, values in (
-            (_BY_TRACE, {"traces": traces}),
-            (_BY_X_REQUEST_ID, {"keys": sorted(engine_keys), "x_key": semconv.X_REQUEST_ID}))])
+        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
+        for condition, values in lookups])
     units.update(named["unit"].to_list())
     # An engine span no turn names makes a row of its own in a run without turn spans.
     unnamed = engine_keys - set(named["x_request_id"].drop_nulls().to_list())
