@@ -110,16 +110,21 @@ def _key_sql(column: str, params: dict[str, object]) -> str:
     return text
 
 
-def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None = None
-                ) -> dict[str, pl.DataFrame]:
+def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None = None,
+                rows: bool = False) -> dict[str, pl.DataFrame]:
     """The extraction frames (:func:`kvscope.analysis.ledger.load_spans`' shape) of the spans
     ``units``' rows read, among the rows with ``rowid <= high`` (all when None).
 
     Also, per run of those turns, one engine span for each distinct missing-hooks list (the
     ledger takes the run's largest): that evidence is run-wide, and a span no turn names adds
-    no row in a run that has turn spans.
+    no row in a run that has turn spans. ``rows``: each frame also says the span's row
+    (``_row``, its otel_traces rowid; a span stored twice is kept once, at its first row).
     """
     queries = {name: _rows_between(q, None, high) for name, q in ledger_module.QUERIES.items()}
+    if rows:
+        queries = {name: query.Query(q.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ",
+                                                   1), q.params)
+                   for name, q in queries.items()}
     wanted = sorted(set(units))
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
     # First by the attributes themselves (one look-up a span), then by the exact unit.
@@ -160,6 +165,10 @@ def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None =
             if carriers.height:
                 frames[name] = pl.concat([frames[name], carriers],
                                          how="vertical_relaxed").unique(maintain_order=True)
+    if rows:
+        frames = {name: frame.sort("_row").unique(
+            [c for c in frame.columns if c != "_row"], keep="first", maintain_order=True)
+            for name, frame in frames.items()}
     return frames
 
 
@@ -217,14 +226,7 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
             found = reader.frame(_filtered(_rows_between(ledger_module.QUERIES[name], low, high),
                                            "TRUE", params, columns=f"DISTINCT {key} AS k"))
             engine_keys.update(found["k"].drop_nulls().to_list())
-    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
-    lookups: list[tuple[str, dict[str, object]]] = [
-        (_BY_TRACE, {"traces": traces}),
-        (_BY_X_REQUEST_ID, {"keys": sorted(engine_keys), "x_key": semconv.X_REQUEST_ID})]
-    named = pl.concat([reader.frame(_filtered(
-        _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
-        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
-        for condition, values in lookups])
+    named = units_of(reader, traces, engine_keys)
     units.update(named["unit"].to_list())
     # An engine span no turn names makes a row of its own in a run without turn spans.
     unnamed = engine_keys - set(named["x_request_id"].drop_nulls().to_list())
@@ -241,6 +243,19 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
     if changed:
         return Touched(frozenset(units), f"the missing-hooks list of run {changed[0]} changed")
     return Touched(frozenset(units))
+
+
+def units_of(reader: StoreReader, traces: Iterable[str], keys: Iterable[str]) -> pl.DataFrame:
+    """The units (``unit``, with ``run_id`` and ``x_request_id``) of the turn spans in the
+    store whose trace is among ``traces`` or whose X-Request-Id is among ``keys``."""
+    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    lookups: list[tuple[str, dict[str, object]]] = [
+        (_BY_TRACE, {"traces": sorted(set(traces))}),
+        (_BY_X_REQUEST_ID, {"keys": sorted(set(keys)), "x_key": semconv.X_REQUEST_ID})]
+    return pl.concat([reader.frame(_filtered(
+        _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
+        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
+        for condition, values in lookups])
 
 
 def _runs_with_turns(reader: StoreReader, runs: set[str | None]) -> set[str | None]:
@@ -370,4 +385,4 @@ def update(path: str | Path, *, full: bool = False) -> Update:
 
 
 __all__ = ["COUNT_KEY", "MARK_KEY", "Touched", "Update", "touched", "unit_expr", "unit_frames",
-           "unit_key", "unit_rows", "update", "update_connection"]
+           "unit_key", "unit_rows", "units_of", "update", "update_connection"]

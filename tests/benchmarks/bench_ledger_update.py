@@ -94,18 +94,27 @@ def main() -> None:
     parser.add_argument("store", type=Path)
     parser.add_argument("--tail", type=int, default=20_000, help="span rows appended")
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a base.duckdb an earlier run prepared (same --tail), reused")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(dir=args.work_dir))
     base = folder / "base.duckdb"
-    prep = _in_process(_prepare, args.store, base, args.tail)
-    print(f"{args.store.name}: full build of the first part: {prep['rows']} turns in "
-          f"{prep['seconds']:.1f} s; then {args.tail} span rows appended")
+    if args.base is not None:
+        shutil.copy(args.base, base)
+        shutil.copy(f"{args.base}.tail.parquet", f"{base}.tail.parquet")
+        print(f"{args.store.name}: prepared base reused; {args.tail} span rows appended")
+    else:
+        prep = _in_process(_prepare, args.store, base, args.tail)
+        print(f"{args.store.name}: full build of the first part: {prep['rows']} turns in "
+              f"{prep['seconds']:.1f} s; then {args.tail} span rows appended", flush=True)
     results = {}
     for name, full in (("incremental", False), ("full rebuild", True)):
         copy = folder / f"{name.replace(' ', '_')}.duckdb"
         shutil.copy(base, copy)
         shutil.copy(f"{base}.tail.parquet", f"{copy}.tail.parquet")
-        results[name] = _in_process(_append_and_update, copy, full)
+        results[name] = r = _in_process(_append_and_update, copy, full)
+        print(f"  {name}: {r['seconds']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+              flush=True)
         copy.unlink()
     inc, full_r = results["incremental"], results["full rebuild"]
     print("                 seconds  peak RSS MiB  conversations recomputed  turns")
