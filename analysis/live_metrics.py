@@ -18,8 +18,15 @@ memory, so the store is read once per row. Only the conversations that received 
 recomputed: :func:`kvscope.analysis.ledger.build` runs on their spans alone (the kept frames
 filtered by trace id and X-Request-Id), and their old contribution to each series is replaced by
 the new one. A conversation is the unit because turn k's row reads turn k-1's (its prompt, output
-and decode retention). The cost: the kept frames (the span columns the ledger reads) grow with the
-store, as a rebuild's do while it runs.
+and decode retention).
+
+Bounded memory: a conversation no span touched for ``idle_s`` leaves memory (its kept span rows,
+routing keys and contribution; the totals keep what it contributed), and a fixed-size Bloom
+filter remembers it was let go. A later turn or late span of it reads it back from the store
+(:func:`kvscope.analysis.ledger_units.unit_frames`): what the totals hold of it is recomputed
+from its spans up to the previous refresh that were not waiting unclaimed, then replaced by its
+new contribution as for any conversation. A kept span no conversation claims for ``idle_s`` is
+looked up in the store once (its conversation may have been let go) and dropped.
 
 Late spans: an engine or leg span that arrives *after* its turn was counted makes that
 conversation dirty again, and its turns (outcome included) are recomputed at the next refresh; one
