@@ -18,6 +18,6 @@ imported with the package.
 
 __all__ = [
     "causes", "compare", "ladder", "ledger", "ledger_units", "live_metrics", "live_queries",
-    "published", "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time", "verdict",
-    "whatif", "windows",
+    "published", "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time",
+    "verdict", "whatif", "windows",
 ]
