@@ -3,6 +3,7 @@
     registry.py   the registry of analyses and intermediates, and the analysis context
     runs.py       runs: the run table, naming runs, feature state, workload, baselines, pairs
     ledger.py     the per-turn reuse ledger (outcome, tokens, evidence) from the stored spans
+    ledger_units.py  the ledger of chosen conversations; kvscope_ledger kept current
     reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
                   memory; task_time.py task time; windows.py turns over time and by engine;
                   sources.py which evidence a run or store holds; compare.py two runs side by side;
@@ -16,7 +17,7 @@ imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "ladder", "ledger", "live_metrics", "live_queries", "published",
-    "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time", "verdict",
-    "whatif", "windows",
+    "causes", "compare", "ladder", "ledger", "ledger_units", "live_metrics", "live_queries",
+    "published", "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time",
+    "verdict", "whatif", "windows",
 ]

@@ -18,8 +18,15 @@ memory, so the store is read once per row. Only the conversations that received 
 recomputed: :func:`kvscope.analysis.ledger.build` runs on their spans alone (the kept frames
 filtered by trace id and X-Request-Id), and their old contribution to each series is replaced by
 the new one. A conversation is the unit because turn k's row reads turn k-1's (its prompt, output
-and decode retention). The cost: the kept frames (the span columns the ledger reads) grow with the
-store, as a rebuild's do while it runs.
+and decode retention).
+
+Bounded memory: a conversation no span touched for ``idle_s`` leaves memory (its kept span rows,
+routing keys and contribution; the totals keep what it contributed), and a fixed-size Bloom
+filter remembers it was let go. A later turn or late span of it reads it back from the store
+(:func:`kvscope.analysis.ledger_units.unit_frames`): what the totals hold of it is recomputed
+from its spans up to the previous refresh that were not waiting unclaimed, then replaced by its
+new contribution as for any conversation. A kept span no conversation claims for ``idle_s`` is
+looked up in the store once (its conversation may have been let go) and dropped.
 
 Late spans: an engine or leg span that arrives *after* its turn was counted makes that
 conversation dirty again, and its turns (outcome included) are recomputed at the next refresh; one
@@ -35,9 +42,11 @@ The result equals a full rebuild (:func:`kvscope.analysis.ledger.ledger`) on the
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import duckdb
@@ -53,6 +62,7 @@ from prometheus_client.registry import Collector
 
 from kvscope import exposition, semconv
 from kvscope.analysis import ledger as ledger_module
+from kvscope.analysis import ledger_units
 from kvscope.reuse import outcomes
 from kvscope.store import query
 from kvscope.store.reader import StoreReader
@@ -142,20 +152,32 @@ _NEW_GAUGES_SQL = (
 )
 
 
-def unit_key(run_id: str | None, conversation_id: str | None, x_request_id: str | None) -> str:
-    """The conversation a turn belongs to (its own unit when it has no conversation id)."""
-    if conversation_id is not None:
-        return f"{run_id or ''}\x1fc\x1f{conversation_id}"
-    return f"{run_id or ''}\x1fx\x1f{x_request_id or ''}"
+unit_key = ledger_units.unit_key
+_unit_expr = ledger_units.unit_expr
 
 
-def _unit_expr() -> pl.Expr:
-    run = pl.col("run_id").fill_null("")
-    return (
-        pl.when(pl.col("conversation_id").is_not_null())
-        .then(pl.concat_str([run, pl.lit("\x1fc\x1f"), pl.col("conversation_id")]))
-        .otherwise(pl.concat_str([run, pl.lit("\x1fx\x1f"), pl.col("x_request_id").fill_null("")]))
-    )
+class _Seen:
+    """A fixed-size set of strings that may say "seen" for one never added (a Bloom filter):
+    where it says "not seen", the string was never added. Bounded memory for "was this
+    conversation, or this span's key, ever let go?"; a false "seen" only costs a read of the
+    store."""
+
+    def __init__(self, bits: int = 1 << 23, hashes: int = 4) -> None:
+        self._bits = bytearray(bits // 8)
+        self._size = bits
+        self._hashes = hashes
+
+    def _positions(self, text: str) -> Iterator[int]:
+        digest = hashlib.blake2b(text.encode(), digest_size=8 * self._hashes).digest()
+        for i in range(self._hashes):
+            yield int.from_bytes(digest[8 * i:8 * i + 8], "little") % self._size
+
+    def add(self, text: str) -> None:
+        for p in self._positions(text):
+            self._bits[p >> 3] |= 1 << (p & 7)
+
+    def __contains__(self, text: str) -> bool:
+        return all(self._bits[p >> 3] & (1 << (p & 7)) for p in self._positions(text))
 
 
 def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[str, str]
@@ -249,17 +271,30 @@ class LiveLedger:
     """The ledger's series over one store, kept current by :meth:`refresh` (thread-safe).
 
     ``con`` is a connection to the store (the receiver's own: ``writer.connection``); the live
-    ledger reads through cursors of its own and never writes.
+    ledger reads through cursors of its own and never writes. A conversation no span has
+    touched for ``idle_s`` seconds leaves memory (None: none ever does); see the module's
+    docstring for what brings it back.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, idle_s: float | None = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._con = con
         self._lock = threading.Lock()
+        self._idle_s = idle_s
+        self._clock = clock
         self._span_mark = -1
         self._gauge_mark = -1
+        # (refresh time, span mark then): when each row arrived, for as long as idle_s.
+        self._marks: deque[tuple[float, int]] = deque()
         self._unit_of_key: dict[str, str] = {}  # X-Request-Id or trace id → unit
         self._contribution: dict[str, dict[SeriesKey, float]] = {}
-        # The ledger's span frames (ledger.QUERIES) of every row read so far, and turn → model.
+        self._last_seen: dict[str, float] = {}  # resident unit → when a span last touched it
+        # Conversations let go, and keys of spans dropped unmatched: a unit or turn that may
+        # be among them is read back from the store, not from the kept frames.
+        self._let_go = _Seen()
+        self._unapplied: set[int] = set()  # rows dropped unclaimed by this refresh
+        # The ledger's span frames (ledger.QUERIES, with each span's rowid as ``_row``) of the
+        # resident conversations and of spans whose turn has not arrived; turn → model.
         self._frames: dict[str, pl.DataFrame] = {}
         self._models: pl.DataFrame | None = None
         self._totals: dict[SeriesKey, float] = {}
@@ -273,6 +308,7 @@ class LiveLedger:
         self._labels_of_run: dict[str, str] = {}
         self.refreshes = 0
         self.recomputed_conversations = 0
+        self.store_reads = 0  # conversations read back from the store
         self.last_refresh_s: float | None = None
 
     # -- refresh ---------------------------------------------------------------------------------
@@ -283,13 +319,19 @@ class LiveLedger:
         """
         with self._lock:
             started = time.perf_counter()
+            now = self._clock()
             cursor = self._con.cursor()
             try:
                 reader = StoreReader(cursor, time_limit_s=None)
+                previous = self._span_mark
                 dirty = self._read_spans(reader)
                 self._read_gauges(reader)
+                self._unapplied = set()
+                dirty |= self._drop_unmatched(reader, now)
                 if dirty:
-                    self._recompute(dirty)
+                    self._recompute(reader, dirty, previous, now)
+                self._let_idle_go(now)
+                self._marks.append((now, self._span_mark))
             finally:
                 cursor.close()
             self.refreshes += 1
@@ -315,9 +357,11 @@ class LiveLedger:
         # The ledger's own extraction, of the new rows only, kept: a recomputation filters
         # these frames by key instead of reading the store again.
         for name, extraction in ledger_module.QUERIES.items():
-            # The live ledger reads its own DuckDB store: the DuckDB text, rows past the mark.
+            # The live ledger reads its own DuckDB store: the DuckDB text, rows past the mark;
+            # each span with its row (a span sent twice is read twice: kept once, below).
             fresh = reader.frame(query.Query(
-                extraction.sql + " AND rowid > $row_low AND rowid <= $row_high",
+                extraction.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ", 1)
+                + " AND rowid > $row_low AND rowid <= $row_high",
                 {**extraction.params, "row_low": self._span_mark, "row_high": high}))
             kept = self._frames.get(name)
             # Without a rechunk: appending must not copy what is kept.
@@ -328,6 +372,8 @@ class LiveLedger:
             [self._models, models], rechunk=False)
         self._span_mark = high
         dirty: set[str] = set()
+        traces: set[str] = set()
+        requests: set[str] = set()
         for span in new.iter_rows(named=True):
             name = span["name"]
             run_id = span["run_id"] or ""
@@ -360,6 +406,11 @@ class LiveLedger:
             known = None if key is None else self._unit_of_key.get(key)
             if known is not None:
                 dirty.add(known)
+            elif key is not None and key in self._let_go:
+                # Maybe a late span of a conversation let go: the store says whose it is.
+                (traces if name in _LEG_SPANS else requests).add(key)
+        if traces or requests:
+            dirty.update(ledger_units.units_of(reader, traces, requests)["unit"].to_list())
         return dirty
 
     def _count_transfer(self, span: dict, run_id: str) -> None:
@@ -393,7 +444,125 @@ class LiveLedger:
             if previous is None or sample["time"] >= previous[0]:
                 self._gauges[key] = (sample["time"], float(sample["value"]))
 
-    def _recompute(self, dirty: set[str]) -> None:
+    # -- which rows belong to which conversation ---------------------------------------------------
+    def _membership(self, units: Iterable[str] | None) -> dict[str, pl.Expr]:
+        """Per frame, the rows of ``units`` (None: of every unit whose turn is known)."""
+        chosen = (set(self._last_seen) | set(self._unit_of_key.values()) if units is None
+                  else set(units))
+        keys = [k for k, u in self._unit_of_key.items() if u in chosen]
+        by_key = ledger_module.request_key("request_id").is_in(keys)
+        return {
+            "turns": _unit_expr().is_in(chosen),
+            **{name: pl.col("trace_id").is_in(keys) for name in ("prefill", "decode", "waits")},
+            **{name: by_key for name in ("decisions", "transfers", "retentions",
+                                         "vllm_requests")},
+        }
+
+    def _drop_unmatched(self, reader: StoreReader, now: float) -> set[str]:
+        """Drop kept spans no resident conversation claimed for ``idle_s``; the conversations
+        the store says they belong to (ones let go) are returned, to be read back."""
+        if self._idle_s is None or not self._frames:
+            return set()
+        cut = max((mark for at, mark in self._marks if at <= now - self._idle_s), default=None)
+        while self._marks and self._marks[0][0] <= now - self._idle_s:
+            self._marks.popleft()
+        if cut is None:
+            return set()
+        claimed = self._membership(None)
+        traces: set[str] = set()
+        keys: set[str] = set()
+        for name, frame in self._frames.items():
+            aged = (pl.col("_row") <= cut) & ~claimed[name].fill_null(False)
+            dropped = frame.filter(aged)
+            if not dropped.height:
+                continue
+            self._frames[name] = frame.filter(~aged)
+            self._unapplied.update(dropped["_row"].to_list())
+            if name == "turns":
+                continue  # a turn span always has its unit, resident (claimed) or let go
+            if name in ("prefill", "decode", "waits"):
+                traces.update(dropped["trace_id"].drop_nulls().to_list())
+            else:
+                keys.update(dropped.select(ledger_module.request_key("request_id"))
+                            .to_series().drop_nulls().to_list())
+        for key in (*traces, *keys):
+            self._let_go.add(key)
+        if not traces and not keys:
+            return set()
+        return set(ledger_units.units_of(reader, traces, keys)["unit"].to_list())
+
+    def _let_idle_go(self, now: float) -> None:
+        """Conversations idle for ``idle_s`` leave memory: their spans, keys and contribution
+        (which stays in the totals)."""
+        if self._idle_s is None:
+            return
+        idle = {u for u, seen in self._last_seen.items() if now - seen >= self._idle_s}
+        if not idle:
+            return
+        mine = self._membership(idle)
+        for name, frame in self._frames.items():
+            self._frames[name] = frame.filter(~mine[name].fill_null(False))
+        keys = [k for k, u in self._unit_of_key.items() if u in idle]
+        if self._models is not None:
+            self._models = self._models.filter(~pl.col("x_request_id").is_in(keys))
+        for key in keys:
+            del self._unit_of_key[key]
+        for unit in idle:
+            del self._last_seen[unit]
+            self._contribution.pop(unit, None)
+            self._let_go.add(unit)
+        for key in keys:
+            self._let_go.add(key)
+
+    def _maybe_let_go(self, units: set[str]) -> list[str]:
+        """Those of ``units`` (not resident) that may have been let go, or own dropped spans."""
+        keys: dict[str, list[str]] = {}
+        for key, unit in self._unit_of_key.items():
+            if unit in units:
+                keys.setdefault(unit, []).append(key)
+        return sorted(u for u in units if u in self._let_go
+                      or any(k in self._let_go for k in keys.get(u, ())))
+
+    def _read_back(self, reader: StoreReader, units: list[str], previous: int) -> None:
+        """Make ``units`` resident again from the store: their spans into the frames, and as
+        their contribution what the totals hold of them (their spans up to ``previous`` that
+        were not waiting in the frames unclaimed)."""
+        self.store_reads += len(units)
+        stored = ledger_units.unit_frames(reader, units, high=self._span_mark, rows=True)
+        waiting = set(self._unapplied)
+        for frame in self._frames.values():
+            waiting.update(frame["_row"].to_list())
+        counted = {name: frame.filter((pl.col("_row") <= previous)
+                                      & ~pl.col("_row").is_in(list(waiting)))
+                   for name, frame in stored.items()}
+        turns = stored["turns"]
+        for row in turns.select("x_request_id", "trace_id", _unit_expr().alias("u")).iter_rows():
+            for key in row[:2]:
+                if key is not None:
+                    self._unit_of_key[key] = row[2]
+        models = _models_of(reader, turns["x_request_id"].drop_nulls().unique().to_list())
+        before = contributions(ledger_module.build(_bare(counted)), models, self._labels_of_run)
+        for unit in units:
+            self._contribution[unit] = before.get(unit, {})
+        for name, frame in stored.items():
+            kept = self._frames.get(name)
+            if kept is None:
+                self._frames[name] = frame
+                continue
+            kept = kept.filter(~pl.col("_row").is_in(frame["_row"].to_list()))
+            self._frames[name] = pl.concat([kept, frame.select(kept.columns)],
+                                           how="vertical_relaxed", rechunk=False)
+        self._models = models if self._models is None else pl.concat(
+            [self._models.filter(~pl.col("x_request_id").is_in(models["x_request_id"].to_list())),
+             models], how="vertical_relaxed", rechunk=False)
+
+    def _recompute(self, reader: StoreReader, dirty: set[str], previous: int,
+                   now: float) -> None:
+        back = self._maybe_let_go({u for u in dirty if u not in self._last_seen})
+        if back:
+            self._read_back(reader, back, previous)
+        for unit in dirty:
+            self._last_seen[unit] = now
         frames = dict(self._frames)
         turns = frames["turns"].filter(_unit_expr().is_in(list(dirty)))
         traces = turns["trace_id"].unique().to_list()
@@ -406,7 +575,7 @@ class LiveLedger:
                 ledger_module.request_key("request_id").is_in(requests))
         assert self._models is not None
         models = self._models.filter(pl.col("x_request_id").is_in(requests))
-        rows = ledger_module.build(frames)
+        rows = ledger_module.build(_bare(frames))
         fresh = contributions(rows, models, self._labels_of_run)
         for unit in dirty:
             for key, value in self._contribution.pop(unit, {}).items():
@@ -421,6 +590,13 @@ class LiveLedger:
                 for key, value in new.items():
                     self._totals[key] = self._totals.get(key, 0.0) + value
                     self._contributors[key] = self._contributors.get(key, 0) + 1
+
+    def resident(self) -> dict[str, int]:
+        """What the live ledger holds now: conversations, kept span rows, routing keys."""
+        with self._lock:
+            return {"conversations": len(self._last_seen),
+                    "span_rows": sum(f.height for f in self._frames.values()),
+                    "keys": len(self._unit_of_key)}
 
     # -- reading -----------------------------------------------------------------------------------
     def totals(self) -> dict[SeriesKey, float]:
@@ -482,6 +658,19 @@ class LiveLedger:
         if self.last_refresh_s is not None:
             yield GaugeMetricFamily(REFRESH_SECONDS, "How long the last refresh took",
                                     value=self.last_refresh_s)
+
+
+def _bare(frames: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """Frames without the kept row ids (the ledger's extraction columns only)."""
+    return {name: frame.drop("_row", strict=False) for name, frame in frames.items()}
+
+
+def _models_of(reader: StoreReader, requests: list[str]) -> pl.DataFrame:
+    """X-Request-Id → model of the turn spans naming ``requests``."""
+    return reader.frame(
+        f"SELECT {_a(semconv.X_REQUEST_ID)} AS x_request_id, "
+        f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model FROM otel_traces WHERE SpanName = ? "
+        f"AND {_a(semconv.X_REQUEST_ID)} IN (SELECT unnest(?))", [semconv.SPAN_TURN, requests])
 
 
 def _number(text: object) -> float | None:

@@ -98,7 +98,7 @@ def test_ledger_and_report_say_their_progress_on_stderr(simulated: Path, tmp_pat
                                                         ) -> None:
     done = _kvscope("ledger", str(simulated))
     assert done.returncode == 0, done.stderr
-    assert done.stderr.startswith("kvscope ledger: rebuilding kvscope_ledger from the raw spans")
+    assert done.stderr.startswith("kvscope ledger: bringing kvscope_ledger up to the raw spans")
     assert done.stdout.startswith("kvscope_ledger: ")
     done = _kvscope("report", str(simulated), "-o", str(tmp_path / "r.html"))
     assert done.returncode == 0, done.stderr

@@ -150,10 +150,13 @@ def _ask_live(url: str, name: str, params: list[str], runs: list[str] | None,
 
 def _configure_ledger(parser: argparse.ArgumentParser) -> None:
     add_store(parser, "opened for writing")
+    parser.add_argument("--full", action="store_true",
+                        help="rebuild every turn (default: only the conversations new spans "
+                             "touched since the last build; DuckDB stores)")
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
-    from kvscope.analysis.ledger import LEDGER_TABLE, rebuild
+    from kvscope.analysis.ledger import LEDGER_TABLE
 
     source = store_source(args)
     if not isinstance(source, str):
@@ -165,11 +168,17 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
+    from kvscope.analysis.ledger_units import update
     from kvscope.progress import spinner
 
-    with spinner(f"kvscope ledger: rebuilding {LEDGER_TABLE} from the raw spans"):
-        rows = rebuild(args.file)
-    print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {args.file}")
+    with spinner(f"kvscope ledger: bringing {LEDGER_TABLE} up to the raw spans"):
+        done = update(args.file, full=args.full)
+    if done.units is None:
+        print(f"{LEDGER_TABLE}: {done.rows} turns rebuilt from the raw spans in {args.file} "
+              f"({done.reason})")
+    else:
+        print(f"{LEDGER_TABLE}: {done.rows} turns; {done.units} conversations touched by new "
+              f"spans recomputed in {args.file}")
     return 0
 
 
@@ -255,7 +264,7 @@ COMMANDS = [
     Command("sql", "run one read-only SQL query against a store", _configure_sql, _run_sql),
     Command("analyze", "run one registered analysis (or list them)",
             _configure_analyze, _run_analyze),
-    Command("ledger", "rebuild the kvscope_ledger table from a store's raw spans",
+    Command("ledger", "bring the kvscope_ledger table up to a store's raw spans",
             _configure_ledger, _run_ledger),
     Command("report", "write the single-file HTML report", _configure_report, _run_report),
     Command("compare", "compare two runs (A/B: TTFT vs prompt length, prefill split, memory)",

@@ -91,14 +91,17 @@ def _rebuilt(con: duckdb.DuckDBPyConnection, labels: dict[str, str]) -> dict:
     return dict(totals)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(("seed", "idle_s"), [(1, 600.0), (2, 600.0), (3, 0.0)])
+def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int,
+                                    idle_s: float) -> None:
     """Spans arrive in shuffled batches (engine spans before and after their turn); after each
-    batch only the touched conversations are recomputed, and the totals equal a rebuild."""
+    batch only the touched conversations are recomputed, and the totals equal a rebuild. With
+    ``idle_s`` 0 every conversation leaves memory after each refresh and every unclaimed span
+    is dropped: late spans and later turns bring their conversations back from the store."""
     con = open_store(tmp_path / "live.duckdb")
     try:
         _copy_runs(source, con)
-        live = LiveLedger(con)
+        live = LiveLedger(con, idle_s=idle_s)
         batches = _shuffled_batches(source, 7, seed)
         recomputed = []
         for batch in batches:
@@ -119,6 +122,10 @@ def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int) -> 
         assert sum(recomputed) > conversations
         outcomes_seen = {key[1][4] for key in totals if key[0] == live_metrics.TURNS}
         assert len(outcomes_seen) >= 5, outcomes_seen
+        if idle_s == 0:
+            # Nothing stays resident; conversations came back from the store.
+            assert live.resident() == {"conversations": 0, "span_rows": 0, "keys": 0}
+            assert live.store_reads > 0
     finally:
         con.close()
 

@@ -7,7 +7,12 @@ they touch); the full rebuild (:func:`kvscope.analysis.ledger.ledger` on the who
 scrape would cost without the live ledger) is timed on the same store right after, so both see the
 same rows. Prints both per batch and the ratio.
 
+With ``--idle-s S`` the live ledger lets conversations idle for S seconds (of a clock that moves
+one second per batch) leave memory, and each line also shows what it holds (conversations, span
+rows) and the process's resident memory; ``--no-rebuild`` skips the rebuilds (larger runs).
+
 Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
+      [--idle-s 3] [--no-rebuild]
 Not a test: nothing here asserts a time.
 """
 
@@ -27,11 +32,22 @@ from kvscope.emulator.workloads import synthetic
 from kvscope.store.database import open_store
 
 
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=400)
     parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--idle-s", type=float, default=None)
+    parser.add_argument("--no-rebuild", action="store_true")
     args = parser.parse_args()
+    tick = [0.0]
     folder = Path(tempfile.mkdtemp())
     source = folder / "source.duckdb"
     workload = synthetic.generate(seed=3, conversations=args.conversations, turns_p50=8,
@@ -40,25 +56,31 @@ def main() -> int:
     con = open_store(folder / "live.duckdb")
     con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
     rows = con.execute("SELECT count(*) FROM src.otel_traces").fetchone()[0]
-    live = LiveLedger(con)
+    live = LiveLedger(con, idle_s=args.idle_s, clock=lambda: tick[0])
     size = -(-rows // args.batches)
     print(f"live ledger: {result.turns} turns, {rows} spans in {args.batches} batches")
-    print("batch  spans   refresh ms  conversations  rebuild ms  rebuild/refresh")
+    print("batch  spans   refresh ms  conversations  rebuild ms  rebuild/refresh  "
+          "resident conv  resident rows  RSS MiB")
     refresh_total = rebuild_total = 0.0
     for i in range(args.batches):
         con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces "
                     "WHERE rowid >= ? AND rowid < ?", [i * size, (i + 1) * size])
+        tick[0] += 1
         started = time.perf_counter()
         touched = live.refresh()
         refresh_s = time.perf_counter() - started
         started = time.perf_counter()
-        ledger(con)
+        if not args.no_rebuild:
+            ledger(con)
         rebuild_s = time.perf_counter() - started
         refresh_total += refresh_s
         rebuild_total += rebuild_s
         spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
+        held = live.resident()
+        rss = _rss_mib()
         print(f"{i + 1:5d}  {spans:6d}  {refresh_s * 1e3:10.1f}  {touched:13d}  "
-              f"{rebuild_s * 1e3:10.1f}  {rebuild_s / refresh_s:14.1f}x")
+              f"{rebuild_s * 1e3:10.1f}  {rebuild_s / refresh_s:14.1f}x  "
+              f"{held['conversations']:13d}  {held['span_rows']:13d}  {rss:7.0f}", flush=True)
     print(f"total: refreshes {refresh_total:.2f} s, rebuilds {rebuild_total:.2f} s "
           f"({rebuild_total / refresh_total:.1f}x)")
     con.close()

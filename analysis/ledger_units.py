@@ -1,0 +1,388 @@
+"""The ledger by conversation: which conversations new spans touch, and their rows alone.
+
+A turn's ledger row reads its own spans (its legs by trace id, engine spans by the X-Request-Id
+its vLLM request ids reduce to, retentions by vLLM request id) and turn k-1's row of the same
+conversation, so a *unit* — a conversation (run id + conversation id), or a turn of its own when
+it has none — can be recomputed alone. :func:`unit_frames` reads one set of units' spans from
+the store through the ledger's own extraction queries (:data:`kvscope.analysis.ledger.QUERIES`,
+filtered by those keys), and :func:`kvscope.analysis.ledger.build` decides their rows by the
+ledger's one per-turn statement: no second definition of any rule.
+
+:func:`update` keeps the store's ``kvscope_ledger`` table current this way (``kvscope
+ledger``): the span rows appended since the last build (``rowid`` above the watermark kept in
+``kvscope_meta``) name the units they touch (:func:`touched`), those units' rows are deleted and
+built again, and the watermark moves, in one transaction. A late span (an engine span after its
+turn, turn k-1's retention after turn k) touches its unit again, so its turns are decided anew.
+
+Where a unit's rows depend on more than its own spans the update rebuilds the whole table
+instead (counted in :class:`Update`): rows of engine-only runs (no ``kvscope.turn`` span, so
+rows per vLLM request that any later turn span removes), and a run whose engines' missing-hooks
+list changed (it feeds every turn of the run). The watermark is checked too: if the rows at or
+below it are not the ones counted at the last build (rows deleted, a copied file), the table is
+rebuilt whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from kvscope import semconv, settings
+from kvscope.analysis import ledger as ledger_module
+from kvscope.store import query
+from kvscope.store.database import open_store
+from kvscope.store.reader import StoreReader
+from kvscope.store.schema import META_TABLE, quote
+
+# kvscope_meta keys: the highest otel_traces rowid the table has read, and the row count then.
+MARK_KEY = "ledger_span_mark"
+COUNT_KEY = "ledger_span_count"
+
+_SEP = "\x1f"
+
+
+def unit_key(run_id: str | None, conversation_id: str | None, x_request_id: str | None) -> str:
+    """The conversation a turn belongs to (its own unit when it has no conversation id)."""
+    if conversation_id is not None:
+        return f"{run_id or ''}{_SEP}c{_SEP}{conversation_id}"
+    return f"{run_id or ''}{_SEP}x{_SEP}{x_request_id or ''}"
+
+
+def unit_expr() -> pl.Expr:
+    """:func:`unit_key` over a frame's ``run_id``, ``conversation_id``, ``x_request_id``."""
+    run = pl.col("run_id").fill_null("")
+    return (
+        pl.when(pl.col("conversation_id").is_not_null())
+        .then(pl.concat_str([run, pl.lit(f"{_SEP}c{_SEP}"), pl.col("conversation_id")]))
+        .otherwise(pl.concat_str([run, pl.lit(f"{_SEP}x{_SEP}"),
+                                  pl.col("x_request_id").fill_null("")]))
+    )
+
+
+def _unit_sql(run: str, conversation: str, x_request_id: str) -> str:
+    """:func:`unit_key` in SQL (chr(31) is the separator)."""
+    return (f"CASE WHEN {conversation} IS NOT NULL THEN coalesce({run}, '') || chr(31) || 'c' "
+            f"|| chr(31) || {conversation} ELSE coalesce({run}, '') || chr(31) || 'x' "
+            f"|| chr(31) || coalesce({x_request_id}, '') END")
+
+
+def _rows_between(extraction: query.Query, low: int | None, high: int | None) -> query.Query:
+    """An extraction query limited to ``low < rowid <= high`` (DuckDB text)."""
+    sql, params = extraction.sql, dict(extraction.params)
+    if low is not None:
+        sql, params["row_low"] = sql + " AND rowid > $row_low", low
+    if high is not None:
+        sql, params["row_high"] = sql + " AND rowid <= $row_high", high
+    return query.Query(sql, params)
+
+
+def _filtered(extraction: query.Query, where: str, values: dict[str, object], *,
+              columns: str = "*") -> query.Query:
+    """``SELECT columns FROM (extraction) WHERE where`` (``where`` names the extraction's
+    columns; its ``$name`` placeholders bound from ``values``)."""
+    return query.Query(f"SELECT {columns} FROM ({extraction.sql}) AS q WHERE {where}",
+                       {**extraction.params, **values})
+
+
+def _narrowed(extraction: query.Query, condition: str, values: dict[str, object]) -> query.Query:
+    """An extraction query with one more condition on ``otel_traces``' own columns (so DuckDB
+    filters before it looks attributes up)."""
+    return query.Query(f"{extraction.sql} AND {condition}", {**extraction.params, **values})
+
+
+_BY_TRACE = '"TraceId" IN (SELECT unnest($traces))'
+_BY_X_REQUEST_ID = '"SpanAttributes"[$x_key] IN (SELECT unnest($keys))'
+
+
+def _key_sql(column: str, params: dict[str, object]) -> str:
+    """The ledger's own request-id reduction (``ledger._key``) on ``column``, its parameters
+    bound into ``params`` under names of their own."""
+    binder = query.Binder(query.DUCKDB)
+    text = ledger_module._key(binder, column)
+    for name, value in binder.params.items():
+        params[f"k_{name}"] = value
+        text = text.replace(f"${name}", f"$k_{name}")
+    return text
+
+
+def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None = None,
+                rows: bool = False) -> dict[str, pl.DataFrame]:
+    """The extraction frames (:func:`kvscope.analysis.ledger.load_spans`' shape) of the spans
+    ``units``' rows read, among the rows with ``rowid <= high`` (all when None).
+
+    Also, per run of those turns, one engine span for each distinct missing-hooks list (the
+    ledger takes the run's largest): that evidence is run-wide, and a span no turn names adds
+    no row in a run that has turn spans. ``rows``: each frame also says the span's row
+    (``_row``, its otel_traces rowid; a span stored twice is kept once, at its first row).
+    """
+    queries = {name: _rows_between(q, None, high) for name, q in ledger_module.QUERIES.items()}
+    if rows:
+        queries = {name: query.Query(q.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ",
+                                                   1), q.params)
+                   for name, q in queries.items()}
+    wanted = sorted(set(units))
+    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    # First by the attributes themselves (one look-up a span), then by the exact unit.
+    conversations = [u.split(_SEP, 2)[2] for u in wanted if u.split(_SEP, 2)[1] == "c"]
+    requests = [u.split(_SEP, 2)[2] for u in wanted if u.split(_SEP, 2)[1] == "x"]
+    narrowed = _narrowed(
+        queries["turns"], '("SpanAttributes"[$c_key] IN (SELECT unnest($convs)) OR '
+        '"SpanAttributes"[$x_key] IN (SELECT unnest($keys)))',
+        {"c_key": semconv.GEN_AI_CONVERSATION_ID, "convs": conversations,
+         "x_key": semconv.X_REQUEST_ID, "keys": requests})
+    frames = {"turns": reader.frame(_filtered(
+        narrowed, f"{unit} IN (SELECT unnest($units))", {"units": wanted}))}
+    turns = frames["turns"]
+    traces = turns["trace_id"].drop_nulls().unique().to_list()
+    keys = turns["x_request_id"].drop_nulls().unique().to_list()
+    runs = turns["run_id"].drop_nulls().unique().to_list()
+    for name in ("prefill", "decode", "waits"):
+        frames[name] = reader.frame(_narrowed(queries[name], _BY_TRACE, {"traces": traces}))
+    held = {*frames["prefill"]["retention_id"].drop_nulls().to_list(),
+            *frames["decode"]["decode_request_id"].drop_nulls().to_list()}
+    for name in ("decisions", "transfers", "vllm_requests"):
+        params: dict[str, object] = {"keys": keys}
+        key = _key_sql("request_id", params)
+        frames[name] = reader.frame(_filtered(
+            queries[name], f"{key} IN (SELECT unnest($keys))", params))
+    params = {"keys": keys, "held": sorted(held)}
+    key = _key_sql("request_id", params)
+    frames["retentions"] = reader.frame(_filtered(
+        queries["retentions"],
+        f"(request_id IN (SELECT unnest($held)) OR {key} IN (SELECT unnest($keys)))", params))
+    if runs:
+        for name in ("decisions", "transfers", "retentions"):
+            carriers = reader.frame(_filtered(
+                queries[name],
+                "hooks_missing IS NOT NULL AND run_id IN (SELECT unnest($runs)) "
+                "QUALIFY row_number() OVER (PARTITION BY run_id, hooks_missing "
+                "ORDER BY span_id) = 1", {"runs": runs}))
+            if carriers.height:
+                frames[name] = pl.concat([frames[name], carriers],
+                                         how="vertical_relaxed").unique(maintain_order=True)
+    if rows:
+        frames = {name: frame.sort("_row").unique(
+            [c for c in frame.columns if c != "_row"], keep="first", maintain_order=True)
+            for name, frame in frames.items()}
+    return frames
+
+
+def unit_rows(reader: StoreReader, units: Iterable[str], *, high: int | None = None
+              ) -> pl.DataFrame:
+    """The ledger rows of ``units`` (the ledger's columns), from the store's spans."""
+    return ledger_module.build(unit_frames(reader, units, high=high))
+
+
+# --- which units new spans touch --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Touched:
+    """What the span rows in (low, high] touch: units, or a reason to rebuild everything."""
+
+    units: frozenset[str]
+    rebuild_all: str | None = None
+
+
+_ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
+
+
+def touched(reader: StoreReader, low: int, high: int) -> Touched:
+    """The units whose rows the span rows with ``low < rowid <= high`` can change."""
+    fresh = {name: reader.frame(_rows_between(q, low, high))
+             for name, q in ledger_module.QUERIES.items()}
+    units: set[str] = set()
+    turns = fresh["turns"]
+    if turns.height:
+        units.update(turns.select(unit_expr()).to_series().to_list())
+    # Legs: the turn of their trace. Engine spans: the turns they name (by X-Request-Id), and
+    # for a retention also the turn whose prefill was offered it.
+    traces = sorted({t for name in ("prefill", "decode", "waits")
+                     for t in fresh[name]["trace_id"].drop_nulls().to_list()})
+    keys: set[str] = set()
+    for name in _ENGINE_KINDS:
+        frame = fresh[name]
+        if frame.height:
+            keys.update(frame.select(ledger_module.request_key("request_id"))
+                        .to_series().drop_nulls().to_list())
+    retained = sorted(set(fresh["retentions"]["request_id"].drop_nulls().to_list()))
+    if retained:
+        offered = reader.frame(_filtered(
+            ledger_module.QUERIES["prefill"], "retention_id IN (SELECT unnest($held))",
+            {"held": retained}))
+        traces = sorted({*traces, *offered["trace_id"].drop_nulls().to_list()})
+    # Engine spans name their request by vLLM's id: reduce it the ledger's way, in SQL too
+    # (completions ids carry a prompt index the polars reduction keeps).
+    engine_keys: set[str] = set(keys)
+    for name in _ENGINE_KINDS:
+        if fresh[name].height:
+            params: dict[str, object] = {}
+            key = _key_sql("request_id", params)
+            found = reader.frame(_filtered(_rows_between(ledger_module.QUERIES[name], low, high),
+                                           "TRUE", params, columns=f"DISTINCT {key} AS k"))
+            engine_keys.update(found["k"].drop_nulls().to_list())
+    named = units_of(reader, traces, engine_keys)
+    units.update(named["unit"].to_list())
+    # An engine span no turn names makes a row of its own in a run without turn spans.
+    unnamed = engine_keys - set(named["x_request_id"].drop_nulls().to_list())
+    if unnamed:
+        runs = {r for name in _ENGINE_KINDS for r in fresh[name].filter(
+            ledger_module.request_key("request_id").is_in(list(unnamed)))["run_id"].to_list()}
+        if not runs <= _runs_with_turns(reader, runs):
+            return Touched(frozenset(units), "engine spans of a run without turn spans")
+    runs_now = turns["run_id"].unique().to_list()
+    if (turns.height and reader.has_table(ledger_module.LEDGER_TABLE)
+            and _engine_only_rows(reader, runs_now)):
+        return Touched(frozenset(units), "turn spans in a run the ledger holds engine rows of")
+    changed = _hooks_changed(reader, fresh, low)
+    if changed:
+        return Touched(frozenset(units), f"the missing-hooks list of run {changed[0]} changed")
+    return Touched(frozenset(units))
+
+
+def units_of(reader: StoreReader, traces: Iterable[str], keys: Iterable[str]) -> pl.DataFrame:
+    """The units (``unit``, with ``run_id`` and ``x_request_id``) of the turn spans in the
+    store whose trace is among ``traces`` or whose X-Request-Id is among ``keys``."""
+    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    lookups: list[tuple[str, dict[str, object]]] = [
+        (_BY_TRACE, {"traces": sorted(set(traces))}),
+        (_BY_X_REQUEST_ID, {"keys": sorted(set(keys)), "x_key": semconv.X_REQUEST_ID})]
+    return pl.concat([reader.frame(_filtered(
+        _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
+        columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
+        for condition, values in lookups])
+
+
+def _runs_with_turns(reader: StoreReader, runs: set[str | None]) -> set[str | None]:
+    named = [r for r in runs if r is not None]
+    found = reader.frame(_filtered(
+        ledger_module.QUERIES["turns"], "run_id IN (SELECT unnest($runs))", {"runs": named},
+        columns="DISTINCT run_id"))
+    return set(found["run_id"].to_list())
+
+
+def _engine_only_rows(reader: StoreReader, runs: list[str | None]) -> bool:
+    _, rows = reader.rows(
+        f"SELECT count(*) FROM {quote(ledger_module.LEDGER_TABLE)} WHERE observer = ? "
+        "AND (run_id IN (SELECT unnest(?)) OR run_id IS NULL)",
+        [semconv.OBSERVER_ENGINE, [r for r in runs if r is not None]])
+    return bool(rows[0][0])
+
+
+def _hooks_changed(reader: StoreReader, fresh: dict[str, pl.DataFrame], low: int) -> list[str]:
+    """Runs whose largest missing-hooks list (the ledger's per-run value) the new rows raise."""
+    new = pl.concat([fresh[name].select("run_id", "hooks_missing")
+                     for name in ("decisions", "transfers", "retentions")],
+                    how="vertical_relaxed").drop_nulls()
+    if not new.height:
+        return []
+    changed = []
+    for run_id, group in new.group_by("run_id"):
+        top = group["hooks_missing"].max()
+        before = None
+        for name in ("decisions", "transfers", "retentions"):
+            older = _rows_between(ledger_module.QUERIES[name], None, low)
+            _, rows = reader.rows(_filtered(older, "run_id = $run", {"run": run_id[0]},
+                                            columns="max(hooks_missing)"))
+            value = rows[0][0]
+            if value is not None and (before is None or value > before):
+                before = value
+        if before is None or top > before:
+            changed.append(str(run_id[0]))
+    return changed
+
+
+# --- the store's table, kept current ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Update:
+    """What :func:`update` did: ``rows`` in the table now, ``units`` recomputed (None: the
+    table was rebuilt whole, for ``reason``), ``seconds`` it took."""
+
+    rows: int
+    units: int | None
+    reason: str | None
+    seconds: float
+
+
+def _meta(con: duckdb.DuckDBPyConnection, key: str) -> int | None:
+    rows = con.execute(f"SELECT value FROM {quote(META_TABLE)} WHERE key = ?", [key]).fetchall()
+    return int(rows[0][0]) if rows else None
+
+
+def _set_meta(con: duckdb.DuckDBPyConnection, key: str, value: int) -> None:
+    con.execute(f"INSERT OR REPLACE INTO {quote(META_TABLE)} VALUES (?, ?)", [key, str(value)])
+
+
+def _has_ledger(con: duckdb.DuckDBPyConnection) -> bool:
+    return bool(con.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?",
+        [ledger_module.LEDGER_TABLE]).fetchall()[0][0])
+
+
+def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> Update:
+    """Bring ``kvscope_ledger`` up to the store's spans on a writable connection (see
+    :func:`update`)."""
+    started = time.perf_counter()
+    high, count = con.execute("SELECT max(rowid), count(*) FROM otel_traces").fetchall()[0]
+    high = -1 if high is None else high
+    mark, counted = _meta(con, MARK_KEY), _meta(con, COUNT_KEY)
+    reason: str | None = "asked for a full rebuild" if full else None
+    if reason is None and (mark is None or counted is None or not _has_ledger(con)):
+        reason = "no table or watermark from an earlier build"
+    if reason is None and con.execute("SELECT count(*) FROM otel_traces WHERE rowid <= ?",
+                                      [mark]).fetchall()[0][0] != counted:
+        reason = "the span rows below the watermark are not those counted at the last build"
+    reader = StoreReader(con, time_limit_s=None)
+    units: frozenset[str] = frozenset()
+    if reason is None and high > (mark or -1):
+        touch = touched(reader, mark or -1, high)
+        reason, units = touch.rebuild_all, touch.units
+    frame = ledger_module.ledger(con) if reason is not None else (
+        unit_rows(reader, units, high=high) if units else None)
+    con.execute("BEGIN TRANSACTION")
+    try:
+        if reason is not None:
+            assert frame is not None
+            ledger_module.persist(con, frame)
+        elif frame is not None:
+            table = quote(ledger_module.LEDGER_TABLE)
+            unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+            con.execute(f"DELETE FROM {table} WHERE {unit} IN (SELECT unnest(?))",
+                        [sorted(units)])
+            con.register("_kvscope_ledger_rows", frame.to_arrow())
+            try:
+                con.execute(f"INSERT INTO {table} SELECT * FROM _kvscope_ledger_rows")
+            finally:
+                con.unregister("_kvscope_ledger_rows")
+        _set_meta(con, MARK_KEY, high)
+        _set_meta(con, COUNT_KEY, count)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    rows = con.execute(
+        f"SELECT count(*) FROM {quote(ledger_module.LEDGER_TABLE)}").fetchall()[0][0]
+    return Update(rows, None if reason is not None else len(units), reason,
+                  time.perf_counter() - started)
+
+
+def update(path: str | Path, *, full: bool = False) -> Update:
+    """Bring the store's ``kvscope_ledger`` table up to its spans, recomputing only the units
+    touched since the last build (the whole table on the first build, when ``full``, or when
+    the new spans reach beyond their units: see the module's docstring)."""
+    con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
+    try:
+        return update_connection(con, full=full)
+    finally:
+        con.close()
+
+
+__all__ = ["COUNT_KEY", "MARK_KEY", "Touched", "Update", "touched", "unit_expr", "unit_frames",
+           "unit_key", "unit_rows", "units_of", "update", "update_connection"]
