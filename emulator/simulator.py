@@ -168,7 +168,7 @@ class SimulationSettings:
     decode_clock_offset_s: float = 1234.5
     faults: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0
-    model: str = "emulated"
+    model: str = "kvscope-emulated"  # kvscope.cli.deployment's --served-model-name
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.faults) - set(SIM_FAULTS))

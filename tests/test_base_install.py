@@ -89,3 +89,23 @@ print(sorted(m for m in sys.modules if m.startswith(("kvscope.emulator", "kvscop
 """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_proxy_help_lists_its_flags_and_running_it_names_the_extra() -> None:
+    # The options import no extra (vLLM's proxy flags, the declared deployment settings); the
+    # proxy itself needs aiohttp, from the 'store' extra, and says so.
+    done = _run("""
+from kvscope import cli
+try:
+    cli.main(["proxy", "--help"])
+except SystemExit as exc:
+    print("exit", exc.code)
+print("rc", cli.main(["proxy", "--no-telemetry"]))
+""")
+    assert done.returncode == 0, done.stderr
+    for flag in ("--prefiller-host", "--decoder-port", "--router-ttl", "--reuse-guard",
+                 "--decode-params", "--db"):
+        assert flag in done.stdout, (flag, done.stdout)
+    assert done.stdout.strip().splitlines()[-2:] == ["exit 0", "rc 2"], done.stdout
+    assert ("kvscope proxy: error: needs the 'store' extra (aiohttp is not installed): "
+            "pip install 'kvscope[store]'") in done.stderr, done.stderr

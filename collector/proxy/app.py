@@ -67,13 +67,11 @@ SESSION_HEADER = "X-Session-ID"
 # Agent prompts with long histories exceed aiohttp's 1 MiB default request size.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
-# Where decode's kv_transfer_params are read: from its stream (vLLM >= 0.33), from a whole
-# (non-streaming) response (older vLLM: its streams carry none), or decided per decode instance
-# from its GET /version.
-DECODE_PARAMS_STREAM = "stream"
-DECODE_PARAMS_RESPONSE = "response"
-DECODE_PARAMS_AUTO = "auto"
-DECODE_PARAMS_MODES = (DECODE_PARAMS_AUTO, DECODE_PARAMS_STREAM, DECODE_PARAMS_RESPONSE)
+from kvscope.reuse.params import (  # noqa: E402 (kvscope proxy's options read them light)
+    DECODE_PARAMS_AUTO,
+    DECODE_PARAMS_MODES,
+    DECODE_PARAMS_STREAM,
+)
 
 _ROUTER_KEY = web.AppKey("router", ConversationRouter)
 _TELEMETRY_KEY = web.AppKey("telemetry", ProxyTelemetry)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvscope import published, settings
-from kvscope.cli.options import add_workload_scaling
+from kvscope.cli import deployment
+from kvscope.cli.options import add_setting, add_workload_scaling, required
 from kvscope.emulator.capacity import GPUS, NO_GPU
 from kvscope.emulator.cost_model import PROFILES
 from kvscope.emulator.simulator import (
@@ -35,7 +36,13 @@ from kvscope.emulator.simulator import (
 )
 from kvscope.emulator.workloads.model import Workload
 from kvscope.errors import SettingError
-from kvscope.reuse.params import FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE, SCHEDULING_MODES
+from kvscope.reuse.params import (
+    FAILURE_POLICY_FAIL,
+    FAILURE_POLICY_RECOMPUTE,
+    SCHEDULING_ASYNC,
+    SCHEDULING_MODES,
+    SCHEDULING_SYNC,
+)
 from kvscope.settings import parse_bool
 from kvscope.tables import NOT_MEASURED
 
@@ -55,7 +62,14 @@ class Option:
     setting: str | None = None  # the kvscope setting that gives its default (env var too)
 
     @property
+    def declared(self) -> deployment.Flag | None:
+        """The shared declaration of this option (:mod:`kvscope.cli.deployment`), if any."""
+        return next((f for f in deployment.FLAGS.values() if f.flag == self.flag), None)
+
+    @property
     def default(self) -> Any:
+        if self.field == "label":
+            return settings.resolve("run_label") or _DEFAULTS.label
         if self.setting is not None:
             return settings.resolve(self.setting)
         return getattr(_DEFAULTS, self.field)
@@ -76,7 +90,7 @@ class Option:
 # Every SimulationSettings field but ``faults`` (``--fault NAME=P``); a test holds this to the
 # dataclass. Flags are vLLM's where vLLM has the knob.
 OPTIONS: tuple[Option, ...] = (
-    Option("label", "--label", str,
+    Option("label", "--run-label", str,
            "run label (a sweep appends each run's KEY=VALUE pairs)"),
     Option("profile", "--profile", str, "cost-model profile timing prefill, transfer, decode",
            tuple(sorted(PROFILES))),
@@ -95,6 +109,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_load_failure_policy", "--kv-load-failure-policy", str,
            "what prefill does after a failed KV load (vLLM's default: fail)",
            (FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE)),
+    # Hidden: --[no-]async-scheduling (vLLM's flag) is how the command line names it.
     Option("scheduling", "--scheduling", str,
            "the engines' scheduler (vLLM's default: async; sync never runs decode's last token)",
            SCHEDULING_MODES),
@@ -135,20 +150,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", default=None, metavar="N1,N2,...",
                         help="sweep: the shared prefixes to run (default: 2000,4000,8000,"
                              "12000,16000,20000,24000)")
-    parser.add_argument("--trace", default=None,
-                        help="weka: traces_flat.csv (default: the shipped copy), a raw "
-                             "trace_*.json or a folder of them; mooncake: the JSONL trace "
-                             "(required)")
-    parser.add_argument("--db", required=True, help="DuckDB store the runs are added to")
-    parser.add_argument("--truth", default=None,
-                        help="also write every turn's ground truth here, as JSON lines")
+    deployment.add(parser, "trace")
+    add_setting(parser, "db", metavar="DB")
+    deployment.add(parser, "truth")
     parser.add_argument("--conversations", type=int, default=None,
                         help="sessions (synthetic, default 8), first traces (weka) or first "
                              "sessions (mooncake); default: all of a trace")
-    add_workload_scaling(parser, "divide a trace's waits and start times by this (weka, mooncake)")
-    parser.add_argument("--workload-seed", type=int, default=0,
-                        help="seed of the synthetic workload and of weka arrivals")
+    add_workload_scaling(parser)
+    deployment.add(parser, "workload_seed")
     for option in OPTIONS:
+        if option.declared is not None:
+            deployment.add(parser, option.declared.dest, unset=True, dest=option.field,
+                           raw=True)
+            continue
         kwargs: dict[str, Any] = {"dest": option.field, "default": None}
         if option.parse is parse_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -162,15 +176,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
             help_default = repr(option.default)
         env = (f"; env {settings.SETTINGS[option.setting].env_var}"
                if option.setting is not None else "")
-        parser.add_argument(option.flag, help=f"{option.help} (default {help_default}{env})",
-                            **kwargs)
-    parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
-                        default=None, help="set bidirectional KV transfer on both prefill "
-                                           "and decode (the feature on/off)")
-    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
-                        help="inject a fault into a share P of turns (default 1; repeatable); "
-                             "one of: "
-                             + ", ".join(SIM_FAULTS))
+        shown = f"{option.help} (default {help_default}{env})"
+        parser.add_argument(option.flag, **kwargs,
+                            help=argparse.SUPPRESS if option.field == "scheduling" else shown)
+    deployment.add(parser, "async_scheduling", unset=True)
+    deployment.add(parser, "bidirectional_kv_xfer", unset=True)
+    deployment.add_fault(parser)
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="one run per value (repeatable: every combination); KEY is an "
                              "option above, e.g. decoder-kv-blocks-ttl=60,480 or "
@@ -206,6 +217,10 @@ def base_settings(args: argparse.Namespace) -> SimulationSettings:
             values[option.field] = raw
         else:
             values[option.field] = option.value(raw, f"{option.flag}={raw}")
+    if values["label"] == "":
+        values["label"] = _DEFAULTS.label
+    if args.async_scheduling is not None and args.scheduling is None:
+        values["scheduling"] = SCHEDULING_ASYNC if args.async_scheduling else SCHEDULING_SYNC
     if args.bidirectional_kv_xfer is not None:
         for name in ("prefill_bidirectional_kv_xfer", "decode_bidirectional_kv_xfer"):
             if getattr(args, name, None) is None:
@@ -507,6 +522,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     """Run ``kvscope simulate``: the runs, the truth file, then one summary row per run."""
     from kvscope.tables import format_rows
 
+    args.db = required(args, "db")
     base = base_settings(args)
     if args.workload == "sweep":
         return _main_published_sweep(args, base)
