@@ -109,3 +109,59 @@ print("rc", cli.main(["proxy", "--no-telemetry"]))
     assert done.stdout.strip().splitlines()[-2:] == ["exit 0", "rc 2"], done.stdout
     assert ("kvscope proxy: error: needs the 'store' extra (aiohttp is not installed): "
             "pip install 'kvscope[store]'") in done.stderr, done.stderr
+
+
+# One run of every command as a user would type it; on the base install each either answers
+# or names the extra it needs, with the pip command (never a traceback or a usage error).
+RUNS = {
+    "version": [], "settings": ["--markdown"], "sql": ["x.duckdb", "SELECT 1"],
+    "serve": ["--db", "x.duckdb"], "proxy": ["--no-telemetry"], "emulate": [],
+    "replay": ["--conversations", "1"], "simulate": ["--db", "x.duckdb"],
+    "dashboard": ["x.duckdb"], "analyze": ["x.duckdb"], "ledger": ["x.duckdb"],
+    "report": ["x.duckdb"], "grafana": [], "alerts": [], "compare": ["x.duckdb"],
+    "whatif": ["x.duckdb"],
+    "gpu-sampler": ["--otlp-endpoint", "http://127.0.0.1:9", "--duration-s", "0"],
+    "ingest": ["--db", "x.duckdb", "f.log"], "demo": ["--out", "demo-out"],
+}
+
+
+def test_every_command_answers_or_names_its_extra_on_the_base_install(tmp_path: Path) -> None:
+    from kvscope.cli import COMMANDS
+
+    assert sorted(RUNS) == sorted(c.name for c in COMMANDS)
+    done = _run(f"""
+import contextlib, io, os
+os.chdir({str(tmp_path)!r})
+from kvscope import cli
+for name, argv in {RUNS!r}.items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = cli.main([name, *argv])
+        except SystemExit as exc:
+            rc = exc.code
+    print(name, rc, err.getvalue().strip().splitlines()[-1:] if err.getvalue() else "")
+""")
+    assert done.returncode == 0, done.stderr
+    answers = done.stdout.strip().splitlines()
+    assert len(answers) == len(RUNS), done.stdout
+    extra = re.compile(r"kvscope (\S+): error: needs the '(store|dashboard)' extra \(\w+ is not "
+                       r"installed\): pip install 'kvscope\[(store|dashboard)\]'")
+    for line in answers:
+        name, rc = line.split()[:2]
+        if rc == "0":
+            continue
+        assert rc == "2" and extra.search(line), line
+
+
+def test_help_of_a_command_without_its_extra_names_the_extra() -> None:
+    done = _run("""
+from kvscope import cli
+try:
+    cli.main(["simulate", "--help"])
+except SystemExit as exc:
+    print("exit", exc.code)
+""")
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'kvscope[store]'" in " ".join(done.stdout.split()), done.stdout
+    assert done.stdout.strip().endswith("exit 0")

@@ -101,10 +101,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             command.configure(child)
         except ModuleNotFoundError as exc:
             # The base install (what a vLLM process needs) lacks this command's extra: the
-            # command stays listed and says which extra to install when run.
-            if missing_extra(exc) is None:
+            # command stays listed, its --help and any run say which extra to install.
+            extra = missing_extra(exc)
+            if extra is None:
                 raise
-            child.set_defaults(_run=_needs_extra(exc))
+            child.description = f"{command.help} ({_install(extra, exc)})"
+            child.set_defaults(_run=_needs_extra(exc), _options_unknown=True)
             continue
         child.set_defaults(_run=command.run)
     return parser
@@ -126,13 +128,18 @@ def setting_commands() -> dict[str, list[str]]:
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).
 _EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
-             "grpc": "store", "plotly": "dashboard", "dash": "dashboard",
+             "grpc": "store", "rich": "store", "plotly": "dashboard", "dash": "dashboard",
              "chdb": "clickhouse", "clickhouse_connect": "clickhouse"}
 
 
 def missing_extra(exc: ModuleNotFoundError) -> str | None:
     """The kvscope extra whose package ``exc`` did not find, if it is one of them."""
     return _EXTRA_OF.get((exc.name or "").split(".")[0])
+
+
+def _install(extra: str, exc: ModuleNotFoundError) -> str:
+    return (f"needs the '{extra}' extra ({exc.name} is not installed): "
+            f"pip install 'kvscope[{extra}]'")
 
 
 def _needs_extra(exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
@@ -147,7 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The command is the first word; any other first word (an option, a typo) needs no
     # command's options to be answered, so none is configured.
     parser = build_parser(only=given[0] if given else "")
-    args = parser.parse_args(given)
+    args, unknown = parser.parse_known_args(given)
+    if unknown and not getattr(args, "_options_unknown", False):
+        parser.parse_args(given)  # argparse's own error for them
+    # (A command whose options need a missing extra takes any; running it names the extra.)
     logging.basicConfig(
         level=str(settings.resolve("log_level")).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -161,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = missing_extra(exc)
         if extra is None:
             raise
-        print(f"kvscope {args.command}: error: needs the '{extra}' extra ({exc.name} is not "
-              f"installed): pip install 'kvscope[{extra}]'", file=sys.stderr)
+        print(f"kvscope {args.command}: error: {_install(extra, exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
