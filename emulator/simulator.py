@@ -45,7 +45,7 @@ from kvscope.child import (
 from kvscope.collector.engine_telemetry import (
     KvTransferRecord,
 )
-from kvscope.collector.proxy.router import ConversationId
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,

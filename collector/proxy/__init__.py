@@ -1,6 +1,6 @@
 """``kvscope proxy``: an instrumented drop-in for vLLM's multi-turn P/D disaggregation proxy.
 
-    router.py      the conversation id of a request (the router is kvscope.reuse.router)
+    conversation.py  the conversation id of a request (the router is kvscope.reuse.router)
     telemetry.py   per-turn records → kvscope.turn / input_processing / generation / tool_wait
                    spans, and the Prometheus metrics behind GET /metrics
     metrics.py     the Prometheus metrics behind GET /metrics (prometheus_client)
@@ -17,7 +17,7 @@ from kvscope.collector.proxy.app import (
     Upstream,
     build_app,
 )
-from kvscope.collector.proxy.router import conversation_id_from
+from kvscope.collector.proxy.conversation import conversation_id_from
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.reuse.router import ConversationRouter, Lookup
 

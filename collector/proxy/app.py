@@ -37,7 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from kvscope import semconv
-from kvscope.collector.proxy.router import conversation_id_from
+from kvscope.collector.proxy.conversation import conversation_id_from
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,
