@@ -185,3 +185,15 @@ def test_sweep_figures_carry_the_published_points_dashed() -> None:
     assert ("bar", "Qwen3-32B OFF transfer") not in kinds  # OFF pulls nothing
     assert ("scatter", "Qwen3-32B OFF published") in kinds
     assert "no data" in figures.sweep_ttft_vs_prompt(None).layout.annotations[0].text
+
+
+def test_the_workload_defaults_are_each_published_sweeps_setup() -> None:
+    # The numbers live in kvscope.published only; every published sweep ran the same chats.
+    from kvscope import published
+
+    default = published_sweep.generate(2000).summary()
+    for sweep in published.SWEEPS:
+        assert published_sweep.generate(
+            2000, conversations=sweep.conversations, turns=sweep.turns,
+            new_tokens=sweep.new_tokens, output_tokens=sweep.output_tokens,
+            clients=sweep.clients).summary() == default, sweep.model
