@@ -1,6 +1,7 @@
 """The ``kvscope`` command line: every command, its options, its composition and exit codes.
 
     options.py    what commands share: the command record, setting options, parsers
+    deployment.py the settings emulate, simulate, replay and proxy share, each declared once
     analysis.py   sql, analyze, ledger, report, compare, whatif (reading a store)
     serve.py      serve (optionally with the live dashboard) and dashboard
     collect.py    proxy (its options and process: proxy.py), gpu-sampler, ingest
@@ -26,7 +27,7 @@ from kvscope.errors import KvscopeError
 from kvscope.tables import format_rows
 
 __all__ = [
-    "COMMANDS", "analysis", "build_parser", "collect", "demo", "emulator", "main",
+    "COMMANDS", "analysis", "build_parser", "collect", "demo", "deployment", "emulator", "main",
     "missing_extra", "options", "proxy", "serve", "setting_commands", "simulate",
 ]
 
