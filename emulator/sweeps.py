@@ -1,25 +1,83 @@
-"""``kvscope simulate --workload sweep``: the published bidirectional-KV sweep as simulator runs.
+"""The runs of a simulation sweep: every combination of swept settings, and the published sweep.
 
-The setup of :mod:`kvscope.published`: 1P1D, prefix caching off on the prefill node only,
-the feature ON and OFF (``kv_recompute_threshold`` and ``decoder_kv_blocks_ttl`` as the options
-give them: their defaults, 64 and 480, are the published ones), for each
-published model's cost profile, over shared prefixes from 2k to 24k tokens
-(:data:`DEFAULT_PREFIX_TOKENS`: the published ends and points between them). Each run's workload
-is :func:`kvscope.emulator.workloads.published_sweep.generate` at its prefix; the runs are
-labelled ``<profile> prefix=<tokens> bidirectional-kv-xfer=<on|off>``. The ``published_sweep``
-analysis then puts the published values beside the simulated ones.
+:func:`expand` makes one :class:`SimulationSettings` per combination of the values of
+:class:`Sweep` s (``kvscope simulate --sweep KEY=V1,V2``), each labelled with its values.
+
+:func:`sweep_runs` is ``kvscope simulate --workload sweep``: the published bidirectional-KV
+sweep as simulator runs. The setup of :mod:`kvscope.published`: 1P1D, prefix caching off on the
+prefill node only, the feature ON and OFF (``kv_recompute_threshold`` and
+``decoder_kv_blocks_ttl`` as the options give them: their defaults, 64 and 480, are the
+published ones), for each published model's cost profile, over shared prefixes from 2k to 24k
+tokens (:data:`DEFAULT_PREFIX_TOKENS`: the published ends and points between them). Each run's
+workload is :func:`kvscope.emulator.workloads.published_sweep.generate` at its prefix; the runs
+are labelled ``<profile> prefix=<tokens> bidirectional-kv-xfer=<on|off>``. The
+``published_sweep`` analysis then puts the published values beside the simulated ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from kvscope import published
 from kvscope.emulator.simulator import SimulationSettings
 from kvscope.emulator.workloads import published_sweep
 from kvscope.emulator.workloads.model import Workload
 from kvscope.errors import SettingError
+
+# The label key of a sweep over both sides' bidirectional_kv_xfer (the feature on/off).
+BOTH_SIDES = "bidirectional_kv_xfer"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One swept setting: the field (or :data:`BOTH_SIDES`), its values, parsed, and the name
+    the run labels give it (the option's flag)."""
+
+    field: str
+    values: tuple[Any, ...]
+    name: str
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _settings(values: Mapping[str, Any], where: str) -> SimulationSettings:
+    try:
+        return SimulationSettings(**values)
+    except ValueError as exc:
+        raise SettingError(f"{where}: {exc}") from None
+
+
+def expand(base: SimulationSettings, sweeps: Sequence[Sweep],
+           check: Callable[[Mapping[str, Any], str], SimulationSettings] = _settings,
+           ) -> list[SimulationSettings]:
+    """One settings per combination of swept values, each labelled with its values.
+
+    ``check`` builds each (SettingError naming the combination where it is not valid).
+    """
+    if not sweeps:
+        return [base]
+    out = []
+    for combo in itertools.product(*(s.values for s in sweeps)):
+        values = {f.name: getattr(base, f.name) for f in fields(base)}
+        parts = []
+        for sweep, value in zip(sweeps, combo, strict=True):
+            if sweep.field == BOTH_SIDES:
+                values["prefill_bidirectional_kv_xfer"] = value
+                values["decode_bidirectional_kv_xfer"] = value
+            else:
+                values[sweep.field] = value
+            parts.append(f"{sweep.name}={_show(value)}")
+        values["label"] = " ".join([base.label, *parts])
+        out.append(check(values, "--sweep " + " ".join(parts)))
+    return out
+
 
 DEFAULT_PREFIX_TOKENS = (2000, 4000, 8000, 12000, 16000, 20000, 24000)
 
@@ -67,4 +125,4 @@ def sweep_runs(base: SimulationSettings, profiles: Sequence[str] | None = None,
     return runs
 
 
-__all__ = ["DEFAULT_PREFIX_TOKENS", "SweepRun", "sweep_runs"]
+__all__ = ["BOTH_SIDES", "DEFAULT_PREFIX_TOKENS", "Sweep", "SweepRun", "expand", "sweep_runs"]

@@ -13,12 +13,11 @@ TTFT p50 / p90), so its numbers are those ``kvscope report`` shows for the same 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,6 +33,8 @@ from kvscope.emulator.simulator import (
     iter_truth,
     simulate,
 )
+from kvscope.emulator.sweeps import BOTH_SIDES, Sweep
+from kvscope.emulator.sweeps import expand as sweeps_expand
 from kvscope.emulator.workloads.model import Workload
 from kvscope.errors import SettingError
 from kvscope.reuse.params import (
@@ -239,14 +240,6 @@ def _checked(values: Mapping[str, Any], where: str) -> SimulationSettings:
         raise SettingError(f"{where}: {exc}") from None
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """One swept setting: the field and its values, parsed."""
-
-    field: str
-    values: tuple[Any, ...]
-
-
 def parse_sweep(text: str) -> Sweep:
     """``KEY=V1,V2,...`` as a :class:`Sweep` (KEY: a field or flag name, or
     ``bidirectional-kv-xfer`` for both sides)."""
@@ -256,43 +249,22 @@ def parse_sweep(text: str) -> Sweep:
     if not sep or not values:
         raise SettingError(f"--sweep {text!r}: expected KEY=V1,V2,...")
     if key.replace("_", "-") == "bidirectional-kv-xfer":
-        return Sweep("bidirectional_kv_xfer",
+        return Sweep(BOTH_SIDES,
                      tuple(_BY_FIELD["prefill_bidirectional_kv_xfer"].value(v, f"--sweep {text!r}")
-                           for v in values))
+                           for v in values), "bidirectional-kv-xfer")
     option = _BY_NAME.get(key) or _BY_NAME.get(key.replace("_", "-"))
     if option is None or option.field == "label":
         known = ", ".join(o.flag.removeprefix("--") for o in OPTIONS if o.field != "label")
         raise SettingError(f"--sweep {text!r}: unknown key {key!r}; known: {known}, "
                            "bidirectional-kv-xfer")
-    return Sweep(option.field, tuple(option.value(v, f"--sweep {text!r}") for v in values))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return Sweep(option.field, tuple(option.value(v, f"--sweep {text!r}") for v in values),
+                 option.flag.removeprefix("--"))
 
 
 def expand(base: SimulationSettings, sweeps: Sequence[Sweep]) -> list[SimulationSettings]:
-    """One settings per combination of swept values, each labelled with its values."""
-    if not sweeps:
-        return [base]
-    out = []
-    for combo in itertools.product(*(s.values for s in sweeps)):
-        values = {f.name: getattr(base, f.name) for f in fields(base)}
-        parts = []
-        for sweep, value in zip(sweeps, combo, strict=True):
-            if sweep.field == "bidirectional_kv_xfer":
-                values["prefill_bidirectional_kv_xfer"] = value
-                values["decode_bidirectional_kv_xfer"] = value
-                name = "bidirectional-kv-xfer"
-            else:
-                values[sweep.field] = value
-                name = _BY_FIELD[sweep.field].flag.removeprefix("--")
-            parts.append(f"{name}={_show(value)}")
-        values["label"] = " ".join([base.label, *parts])
-        out.append(_checked(values, "--sweep " + " ".join(parts)))
-    return out
+    """One settings per combination of swept values (:func:`kvscope.emulator.sweeps.expand`),
+    checked as the options are."""
+    return sweeps_expand(base, sweeps, _checked)
 
 
 # --- workload -----------------------------------------------------------------------------------
@@ -311,7 +283,7 @@ def load_workload(args: argparse.Namespace, block_size: int) -> Workload:
 def sweep_plans(args: argparse.Namespace, base: SimulationSettings
                 ) -> list[tuple[SimulationSettings, Callable[[int], Workload]]]:
     """``--workload sweep``: the published sweep's runs, each with its own workload."""
-    from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
+    from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
 
     if args.sweep:
         raise SettingError("--sweep cannot be combined with --workload sweep (it runs its own "

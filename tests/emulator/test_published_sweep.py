@@ -14,8 +14,8 @@ from kvscope import published
 from kvscope.analysis import registry
 from kvscope.dashboards import figures
 from kvscope.dashboards.report import write_report
-from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
 from kvscope.emulator.simulator import SimulationSettings
+from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
 from kvscope.emulator.turn_mix import turn_mix
 from kvscope.emulator.workloads import published_sweep
 from kvscope.emulator.workloads.model import WorkloadError, block_view, common_prefix_blocks
