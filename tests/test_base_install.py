@@ -91,17 +91,22 @@ print(sorted(m for m in sys.modules if m.startswith(("kvscope.emulator", "kvscop
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def _help_then(command: str, then: str = "") -> subprocess.CompletedProcess[str]:
+    """``kvscope COMMAND --help`` (and the code ``then``) with the extras blocked."""
+    return _run(f"""
+from kvscope import cli
+try:
+    cli.main([{command!r}, "--help"])
+except SystemExit as exc:
+    print("exit", exc.code)
+{then}
+""")
+
+
 def test_proxy_help_lists_its_flags_and_running_it_names_the_extra() -> None:
     # The options import no extra (vLLM's proxy flags, the declared deployment settings); the
     # proxy itself needs aiohttp, from the 'store' extra, and says so.
-    done = _run("""
-from kvscope import cli
-try:
-    cli.main(["proxy", "--help"])
-except SystemExit as exc:
-    print("exit", exc.code)
-print("rc", cli.main(["proxy", "--no-telemetry"]))
-""")
+    done = _help_then("proxy", 'print("rc", cli.main(["proxy", "--no-telemetry"]))')
     assert done.returncode == 0, done.stderr
     for flag in ("--prefiller-host", "--decoder-port", "--router-ttl", "--reuse-guard",
                  "--decode-params", "--db"):
@@ -155,13 +160,7 @@ for name, argv in {RUNS!r}.items():
 
 
 def test_help_of_a_command_without_its_extra_names_the_extra() -> None:
-    done = _run("""
-from kvscope import cli
-try:
-    cli.main(["simulate", "--help"])
-except SystemExit as exc:
-    print("exit", exc.code)
-""")
+    done = _help_then("simulate")
     assert done.returncode == 0, done.stderr
     assert "pip install 'kvscope[store]'" in " ".join(done.stdout.split()), done.stdout
     assert done.stdout.strip().endswith("exit 0")

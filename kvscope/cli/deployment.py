@@ -48,6 +48,13 @@ class Flag:
         return f"{self.help} (default {shown}{env})"
 
 
+def _of_setting(name: str) -> Flag:
+    """The option of a kvscope setting (its flag, type, default and help; env var too)."""
+    setting = settings.SETTINGS[name]
+    return Flag(name, setting.cli_flag, setting.type, setting.default, setting.help,
+                setting=name)
+
+
 FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("model", "--served-model-name", str, "kvscope-emulated",
          "model name the engines serve (vLLM's --served-model-name); replay sends it in each "
@@ -75,14 +82,8 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          settings.SETTINGS["run_label"].help + " Empty: emulate, simulated (the command's)",
          aliases=("--label",),
          setting="run_label"),
-    Flag("router_ttl", "--router-ttl", float, settings.SETTINGS["router_ttl"].default,
-         settings.SETTINGS["router_ttl"].help, setting="router_ttl"),
-    Flag("decoder_kv_blocks_ttl", "--decoder-kv-blocks-ttl", float,
-         settings.SETTINGS["decoder_kv_blocks_ttl"].default,
-         settings.SETTINGS["decoder_kv_blocks_ttl"].help, setting="decoder_kv_blocks_ttl"),
-    Flag("kv_recompute_threshold", "--kv-recompute-threshold", int,
-         settings.SETTINGS["kv_recompute_threshold"].default,
-         settings.SETTINGS["kv_recompute_threshold"].help, setting="kv_recompute_threshold"),
+    *(_of_setting(name) for name in ("router_ttl", "decoder_kv_blocks_ttl",
+                                     "kv_recompute_threshold")),
     Flag("bidirectional_kv_xfer", "--bidirectional-kv-xfer", bool, True,
          "D->P KV reuse on prefill and decode alike (kv_connector_extra_config "
          "bidirectional_kv_xfer on both; the feature on/off)"),
