@@ -97,10 +97,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          "also write every turn's ground truth here, as JSON lines (emulate with --db: "
          "<db>.truth.jsonl when left out)"),
     Flag("time_scale", "--time-scale", float, 1.0,
-         "divide the workload's waits (the think time after a turn's answer, a trace's "
-         "recorded send times) and each conversation's start offset by this factor: 12 turns a "
-         "60 s tool wait into 5 s; token counts, the servers' timing and their TTLs are not "
-         "scaled (kvscope emulate --time-scale scales those)"),
+         "divide every think time (the wait after a turn's answer before the next turn; a "
+         "trace's recorded send times too) and every conversation's start offset by this "
+         "factor: 12 turns a 60 s tool wait into 5 s; token counts, the servers' timing and "
+         "their TTLs are not scaled (kvscope emulate --time-scale scales those)"),
     Flag("reuse_guard", "--reuse-guard", bool, False,
          "send prefill vLLM's MISS params when the message history does not continue the turn "
          "whose decode KV the router holds (edited or truncated history, another client's "

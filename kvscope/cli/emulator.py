@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from kvscope import settings
+from kvscope import progress, settings
 from kvscope.cli import deployment
 from kvscope.cli.options import Command, add_workload_scaling, setting_help
 from kvscope.errors import SettingError
@@ -222,14 +222,13 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 class ReplayProgress:
-    """``kvscope replay``'s progress on a terminal: requests done of the workload's turns, the
-    rate and the time left at that rate, redrawn in place at most every ``every_s``."""
+    """``kvscope replay``'s progress: requests done of the workload's turns, the rate and the
+    time left at that rate (drawn by :class:`kvscope.progress.Line`)."""
 
     def __init__(self, stream: TextIO, every_s: float = 0.5) -> None:
         self.stream = stream
         self.every_s = every_s
-        self._last = -every_s
-        self._drawn = False
+        self._line: progress.Line | None = None
 
     @staticmethod
     def text(done: int, total: int, elapsed_s: float) -> str:
@@ -240,19 +239,15 @@ class ReplayProgress:
         return f"{done:,}/{total:,} turns{share}, {rate:.1f} turns/s, {eta}"
 
     def __call__(self, done: int, total: int, elapsed_s: float) -> None:
-        if elapsed_s - self._last < self.every_s and done < total:
-            return
-        self._last = elapsed_s
-        self.stream.write("\r\x1b[2K" + self.text(done, total, elapsed_s))
-        self.stream.flush()
-        self._drawn = True
+        if self._line is None:  # the total is known from the first report on
+            self._line = progress.Line("", total, self.stream, every_s=self.every_s)
+        self._line.update(done, lambda: self.text(done, total, elapsed_s))
 
     def close(self) -> None:
-        """End the line drawn in place (the summary follows on stdout)."""
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+        """Stop drawing (the summary follows on stdout)."""
+        if self._line is not None:
+            self._line.close()
+            self._line = None
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:

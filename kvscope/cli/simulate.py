@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvscope import published, settings
+from kvscope import progress, published, settings
 from kvscope.cli import deployment
 from kvscope.cli.options import add_setting, add_workload_scaling, required
 from kvscope.emulator.capacity import GPUS, NO_GPU
@@ -325,62 +325,32 @@ def _virtual(seconds: float) -> str:
 
 
 class ProgressLine:
-    """The progress of one run on a stream: turns sent / total, virtual time, turns a second.
-
-    On a terminal, rich draws it in place (a bar, turns, virtual time and rate, redrawn from its
-    own thread); elsewhere a plain line is written at most every ``every_s`` seconds, so logs stay
-    short.
-    """
+    """The progress of one run on a stream: turns sent / total, virtual time, turns a second
+    (drawn by :class:`kvscope.progress.Line`: rich on a terminal, a plain line at most every
+    ``every_s`` seconds elsewhere, so logs stay short)."""
 
     def __init__(self, prefix: str, total: int, stream: TextIO, every_s: float = 5.0) -> None:
-        self.prefix = prefix
         self.total = total
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.every_s = every_s  # plain lines only: on a terminal rich redraws at its pace
         self.started = time.monotonic()
-        self._last = self.started
-        self._live: Any = None
-        if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn
+        self._line = progress.Line(prefix, total, stream, every_s=every_s)
 
-            self._live = Progress(TextColumn("{task.fields[prefix]}"), BarColumn(),
-                                  TextColumn("{task.description}"),
-                                  console=Console(file=stream), transient=True)
-            self._task = self._live.add_task("", total=total or None, prefix=prefix)
-            self._live.start()
-
-    def _text(self, turns: int, virtual_s: float, now: float) -> str:
-        elapsed = max(now - self.started, 1e-9)
+    def _text(self, turns: int, virtual_s: float) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
         share = f" ({100 * turns / self.total:.0f}%)" if self.total else ""
-        return (f"{self.prefix} {turns:,}/{self.total:,} turns{share}, virtual "
-                f"{_virtual(virtual_s)}, {turns / elapsed:,.0f} turns/s")
+        return (f"{turns:,}/{self.total:,} turns{share}, virtual {_virtual(virtual_s)}, "
+                f"{turns / elapsed:,.0f} turns/s")
 
     def __call__(self, turns: int, virtual_s: float) -> None:
-        now = time.monotonic()
-        if self._live is not None:
-            # rich redraws at its own pace: an update is only a few attribute writes.
-            text = self._text(turns, virtual_s, now)[len(self.prefix) + 1:]
-            self._live.update(self._task, completed=turns, description=text)
-            return
-        if now - self._last < self.every_s and turns < self.total:
-            return
-        self._last = now
-        self.stream.write(self._text(turns, virtual_s, now) + "\n")
-        self.stream.flush()
+        self._line.update(turns, lambda: self._text(turns, virtual_s))
 
     def close(self) -> None:
         """Stop drawing (idempotent; :meth:`done` calls it)."""
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
+        self._line.close()
 
     def done(self, result: SimulationResult) -> None:
         """The run's closing line: turns, spans, wall time, rate."""
-        self.close()
         elapsed = time.monotonic() - self.started
-        text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
+        text = (f"{result.turns:,} turns, {result.spans:,} spans in "
                 f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
                 f"virtual {_virtual(result.virtual_seconds)}")
         if result.decode_queued_turns:
@@ -388,8 +358,7 @@ class ProgressLine:
                      f"{_virtual(result.decode_queue_s)} in all for decode KV blocks "
                      f"({result.decode_kv_blocks:,} a decode engine, at most "
                      f"{result.decode_peak_blocks:,} held)")
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self._line.finish(text)
 
 
 def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]],
