@@ -126,3 +126,14 @@ def test_sql_param_end_to_end(tmp_path: Path) -> None:
          "--param", "n=41", "--format", "csv"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["v", "42"]
+
+
+def test_emulate_and_simulate_name_faults_from_one_vocabulary() -> None:
+    from kvscope.emulator import faults
+    from kvscope.emulator.simulator import SIM_FAULTS
+
+    names = {v for k, v in vars(faults).items() if k.isupper() and isinstance(v, str)}
+    assert set(SIM_FAULTS) <= names and set(faults.FAULTS) <= names
+    assert sorted(set(SIM_FAULTS) & set(faults.FAULTS)) == [
+        "clock_skew", "handshake_fail", "invalid_params", "preempt_after_read",
+        "strip_stream_metadata", "transfer_fail"]
