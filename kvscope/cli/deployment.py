@@ -14,14 +14,13 @@ Seeds: ``--seed`` seeds what the *engines* draw (faults, request-id suffixes, em
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvscope import settings
 
 __all__ = [
-    "FLAGS", "PER_COMMAND", "Flag", "add", "add_fault", "declared_options", "deprecated_alias",
+    "FLAGS", "PER_COMMAND", "Flag", "add", "add_fault", "deprecated_alias",
 ]
 
 
@@ -38,9 +37,9 @@ class Flag:
     aliases: tuple[str, ...] = ()  # older spellings: accepted, not shown in --help
     setting: str | None = None  # the kvscope setting behind it (environment variable too)
 
-    def full_help(self, default: Any = None) -> str:
+    def full_help(self) -> str:
         """The help with its default (and environment variable), as every command shows it."""
-        value = self.default if default is None else default
+        value = self.default
         if value is None:
             return self.help
         shown = ("on" if value else "off") if self.type is bool else repr(value)
@@ -182,9 +181,3 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str,
 
     parser.add_argument(old, action=_Deprecated, help=argparse.SUPPRESS,
                         default=argparse.SUPPRESS, **kwargs)
-
-
-def declared_options(parser: argparse.ArgumentParser) -> Sequence[argparse.Action]:
-    """The options of ``parser`` that :data:`FLAGS` declares (for tests and docs)."""
-    flags = {f.flag for f in FLAGS.values()}
-    return [a for a in parser._actions if flags & set(a.option_strings)]
