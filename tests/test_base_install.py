@@ -15,7 +15,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("duckdb", "pyarrow", "polars", "dash", "plotly", "aiohttp", "grpc", "pandas")
+HEAVY = ("duckdb", "pyarrow", "polars", "dash", "plotly", "aiohttp", "grpc", "pandas",
+         "prometheus_client", "rich", "clickhouse_connect", "chdb")
 
 BLOCK = f"""
 import importlib.abc, sys
@@ -65,6 +66,20 @@ def test_the_base_dependencies_hold_none_of_the_extras() -> None:
     assert not [p for p in ("duckdb", "pyarrow", "polars", "plotly", "dash", "aiohttp", "grpcio")
                 if p in base]
     assert set(project["optional-dependencies"]) >= {"store", "analysis", "dashboard", "all"}
+
+
+def test_every_package_of_an_extra_is_named_when_missing() -> None:
+    # A command that hits any of them says which extra brings it (kvscope.cli.missing_extra).
+    from kvscope.cli import _EXTRA_OF
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    module = {"grpcio": "grpc", "clickhouse-connect": "clickhouse_connect"}
+    for extra in ("store", "dashboard", "clickhouse"):
+        for requirement in project["optional-dependencies"][extra]:
+            name = re.split(r"[<>=\[ ]", requirement, maxsplit=1)[0]
+            if name == "kvscope":
+                continue
+            assert _EXTRA_OF.get(module.get(name, name)) == extra, (extra, name)
 
 
 def test_version_answers_on_the_base_install_and_loads_no_extra() -> None:

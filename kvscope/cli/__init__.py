@@ -129,7 +129,8 @@ def setting_commands() -> dict[str, list[str]]:
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).
 _EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
-             "grpc": "store", "rich": "store", "plotly": "dashboard", "dash": "dashboard",
+             "grpc": "store", "rich": "store", "prometheus_client": "store",
+             "plotly": "dashboard", "dash": "dashboard",
              "chdb": "clickhouse", "clickhouse_connect": "clickhouse"}
 
 
