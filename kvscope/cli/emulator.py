@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -185,6 +184,8 @@ def _configure_replay(parser: argparse.ArgumentParser) -> None:
 
 def _run_replay(args: argparse.Namespace) -> int:
     """Replay; print a one-line JSON summary. Exit 1 if no request succeeded."""
+    import asyncio  # here: the command line's other commands start without it
+
     from kvscope.emulator.replay import replay
     from kvscope.emulator.workloads import sources
 
