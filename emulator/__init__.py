@@ -11,12 +11,13 @@
     replay.py        replays a workload over HTTP through a proxy
     simulator.py     the virtual-time simulator (``kvscope simulate`` is kvscope.cli.simulate);
                      span_process.py its span builders, here or in a span process
-                     published_sweep.py the published ON/OFF sweep as simulator runs
+    sweeps.py        the runs of a sweep: every combination of swept settings, and the
+                     published ON/OFF sweep
     workloads/       synthetic, WEKA and Mooncake workloads
 """
 
 __all__ = [
     "capacity", "cost_model", "faults", "ground_truth", "launcher", "openai_api", "physics",
-    "published_sweep", "replay", "reuse_model", "servers", "simulator", "span_process", "tokens",
+    "replay", "reuse_model", "servers", "simulator", "span_process", "sweeps", "tokens",
     "turn_mix", "workloads",
 ]

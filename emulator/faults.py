@@ -56,6 +56,9 @@ PREEMPT_AFTER_READ = "preempt_after_read"
 INVALID_PARAMS = "invalid_params"
 CLOCK_SKEW = "clock_skew"
 LOAD_FAILURE_POLICY_FAIL = "load_failure_policy_fail"
+# Faults of the proxy and the client, which only the simulator (it plays both) injects.
+NO_CONVERSATION_ID = "no_conversation_id"  # per conversation: the client sends no id
+PROXY_RESTART = "proxy_restart"  # the router loses its entries before this turn
 
 LEG_PREFILL = "prefill"
 LEG_DECODE = "decode"

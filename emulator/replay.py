@@ -37,13 +37,13 @@ from typing import IO, Any
 
 import aiohttp
 
+from kvscope.collector.proxy.conversation import SESSION_HEADER
 from kvscope.emulator.workloads.model import ChatHistory, Conversation, Turn, Workload
 from kvscope.errors import SettingError
 
 DEFAULT_MODEL = "kvscope-emulated"
 # Told (requests finished, turns in the workload, seconds since the start) after each request.
 Progress = Callable[[int, int, float], None]
-SESSION_HEADER = "X-Session-ID"
 CHAT_PATH = "/v1/chat/completions"
 
 

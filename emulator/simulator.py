@@ -45,7 +45,7 @@ from kvscope.child import (
 from kvscope.collector.engine_telemetry import (
     KvTransferRecord,
 )
-from kvscope.collector.proxy.router import ConversationId
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,
@@ -57,6 +57,7 @@ from kvscope.collector.span_rows import (
     cyclic_gc_per_batch,
 )
 from kvscope.emulator import capacity, cost_model
+from kvscope.emulator import faults as fault_names
 from kvscope.emulator.reuse_model import (
     NO_FAULTS,
     DecodeNode,
@@ -106,16 +107,17 @@ from kvscope.store.writer import ROW_GROUP_ROWS
 # Fault names the simulator understands, each applied per turn with its probability.
 logger = logging.getLogger(__name__)
 
-FAULT_NO_CONVERSATION_ID = "no_conversation_id"  # per conversation: the client sends no id
-FAULT_STRIP_METADATA = "strip_stream_metadata"  # D's params never reach the proxy
-FAULT_INVALID_PARAMS = "invalid_params"  # the params P gets lack remote_request_id
-FAULT_HANDSHAKE = "handshake_fail"
-FAULT_TRANSFER = "transfer_fail"
-FAULT_PREEMPT = "preempt_after_read"
+# The names are kvscope.emulator.faults' (one fault vocabulary for emulate and simulate).
+FAULT_NO_CONVERSATION_ID = fault_names.NO_CONVERSATION_ID  # per conversation: no id sent
+FAULT_STRIP_METADATA = fault_names.STRIP_STREAM_METADATA  # D's params never reach the proxy
+FAULT_INVALID_PARAMS = fault_names.INVALID_PARAMS  # the params P gets lack remote_request_id
+FAULT_HANDSHAKE = fault_names.HANDSHAKE_FAIL
+FAULT_TRANSFER = fault_names.TRANSFER_FAIL
+FAULT_PREEMPT = fault_names.PREEMPT_AFTER_READ
 # The least time the emulators put between a decision and the same request's next one.
 _NEXT_STEP_S = 0.001
-FAULT_CLOCK_SKEW = "clock_skew"  # P misjudges D's clock by the decode TTL (reads look expired)
-FAULT_PROXY_RESTART = "proxy_restart"  # the router loses its entries before this turn
+FAULT_CLOCK_SKEW = fault_names.CLOCK_SKEW  # P misjudges D's clock by one TTL (reads look expired)
+FAULT_PROXY_RESTART = fault_names.PROXY_RESTART  # the router loses its entries before this turn
 SIM_FAULTS = (
     FAULT_NO_CONVERSATION_ID,
     FAULT_STRIP_METADATA,
@@ -168,7 +170,7 @@ class SimulationSettings:
     decode_clock_offset_s: float = 1234.5
     faults: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0
-    model: str = "emulated"
+    model: str = "kvscope-emulated"  # kvscope.cli.deployment's --served-model-name
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.faults) - set(SIM_FAULTS))

@@ -118,7 +118,8 @@ _DECLARED = [
     ),
     Setting("service_name", str, "", "OpenTelemetry service.name for this process."),
     Setting("run_label", str, "", "Label of the run this process's telemetry belongs to."),
-    Setting("host", str, "127.0.0.1", "Address servers bind to."),
+    Setting("host", str, "127.0.0.1", "Address servers bind to (vLLM's servers and proxy bind "
+            "0.0.0.0: give that to listen on every address)."),
     Setting("port", int, 4318, "Port of the OTLP/HTTP receiver (`kvscope serve`).", _port),
     Setting(
         "grpc_port",

@@ -20,7 +20,7 @@ from kvscope.boundary_key import (
     resolve_boundary_key,
 )
 from kvscope.collector.otel import setup_telemetry
-from kvscope.collector.proxy.router import ConversationId
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, boundary_hashes
 from kvscope.errors import SettingError
 from kvscope.reuse import outcomes

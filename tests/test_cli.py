@@ -66,10 +66,10 @@ def test_sql_table_output_is_exact(store: Path) -> None:
 
 
 def test_sql_csv_and_json_output(store: Path) -> None:
-    query = "SELECT run_id, label FROM kvscope_runs WHERE run_id = ?"
-    csv_out = run("sql", str(store), query, "--param", "r2", "--format", "csv")
+    query = "SELECT run_id, label FROM kvscope_runs WHERE run_id = $run"
+    csv_out = run("sql", str(store), query, "--param", "run=r2", "--format", "csv")
     assert csv_out.stdout == 'run_id,label\nr2,"OFF, ""quoted"""\n'
-    json_out = run("sql", str(store), query, "--param", "r1", "--format", "json")
+    json_out = run("sql", str(store), query, "--param", "run=r1", "--format", "json")
     assert json.loads(json_out.stdout) == [{"run_id": "r1", "label": "ON"}]
 
 

@@ -63,6 +63,17 @@ def test_simulate_progress_on_a_terminal_uses_rich() -> None:
     assert "[1/1 ON] 100 turns, 400 spans in " in text.splitlines()[-1]
 
 
+def test_replay_progress_is_drawn_by_the_same_line() -> None:
+    from kvscope.cli.emulator import ReplayProgress
+
+    out = Terminal()
+    line = ReplayProgress(out)
+    line(40, 80, 2.0)
+    line(80, 80, 4.0)
+    line.close()
+    assert "\x1b[" in out.getvalue()  # rich, as simulate's progress on a terminal
+
+
 def test_tables_fit_the_width_and_cut_long_cells() -> None:
     columns = ["run", "outcome", "evidence"]
     rows = [("feature ON", "below_threshold", "x" * 300), ("feature OFF", "first_turn", "turn 1")]

@@ -1,6 +1,6 @@
 """``kvscope proxy``: an instrumented drop-in for vLLM's multi-turn P/D disaggregation proxy.
 
-    router.py      the conversation id of a request (the router is kvscope.reuse.router)
+    conversation.py  the conversation id of a request (the router is kvscope.reuse.router)
     telemetry.py   per-turn records → kvscope.turn / input_processing / generation / tool_wait
                    spans, and the Prometheus metrics behind GET /metrics
     metrics.py     the Prometheus metrics behind GET /metrics (prometheus_client)
@@ -11,15 +11,29 @@
 
 from __future__ import annotations
 
-from kvscope.collector.proxy.app import (
-    Proxy,
-    ProxyConfig,
-    Upstream,
-    build_app,
-)
-from kvscope.collector.proxy.router import conversation_id_from
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
-from kvscope.reuse.router import ConversationRouter, Lookup
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvscope.collector.proxy.app import Proxy, ProxyConfig, Upstream, build_app
+    from kvscope.collector.proxy.conversation import conversation_id_from
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+    from kvscope.reuse.router import ConversationRouter, Lookup
+
+# The names below load their module on first use (PEP 562, as kvscope.store), so a light module
+# of the package (conversation.py: replay reads its SESSION_HEADER) imports no aiohttp server.
+_MODULE_OF = {
+    "Proxy": "kvscope.collector.proxy.app",
+    "ProxyConfig": "kvscope.collector.proxy.app",
+    "Upstream": "kvscope.collector.proxy.app",
+    "build_app": "kvscope.collector.proxy.app",
+    "conversation_id_from": "kvscope.collector.proxy.conversation",
+    "ProxyTelemetry": "kvscope.collector.proxy.telemetry",
+    "TurnRecord": "kvscope.collector.proxy.telemetry",
+    "boundary_hashes": "kvscope.collector.proxy.telemetry",
+    "ConversationRouter": "kvscope.reuse.router",
+    "Lookup": "kvscope.reuse.router",
+}
 
 __all__ = [
     "ConversationRouter",
@@ -33,3 +47,12 @@ __all__ = [
     "build_app",
     "conversation_id_from",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -37,14 +37,19 @@ import aiohttp
 from aiohttp import web
 
 from kvscope import semconv
-from kvscope.collector.proxy.router import conversation_id_from
+from kvscope.collector.proxy.conversation import SESSION_HEADER, conversation_id_from
 from kvscope.collector.proxy.telemetry import (
     BOUNDARY_HASHES_KEPT,
     ProxyTelemetry,
     TurnRecord,
     message_boundaries,
 )
-from kvscope.reuse.params import streams_kv_transfer_params
+from kvscope.reuse.params import (
+    DECODE_PARAMS_AUTO,
+    DECODE_PARAMS_MODES,
+    DECODE_PARAMS_STREAM,
+    streams_kv_transfer_params,
+)
 from kvscope.reuse.router import (
     GUARD_EDITED,
     GUARD_UNCHECKED,
@@ -62,19 +67,8 @@ turn_log = logging.getLogger("kvscope.collector.proxy.turns")
 
 # Fields vLLM's proxy removes from the prefill request (prefill produces one token only).
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options")
-# Header the vLLM multi-turn benchmark sends with --send-conversation-id (vLLM's proxy ignores it).
-SESSION_HEADER = "X-Session-ID"
 # Agent prompts with long histories exceed aiohttp's 1 MiB default request size.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
-
-# Where decode's kv_transfer_params are read: from its stream (vLLM >= 0.33), from a whole
-# (non-streaming) response (older vLLM: its streams carry none), or decided per decode instance
-# from its GET /version.
-DECODE_PARAMS_STREAM = "stream"
-DECODE_PARAMS_RESPONSE = "response"
-DECODE_PARAMS_AUTO = "auto"
-DECODE_PARAMS_MODES = (DECODE_PARAMS_AUTO, DECODE_PARAMS_STREAM, DECODE_PARAMS_RESPONSE)
-
 _ROUTER_KEY = web.AppKey("router", ConversationRouter)
 _TELEMETRY_KEY = web.AppKey("telemetry", ProxyTelemetry)
 

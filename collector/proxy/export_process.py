@@ -59,7 +59,7 @@ from typing import Any
 
 from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, report_error, report_ready, start_child, unpack
-from kvscope.collector.proxy.router import ConversationId
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries
 from kvscope.errors import KvscopeError
 

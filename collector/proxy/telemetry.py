@@ -36,8 +36,8 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from kvscope import __version__, semconv
 from kvscope.boundary_key import HASH_HEX, BoundaryKey
 from kvscope.collector.otel import Telemetry
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.metrics import ProxyMetrics
-from kvscope.collector.proxy.router import ConversationId
 
 if TYPE_CHECKING:
     from kvscope.collector.proxy.export_process import TurnExportProcess

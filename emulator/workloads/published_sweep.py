@@ -32,14 +32,16 @@ NAME = "published_sweep"
 DEFAULT_SLOT_S = 600.0
 
 
+# The defaults are the published setup (kvscope.published keeps the numbers; both published
+# sweeps ran the same chats).
 def generate(
     prefix_tokens: int,
     *,
-    conversations: int = 10,
-    turns: int = 10,
-    new_tokens: int = 150,
-    output_tokens: int = 300,
-    clients: int = 2,
+    conversations: int = published.QWEN3_32B.conversations,
+    turns: int = published.QWEN3_32B.turns,
+    new_tokens: int = published.QWEN3_32B.new_tokens,
+    output_tokens: int = published.QWEN3_32B.output_tokens,
+    clients: int = published.QWEN3_32B.clients,
     slot_s: float = DEFAULT_SLOT_S,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Workload:

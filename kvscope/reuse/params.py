@@ -62,6 +62,15 @@ STREAMED_PARAMS_SINCE = (0, 33)
 _VERSION = re.compile(r"\s*v?(\d+)\.(\d+)")
 
 
+# Where decode's kv_transfer_params are read: from its stream (vLLM >= 0.33), from a whole
+# (non-streaming) response (older vLLM: its streams carry none), or decided per decode instance
+# from its GET /version.
+DECODE_PARAMS_STREAM = "stream"
+DECODE_PARAMS_RESPONSE = "response"
+DECODE_PARAMS_AUTO = "auto"
+DECODE_PARAMS_MODES = (DECODE_PARAMS_AUTO, DECODE_PARAMS_STREAM, DECODE_PARAMS_RESPONSE)
+
+
 def streams_kv_transfer_params(version: str | None) -> bool | None:
     """Whether a vLLM server of ``version`` (``GET /version``'s ``version``: ``0.32.0``,
     ``0.33.0rc1``, ``0.11.1.dev5+g1234``) streams decode's ``kv_transfer_params``; None when

@@ -332,7 +332,7 @@ def telemetry_cost_us(db: str, process: bool, turns: int = 5000
     process, only the sender thread (packed records → one batch → pipe). The third is the
     export process's own CPU, 0 in-process.
     """
-    from kvscope.collector.proxy.router import ConversationId
+    from kvscope.collector.proxy.conversation import ConversationId
 
     if process:
         telemetry = ProxyTelemetry(None, export_process=TurnExportProcess(

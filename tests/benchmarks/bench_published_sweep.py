@@ -29,8 +29,8 @@ def main() -> None:
     from kvscope import published
     from kvscope.analysis import registry
     from kvscope.cli.simulate import SWEEP_COLUMNS, run_each, sweep_rows
-    from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
     from kvscope.emulator.simulator import SimulationSettings
+    from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
     from kvscope.tables import format_rows
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

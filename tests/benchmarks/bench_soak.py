@@ -216,7 +216,7 @@ def _served_turn(maker: Any, request_id: str, conversation: str, prompt_tokens: 
     """A turn record as the proxy fills it for a router HIT (2 ms prefill, first token at
     3 ms, end at 9 ms, 16 output tokens), its message boundaries hashed."""
     from kvscope import semconv
-    from kvscope.collector.proxy.router import ConversationId
+    from kvscope.collector.proxy.conversation import ConversationId
 
     record = maker.begin_turn("/v1/chat/completions", request_id, None, None)
     maker.conversation_started(record, ConversationId(conversation, "body"))

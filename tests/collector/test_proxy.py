@@ -47,8 +47,8 @@ from kvscope.collector.proxy.app import (
     SERVING_GC_THRESHOLD,
     configure_serving_gc,
 )
+from kvscope.collector.proxy.conversation import MAX_CONVERSATION_ID_CHARS
 from kvscope.collector.proxy.metrics import MAX_MODEL_NAMES, OTHER_MODEL, ProxyMetrics
-from kvscope.collector.proxy.router import MAX_CONVERSATION_ID_CHARS
 from kvscope.collector.proxy.telemetry import (
     TurnRecord,
     chain_boundary,

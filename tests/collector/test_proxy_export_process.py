@@ -16,6 +16,7 @@ from kvscope import semconv
 from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, unpack
 from kvscope.collector.otel import setup_telemetry
+from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.export_process import (
     TurnExportProcess,
     record_from_tuple,
@@ -23,7 +24,6 @@ from kvscope.collector.proxy.export_process import (
     resolve_boundaries,
     span_count,
 )
-from kvscope.collector.proxy.router import ConversationId
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
 from kvscope.errors import StoreLockedError
 from tests.stores import query

@@ -20,16 +20,16 @@ import pytest
 
 from kvscope import semconv
 from kvscope.analysis.ledger import ledger
-from kvscope.collector.proxy.app import (
-    DECODE_PARAMS_AUTO,
-    DECODE_PARAMS_RESPONSE,
-    DECODE_PARAMS_STREAM,
-    sse_events,
-)
+from kvscope.collector.proxy.app import sse_events
 from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.reuse import outcomes
-from kvscope.reuse.params import streams_kv_transfer_params
+from kvscope.reuse.params import (
+    DECODE_PARAMS_AUTO,
+    DECODE_PARAMS_RESPONSE,
+    DECODE_PARAMS_STREAM,
+    streams_kv_transfer_params,
+)
 from kvscope.store import StoreReader
 from tests.stores import query
 

@@ -14,8 +14,8 @@ from kvscope import published
 from kvscope.analysis import registry
 from kvscope.dashboards import figures
 from kvscope.dashboards.report import write_report
-from kvscope.emulator.published_sweep import DEFAULT_PREFIX_TOKENS, sweep_runs
 from kvscope.emulator.simulator import SimulationSettings
+from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
 from kvscope.emulator.turn_mix import turn_mix
 from kvscope.emulator.workloads import published_sweep
 from kvscope.emulator.workloads.model import WorkloadError, block_view, common_prefix_blocks
@@ -185,3 +185,15 @@ def test_sweep_figures_carry_the_published_points_dashed() -> None:
     assert ("bar", "Qwen3-32B OFF transfer") not in kinds  # OFF pulls nothing
     assert ("scatter", "Qwen3-32B OFF published") in kinds
     assert "no data" in figures.sweep_ttft_vs_prompt(None).layout.annotations[0].text
+
+
+def test_the_workload_defaults_are_each_published_sweeps_setup() -> None:
+    # The numbers live in kvscope.published only; every published sweep ran the same chats.
+    from kvscope import published
+
+    default = published_sweep.generate(2000).summary()
+    for sweep in published.SWEEPS:
+        assert published_sweep.generate(
+            2000, conversations=sweep.conversations, turns=sweep.turns,
+            new_tokens=sweep.new_tokens, output_tokens=sweep.output_tokens,
+            clients=sweep.clients).summary() == default, sweep.model

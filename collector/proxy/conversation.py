@@ -12,6 +12,10 @@ from typing import Any
 
 from kvscope import semconv
 
+# The header a client may name its conversation by: the vLLM multi-turn benchmark sends it with
+# --send-conversation-id (vLLM's proxy ignores it; kvscope's falls back to it, kvscope replay
+# sends it).
+SESSION_HEADER = "X-Session-ID"
 # Conversation ids longer than this are not used as keys (a client bug, or an attack on memory).
 MAX_CONVERSATION_ID_CHARS = 256
 
