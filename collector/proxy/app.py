@@ -43,6 +43,7 @@ from kvscope.collector.proxy.telemetry import (
     ProxyTelemetry,
     TurnRecord,
     message_boundaries,
+    set_reply_boundary,
 )
 from kvscope.reuse.params import streams_kv_transfer_params
 from kvscope.reuse.router import (
@@ -219,8 +220,10 @@ class DecodeStream:
     non-streaming client.
     """
 
-    def __init__(self, collect_text: bool) -> None:
+    def __init__(self, collect_text: bool, keep_payloads: bool = False) -> None:
         self.collect_text = collect_text
+        # A chat reply's events, kept as bytes for its boundary hash (parsed after the turn).
+        self.payloads: list[bytes] | None = [] if keep_payloads else None
         self._pending = b""
         self.events = 0
         self.first_event_ns: int | None = None
@@ -259,6 +262,8 @@ class DecodeStream:
             self.done = True
             return None
         self.events += 1
+        if self.payloads is not None:
+            self.payloads.append(payload)
         if self.first_event_ns is None:
             self.first_event_ns = time.time_ns()
         if not (
@@ -479,6 +484,10 @@ class Proxy:
             record.offered_request_id = offered if isinstance(offered, str) else None
             record.offered_tokens = _int(lookup.params.get("remote_num_tokens"))
 
+        # The reply's boundary hash (a chat of one choice): for the guard's next check, and
+        # for the ledger's when telemetry is on.
+        reply = (isinstance(body.get("messages"), list) and body.get("n") in (None, 1)
+                 and (self.config.reuse_guard or self.telemetry.enabled))
         whole: dict[str, Any] | None = None
         try:
             await self._prefill(api_path, body, record)
@@ -498,15 +507,19 @@ class Proxy:
 
         if whole is not None:
             self._whole_ended(whole, conversation.value, decode, record)
+            if reply:
+                self._reply_ended(record, _whole_reply(whole), conversation.value)
             if client_wants_stream:
                 return await self._replay_as_stream(request, whole, body, record)
             return web.json_response(whole)
-        stream = DecodeStream(collect_text=not client_wants_stream)
+        stream = DecodeStream(collect_text=not client_wants_stream,
+                              keep_payloads=reply and client_wants_stream)
         if client_wants_stream:
             return await self._relay_stream(
                 request, response, decode, stream, conversation.value, record
             )
-        return await self._collect(response, decode, stream, conversation.value, body, record)
+        return await self._collect(response, decode, stream, conversation.value, body, record,
+                                   reply)
 
     def _guard(self, body: dict[str, Any], lookup: Lookup,
                record: TurnRecord) -> tuple[Lookup, bool]:
@@ -769,6 +782,22 @@ class Proxy:
             self._client_left(request, record, f"during the answer's stream ({exc or 'reset'})")
         return response
 
+    def _reply_ended(self, record: TurnRecord, source: str | tuple[bytes, ...] | None,
+                     conversation_id: str | None) -> None:
+        """Keep what decode's reply is hashed from; with the guard, hash it now and give it to
+        the router entry, before the client can send its next turn."""
+        if source is None or record.error_kind is not None:
+            return
+        record.reply_source = source
+        if self.config.reuse_guard and record.history_last is not None:
+            try:
+                set_reply_boundary(record, self.telemetry.boundary_key)
+            except Exception:  # the guard never breaks a turn: the next is checked as before
+                logger.debug("reuse guard: the reply does not hash", exc_info=True)
+                record.reply_source = None
+            if conversation_id is not None and record.reply_hash is not None:
+                self.router.set_reply(conversation_id, record.history_last, record.reply_hash)
+
     def _keep_params(
         self, found: list[dict[str, Any]], conversation_id: str | None, decode: Upstream,
         record: TurnRecord,
@@ -809,10 +838,15 @@ class Proxy:
         try:
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+                # Looked at before the client has it: the router entry (and the reply's hash)
+                # is in place before the client can send its next turn.
                 found = stream.feed(chunk)
                 if found:
                     self._keep_params(found, conversation_id, decode, record)
+                if stream.done and stream.payloads is not None:
+                    self._reply_ended(record, tuple(stream.payloads), conversation_id)
+                    stream.payloads = None
+                await response.write(chunk)
             self._keep_params(stream.close(), conversation_id, decode, record)
             if not stream.done:
                 record.fail(semconv.LEG_DECODE, semconv.ERROR_PROTOCOL, 200,
@@ -844,6 +878,7 @@ class Proxy:
         conversation_id: str | None,
         body: dict[str, Any],
         record: TurnRecord,
+        reply: bool = False,
     ) -> web.StreamResponse:
         """Read decode's whole stream and answer with the body vLLM's proxy builds."""
         try:
@@ -866,6 +901,8 @@ class Proxy:
             upstream.close()
             self._stream_ended(stream, record)
         text = "".join(stream.text)
+        if reply:
+            self._reply_ended(record, text, conversation_id)
         model = stream.model or body.get("model", "")
         created = stream.created or int(time.time())
         response_id = stream.response_id or record.x_request_id
@@ -901,6 +938,18 @@ class Proxy:
                 "usage": None,
             }
         return web.json_response(answer)
+
+
+def _whole_reply(answer: Mapping[str, Any]) -> str | None:
+    """A whole chat answer's reply text, when it is one plain-text message (see reply_text)."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    if not isinstance(message, dict) or message.get("tool_calls"):
+        return None
+    content = message.get("content")
+    return content if isinstance(content, str) else None
 
 
 def sse_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:
