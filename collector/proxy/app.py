@@ -229,6 +229,7 @@ class DecodeStream:
         self.first_event_ns: int | None = None
         self.text: list[str] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it, if one did
         self.response_id: str | None = None
         self.model: str | None = None
         self.created: int | None = None
@@ -297,6 +298,8 @@ class DecodeStream:
                     self.text.append(delta["content"])
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
+                stop = choice.get("stop_reason")
+                self.stop_reason = stop if isinstance(stop, str) else None
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion_tokens = _int(usage.get("completion_tokens"))
@@ -508,7 +511,8 @@ class Proxy:
         if whole is not None:
             self._whole_ended(whole, conversation.value, decode, record)
             if reply:
-                self._reply_ended(record, _whole_reply(whole), conversation.value)
+                self._reply_ended(record, _whole_reply(whole, record.retention_returned),
+                                  conversation.value)
             if client_wants_stream:
                 return await self._replay_as_stream(request, whole, body, record)
             return web.json_response(whole)
@@ -902,7 +906,8 @@ class Proxy:
             self._stream_ended(stream, record)
         text = "".join(stream.text)
         if reply:
-            self._reply_ended(record, text, conversation_id)
+            kept = record.retention_returned and stream.stop_reason or ""
+            self._reply_ended(record, text + kept, conversation_id)
         model = stream.model or body.get("model", "")
         created = stream.created or int(time.time())
         response_id = stream.response_id or record.x_request_id
@@ -940,8 +945,9 @@ class Proxy:
         return web.json_response(answer)
 
 
-def _whole_reply(answer: Mapping[str, Any]) -> str | None:
-    """A whole chat answer's reply text, when it is one plain-text message (see reply_text)."""
+def _whole_reply(answer: Mapping[str, Any], kept: bool) -> str | None:
+    """A whole chat answer's reply text, when it is one plain-text message, with the stop
+    string that ended it where decode ``kept`` its KV (see reply_text)."""
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
@@ -949,7 +955,10 @@ def _whole_reply(answer: Mapping[str, Any]) -> str | None:
     if not isinstance(message, dict) or message.get("tool_calls"):
         return None
     content = message.get("content")
-    return content if isinstance(content, str) else None
+    stop = choices[0].get("stop_reason")  # decode holds the stop string the text leaves out
+    if isinstance(content, str):
+        return content + stop if kept and isinstance(stop, str) else content
+    return None
 
 
 def sse_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:

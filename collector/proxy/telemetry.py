@@ -135,11 +135,15 @@ def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey
     record.boundary_key_id = key.key_id
 
 
-def reply_text(source: str | tuple[bytes, ...] | None) -> str | None:
+def reply_text(source: str | tuple[bytes, ...] | None, kept: bool = True) -> str | None:
     """The assistant message a client sends back for decode's reply: its text, or None when
     the reply is not one plain-text message (tool calls, several choices, unreadable events).
 
     ``source`` is the text itself, or a chat stream's SSE payloads (the ``data:`` lines).
+    A stop string that ended the reply (``stop_reason``) is part of it when decode ``kept``
+    the reply's KV (returned params: the engine finished the request in the step the string
+    appeared): decode computed it, the client's text lacks it, so the next turn does not
+    continue what decode holds. Otherwise the frontend aborted the request and nothing is held.
     """
     if source is None or isinstance(source, str):
         return source
@@ -162,6 +166,9 @@ def reply_text(source: str | tuple[bytes, ...] | None) -> str | None:
             content = delta.get("content")
             if isinstance(content, str):
                 parts.append(content)
+            stop = choice.get("stop_reason")
+            if kept and isinstance(stop, str):  # decode holds what the text leaves out
+                parts.append(stop)
     return "".join(parts)
 
 
@@ -178,7 +185,7 @@ def set_reply_boundary(record: TurnRecord, key: BoundaryKey) -> None:
     if source is None or record.reply_hash is not None:
         return
     last = record.history_last or record.boundary_hashes.rpartition(",")[2]
-    text = reply_text(source)
+    text = reply_text(source, record.retention_returned)
     if not last or text is None:
         return
     record.reply_hash = chain_boundary(bytes.fromhex(last), "assistant", text, key).hex()
