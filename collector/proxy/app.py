@@ -852,6 +852,8 @@ class Proxy:
                     stream.payloads = None
                 await response.write(chunk)
             self._keep_params(stream.close(), conversation_id, decode, record)
+            if stream.done and stream.payloads is not None:  # [DONE] without a newline
+                self._reply_ended(record, tuple(stream.payloads), conversation_id)
             if not stream.done:
                 record.fail(semconv.LEG_DECODE, semconv.ERROR_PROTOCOL, 200,
                             f"decode {decode.name} ended its stream without [DONE]")
