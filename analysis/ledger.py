@@ -162,6 +162,7 @@ _TURN_COLUMNS: _Columns = {
     "hash_key_id": span_attr(semconv.MESSAGE_BOUNDARY_HASH_KEY_ID),
     "messages": span_attr(semconv.MESSAGE_COUNT),
     "roles": span_attr(semconv.MESSAGE_ROLES),
+    "reply_hash": span_attr(semconv.REPLY_BOUNDARY_HASH),
     "error_kind": span_attr(semconv.ERROR_KIND),
     "observer": span_attr(semconv.TURN_OBSERVER),
     "duration_measured": span_attr(semconv.DURATION_MEASURED),
@@ -465,7 +466,7 @@ def _engine_turns(b: query.Binder) -> str:
     nulls = {"trace_id", "span_id", "conversation_id", "turn_index", "duration_ns",
              "status_code", "ttft_ms", "router_lookup", "router_entry_age_s", "reuse_guard",
              "boundary_hashes", "hash_key_id", "messages", "roles", "error_kind",
-             "duration_measured", "route"}
+             "duration_measured", "route", "reply_hash"}
     chosen = {"run_id": "k.run_id", "x_request_id": "k.x_key", "arrival": "k.arrival",
               "prompt_tokens": "u.prompt_n", "output_tokens": "u.output_n",
               "observer": b(semconv.OBSERVER_ENGINE)}
@@ -487,7 +488,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
         "duration_ns", "status_code", "ttft_ms", "router_lookup", "router_entry_age_s",
         "reuse_guard", "boundary_hashes", "hash_key_id", "roles", "observer",
-        "duration_measured", "route")),
+        "duration_measured", "route", "reply_hash")),
     *(("p", name, name) for name in (
         "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
         "retention_id")),
@@ -519,7 +520,7 @@ _PREVIOUS = {
     "prev_prompt": "prompt_tokens", "prev_output": "output_tokens",
     "prev_hashes": "boundary_hashes", "prev_hash_key_id": "hash_key_id",
     "prev_messages": "messages", "prev_returned": "metadata_returned",
-    "prev_index": "turn_number", "prev_held": "held_tokens",
+    "prev_index": "turn_number", "prev_held": "held_tokens", "prev_reply": "reply_hash",
 }
 
 
@@ -556,7 +557,9 @@ def _continues(b: query.Binder) -> str:
     reply (role ``a``) — a reset keeps the first messages too, then adds a summary instead. The
     proxy keeps only the last few hashes and roles per turn; if k added more messages than
     that, the relation is not decidable (see :func:`_history`). When roles were not recorded
-    the message after k-1's is not checked.
+    the message after k-1's is not checked. When k-1's span names the hash of its messages then
+    the reply decode produced (``reply_hash``), k must carry that hash: a client that sent back
+    another reply (compacted, reasoning stripped, rewritten) edited the history decode holds.
     """
     d = b.dialect
     comma = b(",")
@@ -566,8 +569,10 @@ def _continues(b: query.Binder) -> str:
     # k-1's last message's index among k's kept ones: the commas before where it was found.
     index = _count(b, f"substring({kept}, 1, {found} - 1)", comma)
     reply_role = f"substring(roles, {index} + 2, 1)"
+    same_reply = f"{d.find(kept, f'({comma} || prev_reply || {comma})')} > 0"
     return (f"({found} > 0 AND messages > prev_messages "
-            f"AND (roles IS NULL OR {reply_role} = {b('a')}))")
+            f"AND (roles IS NULL OR {reply_role} = {b('a')}) "
+            f"AND (prev_reply IS NULL OR {same_reply}))")
 
 
 def _count(b: query.Binder, text: str, comma: str) -> str:
@@ -606,7 +611,7 @@ def _history(b: query.Binder) -> str:
 # What leaves the engine: the turn's own fields, its joined evidence and the previous turn's
 # counts; the hashes stay behind (their verdict is ``history``).
 _OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles",
-                "route"}
+                "route", "reply_hash", "prev_reply"}
 
 
 def _per_turn(b: query.Binder) -> str:

@@ -159,6 +159,9 @@ class TruthRow:
     # Wall ms the prefill server spent on the request before answering (admission, D->P read,
     # compute): the part of a proxy's "Prefill done in N ms" that is the engine's.
     prefill_server_ms: float | None = None
+    # What happened, as the decision table's facts (the outcome is the table's reading of
+    # them). The router's facts are not among them: the servers never see the lookup.
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 class TruthRecorder:
@@ -197,11 +200,17 @@ class TruthRecorder:
                           match.shared_prefix_tokens)
         previous = match.previous
         turn_index = previous.turn_index + 1 if previous is not None else 1
+        # The prompt continues the previous turn when it holds decode's whole sequence (the
+        # reply as decode generated it); an edited history or reply, a truncation or a foreign
+        # prompt under the offer's id does not.
+        edited = previous is not None and previous is offered and common_prefix_tokens(
+            previous, prompt, prompt_ids) < previous.seq.num_tokens
         accounting = reuse_model.account_turn(
             turn_index,
             match.reusable_tokens,
             result,
             decode_returned_params=previous.params_on_wire if previous is not None else True,
+            history_edited=edited,
         )
         transfer = result.transfer
         evidence = accounting.evidence
@@ -227,6 +236,7 @@ class TruthRecorder:
             transfer_blocks=transfer.blocks if transfer is not None else 0,
             error=error,
             faults=sorted(faults),
+            facts=accounting.facts,
         )
         if error is not None:
             self._write(row)

@@ -39,7 +39,9 @@ __all__ = [
     "full_response",
     "models_body",
     "parse_request",
+    "STOP_STRING",
     "plan_output",
+    "stop_reason",
     "token_choice",
     "usage",
 ]
@@ -94,6 +96,8 @@ class EmulatedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     # prompt_logprobs asked: vLLM's scheduler reads no cached prefix (skip_reading_prefix_cache).
     skip_reading_prefix_cache: bool = False
+    # The request's stop strings (``stop``); matched within the emulated output's words.
+    stop: tuple[str, ...] = ()
 
 
 def _int_field(body: Mapping[str, Any], name: str) -> int | None:
@@ -146,6 +150,13 @@ def parse_request(
     if limit < 1:
         raise RequestError(400, f"max_tokens must be at least 1, got {limit}.",
                            param="max_tokens")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list)
+                                 and all(isinstance(s, str) and s for s in stop)):
+        raise RequestError(400, "stop must be a string or a list of non-empty strings",
+                           param="stop")
     options = body.get("stream_options")
     stream = bool(body.get("stream", False))
     include_usage = bool(stream and isinstance(options, dict) and options.get("include_usage"))
@@ -181,18 +192,39 @@ def parse_request(
         fault_names=requested,
         key=fault_names.turn_key(prompt_ids),
         skip_reading_prefix_cache=body.get("prompt_logprobs") is not None,
+        stop=tuple(stop or ()),
     )
 
 
-def plan_output(req: EmulatedRequest, seed: int) -> tuple[list[str], str]:
-    """The words decode emits and the finish reason (``length`` or ``stop``), by seed."""
+# A stop string matched before the engine finished the request: vLLM's frontend cuts the text
+# and aborts it (finish_reason "stop" on the wire; decode keeps and returns nothing).
+STOP_STRING = "stop_string"
+
+
+def stop_reason(req: EmulatedRequest, word: str) -> str | None:
+    """The stop string ``word`` matched (vLLM's ``stop_reason``), if any."""
+    return next((stop for stop in req.stop if stop in word), None)
+
+
+def plan_output(req: EmulatedRequest, seed: int) -> tuple[list[str], str, int]:
+    """The words decode generates, why it ends (``length``, ``stop`` or :data:`STOP_STRING`)
+    and how many of them the client sees, by seed.
+
+    A stop string (matched within a word) ends the text before its word. When that word is
+    the last the engine generates anyway, the engine has finished the request in that step
+    (its reason stands, the text is still cut); earlier, the frontend aborts it.
+    """
     mixed = (req.key ^ (seed * 0x9E3779B97F4A7C15)) & 0x7FFFFFFFFFFFFFFF
     n, reason = req.max_tokens, "length"
     if not req.ignore_eos:
         natural = _NATURAL_MIN_TOKENS + mixed % _NATURAL_SPREAD
         if natural < n:
             n, reason = natural, "stop"
-    return tokens.generate_output_words(mixed, n), reason
+    words = tokens.generate_output_words(mixed, n)
+    for i, word in enumerate(words if req.stop else ()):
+        if any(stop in word for stop in req.stop):
+            return words[: i + 1], reason if i == len(words) - 1 else STOP_STRING, i
+    return words, reason, len(words)
 
 
 def usage(prompt: int, completion: int, cached: int | None, details: bool,
@@ -228,28 +260,31 @@ def chunk_json(req: EmulatedRequest, choice: dict[str, Any], **extra: Any) -> st
     return dumps(chunk)
 
 
-def token_choice(req: EmulatedRequest, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """The choice of one streamed token (the last one carries ``finish_reason``)."""
+def token_choice(req: EmulatedRequest, text: str, finish_reason: str | None,
+                 stop_reason: str | None = None) -> dict[str, Any]:
+    """The choice of one streamed token (the last one carries ``finish_reason`` and, for a
+    stop string, the string as ``stop_reason``)."""
     if req.kind == CHAT:
         choice: dict[str, Any] = {
             "index": 0, "delta": {"content": text}, "logprobs": None,
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
-            choice["stop_reason"] = None
+            choice["stop_reason"] = stop_reason
         choice["token_ids"] = None
         if finish_reason is not None:
             choice["weight_versions"] = None
         return choice
     return {
         "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-        "stop_reason": None, "prompt_token_ids": None, "token_ids": None,
+        "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None,
         "weight_versions": None,
     }
 
 
 def full_response(req: EmulatedRequest, text: str, finish_reason: str, usage: dict[str, Any],
-                  params: dict[str, Any] | None) -> dict[str, Any]:
+                  params: dict[str, Any] | None, stop_reason: str | None = None
+                  ) -> dict[str, Any]:
     """A non-streaming body, every field as vLLM's ``model_dump()`` writes it."""
     if req.kind == CHAT:
         choice: dict[str, Any] = {
@@ -257,7 +292,7 @@ def full_response(req: EmulatedRequest, text: str, finish_reason: str, usage: di
             "message": {"role": "assistant", "content": text, "refusal": None,
                         "annotations": None, "audio": None, "function_call": None,
                         "reasoning": None},
-            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,
             "token_ids": None, "routed_experts": None, "weight_versions": None,
         }
         return {
@@ -269,7 +304,7 @@ def full_response(req: EmulatedRequest, text: str, finish_reason: str, usage: di
         }
     choice = {
         "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-        "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+        "stop_reason": stop_reason, "token_ids": None, "prompt_logprobs": None,
         "prompt_token_ids": None, "routed_experts": None, "weight_versions": None,
     }
     return {

@@ -56,6 +56,7 @@ from kvscope.emulator.ground_truth import TruthRecorder
 from kvscope.emulator.openai_api import (
     CHAT,
     COMPLETION,
+    STOP_STRING,
     EmulatedRequest,
     RequestError,
     chunk_json,
@@ -65,6 +66,7 @@ from kvscope.emulator.openai_api import (
     models_body,
     parse_request,
     plan_output,
+    stop_reason,
     token_choice,
 )
 from kvscope.emulator.openai_api import (
@@ -357,9 +359,13 @@ class _EngineServer(Generic[_Node]):
         Returns the response, the tokens sent and the request's final status.
         """
         cfg, clock, cost = self.emulation.config, self.emulation.clock, self.emulation.cost
-        words, reason = plan_output(req, cfg.seed)
-        status = (reuse_params.STATUS_STOPPED if reason == "stop"
+        words, reason, shown = plan_output(req, cfg.seed)
+        status = (reuse_params.STATUS_ABORTED if reason == STOP_STRING
+                  else reuse_params.STATUS_STOPPED if reason == "stop"
                   else reuse_params.STATUS_LENGTH_CAPPED)
+        stopped_by = stop_reason(req, words[-1]) if shown < len(words) else None
+        if stopped_by is not None:  # a stop string: the frontend says "stop"
+            reason = "stop"
         prompt_n = req.prompt.num_tokens
         details = cfg.enable_prompt_tokens_details
         if not req.stream:
@@ -369,7 +375,8 @@ class _EngineServer(Generic[_Node]):
             await clock.sleep_until(t)
             params = finish(status)
             usage = usage_body(prompt_n, len(words), cached_tokens, details, full=True)
-            body = full_response(req, " ".join(words), reason, usage, params)
+            body = full_response(req, " ".join(words[:shown]), reason, usage, params,
+                                 stopped_by)
             return (web.Response(text=dumps(body), content_type="application/json"),
                     len(words), status)
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
@@ -388,9 +395,10 @@ class _EngineServer(Generic[_Node]):
                     t += cost.decode_token_ms(prompt_n + i) / 1000
                     await clock.sleep_until(t)
                 last = i == len(words) - 1
-                text = word if i == 0 else " " + word
+                text = "" if i >= shown else word if i == 0 else " " + word
                 params = finish(status) if last else None
-                choice = token_choice(req, text, reason if last else None)
+                choice = token_choice(req, text, reason if last else None,
+                                      stopped_by if last else None)
                 extra = {"kv_transfer_params": params} if streams_params else {}
                 await response.write(self._frame(chunk_json(req, choice, **extra)))
                 sent += 1
@@ -617,10 +625,16 @@ class DecodeServer(_EngineServer[DecodeNode]):
         words_holder: dict[str, list[int]] = {}
 
         def finish(status: str) -> dict[str, Any] | None:
-            words, _ = plan_output(req, cfg.seed)
+            words, reason, shown = plan_output(req, cfg.seed)
             output_ids = [tokens.token_id(w) for w in words]
             words_holder["ids"] = output_ids
             sequence = req.prompt.extend(output_ids)
+            if reason == STOP_STRING:
+                # Aborted: nothing is kept; the truth's next turn continues what the client saw.
+                self.node.finish_request(req.request_id, sequence, status, em.clock.now())
+                state.update(retention=None, params=None,
+                             sequence=req.prompt.extend(output_ids[:shown]))
+                return None
             retention: reuse_model.Retention | None = None
             out: dict[str, Any] | None = None
             if req.params:
@@ -643,7 +657,7 @@ class DecodeServer(_EngineServer[DecodeNode]):
         response, sent, status = await self._generate(
             request, req, p_cached if isinstance(p_cached, int) else None, finish)
         if status == reuse_params.STATUS_ABORTED and "sequence" not in state:
-            words, _ = plan_output(req, cfg.seed)
+            words, _, _ = plan_output(req, cfg.seed)
             sequence = req.prompt.extend([tokens.token_id(w) for w in words[:sent]])
             self.node.finish_request(req.request_id, sequence, status, em.clock.now())
             state.update(retention=None, params=None, sequence=sequence)

@@ -181,6 +181,13 @@ MESSAGE_ROLES = _attr(
     "",
     "Role initials (s, u, a, t, ...) of the same last messages the boundary hashes cover.",
 )
+REPLY_BOUNDARY_HASH = _attr(
+    "kvscope.completion.boundary_hash",
+    "",
+    "Chained hash of the prompt's messages then the assistant reply decode produced, as a "
+    "client sends it back (never text): the next turn continues what decode holds only if it "
+    "has this hash. Absent when the reply is not one plain-text message.",
+)
 PROMPT_TOKENS = _attr("kvscope.prompt_tokens", "tokens", "Prompt tokens of one leg.")
 CACHED_TOKENS = _attr("kvscope.cached_tokens", "tokens", "Cached prompt tokens P reported.")
 DECODE_CACHED_TOKENS = _attr(

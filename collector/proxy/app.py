@@ -43,6 +43,7 @@ from kvscope.collector.proxy.telemetry import (
     ProxyTelemetry,
     TurnRecord,
     message_boundaries,
+    set_reply_boundary,
 )
 from kvscope.reuse.params import (
     DECODE_PARAMS_AUTO,
@@ -213,13 +214,16 @@ class DecodeStream:
     non-streaming client.
     """
 
-    def __init__(self, collect_text: bool) -> None:
+    def __init__(self, collect_text: bool, keep_payloads: bool = False) -> None:
         self.collect_text = collect_text
+        # A chat reply's events, kept as bytes for its boundary hash (parsed after the turn).
+        self.payloads: list[bytes] | None = [] if keep_payloads else None
         self._pending = b""
         self.events = 0
         self.first_event_ns: int | None = None
         self.text: list[str] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it, if one did
         self.response_id: str | None = None
         self.model: str | None = None
         self.created: int | None = None
@@ -253,6 +257,8 @@ class DecodeStream:
             self.done = True
             return None
         self.events += 1
+        if self.payloads is not None:
+            self.payloads.append(payload)
         if self.first_event_ns is None:
             self.first_event_ns = time.time_ns()
         if not (
@@ -286,6 +292,8 @@ class DecodeStream:
                     self.text.append(delta["content"])
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
+                stop = choice.get("stop_reason")
+                self.stop_reason = stop if isinstance(stop, str) else None
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion_tokens = _int(usage.get("completion_tokens"))
@@ -473,6 +481,10 @@ class Proxy:
             record.offered_request_id = offered if isinstance(offered, str) else None
             record.offered_tokens = _int(lookup.params.get("remote_num_tokens"))
 
+        # The reply's boundary hash (a chat of one choice): for the guard's next check, and
+        # for the ledger's when telemetry is on.
+        reply = (isinstance(body.get("messages"), list) and body.get("n") in (None, 1)
+                 and (self.config.reuse_guard or self.telemetry.enabled))
         whole: dict[str, Any] | None = None
         try:
             await self._prefill(api_path, body, record)
@@ -492,15 +504,20 @@ class Proxy:
 
         if whole is not None:
             self._whole_ended(whole, conversation.value, decode, record)
+            if reply:
+                self._reply_ended(record, _whole_reply(whole, record.retention_returned),
+                                  conversation.value)
             if client_wants_stream:
                 return await self._replay_as_stream(request, whole, body, record)
             return web.json_response(whole)
-        stream = DecodeStream(collect_text=not client_wants_stream)
+        stream = DecodeStream(collect_text=not client_wants_stream,
+                              keep_payloads=reply and client_wants_stream)
         if client_wants_stream:
             return await self._relay_stream(
                 request, response, decode, stream, conversation.value, record
             )
-        return await self._collect(response, decode, stream, conversation.value, body, record)
+        return await self._collect(response, decode, stream, conversation.value, body, record,
+                                   reply)
 
     def _guard(self, body: dict[str, Any], lookup: Lookup,
                record: TurnRecord) -> tuple[Lookup, bool]:
@@ -763,6 +780,22 @@ class Proxy:
             self._client_left(request, record, f"during the answer's stream ({exc or 'reset'})")
         return response
 
+    def _reply_ended(self, record: TurnRecord, source: str | tuple[bytes, ...] | None,
+                     conversation_id: str | None) -> None:
+        """Keep what decode's reply is hashed from; with the guard, hash it now and give it to
+        the router entry, before the client can send its next turn."""
+        if source is None or record.error_kind is not None:
+            return
+        record.reply_source = source
+        if self.config.reuse_guard and record.history_last is not None:
+            try:
+                set_reply_boundary(record, self.telemetry.boundary_key)
+            except Exception:  # the guard never breaks a turn: the next is checked as before
+                logger.debug("reuse guard: the reply does not hash", exc_info=True)
+                record.reply_source = None
+            if conversation_id is not None and record.reply_hash is not None:
+                self.router.set_reply(conversation_id, record.history_last, record.reply_hash)
+
     def _keep_params(
         self, found: list[dict[str, Any]], conversation_id: str | None, decode: Upstream,
         record: TurnRecord,
@@ -803,11 +836,18 @@ class Proxy:
         try:
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+                # Looked at before the client has it: the router entry (and the reply's hash)
+                # is in place before the client can send its next turn.
                 found = stream.feed(chunk)
                 if found:
                     self._keep_params(found, conversation_id, decode, record)
+                if stream.done and stream.payloads is not None:
+                    self._reply_ended(record, tuple(stream.payloads), conversation_id)
+                    stream.payloads = None
+                await response.write(chunk)
             self._keep_params(stream.close(), conversation_id, decode, record)
+            if stream.done and stream.payloads is not None:  # [DONE] without a newline
+                self._reply_ended(record, tuple(stream.payloads), conversation_id)
             if not stream.done:
                 record.fail(semconv.LEG_DECODE, semconv.ERROR_PROTOCOL, 200,
                             f"decode {decode.name} ended its stream without [DONE]")
@@ -838,6 +878,7 @@ class Proxy:
         conversation_id: str | None,
         body: dict[str, Any],
         record: TurnRecord,
+        reply: bool = False,
     ) -> web.StreamResponse:
         """Read decode's whole stream and answer with the body vLLM's proxy builds."""
         try:
@@ -860,6 +901,9 @@ class Proxy:
             upstream.close()
             self._stream_ended(stream, record)
         text = "".join(stream.text)
+        if reply:
+            kept = record.retention_returned and stream.stop_reason or ""
+            self._reply_ended(record, text + kept, conversation_id)
         model = stream.model or body.get("model", "")
         created = stream.created or int(time.time())
         response_id = stream.response_id or record.x_request_id
@@ -895,6 +939,22 @@ class Proxy:
                 "usage": None,
             }
         return web.json_response(answer)
+
+
+def _whole_reply(answer: Mapping[str, Any], kept: bool) -> str | None:
+    """A whole chat answer's reply text, when it is one plain-text message, with the stop
+    string that ended it where decode ``kept`` its KV (see reply_text)."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    if not isinstance(message, dict) or message.get("tool_calls"):
+        return None
+    content = message.get("content")
+    stop = choices[0].get("stop_reason")  # decode holds the stop string the text leaves out
+    if isinstance(content, str):
+        return content + stop if kept and isinstance(stop, str) else content
+    return None
 
 
 def sse_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -60,7 +60,7 @@ from typing import Any
 from kvscope.boundary_key import BoundaryKey
 from kvscope.child import pack, report_error, report_ready, start_child, unpack
 from kvscope.collector.proxy.conversation import ConversationId
-from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries
+from kvscope.collector.proxy.telemetry import TurnRecord, set_boundaries, set_reply_boundary
 from kvscope.errors import KvscopeError
 
 logger = logging.getLogger(__name__)
@@ -139,15 +139,17 @@ def boundary_input(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def resolve_boundaries(record: TurnRecord, key: BoundaryKey) -> None:
     """Hash a record's ``boundary_source`` into its boundaries with ``key`` (``set_boundaries``)
-    and drop it (a body that does not hash leaves the turn without boundaries)."""
+    and its reply (``set_reply_boundary``), and drop both sources (a body that does not hash
+    leaves the turn without boundaries)."""
     source = record.boundary_source
-    if source is None:
-        return
     record.boundary_source = None
     try:
-        set_boundaries(record, source, key)
+        if source is not None:
+            set_boundaries(record, source, key)
+        set_reply_boundary(record, key)
     except Exception:
         logger.debug("kvscope proxy telemetry: message boundaries failed", exc_info=True)
+        record.reply_source = None
 
 
 def span_count(record: TurnRecord) -> int:

@@ -135,6 +135,62 @@ def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey
     record.boundary_key_id = key.key_id
 
 
+def reply_text(source: str | tuple[bytes, ...] | None, kept: bool = True) -> str | None:
+    """The assistant message a client sends back for decode's reply: its text, or None when
+    the reply is not one plain-text message (tool calls, several choices, unreadable events).
+
+    ``source`` is the text itself, or a chat stream's SSE payloads (the ``data:`` lines).
+    A stop string that ended the reply (``stop_reason``) is part of it when decode ``kept``
+    the reply's KV (returned params: the engine finished the request in the step the string
+    appeared): decode computed it, the client's text lacks it, so the next turn does not
+    continue what decode holds. Otherwise the frontend aborted the request and nothing is held.
+    """
+    if source is None or isinstance(source, str):
+        return source
+    parts: list[str] = []
+    for payload in source:
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(event, dict):
+            return None
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                return None
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                continue
+            if delta.get("tool_calls"):
+                return None
+            content = delta.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            stop = choice.get("stop_reason")
+            if kept and isinstance(stop, str):  # decode holds what the text leaves out
+                parts.append(stop)
+    return "".join(parts)
+
+
+def set_reply_boundary(record: TurnRecord, key: BoundaryKey) -> None:
+    """Give ``record`` its reply's boundary hash (the prompt's chain, then decode's reply as an
+    assistant message) from its ``reply_source``, and drop the source.
+
+    A client that sends the reply back unchanged sends this hash in its next turn; one that
+    edits it (compaction, stripped reasoning, another answer) does not, although every earlier
+    hash and the next role match: without it an edited reply reads as a continuation while
+    decode holds the KV of the reply it generated.
+    """
+    source, record.reply_source = record.reply_source, None
+    if source is None or record.reply_hash is not None:
+        return
+    last = record.history_last or record.boundary_hashes.rpartition(",")[2]
+    text = reply_text(source, record.retention_returned)
+    if not last or text is None:
+        return
+    record.reply_hash = chain_boundary(bytes.fromhex(last), "assistant", text, key).hex()
+
+
 def chain_boundary(chain: bytes, role: str, text: str, key: BoundaryKey) -> bytes:
     """The boundary hash after one more message, given the hash of the messages before it."""
     h = key.hasher()
@@ -225,6 +281,11 @@ class TurnRecord:
     end_ns: int = 0
     # False when decode was called non-streaming (vLLM < 0.33 streams no kv_transfer_params).
     decode_streamed: bool = True
+    # The boundary hash of the prompt's messages then decode's reply as one assistant message
+    # (semconv.REPLY_BOUNDARY_HASH), and what it is still to be hashed from: the reply's text,
+    # or decode's SSE payloads (parsed off the serving path; see reply_text). Never stored.
+    reply_hash: str | None = None
+    reply_source: str | tuple[bytes, ...] | None = field(default=None, repr=False)
     # The request body whose message boundaries are still to be hashed (by the export
     # process, off the proxy's process: its messages go there, never further, never stored).
     boundary_source: Mapping[str, Any] | None = field(default=None, repr=False)
@@ -413,6 +474,8 @@ class ProxyTelemetry:
             self._clock.end(record.conversation.value, record.end_ns)
         try:
             self._observe(record)
+            if self.export_process is None:
+                set_reply_boundary(record, self.boundary_key)
             if self.export_process is not None:
                 self.export_process.submit(record)
             elif self.telemetry is not None:
@@ -458,6 +521,7 @@ class ProxyTelemetry:
             semconv.ROUTER_LOOKUP: record.lookup,
             semconv.ROUTER_ENTRY_AGE_S: record.lookup_age_s,
             semconv.REUSE_GUARD: record.reuse_guard,
+            semconv.REPLY_BOUNDARY_HASH: record.reply_hash,
             semconv.ROUTER_TTL_S: self.router_ttl_s,
             semconv.PREFILL_INSTANCE: record.prefill_instance,
             semconv.DECODE_INSTANCE: record.decode_instance,

@@ -40,13 +40,15 @@ class Lookup:
     """The result of one router lookup: a ``semconv.ROUTER_*`` value, entry age and params.
 
     ``history`` is the last message-boundary hash of the turn whose decode params these are,
-    when the proxy recorded it (for :func:`history_continues`).
+    when the proxy recorded it, and ``reply`` that hash chained with the reply decode produced
+    (for :func:`history_continues`).
     """
 
     result: str
     age_s: float | None = None
     params: dict[str, Any] | None = None
     history: str | None = None
+    reply: str | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class _Entry:
     params: dict[str, Any]
     stored_at: float
     history: str | None = None
+    reply: str | None = None
 
 
 class ConversationRouter:
@@ -92,7 +95,7 @@ class ConversationRouter:
             self._tombstone(conversation_id, semconv.ROUTER_STALE)
             return Lookup(semconv.ROUTER_STALE, age)
         self._tombstone(conversation_id, semconv.ROUTER_CONSUMED)
-        return Lookup(semconv.ROUTER_HIT, age, dict(entry.params), entry.history)
+        return Lookup(semconv.ROUTER_HIT, age, dict(entry.params), entry.history, entry.reply)
 
     def put(self, conversation_id: str, params: Mapping[str, Any], decode_host: str,
             history: str | None = None) -> None:
@@ -108,6 +111,13 @@ class ConversationRouter:
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
             self.evicted_capacity += 1
+
+    def set_reply(self, conversation_id: str, history: str, reply: str) -> None:
+        """Record the boundary hash of the reply decode produced for the entry of ``history``
+        (known when the reply has ended, after ``put``; another turn's entry is left alone)."""
+        entry = self._entries.get(conversation_id)
+        if entry is not None and entry.history == history:
+            entry.reply = reply
 
     def evict_stale(self) -> int:
         """Drop entries older than the TTL; return how many (vLLM runs this on GET /health)."""
@@ -152,14 +162,19 @@ GUARD_EDITED = "history_edited"
 GUARD_UNCHECKED = "no_history"  # the entry or the request had no boundary hashes to compare
 
 
-def history_continues(previous_last: str, hashes: Sequence[str], roles: str) -> bool:
+def history_continues(previous_last: str, hashes: Sequence[str], roles: str,
+                      reply: str | None = None) -> bool:
     """Whether a request's messages are the previous turn's, then the assistant's reply, then more.
 
     ``previous_last`` is the previous turn's last boundary hash; ``hashes`` and ``roles`` are
     this request's boundary hashes (chained: hash i names messages 0..i) and role initials, all
-    of them. The ledger applies the same rule to the hashes its spans keep
-    (:func:`kvscope.analysis.ledger._continues`).
+    of them. ``reply``, when known, is ``previous_last`` chained with the reply decode produced:
+    then the request must carry that very reply (an edited reply is an edited history, since
+    decode holds the KV of its own). The ledger applies the same rule to the hashes its spans
+    keep (:func:`kvscope.analysis.ledger._continues`).
     """
+    if reply is not None:
+        return reply in hashes
     try:
         index = list(hashes).index(previous_last)
     except ValueError:
@@ -177,4 +192,5 @@ def guard(lookup: Lookup, hashes: Sequence[str] | None, roles: str | None) -> st
     """
     if lookup.history is None or not hashes or roles is None:
         return GUARD_UNCHECKED
-    return GUARD_PASSED if history_continues(lookup.history, hashes, roles) else GUARD_EDITED
+    continues = history_continues(lookup.history, hashes, roles, lookup.reply)
+    return GUARD_PASSED if continues else GUARD_EDITED

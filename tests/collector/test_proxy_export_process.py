@@ -24,7 +24,12 @@ from kvscope.collector.proxy.export_process import (
     resolve_boundaries,
     span_count,
 )
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+from kvscope.collector.proxy.telemetry import (
+    ProxyTelemetry,
+    TurnRecord,
+    boundary_hashes,
+    chain_boundary,
+)
 from kvscope.errors import StoreLockedError
 from tests.stores import query
 
@@ -101,8 +106,13 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     record.boundary_source = body
+    # A streamed reply's events, hashed on arrival after the messages.
+    record.reply_source = (b'{"choices":[{"index":0,"delta":{"content":"he"}}]}',
+                           b'{"choices":[{"index":0,"delta":{"content":"llo"}}]}')
+    record.reply_hash = "ff"
     for f in fields(TurnRecord):  # a new field must be filled here too
         assert getattr(record, f.name) not in (None, f.default, [], ""), f.name
+    record.reply_hash = None  # still to hash
     packed = pack(record_to_tuple(record))
     assert packed[:1] == b"M"  # plain values: marshalled
     received = record_from_tuple(unpack(packed))
@@ -112,8 +122,11 @@ def test_a_record_survives_the_pipe_field_for_field() -> None:
     assert received.boundary_source is None
     assert (received.message_count, received.boundary_hashes) == boundary_hashes(body, KEY)
     assert received.boundary_roles == "su"
-    record.boundary_source = None
-    record.boundary_hashes = received.boundary_hashes
+    assert received.reply_source is None
+    assert received.reply_hash == chain_boundary(bytes.fromhex("00cc"), "assistant", "hello",
+                                                 KEY).hex()
+    record.boundary_source = record.reply_source = None
+    record.boundary_hashes, record.reply_hash = received.boundary_hashes, received.reply_hash
     assert received == record
 
 

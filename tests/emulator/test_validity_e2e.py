@@ -11,6 +11,7 @@ truth marks those turns ``reused_invalid``; the ledger, from spans alone, says t
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -286,3 +287,55 @@ def test_cached_tokens_are_reported_as_vllm_counts_them(tmp_path: Path) -> None:
     assert pulled
     for row in pulled:
         assert cached[row.x_request_id] == row.local_hit_tokens + row.remote_reused_tokens
+
+
+def _ask_streaming(url: str, cid: str, messages: list[dict[str, str]]) -> str:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 60,
+                            "stream": True, "conversation_id": cid}
+    parts: list[str] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def _reply_edited(url: str, streaming: bool) -> None:
+    """Turn 2 keeps turn 1's messages and sends its reply back; turn 3 sends turn 2's reply
+    back rewritten (compacted), every other message and role as before."""
+    ask = _ask_streaming if streaming else _ask
+    cid = f"reply-{next(_ids)}"
+    messages = [{"role": "system", "content": "you are a coding agent " + "rules " * 150},
+                {"role": "user", "content": "fix the failing test " + "context " * 60}]
+    reply = ask(url, cid, messages)
+    messages += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": "tool result " + "line " * 80}]
+    reply = ask(url, cid, messages)
+    messages += [{"role": "assistant", "content": reply[: len(reply) // 2] + " [compacted]"},
+                 {"role": "user", "content": "next step " + "more " * 40}]
+    ask(url, cid, messages)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_edited_assistant_reply_is_an_edited_history(tmp_path: Path, streaming: bool) -> None:
+    # Every message hash the client sends continues turn 2's, and the next role is the
+    # assistant's: only the hash of the reply decode produced (the proxy's, chained into the
+    # turn span and the router entry) shows that decode holds KV of another reply.
+    for guarded in (False, True):
+        db = tmp_path / f"reply-{streaming}-{guarded}.duckdb"
+        with EmulatedCluster(_config(), db=db, proxy=True, reuse_guard=guarded) as cluster:
+            assert cluster.proxy_url is not None and cluster.emulation is not None
+            _reply_edited(cluster.proxy_url, streaming)
+            truth = list(cluster.emulation.truth.rows)
+        rows = _rows(db)
+        assert rows["history"].to_list() == ["first", "continues", "edited"]
+        assert rows["outcome"].to_list()[1] == truth[1].outcome == outcomes.REUSED_REMOTE
+        if guarded:
+            assert rows["reuse_guard"].to_list()[1:] == [GUARD_PASSED, GUARD_EDITED]
+            assert truth[2].transfer_status is None
+            assert rows["outcome"].to_list()[2] == outcomes.PREFIX_DIVERGED
+        else:
+            assert truth[2].outcome == rows["outcome"].to_list()[2] == outcomes.REUSED_INVALID
+            assert rows["reuse_validity"].to_list()[2] == "invalid"
