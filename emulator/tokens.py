@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvscope.reuse.content import content_text
+
 DEFAULT_BLOCK_SIZE = 16
 END_MARKER = "<|end|>"
 GENERATION_PROMPT = "<|assistant|>"
@@ -66,7 +68,7 @@ def render_chat(
         content = message.get("content")
         parts.append(role_marker(str(message.get("role", "user"))))
         if content:
-            parts.append(str(content))
+            parts.append(content_text(content))
         parts.append(END_MARKER)
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT)

@@ -38,6 +38,7 @@ from kvscope.boundary_key import HASH_HEX, BoundaryKey
 from kvscope.collector.otel import Telemetry
 from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.metrics import ProxyMetrics
+from kvscope.reuse.content import content_text
 
 if TYPE_CHECKING:
     from kvscope.collector.proxy.export_process import TurnExportProcess
@@ -122,8 +123,8 @@ def message_boundaries(body: Mapping[str, Any], key: BoundaryKey, keep: int | No
 
 
 def _text(content: Any) -> str:
-    """What a message's content is hashed as: a string itself, anything else as sorted JSON."""
-    return content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+    """What a message's content is hashed as: the text the chat template renders for it."""
+    return content_text(content)
 
 
 def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey) -> None:

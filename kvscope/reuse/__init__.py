@@ -2,6 +2,7 @@
 
     params.py     kv_transfer_params fields and keys, the offer check, the threshold, the
                   pull count, the worker's expiry guard, remote_num_tokens by scheduling mode
+    content.py    what a chat message's content is as prompt text (text parts joined)
     router.py     the proxy's per-conversation cache of decode's params (single use, TTL)
     validity.py   which of decode's blocks a read puts where, and whether they match the prompt
     outcomes.py   the closed list of per-turn outcomes and their evidence templates
@@ -12,4 +13,4 @@ Pure: no I/O, no clock, nothing above ``kvscope.semconv``. The emulator's model,
 instrumentor, the proxy, the ledger and what-if import these; none re-spells them.
 """
 
-__all__ = ["decisions", "outcomes", "params", "router", "validity"]
+__all__ = ["content", "decisions", "outcomes", "params", "router", "validity"]

@@ -339,3 +339,30 @@ def test_an_edited_assistant_reply_is_an_edited_history(tmp_path: Path, streamin
         else:
             assert truth[2].outcome == rows["outcome"].to_list()[2] == outcomes.REUSED_INVALID
             assert rows["reuse_validity"].to_list()[2] == "invalid"
+
+
+def test_a_reply_sent_back_as_text_parts_continues_the_history(tmp_path: Path) -> None:
+    """OpenAI-style clients may send a message back as ``[{"type": "text", "text": ...}]``;
+    vLLM renders text-only parts as their texts joined by newlines, so the prompt (and decode's
+    KV) is the one the plain string gives: a continuation, reused and valid, not an edit.
+    Hashed as JSON, the parts read as an edited reply and the guard withheld valid KV."""
+    for guarded in (False, True):
+        db = tmp_path / f"parts-{guarded}.duckdb"
+        with EmulatedCluster(_config(), db=db, proxy=True, reuse_guard=guarded) as cluster:
+            assert cluster.proxy_url is not None and cluster.emulation is not None
+            url, cid = cluster.proxy_url, f"parts-{next(_ids)}"
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": "you are a coding agent " + "rules " * 150},
+                {"role": "user", "content": [{"type": "text", "text": "fix the failing test"},
+                                             {"type": "text", "text": "context " * 60}]}]
+            reply = _ask(url, cid, messages)
+            messages += [{"role": "assistant", "content": [{"type": "text", "text": reply}]},
+                         {"role": "user", "content": "tool result " + "line " * 80}]
+            _ask(url, cid, messages)
+            truth = list(cluster.emulation.truth.rows)
+        rows = _rows(db)
+        assert rows["history"].to_list() == ["first", "continues"]
+        assert truth[1].outcome == rows["outcome"].to_list()[1] == outcomes.REUSED_REMOTE
+        assert rows["reuse_validity"].to_list()[1] == "valid"
+        if guarded:
+            assert rows["reuse_guard"].to_list()[1] == GUARD_PASSED
