@@ -19,6 +19,7 @@ import os
 import select
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -93,28 +94,37 @@ def stop_signals() -> Iterator[Callable[..., int]]:
 
     The waiting function blocks the (main) thread until a signal arrives and returns its number;
     one that arrived earlier, since the block was entered, returns at once. ``wait(timeout_s)``
-    gives up after ``timeout_s`` seconds and returns 0. The handler only
-    writes a byte to a pipe: it takes no lock, so a signal landing anywhere on the main thread
-    cannot deadlock it. The previous handlers are restored on the way out.
+    gives up after ``timeout_s`` seconds and returns 0. The signal's number reaches a pipe
+    through :func:`signal.set_wakeup_fd`, written by the C-level handler in whichever thread
+    the kernel delivered the signal to: a Python handler runs only on the main thread, and only
+    once it runs bytecode again, so a SIGTERM delivered to another thread (a DuckDB or server
+    thread) left the main thread blocked in its read for ever (``kvscope dashboard`` under load,
+    2 of 8 runs). The Python handlers do nothing but replace the default actions (exit,
+    KeyboardInterrupt); nothing takes a lock. The previous handlers and wake-up fd are restored
+    on the way out.
     """
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 
     def handler(signum: int, frame: object) -> None:
-        try:
-            os.write(write_fd, bytes([signum]))
-        except OSError:
-            pass  # the pipe is full: a wake-up is already waiting
+        """The wake-up byte is already written (set_wakeup_fd)."""
 
     def wait(timeout_s: float | None = None) -> int:
-        if timeout_s is not None and not select.select([read_fd], [], [], timeout_s)[0]:
-            return 0
-        return os.read(read_fd, 1)[0]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if deadline is not None and not select.select(
+                    [read_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return 0
+            signum = os.read(read_fd, 1)[0]
+            if signum in STOP_SIGNALS:  # the wake-up fd carries every Python-handled signal
+                return signum
 
     previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     try:
         yield wait
     finally:
+        signal.set_wakeup_fd(previous_fd)
         for signum, before in previous.items():
             signal.signal(signum, before)
         os.close(read_fd)

@@ -60,6 +60,8 @@ from test_receiver import (  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 LIMIT = 256 * 1024
+# The OTLP exporters' default timeout (OTEL_EXPORTER_OTLP_TIMEOUT), seconds.
+EXPORT_TIMEOUT_S = 10
 
 
 @pytest.fixture
@@ -369,29 +371,38 @@ def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
                 return
             acknowledged.append(conversation)
 
+    # The exporters' own timeout, not a short one: each answer waits for a commit, and on a
+    # loaded machine (load ~40 on 2 cores) the first ones took over 2 s, so senders with a 2 s
+    # timeout gave up before the stop and the test failed with nothing acknowledged. After the
+    # stop, shutdown() ends their retries against the stopped server.
+    exporters: list[Any] = []
+    senders: list[threading.Thread] = []
     try:
         assert process.stderr is not None
         line = process.stderr.readline()
         http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
         grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
-        senders = [
-            threading.Thread(target=send, args=(f"grpc{n}", GrpcSpanExporter(
-                endpoint=grpc_url, timeout=2, compression=grpc.Compression.Gzip)))
-            for n in range(2)
-        ] + [threading.Thread(target=send, args=("http", HttpSpanExporter(
-            endpoint=f"{http_url}/v1/traces", timeout=2)))]
+        exporters += [GrpcSpanExporter(endpoint=grpc_url, timeout=EXPORT_TIMEOUT_S,
+                                       compression=grpc.Compression.Gzip) for _ in range(2)]
+        exporters.append(HttpSpanExporter(endpoint=f"{http_url}/v1/traces",
+                                          timeout=EXPORT_TIMEOUT_S))
+        senders += [threading.Thread(target=send, args=(name, exporter))
+                    for name, exporter in zip(["grpc0", "grpc1", "http"], exporters,
+                                              strict=True)]
         for thread in senders:
             thread.start()
         while len(acknowledged) < 30 and all(t.is_alive() for t in senders):
             time.sleep(0.05)
         # Stopped while all three are sending: what each was told is stored must be stored.
+        assert all(t.is_alive() for t in senders), "a sender gave up before the stop"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
-        stop.set()
-        for thread in senders:
-            thread.join(30)
+        assert process.wait(60) == 0
     finally:
         stop.set()
+        for exporter in exporters:
+            exporter.shutdown()
+        for thread in senders:
+            thread.join(30)
         if process.poll() is None:
             process.kill()
             process.wait()
