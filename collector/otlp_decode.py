@@ -13,7 +13,14 @@ What is refused, and how:
 * a span with an id of the wrong length (or an all-zero id), or a timestamp past the year 2262,
   is rejected on its own and counted; the rest of the request is kept (OTLP partial success);
 * metric points other than gauges and non-monotonic sums are counted as rejected with a reason,
-  as are number points without a value.
+  as are number points without a value;
+* an attribute value (span, event, link or resource) longer than :data:`MAX_VALUE_CHARS` is
+  stored cut to that length with :data:`TRUNCATED_MARK` after it, and counted: the OTLP answer's
+  ``partial_success`` says how many values were cut (nothing rejected), and the receiver's
+  ``/metrics`` counts them. DuckDB keeps the memory of the bytes a process has stored (measured
+  in docs/benchmarks.md: no ``memory_limit`` bounds it), so what one value may add is bounded
+  here, as the SDK's attribute value length limit bounds what a producer sends. kvscope's own
+  spans never come near it (no prompt text is ever an attribute).
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ Link = _Span.Link
 _SERVICE_NAME = "service.name"
 # TIMESTAMP_NS is a signed 64-bit count of nanoseconds; OTLP's fixed64 can go past it.
 _MAX_TIME_NS = 2**63 - 1
+# The longest attribute value stored, in characters (as the SDK's attribute value length limit);
+# a longer one is cut and marked.
+MAX_VALUE_CHARS = 64 * 1024
+TRUNCATED_MARK = "…[truncated by kvscope]"
 # How many individual reasons one partial-success message lists before summarising.
 _MAX_REASONS = 3
 _HEX = re.compile(r"[0-9a-fA-F]*")
@@ -65,6 +76,7 @@ class DecodedBatch(Generic[Rows]):
     rejected: int = 0
     reasons: list[str] = field(default_factory=list)  # the first _MAX_REASONS
     reason_count: int = 0  # every reason given, kept or not
+    truncated: int = 0  # attribute values cut to MAX_VALUE_CHARS (distinct per request)
 
     def reject(self, count: int, where: str, reason: str) -> None:
         """Count ``count`` rejected items; the first few reasons are kept for the message."""
@@ -78,12 +90,15 @@ class DecodedBatch(Generic[Rows]):
     def error_message(self) -> str:
         """One line for OTLP partial success ('' when nothing was rejected)."""
         count, reasons = self.rejected, self.reasons
+        cut = (f"{self.truncated} attribute value{'' if self.truncated == 1 else 's'} longer "
+               f"than {MAX_VALUE_CHARS} characters stored truncated") if self.truncated else ""
         if not count:
-            return ""
+            return cut
         shown = "; ".join(reasons)
         hidden = self.reason_count - len(reasons)
         more = f" (and {hidden} more)" if hidden > 0 else ""
-        return f"{count} {self.noun}{'' if count == 1 else 's'} rejected: {shown}{more}"
+        line = f"{count} {self.noun}{'' if count == 1 else 's'} rejected: {shown}{more}"
+        return f"{line}; {cut}" if cut else line
 
     def to_arrow(self) -> pa.Table:
         """The rows as an Arrow table; PayloadError when a value cannot be stored."""
@@ -140,8 +155,20 @@ def _string(value: Any) -> str:
 
 def _attrs(key_values: Iterable[Any]) -> Attrs:
     """Key/value pairs stringified as the SDK path stores them; a repeated key keeps its last
-    value (a MAP cannot hold a key twice, and the SDK's dict would also keep the last)."""
+    value (a MAP cannot hold a key twice, and the SDK's dict would also keep the last). Values
+    are not cut here: :func:`cut_long_values` does that for a whole batch."""
     return list({kv.key: _string(kv.value) for kv in key_values}.items())
+
+
+def _cut(value: str) -> str:
+    return value[:MAX_VALUE_CHARS] + TRUNCATED_MARK
+
+
+def _cut_attrs(attrs: Attrs) -> tuple[Attrs, int]:
+    if all(len(v) <= MAX_VALUE_CHARS for _, v in attrs):
+        return attrs, 0
+    return [(k, _cut(v) if len(v) > MAX_VALUE_CHARS else v) for k, v in attrs], sum(
+        len(v) > MAX_VALUE_CHARS for _, v in attrs)
 
 
 def _id_problem(raw: bytes, size: int, what: str, optional: bool = False) -> str | None:
@@ -237,7 +264,10 @@ def _raw_attrs(raw: Sequence[bytes], cache: dict[bytes, tuple[str, str]]) -> Att
 
 def _decode_key_value(blob: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
     kv = KeyValue.FromString(blob)
-    pair = cache[blob] = (kv.key, _string(kv.value))
+    value = _string(kv.value)
+    if len(value) > MAX_VALUE_CHARS:
+        value = _cut(value)
+    pair = cache[blob] = (kv.key, value)
     return pair
 
 
@@ -300,8 +330,9 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
     put_events = rows.events.append
     put_links = rows.links.append
     for r, resource_spans in enumerate(request.resource_spans):
-        res_attrs = _with_run(
-            _attrs(Resource.FromString(resource_spans.resource).attributes), run_id)
+        res_attrs, cut = _cut_attrs(_with_run(
+            _attrs(Resource.FromString(resource_spans.resource).attributes), run_id))
+        batch.truncated += cut
         service = dict(res_attrs).get(_SERVICE_NAME, "")
         for s, scope_spans in enumerate(resource_spans.scope_spans):
             scope = InstrumentationScope.FromString(scope_spans.scope)
@@ -360,7 +391,7 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
                                 "TraceId": link.trace_id.hex(),
                                 "SpanId": link.span_id.hex(),
                                 "TraceState": link.trace_state,
-                                "Attributes": _attrs(link.attributes),
+                                "Attributes": _linked_attrs(link.attributes, batch),
                             }
                         )
                 if problem is not None:
@@ -384,7 +415,14 @@ def _decode_lite(request: Any, run_id: str | None = None) -> TraceBatch:
                 put_status_message(status.message)
                 put_events(events)
                 put_links(links)
+    batch.truncated += sum(1 for _, value in cache.values() if value.endswith(TRUNCATED_MARK))
     return batch
+
+
+def _linked_attrs(key_values: Iterable[Any], batch: TraceBatch) -> Attrs:
+    attrs, cut = _cut_attrs(_attrs(key_values))
+    batch.truncated += cut
+    return attrs
 
 
 # --- metrics -----------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class ReceiverStats:
     requests: int = 0
     spans_accepted: int = 0
     spans_rejected: int = 0
+    values_truncated: int = 0  # attribute values stored cut (distinct per request)
     points_accepted: int = 0
     points_rejected: int = 0
     bad_requests: int = 0
@@ -204,11 +205,12 @@ class Intake:
         if signal_kind == "traces":
             self.stats.spans_accepted += table.num_rows
             self.stats.spans_rejected += batch.rejected
+            self.stats.values_truncated += batch.truncated
         else:
             self.stats.points_accepted += table.num_rows
             self.stats.points_rejected += batch.rejected
         response, partial_success, rejected_field = _RESPONSES[signal_kind]
-        if not batch.rejected:
+        if not batch.rejected and not batch.truncated:
             return response()
         return response(partial_success=partial_success(
             **{rejected_field: batch.rejected}, error_message=batch.error_message))

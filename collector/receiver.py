@@ -79,6 +79,7 @@ from kvscope.exposition import (
     RECEIVER_ROWS_FAILED,
     RECEIVER_SPANS_ACCEPTED,
     RECEIVER_SPANS_REJECTED,
+    RECEIVER_VALUES_TRUNCATED,
 )
 from kvscope.serving import (
     BODY_READ_TIMEOUT_S,
@@ -142,6 +143,9 @@ class ReceiverCollector(Collector):
                                   value=stats.spans_accepted)
         yield CounterMetricFamily(RECEIVER_SPANS_REJECTED, "Spans of accepted requests "
                                   "rejected (OTLP partial_success)", value=stats.spans_rejected)
+        yield CounterMetricFamily(RECEIVER_VALUES_TRUNCATED, "Attribute values longer than "
+                                  "the stored maximum, stored cut and marked (OTLP "
+                                  "partial_success says so)", value=stats.values_truncated)
         yield CounterMetricFamily(RECEIVER_POINTS_REJECTED, "Metric points of accepted "
                                   "requests rejected (OTLP partial_success)",
                                   value=stats.points_rejected)

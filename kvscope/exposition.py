@@ -39,6 +39,7 @@ RECEIVER_POINTS_REJECTED = "kvscope_receiver_points_rejected"
 RECEIVER_REQUESTS_REFUSED = "kvscope_receiver_requests_refused"
 RECEIVER_ROWS_DROPPED = "kvscope_receiver_rows_dropped"
 RECEIVER_ROWS_FAILED = "kvscope_receiver_rows_failed"
+RECEIVER_VALUES_TRUNCATED = "kvscope_receiver_attribute_values_truncated"
 
 
 def prom_name(name: str) -> str:
@@ -57,5 +58,6 @@ def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]
 __all__ = [
     "LATENCY_BUCKETS_S", "RECEIVER_POINTS_REJECTED", "RECEIVER_REQUESTS_REFUSED",
     "RECEIVER_ROWS_DROPPED", "RECEIVER_ROWS_FAILED", "RECEIVER_SPANS_ACCEPTED",
-    "RECEIVER_SPANS_REJECTED", "VLLM_TTFT_BUCKETS_S", "prom_name", "render",
+    "RECEIVER_SPANS_REJECTED", "RECEIVER_VALUES_TRUNCATED", "VLLM_TTFT_BUCKETS_S", "prom_name",
+    "render",
 ]

@@ -815,3 +815,57 @@ def test_a_malformed_request_is_one_warning_line_not_a_traceback(
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
     assert "malformed HTTP request (400, message: Invalid character in Content-Length:)" \
         in records[0].getMessage()
+
+
+# --- attribute values past the stored maximum ---------------------------------------------------
+
+
+def test_values_past_the_maximum_are_stored_cut_marked_and_counted(tmp_path: Path) -> None:
+    """1 MiB attribute values (span, event, link and resource) are stored cut to
+    MAX_VALUE_CHARS with the mark, the answer's partial_success says how many (nothing
+    rejected), and the receiver counts them: what a sender's values may add to the store is bounded
+    (DuckDB keeps the memory of what it stored; no memory_limit bounds it)."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.resource.v1.resource_pb2 import Resource as ProtoResource
+
+    from kvscope.collector.otlp_decode import MAX_VALUE_CHARS, TRUNCATED_MARK
+
+    def big(key: str, fill: str) -> KeyValue:
+        return KeyValue(key=key, value=AnyValue(string_value=fill * (1 << 20)))
+
+    spans = [Span(trace_id=bytes(range(1, 17)), span_id=bytes([9, 9, 9, 9, 9, 9, 9, i]),
+                  name=f"span-{i}", start_time_unix_nano=1, end_time_unix_nano=2,
+                  attributes=[big("payload", "xyzw"[i % 4]),
+                              KeyValue(key="small", value=AnyValue(string_value="kept"))],
+                  events=[Span.Event(time_unix_nano=1, name="e", attributes=[big("ev", "e")])],
+                  links=[Span.Link(trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)),
+                                   attributes=[big("ln", "l")])])
+             for i in range(8)]
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=ProtoResource(attributes=[big("res", "r")]),
+        scope_spans=[ScopeSpans(spans=spans)])])
+    with Receiver(tmp_path / "big.duckdb", max_request_bytes=64 << 20) as rx:
+        response = httpx.post(f"{rx.url}/v1/traces", content=request.SerializeToString(),
+                              headers=PROTOBUF, timeout=60)
+        assert response.status_code == 200
+        partial = ExportTraceServiceResponse.FromString(response.content).partial_success
+        # Distinct values: 4 span payloads, 1 event, 1 resource, 8 links (one per span).
+        assert partial.rejected_spans == 0
+        assert partial.error_message == (f"14 attribute values longer than {MAX_VALUE_CHARS} "
+                                         "characters stored truncated"), partial.error_message
+        assert rx.writer.flush(10)
+        con = rx.writer.connection.cursor()
+        rows = con.execute(
+            "SELECT SpanAttributes['payload'], SpanAttributes['small'], "
+            "ResourceAttributes['res'], Events[1].Attributes['ev'], Links[1].Attributes['ln'], "
+            "length(SpanAttributes::VARCHAR) + length(ResourceAttributes::VARCHAR) "
+            "+ length(Events::VARCHAR) + length(Links::VARCHAR) FROM otel_traces").fetchall()
+        counted = rx.stats.values_truncated  # serve's /metrics: ..._values_truncated_total
+    assert len(rows) == 8
+    for payload, small, res, ev, ln, stored in rows:
+        assert small == "kept"
+        for value in (payload, res, ev, ln):
+            assert len(value) == MAX_VALUE_CHARS + len(TRUNCATED_MARK)
+            assert value.endswith(TRUNCATED_MARK)
+        assert stored < 5 * (MAX_VALUE_CHARS + 1024)  # 4 cut values, not 4 MiB
+    assert counted == 14
