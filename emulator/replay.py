@@ -374,3 +374,5 @@ async def replay(
     return result
 
 
+__all__ = ["CHAT_PATH", "DEFAULT_MODEL", "Progress", "ReplayResult", "RequestRecord",
+    "SESSION_HEADER", "replay"]

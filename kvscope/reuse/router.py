@@ -178,3 +178,7 @@ def guard(lookup: Lookup, hashes: Sequence[str] | None, roles: str | None) -> st
     if lookup.history is None or not hashes or roles is None:
         return GUARD_UNCHECKED
     return GUARD_PASSED if history_continues(lookup.history, hashes, roles) else GUARD_EDITED
+
+
+__all__ = ["ConversationRouter", "GUARD_EDITED", "GUARD_PASSED", "GUARD_UNCHECKED", "Lookup",
+    "MISS_PARAMS", "blocks_in", "guard", "history_continues", "prefill_params"]
