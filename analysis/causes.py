@@ -87,3 +87,6 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
 )
 def miss_causes(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return cause_table(ctx.ledger(), params["examples"])
+
+
+__all__ = ["COLUMNS", "SUGGESTIONS", "cause_table", "miss_causes"]

@@ -394,3 +394,7 @@ def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return by_prompt_table(ledger, labels, edges)
 
 
+__all__ = ["BY_PROMPT_COLUMNS", "PEAK_COLUMNS", "RETENTION_COLUMNS", "STATS_COLUMNS",
+    "SUMMARY_COLUMNS", "SUMMARY_METRICS", "by_prompt", "by_prompt_table", "compare",
+    "compare_by_prompt", "comparison", "context_retention", "optional_analysis", "prompt_bins",
+    "retained_peak", "retention_totals", "run_stats", "summary_table"]

@@ -176,3 +176,6 @@ def _evidence(run: Mapping[str, Any]) -> dict[str, str]:
 def ladder(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     data = whatif.inputs(ctx, params["run"])
     return ladder_table(data["timeline"], data["observed"], data["ledger"])
+
+
+__all__ = ["CAUSES", "COLUMNS", "ESTIMATED", "MEASURED", "STEPS", "ladder", "ladder_table"]

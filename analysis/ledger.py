@@ -1063,3 +1063,10 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
     return (
         frame.group_by("run_id").agg(pl.col("arrival").min()).sort("arrival")["run_id"].to_list()
     )
+
+
+__all__ = ["ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED",
+    "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "QUERIES", "TURN_QUERY",
+    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "frame_turn_rows",
+    "hook_decided", "ledger", "load_spans", "persist", "rebuild", "rebuild_clickhouse",
+    "request_key", "runs", "shape", "turn_rows"]

@@ -712,5 +712,9 @@ def metrics_source(con: duckdb.DuckDBPyConnection, *beside: Collector) -> LiveMe
     return LiveMetrics(con, *beside)
 
 
-__all__ = ["LEDGER_SERIES", "LiveLedger", "LiveMetrics", "contributions", "metrics_source",
-           "unit_key"]
+__all__ = ["GAUGE_SERIES", "GPU_TOTAL_BYTES", "GPU_USED_BYTES", "INVALID_REUSE_TOKENS",
+    "INVALID_REUSE_TURNS", "LEDGER_SERIES", "Labels", "LiveLedger", "LiveMetrics",
+    "OUTCOME_CLASSES", "RECOMPUTED_CONVERSATIONS", "RECOMPUTED_TOKENS", "REFRESHES",
+    "REFRESH_SECONDS", "RETAINED_BYTES", "REUSABLE_TOKENS", "REUSED_LOCAL_TOKENS",
+    "REUSED_REMOTE_TOKENS", "SeriesKey", "TRANSFERS", "TRANSFER_BYTES", "TRANSFER_SECONDS",
+    "TTFT_SECONDS", "TURNS", "contributions", "metrics_source", "unit_key"]

@@ -78,4 +78,4 @@ def answer_source(con: duckdb.DuckDBPyConnection) -> Answer:
     return answer
 
 
-__all__ = ["ROUTE", "Answer", "answer_source", "parse_params", "run_analysis"]
+__all__ = ["Answer", "ROUTE", "answer_source", "parse_params", "run_analysis"]

@@ -188,4 +188,4 @@ def published_sweep(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataF
     return sweep_table(runs, ctx.ledger())
 
 
-__all__ = ["COLUMNS", "published_sweep", "sweep_runs", "sweep_table"]
+__all__ = ["COLUMNS", "SWEEP_FORMAT", "TOLERANCE", "published_sweep", "sweep_runs", "sweep_table"]

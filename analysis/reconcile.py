@@ -178,4 +178,4 @@ def reconciliation(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFr
     return reconcile_table(runs, ctx.ledger())
 
 
-__all__ = ["COLUMNS", "reconcile_table", "vllm_counters"]
+__all__ = ["COLUMNS", "reconcile_table", "reconciliation", "vllm_counters"]

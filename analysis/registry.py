@@ -241,3 +241,8 @@ LEDGER = _whole_ledger
 def iter_analyses() -> Iterator[Analysis]:
     """Analyses in report order."""
     yield from analyses().values()
+
+
+__all__ = ["Analysis", "AnalysisContext", "AnalysisError", "INTERMEDIATES", "Intermediate",
+    "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "analyses", "get", "intermediate",
+    "iter_analyses", "register", "run"]

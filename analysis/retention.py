@@ -602,3 +602,12 @@ def retained_memory(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataF
     observed = observed_range(ctx.ledger(), retentions, samples)
     return retained_series(retentions, samples, observed, step_s=params["step_s"],
                            max_points=params["max_points"])
+
+
+__all__ = ["CLASS_IDLE", "CLASS_OF_REASON", "CLASS_OPEN", "CLASS_USEFUL", "CLASS_WASTED",
+    "COST_COLUMNS", "FIT_SCOPES", "GIB", "MEMORY_COLUMNS", "RETENTION_QUERY", "RETENTION_SCHEMA",
+    "SAMPLES_QUERY", "SAMPLE_SCHEMA", "SOURCE_GPU_TOTAL", "SOURCE_GPU_USED", "SOURCE_OF_METRIC",
+    "SOURCE_RETAINED_GAUGE", "SOURCE_RETENTION_SPANS", "held", "load_retentions", "load_samples",
+    "observed_range", "prefill_fit", "prefill_savings", "read_handles", "retained_memory",
+    "retained_series", "retention_cost", "retention_cost_table", "shape_retentions",
+    "shape_samples", "upgrade_reads", "without_superseded_snapshots"]

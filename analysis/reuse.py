@@ -101,3 +101,6 @@ def reuse_rate(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
 @register("ledger", "The per-turn reuse ledger")
 def ledger_rows(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return ctx.ledger()
+
+
+__all__ = ["COLUMNS", "GROUPINGS", "REUSED", "ledger_rows", "reuse_rate", "reuse_table"]

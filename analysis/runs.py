@@ -31,28 +31,10 @@ from kvscope.store import query
 from kvscope.store.reader import StoreReader
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
 
-__all__ = [
-    "FEATURE_OFF",
-    "FEATURE_ON",
-    "RUN_INFO_COLUMNS",
-    "RUN_TABLE",
-    "RUNS_FROM_SPANS",
-    "RUNS_SQL",
-    "all_runs",
-    "baseline_for",
-    "choose_pair",
-    "context_over",
-    "context_run_info",
-    "feature_state",
-    "open_context",
-    "pick_runs",
-    "resolve_runs",
-    "run_info",
-    "run_settings",
-    "run_table",
-    "runs_query",
-    "with_run_labels",
-]
+__all__ = ["FEATURE_OFF", "FEATURE_ON", "RUNS_FROM_SPANS", "RUNS_SQL", "RUN_INFO_COLUMNS",
+    "RUN_TABLE", "all_runs", "baseline_for", "choose_pair", "context_over", "context_run_info",
+    "feature_state", "open_context", "pick_runs", "require_spans", "resolve_runs", "run_info",
+    "run_settings", "run_table", "runs_query", "with_run_labels"]
 
 if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource

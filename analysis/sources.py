@@ -162,5 +162,6 @@ def evidence(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return evidence_table(ctx.ledger(), memory)
 
 
-__all__ = ["COLUMNS", "EVIDENCE", "EVIDENCE_COLUMNS", "SOURCES", "evidence_table", "source_table",
-           "sources_sentence"]
+__all__ = ["CLIENT", "COLUMNS", "ENGINE_HOOKS", "EVIDENCE", "EVIDENCE_COLUMNS", "PROXY_LOG",
+    "PROXY_SPANS", "RETENTION", "SERVER_LOG", "SOURCES", "VLLM_TRACES", "evidence",
+    "evidence_table", "source_table", "sources_sentence"]

@@ -188,3 +188,7 @@ def _tasks(ctx: AnalysisContext) -> pl.DataFrame:
           columns=SUMMARY_COLUMNS)
 def task_time_summary(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return task_summary(ctx.get(_tasks))
+
+
+__all__ = ["COLUMNS", "COMPONENTS", "ENGINE_COMPONENTS", "PARTS", "SUMMARY_COLUMNS", "task_summary",
+    "task_table", "task_time", "task_time_summary"]

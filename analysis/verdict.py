@@ -249,3 +249,7 @@ def context_verdict(ctx: AnalysisContext) -> pl.DataFrame:
           columns=COLUMNS)
 def verdict(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return context_verdict(ctx)
+
+
+__all__ = ["COLUMNS", "TOP_CAUSES", "context_verdict", "verdict", "verdict_sentences",
+    "verdict_table"]

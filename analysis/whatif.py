@@ -968,3 +968,10 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     )
 
 
+__all__ = ["BYTES_FORMULA", "COEFFICIENTS", "COST_FIT_COLUMNS", "DEFAULT_THRESHOLDS",
+    "DEFAULT_TTLS_S", "GIB", "LinearFit", "MAX_SECONDS", "MAX_SETTINGS", "MAX_TOKENS", "MIB",
+    "PATH_CARRIED", "PATH_NOT_LATER", "PREFILL_FORMULA", "QUERIES", "SOURCE_OBSERVED",
+    "SOURCE_REPLAY", "Setting", "TIMELINE_COLUMNS", "TRANSFER_FORMULA", "WHATIF_COLUMNS",
+    "coefficients", "cost_fit", "fit_costs", "handle_times", "inputs", "least_squares",
+    "observed_settings", "on_run_clock", "replay", "shape_retentions", "shape_transfers",
+    "timeline", "whatif", "whatif_table"]

@@ -16,14 +16,9 @@ import polars as pl
 
 from kvscope.analysis.registry import AnalysisContext, Param, register
 
-__all__ = [
-    "ENGINE_COLUMNS",
-    "OUTCOME_COLUMNS",
-    "TTFT_COLUMNS",
-    "outcome_engines",
-    "outcome_windows",
-    "ttft_windows",
-]
+__all__ = ["ENGINE_COLUMNS", "OUTCOME_COLUMNS", "TTFT_COLUMNS", "outcome_engines",
+    "outcome_engines_analysis", "outcome_windows", "outcome_windows_analysis", "ttft_windows",
+    "ttft_windows_analysis"]
 
 TTFT_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(), "window_start": pl.Datetime("ns"), "turns": pl.UInt32(),

@@ -171,3 +171,6 @@ def metrics_to_rows(data: MetricsData, rows: GaugeRows | None = None) -> GaugeRo
                         flags=0,
                     )
     return rows
+
+
+__all__ = ["attribute_pairs", "metrics_to_rows", "spans_to_rows"]

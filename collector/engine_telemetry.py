@@ -415,3 +415,7 @@ class EngineTelemetry:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+__all__ = ["DirectSpans", "ENGINE_RECORDS", "EngineRecord", "EngineTelemetry", "KvRetentionRecord",
+    "KvTransferRecord", "ReuseDecisionRecord"]

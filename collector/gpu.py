@@ -189,4 +189,4 @@ def run_sampler(*, db: str | None, otlp_endpoint: str | None, interval_s: float,
         telemetry.shutdown()
 
 
-__all__ = ["GpuSampler", "run_sampler"]
+__all__ = ["GpuMemorySample", "GpuSampler", "load_nvml", "read_samples", "run_sampler"]

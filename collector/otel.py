@@ -239,3 +239,6 @@ def setup_telemetry(
         span_processor=processor,
         writer=writer if owns_writer else None,
     )
+
+
+__all__ = ["QueueSpanProcessor", "Telemetry", "setup_telemetry"]

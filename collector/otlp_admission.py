@@ -189,4 +189,4 @@ class Reservation:
         self.budget.release(nbytes)  # wakes waiters, the next oldest holder among them
 
 
-__all__ = ["ADMISSION_WAIT_S", "UNRECEIVED_ALLOWANCE_BYTES", "ByteBudget", "Reservation"]
+__all__ = ["ADMISSION_WAIT_S", "ByteBudget", "Reservation", "UNRECEIVED_ALLOWANCE_BYTES"]

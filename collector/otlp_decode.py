@@ -645,16 +645,6 @@ def decode_metrics_request(body: bytes, encoding: Encoding, run_id: str | None =
     return decode_metrics(parse_metrics_request(body, encoding), run_id)
 
 
-__all__ = [
-    "DecodedBatch",
-    "Encoding",
-    "GaugeBatch",
-    "TraceBatch",
-    "decode_metrics",
-    "decode_metrics_request",
-    "decode_trace_bytes",
-    "decode_trace_request",
-    "decode_traces",
-    "parse_metrics_request",
-    "parse_trace_request",
-]
+__all__ = ["DecodedBatch", "Encoding", "GaugeBatch", "Link", "MAX_VALUE_CHARS", "TRUNCATED_MARK",
+    "TraceBatch", "decode_metrics", "decode_metrics_request", "decode_trace_bytes",
+    "decode_trace_request", "decode_traces", "parse_metrics_request", "parse_trace_request"]

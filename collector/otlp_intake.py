@@ -295,7 +295,5 @@ class Intake:
             raise Refused(400, str(exc)) from None
 
 
-__all__ = [
-    "RETRY_AFTER_S", "Ack", "Intake", "ReceiverStats", "Refused", "Signal", "busy",
-    "gunzip_limited", "too_large",
-]
+__all__ = ["Ack", "Intake", "RETRY_AFTER_S", "ReceiverStats", "Refused", "Signal", "busy",
+    "gunzip_limited", "too_large"]

@@ -609,4 +609,5 @@ def run_receiver(
             receiver.stop(timeout=None)
 
 
-__all__ = ["Listening", "Receiver", "ReceiverCollector", "ReceiverStats", "run_receiver"]
+__all__ = ["Listening", "MetricsRenderer", "MetricsSource", "QueryAnswer", "QuerySource",
+    "Receiver", "ReceiverCollector", "run_receiver"]

@@ -478,3 +478,7 @@ def cyclic_gc_per_batch() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+__all__ = ["EngineRows", "ResourceRow", "RowSink", "RowTarget", "cyclic_gc_per_batch", "proxy_rows",
+    "resource_row", "rows_to_arrow", "scope_row"]

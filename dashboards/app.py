@@ -272,9 +272,4 @@ class DashboardServer:
         self.stop()
 
 
-__all__ = [
-    "DEFAULT_PORT",
-    "DashboardServer",
-    "create_app",
-    "selection",
-]
+__all__ = ["DEFAULT_PORT", "DashboardServer", "TICK", "TITLE", "create_app", "selection", "warm"]

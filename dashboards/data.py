@@ -41,7 +41,6 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError, StoreError
 from kvscope.store.reader import Source, StoreReader
 from kvscope.store.writer import StoreWriter
-from kvscope.tables import NOT_MEASURED
 
 logger = logging.getLogger(__name__)
 
@@ -395,13 +394,5 @@ def open_data(source: str | Path | StoreWriter, *,
     return DashboardData(source, refresh_s=refresh_s)
 
 
-__all__ = [
-    "DEFAULT_REFRESH_S",
-    "MAX_CONVERSATION_OPTIONS",
-    "NOT_MEASURED",
-    "DashboardData",
-    "Filters",
-    "Result",
-    "ScopedContext",
-    "open_data",
-]
+__all__ = ["DEFAULT_REFRESH_S", "DashboardData", "Filters", "MAX_CONVERSATION_OPTIONS",
+    "MAX_SCOPES", "RUN_SEPARABLE", "Result", "ScopedContext", "open_data"]

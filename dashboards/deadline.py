@@ -141,4 +141,4 @@ def _dechunked(rfile: Any, deadline: float) -> bytes | None:
             raise ValueError("chunk not followed by CRLF")
 
 
-__all__ = ["BODY_READ_TIMEOUT_S", "MAX_BODY_BYTES", "BodyDeadline", "DeadlineRequestHandler"]
+__all__ = ["BodyDeadline", "DeadlineRequestHandler", "MAX_BODY_BYTES", "StartResponse", "WsgiApp"]

@@ -856,3 +856,11 @@ def ttft_vs_task(frame: pl.DataFrame, title: str) -> go.Figure:
     fig.update_layout(title=title, xaxis_title="task time (s)", yaxis_title="Σ TTFT (s)",
                       **_LAYOUT)
     return fig
+
+
+__all__ = ["Builder", "GIB", "INVALID", "MEMORY_SOURCES", "NOT_MISSES", "OUTCOME_COLORS",
+    "TASK_COMPONENTS", "WATERFALL_PARTS", "conversation_waterfall", "hold_times", "miss_causes",
+    "missing", "note", "outcome_color", "outcome_shares", "outcomes_by_engine",
+    "outcomes_over_time", "prefill_split", "retained_memory", "retention_classes", "reuse_by_turn",
+    "reuse_ladder", "reuse_over_time", "sweep_prefill_split", "sweep_ttft_vs_prompt", "task_time",
+    "tokens_lost", "ttft_over_time", "ttft_vs_prompt", "ttft_vs_task", "whatif_curves"]

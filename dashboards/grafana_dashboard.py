@@ -245,4 +245,5 @@ def render() -> str:
     return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
 
 
-__all__ = ["DATASOURCE", "INPUT", "NO_VALUE", "TITLE", "UID", "dashboard", "panels", "render"]
+__all__ = ["ALARM_THRESHOLDS", "DATASOURCE", "INPUT", "NO_VALUE", "TITLE", "UID", "WIDTH",
+    "dashboard", "panels", "render"]

@@ -335,14 +335,5 @@ def write_report(db_path: Source, out_path: str | Path,
     return out
 
 
-__all__ = [
-    "FIGURES",
-    "MAX_TABLE_ROWS",
-    "FigureSpec",
-    "as_shown",
-    "figure_html",
-    "format_cell",
-    "render",
-    "table_html",
-    "write_report",
-]
+__all__ = ["FIGURES", "FigureSpec", "MAX_TABLE_ROWS", "REPORT_STEPS", "TITLE", "VERDICT",
+    "as_shown", "figure_html", "format_cell", "render", "table_html", "write_report"]

@@ -192,14 +192,5 @@ class DecodeMemory:
         return start
 
 
-__all__ = [
-    "CapacityError",
-    "DecodeMemory",
-    "GPUS",
-    "Gpu",
-    "HardwareProfile",
-    "MODELS",
-    "ModelShape",
-    "NO_GPU",
-    "hardware",
-]
+__all__ = ["CapacityError", "DecodeMemory", "GLM5_FP8", "GPUS", "Gpu", "HardwareProfile", "MODELS",
+    "ModelShape", "NO_GPU", "QWEN3_32B", "hardware"]

@@ -296,3 +296,7 @@ def profile(name: str) -> CostProfile:
         return PROFILES[name]
     except KeyError:
         raise KeyError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+__all__ = ["Calibration", "CostProfile", "GLM5_FP8_BLOG", "GLM5_KV_BYTES_PER_TOKEN", "PROFILES",
+    "QWEN3_32B_BLOG", "QWEN3_32B_KV_BYTES_PER_TOKEN", "calibration", "fit_profile", "profile"]

@@ -173,3 +173,10 @@ class FaultMix:
     def describe(self) -> dict[str, float]:
         """The mix as plain data, for the run's recorded settings."""
         return dict(sorted(self.probabilities.items()))
+
+
+__all__ = ["CLOCK_SKEW", "DECODE_NO_BIDIR", "EVICT_PREFIX_CACHE", "EXPIRE_BEFORE_NEXT_TURN",
+    "FAULTS", "FAULT_BODY_FIELD", "FAULT_HEADER", "FaultMix", "FaultSpec", "HANDSHAKE_FAIL",
+    "INVALID_PARAMS", "LEG_DECODE", "LEG_PREFILL", "LOAD_FAILURE_POLICY_FAIL", "NO_CONVERSATION_ID",
+    "PREEMPT_AFTER_READ", "PREFILL_NO_BIDIR", "PROXY_RESTART", "STRIP_STREAM_METADATA",
+    "TRANSFER_FAIL", "names_in", "parse_fault", "turn_key"]

@@ -321,3 +321,7 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a truth file, as dicts."""
     with Path(path).open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+__all__ = ["FinishedSequence", "Match", "SequenceOracle", "TruthRecorder", "TruthRow",
+    "common_prefix_tokens", "read_truth"]

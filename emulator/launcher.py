@@ -281,3 +281,4 @@ class EmulatedCluster:
         self.stop()
 
 
+__all__ = ["EmulatedCluster"]

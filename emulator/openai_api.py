@@ -28,23 +28,9 @@ from kvscope.emulator.faults import FAULT_BODY_FIELD, FAULT_HEADER
 if TYPE_CHECKING:
     from kvscope.emulator.servers import EmulatorConfig
 
-__all__ = [
-    "CHAT",
-    "COMPLETION",
-    "EmulatedRequest",
-    "RequestError",
-    "chunk_json",
-    "dumps",
-    "error_response",
-    "full_response",
-    "models_body",
-    "parse_request",
-    "STOP_STRING",
-    "plan_output",
-    "stop_reason",
-    "token_choice",
-    "usage",
-]
+__all__ = ["CHAT", "COMPLETION", "EmulatedRequest", "RequestError", "STOP_STRING", "chunk_json",
+    "dumps", "error_response", "full_response", "models_body", "parse_request", "plan_output",
+    "stop_reason", "token_choice", "usage"]
 
 CHAT = "chat"
 COMPLETION = "completion"

@@ -271,15 +271,6 @@ def published_points(block_size: int = 16) -> list[Point]:
     return out
 
 
-__all__ = [
-    "Constants",
-    "Engine",
-    "NegativeTimeError",
-    "Point",
-    "fit",
-    "predict",
-    "published_engines",
-    "published_points",
-    "read_terms",
-    "terms",
-]
+__all__ = ["ATTENTION_DIM", "Column", "Constants", "EFA_P5EN_BYTES_PER_S", "Engine", "FP8_FLOPS",
+    "FP8_WEIGHTS", "LINK_COLUMNS", "NegativeTimeError", "Point", "fit", "predict",
+    "published_engines", "published_points", "read_terms", "terms"]

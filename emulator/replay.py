@@ -374,3 +374,4 @@ async def replay(
     return result
 
 
+__all__ = ["CHAT_PATH", "DEFAULT_MODEL", "Progress", "ReplayResult", "RequestRecord", "replay"]

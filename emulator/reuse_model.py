@@ -993,3 +993,8 @@ def turn_facts(
         "coverable": decisions.coverable(reusable, offered, local),
     }
     return facts
+
+
+__all__ = ["DecodeNode", "Fabric", "Faults", "NO_FAULTS", "NodeConfig", "PrefillNode",
+    "PrefillResult", "PrefixCache", "ReadReply", "Retention", "ReuseDecision", "TransferRecord",
+    "TurnAccounting", "account_turn", "kv_transfer_params", "turn_facts", "vllm_request_id"]

@@ -674,3 +674,7 @@ class DecodeServer(_EngineServer[DecodeNode]):
                 state["sequence"].num_tokens, self.node.config.scheduling, status),
         )
         return response
+
+
+__all__ = ["DEFAULT_MODEL", "DecodeServer", "EXPIRED_TTL_S", "Emulation", "EmulatorClock",
+    "EmulatorConfig", "LOOPBACK_ALIASES", "PrefillServer"]

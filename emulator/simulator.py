@@ -31,7 +31,7 @@ import heapq
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -875,15 +875,8 @@ def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:
         yield asdict(row)
 
 
-__all__ = [
-    "PROGRESS_EVERY_TURNS",
-    "SIM_FAULTS",
-    "Progress",
-    "SimulationResult",
-    "SimulationSettings",
-    "Simulator",
-    "TruthRow",
-    "iter_truth",
-    "replace",
-    "simulate",
-]
+__all__ = ["CLIENT_TIMEOUT_S", "FAULT_CLOCK_SKEW", "FAULT_HANDSHAKE", "FAULT_INVALID_PARAMS",
+    "FAULT_NO_CONVERSATION_ID", "FAULT_PREEMPT", "FAULT_PROXY_RESTART", "FAULT_STRIP_METADATA",
+    "FAULT_TRANSFER", "PROCESS_ROWS_MIN_TURNS", "PROGRESS_EVERY_TURNS", "Progress", "SIMULATED_KEY",
+    "SIM_FAULTS", "SimulationResult", "SimulationSettings", "Simulator", "TruthRow", "iter_truth",
+    "simulate"]

@@ -45,15 +45,8 @@ from kvscope.store.writer import ROW_GROUP_ROWS
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "SPAN_PIPE_BUFFER",
-    "SPAN_PROCESS_NICE",
-    "Emitter",
-    "LocalEmitter",
-    "SpanProcess",
-    "TelemetrySpec",
-    "telemetry",
-]
+__all__ = ["Emitter", "LocalEmitter", "SPAN_PIPE_BUFFER", "SPAN_PROCESS_NICE", "SpanProcess",
+    "TelemetrySpec", "telemetry"]
 
 class Emitter(Protocol):
     """Where the simulation emits an engine's records: its :class:`EngineTelemetry` in this

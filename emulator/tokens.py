@@ -268,3 +268,9 @@ class BlockRuns:
 
 
 Blocks = BlockSeq | BlockRuns
+
+
+__all__ = ["BlockRuns", "BlockSeq", "Blocks", "DEFAULT_BLOCK_SIZE", "END_MARKER",
+    "GENERATION_PROMPT", "ROOT_HASH", "Runs", "apply_chat_template", "block_hashes", "block_runs",
+    "common_prefix_len", "encode", "generate_output_words", "hash_block", "join_runs",
+    "render_chat", "role_marker", "take_runs", "token_id"]

@@ -190,3 +190,8 @@ def resolve_boundary_key(explicit: str | None = None,
                        "'unknown'); set %s to a key file", path, exc,
                        settings.SETTINGS["boundary_hash_key_file"].env_var)
         return BoundaryKey.ephemeral()
+
+
+__all__ = ["BoundaryKey", "DEFAULT_KEY_FILE", "EPHEMERAL", "HASH_HEX", "KEY_BYTES", "KEY_ID_HEX",
+    "MAX_KEY_BYTES", "MAX_KEY_FILE_BYTES", "MIN_KEY_BYTES", "create_key_file", "key_id_of",
+    "read_key_file", "resolve_boundary_key", "state_dir"]

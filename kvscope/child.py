@@ -171,3 +171,8 @@ def raise_reported(detail: tuple[str, str], where: str) -> NoReturn:
     if isinstance(cls, type) and issubclass(cls, KvscopeError):
         raise cls(message)
     raise KvscopeError(f"{where}: {name}: {message}")
+
+
+__all__ = ["ChildStartError", "READY_TIMEOUT_S", "pack", "raise_reported", "report_error",
+    "report_ready", "set_send_buffer", "spawn_child", "start_child", "stop_child", "unpack",
+    "wait_ready"]

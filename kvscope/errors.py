@@ -52,3 +52,7 @@ class PayloadError(KvscopeError, ValueError):
 
 class IngestError(KvscopeError, ValueError):
     """A source file for ``kvscope ingest`` is malformed, of no known kind, or already stored."""
+
+
+__all__ = ["IngestError", "KvscopeError", "NewerSchemaError", "NotAKvscopeStore", "PayloadError",
+    "SettingError", "StoreError", "StoreLockedError"]

@@ -21,3 +21,6 @@ def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | N
                 k = m[r][col] / m[col][col]
                 m[r] = [x - k * y for x, y in zip(m[r], m[col], strict=True)]
     return [m[i][n] / m[i][i] for i in range(n)]
+
+
+__all__ = ["solve_linear"]

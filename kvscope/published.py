@@ -100,14 +100,5 @@ def for_profile(profile: str) -> PublishedSweep | None:
     return next((s for s in SWEEPS if s.profile == profile), None)
 
 
-__all__ = [
-    "GLM5_FP8",
-    "PREFILL",
-    "QWEN3_32B",
-    "SOURCE",
-    "SWEEPS",
-    "TRANSFER",
-    "TTFT",
-    "PublishedSweep",
-    "for_profile",
-]
+__all__ = ["GLM5_FP8", "PREFILL", "PublishedSweep", "QWEN3_32B", "SOURCE", "SWEEPS", "TRANSFER",
+    "TTFT", "for_profile"]

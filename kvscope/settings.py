@@ -297,3 +297,7 @@ def markdown_table(commands: Mapping[str, Sequence[str]] | None = None) -> str:
             f"| {s.help} |"
         )
     return "\n".join(lines) + "\n"
+
+
+__all__ = ["ENV_PREFIX", "SETTINGS", "Setting", "markdown_table", "parse_bool", "resolve",
+    "resolve_all"]

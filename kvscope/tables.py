@@ -134,3 +134,7 @@ def _rich_table(columns: Sequence[str], cells: list[list[str]], widths: list[int
             markup=False, emoji=False, legacy_windows=False).print(table)
     lines = [line.rstrip() for line in out.getvalue().splitlines()]
     return "\n".join(line for line in lines if line) + "\n"
+
+
+__all__ = ["MIN_COLUMN_WIDTH", "NOT_MEASURED", "fit", "format_rows", "jsonable", "round_float",
+    "terminal_width"]

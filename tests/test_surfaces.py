@@ -2,12 +2,13 @@
 
 A package's ``__all__`` names the names it re-exports or, for packages that import nothing on
 purpose (the plugin path must stay light), its public modules. Every module of the library that
-declares ``__all__`` defines each name it lists. Without these, a reader cannot tell what a
+lists in ``__all__`` exactly its sorted public names. Without these, a reader cannot tell what a
 package offers from what it happens to contain.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import tomllib
@@ -79,3 +80,57 @@ def test_a_module_package_lists_each_public_module() -> None:
         if left:
             unlisted[name] = left
     assert not unlisted, f"public modules missing from their package's __all__: {unlisted}"
+
+
+# --- every library module: __all__ is its sorted public names --------------------------------
+# Read from the source (what the module defines at top level, not what it imports), as httpx's
+# tests hold its surface to its names: a new public function or constant must be listed, a
+# private one spelled with "_". A module's logger and its type variables are not its surface.
+_NOT_SURFACE = {"logger"}
+
+
+def _defined_names(tree: ast.Module) -> list[str]:
+    names: set[str] = set()
+    type_vars: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            targets = [el for t in node.targets
+                       for el in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            found = {t.id for t in targets if isinstance(t, ast.Name)}
+            names |= found
+            call = node.value
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name | ast.Attribute) \
+                    and (getattr(call.func, "id", None) or getattr(call.func, "attr", None)) \
+                    in ("TypeVar", "ParamSpec"):
+                type_vars |= found
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return sorted(n for n in names - type_vars - {"__all__"}
+                  if not n.startswith("_") and n not in _NOT_SURFACE)
+
+
+def _module_files() -> list[Path]:
+    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"].values()
+    return sorted(path for root in set(roots) for path in (ROOT / root).rglob("*.py")
+                  if path.name not in ("__init__.py", "__main__.py")
+                  and not any(part.startswith("_") for part in
+                              path.relative_to(ROOT / root).with_suffix("").parts))
+
+
+def test_every_module_lists_its_sorted_public_names() -> None:
+    files = _module_files()
+    assert len(files) > 90  # the walk found the library, not an empty folder
+    wrong: dict[str, str] = {}
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        declared = [node for node in tree.body if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
+        want = _defined_names(tree)
+        have = ast.literal_eval(declared[-1].value) if declared else None
+        if have != want:
+            wrong[str(path.relative_to(ROOT))] = f"__all__ = {want!r}"
+    assert not wrong, "modules whose __all__ is not their sorted public names:\n" + "\n".join(
+        f"  {name}: {line}" for name, line in wrong.items())

@@ -355,5 +355,5 @@ def add_spans(stats: BenchStats, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["FIELDS", "KIND", "BenchStats", "BenchTurn", "add_spans", "looks_like", "read",
-           "turn_ids"]
+__all__ = ["BenchStats", "BenchTurn", "FIELDS", "KIND", "add_spans", "looks_like", "read",
+    "turn_ids"]

@@ -471,5 +471,5 @@ def add_spans(log: ProxyLog, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["KIND", "ProxyLog", "ProxyRequest", "add_legs", "add_spans", "looks_like", "read",
-           "turn_values"]
+__all__ = ["KIND", "KVSCOPE_LOGGER", "ProxyLog", "ProxyRequest", "VLLM_LOGGER", "add_legs",
+    "add_spans", "looks_like", "read", "turn_values"]

@@ -655,5 +655,5 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["KIND", "KIND_DECODE", "KIND_PREFILL", "Event", "ServerLog", "add_spans",
-           "looks_like", "read", "read_decode", "read_prefill", "read_role"]
+__all__ = ["Event", "KIND", "KIND_DECODE", "KIND_PREFILL", "ServerLog", "add_spans", "looks_like",
+    "read", "read_decode", "read_prefill", "read_role"]

@@ -119,7 +119,6 @@ def add_span(rows: TraceRows, *, resource_attrs: Attrs, service: str, name: str,
     )
 
 
-__all__ = ["KIND_CLIENT", "KIND_INTERNAL", "KIND_SERVER", "MAX_COUNT", "MAX_MEASURE",
-           "MAX_SOURCE_BYTES",
-           "STATUS_ERROR", "STATUS_UNSET", "add_span", "attrs", "count_value", "ingest_id",
-           "measure_value", "resource"]
+__all__ = ["KIND_CLIENT", "KIND_INTERNAL", "KIND_SERVER", "LineCounts", "MAX_COUNT", "MAX_MEASURE",
+    "MAX_SOURCE_BYTES", "STATUS_ERROR", "STATUS_UNSET", "SourceFile", "add_span", "attrs",
+    "count_value", "ingest_id", "measure_value", "read_source", "resource"]

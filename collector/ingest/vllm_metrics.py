@@ -170,5 +170,7 @@ def add_spans(parsed: VllmMetrics, run_id: str, rows: TraceRows) -> int:
     return 0
 
 
-__all__ = ["KIND", "KIND_DECODE", "KIND_PREFILL", "VllmMetrics", "add_spans", "looks_like",
-           "read", "read_decode", "read_prefill", "read_role", "scrape"]
+__all__ = ["CACHED_BY_SOURCE", "KIND", "KIND_DECODE", "KIND_PREFILL", "KV_FETCH_BY_STAGE",
+    "NIXL_SAMPLES", "PROMPT_TOKENS_BY_SOURCE", "SCRAPE_MAX_BYTES", "SCRAPE_TIMEOUT_S",
+    "VllmMetrics", "add_spans", "looks_like", "read", "read_decode", "read_prefill", "read_role",
+    "scrape"]

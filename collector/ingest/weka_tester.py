@@ -166,4 +166,5 @@ def add_spans(parsed: TesterOutput, run_id: str, rows: TraceRows) -> int:
     return 0
 
 
-__all__ = ["KIND", "TesterOutput", "add_spans", "looks_like", "read"]
+__all__ = ["DETAILED", "KIND", "LIFECYCLE", "METADATA", "SUMMARY", "TesterOutput", "add_spans",
+    "looks_like", "read"]

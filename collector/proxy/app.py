@@ -1046,3 +1046,8 @@ def build_app(config: ProxyConfig, telemetry: ProxyTelemetry | None = None) -> w
 def api_key_from_env() -> str | None:
     """``OPENAI_API_KEY``, forwarded to upstream as a Bearer token (as vLLM's proxy does)."""
     return os.environ.get("OPENAI_API_KEY") or None
+
+
+__all__ = ["DecodeStream", "MAX_REQUEST_BYTES", "PREFILL_DROPPED_FIELDS", "Proxy", "ProxyConfig",
+    "SERVER_OPTIONS", "SERVING_GC_THRESHOLD", "Upstream", "UpstreamFailure", "api_key_from_env",
+    "build_app", "configure_serving_gc", "error_body", "sse_events", "turn_log"]

@@ -51,3 +51,6 @@ def conversation_id_from(body: dict[str, Any], session_header: str | None) -> Co
     if not value.isprintable():
         return ConversationId(None, source, semconv.ID_REJECTED_NON_PRINTABLE)
     return ConversationId(value, source)
+
+
+__all__ = ["ConversationId", "MAX_CONVERSATION_ID_CHARS", "SESSION_HEADER", "conversation_id_from"]

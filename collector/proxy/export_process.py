@@ -513,3 +513,8 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
     finally:
         export.shutdown()
         export.publish(counters, built)
+
+
+__all__ = ["CHILD_NICE", "ExportProcessStats", "MAX_QUEUED_RECORDS", "SEND_INTERVAL_S",
+    "STORE_INTERVAL_S", "TurnExportProcess", "boundary_input", "record_from_tuple",
+    "record_to_tuple", "resolve_boundaries", "span_count"]

@@ -216,4 +216,4 @@ class ProxyMetrics:
         return exposition.render(self.registry, accept)
 
 
-__all__ = ["MAX_MODEL_NAMES", "OTHER_MODEL", "ProxyMetrics", "prom_name"]
+__all__ = ["EXEMPLAR_EVERY_NS", "MAX_MODEL_NAMES", "OTHER_MODEL", "ProxyMetrics", "TurnRecordLike"]

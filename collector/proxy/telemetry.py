@@ -695,3 +695,9 @@ class ProxyTelemetry:
         scrape = self.metrics.scrape_time
         scrape.router_entries, scrape.dropped_spans = router_entries, self.dropped_spans
         return self.metrics.render(accept)
+
+
+__all__ = ["BOUNDARY_HASHES_KEPT", "BOUNDARY_HASH_HEX", "MAX_TRACKED_CONVERSATIONS",
+    "ProxyTelemetry", "SpanBuilder", "SpanEvent", "SpanSink", "TurnRecord", "boundary_hashes",
+    "chain_boundary", "format_traceparent", "message_boundaries", "parse_traceparent", "reply_text",
+    "sdk_spans", "set_boundaries", "set_reply_boundary"]

@@ -39,3 +39,6 @@ class KvscopeNixlConnector(NixlConnector):
         # Before super().__init__: the role objects it builds are already instrumented classes.
         plugin.register(endpoint)
         super().__init__(vllm_config, role, kv_cache_config)
+
+
+__all__ = ["EXTRA_CONFIG_ENDPOINT", "KvscopeNixlConnector"]

@@ -1014,3 +1014,10 @@ def _block_size(sched: Any) -> int | None:
     """The connector scheduler's block size (``cache_config.block_size``), when it has one."""
     size = getattr(sched, "block_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+__all__ = ["FAILURE_LOGGER", "FAILURE_MESSAGE", "HOOK_EVIDENCE", "HOOK_SIGNATURES",
+    "InstrumentorStats", "NixlConnectorInstrumentor", "PRIVATE_HOOK_SIGNATURES", "ProviderFactory",
+    "SCHEDULER_CLASS", "SCHEDULER_MODULE", "VLLM_LOGGER", "WORKER_CLASS", "WORKER_MODULE",
+    "block_bytes_per_group", "blocks_and_bytes", "count_blocks", "expired_releases",
+    "hook_mismatch", "private_hook_matches", "request_outcome", "vllm_logger"]

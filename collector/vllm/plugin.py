@@ -131,3 +131,7 @@ def _reset_for_tests() -> None:
     global _outcome
     with _lock:
         _outcome = None
+
+
+__all__ = ["ENTRY_POINT", "ENTRY_POINT_GROUP", "PLUGIN_NAME", "enable", "register",
+    "resource_attributes", "shutdown"]

@@ -84,3 +84,6 @@ def register(app: Dash, data: DashboardData) -> None:
 
 
 PAGE = Page("/compare", "Compare", layout, register)
+
+
+__all__ = ["CONTENT", "PAGE", "RUN_A", "RUN_B", "content", "default_pair", "layout", "register"]

@@ -101,3 +101,7 @@ def register(app: Dash, data: DashboardData) -> None:
 
 
 PAGE = Page("/conversations", "Conversations", layout, register)
+
+
+__all__ = ["CONTENT", "PAGE", "PICK", "TURN_COLUMNS", "WANTED", "content", "layout", "options",
+    "pick_value", "register"]

@@ -108,3 +108,7 @@ def register(app: Dash, data: DashboardData) -> None:
 
 
 PAGE = Page("/missed", "Missed reuse", layout, register)
+
+
+__all__ = ["CAUSE", "CONTENT", "DRILL", "EXAMPLES", "EXAMPLE_COLUMNS", "PAGE", "causes", "content",
+    "drill", "layout", "register"]

@@ -85,3 +85,6 @@ def invalid_alarm(ledger: Any) -> Any:
 
 
 PAGE = filtered_page("/", "Overview", CONTENT, content)
+
+
+__all__ = ["CONTENT", "PAGE", "content", "invalid_alarm", "reconciliation_table"]

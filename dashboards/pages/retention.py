@@ -45,3 +45,6 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
 
 
 PAGE = filtered_page("/retention", "Retention & memory", CONTENT, content)
+
+
+__all__ = ["CONTENT", "COST_COLUMNS", "PAGE", "content"]

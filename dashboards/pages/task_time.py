@@ -38,3 +38,6 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
 
 
 PAGE = filtered_page("/task-time", "TTFT vs task time", CONTENT, content)
+
+
+__all__ = ["CONTENT", "PAGE", "content"]

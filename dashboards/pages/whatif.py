@@ -78,3 +78,7 @@ def register(app: Dash, data: DashboardData) -> None:
 
 
 PAGE = Page("/whatif", "What-if", layout, register)
+
+
+__all__ = ["CONTENT", "DEFAULT_THRESHOLD", "DEFAULT_TTL", "PAGE", "SHOWN", "THRESHOLD", "TTL",
+    "content", "layout", "register"]

@@ -528,3 +528,10 @@ def iter_turns(workload: Workload) -> Iterator[tuple[Conversation, Turn]]:
     for conv in workload.conversations:
         for turn in conv.turns:
             yield conv, turn
+
+
+__all__ = ["BlockChain", "BlockView", "ChatHistory", "Conversation", "DEFAULT_BLOCK_SIZE",
+    "FOLLOW_UP_OVERHEAD_TOKENS", "GENERATION_PROMPT_TOKENS", "MAX_TRACE_BYTES", "MAX_TRACE_S",
+    "MESSAGE_OVERHEAD_TOKENS", "Render", "Turn", "VOCABULARY", "Workload", "WorkloadError",
+    "block_view", "check_times", "common_prefix_blocks", "count_tokens", "filler", "iter_turns",
+    "messages", "mix_seed", "send_time", "trace_seconds"]

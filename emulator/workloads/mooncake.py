@@ -463,3 +463,7 @@ def import_summary(workload: Workload) -> ImportSummary | None:
     if settings.get("format") != "mooncake":
         return None
     return ImportSummary(**{name: settings[name] for name in ImportSummary.__dataclass_fields__})
+
+
+__all__ = ["FOLLOW_UP", "ImportSummary", "MOONCAKE_BLOCK_SIZE", "RETRY", "Sessions",
+    "import_summary", "load", "read_sessions"]

@@ -287,3 +287,6 @@ def generate(config: TraceConfig | None = None, **overrides: Any) -> GeneratedTr
         row_systems.append(systems[session])
     sessions = tuple(tuple(by_session[s]) for s in sorted(by_session))
     return GeneratedTrace(tuple(rows), sessions, tuple(row_systems), tuple(parents))
+
+
+__all__ = ["GeneratedTrace", "TRACE_BLOCK_SIZE", "TraceConfig", "generate"]

@@ -97,4 +97,4 @@ def generate(
     )
 
 
-__all__ = ["NAME", "generate"]
+__all__ = ["DEFAULT_SLOT_S", "NAME", "generate"]

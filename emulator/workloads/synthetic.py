@@ -202,3 +202,6 @@ def generate(config: SyntheticConfig | None = None, **overrides: object) -> Work
         source="synthetic",
         settings=asdict(cfg),
     )
+
+
+__all__ = ["SyntheticConfig", "generate"]

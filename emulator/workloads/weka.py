@@ -440,3 +440,7 @@ def load_raw(
             "seed": seed,
         },
     )
+
+
+__all__ = ["CSV_PATH", "DATA_DIR", "RAW_DIR", "TRACE_BLOCK_SIZE", "expand_hash_ids", "load_csv",
+    "load_raw"]

@@ -219,3 +219,5 @@ def run_demo(out: Path, options: DemoOptions | None = None) -> int:
     # The time taken is the progress line's (kvscope.progress.steps), printed once.
     return 0
 
+
+__all__ = ["DemoOptions", "FAULT_MIX", "banner", "run_demo", "run_lines"]

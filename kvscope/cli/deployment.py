@@ -19,9 +19,7 @@ from typing import Any
 
 from kvscope import settings
 
-__all__ = [
-    "FLAGS", "PER_COMMAND", "Flag", "add", "add_fault", "deprecated_alias",
-]
+__all__ = ["FLAGS", "Flag", "PER_COMMAND", "add", "add_fault", "deprecated_alias"]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMANDS", "config_from_args"]
+__all__ = ["COMMANDS", "ReplayProgress", "config_from_args"]
 
 
 def _configure_emulate(parser: argparse.ArgumentParser) -> None:

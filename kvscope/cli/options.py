@@ -10,24 +10,9 @@ from typing import Any
 from kvscope import settings
 from kvscope.errors import SettingError
 
-__all__ = [
-    "EXIT_USER_ERROR",
-    "FORMATS",
-    "Command",
-    "add_format",
-    "add_clickhouse",
-    "add_setting",
-    "add_store",
-    "add_store_and_runs",
-    "add_workload_scaling",
-    "floats",
-    "ints",
-    "names",
-    "required",
-    "resolved",
-    "setting_help",
-    "store_source",
-]
+__all__ = ["Command", "EXIT_USER_ERROR", "FORMATS", "add_clickhouse", "add_format", "add_setting",
+    "add_store", "add_store_and_runs", "add_workload_scaling", "floats", "ints", "names",
+    "required", "resolved", "setting_help", "store_source"]
 
 EXIT_USER_ERROR = 2
 FORMATS = ("table", "csv", "json")

@@ -390,22 +390,9 @@ def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSett
     yield from run_each([(plan, workloads) for plan in plans], db, stream=stream)
 
 
-__all__ = [
-    "OPTIONS",
-    "ProgressLine",
-    "Sweep",
-    "configure",
-    "run_simulate",
-    "summary_rows",
-    "sweep_rows",
-    "base_settings",
-    "expand",
-    "load_workload",
-    "run_all",
-    "run_each",
-    "parse_sweep",
-    "sweep_plans",
-]
+__all__ = ["OPTIONS", "Option", "ProgressLine", "SUMMARY_COLUMNS", "SWEEP_COLUMNS", "WORKLOADS",
+    "base_settings", "configure", "describe", "expand", "load_workload", "parse_sweep", "run_all",
+    "run_each", "run_simulate", "summary_rows", "sweep_plans", "sweep_rows"]
 
 
 # --- the command ------------------------------------------------------------------------------

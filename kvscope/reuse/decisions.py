@@ -400,3 +400,9 @@ def polars_exprs(columns: Mapping[str, pl.Expr] | None = None) -> tuple[pl.Expr,
         label = pl.when(holds).then(pl.lit(rule.outcome)).otherwise(label)
         evidence = pl.when(holds).then(_evidence(rule, col)).otherwise(evidence)
     return label, evidence
+
+
+__all__ = ["Arg", "Cond", "EQ", "FACTS", "FALLBACK", "GE", "GT", "HISTORY_CONTINUES",
+    "HISTORY_EDITED", "HISTORY_FIRST", "HISTORY_UNKNOWN", "IN", "IS_NULL", "LE", "NE", "NOT_NULL",
+    "PREV_NONE", "PREV_NO_DECODE", "PREV_RETURNED", "Ref", "Rule", "TABLE", "coverable",
+    "coverable_expr", "decide", "first_rule", "polars_exprs"]

@@ -203,3 +203,14 @@ def read_declined_expired(
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that hold ``tokens`` tokens (the last one may be partial)."""
     return math.ceil(max(tokens, 0) / block_size)
+
+
+__all__ = ["DECODE_PARAMS_AUTO", "DECODE_PARAMS_MODES", "DECODE_PARAMS_RESPONSE",
+    "DECODE_PARAMS_STREAM", "D_TO_P_REQUIRED_KEYS", "FAILURE_POLICY_FAIL",
+    "FAILURE_POLICY_RECOMPUTE", "FailurePolicy", "KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S",
+    "PARAMS_FIELDS", "P_PARAMS_EXTRA_FIELDS", "RETAINING_STATUSES", "SCHEDULING_ASYNC",
+    "SCHEDULING_MODES", "SCHEDULING_SYNC", "STATUS_ABORTED", "STATUS_ERROR", "STATUS_LENGTH_CAPPED",
+    "STATUS_STOPPED", "STREAMED_PARAMS_SINCE", "TRANSFER_MODE_PULL", "answer_offer",
+    "below_threshold", "blocks_for", "classify_observed", "d_to_p_offer_valid", "offer_defect",
+    "offered_tokens", "pull_count", "read_declined_expired", "remote_num_tokens",
+    "streams_kv_transfer_params"]

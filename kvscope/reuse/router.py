@@ -194,3 +194,7 @@ def guard(lookup: Lookup, hashes: Sequence[str] | None, roles: str | None) -> st
         return GUARD_UNCHECKED
     continues = history_continues(lookup.history, hashes, roles, lookup.reply)
     return GUARD_PASSED if continues else GUARD_EDITED
+
+
+__all__ = ["ConversationRouter", "GUARD_EDITED", "GUARD_PASSED", "GUARD_UNCHECKED", "Lookup",
+    "MISS_PARAMS", "blocks_in", "guard", "history_continues", "prefill_params"]

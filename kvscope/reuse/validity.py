@@ -108,3 +108,7 @@ def invalid_tokens(
     if beyond > 0:
         return beyond, INVALID_BEYOND_PREFIX
     return 0, None
+
+
+__all__ = ["INVALID_AFTER_RELEASE", "INVALID_BEYOND_PREFIX", "INVALID_EDITED", "INVALID_MISALIGNED",
+    "LoadedSpan", "UNRECOGNIZED_NOTIFY", "UNRECOGNIZED_READ", "invalid_tokens", "loaded_span"]

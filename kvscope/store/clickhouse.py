@@ -39,17 +39,8 @@ from kvscope.store.query import CLICKHOUSE, Query
 from kvscope.store.reader import Params, StoreReader
 from kvscope.store.schema import quote
 
-__all__ = [
-    "CHDB_SCHEME",
-    "ClickHouseReader",
-    "ClickHouseSource",
-    "Engine",
-    "clickhouse_type",
-    "connect",
-    "normalise",
-    "load_store",
-    "replace_table",
-]
+__all__ = ["CHDB_SCHEME", "ClickHouseReader", "ClickHouseSource", "Engine", "RUNS_DDL",
+    "clickhouse_type", "connect", "load_store", "normalise", "replace_table"]
 
 CHDB_SCHEME = "chdb"
 T = TypeVar("T")

@@ -312,3 +312,8 @@ def table_counts(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
         rows = con.execute(f"SELECT count(*) FROM {quote(table)}").fetchall()
         counts[table] = int(rows[0][0])
     return counts
+
+
+__all__ = ["BATCH_FILE_PREFIX", "BATCH_FOLDER_SUFFIX", "WAL_CHECKPOINT_THRESHOLD",
+    "batch_file_prefix", "batch_folder", "begin_run", "check_schema", "end_run", "open_readonly",
+    "open_store", "schema_version", "table_counts"]

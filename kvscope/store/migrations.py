@@ -34,3 +34,6 @@ def upgrade(con: duckdb.DuckDBPyConnection, version: int) -> None:
         except BaseException:
             con.execute("ROLLBACK")
             raise
+
+
+__all__ = ["STEPS", "Step", "upgrade"]

@@ -24,20 +24,8 @@ from typing import Any
 
 from kvscope.store.schema import quote
 
-__all__ = [
-    "CLICKHOUSE",
-    "DUCKDB",
-    "Attr",
-    "Binder",
-    "Dialect",
-    "Query",
-    "compose",
-    "point_attr",
-    "resource_attr",
-    "select",
-    "span_attr",
-    "spans",
-]
+__all__ = ["Attr", "Binder", "CLICKHOUSE", "Column", "DUCKDB", "Dialect", "GAUGES", "Part", "Query",
+    "TRACES", "compose", "point_attr", "resource_attr", "select", "span_attr", "spans"]
 
 TRACES = "otel_traces"
 GAUGES = "otel_metrics_gauge"

@@ -143,3 +143,6 @@ class StoreReader:
     def close(self) -> None:
         """Close the connection."""
         self._con.close()
+
+
+__all__ = ["Params", "Source", "StoreReader"]

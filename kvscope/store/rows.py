@@ -225,3 +225,6 @@ def stringify(value: Any) -> str:
     if isinstance(value, dict):
         return json.dumps(value, separators=(",", ":"), default=str)
     return str(value)
+
+
+__all__ = ["Attrs", "Event", "GaugeRows", "Link", "TraceRows", "stringify"]

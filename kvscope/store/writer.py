@@ -344,3 +344,7 @@ class _Entry:
     table: str
     rows: pa.Table
     done: Future[None] | None
+
+
+__all__ = ["PARQUET_MIN_ROWS", "ROW_GROUP_ROWS", "StoreWriter", "WriterStats", "batch_folder_of",
+    "insert_arrow", "insert_arrow_scan"]
