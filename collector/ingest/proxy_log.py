@@ -14,8 +14,10 @@ Two writers log the same per-turn lines, and both are read:
 Per request id (the X-Request-Id sent to both P and D) the log says: its conversation id or
 that it had none; the router's lookup (``cache HIT`` then ``sending D's cached blocks``, a
 ``stale cache entry`` then ``cache MISS``, or ``cache MISS``) with the entry's age and decode's
-request id it offers; ``Prefill done in N ms``; and, logged by conversation only, ``cached D
-blocks`` when decode's final chunk returned its params. The HIT, stale and cached lines name
+request id it offers; with kvscope proxy's ``--reuse-guard``, that the guard withheld decode's
+params from an edited history (a HIT, the guard's line naming the request, then ``cache
+MISS``); ``Prefill done in N ms``; and, logged by conversation only, ``cached D blocks`` when
+decode's final chunk returned its params. The HIT, stale and cached lines name
 no request id (vLLM logs them from ``ConversationKVCache``, dpm.py:131-156): a HIT or stale line
 is logged in the same synchronous step as the request's next line, which names it; a cached line
 belongs to the conversation's latest request (a client sends turn k+1 only after turn k's
@@ -68,12 +70,15 @@ from kvscope.collector.ingest.spans import (
     resource,
 )
 from kvscope.errors import IngestError
+from kvscope.reuse.router import GUARD_EDITED
 from kvscope.store.rows import TraceRows
 
 KIND = "vllm-proxy-log"
 
 VLLM_LOGGER = "disagg_proxy"  # dpm.py:95
 KVSCOPE_LOGGER = "kvscope.collector.proxy.turns"  # app.py:61
+# kvscope proxy's module logger (app.py:59): its --reuse-guard line.
+KVSCOPE_APP_LOGGER = "kvscope.collector.proxy.app"
 
 # "%(asctime)s [%(levelname)s] %(name)s: %(message)s" with datefmt "%Y-%m-%d %H:%M:%S"
 # (dpm.py:91-92); kvscope's CLI: "%(asctime)s %(levelname)s %(name)s: %(message)s" (cli.py,
@@ -81,7 +86,8 @@ KVSCOPE_LOGGER = "kvscope.collector.proxy.turns"  # app.py:61
 _LINE = re.compile(
     r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(?P<ms>\d{3}))? "
     r"(?:\[(?P<level>[A-Z]+)\]|(?P<bare_level>[A-Z]+)) "
-    rf"(?P<logger>{re.escape(VLLM_LOGGER)}|{re.escape(KVSCOPE_LOGGER)}): (?P<message>.*)$"
+    rf"(?P<logger>{re.escape(VLLM_LOGGER)}|{re.escape(KVSCOPE_LOGGER)}"
+    rf"|{re.escape(KVSCOPE_APP_LOGGER)}): (?P<message>.*)$"
 )
 # The messages (vLLM's format strings; kvscope's proxy logs the same, app.py:117-135, 532, 605).
 # "conv=%s: cache HIT (age=%.1fs)" (dpm.py:139; app.py:121)
@@ -104,6 +110,12 @@ _SENDING = re.compile(
 _MISS = re.compile(r"^\[(?P<rid>[^\]]+)\] conv=(?P<conv>.*): cache MISS$")
 # "[%s] Prefill done in %.0fms" (dpm.py:442; app.py:532)
 _PREFILL = re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>\d+)ms$")
+# kvscope proxy --reuse-guard: "reuse guard: conversation history edited since the turn of
+# decode's params; sending MISS params (request %s)" (app.py _guard), logged after the
+# conversation's "cache HIT" line and before the request's "cache MISS" line: the router hit, the
+# guard withheld decode's params.
+_GUARD_EDITED = re.compile(r"^reuse guard: conversation history edited since the turn of "
+                           r"decode's params; sending MISS params \(request (?P<rid>[^)]+)\)$")
 # "Ready: %d prefill, %d decode instances" (dpm.py:369): known, carries nothing per turn.
 _READY = re.compile(r"^Ready: \d+ prefill, \d+ decode instances$")
 
@@ -139,6 +151,8 @@ class ProxyRequest:
     offered_request_id: str | None = None
     prefill_ms: float | None = None
     prefill_end_ns: int | None = None
+    # kvscope proxy's --reuse-guard verdict, where its log line names the request.
+    reuse_guard: str | None = None
     decode_request_id: str | None = None
     retention_blocks: int | None = None
     cached_ns: int | None = None
@@ -278,6 +292,8 @@ def read(path: Path) -> ProxyLog:
     requests: dict[str, ProxyRequest] = {}
     # Per conversation: the router's last lookup line not yet claimed, and the requests in order.
     pending: dict[str, tuple[str, float]] = {}
+    # Requests the reuse guard sent MISS params although the router hit (its line comes first).
+    guarded: set[str] = set()
     by_conversation: dict[str, list[ProxyRequest]] = {}
     writers: set[str] = set()
     seconds: dict[str, int] = {}
@@ -334,13 +350,18 @@ def read(path: Path) -> ProxyLog:
             _, age = pending.pop(conv, (semconv.ROUTER_HIT, None))
             request = opened(found["rid"], conv, number, now, resolution, semconv.ROUTER_HIT)
             request.entry_age_s, request.offered_request_id = age, found["offered"]
+        elif found := _GUARD_EDITED.match(message):
+            guarded.add(found["rid"])
         elif found := _MISS.match(message):
             conv = found["conv"]
             lookup, age = pending.pop(conv, (semconv.ROUTER_MISS, None))
-            if lookup != semconv.ROUTER_STALE:
+            edited = found["rid"] in guarded and lookup == semconv.ROUTER_HIT
+            if lookup != semconv.ROUTER_STALE and not edited:
                 lookup, age = semconv.ROUTER_MISS, None
             request = opened(found["rid"], conv, number, now, resolution, lookup)
             request.entry_age_s = age
+            if edited:
+                request.reuse_guard = GUARD_EDITED
         elif found := _NO_CONVERSATION.match(message):
             opened(found["rid"], None, number, now, resolution, semconv.ROUTER_NO_CONVERSATION_ID)
         elif found := _PREFILL.match(message):
@@ -384,6 +405,7 @@ def turn_values(request: ProxyRequest) -> dict[str, Any]:
         semconv.ROUTER_LOOKUP: request.lookup,
         semconv.ROUTER_ENTRY_AGE_S: request.entry_age_s,
         semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None,
+        semconv.REUSE_GUARD: request.reuse_guard,
     }
 
 
@@ -416,7 +438,8 @@ def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
                  span_id=ingest_id(sha, request.x_request_id, "prefill", size=8),
                  start_ns=end - round(request.prefill_ms * _NS_PER_MS), end_ns=end,
                  values={semconv.X_REQUEST_ID: request.x_request_id,
-                         semconv.D_METADATA_ATTACHED: request.lookup == semconv.ROUTER_HIT,
+                         semconv.D_METADATA_ATTACHED: (request.lookup == semconv.ROUTER_HIT
+                                                     and request.reuse_guard is None),
                          semconv.OFFERED_REQUEST_ID: request.offered_request_id,
                          semconv.INGEST_LINE: request.line},
                  **common)
