@@ -77,8 +77,6 @@ KIND = "vllm-proxy-log"
 
 VLLM_LOGGER = "disagg_proxy"  # dpm.py:95
 KVSCOPE_LOGGER = "kvscope.collector.proxy.turns"  # app.py:61
-# kvscope proxy's module logger (app.py:59): its --reuse-guard line.
-KVSCOPE_APP_LOGGER = "kvscope.collector.proxy.app"
 
 # "%(asctime)s [%(levelname)s] %(name)s: %(message)s" with datefmt "%Y-%m-%d %H:%M:%S"
 # (dpm.py:91-92); kvscope's CLI: "%(asctime)s %(levelname)s %(name)s: %(message)s" (cli.py,
@@ -86,8 +84,7 @@ KVSCOPE_APP_LOGGER = "kvscope.collector.proxy.app"
 _LINE = re.compile(
     r"^(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:,(?P<ms>\d{3}))? "
     r"(?:\[(?P<level>[A-Z]+)\]|(?P<bare_level>[A-Z]+)) "
-    rf"(?P<logger>{re.escape(VLLM_LOGGER)}|{re.escape(KVSCOPE_LOGGER)}"
-    rf"|{re.escape(KVSCOPE_APP_LOGGER)}): (?P<message>.*)$"
+    rf"(?P<logger>{re.escape(VLLM_LOGGER)}|{re.escape(KVSCOPE_LOGGER)}): (?P<message>.*)$"
 )
 # The messages (vLLM's format strings; kvscope's proxy logs the same, app.py:117-135, 532, 605).
 # "conv=%s: cache HIT (age=%.1fs)" (dpm.py:139; app.py:121)
@@ -110,12 +107,12 @@ _SENDING = re.compile(
 _MISS = re.compile(r"^\[(?P<rid>[^\]]+)\] conv=(?P<conv>.*): cache MISS$")
 # "[%s] Prefill done in %.0fms" (dpm.py:442; app.py:532)
 _PREFILL = re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>\d+)ms$")
-# kvscope proxy --reuse-guard: "reuse guard: conversation history edited since the turn of
-# decode's params; sending MISS params (request %s)" (app.py _guard), logged after the
-# conversation's "cache HIT" line and before the request's "cache MISS" line: the router hit, the
-# guard withheld decode's params.
-_GUARD_EDITED = re.compile(r"^reuse guard: conversation history edited since the turn of "
-                           r"decode's params; sending MISS params \(request (?P<rid>[^)]+)\)$")
+# kvscope proxy --reuse-guard: "[%s] reuse guard: conversation history edited since the turn of
+# decode's params; sending MISS params" (app.py _guard), logged after the conversation's "cache
+# HIT" line and before the request's "cache MISS" line: the router hit, the guard withheld
+# decode's params.
+_GUARD_EDITED = re.compile(r"^\[(?P<rid>[^\]]+)\] reuse guard: conversation history edited "
+                           r"since the turn of decode's params; sending MISS params$")
 # "Ready: %d prefill, %d decode instances" (dpm.py:369): known, carries nothing per turn.
 _READY = re.compile(r"^Ready: \d+ prefill, \d+ decode instances$")
 

@@ -248,7 +248,7 @@ def test_the_reuse_guards_line_is_read_as_a_hit_whose_params_were_withheld(
     path = tmp_path / "kvscope-proxy.log"
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter(KVSCOPE_CLI_FORMAT))
-    loggers = [logging.getLogger(proxy_log.KVSCOPE_LOGGER), proxy_app.logger]
+    loggers = [logging.getLogger(proxy_log.KVSCOPE_LOGGER)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)
