@@ -191,12 +191,15 @@ class ServerLog:
         return sum(1 for line in self.lines() if compiled.search(line))
 
 
-def leave_mid_stream(front: Any, prompt: list[int], max_tokens: int, conversation_id: str,
-                     previous: Answer, timeout_s: float = 300) -> str | None:
+def leave_mid_stream(front: Any, decode_log: Path, prompt: list[int], max_tokens: int,
+                     conversation_id: str, previous: Answer,
+                     timeout_s: float = 300) -> str | None:
     """A streaming client that leaves while decode generates: send the turn with
-    ``stream: true``, wait until the proxy logs this turn's prefill as done (the turn that was
-    offered ``previous``'s decode KV), give decode two seconds of its ``max_tokens``, then close
-    the connection. The turn's X-Request-Id, from the proxy's log (None: never seen)."""
+    ``stream: true``, wait until decode has received the turn's KV from prefill (its log's
+    ``Finished recving KV transfer for request`` naming the turn that was offered
+    ``previous``'s decode KV: it is generating), give it two more seconds of its
+    ``max_tokens``, then close the connection. The turn's X-Request-Id, from the proxy's log
+    (None: never seen)."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "conversation_id": conversation_id}
@@ -208,7 +211,8 @@ def leave_mid_stream(front: Any, prompt: list[int], max_tokens: int, conversatio
     x_request_id = None
     while time.monotonic() < deadline:
         x_request_id = log.turn_offered(previous.x_request_id)
-        if x_request_id and log.count(re.escape(f"[{x_request_id}] Prefill done")):
+        if x_request_id and ServerLog(decode_log).count(
+                rf"Finished recving KV transfer for request \S*{re.escape(x_request_id)}"):
             break
         time.sleep(0.2)
     time.sleep(2.0)
@@ -260,7 +264,8 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
     if leave_mid_stream_:
         # The client that leaves first (it waits for prefill), then the plain server.
         assert prompt is not None and previous is not None and conversation_id is not None
-        leave_mid_stream(front, prompt, max_tokens, conversation_id, previous)
+        leave_mid_stream(front, deployment.decode.log, prompt, max_tokens, conversation_id,
+                         previous)
         plain = send(deployment.plain.url, None)
         pd, error = None, "the client left mid-stream"
     else:
