@@ -488,7 +488,8 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "run_id", "trace_id", "span_id", "x_request_id", "conversation_id", "arrival",
         "duration_ns", "status_code", "ttft_ms", "router_lookup", "router_entry_age_s",
         "reuse_guard", "boundary_hashes", "hash_key_id", "roles", "observer",
-        "duration_measured", "route", "reply_hash")),
+        "duration_measured", "route", "reply_hash",
+        "error_kind")),
     *(("p", name, name) for name in (
         "prefill_ns", "prefill_request_id", "d_metadata_attached", "offered_tokens_proxy",
         "retention_id")),
@@ -818,9 +819,16 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     )
     errored = (pl.col("status_code") == "STATUS_CODE_ERROR") | pl.col("load_errored").fill_null(
         False)
+    # An errored turn reused nothing, except when only its client left: prefill's evidence (its
+    # read, its own hit) stands whatever happened to the turn after it (a client that leaves
+    # mid-stream, real tier: prefill pulled and decode was aborted).
+    reuse_void = errored & ~(
+        (pl.col("error_kind") == semconv.ERROR_CLIENT_DISCONNECTED).fill_null(False)
+        & ~pl.col("load_errored").fill_null(False))
     ledger = ledger.with_columns(
         reusable.clip(lower_bound=0).alias("reusable_tokens"),
         errored.alias("errored"),
+        reuse_void.alias("_reuse_void"),
         offered_tokens.alias("offered_tokens"),
     )
     # P's evidence: the final schedule's local hit (after a preemption or recompute it is what
@@ -841,12 +849,12 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     preempted = read_ok & (pl.col("decisions").fill_null(0) > 1)
     reusable_col = pl.col("reusable_tokens")
     # min_horizontal skips nulls: an unmeasured hit (or reusable span) stays unmeasured.
-    local = (pl.when(pl.col("errored")).then(pl.lit(0, pl.Int64))
+    local = (pl.when(pl.col("_reuse_void")).then(pl.lit(0, pl.Int64))
              .when(pl.col("final_local_hit").is_null()).then(pl.lit(None, pl.Int64))
              .otherwise(pl.min_horizontal(pl.col("final_local_hit"), reusable_col)))
     reach = pl.col("decision_local_hit") + pl.col("to_pull_tokens")
     remote = (
-        pl.when(pl.col("errored") | stale.fill_null(False) | preempted.fill_null(False))
+        pl.when(pl.col("_reuse_void") | stale.fill_null(False) | preempted.fill_null(False))
         .then(pl.lit(0, pl.Int64))
         .when(~engine_seen).then(pl.lit(None, pl.Int64))
         .when(~read_ok.fill_null(False)).then(pl.lit(0, pl.Int64))
@@ -902,7 +910,7 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
     unverified read, no engine evidence).
     """
     c = pl.col
-    loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("errored")
+    loaded = c("_read_ok") & (c("to_pull_tokens").fill_null(0) > 0) & ~c("_reuse_void")
     local = c("decision_local_hit").fill_null(0)
     reach = local + c("to_pull_tokens").fill_null(0)
     history = c("history")

@@ -14,8 +14,10 @@ Two writers log the same per-turn lines, and both are read:
 Per request id (the X-Request-Id sent to both P and D) the log says: its conversation id or
 that it had none; the router's lookup (``cache HIT`` then ``sending D's cached blocks``, a
 ``stale cache entry`` then ``cache MISS``, or ``cache MISS``) with the entry's age and decode's
-request id it offers; ``Prefill done in N ms``; and, logged by conversation only, ``cached D
-blocks`` when decode's final chunk returned its params. The HIT, stale and cached lines name
+request id it offers; with kvscope proxy's ``--reuse-guard``, that the guard withheld decode's
+params from an edited history (a HIT, the guard's line naming the request, then ``cache
+MISS``); ``Prefill done in N ms``; and, logged by conversation only, ``cached D blocks`` when
+decode's final chunk returned its params. The HIT, stale and cached lines name
 no request id (vLLM logs them from ``ConversationKVCache``, dpm.py:131-156): a HIT or stale line
 is logged in the same synchronous step as the request's next line, which names it; a cached line
 belongs to the conversation's latest request (a client sends turn k+1 only after turn k's
@@ -68,6 +70,7 @@ from kvscope.collector.ingest.spans import (
     resource,
 )
 from kvscope.errors import IngestError
+from kvscope.reuse.router import GUARD_EDITED
 from kvscope.store.rows import TraceRows
 
 KIND = "vllm-proxy-log"
@@ -104,6 +107,12 @@ _SENDING = re.compile(
 _MISS = re.compile(r"^\[(?P<rid>[^\]]+)\] conv=(?P<conv>.*): cache MISS$")
 # "[%s] Prefill done in %.0fms" (dpm.py:442; app.py:532)
 _PREFILL = re.compile(r"^\[(?P<rid>[^\]]+)\] Prefill done in (?P<ms>\d+)ms$")
+# kvscope proxy --reuse-guard: "[%s] reuse guard: conversation history edited since the turn of
+# decode's params; sending MISS params" (app.py _guard), logged after the conversation's "cache
+# HIT" line and before the request's "cache MISS" line: the router hit, the guard withheld
+# decode's params.
+_GUARD_EDITED = re.compile(r"^\[(?P<rid>[^\]]+)\] reuse guard: conversation history edited "
+                           r"since the turn of decode's params; sending MISS params$")
 # "Ready: %d prefill, %d decode instances" (dpm.py:369): known, carries nothing per turn.
 _READY = re.compile(r"^Ready: \d+ prefill, \d+ decode instances$")
 
@@ -139,6 +148,8 @@ class ProxyRequest:
     offered_request_id: str | None = None
     prefill_ms: float | None = None
     prefill_end_ns: int | None = None
+    # kvscope proxy's --reuse-guard verdict, where its log line names the request.
+    reuse_guard: str | None = None
     decode_request_id: str | None = None
     retention_blocks: int | None = None
     cached_ns: int | None = None
@@ -278,6 +289,8 @@ def read(path: Path) -> ProxyLog:
     requests: dict[str, ProxyRequest] = {}
     # Per conversation: the router's last lookup line not yet claimed, and the requests in order.
     pending: dict[str, tuple[str, float]] = {}
+    # Requests the reuse guard sent MISS params although the router hit (its line comes first).
+    guarded: set[str] = set()
     by_conversation: dict[str, list[ProxyRequest]] = {}
     writers: set[str] = set()
     seconds: dict[str, int] = {}
@@ -334,13 +347,18 @@ def read(path: Path) -> ProxyLog:
             _, age = pending.pop(conv, (semconv.ROUTER_HIT, None))
             request = opened(found["rid"], conv, number, now, resolution, semconv.ROUTER_HIT)
             request.entry_age_s, request.offered_request_id = age, found["offered"]
+        elif found := _GUARD_EDITED.match(message):
+            guarded.add(found["rid"])
         elif found := _MISS.match(message):
             conv = found["conv"]
             lookup, age = pending.pop(conv, (semconv.ROUTER_MISS, None))
-            if lookup != semconv.ROUTER_STALE:
+            edited = found["rid"] in guarded and lookup == semconv.ROUTER_HIT
+            if lookup != semconv.ROUTER_STALE and not edited:
                 lookup, age = semconv.ROUTER_MISS, None
             request = opened(found["rid"], conv, number, now, resolution, lookup)
             request.entry_age_s = age
+            if edited:
+                request.reuse_guard = GUARD_EDITED
         elif found := _NO_CONVERSATION.match(message):
             opened(found["rid"], None, number, now, resolution, semconv.ROUTER_NO_CONVERSATION_ID)
         elif found := _PREFILL.match(message):
@@ -384,6 +402,7 @@ def turn_values(request: ProxyRequest) -> dict[str, Any]:
         semconv.ROUTER_LOOKUP: request.lookup,
         semconv.ROUTER_ENTRY_AGE_S: request.entry_age_s,
         semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None,
+        semconv.REUSE_GUARD: request.reuse_guard,
     }
 
 
@@ -416,7 +435,8 @@ def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
                  span_id=ingest_id(sha, request.x_request_id, "prefill", size=8),
                  start_ns=end - round(request.prefill_ms * _NS_PER_MS), end_ns=end,
                  values={semconv.X_REQUEST_ID: request.x_request_id,
-                         semconv.D_METADATA_ATTACHED: request.lookup == semconv.ROUTER_HIT,
+                         semconv.D_METADATA_ATTACHED: (request.lookup == semconv.ROUTER_HIT
+                                                     and request.reuse_guard is None),
                          semconv.OFFERED_REQUEST_ID: request.offered_request_id,
                          semconv.INGEST_LINE: request.line},
                  **common)

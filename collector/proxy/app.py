@@ -553,8 +553,9 @@ class Proxy:
             return lookup, True
         record.reuse_guard = guard(lookup, chain, roles)
         if record.reuse_guard == GUARD_EDITED:
-            logger.info("reuse guard: conversation history edited since the turn of decode's "
-                        "params; sending MISS params (request %s)", record.x_request_id)
+            # A turn line (shown with the router's lines, read back by kvscope ingest).
+            turn_log.info("[%s] reuse guard: conversation history edited since the turn of "
+                          "decode's params; sending MISS params", record.x_request_id)
             return Lookup(lookup.result, lookup.age_s), True
         return lookup, True
 

@@ -170,3 +170,21 @@ def test_several_causes_are_ranked_and_both_named() -> None:
     assert row["outcome"] == outcomes.NO_DECODE_METADATA, row["evidence"]
     assert row["evidence"].startswith(outcomes.EVIDENCE_NO_DECODE_METADATA)
     assert "also edited" in row["evidence"]
+
+
+def test_a_client_that_left_after_prefills_read_keeps_the_reuse_it_made() -> None:
+    """Prefill pulled decode's KV, then the client left while decode generated (the turn span
+    errored, client_disconnected: real tier, test_client_left.py): prefill's read stands, the
+    turn reused what it pulled. Any other error (here the upstream's) still voids the turn's
+    reuse: nothing says prefill's work reached an answer."""
+    one, two = _continuing(160)
+    left = two | {"status_code": "STATUS_CODE_ERROR",
+                  "error_kind": semconv.ERROR_CLIENT_DISCONNECTED}
+    row = _ledger(one, left, decision=_pull(64, 119, 160), read_tokens=55)
+    assert row["errored"] is True
+    assert (row["outcome"], row["remote_reused_tokens"], row["local_hit_tokens"]) == (
+        outcomes.REUSED_REMOTE, 55, 64), row["evidence"]
+    failed = _ledger(one, left | {"error_kind": semconv.ERROR_UPSTREAM_STATUS},
+                     decision=_pull(64, 119, 160), read_tokens=55)
+    assert (failed["remote_reused_tokens"], failed["local_hit_tokens"]) == (0, 0)
+    assert failed["outcome"] != outcomes.REUSED_REMOTE

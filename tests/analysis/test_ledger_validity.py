@@ -12,7 +12,7 @@ BLOCK = 16
 
 
 def _judge(**turn: object) -> dict[str, object]:
-    row = {"_read_ok": True, "errored": False, "_stale": False, "decision_local_hit": 0,
+    row = {"_read_ok": True, "_reuse_void": False, "_stale": False, "decision_local_hit": 0,
            "to_pull_tokens": 0, "reusable_tokens": 0, "history": ledger.HISTORY_CONTINUES,
            "block_size": None, "offered_tokens": None, "decision": "pull"}
     row.update(turn)

@@ -20,10 +20,11 @@ import pytest
 
 from kvscope import semconv
 from kvscope.collector.ingest import KINDS, detect, ingest, proxy_log
+from kvscope.collector.proxy import ProxyTelemetry
 from kvscope.collector.proxy import app as proxy_app
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
-from kvscope.reuse.router import Lookup
+from kvscope.reuse.router import GUARD_EDITED, Lookup
 from tests.collector.test_ingest import Turn, _count, _ledger, write_stats
 
 VLLM_FORMAT = "%(asctime)s [%(levelname)s] %(name)s: %(message)s"  # dpm.py:91
@@ -236,6 +237,53 @@ def test_kvscope_proxys_own_turn_lines_are_read(tmp_path: Path) -> None:
     assert log.requests[0].prefill_ms == 42 and log.requests[0].params_returned is True
     assert log.requests[0].time_ns % 1_000_000 == 0  # kvscope's lines keep milliseconds
     assert log.unknown_lines == 0 and log.writers == [proxy_log.KVSCOPE_LOGGER]
+
+
+def test_the_reuse_guards_line_is_read_as_a_hit_whose_params_were_withheld(
+        tmp_path: Path) -> None:
+    """kvscope proxy --reuse-guard on an edited history: the router hit, the guard logged its
+    line (the proxy's real ``_guard``) and prefill got MISS params. Ingest reads it as the live
+    proxy records it (lookup hit, guard history_edited, no params attached to prefill), so the
+    ledger says prefix_diverged, not a router miss."""
+    path = tmp_path / "kvscope-proxy.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(KVSCOPE_CLI_FORMAT))
+    loggers = [logging.getLogger(proxy_log.KVSCOPE_LOGGER)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    config = proxy_app.ProxyConfig([proxy_app.Upstream("127.0.0.1", 1)],
+                                   [proxy_app.Upstream("127.0.0.1", 2)], reuse_guard=True)
+    proxy = proxy_app.Proxy(config, ProxyTelemetry(None, router_ttl_s=450.0))
+    record = proxy.telemetry.begin_turn("/v1/chat/completions", "k-2", None, None)
+    edited = {"messages": [{"role": "user", "content": "another first message"},
+                           {"role": "assistant", "content": "done"},
+                           {"role": "user", "content": "and a question"}]}
+    params = {"remote_request_id": "cmpl-k-1-0"}
+    hit = Lookup(semconv.ROUTER_HIT, 2.25, params, history="the previous turn's last hash")
+    try:
+        proxy_app._log_lookup("k-1", "conv-a", Lookup(semconv.ROUTER_MISS), 450.0)
+        proxy_app._log_offer("k-1", "conv-a", Lookup(semconv.ROUTER_MISS))
+        proxy_app.turn_log.info("[%s] Prefill done in %.0fms", "k-1", 41.7)
+        proxy_app.turn_log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)",
+                                "conv-a", "cmpl-k-1-0", 3)
+        proxy_app._log_lookup("k-2", "conv-a", hit, 450.0)
+        sent, _ = proxy._guard(edited, hit, record)
+        proxy_app._log_offer("k-2", "conv-a", sent)
+        proxy_app.turn_log.info("[%s] Prefill done in %.0fms", "k-2", 40.2)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        handler.close()
+    assert record.reuse_guard == GUARD_EDITED and sent.params is None
+    log = proxy_log.read(path)
+    second = log.requests[1]
+    assert (second.x_request_id, second.lookup, second.entry_age_s, second.reuse_guard,
+            second.offered_request_id) == ("k-2", semconv.ROUTER_HIT, 2.2, GUARD_EDITED, None)
+    assert proxy_log.turn_values(second)[semconv.REUSE_GUARD] == GUARD_EDITED
+    assert log.requests[0].reuse_guard is None and log.unknown_lines == 0
 
 
 def _bad(tmp_path: Path) -> list[tuple[Path, str]]:

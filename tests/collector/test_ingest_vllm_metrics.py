@@ -175,3 +175,34 @@ def test_a_live_metrics_url_is_scraped(tmp_path: Path) -> None:
     assert not runs["flagged"].any()
     with pytest.raises(IngestError, match=r"^http://127\.0\.0\.1:9/metrics: cannot scrape"):
         ingest(tmp_path / "other.duckdb", ["http://127.0.0.1:9/metrics"])
+
+
+def test_pulls_whose_token_count_was_not_measured_make_the_sum_a_lower_bound() -> None:
+    """Concurrent reads in a server log (real tier): the log tied two pulls to their turns with
+    no token count. vLLM's counter is larger by their tokens: a lower bound, not flagged."""
+    import json
+
+    import polars as pl
+
+    from kvscope.analysis.reconcile import reconcile_table
+
+    counters = {"engine 0": {"prompt_tokens_external_kv_transfer": 400.0}}
+    runs = pl.DataFrame({"run_id": ["r"], "settings": [json.dumps({"files": [
+        {"kind": vllm_metrics.KIND_PREFILL, "vllm_counters": counters}]})]})
+    ledger = pl.DataFrame({
+        "run_id": ["r"] * 3, "turn_index": [2, 2, 2],
+        "decision": [semconv.DECISION_PULL] * 3, "to_pull_tokens": [240, None, None],
+        "errored": [False] * 3, "d2p_status": [semconv.TRANSFER_OK] * 3,
+        "outcome": ["reused_remote", "unknown", "unknown"],
+        "remote_reused_tokens": [240, None, None], "local_hit_tokens": [32, None, None]},
+        schema_overrides={"to_pull_tokens": pl.Int64, "remote_reused_tokens": pl.Int64,
+                          "local_hit_tokens": pl.Int64})
+    rows = {r["quantity"]: r for r in reconcile_table(runs, ledger).to_dicts()}
+    scheduled = rows["d2p_tokens_scheduled"]
+    assert (scheduled["ledger_value"], scheduled["vllm_value"]) == (240.0, 400.0)
+    assert scheduled["flagged"] is False
+    assert "2 pulls whose token count was not measured" in scheduled["explanation"]
+    # Every pull counted: the same difference is flagged.
+    counted = reconcile_table(runs, ledger.with_columns(pl.lit(240).alias("to_pull_tokens")))
+    assert counted.filter(pl.col("quantity") == "d2p_tokens_scheduled")["flagged"].to_list() == [
+        True]

@@ -80,6 +80,8 @@ class TurnEvidence:
     ledger_pulled_tokens: int | None = None
     ledger_agrees: bool | None = None
     oracle_agrees: bool | None = None
+    # A disagreement the tier knows and names (a strict xfail's reason): counted, never dropped.
+    known_gap: str | None = None
 
 
 @dataclass
@@ -160,6 +162,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             processes.append(p.start())
         for p in (proxy, guarded):
             p.wait_ready("/health", timeout_s=120)
+        warm_up(proxy)
         _START_S.update(start_s)
         deployment = Deployment(model, serve, prefill, decode, plain, proxy, guarded, logs,
                                 start_s)
@@ -170,6 +173,28 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         for process in reversed(processes):
             process.stop()
         serve.stop()
+
+
+def warm_up(proxy: Any, attempts: int = 3) -> None:
+    """Two unjudged turns of one conversation through ``proxy``, so that NIXL's handshakes
+    (decode to prefill for P→D, prefill to decode for D→P) are made before any judged turn.
+    vLLM waits 5 s for a handshake's answer (``base_worker.py``, ``zmq.RCVTIMEO``); on a loaded
+    2-core machine the first one can take longer, and fails its request (policy fail). A
+    failed handshake is retried by the next request, so the warm-up tries again."""
+    from tests.vllm_real.turns import complete, token_ids
+
+    failures = []
+    for attempt in range(attempts):
+        conversation = f"warm-up-{attempt}"
+        try:
+            prompt = token_ids(40, seed=1000 + attempt)
+            first = complete(proxy.url, prompt, 72, conversation)
+            complete(proxy.url, prompt + first.token_ids + token_ids(20, seed=2000 + attempt),
+                     4, conversation)
+            return
+        except AssertionError as exc:  # an HTTP error: a handshake failed under load
+            failures.append(str(exc)[:300])
+    pytest.fail(f"the warm-up turns failed {attempts} times: {failures}", pytrace=False)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -198,9 +223,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
           + pct(sum(bool(t.oracle_match) for t in compared), len(compared)))
     write("  ingest = hook ledger:     "
           + pct(sum(_TURNS.ingest_agrees), len(_TURNS.ingest_agrees)))
+    gaps = [t for t in _TURNS.turns if t.known_gap
+            and (t.ledger_agrees is False or t.oracle_agrees is False)]
+    if gaps:
+        rest_judged = [t for t in judged if t not in gaps]
+        rest_oracle = [t for t in oracle if t not in gaps]
+        write(f"  named exceptions:         {len(gaps)} turns (below); without them, ledger = "
+              f"vLLM {pct(sum(bool(t.ledger_agrees) for t in rest_judged), len(rest_judged))}"
+              f", oracle {pct(sum(bool(t.oracle_agrees) for t in rest_oracle), len(rest_oracle))}")
     for t in _TURNS.turns:
         if t.ledger_agrees is False or t.oracle_agrees is False:
             write(f"  disagree: {t.scenario} conv={t.conversation_id} turn={t.turn_index}: "
                   f"vLLM {t.vllm_outcome}/{t.vllm_pulled_tokens} tokens, ledger "
                   f"{t.ledger_outcome}/{t.ledger_pulled_tokens}, oracle match {t.oracle_match}"
-                  f" {t.notes}")
+                  f" {t.notes}" + (f" [named exception: {t.known_gap}]" if t.known_gap else ""))

@@ -234,6 +234,13 @@ def proxy(name: str, log: Path, *, prefill: Process, decode: Process, serve: Ser
     return Process(name, argv, log, {"PYTHONUNBUFFERED": "1"}, port=port)
 
 
+def save_metrics(server: Process, path: Path) -> Path:
+    """A snapshot of a vLLM server's ``/metrics`` (Prometheus text) written to ``path``."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
+        path.write_bytes(resp.read())
+    return path
+
+
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 600) -> dict[str, Any]:
     """POST ``body``; the JSON answer (an HTTP error raises with its body in the message)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(),

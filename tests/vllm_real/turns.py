@@ -15,14 +15,17 @@ remote tokens < threshold T`` when the pull is below ``kv_recompute_threshold``.
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import re
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_real.deployment import MODEL_NAME, post_json
+from tests.vllm_real.deployment import HOST, MODEL_NAME, post_json
 
 LOGPROB_TOLERANCE = 1e-5
 # The tiny model's special tokens take the first ids; prompts use ordinary ones.
@@ -76,7 +79,7 @@ def _answer(raw: dict[str, Any]) -> Answer:
 
 
 def complete(base_url: str, prompt: list[int], max_tokens: int,
-             conversation_id: str | None = None) -> Answer:
+             conversation_id: str | None = None, timeout_s: float = 600) -> Answer:
     """A token-id completion at temperature 0 (non-streaming, logprobs, output ids)."""
     body: dict[str, Any] = {
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -84,11 +87,11 @@ def complete(base_url: str, prompt: list[int], max_tokens: int,
     }
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
-    return _answer(post_json(base_url + "/v1/completions", body))
+    return _answer(post_json(base_url + "/v1/completions", body, timeout_s))
 
 
 def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int,
-         conversation_id: str | None = None) -> Answer:
+         conversation_id: str | None = None, timeout_s: float = 600) -> Answer:
     """A chat completion at temperature 0 (non-streaming, logprobs, output ids)."""
     body: dict[str, Any] = {
         "model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
@@ -96,7 +99,7 @@ def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int,
     }
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
-    return _answer(post_json(base_url + "/v1/chat/completions", body))
+    return _answer(post_json(base_url + "/v1/chat/completions", body, timeout_s))
 
 
 def same_output(pd: Answer, plain: Answer) -> tuple[bool, float | None]:
@@ -188,6 +191,37 @@ class ServerLog:
         return sum(1 for line in self.lines() if compiled.search(line))
 
 
+def leave_mid_stream(front: Any, decode_log: Path, prompt: list[int], max_tokens: int,
+                     conversation_id: str, previous: Answer,
+                     timeout_s: float = 300) -> str | None:
+    """A streaming client that leaves while decode generates: send the turn with
+    ``stream: true``, wait until decode has received the turn's KV from prefill (its log's
+    ``Finished recving KV transfer for request`` naming the turn that was offered
+    ``previous``'s decode KV: it is generating), give it two more seconds of its
+    ``max_tokens``, then close the connection. The turn's X-Request-Id, from the proxy's log
+    (None: never seen)."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "conversation_id": conversation_id}
+    conn = http.client.HTTPConnection(HOST, front.port, timeout=timeout_s)
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                 {"Content-Type": "application/json"})
+    log = ServerLog(front.log)
+    deadline = time.monotonic() + timeout_s
+    x_request_id = None
+    while time.monotonic() < deadline:
+        x_request_id = log.turn_offered(previous.x_request_id)
+        if x_request_id and ServerLog(decode_log).count(
+                rf"Finished recving KV transfer for request \S*{re.escape(x_request_id)}"):
+            break
+        time.sleep(0.2)
+    time.sleep(2.0)
+    if conn.sock is not None:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return x_request_id
+
+
 def dump(answer: Answer) -> str:
     return json.dumps({"id": answer.response_id, "n": len(answer.token_ids)})
 
@@ -196,7 +230,9 @@ def dump(answer: Answer) -> str:
 def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: str | None,
                 turn_index: int, max_tokens: int, previous: Answer | None, not_offered: str,
                 prompt: list[int] | None = None, messages: list[dict[str, str]] | None = None,
-                proxy: Any = None, may_fail: bool = False) -> Answer | None:
+                proxy: Any = None, may_fail: bool = False,
+                leave_mid_stream_: bool = False, prefill: Any = None,
+                stall_s: float = 600) -> Answer | None:
     """Send one turn (token ids to /v1/completions, or ``messages`` to /v1/chat/completions)
     through the proxy and the same request to the plain server at once; judge it by the
     oracle and by prefill's log; record it in ``turns``; return P/D's answer.
@@ -206,7 +242,10 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
     token for token, reused_invalid when they are not), its skip line (below_threshold), or,
     when prefill was not offered decode's blocks, ``not_offered`` (the scenario knows why).
     ``may_fail``: the proxy may answer an error (a failed load under policy ``fail``); the turn
-    is then recorded with no output (None is returned).
+    is then recorded with no output (None is returned). ``leave_mid_stream_``: P/D's client
+    streams and leaves while decode generates (:func:`leave_mid_stream`; no output, None).
+    ``prefill``: the prefill server behind ``proxy`` (default the deployment's). ``stall_s``:
+    how long P/D may take to answer; a turn with no answer by then is recorded as stalled.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -214,28 +253,40 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
 
     front = proxy or deployment.proxy
 
-    def send(url: str, conversation: str | None) -> Answer:
+    def send(url: str, conversation: str | None, timeout_s: float = 600) -> Answer:
         if messages is not None:
-            return chat(url, messages, max_tokens, conversation)
+            return chat(url, messages, max_tokens, conversation, timeout_s)
         assert prompt is not None
-        return complete(url, prompt, max_tokens, conversation)
+        return complete(url, prompt, max_tokens, conversation, timeout_s)
 
-    with ThreadPoolExecutor(2) as pool:
-        pd_future = pool.submit(send, front.url, conversation_id)
-        plain_future = pool.submit(send, deployment.plain.url, None)
-        plain = plain_future.result()
-        try:
-            pd: Answer | None = pd_future.result()
-        except AssertionError as exc:  # the proxy answered an HTTP error
-            if not may_fail:
-                raise
-            pd, error = None, str(exc)
-        else:
-            error = ""
+    pd: Answer | None
+    error = ""
+    if leave_mid_stream_:
+        # The client that leaves first (it waits for prefill), then the plain server.
+        assert prompt is not None and previous is not None and conversation_id is not None
+        leave_mid_stream(front, deployment.decode.log, prompt, max_tokens, conversation_id,
+                         previous)
+        plain = send(deployment.plain.url, None)
+        pd, error = None, "the client left mid-stream"
+    else:
+        with ThreadPoolExecutor(2) as pool:
+            pd_future = pool.submit(send, front.url, conversation_id, stall_s)
+            plain_future = pool.submit(send, deployment.plain.url, None)
+            plain = plain_future.result()
+            try:
+                pd = pd_future.result()
+            except AssertionError as exc:  # the proxy answered an HTTP error
+                if not may_fail:
+                    raise
+                pd, error = None, str(exc)
+            except TimeoutError:
+                if not may_fail:
+                    raise
+                pd, error = None, f"stalled: no answer within {stall_s:.0f} s"
     match, delta = same_output(pd, plain) if pd is not None else (False, None)
     prompt_ids = plain.prompt_ids if plain.prompt_ids is not None else (prompt or [])
     x_request_id = pd.x_request_id if pd is not None else None
-    log = ServerLog(deployment.prefill.log)
+    log = ServerLog((prefill or deployment.prefill).log)
     if x_request_id is None and previous is not None:
         x_request_id = ServerLog(front.log).turn_offered(previous.x_request_id)
     evidence = log.prefill_turn(previous.x_request_id if previous else None, x_request_id)
@@ -250,7 +301,9 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
         # Nothing was loaded. Under kv_load_failure_policy=fail the request errors; under
         # recompute it computes the prompt itself.
         pulled = 0
-        if pd is None and "unreachable" not in error:  # prefill's own error, relayed
+        if error.startswith("stalled"):
+            outcome = "load_stalled"
+        elif pd is None and "unreachable" not in error:  # prefill's own error, relayed
             outcome = "load_failed_errored"
         elif evidence.declined_expired:
             outcome = "decode_ttl_expired"
