@@ -39,7 +39,8 @@ The order, and why (DESIGN §5; docs/architecture.md "One vocabulary"):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -283,28 +284,38 @@ def coverable_expr(reusable: pl.Expr, offered: pl.Expr, local: pl.Expr) -> pl.Ex
 
 # --- scalar evaluator ---------------------------------------------------------------------------
 
-def _holds(cond: Cond, facts: Mapping[str, Any]) -> bool:
-    value = facts.get(cond.fact)
+_COMPARE: dict[str, Callable[[Any, Any], Any]] = {
+    EQ: operator.eq, NE: operator.ne, IN: lambda value, other: value in other,
+    GT: operator.gt, GE: operator.ge, LE: operator.le,
+}
+
+
+def _predicate(cond: Cond) -> Callable[[Mapping[str, Any]], bool]:
+    """``cond`` as a test of a turn's facts, built once per condition (the simulator decides
+    every turn: reading the operator per turn was most of the table's cost)."""
+    fact = cond.fact
     if cond.op == IS_NULL:
-        return value is None
+        return lambda facts: facts.get(fact) is None
     if cond.op == NOT_NULL:
-        return value is not None
-    other = facts.get(cond.value.fact) if isinstance(cond.value, Ref) else cond.value
-    if value is None or other is None:
-        return False
-    if cond.op == EQ:
-        return bool(value == other)
-    if cond.op == NE:
-        return bool(value != other)
-    if cond.op == IN:
-        return value in other
-    if cond.op == GT:
-        return bool(value > other)
-    if cond.op == GE:
-        return bool(value >= other)
-    if cond.op == LE:
-        return bool(value <= other)
-    raise ValueError(f"decision table: unknown operator {cond.op!r} on fact {cond.fact!r}")
+        return lambda facts: facts.get(fact) is not None
+    compare = _COMPARE.get(cond.op)
+    if compare is None:
+        raise ValueError(f"decision table: unknown operator {cond.op!r} on fact {fact!r}")
+    if isinstance(cond.value, Ref):
+        ref = cond.value.fact
+
+        def holds_ref(facts: Mapping[str, Any]) -> bool:
+            value, other = facts.get(fact), facts.get(ref)
+            return value is not None and other is not None and bool(compare(value, other))
+        return holds_ref
+    other = cond.value
+    if other is None:
+        return lambda facts: False
+
+    def holds(facts: Mapping[str, Any]) -> bool:
+        value = facts.get(fact)
+        return value is not None and bool(compare(value, other))
+    return holds
 
 
 def _text(value: Any) -> str:
@@ -323,13 +334,20 @@ def _arg(arg: Arg, facts: Mapping[str, Any]) -> str:
     return _text(value)
 
 
+# The table with each condition built into its test once (what the scalar evaluator runs).
+_COMPILED = tuple((rule, tuple(_predicate(cond) for cond in rule.when)) for rule in TABLE)
+
+
 def first_rule(facts: Mapping[str, Any]) -> Rule:
     """The rule that decides a turn with these facts (missing facts read as null)."""
     unknown = facts.keys() - FACTS.keys()
     if unknown:
         raise ValueError(f"decision table: unknown facts {sorted(unknown)}")
-    for rule in TABLE:
-        if all(_holds(cond, facts) for cond in rule.when):
+    for rule, tests in _COMPILED:
+        for test in tests:
+            if not test(facts):
+                break
+        else:
             return rule
     return FALLBACK
 
