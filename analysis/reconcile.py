@@ -140,6 +140,16 @@ def _prefill_rows(run_id: str, engines: list[str], counters: dict[str, float],
     # Unmeasured turns make the token comparison one-sided: say so rather than flag.
     if len(unmeasured):
         rows[1]["flagged"] = False
+    # vLLM's expiry counter also counts this engine's own send-side leases that expired (blocks
+    # it held for a P->D read that never came: "Releasing expired KV blocks" on prefill,
+    # nixl/base_worker.py), which are no turn's read: the ledger's declined reads are a lower
+    # bound of it (seen on real servers: 8 counted, 1 declined read, decode killed mid-run).
+    declined = rows[4]
+    if declined["difference"] is not None and declined["difference"] > 0:
+        declined["flagged"] = False
+        declined["explanation"] += ("; vLLM also counts this engine's send-side leases that "
+                                    "expired unread (no turn's read): the ledger's count is a "
+                                    "lower bound")
     # Pulls whose token count the evidence did not give (a server log's concurrent reads, whose
     # allocation lines name no request): the ledger's sum is a lower bound.
     uncounted = pulled.filter(c("to_pull_tokens").is_null())

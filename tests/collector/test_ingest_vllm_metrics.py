@@ -86,7 +86,7 @@ def test_a_file_with_no_vllm_sample_is_refused(tmp_path: Path) -> None:
         ingest(tmp_path / "run.duckdb", [f"{vllm_metrics.KIND_PREFILL}:{other}"])
 
 
-def _run(tmp_path: Path, external: int) -> list[dict]:
+def _run(tmp_path: Path, external: int, expired: int = 0) -> list[dict]:
     proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
     _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
                decode_id="chatcmpl-r-0-1-aaaaaaaa")
@@ -99,7 +99,7 @@ def _run(tmp_path: Path, external: int) -> list[dict]:
     _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
                offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
     db = tmp_path / "run.duckdb"
-    snapshot = write_snapshot(tmp_path / "prefill-metrics.txt", external, 412, 900, 1, 1, 0)
+    snapshot = write_snapshot(tmp_path / "prefill-metrics.txt", external, 412, 900, 1, 1, expired)
     ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
                 f"vllm-prefill-log:{_pull_log(tmp_path / 'prefill.log', PLAIN)}",
                 f"{vllm_metrics.KIND_PREFILL}:{snapshot}"])
@@ -130,6 +130,18 @@ def test_an_unexplained_difference_is_flagged(tmp_path: Path) -> None:
     rows = {r["quantity"]: r for r in _run(tmp_path, external=900)}
     scheduled = rows["d2p_tokens_scheduled"]
     assert (scheduled["difference"], scheduled["flagged"]) == (216.0, True)
+
+
+def test_expiries_beyond_the_declined_reads_are_prefills_own_leases(tmp_path: Path) -> None:
+    """vLLM's nixl_num_kv_expired_reqs on prefill counts declined expired reads and the
+    engine's own send-side leases that expired unread (no turn's read): more than the ledger's
+    declined reads is shown, not flagged."""
+    rows = {r["quantity"]: r for r in _run(tmp_path, external=684, expired=3)}
+    declined = rows["reads_declined_expired"]
+    assert (declined["ledger_value"], declined["vllm_value"], declined["difference"]) == (
+        0.0, 3.0, 3.0)
+    assert declined["flagged"] is False
+    assert "send-side leases" in declined["explanation"]
 
 
 def test_a_live_metrics_url_is_scraped(tmp_path: Path) -> None:

@@ -171,10 +171,6 @@ def test_ingest_judges_reads_against_the_prompts_length_and_sees_reissued_loads(
     assert [row for row in table if not row[-1] and row[0] in _INGEST_GAPS] == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reads_declined_expired: vLLM's nixl_num_kv_expired_reqs counted 8 on prefill, the ledger "
-    "1 declined read (last real run): the counter also counts expiries no turn read, which "
-    "reconcile does not explain yet"))
 def test_vllms_own_counters_reconcile_with_the_ingested_ledger(ingested: pl.DataFrame,
                                                                 deployment: Any) -> None:
     """vLLM's /metrics counters of the real servers (``prompt_tokens_by_source``, the NIXL
