@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.emulator.simulator import (
+    FAULT_HANDSHAKE,
+    FAULT_NO_CONVERSATION_ID,
+    FAULT_PREEMPT,
+    FAULT_STRIP_METADATA,
+    FAULT_TRANSFER,
+    SimulationSettings,
+    simulate,
+)
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.store.database import open_readonly
@@ -35,6 +43,19 @@ def busy_workload(*, turns_p50: int, max_turns: int) -> Workload:
         seed=5, conversations=8, turns_p50=turns_p50, max_turns=max_turns,
         system_prompt_tokens=700, new_input_tokens_p50=250, think_time_p50_s=4,
         think_time_p90_s=30, reset_probability=0.08, subagent_probability=0.1)
+
+
+# Faults that, on busy_workload, leave turns of every kind of miss beside the reused ones.
+FAULT_MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER: 0.1,
+             FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1}
+
+
+def simulate_faults(workload: Workload, db: Path) -> None:
+    """Simulate ``workload`` into ``db`` as the run labelled "faults": FAULT_MIX, a 20 s decode
+    TTL, failed loads recomputed."""
+    simulate(workload, db, SimulationSettings(profile="tiny", label="faults", seed=17,
+                                              faults=FAULT_MIX, decoder_kv_blocks_ttl=20.0,
+                                              kv_load_failure_policy="recompute"))
 
 
 def query(db: Path, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:

@@ -21,20 +21,10 @@ from hypothesis import strategies as st
 from kvscope import cli
 from kvscope.analysis.ledger import LEDGER_TABLE, ledger
 from kvscope.analysis.ledger_units import update_connection
-from kvscope.emulator.simulator import (
-    FAULT_HANDSHAKE,
-    FAULT_NO_CONVERSATION_ID,
-    FAULT_PREEMPT,
-    FAULT_STRIP_METADATA,
-    FAULT_TRANSFER,
-    SimulationSettings,
-    simulate,
-)
+from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
-from tests.stores import busy_workload
+from tests.stores import busy_workload, simulate_faults
 
-MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER: 0.1,
-       FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1}
 _ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id"]
 
 
@@ -42,9 +32,7 @@ _ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id"]
 def spans(tmp_path_factory: pytest.TempPathFactory) -> pa.Table:
     db = tmp_path_factory.mktemp("units") / "source.duckdb"
     workload = busy_workload(turns_p50=5, max_turns=8)
-    simulate(workload, db, SimulationSettings(profile="tiny", label="faults", seed=17,
-                                              faults=MIX, decoder_kv_blocks_ttl=20.0,
-                                              kv_load_failure_policy="recompute"))
+    simulate_faults(workload, db)
     simulate(workload, db, SimulationSettings(profile="tiny", label="plain", seed=3))
     con = duckdb.connect(str(db), read_only=True)
     try:

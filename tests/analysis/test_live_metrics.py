@@ -30,21 +30,10 @@ from kvscope.analysis import live_metrics
 from kvscope.analysis.ledger import ledger
 from kvscope.analysis.live_metrics import LiveLedger, contributions, metrics_source
 from kvscope.collector.receiver import Receiver
-from kvscope.emulator.simulator import (
-    FAULT_HANDSHAKE,
-    FAULT_NO_CONVERSATION_ID,
-    FAULT_PREEMPT,
-    FAULT_STRIP_METADATA,
-    FAULT_TRANSFER,
-    SimulationSettings,
-    simulate,
-)
+from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
 from kvscope.store.schema import TRACES_ARROW
-from tests.stores import busy_workload
-
-MIX = {FAULT_NO_CONVERSATION_ID: 0.15, FAULT_STRIP_METADATA: 0.1, FAULT_TRANSFER: 0.1,
-       FAULT_HANDSHAKE: 0.05, FAULT_PREEMPT: 0.1}
+from tests.stores import busy_workload, simulate_faults
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +41,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with two simulated runs: one with a mix of faults, one plain."""
     db = tmp_path_factory.mktemp("live") / "source.duckdb"
     workload = busy_workload(turns_p50=6, max_turns=9)
-    simulate(workload, db, SimulationSettings(profile="tiny", label="faults", seed=17,
-                                              faults=MIX, decoder_kv_blocks_ttl=20.0,
-                                              kv_load_failure_policy="recompute"))
+    simulate_faults(workload, db)
     simulate(workload, db, SimulationSettings(profile="tiny", label="plain", seed=3,
                                               model="other-model"))
     return db
