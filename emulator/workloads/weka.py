@@ -17,10 +17,13 @@ How structure maps onto the workload model:
 
 - **Continuation**: the trace's shared prefix is counted in whole 64-token blocks, so it always
   stops short of the previous prompt's last partial block and of the reply. When *every* full
-  block of the previous prompt is shared, the follow-up is taken as a continuation and
-  ``shared_prefix_tokens`` = previous prompt + output (the agent resends the reply verbatim);
-  otherwise the measured value stands (history was edited or compacted there). CSV rows only:
-  raw traces keep their explicit blocks.
+  block of the previous prompt is shared and the prompt is at least the previous prompt + output,
+  the follow-up is taken as a continuation and ``shared_prefix_tokens`` = previous prompt + output
+  (the agent resends the reply verbatim). When every full block is shared but the prompt is
+  shorter than that, the reply did not come back as it was sent (a client stripping thinking or
+  re-rendering it): ``shared_prefix_tokens`` = the previous prompt, the history edited where the
+  reply starts. Otherwise the measured value stands (history was edited or compacted there). CSV
+  rows only: raw traces keep their explicit blocks.
 
 - **Reset**: a follow-up whose ``shared_prefix_tokens`` is less than half the previous prompt
   (the README's definition, 845 in the CSV) has ``reset=True``; its ``shared_prefix_tokens`` stays
@@ -141,18 +144,18 @@ def _turns(
         if previous is None:
             shared, reset, think = 0, False, 0.0
         else:
-            measured = req.shared_prefix_tokens
+            measured = opts.tokens(req.shared_prefix_tokens, 0)
             full_blocks = TRACE_BLOCK_SIZE * (previous.prompt_tokens // TRACE_BLOCK_SIZE)
-            if continuation and measured >= full_blocks:
-                # Every full 64-token block of the previous prompt is shared: a continuation.
-                # The trace cannot see past its last full block, but an agent's next prompt
-                # carries the previous reply verbatim, so the whole prompt + output is shared.
-                measured = previous.prompt_tokens + previous.output_tokens
-            shared = min(
-                opts.tokens(measured, 0),
-                prompt,
-                turns[-1].prompt_tokens + turns[-1].output_tokens,
-            )
+            # The previous turn as the workload has it (scaled, its output at least 1 token).
+            sequence = turns[-1].prompt_tokens + turns[-1].output_tokens
+            if continuation and req.shared_prefix_tokens >= full_blocks:
+                # Every full 64-token block of the previous prompt is shared. The trace cannot
+                # see past its last full block: a prompt that can hold the previous reply
+                # carries it verbatim (a continuation, prompt + output shared); a shorter one
+                # did not send the reply back as it was (thinking stripped, re-rendered), so
+                # the history was edited where the reply starts.
+                measured = sequence if prompt >= sequence else turns[-1].prompt_tokens
+            shared = min(measured, prompt, sequence)
             reset = 2 * req.shared_prefix_tokens < previous.prompt_tokens
             think = opts.seconds(req.think_time_s)
         turns.append(Turn(number, think, prompt, output, shared, prompt - shared, reset))

@@ -1,7 +1,8 @@
 """Ledger = truth on every turn of ``kvscope simulate`` over real trace shapes: the Mooncake
 conversation trace (the shipped slice of the FAST'25 trace, and the generator of its quirks:
 quantised timestamps, retries, branches, shared system prompts) and the WEKA traces in
-``shared/data/weka_cc`` when present. Every turn's outcome, every fact both sides measured and
+``shared/data/weka_cc`` (the raw traces when present; ``traces_flat.csv``, 49,334 requests of 710
+conversations, shipped). Every turn's outcome, every fact both sides measured and
 the token split must agree (``test_ledger_accuracy._assert_matches``).
 """
 
@@ -14,7 +15,7 @@ import polars as pl
 import pytest
 
 from kvscope.emulator.simulator import SimulationSettings
-from kvscope.emulator.workloads import mooncake_synthetic, sources
+from kvscope.emulator.workloads import mooncake_synthetic, sources, weka
 from tests.analysis.test_ledger_accuracy import _assert_matches, _compare, disagreeing_facts
 
 FIXTURE = Path(__file__).parents[1] / "emulator" / "data" / "mooncake_conversation_trace_head.jsonl"
@@ -50,6 +51,21 @@ def test_the_weka_traces(tmp_path: Path) -> None:
     joined = _compare(workload, tmp_path / "w.duckdb", SimulationSettings())
     # The WEKA traces give token counts, not messages: no turn's history is hash-verified, so
     # the split is not compared (_assert_matches needs such turns); outcomes and facts are.
+    wrong = joined.filter(pl.col("outcome") != pl.col("outcome_ledger"))
+    assert wrong.height == 0, wrong.select("conversation_id", "turn_index", "outcome",
+                                           "outcome_ledger").to_dicts()[:5]
+    off = [(row["conversation_id"], row["turn_index"], facts) for row in joined.to_dicts()
+           if (facts := disagreeing_facts(row))]
+    assert not off, off[:5]
+
+
+@pytest.mark.slow
+def test_the_weka_flat_csv_every_request(tmp_path: Path) -> None:
+    """All 49,334 requests (~25 s). The CSV has counts, not messages; its quirks: follow-ups a
+    few tokens shorter than the previous prompt + output, outputs of 0 tokens, context resets."""
+    workload = weka.load_csv()
+    joined = _compare(workload, tmp_path / "csv.duckdb", SimulationSettings())
+    assert joined.height == 49_334
     wrong = joined.filter(pl.col("outcome") != pl.col("outcome_ledger"))
     assert wrong.height == 0, wrong.select("conversation_id", "turn_index", "outcome",
                                            "outcome_ledger").to_dicts()[:5]

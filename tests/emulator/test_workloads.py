@@ -436,6 +436,27 @@ def test_weka_csv_continuations_share_the_previous_prompt_and_reply() -> None:
     assert all(t.shared_prefix_tokens % 64 == 0 for t in resets)
 
 
+def test_weka_csv_a_prompt_too_short_for_the_reply_edited_it(tmp_path: Path) -> None:
+    """Rows of the real CSV's shapes: trace_0003's follow-ups share every full block of the
+    previous prompt but are 2-14 tokens shorter than prompt + output (the reply did not come back
+    verbatim; taken as a continuation, the ledger and truth disagreed on 453 turns), and
+    trace_0105's requests with 0 output tokens (the workload floors output at 1; the shared
+    prefix was one token short of the sequence, 10 reusable-token differences)."""
+    header = ("conversation_id,agent_id,turn_index,arrival_s,prompt_tokens,output_tokens,"
+              "shared_prefix_tokens,gap_s,idle_s,think_time_s,api_time_s,stop\n")
+    rows = ["t,main,0,0.0,84500,380,0,,,0.0,7.0,tool_use",
+            "t,main,1,19.0,84878,12,84480,19.0,11.0,12.0,9.0,tool_use",   # 2 short of 84,880
+            "t,main,2,40.0,90000,0,84864,21.0,10.0,10.0,3.0,",             # continues, output 0
+            "t,main,3,60.0,95000,300,89984,20.0,10.0,10.0,3.0,tool_use"]   # after an output of 0
+    csv = tmp_path / "flat.csv"
+    csv.write_text(header + "\n".join(rows) + "\n")
+    turns = weka.load_csv(csv).conversations[0].turns
+    assert turns[1].shared_prefix_tokens == 84_500  # the history edited where the reply starts
+    assert turns[2].shared_prefix_tokens == 84_878 + 12
+    assert turns[2].output_tokens == 1
+    assert turns[3].shared_prefix_tokens == 90_000 + 1
+
+
 def test_a_workload_option_its_kind_does_not_read_is_refused() -> None:
     """``--token-scale`` on a Mooncake trace (or a trace file for the synthetic generator) was
     silently dropped: the run went ahead full size. Now it is a one-line error naming it."""
