@@ -104,6 +104,9 @@ LEDGER_SCHEMA: dict[str, pl.DataType] = {
     "recomputed_reusable_tokens": pl.Int64(),
     "errored": pl.Boolean(),
     "invalid_tokens": pl.Int64(),
+    # Why the loaded KV does not match the prompt (kvscope.reuse.validity.INVALID_*: edited,
+    # beyond_prefix, misaligned, after_release); null when it matches or nothing was loaded.
+    "invalid_kind": pl.String(),
     "reuse_validity": pl.String(),
     "outcome": pl.String(),
     "evidence": pl.String(),
@@ -946,7 +949,8 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
         .otherwise(pl.lit(VALIDITY_NOT_VERIFIED))
     )
     return ledger.with_columns(kind.alias("_invalid_kind")).with_columns(
-        count.alias("invalid_tokens"), validity.alias("reuse_validity"))
+        count.alias("invalid_tokens"), validity.alias("reuse_validity"),
+        pl.col("_invalid_kind").alias("invalid_kind"))
 
 
 def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:

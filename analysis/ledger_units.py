@@ -16,8 +16,9 @@ turn, turn k-1's retention after turn k) touches its unit again, so its turns ar
 
 Where a unit's rows depend on more than its own spans the update rebuilds the whole table
 instead (counted in :class:`Update`): rows of engine-only runs (no ``kvscope.turn`` span, so
-rows per vLLM request that any later turn span removes), and a run whose engines' missing-hooks
-list changed (it feeds every turn of the run). The watermark is checked too: if the rows at or
+rows per vLLM request that any later turn span removes), a run whose engines' missing-hooks
+list changed (it feeds every turn of the run), and a table an earlier kvscope built with other
+columns. The watermark is checked too: if the rows at or
 below it are not the ones counted at the last build (rows deleted, a copied file), the table is
 rebuilt whole.
 """
@@ -326,6 +327,12 @@ def _has_ledger(con: duckdb.DuckDBPyConnection) -> bool:
         [ledger_module.LEDGER_TABLE]).fetchall()[0][0])
 
 
+def _ledger_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
+    return [r[0] for r in con.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE table_name = ? ORDER BY column_index",
+        [ledger_module.LEDGER_TABLE]).fetchall()]
+
+
 def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> Update:
     """Bring ``kvscope_ledger`` up to the store's spans on a writable connection (see
     :func:`update`)."""
@@ -336,6 +343,8 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
     reason: str | None = "asked for a full rebuild" if full else None
     if reason is None and (mark is None or counted is None or not _has_ledger(con)):
         reason = "no table or watermark from an earlier build"
+    if reason is None and _ledger_columns(con) != list(ledger_module.LEDGER_SCHEMA):
+        reason = "the table has an earlier kvscope's columns"
     if reason is None and con.execute("SELECT count(*) FROM otel_traces WHERE rowid <= ?",
                                       [mark]).fetchall()[0][0] != counted:
         reason = "the span rows below the watermark are not those counted at the last build"

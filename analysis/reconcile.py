@@ -1,11 +1,12 @@
 """The ledger's reuse beside vLLM's own counters, per run and role (analysis ``reconciliation``).
 
 vLLM's counters come from a snapshot of a server's ``/metrics`` ingested with the run
-(``kvscope ingest vllm-prefill-metrics:FILE``, :mod:`kvscope.collector.ingest.vllm_metrics`),
-recorded in the run's settings; each role's snapshots (all engines) are summed. Per quantity a
-row gives the ledger's value, vLLM's, their difference (vLLM − ledger), what explains it, and
-whether it is flagged (a difference nothing the ledger knows explains). Either side is null
-where not measured (no snapshot, a series the snapshot lacks, or no turn with the evidence).
+(``kvscope ingest vllm-prefill-metrics:FILE``, :mod:`kvscope.collector.ingest.vllm_metrics`;
+``--run RUN`` adds them to a run kvscope recorded live), recorded in the run's settings; each
+role's snapshots (all engines) are summed. Per quantity a row gives the ledger's value, vLLM's,
+their difference (vLLM − ledger), what explains it, and whether it is flagged (a difference
+nothing the ledger knows explains). Either side is null where not measured (no snapshot, a
+series the snapshot lacks, or no turn with the evidence).
 
 Prefill (vLLM's counts are its scheduler's, at admission, for every request it served):
 
@@ -27,7 +28,8 @@ Prefill (vLLM's counts are its scheduler's, at admission, for every request it s
   only the part of a turn's reusable span, so vLLM's is the larger and this is never flagged.
 
 Decode: ``notifications_after_expiry`` (``vllm:nixl_num_notifications_after_expiry``: reads
-of blocks decode had already released) beside the turns the ledger found invalid after release.
+of blocks decode had already released) beside the turns the ledger found invalid after release
+(``invalid_kind`` ``after_release``; an edited history's read is of blocks decode still held).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import polars as pl
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.runs import run_settings, run_table
-from kvscope.reuse import outcomes
+from kvscope.reuse import outcomes, validity
 
 COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -63,7 +65,9 @@ def vllm_counters(settings: Mapping[str, Any]) -> dict[str | None, tuple[list[st
                                                                           dict[str, float]]]:
     """Per role (None: not named), the engines and summed counters of a run's snapshots."""
     found: dict[str | None, tuple[list[str], dict[str, float]]] = {}
-    for entry in settings.get("files", []):
+    ingested = settings.get("ingested")
+    later = ingested.get("files", []) if isinstance(ingested, dict) else []
+    for entry in [*settings.get("files", []), *later]:
         if not isinstance(entry, dict) or entry.get("kind") not in _METRICS_KINDS:
             continue
         role = _METRICS_KINDS[entry["kind"]]
@@ -162,11 +166,12 @@ def _prefill_rows(run_id: str, engines: list[str], counters: dict[str, float],
 
 def _decode_rows(run_id: str, engines: list[str], counters: dict[str, float],
                  turns: pl.DataFrame) -> list[dict[str, Any]]:
-    invalid = turns.filter(pl.col("outcome") == outcomes.REUSED_INVALID)
+    after = turns.filter(pl.col("invalid_kind") == validity.INVALID_AFTER_RELEASE)
     return [_row(run_id, semconv.ROLE_DECODE, engines, "notifications_after_expiry",
-                 float(len(invalid)) if len(turns) else None,
+                 float(len(after)) if len(turns) else None,
                  counters.get("nixl_notifications_after_expiry"), 0.0,
-                 "reads of blocks decode had released (the ledger: turns reused_invalid)")]
+                 "reads of blocks decode had released (the ledger: turns whose loaded KV is "
+                 "invalid after_release)")]
 
 
 def reconcile_table(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:

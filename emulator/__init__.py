@@ -8,6 +8,7 @@
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
+    vllm_metrics.py  the engines' /metrics: vLLM's own reuse counters, counted where vLLM does
     replay.py        replays a workload over HTTP through a proxy
     simulator.py     the virtual-time simulator (``kvscope simulate`` is kvscope.cli.simulate);
                      span_process.py its span builders, here or in a span process
@@ -19,5 +20,5 @@
 __all__ = [
     "capacity", "cost_model", "faults", "ground_truth", "launcher", "openai_api", "physics",
     "replay", "reuse_model", "servers", "simulator", "span_process", "sweeps", "tokens",
-    "turn_mix", "workloads",
+    "turn_mix", "vllm_metrics", "workloads",
 ]

@@ -1,7 +1,8 @@
 """Emulated vLLM 0.33.0 prefill and decode servers (aiohttp), speaking vLLM's HTTP protocol.
 
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming and JSON, ``usage``,
-``stream_options.include_usage``), ``GET /health`` (empty 200) and ``GET /v1/models``. Response
+``stream_options.include_usage``), ``GET /health`` (empty 200), ``GET /v1/models`` and ``GET
+/metrics`` (vLLM's own reuse counters, :mod:`kvscope.emulator.vllm_metrics`). Response
 bodies and SSE chunks carry the fields vLLM's pydantic models serialise, in their order
 (``entrypoints/openai/chat_completion/serving.py``): chunks ``exclude_unset``, the trailing usage
 chunk ``exclude_none`` with empty ``choices``, non-streaming bodies in full, ``data: [DONE]``.
@@ -73,6 +74,8 @@ from kvscope.emulator.openai_api import (
     usage as usage_body,
 )
 from kvscope.emulator.reuse_model import DecodeNode, Fabric, NodeConfig, PrefillNode, PrefixCache
+from kvscope.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvscope.emulator.vllm_metrics import VllmMetrics
 from kvscope.reuse import params as reuse_params
 from kvscope.serving import BODY_READ_TIMEOUT_S
 
@@ -290,6 +293,7 @@ class _EngineServer(Generic[_Node]):
         self.rng = random.Random(f"{emulation.config.seed}-{id(self)}")
         # Prefill compute is serialised per engine (one batch at a time); decode overlaps.
         self.compute_lock = asyncio.Lock()
+        self.metrics = VllmMetrics(emulation.config.model, prefill=isinstance(node, PrefillNode))
 
     @property
     def engine_id(self) -> str:
@@ -303,7 +307,16 @@ class _EngineServer(Generic[_Node]):
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    def refresh_metrics(self) -> None:
+        """Bring the counters up to now before they are read (decode: its TTL reaper)."""
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.refresh_metrics()
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -489,6 +502,7 @@ class PrefillServer(_EngineServer[PrefillNode]):
             elif transfer.status != semconv.TRANSFER_DECLINED_EXPIRED:
                 t += cost.transfer_latency_ms / 1000
             await em.clock.sleep_until(t)
+            self.metrics.transfer(transfer.status, t - now, transfer.bytes)
             self._record(KvTransferRecord(
                 request_id=req.request_id, start_ns=decided_ns, end_ns=em.clock.wall_ns(t),
                 direction=transfer.direction, status=transfer.status,
@@ -510,6 +524,15 @@ class PrefillServer(_EngineServer[PrefillNode]):
                      f"(emulator gave up after {cfg.stall_timeout_s:g}s)")
         elif result.errored:
             error = "Internal server error"
+        if not result.stalled:
+            # PrefillStats.set at a schedule with no preemption before it: the first, or the
+            # one after a failed load (back to WAITING, not preempted); taken with the first
+            # output or the error.
+            counted = (result.rescheduled_decision
+                       if result.rescheduled_decision is not None and not result.preempted
+                       else result.decision)
+            self.metrics.prompt(req.prompt.num_tokens, counted.local_hit_tokens,
+                                counted.tokens_to_pull)
         cached = result.local_hit_tokens + result.remote_reused_tokens
         offered_id = (params or {}).get("remote_request_id")
         truth = em.truth.prefill_done(
@@ -546,6 +569,7 @@ class DecodeServer(_EngineServer[DecodeNode]):
                  telemetry: EngineTelemetry | None) -> None:
         super().__init__(emulation, node, telemetry)
         self._drained = 0
+        self._after_expiry = 0
         self._traceparents: dict[str, str | None] = {}
         self.retained_bytes = 0
 
@@ -553,14 +577,24 @@ class DecodeServer(_EngineServer[DecodeNode]):
     def engine_id(self) -> str:
         return self.node.config.engine_id
 
+    def refresh_metrics(self) -> None:
+        self.node.reap(self.emulation.clock.now())
+        self.drain_releases()
+
     def drain_releases(self) -> None:
-        """Emit a retention span for each handle released since the last call."""
+        """Emit a retention span (and count an expired lease) for each handle released since
+        the last call."""
         released = self.node.released
         clock = self.emulation.clock
         for retention in released[self._drained:]:
             self._record(self._retention_record(retention, clock.wall_ns(retention.end)
                                                 if retention.end is not None else None))
+            if retention.release_reason == semconv.RELEASE_EXPIRED:
+                self.metrics.lease_expired()
         self._drained = len(released)
+        after_expiry = sum(self.node.notifications_after_expiry.values())
+        self.metrics.notifications_after_expiry(after_expiry - self._after_expiry)
+        self._after_expiry = after_expiry
         self.retained_bytes = sum(r.bytes for r in self.node.handles.values())
 
     def emit_open(self) -> None:
@@ -598,6 +632,7 @@ class DecodeServer(_EngineServer[DecodeNode]):
                 p_to_d_bytes = transfer.bytes
                 fail_policy = cfg.kv_load_failure_policy == reuse_params.FAILURE_POLICY_FAIL
                 await em.clock.sleep_until(end)
+                self.metrics.transfer(transfer.status, end - now, transfer.bytes)
                 self._record(KvTransferRecord(
                     request_id=req.request_id, start_ns=em.clock.wall_ns(now),
                     end_ns=em.clock.wall_ns(end), direction=transfer.direction,

@@ -35,7 +35,9 @@ Files of a deployment whose engines already exported to the store (``kvscope ser
 plugin, vLLM's own tracing) join that run rather than begin one: when the proxy log's requests
 are named by the engine spans of exactly one run that has no turn of its own, its turns go into
 that run (its settings list the files under ``ingested``), and the ledger's rows built from
-engine spans alone give way to them.
+engine spans alone give way to them. ``run`` (``kvscope ingest --run``) names the run to join
+outright, by id or label: vLLM's ``/metrics`` snapshots of a deployment kvscope watched live, for
+the ``reconciliation`` analysis.
 """
 
 from __future__ import annotations
@@ -251,9 +253,30 @@ def _engine_run(con: Any, request_ids: Sequence[str]) -> tuple[str, str, dict[st
     return runs[0], str(found[0][0]), settings if isinstance(settings, dict) else {}
 
 
+def _named_run(con: Any, run: str) -> tuple[str, str, dict[str, Any]]:
+    """The run (id, label, settings) whose id or label is ``run``; exactly one must match."""
+    found = con.execute(f"SELECT run_id, label, settings FROM {quote(RUNS_TABLE)} "
+                        "WHERE run_id = ? OR label = ?", [run, run]).fetchall()
+    if len(found) != 1:
+        known = con.execute(f"SELECT run_id, label FROM {quote(RUNS_TABLE)} ORDER BY started_at"
+                            ).fetchall()
+        listed = ", ".join(f"{r[0]} ({r[1]!r})" for r in known[-10:]) or "none"
+        what = "no run has" if not found else f"{len(found)} runs have"
+        raise IngestError(f"--run {run}: {what} that id or label (runs: {listed}); "
+                          "nothing was written")
+    try:
+        settings = json.loads(found[0][2] or "{}")
+    except json.JSONDecodeError:
+        settings = {}
+    return str(found[0][0]), str(found[0][1]), settings if isinstance(settings, dict) else {}
+
+
 def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None = None,
-           kind: str | None = None) -> IngestResult:
+           kind: str | None = None, run: str | None = None) -> IngestResult:
     """Ingest ``sources`` into the store ``db`` as one run; return what was added.
+
+    ``run`` (an id or label) adds them to that run of the store instead (listed in its settings
+    under ``ingested``).
 
     Raises IngestError (malformed, unknown or already stored source: nothing is written) or a
     StoreError from opening the store.
@@ -297,7 +320,7 @@ def ingest(db: str | Path, sources: Sequence[str | Path], run_label: str | None 
                      for path, source_kind, content in parsed]
             request_ids = [r.x_request_id for _, _, c in parsed
                            if isinstance(c, proxy_log.ProxyLog) for r in c.requests]
-            live = _engine_run(con, request_ids)
+            live = _named_run(con, run) if run is not None else _engine_run(con, request_ids)
             if live is None:
                 run_id = begin_run(con, label, {"source": _SOURCE, "files": files})
             else:

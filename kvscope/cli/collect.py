@@ -55,6 +55,10 @@ def _configure_ingest(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=sorted(KINDS), default=None,
                         help="kind of every source (default: detected from each file: "
                         + "; ".join(f"{k.name}: {k.description}" for k in KINDS.values()) + ")")
+    parser.add_argument("--run", default=None, metavar="RUN",
+                        help="add the files to this run of the store (id or label) instead of "
+                        "beginning one: e.g. vLLM's /metrics snapshots of a deployment kvscope "
+                        "watched live, for the reconciliation analysis")
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
                         help="files the run left (ingested together as one run); "
                         "KIND:FILE names one file's kind (e.g. vllm-prefill-log:prefill.log)")
@@ -64,7 +68,7 @@ def _run_ingest(args: argparse.Namespace) -> int:
     from kvscope.collector.ingest import ingest
 
     db = required(args, "db")
-    result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind)
+    result = ingest(db, args.sources, resolved(args, "run_label") or None, args.kind, args.run)
     for source in result.sources:
         unknown = (f", {source.unknown_lines} lines of no known pattern (counted)"
                    if source.unknown_lines else "")
