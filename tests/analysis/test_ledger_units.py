@@ -105,6 +105,26 @@ def test_the_watermark_falls_back_to_a_full_rebuild_when_rows_go(spans: pa.Table
         con.close()
 
 
+def test_a_table_an_earlier_kvscope_built_is_rebuilt_not_appended_to(spans: pa.Table,
+                                                                     tmp_path: Path) -> None:
+    """A store whose kvscope_ledger lacks a column this kvscope adds (invalid_kind): new rows
+    cannot go into it, so the next update rebuilds it whole."""
+    con = open_store(tmp_path / "store.duckdb")
+    half = spans.num_rows // 2
+    try:
+        con.register("batch", spans.slice(0, half))
+        con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+        update_connection(con)
+        con.execute(f"ALTER TABLE {LEDGER_TABLE} DROP COLUMN invalid_kind")
+        con.register("batch", spans.slice(half))
+        con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+        done = update_connection(con)
+        assert done.units is None and done.reason == "the table has an earlier kvscope's columns"
+        assert _sorted(_table(con)).equals(_sorted(ledger(con)))
+    finally:
+        con.close()
+
+
 def test_cli_ledger_says_what_it_recomputed(spans: pa.Table, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "store.duckdb"
