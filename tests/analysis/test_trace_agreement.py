@@ -26,6 +26,17 @@ WEKA_RAW = next((folder / "shared" / "data" / "weka_cc" / "raw"
                 Path("../shared/data/weka_cc/raw"))
 
 
+def _assert_outcomes_and_facts(joined: pl.DataFrame) -> None:
+    """Every turn's outcome and every fact both sides measured agree (no split: the WEKA
+    traces give token counts, not messages, so no turn's history is hash-verified)."""
+    wrong = joined.filter(pl.col("outcome") != pl.col("outcome_ledger"))
+    assert wrong.height == 0, wrong.select("conversation_id", "turn_index", "outcome",
+                                           "outcome_ledger").to_dicts()[:5]
+    off = [(row["conversation_id"], row["turn_index"], facts) for row in joined.to_dicts()
+           if (facts := disagreeing_facts(row))]
+    assert not off, off[:5]
+
+
 @pytest.mark.slow
 def test_the_mooncake_trace_slice(tmp_path: Path) -> None:
     workload = sources.load("mooncake", trace=FIXTURE)
@@ -51,12 +62,7 @@ def test_the_weka_traces(tmp_path: Path) -> None:
     joined = _compare(workload, tmp_path / "w.duckdb", SimulationSettings())
     # The WEKA traces give token counts, not messages: no turn's history is hash-verified, so
     # the split is not compared (_assert_matches needs such turns); outcomes and facts are.
-    wrong = joined.filter(pl.col("outcome") != pl.col("outcome_ledger"))
-    assert wrong.height == 0, wrong.select("conversation_id", "turn_index", "outcome",
-                                           "outcome_ledger").to_dicts()[:5]
-    off = [(row["conversation_id"], row["turn_index"], facts) for row in joined.to_dicts()
-           if (facts := disagreeing_facts(row))]
-    assert not off, off[:5]
+    _assert_outcomes_and_facts(joined)
 
 
 @pytest.mark.slow
@@ -66,9 +72,4 @@ def test_the_weka_flat_csv_every_request(tmp_path: Path) -> None:
     workload = weka.load_csv()
     joined = _compare(workload, tmp_path / "csv.duckdb", SimulationSettings())
     assert joined.height == 49_334
-    wrong = joined.filter(pl.col("outcome") != pl.col("outcome_ledger"))
-    assert wrong.height == 0, wrong.select("conversation_id", "turn_index", "outcome",
-                                           "outcome_ledger").to_dicts()[:5]
-    off = [(row["conversation_id"], row["turn_index"], facts) for row in joined.to_dicts()
-           if (facts := disagreeing_facts(row))]
-    assert not off, off[:5]
+    _assert_outcomes_and_facts(joined)
