@@ -253,6 +253,7 @@ _RETENTION_COLUMNS: _Columns = {
     "size_bytes": span_attr(semconv.RETENTION_BYTES),
     "reason": span_attr(semconv.RETENTION_RELEASE_REASON),
     "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
+    "read_after_release": span_attr(semconv.RETENTION_READ_AFTER_RELEASE),
     **_HOOKS_COLUMNS,
 }
 
@@ -408,7 +409,8 @@ def _retention_first(b: query.Binder) -> str:
     snapshot = (f"CASE WHEN reason = {b(semconv.RELEASE_OPEN)} AND duration_ns = 0 "
                 "THEN 1 ELSE 0 END")
     return _first("request_id", f"{snapshot}, \"start\", span_id",
-                  "request_id, size_bytes, tokens, reason, \"start\", duration_ns", "retentions")
+                  "request_id, size_bytes, tokens, reason, \"start\", duration_ns, "
+                  "read_after_release", "retentions")
 
 
 def _vllm(b: query.Binder) -> str:
@@ -512,6 +514,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     *(("s", name, name) for name in ("p2d_bytes", "p2d_ns", "decode_engine", "p2d_start")),
     ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
     ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
+    ("o", "read_after_release", "retention_read_after_release"),
     ("h", "tokens", "held_tokens"),
     ("e", "hooks_missing", "hooks_missing"),
 )
@@ -847,8 +850,11 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     # blocks: P reports success, D logs "Potentially invalid KV blocks").
     read_end = pl.col("d2p_start") + pl.duration(microseconds=(pl.col("d2p_ms") * 1000).cast(
         pl.Int64))
+    # A decode server's log names such a read ("Potentially invalid KV blocks for unrecognized
+    # request"): ingest marks the retention, whose times the log does not give.
     stale = read_ok & (pl.col("retention_release") == semconv.RELEASE_EXPIRED) & (
-        pl.col("retention_released_at") <= read_end)
+        (pl.col("retention_released_at") <= read_end)
+        | _bool("retention_read_after_release").fill_null(False))
     preempted = read_ok & (pl.col("decisions").fill_null(0) > 1)
     reusable_col = pl.col("reusable_tokens")
     # min_horizontal skips nulls: an unmeasured hit (or reusable span) stays unmeasured.

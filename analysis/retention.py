@@ -149,6 +149,7 @@ RETENTION_QUERY = query.spans(semconv.SPAN_KV_RETENTION, {
     "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
     "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
     "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
+    "measured": query.span_attr(semconv.DURATION_MEASURED),
 })
 
 SAMPLES_QUERY = query.select(query.GAUGES, {
@@ -229,9 +230,14 @@ def shape_retentions(raw: pl.DataFrame) -> pl.DataFrame:
     retention (:func:`without_superseded_snapshots`)."""
     if raw.is_empty():
         return pl.DataFrame(schema=RETENTION_SCHEMA)
+    duration = pl.col("duration_ns").cast(pl.Int64)
+    if "measured" in raw.columns:
+        # A retention an ingested log only names (decode's "Potentially invalid KV blocks"
+        # line: released, then read): how long it was held is not measured, never 0.
+        duration = (pl.when(pl.col("measured") == "false").then(None).otherwise(duration)
+                    .alias("duration_ns"))
     return without_superseded_snapshots(raw).with_columns(
-        _num("size_bytes", pl.Int64()), _num("ttl_s", pl.Float64()),
-        pl.col("duration_ns").cast(pl.Int64),
+        _num("size_bytes", pl.Int64()), _num("ttl_s", pl.Float64()), duration,
     ).select([pl.col(n).cast(t) for n, t in RETENTION_SCHEMA.items()])
 
 

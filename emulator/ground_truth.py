@@ -12,10 +12,13 @@ is turn 1 — also when it only shares a prefix (a system prompt shared across c
 context reset whose router entry was gone); the virtual-time simulator
 (``kvscope.emulator.simulator``), which also plays the proxy, has exact truth for those.
 
-Labels come from :func:`kvscope.emulator.reuse_model.account_turn`. Router-side causes
-(``no_conversation_id``, router miss / stale / consumed) are invisible to the servers: such a
-turn is recorded as what prefill saw — no offer, labelled ``router_no_entry`` with evidence
-"prefill got no offer" — and the ledger adds the proxy's evidence to tell them apart.
+Labels come from :func:`kvscope.emulator.reuse_model.account_turn`. The router's facts (its
+lookup, the entry's age, the reuse guard's verdict) are recorded when kvscope's proxy runs in the
+emulation's process (:class:`~kvscope.emulator.launcher.EmulatedCluster` with ``proxy=True``
+passes :meth:`TruthRecorder.routed` to it), so ``no_conversation_id`` and a router miss, stale
+or consumed entry are labelled as the table labels them. With a proxy elsewhere the servers never
+see the lookup: such a turn is recorded as what prefill saw — no offer, ``router_no_entry`` with
+evidence "prefill got no offer" — and only the ledger can tell the causes apart.
 ``no_decode_metadata`` is exact: the oracle remembers whether decode's params for turn k-1
 reached the wire.
 
@@ -125,6 +128,23 @@ def common_prefix_tokens(finished: FinishedSequence, prompt: BlockSeq,
     return start + common_prefix_len(tail, prompt_ids[start : start + len(tail)])
 
 
+@dataclass(frozen=True)
+class Route:
+    """What kvscope's proxy router did for one turn (None: not seen, the proxy ran elsewhere)."""
+
+    lookup: str | None = None
+    entry_age_s: float | None = None
+    reuse_guard: str | None = None
+    # The decode request whose params the router's entry held (before the guard judged them).
+    entry_request_id: str | None = None
+
+
+_NOT_ROUTED = Route()
+# Routes kept for turns whose prefill has not been seen yet (a turn that never reaches prefill
+# leaves its route behind; the oldest goes first).
+_MAX_ROUTES = 65_536
+
+
 @dataclass
 class TruthRow:
     """One turn's ground truth (DESIGN §5 fields, plus what the emulator did)."""
@@ -159,8 +179,10 @@ class TruthRow:
     # Wall ms the prefill server spent on the request before answering (admission, D->P read,
     # compute): the part of a proxy's "Prefill done in N ms" that is the engine's.
     prefill_server_ms: float | None = None
+    # The proxy's router lookup (semconv.ROUTER_*), when the proxy ran in the emulation.
+    router_lookup: str | None = None
     # What happened, as the decision table's facts (the outcome is the table's reading of
-    # them). The router's facts are not among them: the servers never see the lookup.
+    # them); the router's are among them only when the proxy ran in the emulation.
     facts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -172,11 +194,19 @@ class TruthRecorder:
         self.oracle = SequenceOracle(block_size)
         self.rows: list[TruthRow] = []
         self._pending: dict[str, TruthRow] = {}
+        # X-Request-Id -> the router's facts for it, from routed() until its prefill is seen.
+        self._routes: dict[str, Route] = {}
         self.path = Path(path) if path is not None else None
         self._sink: IO[str] | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._sink = self.path.open("a", encoding="utf-8")
+
+    def routed(self, x_request_id: str, route: Route) -> None:
+        """Record what kvscope's proxy router did for a turn, before its prefill is called."""
+        if len(self._routes) >= _MAX_ROUTES:  # turns that never reached prefill
+            self._routes.pop(next(iter(self._routes)))
+        self._routes[x_request_id] = route
 
     def prefill_done(
         self,
@@ -192,7 +222,10 @@ class TruthRecorder:
     ) -> TruthRow:
         """Label the turn at prefill: previous turn, reusable tokens and outcome."""
         match = self.oracle.match(prompt, prompt_ids)
-        offered = self.oracle.by_decode_request.get(offered_request_id or "")
+        route = self._routes.pop(x_request_id, _NOT_ROUTED)
+        # The router's entry names the previous turn, also when the guard kept it from prefill.
+        offered = self.oracle.by_decode_request.get(offered_request_id or route.entry_request_id
+                                                    or "")
         if offered is not None and offered is not match.previous:
             # The router's entry names the previous turn, whatever the prompt holds.
             match = Match(offered, offered.reusable(common_prefix_tokens(offered, prompt,
@@ -209,6 +242,9 @@ class TruthRecorder:
             turn_index,
             match.reusable_tokens,
             result,
+            router_lookup=route.lookup,
+            router_entry_age_s=route.entry_age_s,
+            reuse_guard=route.reuse_guard,
             decode_returned_params=previous.params_on_wire if previous is not None else True,
             history_edited=edited,
         )
@@ -236,6 +272,7 @@ class TruthRecorder:
             transfer_blocks=transfer.blocks if transfer is not None else 0,
             error=error,
             faults=sorted(faults),
+            router_lookup=route.lookup,
             facts=accounting.facts,
         )
         if error is not None:
@@ -306,6 +343,7 @@ class TruthRecorder:
             row.error = row.error or "no decode leg"
             self._write(row)
         self._pending.clear()
+        self._routes.clear()
         if self._sink is not None:
             self._sink.close()
             self._sink = None
@@ -323,5 +361,5 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-__all__ = ["FinishedSequence", "Match", "SequenceOracle", "TruthRecorder", "TruthRow",
+__all__ = ["FinishedSequence", "Match", "Route", "SequenceOracle", "TruthRecorder", "TruthRow",
     "common_prefix_tokens", "read_truth"]

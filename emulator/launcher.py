@@ -26,7 +26,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from kvscope import semconv, settings
 from kvscope.collector.engine_telemetry import EngineTelemetry
 from kvscope.collector.otel import Telemetry, setup_telemetry
-from kvscope.emulator.ground_truth import TruthRecorder
+from kvscope.emulator.ground_truth import Route, TruthRecorder
 from kvscope.emulator.servers import (
     DecodeServer,
     Emulation,
@@ -185,7 +185,8 @@ class EmulatedCluster:
 
     async def _start_proxy(self, runners: list[web.AppRunner]) -> str:
         from kvscope.collector.proxy.app import SERVER_OPTIONS, ProxyConfig, Upstream, build_app
-        from kvscope.collector.proxy.telemetry import ProxyTelemetry
+        from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
+        from kvscope.reuse.router import Lookup
 
         def upstream(url: str) -> Upstream:
             host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -200,7 +201,16 @@ class EmulatedCluster:
         )
         telemetry = ProxyTelemetry(self._telemetry[2] if len(self._telemetry) > 2 else None,
                                    router_ttl_s=self.router_ttl_s)
-        runner = web.AppRunner(build_app(config, telemetry), access_log=None,
+        truth = self.emulation.truth if self.emulation is not None else None
+
+        def routed(record: TurnRecord, entry: Lookup) -> None:
+            if truth is not None:
+                named = (entry.params or {}).get("remote_request_id")
+                truth.routed(record.x_request_id, Route(
+                    record.lookup, record.lookup_age_s, record.reuse_guard,
+                    named if isinstance(named, str) else None))
+
+        runner = web.AppRunner(build_app(config, telemetry, routed), access_log=None,
                                shutdown_timeout=1.0, **SERVER_OPTIONS)
         await runner.setup()
         runners.append(runner)

@@ -199,6 +199,11 @@ DECODE_CACHED_TOKENS = _attr(
 D_METADATA_ATTACHED = _attr(
     "kvscope.d_metadata_attached", "", "Whether decode's retained-KV metadata went to prefill."
 )
+RETENTION_READ_AFTER_RELEASE = _attr(
+    "kvscope.retention.read_after_release", "",
+    "true when a read of these blocks ended after decode released them (vLLM's 'Potentially "
+    "invalid KV blocks for unrecognized request' line names the request).",
+)
 RETENTION_METADATA_RETURNED = _attr(
     "kvscope.retention.metadata_returned", "", "Whether decode returned retention metadata."
 )
@@ -477,7 +482,8 @@ __all__ = ["BIDIR_ENABLED", "CACHED_TOKENS", "CLIENT_DISCONNECTED", "CLIENT_ID",
     "RELEASE_NOTIFIED", "RELEASE_OPEN", "RELEASE_READ", "RELEASE_REASONS", "REMOTE_COUNT_TOKENS",
     "REMOTE_ENGINE_ID", "REMOTE_NUM_TOKENS", "REMOTE_OFFERED_TOKENS", "REPLY_BOUNDARY_HASH",
     "REQUEST_OUTCOME", "RETENTION_BLOCKS", "RETENTION_BYTES", "RETENTION_METADATA_RETURNED",
-    "RETENTION_RELEASE_REASON", "RETENTION_TTL_S", "RETRIED_BY_REQUEST_ID", "REUSE_GUARD",
+    "RETENTION_READ_AFTER_RELEASE", "RETENTION_RELEASE_REASON", "RETENTION_TTL_S",
+    "RETRIED_BY_REQUEST_ID", "REUSE_GUARD",
     "ROLE_DECODE", "ROLE_PREFILL", "ROUTER_CONSUMED", "ROUTER_ENTRY_AGE_S", "ROUTER_HIT",
     "ROUTER_LOOKUP", "ROUTER_MISS", "ROUTER_NO_CONVERSATION_ID", "ROUTER_RESULTS", "ROUTER_STALE",
     "ROUTER_TTL_S", "RUN_ID", "SCOPE_NAME", "SERVICE_DECODE", "SERVICE_GPU_SAMPLER",

@@ -36,7 +36,9 @@ line (``kv_connector/v1/metrics.py:108``; its keys from ``NixlKVConnectorStats.r
 ``nixl/stats.py:100-160``), ``Recovered from KV load failure`` (scheduler.py:3774-3778),
 ``Releasing expired KV blocks`` (``nixl/base_worker.py:3370-3375``), ``Potentially invalid KV
 blocks`` (``nixl/pull_worker.py:675-680``: a read of blocks decode had already released — a
-correctness alarm, listed by request id), ``Got invalid KVTransferParams``
+correctness alarm, listed by request id, and a ``kvscope.kv_retention`` span of that request,
+released as expired, marked ``kvscope.retention.read_after_release``, so that the ledger calls
+the turn offered those blocks ``reused_invalid`` after release), ``Got invalid KVTransferParams``
 (``nixl/pull_scheduler.py:180-184``) and ``request_finished(...) waiting for N seconds``
 (DEBUG, ``nixl/pull_scheduler.py:258-263``). Every other line is counted as unknown.
 
@@ -101,6 +103,8 @@ from kvscope.errors import IngestError
 from kvscope.store.rows import TraceRows
 
 KIND = "vllm-server-log"
+# An Event's ``what`` for decode's "Potentially invalid KV blocks for unrecognized request" line.
+READ_AFTER_RELEASE = "read_after_release"
 KIND_PREFILL = "vllm-prefill-log"
 KIND_DECODE = "vllm-decode-log"
 
@@ -217,8 +221,9 @@ class Event:
     line: int
     time_ns: int
     request_id: str
-    # semconv.DECISION_BELOW_THRESHOLD or DECISION_PULL, a semconv.TRANSFER_* status, or
-    # semconv.OUTCOME_ERROR (the scheduler failed the request for its read)
+    # semconv.DECISION_BELOW_THRESHOLD or DECISION_PULL, a semconv.TRANSFER_* status,
+    # semconv.OUTCOME_ERROR (the scheduler failed the request for its read), or
+    # READ_AFTER_RELEASE (decode: the request's released blocks were read)
     what: str
     remote_engine_id: str | None = None
     # Below threshold: the remote count compared; pull: the tokens allocated to load.
@@ -545,6 +550,7 @@ def read_role(path: Path, role: str | None) -> ServerLog:
         elif found := _INVALID_BLOCKS.match(message):
             count("potentially_invalid_kv_blocks")
             invalid.append(found["rid"])
+            events.append(Event(number, now, found["rid"], READ_AFTER_RELEASE))
         elif _INVALID_PARAMS.match(message):
             count("invalid_kv_transfer_params")
         elif _WAITING.match(message):
@@ -620,6 +626,14 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
 
     pulled: set[str] = set()
     for event in log.events:
+        if event.what == READ_AFTER_RELEASE:
+            # Decode's blocks for this request, released by its reaper, were read: the turn
+            # offered them loaded freed blocks (its ledger row says reused_invalid, after
+            # release). Held how long and how many bytes: not in the line.
+            span(event, semconv.SPAN_KV_RETENTION, "retention", {
+                semconv.RETENTION_RELEASE_REASON: semconv.RELEASE_EXPIRED,
+                semconv.RETENTION_READ_AFTER_RELEASE: True})
+            continue
         if event.what == semconv.DECISION_BELOW_THRESHOLD:
             span(event, semconv.SPAN_REUSE_DECISION, "decision", {
                 semconv.DECISION: semconv.DECISION_BELOW_THRESHOLD,
@@ -655,5 +669,5 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
     return added
 
 
-__all__ = ["Event", "KIND", "KIND_DECODE", "KIND_PREFILL", "ServerLog", "add_spans", "looks_like",
-    "read", "read_decode", "read_prefill", "read_role"]
+__all__ = ["Event", "KIND", "KIND_DECODE", "KIND_PREFILL", "READ_AFTER_RELEASE", "ServerLog",
+    "add_spans", "looks_like", "read", "read_decode", "read_prefill", "read_role"]

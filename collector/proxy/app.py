@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -307,9 +307,14 @@ class DecodeStream:
 class Proxy:
     """Request handlers and shared state of one proxy process."""
 
-    def __init__(self, config: ProxyConfig, telemetry: ProxyTelemetry) -> None:
+    def __init__(self, config: ProxyConfig, telemetry: ProxyTelemetry,
+                 on_routed: Callable[[TurnRecord, Lookup], None] | None = None) -> None:
         self.config = config
         self.telemetry = telemetry
+        # Called with each turn's record once the router (and the guard) chose prefill's params,
+        # before prefill is called, and the router's lookup before the guard judged it: the
+        # emulator's ground truth records the router's facts.
+        self._on_routed = on_routed
         self.router = ConversationRouter(config.router_ttl_s)
         self._prefill_cycle: Iterator[Upstream] = itertools.cycle(config.prefillers)
         self._decode_cycle: Iterator[Upstream] = itertools.cycle(config.decoders)
@@ -468,6 +473,7 @@ class Proxy:
         if self.config.log_turns:
             _log_lookup(record.x_request_id, conversation.value, lookup, self.router.ttl_s)
         hashed = False
+        entry = lookup
         if self.config.reuse_guard:
             lookup, hashed = self._guard(body, lookup, record)
         if self.telemetry.enabled and not hashed:  # the guard's pass fills the span's hashes
@@ -480,6 +486,8 @@ class Proxy:
             offered = lookup.params.get("remote_request_id")
             record.offered_request_id = offered if isinstance(offered, str) else None
             record.offered_tokens = _int(lookup.params.get("remote_num_tokens"))
+        if self._on_routed is not None:
+            self._on_routed(record, entry)
 
         # The reply's boundary hash (a chat of one choice): for the guard's next check, and
         # for the ledger's when telemetry is on.
@@ -589,34 +597,15 @@ class Proxy:
         record.prefill_start_ns = time.time_ns()
         leg = semconv.LEG_PREFILL
         try:
-            async with self._session_or_fail().post(
-                prefill.url(api_path),
-                data=json.dumps(payload).encode(),
-                headers=self._headers(record, record.prefill_traceparent()),
-                timeout=self._prefill_timeout,
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except TimeoutError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
-                                  f"prefill {prefill.name} timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
-                                  f"prefill {prefill.name} unreachable: {exc}") from exc
+            status, raw = await self._post_whole(leg, prefill, api_path, payload, record,
+                                                 record.prefill_traceparent(),
+                                                 self._prefill_timeout)
         finally:
             record.prefill_end_ns = time.time_ns()
         if self.config.log_turns:
             turn_log.info("[%s] Prefill done in %.0fms", record.x_request_id,
                           (record.prefill_end_ns - record.prefill_start_ns) / 1e6)
-        _check_status(leg, prefill, status, raw)
-        try:
-            answer = json.loads(raw)
-        except ValueError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
-                                  f"prefill {prefill.name} returned invalid JSON") from exc
-        if not isinstance(answer, dict):
-            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
-                                  f"prefill {prefill.name} returned a non-object")
+        answer = _json_object(leg, prefill, status, raw)
         usage = answer.get("usage")
         if isinstance(usage, dict):
             record.prompt_tokens = _int(usage.get("prompt_tokens"))
@@ -723,32 +712,31 @@ class Proxy:
         record.decode_start_ns = time.time_ns()
         leg = semconv.LEG_DECODE
         try:
-            async with self._session_or_fail().post(
-                decode.url(api_path),
-                data=json.dumps(payload).encode(),
-                headers=self._headers(record, record.decode_traceparent()),
-                timeout=self._decode_timeout,
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except TimeoutError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
-                                  f"decode {decode.name} timed out") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
-                                  f"decode {decode.name} unreachable: {exc}") from exc
+            status, raw = await self._post_whole(leg, decode, api_path, payload, record,
+                                                 record.decode_traceparent(),
+                                                 self._decode_timeout)
         finally:
             record.decode_end_ns = time.time_ns()
-        _check_status(leg, decode, status, raw)
+        return _json_object(leg, decode, status, raw)
+
+    async def _post_whole(self, leg: str, upstream: Upstream, api_path: str,
+                          payload: dict[str, Any], record: TurnRecord, traceparent: str,
+                          timeout: aiohttp.ClientTimeout) -> tuple[int, bytes]:
+        """POST ``payload`` to ``upstream`` and read its whole answer: (status, body)."""
         try:
-            answer = json.loads(raw)
-        except ValueError as exc:
-            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
-                                  f"decode {decode.name} returned invalid JSON") from exc
-        if not isinstance(answer, dict):
-            raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
-                                  f"decode {decode.name} returned a non-object")
-        return answer
+            async with self._session_or_fail().post(
+                upstream.url(api_path),
+                data=json.dumps(payload).encode(),
+                headers=self._headers(record, traceparent),
+                timeout=timeout,
+            ) as resp:
+                return resp.status, await resp.read()
+        except TimeoutError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_TIMEOUT, 504,
+                                  f"{leg} {upstream.name} timed out") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
+                                  f"{leg} {upstream.name} unreachable: {exc}") from exc
 
     def _whole_ended(self, answer: dict[str, Any], conversation_id: str | None,
                      decode: Upstream, record: TurnRecord) -> None:
@@ -994,6 +982,20 @@ def sse_events(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[
     return events
 
 
+def _json_object(leg: str, upstream: Upstream, status: int, raw: bytes) -> dict[str, Any]:
+    """An upstream's whole answer as a JSON object, or the failure it is."""
+    _check_status(leg, upstream, status, raw)
+    try:
+        answer = json.loads(raw)
+    except ValueError as exc:
+        raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                              f"{leg} {upstream.name} returned invalid JSON") from exc
+    if not isinstance(answer, dict):
+        raise UpstreamFailure(leg, semconv.ERROR_PROTOCOL, 502,
+                              f"{leg} {upstream.name} returned a non-object")
+    return answer
+
+
 def _check_status(leg: str, upstream: Upstream, status: int, raw: bytes) -> None:
     if status < 400:
         return
@@ -1037,10 +1039,14 @@ async def configure_serving_gc(app: web.Application) -> None:
     gc.set_threshold(SERVING_GC_THRESHOLD, middle, old)
 
 
-def build_app(config: ProxyConfig, telemetry: ProxyTelemetry | None = None) -> web.Application:
-    """The proxy as an aiohttp application (telemetry disabled when None)."""
+def build_app(config: ProxyConfig, telemetry: ProxyTelemetry | None = None,
+              on_routed: Callable[[TurnRecord, Lookup], None] | None = None,
+              ) -> web.Application:
+    """The proxy as an aiohttp application (telemetry disabled when None; ``on_routed``: see
+    :class:`Proxy`)."""
     one_line_malformed_requests()
-    proxy = Proxy(config, telemetry or ProxyTelemetry(None, router_ttl_s=config.router_ttl_s))
+    proxy = Proxy(config, telemetry or ProxyTelemetry(None, router_ttl_s=config.router_ttl_s),
+                  on_routed)
     return proxy.application()
 
 

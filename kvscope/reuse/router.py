@@ -72,9 +72,11 @@ class ConversationRouter:
         self.ttl_s = ttl_s
         self._max_entries = max_entries
         self._clock = clock
+        # In the order they were stored (put moves an entry to the end): the oldest first.
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        # conversation id -> ROUTER_CONSUMED or ROUTER_STALE: what happened to its last entry.
-        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        # conversation id -> (ROUTER_CONSUMED or ROUTER_STALE, when a stale entry was stored):
+        # what happened to its last entry.
+        self._tombstones: OrderedDict[str, tuple[str, float | None]] = OrderedDict()
         self.evicted_capacity = 0
 
     @property
@@ -88,11 +90,15 @@ class ConversationRouter:
             return Lookup(semconv.ROUTER_NO_CONVERSATION_ID)
         entry = self._entries.pop(conversation_id, None)
         if entry is None:
-            why = self._tombstones.get(conversation_id)
-            return Lookup(why if why is not None else semconv.ROUTER_MISS)
+            fate = self._tombstones.get(conversation_id)
+            if fate is None:
+                return Lookup(semconv.ROUTER_MISS)
+            why, stored_at = fate
+            # A stale entry dropped before this lookup: its age as if it had waited here.
+            return Lookup(why, self._clock() - stored_at if stored_at is not None else None)
         age = self._clock() - entry.stored_at
         if age > self.ttl_s:
-            self._tombstone(conversation_id, semconv.ROUTER_STALE)
+            self._tombstone(conversation_id, semconv.ROUTER_STALE, entry.stored_at)
             return Lookup(semconv.ROUTER_STALE, age)
         self._tombstone(conversation_id, semconv.ROUTER_CONSUMED)
         return Lookup(semconv.ROUTER_HIT, age, dict(entry.params), entry.history, entry.reply)
@@ -105,8 +111,13 @@ class ConversationRouter:
         """
         stored = dict(params)
         stored["remote_host"] = decode_host
+        now = self._clock()
+        # Entries past the TTL go as new ones come (oldest first, so a put costs O(1) amortised):
+        # otherwise the conversations that ended would hold their decode params (a few KB
+        # each) until GET /health or the entry cap, 100k.
+        self._drop_stale(now)
         self._entries.pop(conversation_id, None)
-        self._entries[conversation_id] = _Entry(stored, self._clock(), history)
+        self._entries[conversation_id] = _Entry(stored, now, history)
         self._tombstones.pop(conversation_id, None)
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
@@ -121,16 +132,23 @@ class ConversationRouter:
 
     def evict_stale(self) -> int:
         """Drop entries older than the TTL; return how many (vLLM runs this on GET /health)."""
-        now = self._clock()
-        stale = [cid for cid, e in self._entries.items() if now - e.stored_at > self.ttl_s]
-        for cid in stale:
-            del self._entries[cid]
-            self._tombstone(cid, semconv.ROUTER_STALE)
-        return len(stale)
+        return self._drop_stale(self._clock())
 
-    def _tombstone(self, conversation_id: str, why: str) -> None:
+    def _drop_stale(self, now: float) -> int:
+        entries = self._entries
+        dropped = 0
+        while entries:
+            conversation_id, entry = next(iter(entries.items()))
+            if now - entry.stored_at <= self.ttl_s:
+                break
+            del entries[conversation_id]
+            self._tombstone(conversation_id, semconv.ROUTER_STALE, entry.stored_at)
+            dropped += 1
+        return dropped
+
+    def _tombstone(self, conversation_id: str, why: str, stored_at: float | None = None) -> None:
         self._tombstones.pop(conversation_id, None)
-        self._tombstones[conversation_id] = why
+        self._tombstones[conversation_id] = (why, stored_at)
         while len(self._tombstones) > self._max_entries:
             self._tombstones.popitem(last=False)
 

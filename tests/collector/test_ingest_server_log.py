@@ -390,3 +390,39 @@ def test_a_decode_log_s_pull_is_a_p_to_d_read_and_no_reuse_decision(tmp_path: Pa
     assert server_log.add_spans(parsed, "run", rows) == 1  # the read only
     table = rows.to_arrow().to_pylist()
     assert [r["SpanName"] for r in table] == [semconv.SPAN_KV_TRANSFER]
+
+
+def test_decode_s_read_after_release_line_makes_the_read_invalid(tmp_path: Path) -> None:
+    """Decode's "Potentially invalid KV blocks for unrecognized request R" (pull_worker.py:
+    675-680) names the retention a read found released: the turn offered R's blocks loaded freed
+    KV, ``reused_invalid`` after release, though prefill's own lines show a read that went well
+    (the real tier: a read posted in time that ended after decode's reaper released the blocks).
+    The retention's time held is not in the line: not measured, never 0."""
+    from kvscope.analysis import retention
+
+    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
+               decode_id="chatcmpl-r-0-1-aaaaaaaa")
+    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
+               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
+    decode = ServerLogFile(tmp_path / "decode.log")
+    decode.log(_at(1000) + 2, logging.WARNING, "pull_worker.py:675",
+               "Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+               "decode worker. They may have expired.", "chatcmpl-r-0-1-aaaaaaaa")
+    db = tmp_path / "run.duckdb"
+    ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
+                f"{server_log.KIND_PREFILL}:{_pull_log(tmp_path / 'prefill.log', PLAIN)}",
+                f"{server_log.KIND_DECODE}:{decode.write()}"])
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    read = rows[("CONV_0", 2)]
+    assert read["d2p_status"] == semconv.TRANSFER_OK
+    assert (read["outcome"], read["invalid_kind"]) == (outcomes.REUSED_INVALID, "after_release")
+    assert read["remote_reused_tokens"] == 0
+    from kvscope.store import StoreReader
+    reader = StoreReader.open(db)
+    try:
+        held = retention.shape_retentions(reader.frame(retention.RETENTION_QUERY))
+    finally:
+        reader.close()
+    assert held.select("request_id", "reason", "duration_ns").rows() == [
+        ("chatcmpl-r-0-1-aaaaaaaa", semconv.RELEASE_EXPIRED, None)]

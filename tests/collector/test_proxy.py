@@ -684,19 +684,26 @@ def test_router_matches_a_reference_model(sequence: list[tuple[str, Any]]) -> No
     router = ConversationRouter(ttl_s=20.0, clock=clock)
     entries: dict[str, float] = {}
     last_fate: dict[str, str] = {}
+    stale_since: dict[str, float] = {}  # when a conversation's stale entry was stored
+
+    def drop_stale() -> list[str]:
+        stale = [k for k, t in entries.items() if clock.now - t > 20.0]
+        for k in stale:
+            stale_since[k] = entries.pop(k)
+            last_fate[k] = semconv.ROUTER_STALE
+        return stale
+
     for i, (op, arg) in enumerate(sequence):
         if op == "put":
+            # A put drops the entries past the TTL (the proxy's memory follows the TTL).
+            drop_stale()
             router.put(arg, {"remote_request_id": f"r{i}", "remote_host": "side"}, "dhost")
             entries[arg] = clock.now
             last_fate.pop(arg, None)
         elif op == "wait":
             clock.now += arg
         elif op == "evict":
-            stale = [k for k, t in entries.items() if clock.now - t > 20.0]
-            assert router.evict_stale() == len(stale)
-            for k in stale:
-                del entries[k]
-                last_fate[k] = semconv.ROUTER_STALE
+            assert router.evict_stale() == len(drop_stale())
         else:
             got = router.lookup(arg)
             if arg in entries:
@@ -704,6 +711,7 @@ def test_router_matches_a_reference_model(sequence: list[tuple[str, Any]]) -> No
                 if clock.now - stored > 20.0:
                     assert got.result == semconv.ROUTER_STALE and got.params is None
                     last_fate[arg] = semconv.ROUTER_STALE
+                    stale_since[arg] = stored
                 else:
                     assert got.result == semconv.ROUTER_HIT and got.params is not None
                     assert got.params["remote_host"] == "dhost"
@@ -711,7 +719,26 @@ def test_router_matches_a_reference_model(sequence: list[tuple[str, Any]]) -> No
                     last_fate[arg] = semconv.ROUTER_CONSUMED
             else:
                 assert got.result == last_fate.get(arg, semconv.ROUTER_MISS)
+                if got.result == semconv.ROUTER_STALE:  # its age, as if it had waited here
+                    assert got.age_s == pytest.approx(clock.now - stale_since[arg])
         assert router.size == len(entries)
+
+
+def test_the_router_drops_entries_past_the_ttl_as_new_ones_come() -> None:
+    """Without GET /health (vLLM's proxy evicts only there), the conversations that ended keep
+    no decode params past the TTL: the soak's proxy grew 48 -> 111 MiB in 30 minutes holding
+    them (9,000 conversations, ~4 KB each, up to the 100k-entry cap)."""
+    clock = _Clock()
+    router = ConversationRouter(ttl_s=20.0, clock=clock)
+    for i in range(1000):
+        router.put(f"ended-{i}", {"remote_block_ids": [list(range(500, 600))]}, "dhost")
+    clock.now += 21.0
+    router.put("live", {"remote_request_id": "r"}, "dhost")
+    assert router.size == 1
+    late = router.lookup("ended-7")
+    assert (late.result, late.params) == (semconv.ROUTER_STALE, None)
+    assert late.age_s == pytest.approx(21.0)
+    assert router.lookup("live").result == semconv.ROUTER_HIT
 
 
 def test_router_is_bounded() -> None:

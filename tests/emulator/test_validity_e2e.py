@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,49 @@ def test_the_reuse_guard_sends_miss_params_for_an_edited_history(tmp_path: Path)
     assert rows["reuse_guard"].to_list() == [None, GUARD_PASSED, GUARD_EDITED, GUARD_EDITED]
     assert rows["outcome"].to_list()[2] == outcomes.PREFIX_DIVERGED
     assert "reuse guard sent MISS params" in rows["evidence"].to_list()[2]
+    # The truth has the guard's verdict from the proxy: the same cause, not router_no_entry.
+    assert [r.facts.get("reuse_guard") for r in truth] == rows["reuse_guard"].to_list()
+    assert [r.outcome for r in truth] == rows["outcome"].to_list()
+
+
+def test_the_truth_has_the_router_s_facts_when_the_proxy_runs_in_the_emulation(
+        tmp_path: Path) -> None:
+    """No conversation id, a stale router entry, a consumed one: causes only the proxy sees.
+    With kvscope's proxy in the emulation's process the truth records its router's facts and
+    labels them as the ledger does (before, every one read ``router_no_entry``, "prefill got no
+    offer")."""
+    db = tmp_path / "router.duckdb"
+    system = {"role": "system", "content": "you are a coding agent " + "rules " * 150}
+    task = {"role": "user", "content": "fix the failing test " + "context " * 60}
+
+    def two_turns(url: str, cid: str | None, wait_s: float = 0.0) -> None:
+        body: dict[str, Any] = {"model": MODEL, "messages": [system, task], "max_tokens": 60,
+                                "stream": False}
+        if cid is not None:
+            body["conversation_id"] = cid
+        first = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert first.status_code == 200, first.text
+        reply = first.json()["choices"][0]["message"]["content"]
+        time.sleep(wait_s)
+        body["messages"] = [system, task, {"role": "assistant", "content": reply},
+                            {"role": "user", "content": "the test still fails"}]
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+    # The router's TTL in wall seconds: 1 s, decode's (480 s / 50) far longer.
+    with EmulatedCluster(_config(), db=db, proxy=True, router_ttl_s=1.0) as cluster:
+        assert cluster.proxy_url is not None and cluster.emulation is not None
+        two_turns(cluster.proxy_url, "router-hit")
+        two_turns(cluster.proxy_url, None)
+        two_turns(cluster.proxy_url, "router-stale", wait_s=1.5)
+        truth = list(cluster.emulation.truth.rows)
+    assert [r.router_lookup for r in truth] == [
+        "miss", "hit", "no_conversation_id", "no_conversation_id", "miss", "stale"]
+    assert [r.outcome for r in truth] == [
+        outcomes.FIRST_TURN, outcomes.REUSED_REMOTE, outcomes.NO_CONVERSATION_ID,
+        outcomes.NO_CONVERSATION_ID, outcomes.FIRST_TURN, outcomes.ROUTER_TTL_EXPIRED]
+    assert truth[5].evidence.startswith("router entry 1.")
+    by_request = {r["x_request_id"]: r for r in _rows(db).to_dicts()}
+    assert [by_request[r.x_request_id]["outcome"] for r in truth] == [r.outcome for r in truth]
 
 
 def _two_clients(url: str) -> None:

@@ -120,6 +120,10 @@ _SKIP = re.compile(r"Skipping remote pull for (\S+): (\d+) remote tokens < thres
 _REMOTE_REQUEST = re.compile(r"'remote_request_id': '([^']+)'")
 _DECLINED = re.compile(r"Declining expired remote read for (\S+) from engine")
 _FAILURE = re.compile(r"NIXL transfer failure: ([^|]+) \| Context: (.*)$")
+# Decode (nixl/pull_worker.py): a notification for a request it no longer tracks; its blocks were
+# read after its reaper had released them.
+_READ_AFTER_RELEASE = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) "
+                                 r"were retrieved")
 
 
 @dataclass
@@ -173,6 +177,14 @@ class ServerLog:
             if failed and x_request_id and x_request_id in failed.group(2):
                 failure = failure or failed.group(1).strip()
         return PrefillEvidence(offered, external, skipped, declined, failure)
+
+    def read_after_release(self, previous_x_request_id: str | None) -> bool:
+        """Decode's log: whether the blocks of ``previous``'s decode request were read after
+        decode released them ("Potentially invalid KV blocks for unrecognized request")."""
+        if previous_x_request_id is None:
+            return False
+        return any(found and previous_x_request_id in found.group(1)
+                   for found in map(_READ_AFTER_RELEASE.search, self.lines()))
 
     def turn_offered(self, previous_x_request_id: str | None) -> str | None:
         """From the proxy's log: the X-Request-Id of the turn it sent ``previous``'s decode KV
@@ -316,7 +328,9 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
         assert previous is not None
         end = min(len(previous.sequence) - 1, len(prompt_ids))
         same = previous.sequence[:end] == prompt_ids[:end]
-        outcome = "reused_remote" if same else "reused_invalid"
+        # Blocks decode had released may already hold other KV: read, they are not the prompt's.
+        released = ServerLog(deployment.decode.log).read_after_release(previous.x_request_id)
+        outcome = "reused_remote" if same and not released else "reused_invalid"
     elif evidence.offered:
         outcome = "reused_local"
     else:
