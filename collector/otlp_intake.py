@@ -21,6 +21,8 @@ more rows than the whole queue), for comparison in ``tests/benchmarks/bench_stor
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -72,6 +74,28 @@ RETRY_AFTER_S = 1
 # requests) while a second would only contend with it; DuckDB's insert runs in parallel on the
 # writer thread with the GIL released.
 _DECODE_THREADS = 1
+
+
+# After a request this big, once nothing is in flight, the C heap's free pages go back to the
+# system: glibc keeps what decoding, grpc's buffers and the insert freed (hundreds of MiB after
+# a burst of big requests), so an idle receiver would stay at its peak.
+_TRIM_AFTER_BYTES = 8 << 20
+
+
+def _give_back_freed_memory() -> None:
+    """``malloc_trim(0)`` (glibc; elsewhere nothing): only when a big request ends with none in
+    flight, so at most once a burst."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 @dataclass
@@ -170,8 +194,11 @@ class Intake:
         try:
             yield reservation
         finally:
+            held = reservation.nbytes
             reservation.close()
             self.count_bytes()
+            if held >= _TRIM_AFTER_BYTES and self.budget.in_flight == 0:
+                _give_back_freed_memory()
 
     def count_bytes(self) -> None:
         """Copy the budget's bytes held now (and most held) into the stats."""
