@@ -125,6 +125,12 @@ def test_the_snapshots_added_to_the_run_reconcile_with_its_ledger(
     # declines a read near decode's deadline, so no read comes after release here: both 0.
     after = got[(semconv.ROLE_DECODE, "notifications_after_expiry")]
     assert after["vllm_value"] == after["ledger_value"] == 0, table
+    # The report sets the same rows beside the ledger (its tables iterate every analysis).
+    from kvscope.dashboards.report import write_report
+    page = write_report(db, db.with_suffix(".html")).read_text(encoding="utf-8")
+    section = page[page.index("reconciliation"):]
+    for quantity in ("d2p_tokens_scheduled", "reads_failed", "notifications_after_expiry"):
+        assert quantity in section
 
 
 def test_decode_counts_reads_after_release_and_leases_its_reaper_expired() -> None:
