@@ -197,9 +197,20 @@ def main() -> int:
         for server in processes:
             server.wait_ready()
         urls = {mode: {role: p.url for role, p in pair.items()} for mode, pair in pairs.items()}
-        # One unmeasured conversation per pair (first requests compile and warm caches).
+        # One unmeasured conversation per pair (first requests compile and warm caches, and
+        # make NIXL's handshakes). vLLM waits 5 s for a handshake's answer: on a loaded machine
+        # the first can fail its request (500), and the next request handshakes again.
         for mode in ("on", "off"):
-            conversation(urls[mode], seed=1, turns=2)
+            for attempt in range(3):
+                try:
+                    conversation(urls[mode], seed=1 + attempt, turns=2)
+                    break
+                except AssertionError as exc:
+                    print(f"  warm-up of the plugin-{mode} pair failed ({str(exc)[:120]}); "
+                          "again", flush=True)
+            else:
+                raise SystemExit(f"bench_real_hooks: the plugin-{mode} pair failed its warm-up "
+                                 "3 times")
 
         tps: dict[str, list[float]] = {"on": [], "off": []}
         ttft: dict[str, list[float]] = {"on": [], "off": []}
