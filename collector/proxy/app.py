@@ -70,6 +70,9 @@ turn_log = logging.getLogger("kvscope.collector.proxy.turns")
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "stream_options")
 # Agent prompts with long histories exceed aiohttp's 1 MiB default request size.
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+# How long decode's GET /version may take once connected (--decode-params auto). The
+# connect timeout alone (10 s) was too short for vLLM's API process on a loaded host.
+VERSION_READ_TIMEOUT_S = 60.0
 _ROUTER_KEY = web.AppKey("router", ConversationRouter)
 _TELEMETRY_KEY = web.AppKey("telemetry", ProxyTelemetry)
 
@@ -623,8 +626,11 @@ class Proxy:
         """Whether ``decode`` puts its kv_transfer_params on its stream (vLLM >= 0.33).
 
         ``--decode-params auto`` asks the instance's ``GET /version`` once: a version before
-        0.33 answers non-streaming from then on; no answer, or no version in it, keeps vLLM's
-        proxy's streamed call (asked again at the next turn only when the call itself failed).
+        0.33 answers non-streaming from then on; an answer with no version keeps vLLM's
+        proxy's streamed call. An instance that accepts the connection but does not answer
+        within ``VERSION_READ_TIMEOUT_S`` (a loaded server's API process can be slow) is called
+        non-streaming from then on, which carries decode's params on either version; an
+        unreachable one is asked again at the next turn (the turn's own call says why).
         """
         mode = self.config.decode_params
         if mode != DECODE_PARAMS_AUTO:
@@ -636,7 +642,9 @@ class Proxy:
         try:
             async with self._session_or_fail().get(
                 f"http://{decode.host}:{decode.port}/version",
-                timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None,
+                                              sock_connect=self.config.connect_timeout_s,
+                                              sock_read=VERSION_READ_TIMEOUT_S),
                 headers=({"Authorization": f"Bearer {self.config.api_key}"}
                          if self.config.api_key else None),
             ) as resp:
@@ -644,6 +652,15 @@ class Proxy:
                     answer = await resp.json(content_type=None)
                     if isinstance(answer, dict) and isinstance(answer.get("version"), str):
                         version = answer["version"]
+        except aiohttp.SocketTimeoutError:
+            logger.warning(
+                "decode %s accepted GET /version but did not answer within %g s: calling it "
+                "non-streaming from now on (its whole answer carries its kv_transfer_params "
+                "on any vLLM version; streaming clients get it as one SSE event, with no TTFT "
+                "measured; --decode-params stream overrides)", decode.name,
+                VERSION_READ_TIMEOUT_S)
+            self._params_streamed[decode] = False
+            return False
         except (TimeoutError, aiohttp.ClientError):
             return True  # decode is unreachable: the turn's own call says so
         except ValueError:

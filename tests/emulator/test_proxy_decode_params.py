@@ -191,3 +191,65 @@ def test_the_flag_and_its_check() -> None:
         parser.parse_args(["--decode-params", "sometimes"])
     with pytest.raises(ValueError, match="decode_params must be one of auto, stream, response"):
         ProxyConfig([Upstream("h", 1)], [Upstream("h", 2)], decode_params="sometimes")
+
+
+async def _ask_version(delay_s: float, version: str, **config: Any) -> tuple[list[bool], int]:
+    """The proxy's answer, twice, about a decode whose ``GET /version`` takes ``delay_s``;
+    and how many times it was asked."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvscope.collector.proxy.app import Proxy, ProxyConfig, Upstream
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry
+
+    asked = 0
+
+    async def answer(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        await asyncio.sleep(delay_s)
+        return web.json_response({"version": version})
+
+    app = web.Application()
+    app.router.add_get("/version", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    proxy = Proxy(ProxyConfig([Upstream("127.0.0.1", 1)], [Upstream("127.0.0.1", port)],
+                              **config), ProxyTelemetry(None))
+    try:
+        async with aiohttp.ClientSession() as session:
+            proxy._session = session
+            decode = proxy.config.decoders[0]
+            found = [await proxy._streams_params(decode), await proxy._streams_params(decode)]
+    finally:
+        await runner.cleanup()
+    return found, asked
+
+
+def test_a_version_slower_than_the_connect_timeout_is_still_read() -> None:
+    """On a loaded host vLLM's API process took longer than the 10 s connect timeout to answer
+    /version (the real tier, load average 44): the proxy then streamed a 0.32 decode, whose
+    stream carries no params, so the conversation's next turn could not reuse decode's KV."""
+    import asyncio
+
+    found, asked = asyncio.run(_ask_version(0.5, "0.32.0", connect_timeout_s=0.1))
+    assert found == [False, False] and asked == 1
+
+
+def test_an_unanswered_version_is_called_non_streaming_from_then_on(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from kvscope.collector.proxy import app
+
+    monkeypatch.setattr(app, "VERSION_READ_TIMEOUT_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger="kvscope.collector.proxy.app"):
+        found, asked = asyncio.run(_ask_version(2.0, "0.33.0"))
+    assert found == [False, False] and asked == 1
+    [warned] = [r.getMessage() for r in caplog.records if "/version" in r.getMessage()]
+    assert "did not answer within 0.2 s" in warned and "non-streaming" in warned
