@@ -1,11 +1,12 @@
 """The emulator: a stand-in for a vLLM P/D deployment with bidirectional KV transfer.
 
-    reuse_model.py   the scheduler/worker behaviour of vLLM 0.33.0's NIXL readback, as a model
+    reuse_model/     the scheduler/worker behaviour of vLLM 0.33.0's NIXL readback, as a model
     cost_model.py    prefill/decode/transfer times per model profile; turn_mix.py the mean turn
                      composition the profiles are calibrated on
     physics.py       prefill/transfer times from the model's shape and the hardware's limits
     capacity.py      decode KV blocks from a GPU profile; turns waiting for blocks
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
+                     (account_turn labels a turn with the decision table)
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
     openai_api.py    vLLM's OpenAI-compatible request and response shapes the engines speak
     vllm_metrics.py  the engines' /metrics: vLLM's own reuse counters, counted where vLLM does

@@ -12,7 +12,9 @@ is turn 1 — also when it only shares a prefix (a system prompt shared across c
 context reset whose router entry was gone); the virtual-time simulator
 (``kvscope.emulator.simulator``), which also plays the proxy, has exact truth for those.
 
-Labels come from :func:`kvscope.emulator.reuse_model.account_turn`. The router's facts (its
+Labels come from :func:`account_turn` (here, for the simulator too): the facts of what the
+emulated nodes did (:func:`turn_facts`), read by the one decision table
+(:data:`kvscope.reuse.decisions.TABLE`). The router's facts (its
 lookup, the entry's age, the reuse guard's verdict) are recorded when kvscope's proxy runs in the
 emulation's process (:class:`~kvscope.emulator.launcher.EmulatedCluster` with ``proxy=True``
 passes :meth:`TruthRecorder.routed` to it), so ``no_conversation_id`` and a router miss, stale
@@ -34,9 +36,127 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from kvscope import semconv
 from kvscope.emulator import reuse_model
 from kvscope.emulator.tokens import BlockSeq, common_prefix_len
 from kvscope.reuse import decisions
+from kvscope.reuse.validity import INVALID_BEYOND_PREFIX, invalid_tokens
+
+
+# Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
+@dataclass(slots=True)
+class TurnAccounting:
+    """Ground truth for one turn: the token split (DESIGN §5) and its outcome label."""
+
+    reusable_tokens: int
+    local_hit_tokens: int
+    remote_reused_tokens: int
+    recomputed_reusable_tokens: int
+    outcome: str
+    evidence: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    # What happened, as the decision table's facts (kvscope.reuse.decisions.FACTS).
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def account_turn(
+    turn_index: int,
+    reusable_tokens: int,
+    result: reuse_model.PrefillResult | None,
+    *,
+    router_lookup: str | None = semconv.ROUTER_HIT,
+    decode_returned_params: bool = True,
+    router_entry_age_s: float | None = None,
+    history_edited: bool = False,
+    reuse_guard: str | None = None,
+) -> TurnAccounting:
+    """Split turn ``turn_index``'s reusable tokens and label it: the facts of what happened,
+    read by the one decision table (:data:`kvscope.reuse.decisions.TABLE`).
+
+    ``reusable_tokens`` is the common prefix of the prompt with decode's sequence, capped at the
+    tokens decode holds KV for. ``history_edited``: the messages do not extend the previous
+    turn's (edited, reset). ``facts`` are the table's facts; ``extra`` carries, when a read
+    loaded KV that does not match the prompt, ``invalid_tokens`` and ``invalid_kind``
+    (:mod:`kvscope.reuse.validity`).
+    """
+    facts = turn_facts(turn_index, reusable_tokens, result, router_lookup=router_lookup,
+                       decode_returned_params=decode_returned_params,
+                       router_entry_age_s=router_entry_age_s, history_edited=history_edited,
+                       reuse_guard=reuse_guard)
+    outcome, evidence = decisions.decide(facts)
+    if turn_index <= 1:
+        accounting = TurnAccounting(0, 0, 0, 0, outcome, evidence)
+    else:
+        accounting = TurnAccounting(
+            facts["reusable"], facts["local"], facts["remote"],
+            facts["reusable"] - facts["local"] - facts["remote"], outcome, evidence)
+    accounting.facts = facts
+    if facts.get("invalid_tokens"):
+        accounting.extra = {"invalid_tokens": facts["invalid_tokens"],
+                            "invalid_kind": facts["invalid_kind"]}
+    return accounting
+
+
+def turn_facts(
+    turn_index: int,
+    reusable_tokens: int,
+    result: reuse_model.PrefillResult | None,
+    *,
+    router_lookup: str | None = semconv.ROUTER_HIT,
+    decode_returned_params: bool = True,
+    router_entry_age_s: float | None = None,
+    history_edited: bool = False,
+    reuse_guard: str | None = None,
+) -> dict[str, Any]:
+    """What happened to one turn, as the decision table's facts (the emulator knows them all)."""
+    facts: dict[str, Any] = {
+        "turn_index": turn_index, "router_lookup": router_lookup,
+        "router_entry_age_s": router_entry_age_s, "reuse_guard": reuse_guard,
+        "client_only": False,
+        "prev_params": decisions.PREV_RETURNED if decode_returned_params else decisions.PREV_NONE,
+        "engine_seen": result is not None,
+    }
+    if turn_index <= 1:
+        return facts | {"history": decisions.HISTORY_FIRST}
+    reusable = max(reusable_tokens, 0)
+    facts["history"] = decisions.HISTORY_EDITED if history_edited else (
+        decisions.HISTORY_CONTINUES)
+    facts["common_prefix"] = reusable
+    ran = result is not None and not (result.errored or result.stalled)
+    invalid, kind, loaded = 0, None, 0
+    if ran and result is not None and result.transfer is not None and result.transfer.tokens:
+        decision = result.decision
+        loaded = result.transfer.tokens
+        invalid, kind = invalid_tokens(
+            decision.local_hit_tokens, loaded, decision.remote_offered_tokens, reusable,
+            decision.block_size, after_release=result.transfer.stale_handle,
+        )
+    local = remote = 0
+    if ran and result is not None:
+        local = min(result.local_hit_tokens, reusable)
+        if result.remote_reused_tokens and kind in (None, INVALID_BEYOND_PREFIX):
+            reach = result.local_hit_tokens + result.remote_reused_tokens
+            remote = max(min(reach, reusable) - local, 0)
+    facts |= {"reusable": reusable, "local": local, "remote": remote,
+              "reused": local + remote, "loaded": loaded,
+              "invalid_kind": kind if invalid > 0 else None, "invalid_tokens": invalid}
+    if result is None:
+        facts["coverable"] = reusable
+        return facts
+    decision = result.decision
+    transfer = result.transfer
+    offered = decision.remote_offered_tokens
+    facts |= {
+        "decision": decision.decision, "bidir": decision.bidirectional_kv_xfer,
+        "offered": offered, "below_count": decision.count, "threshold": decision.threshold,
+        "prompt_tokens": decision.prompt_tokens, "rescheduled": result.preempted,
+        "read_status": (transfer.status if transfer is not None and result.load_failed
+                        else semconv.TRANSFER_OK if transfer is not None else None),
+        "load_errored": result.load_failed and result.errored,
+        "load_reissued": result.load_failed and result.stalled,
+        "coverable": decisions.coverable(reusable, offered, local),
+    }
+    return facts
 
 
 @dataclass
@@ -238,7 +358,7 @@ class TruthRecorder:
         # prompt under the offer's id does not.
         edited = previous is not None and previous is offered and common_prefix_tokens(
             previous, prompt, prompt_ids) < previous.seq.num_tokens
-        accounting = reuse_model.account_turn(
+        accounting = account_turn(
             turn_index,
             match.reusable_tokens,
             result,
@@ -362,4 +482,4 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["FinishedSequence", "Match", "Route", "SequenceOracle", "TruthRecorder", "TruthRow",
-    "common_prefix_tokens", "read_truth"]
+    "TurnAccounting", "account_turn", "common_prefix_tokens", "read_truth", "turn_facts"]

@@ -77,6 +77,7 @@ from kvscope.emulator.reuse_model import DecodeNode, Fabric, NodeConfig, Prefill
 from kvscope.emulator.vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscope.emulator.vllm_metrics import VllmMetrics
 from kvscope.reuse import params as reuse_params
+from kvscope.reuse.params import FailurePolicy
 from kvscope.serving import BODY_READ_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class EmulatorConfig:
     decoder_kv_blocks_ttl: float = 480.0
     # vLLM's default: a failed load ends the request in error ("recompute" resets it to 0
     # computed tokens and, with the offer unchanged, it waits for a read that never comes).
-    kv_load_failure_policy: reuse_model.FailurePolicy = "fail"
+    kv_load_failure_policy: FailurePolicy = "fail"
     block_size: int = tokens.DEFAULT_BLOCK_SIZE
     # vLLM's --async-scheduling (on by default off CPU): decode offers prompt + output after a
     # stop token, one less under the synchronous scheduler.

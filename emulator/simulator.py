@@ -16,7 +16,7 @@ step differs, the pieces each builder would make a ``ReadableSpan`` of are kept 
 ``spans_to_rows`` would store (tests/emulator/test_simulator_rows.py compares the paths row for
 row). Large runs build and write the spans in a span process (:class:`SpanProcess`) from the
 records this one ships, so the model and the spans use both cores. It also returns the ground
-truth of every turn (:func:`reuse_model.account_turn`), which tests compare the ledger with.
+truth of every turn (:func:`ground_truth.account_turn`), which tests compare the ledger with.
 Decode memory is bounded (:mod:`kvscope.emulator.capacity`): each decode engine has
 ``decode_cache_blocks`` KV blocks, or what its GPU holds (``gpu``); retained handles and running
 requests share them, and a turn that does not fit waits for blocks (``TruthRow.decode_queue_s``;
@@ -58,6 +58,7 @@ from kvscope.collector.span_rows import (
 )
 from kvscope.emulator import capacity, cost_model
 from kvscope.emulator import faults as fault_names
+from kvscope.emulator.ground_truth import account_turn
 from kvscope.emulator.reuse_model import (
     NO_FAULTS,
     DecodeNode,
@@ -66,7 +67,6 @@ from kvscope.emulator.reuse_model import (
     NodeConfig,
     PrefillNode,
     PrefillResult,
-    account_turn,
     vllm_request_id,
 )
 from kvscope.emulator.span_process import (

@@ -1,7 +1,7 @@
 """The closed list of per-turn reuse outcomes (DESIGN §5), their decision order and evidence.
 
 Exactly one per turn. The emulator's ground truth
-(:func:`kvscope.emulator.reuse_model.account_turn`) and the ledger
+(:func:`kvscope.emulator.ground_truth.account_turn`) and the ledger
 (:func:`kvscope.analysis.ledger._label`) decide in this order, with the evidence templates
 below (``{}`` placeholders: ``str.format`` in the model, ``pl.format`` in the ledger).
 

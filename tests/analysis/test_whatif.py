@@ -31,12 +31,12 @@ from hypothesis import strategies as st
 from kvscope import cli, semconv
 from kvscope.analysis import whatif
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, run
+from kvscope.emulator.ground_truth import account_turn
 from kvscope.emulator.reuse_model import (
     DecodeNode,
     Fabric,
     NodeConfig,
     PrefillNode,
-    account_turn,
 )
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings, simulate
 from kvscope.emulator.tokens import BlockSeq

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope import semconv
+from kvscope.emulator.ground_truth import account_turn
 from kvscope.emulator.reuse_model import (
     DecodeNode,
     Fabric,
@@ -16,7 +17,6 @@ from kvscope.emulator.reuse_model import (
     NodeConfig,
     PrefillNode,
     PrefixCache,
-    account_turn,
 )
 from kvscope.emulator.tokens import BlockSeq
 from kvscope.reuse import outcomes
