@@ -1073,6 +1073,6 @@ def api_key_from_env() -> str | None:
 
 
 __all__ = ["DecodeStream", "MAX_REQUEST_BYTES", "PREFILL_DROPPED_FIELDS", "Proxy", "ProxyConfig",
-    "SERVER_OPTIONS", "SERVING_GC_THRESHOLD", "Upstream", "UpstreamFailure", "VERSION_READ_TIMEOUT_S",
-    "api_key_from_env",
-    "build_app", "configure_serving_gc", "error_body", "sse_events", "turn_log"]
+    "SERVER_OPTIONS", "SERVING_GC_THRESHOLD", "Upstream", "UpstreamFailure",
+    "VERSION_READ_TIMEOUT_S", "api_key_from_env", "build_app", "configure_serving_gc",
+    "error_body", "sse_events", "turn_log"]
