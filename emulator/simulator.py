@@ -46,12 +46,7 @@ from kvscope.collector.engine_telemetry import (
     KvTransferRecord,
 )
 from kvscope.collector.proxy.conversation import ConversationId
-from kvscope.collector.proxy.telemetry import (
-    BOUNDARY_HASHES_KEPT,
-    ProxyTelemetry,
-    TurnRecord,
-    chain_boundary,
-)
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
 from kvscope.collector.span_rows import (
     RowSink,
     cyclic_gc_per_batch,
@@ -87,6 +82,7 @@ from kvscope.emulator.workloads.model import (
     check_times,
     send_time,
 )
+from kvscope.reuse.boundaries import BOUNDARY_HASHES_KEPT, chain_boundary
 from kvscope.reuse.params import (
     FAILURE_POLICY_FAIL,
     SCHEDULING_ASYNC,

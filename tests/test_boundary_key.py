@@ -21,9 +21,10 @@ from kvscope.boundary_key import (
 )
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy.conversation import ConversationId
-from kvscope.collector.proxy.telemetry import ProxyTelemetry, boundary_hashes
+from kvscope.collector.proxy.telemetry import ProxyTelemetry
 from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
+from kvscope.reuse.boundaries import boundary_hashes
 from kvscope.reuse.router import history_continues
 from kvscope.store import StoreReader
 from tests.stores import query
@@ -73,7 +74,7 @@ def test_the_default_key_is_created_once_and_kept_across_restarts(
 
 
 def _boundaries(body: dict[str, Any], key: BoundaryKey) -> tuple[int, list[str], str]:
-    from kvscope.collector.proxy.telemetry import message_boundaries
+    from kvscope.reuse.boundaries import message_boundaries
 
     count, hashes, roles = message_boundaries(body, key)
     return count, hashes.split(","), roles

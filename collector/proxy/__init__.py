@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvscope.collector.proxy.app import Proxy, ProxyConfig, Upstream, build_app
     from kvscope.collector.proxy.conversation import conversation_id_from
-    from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, boundary_hashes
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
+    from kvscope.reuse.boundaries import boundary_hashes
     from kvscope.reuse.router import ConversationRouter, Lookup
 
 # The names below load their module on first use (PEP 562, as kvscope.store), so a light module
@@ -30,7 +31,7 @@ _MODULE_OF = {
     "conversation_id_from": "kvscope.collector.proxy.conversation",
     "ProxyTelemetry": "kvscope.collector.proxy.telemetry",
     "TurnRecord": "kvscope.collector.proxy.telemetry",
-    "boundary_hashes": "kvscope.collector.proxy.telemetry",
+    "boundary_hashes": "kvscope.reuse.boundaries",
     "ConversationRouter": "kvscope.reuse.router",
     "Lookup": "kvscope.reuse.router",
 }

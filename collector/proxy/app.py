@@ -38,13 +38,8 @@ from aiohttp import web
 
 from kvscope import semconv
 from kvscope.collector.proxy.conversation import SESSION_HEADER, conversation_id_from
-from kvscope.collector.proxy.telemetry import (
-    BOUNDARY_HASHES_KEPT,
-    ProxyTelemetry,
-    TurnRecord,
-    message_boundaries,
-    set_reply_boundary,
-)
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, set_reply_boundary
+from kvscope.reuse.boundaries import BOUNDARY_HASHES_KEPT, message_boundaries
 from kvscope.reuse.params import (
     DECODE_PARAMS_AUTO,
     DECODE_PARAMS_MODES,

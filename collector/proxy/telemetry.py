@@ -17,7 +17,6 @@ byte → this arrival).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import re
@@ -34,11 +33,17 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvscope import __version__, semconv
-from kvscope.boundary_key import HASH_HEX, BoundaryKey
+from kvscope.boundary_key import BoundaryKey
 from kvscope.collector.otel import Telemetry
 from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.metrics import ProxyMetrics
-from kvscope.reuse.content import content_text
+from kvscope.reuse.boundaries import (
+    BOUNDARY_HASH_HEX,
+    BOUNDARY_HASHES_KEPT,
+    chain_boundary,
+    message_boundaries,
+    reply_text,
+)
 
 if TYPE_CHECKING:
     from kvscope.collector.proxy.export_process import TurnExportProcess
@@ -47,12 +52,6 @@ logger = logging.getLogger(__name__)
 
 # Conversations whose previous-turn end time and turn index are remembered (least recent evicted).
 MAX_TRACKED_CONVERSATIONS = 100_000
-# Hex characters kept of each message-boundary hash: 64 bits, plenty to detect edited history.
-BOUNDARY_HASH_HEX = HASH_HEX
-# Boundary hashes stored per turn: the last ones only. A chained hash names its whole prefix, so
-# turn k extends turn k-1 iff k-1's last hash is among k's; storing every hash would grow each
-# span with the conversation's length.
-BOUNDARY_HASHES_KEPT = 16
 # Characters of that many comma-separated hashes.
 _KEPT_HASH_CHARS = BOUNDARY_HASHES_KEPT * (BOUNDARY_HASH_HEX + 1) - 1
 
@@ -69,64 +68,7 @@ SpanBuilder = Callable[..., Any]
 SpanSink = Callable[[Resource, InstrumentationScope], SpanBuilder]
 
 
-# --- message boundaries ---------------------------------------------------------------------------
-def boundary_hashes(body: Mapping[str, Any], key: BoundaryKey, keep: int | None = None
-                    ) -> tuple[int, str]:
-    """The number of messages and the chained blake2b hashes, keyed with ``key``, of the last
-    ``keep`` of them (all by default), comma separated; never the text.
-
-    Hash i covers messages 0..i, so two prompts share exactly as many leading hashes as they share
-    leading messages: the ledger can detect edited or truncated history without seeing it. A
-    completions ``prompt`` counts as one user message. Every message is hashed (the chain needs
-    them all); only the kept ones are written out. Keyed (:mod:`kvscope.boundary_key`), so that
-    a store alone cannot confirm a guessed prompt.
-    """
-    count, hashes, _ = message_boundaries(body, key, keep)
-    return count, hashes
-
-
-def message_boundaries(body: Mapping[str, Any], key: BoundaryKey, keep: int | None = None
-                       ) -> tuple[int, str, str]:
-    """The number of messages, the hashes (:func:`boundary_hashes`) and the role initials of
-    the last ``keep`` of them (all by default), in one pass over the messages.
-
-    A role initial is ``s``ystem, ``u``ser, ``a``ssistant, ``t``ool, ... (``?`` when a message
-    has none, or one that is not printable). With the hashes it tells whether the message right
-    after the previous turn's messages is the assistant's reply (a continuation) or something
-    else (a reset's summary).
-    """
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        prompt = body.get("prompt")
-        if prompt is None:
-            return 0, "", ""
-        messages = [{"role": "user", "content": prompt}]
-    digests: list[bytes] = []
-    initials: list[str] = []
-    chain = b""
-    for message in messages:
-        if type(message) is dict or isinstance(message, Mapping):
-            role = str(message.get("role", ""))
-            content = message.get("content", "")
-            initial = role[:1]
-            # A lone surrogate (or a control character) cannot be stored: "?" as for no role.
-            initials.append(initial if initial.isprintable() and initial else "?")
-        else:
-            role, content = "", message
-            initials.append("?")
-        chain = chain_boundary(chain, role, _text(content), key)
-        digests.append(chain)
-    if keep is not None:
-        start = max(len(digests) - keep, 0)
-        digests, initials = digests[start:], initials[start:]
-    return len(messages), ",".join(d.hex() for d in digests), "".join(initials)
-
-
-def _text(content: Any) -> str:
-    """What a message's content is hashed as: the text the chat template renders for it."""
-    return content_text(content)
-
-
+# --- message boundaries (kvscope.reuse.boundaries) on a turn's record -------------------------
 def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey) -> None:
     """Give ``record`` the message count of ``body``, the hashes (keyed with ``key``, whose id
     it keeps) and roles of its last :data:`BOUNDARY_HASHES_KEPT` messages (what its turn span
@@ -134,43 +76,6 @@ def set_boundaries(record: TurnRecord, body: Mapping[str, Any], key: BoundaryKey
     record.message_count, record.boundary_hashes, record.boundary_roles = message_boundaries(
         body, key, BOUNDARY_HASHES_KEPT)
     record.boundary_key_id = key.key_id
-
-
-def reply_text(source: str | tuple[bytes, ...] | None, kept: bool = True) -> str | None:
-    """The assistant message a client sends back for decode's reply: its text, or None when
-    the reply is not one plain-text message (tool calls, several choices, unreadable events).
-
-    ``source`` is the text itself, or a chat stream's SSE payloads (the ``data:`` lines).
-    A stop string that ended the reply (``stop_reason``) is part of it when decode ``kept``
-    the reply's KV (returned params: the engine finished the request in the step the string
-    appeared): decode computed it, the client's text lacks it, so the next turn does not
-    continue what decode holds. Otherwise the frontend aborted the request and nothing is held.
-    """
-    if source is None or isinstance(source, str):
-        return source
-    parts: list[str] = []
-    for payload in source:
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(event, dict):
-            return None
-        for choice in event.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                return None
-            delta = choice.get("delta")
-            if not isinstance(delta, dict):
-                continue
-            if delta.get("tool_calls"):
-                return None
-            content = delta.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            stop = choice.get("stop_reason")
-            if kept and isinstance(stop, str):  # decode holds what the text leaves out
-                parts.append(stop)
-    return "".join(parts)
 
 
 def set_reply_boundary(record: TurnRecord, key: BoundaryKey) -> None:
@@ -190,16 +95,6 @@ def set_reply_boundary(record: TurnRecord, key: BoundaryKey) -> None:
     if not last or text is None:
         return
     record.reply_hash = chain_boundary(bytes.fromhex(last), "assistant", text, key).hex()
-
-
-def chain_boundary(chain: bytes, role: str, text: str, key: BoundaryKey) -> bytes:
-    """The boundary hash after one more message, given the hash of the messages before it."""
-    h = key.hasher()
-    h.update(chain)
-    h.update(role.encode("utf-8", "surrogatepass"))  # JSON can carry lone surrogates
-    h.update(b"\x00")
-    h.update(text.encode("utf-8", "surrogatepass"))
-    return h.digest()
 
 
 # --- W3C trace context ----------------------------------------------------------------------------
@@ -697,7 +592,6 @@ class ProxyTelemetry:
         return self.metrics.render(accept)
 
 
-__all__ = ["BOUNDARY_HASHES_KEPT", "BOUNDARY_HASH_HEX", "MAX_TRACKED_CONVERSATIONS",
-    "ProxyTelemetry", "SpanBuilder", "SpanEvent", "SpanSink", "TurnRecord", "boundary_hashes",
-    "chain_boundary", "format_traceparent", "message_boundaries", "parse_traceparent", "reply_text",
-    "sdk_spans", "set_boundaries", "set_reply_boundary"]
+__all__ = ["MAX_TRACKED_CONVERSATIONS", "ProxyTelemetry", "SpanBuilder", "SpanEvent", "SpanSink",
+    "TurnRecord", "format_traceparent", "parse_traceparent", "sdk_spans", "set_boundaries",
+    "set_reply_boundary"]

@@ -49,14 +49,9 @@ from kvscope.collector.proxy.app import (
 )
 from kvscope.collector.proxy.conversation import MAX_CONVERSATION_ID_CHARS
 from kvscope.collector.proxy.metrics import MAX_MODEL_NAMES, OTHER_MODEL, ProxyMetrics
-from kvscope.collector.proxy.telemetry import (
-    TurnRecord,
-    chain_boundary,
-    format_traceparent,
-    message_boundaries,
-    parse_traceparent,
-)
+from kvscope.collector.proxy.telemetry import TurnRecord, format_traceparent, parse_traceparent
 from kvscope.errors import SettingError
+from kvscope.reuse.boundaries import chain_boundary, message_boundaries
 from kvscope.reuse.router import MISS_PARAMS
 from tests.raw_http import partial_body_answer, post_head
 
@@ -921,11 +916,8 @@ def test_multi_turn_reuse_through_emulated_vllm(tmp_path: Path) -> None:
 
 
 def test_long_histories_store_only_the_last_boundary_hashes() -> None:
-    from kvscope.collector.proxy.telemetry import (
-        BOUNDARY_HASHES_KEPT,
-        ProxyTelemetry,
-        set_boundaries,
-    )
+    from kvscope.collector.proxy.telemetry import ProxyTelemetry, set_boundaries
+    from kvscope.reuse.boundaries import BOUNDARY_HASHES_KEPT
 
     messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(40)]
     proxy = ProxyTelemetry(None)

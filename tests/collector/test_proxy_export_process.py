@@ -24,13 +24,9 @@ from kvscope.collector.proxy.export_process import (
     resolve_boundaries,
     span_count,
 )
-from kvscope.collector.proxy.telemetry import (
-    ProxyTelemetry,
-    TurnRecord,
-    boundary_hashes,
-    chain_boundary,
-)
+from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord
 from kvscope.errors import StoreLockedError
+from kvscope.reuse.boundaries import boundary_hashes, chain_boundary
 from tests.stores import query
 
 KEY = BoundaryKey(b"test boundary key, 32 bytes long", "test")
