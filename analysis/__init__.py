@@ -7,9 +7,10 @@
     reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
                   memory; task_time.py task time; windows.py turns over time and by engine;
                   sources.py which evidence a run or store holds; compare.py two runs side by side;
-                  whatif.py and ladder.py other settings replayed; verdict.py the per-run verdict;
-                  published.py the published sweep beside its simulation; live_metrics.py the
-                  ledger kept current as spans arrive, as Prometheus series;
+                  whatif.py and ladder.py other settings replayed, cost_fit.py the costs they
+                  are priced at; verdict.py the per-run verdict; published.py the published
+                  sweep beside its simulation; live_metrics.py the ledger kept current as
+                  spans arrive, as Prometheus series;
                   live_queries.py analyses answered by kvscope serve while it writes
 
 Every module registers its analyses on import (see :data:`registry.MODULES`); nothing here is
@@ -17,7 +18,7 @@ imported with the package.
 """
 
 __all__ = [
-    "causes", "compare", "ladder", "ledger", "ledger_units", "live_metrics", "live_queries",
-    "published", "reconcile", "registry", "retention", "reuse", "runs", "sources", "task_time",
-    "verdict", "whatif", "windows",
+    "causes", "compare", "cost_fit", "ladder", "ledger", "ledger_units", "live_metrics",
+    "live_queries", "published", "reconcile", "registry", "retention", "reuse", "runs",
+    "sources", "task_time", "verdict", "whatif", "windows",
 ]

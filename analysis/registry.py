@@ -112,6 +112,7 @@ MODULES = (
     "kvscope.analysis.task_time",
     "kvscope.analysis.windows",
     "kvscope.analysis.compare",
+    "kvscope.analysis.cost_fit",
     "kvscope.analysis.whatif",
     "kvscope.analysis.published",
     "kvscope.analysis.ladder",

@@ -3,8 +3,7 @@
 DESIGN §5. Three steps, kept apart (STYLE §8): SQL (:data:`QUERIES`: retention and D→P transfer
 spans, the router TTL the proxy recorded; map look-ups and plain filters only, so they run on the
 OpenTelemetry Collector's ClickHouse tables too), pure shaping (:func:`timeline`,
-:func:`fit_costs`, :func:`replay`, :func:`whatif_table`) and the registered wrappers
-(``whatif``, ``cost_fit``).
+:func:`replay`, :func:`whatif_table`) and the registered wrapper (``whatif``).
 
 **Replay semantics.** The rules are those of :mod:`kvscope.emulator.reuse_model`, applied to
 whole columns instead of one turn at a time: the model needs block hashes (the ledger has token
@@ -40,10 +39,8 @@ notified, else the TTL. Assumed independent of the settings (and checked against
 prefill's local prefix-cache hits (P caches every prompt it computes, pulled or not), D's offer
 and the tool waits. Not modelled: queueing, and memory pressure that a longer TTL would add.
 
-**Pricing.** A cost model fitted per run from the observed spans (:func:`fit_costs`): prefill leg
-minus its D→P wire time = ``a + b·computed + [pulled](h + g·pulled)`` by least squares over
-observed turns, wire ms = ``latency + bytes/bandwidth`` over ``kv_transfer`` spans, bytes per
-pulled token from observed reads. A turn's estimated TTFT is its observed TTFT plus the model's
+**Pricing.** The cost model fitted per run from the observed spans
+(:mod:`kvscope.analysis.cost_fit`). A turn's estimated TTFT is its observed TTFT plus the model's
 difference between the replayed and the observed path, so a turn the setting does not change
 keeps its measured TTFT. A setting that needs a term the run never measured (a pull when no pull
 was observed) gets no TTFT estimate (null, "not measured"), never a guess.
@@ -59,6 +56,13 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
+from kvscope.analysis.cost_fit import (
+    COEFFICIENTS,
+    coefficients,
+    fits_of,
+    prefill_estimate,
+    run_ledger,
+)
 from kvscope.analysis.registry import (
     AnalysisContext,
     AnalysisError,
@@ -67,7 +71,6 @@ from kvscope.analysis.registry import (
     register,
 )
 from kvscope.analysis.retention import without_superseded_snapshots
-from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
 from kvscope.reuse.params import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S
 from kvscope.store import query
@@ -79,7 +82,6 @@ MAX_SECONDS = 30 * 86400.0
 MAX_TOKENS = 10_000_000
 DEFAULT_THRESHOLDS = (0, 64, 256)
 GIB = float(1 << 30)
-MIB = float(1 << 20)
 SOURCE_OBSERVED = "observed"
 SOURCE_REPLAY = "replay"
 # What the replay did with a turn (column ``w_path``); decisions reuse semconv's values.
@@ -91,10 +93,6 @@ _DECIDED = (outcomes.REUSED_REMOTE, outcomes.REUSED_LOCAL, outcomes.PARTIAL,
             outcomes.BELOW_THRESHOLD)
 _VALID_OFFER = (semconv.DECISION_PULL, semconv.DECISION_LOCAL_COVERS,
                 semconv.DECISION_BELOW_THRESHOLD)
-# Turns left out of the prefill cost fit: their prefill leg is not "compute the rest".
-_FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREFIX_DIVERGED,
-                 outcomes.REUSED_INVALID, outcomes.LOAD_STALLED,
-                 outcomes.HANDSHAKE_FAILED, outcomes.TRANSFER_FAILED, outcomes.UNKNOWN)
 
 
 # --- SQL ---------------------------------------------------------------------------------------
@@ -113,13 +111,6 @@ QUERIES: dict[str, query.Query] = {
         "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
         "duration_ns": "Duration",
     }),
-    # Finished D→P reads: the wire-time fit.
-    "transfers": query.spans(semconv.SPAN_KV_TRANSFER, {
-        "run_id": _RUN,
-        "size_bytes": query.span_attr(semconv.TRANSFER_BYTES),
-        "duration_ns": "Duration",
-    }, where={query.span_attr(semconv.TRANSFER_DIRECTION): semconv.DIRECTION_D_TO_P,
-              query.span_attr(semconv.TRANSFER_STATUS): semconv.TRANSFER_OK}),
     # The router TTL the proxy recorded on its turn spans (one value per run in practice).
     "router_ttl": query.spans(semconv.SPAN_TURN, {
         "run_id": _RUN,
@@ -140,14 +131,6 @@ def shape_retentions(raw: pl.DataFrame) -> pl.DataFrame:
         _num("ttl_s", pl.Float64()), "reason",
         (pl.col("duration_ns").cast(pl.Float64) / 1e9).alias("held_s"),
     )
-
-
-def shape_transfers(raw: pl.DataFrame) -> pl.DataFrame:
-    """Typed finished D→P reads that moved bytes: run_id, size_bytes, ms."""
-    return raw.select(
-        "run_id", _num("size_bytes", pl.Int64()),
-        (pl.col("duration_ns").cast(pl.Float64) / 1e6).alias("ms"),
-    ).filter(pl.col("size_bytes") > 0)
 
 
 def observed_settings(
@@ -408,188 +391,6 @@ def replay(
     ).drop("_fails", "_prev_fails", "_offered", "_wants", "_late")
 
 
-# --- cost fit ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LinearFit:
-    """An ordinary least-squares fit: coefficients (``intercept`` + terms), n, R², residual sd."""
-
-    coefficients: dict[str, float]
-    n: int
-    r2: float | None
-    residual_stdev: float | None
-
-
-def least_squares(frame: pl.DataFrame, y: str, terms: Sequence[str]) -> LinearFit | None:
-    """Fit ``y = intercept + Σ coef·term`` over rows with no nulls; None if underdetermined.
-
-    Normal equations on columns scaled to unit maximum (one pass of sums, any row count); a
-    term that never varies from zero, or that makes the system singular, is dropped from the
-    end of ``terms`` first, and is absent from the coefficients (not measured, not 0).
-    """
-    data = frame.select([y, *terms]).drop_nulls()
-    n = data.height
-    kept = [t for t in terms if data.height and data[t].abs().max() not in (None, 0, 0.0)]
-    while True:
-        names = ["intercept", *kept]
-        if n <= len(names) - 1 or n == 0:
-            return None
-        scales = [1.0] + [float(data[t].abs().max()) for t in kept]  # type: ignore[arg-type]
-        # A literal would sum to 1, not n: the intercept column is built from the data.
-        cols = [pl.repeat(1.0, pl.len())] + [pl.col(t).cast(pl.Float64) / s
-                                for t, s in zip(kept, scales[1:], strict=True)]
-        sums = data.select(
-            *[(cols[i] * cols[j]).sum().alias(f"x{i}_{j}")
-              for i in range(len(cols)) for j in range(i, len(cols))],
-            *[(cols[i] * pl.col(y)).sum().alias(f"y{i}") for i in range(len(cols))],
-        ).row(0, named=True)
-        p = len(cols)
-        xtx = [[float(sums[f"x{min(i, j)}_{max(i, j)}"]) for j in range(p)] for i in range(p)]
-        xty = [float(sums[f"y{i}"]) for i in range(p)]
-        solution = solve_linear(xtx, xty)
-        if solution is None:
-            if not kept:
-                return None
-            kept = kept[:-1]
-            continue
-        coefs = {name: b / s for name, b, s in zip(names, solution, scales, strict=True)}
-        break
-    fitted = pl.lit(coefs["intercept"]) + pl.sum_horizontal(
-        [pl.col(t).cast(pl.Float64) * coefs[t] for t in kept] or [pl.lit(0.0)])
-    stats = data.select(
-        ((pl.col(y) - fitted) ** 2).sum().alias("ss_res"),
-        ((pl.col(y) - pl.col(y).mean()) ** 2).sum().alias("ss_tot"),
-    ).row(0, named=True)
-    ss_res, ss_tot = float(stats["ss_res"]), float(stats["ss_tot"])
-    dof = n - len(coefs)
-    return LinearFit(
-        coefficients=coefs,
-        n=n,
-        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else None,
-        residual_stdev=math.sqrt(ss_res / dof) if dof > 0 else None,
-    )
-
-
-COEFFICIENTS = (
-    "fit_intercept_ms", "fit_ms_per_token", "fit_pull_fixed_ms", "fit_pull_ms_per_token",
-    "fit_wire_latency_ms", "fit_wire_ms_per_byte", "fit_bytes_per_token",
-)
-COST_FIT_COLUMNS: dict[str, pl.DataType] = {
-    "run_id": pl.String(),
-    "fit": pl.String(),
-    "formula": pl.String(),
-    "n": pl.Int64(),
-    "r2": pl.Float64(),
-    "residual_stdev_ms": pl.Float64(),
-    "intercept_ms": pl.Float64(),
-    "slope": pl.Float64(),
-    "slope_unit": pl.String(),
-    "pull_fixed_ms": pl.Float64(),
-    "pull_ms_per_token": pl.Float64(),
-}
-PREFILL_FORMULA = "prefill_ms - d2p_ms = a + b*computed + [pulled](h + g*pulled)"
-TRANSFER_FORMULA = "transfer_ms = latency + bytes/bandwidth"
-BYTES_FORMULA = "bytes per pulled token = sum(d2p_bytes) / sum(pulled tokens)"
-
-
-def _prefill_points(ledger: pl.DataFrame) -> pl.DataFrame:
-    c = pl.col
-    pulled = c("remote_reused_tokens").fill_null(0)
-    stale = (c("d2p_bytes").fill_null(0) > 0) & (pulled == 0)
-    # Turn 1 is left out: its ledger local hit is capped at its reusable span (0), so a shared
-    # system prompt's hit would read as computed tokens.
-    usable = (
-        (c("turn_index") >= 2) & c("reusable_tokens").is_not_null()
-        & c("prefill_ms").is_not_null() & c("prompt_tokens").is_not_null()
-        & ~c("errored").fill_null(False) & ~c("outcome").is_in(_FIT_EXCLUDED) & ~stale
-    )
-    return ledger.filter(usable.fill_null(False)).select(
-        "run_id",
-        (c("prefill_ms") - c("d2p_ms").fill_null(0.0)).alias("compute_ms"),
-        pl.max_horizontal(c("prompt_tokens") - c("local_hit_tokens").fill_null(0) - pulled,
-                          pl.lit(1)).cast(pl.Float64).alias("computed"),
-        (pulled > 0).cast(pl.Float64).alias("pull_flag"),
-        pulled.cast(pl.Float64).alias("pulled"),
-    )
-
-
-def fit_costs(ledger: pl.DataFrame, transfers: pl.DataFrame) -> pl.DataFrame:
-    """Per run, the fitted cost model and its quality (pure): one row per fit.
-
-    ``prefill``: the prefill leg without its wire time against computed tokens and the pull;
-    ``transfer``: D→P read ms against bytes; ``bytes_per_token``: the bytes a pulled token
-    moved on average (block rounding included). Terms not measured stay null.
-    """
-    rows: list[dict[str, Any]] = []
-    points = _prefill_points(ledger)
-    reads = ledger.filter(
-        (pl.col("remote_reused_tokens").fill_null(0) > 0) & (pl.col("d2p_bytes") > 0))
-    for run_id in sorted(ledger["run_id"].drop_nulls().unique().to_list()):
-        fit = least_squares(points.filter(pl.col("run_id") == run_id), "compute_ms",
-                            ["computed", "pull_flag", "pulled"])
-        coefs = fit.coefficients if fit else {}
-        rows.append({
-            "run_id": run_id, "fit": "prefill", "formula": PREFILL_FORMULA,
-            "n": fit.n if fit else 0, "r2": fit.r2 if fit else None,
-            "residual_stdev_ms": fit.residual_stdev if fit else None,
-            "intercept_ms": coefs.get("intercept"), "slope": coefs.get("computed"),
-            "slope_unit": "ms/token", "pull_fixed_ms": coefs.get("pull_flag"),
-            "pull_ms_per_token": coefs.get("pulled"),
-        })
-        wire = least_squares(transfers.filter(pl.col("run_id") == run_id), "ms", ["size_bytes"])
-        wire_coefs = wire.coefficients if wire else {}
-        per_byte = wire_coefs.get("size_bytes")
-        rows.append({
-            "run_id": run_id, "fit": "transfer", "formula": TRANSFER_FORMULA,
-            "n": wire.n if wire else 0, "r2": wire.r2 if wire else None,
-            "residual_stdev_ms": wire.residual_stdev if wire else None,
-            "intercept_ms": wire_coefs.get("intercept"),
-            "slope": per_byte * MIB if per_byte is not None else None,
-            "slope_unit": "ms/MiB", "pull_fixed_ms": None, "pull_ms_per_token": None,
-        })
-        run_reads = reads.filter(pl.col("run_id") == run_id)
-        tokens = float(run_reads["remote_reused_tokens"].sum())
-        moved = float(run_reads["d2p_bytes"].sum())
-        rows.append({
-            "run_id": run_id, "fit": "bytes_per_token", "formula": BYTES_FORMULA,
-            "n": run_reads.height, "r2": None, "residual_stdev_ms": None, "intercept_ms": None,
-            "slope": moved / tokens if tokens else None,
-            "slope_unit": "bytes/token", "pull_fixed_ms": None, "pull_ms_per_token": None,
-        })
-    return pl.DataFrame(rows, schema=COST_FIT_COLUMNS)
-
-
-def coefficients(fits: pl.DataFrame) -> pl.DataFrame:
-    """The fit table as one row of ``fit_*`` coefficients per run (for joining to turns)."""
-    def pick(fit: str, column: str, alias: str, scale: float = 1.0) -> pl.Expr:
-        return (pl.col(column).filter(pl.col("fit") == fit).first() * scale).alias(alias)
-
-    return fits.group_by("run_id").agg(
-        pick("prefill", "intercept_ms", "fit_intercept_ms"),
-        pick("prefill", "slope", "fit_ms_per_token"),
-        pick("prefill", "pull_fixed_ms", "fit_pull_fixed_ms"),
-        pick("prefill", "pull_ms_per_token", "fit_pull_ms_per_token"),
-        pick("transfer", "intercept_ms", "fit_wire_latency_ms"),
-        pick("transfer", "slope", "fit_wire_ms_per_byte", 1.0 / MIB),
-        pick("bytes_per_token", "slope", "fit_bytes_per_token"),
-    )
-
-
-def _prefill_estimate(local: pl.Expr, remote: pl.Expr) -> pl.Expr:
-    """Fitted prefill leg (compute + wire) of a turn with ``local`` hits that pulls ``remote``."""
-    c = pl.col
-    computed = pl.max_horizontal(c("prompt_tokens") - local - remote, pl.lit(1))
-    pull_cost = (
-        c("fit_pull_fixed_ms").fill_null(0.0) + c("fit_pull_ms_per_token").fill_null(0.0) * remote
-        + c("fit_wire_latency_ms") + remote * c("fit_bytes_per_token") * c("fit_wire_ms_per_byte")
-    )
-    return (
-        c("fit_intercept_ms") + c("fit_ms_per_token") * computed
-        + pl.when(remote > 0).then(pull_cost).otherwise(0.0)
-    )
-
-
 # --- the what-if table -------------------------------------------------------------------------
 
 WHATIF_COLUMNS: dict[str, pl.DataType] = {
@@ -645,7 +446,7 @@ def _summary(frame: pl.LazyFrame, setting: Setting, has_retention: bool) -> pl.L
     reused = c("w_local") + c("w_remote")
     same = (c("w_remote") == c("observed_remote")) & (c("w_local") == c("local_tokens"))
     delta = pl.when(~c("replay") | same).then(0.0).otherwise(
-        _prefill_estimate(c("w_local"), c("w_remote")) - c("est_obs"))
+        prefill_estimate(c("w_local"), c("w_remote")) - c("est_obs"))
     # A failed turn has no first token.
     ttft = pl.when(~c("w_errored")).then(c("ttft_ms") + delta)
     held = (
@@ -775,7 +576,7 @@ def whatif_table(
         # Only what the replay and the summary read; the observed path priced once.
         turns = run_turns.join(coefs, on="run_id", how="left").select(
             *_REPLAY_INPUTS, *COEFFICIENTS,
-            _prefill_estimate(pl.col("local_tokens"), pl.col("observed_remote")).alias("est_obs"),
+            prefill_estimate(pl.col("local_tokens"), pl.col("observed_remote")).alias("est_obs"),
         ).lazy()
         run_retentions = retentions.filter(pl.col("run_id") == run_id)
         routers: list[float | None] = (
@@ -841,11 +642,10 @@ def whatif_table(
 
 @intermediate("whatif_frames", shared=True)
 def _store_frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
-    """Retention spans, D→P reads and router TTLs of every run in the store."""
+    """Retention spans and router TTLs of every run in the store."""
     raw = {name: ctx.frame(sql) for name, sql in QUERIES.items()}
     return {
         "retentions": shape_retentions(raw["retentions"]),
-        "transfers": shape_transfers(raw["transfers"]),
         "router_ttl": raw["router_ttl"],
     }
 
@@ -872,15 +672,8 @@ def _time_scales(ctx: AnalysisContext) -> dict[str, float]:
     return scales
 
 
-@intermediate("whatif_fits", shared=False)
-def _fits(ctx: AnalysisContext, run: str | None) -> pl.DataFrame:
-    data = inputs(ctx, run)
-    return fit_costs(data["ledger"], data["transfers"])
-
-
 def _frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
-    """Retention spans (TTLs on each run's clock), D→P reads and router TTLs of the selected
-    runs."""
+    """Retention spans (TTLs on each run's clock) and router TTLs of the selected runs."""
     frames: dict[str, pl.DataFrame] = ctx.get(_store_frames)
     out = {name: ctx.select_runs(frame) for name, frame in frames.items()}
     out["retentions"] = on_run_clock(out["retentions"], _time_scales(ctx))
@@ -888,20 +681,16 @@ def _frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
 
 
 def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFrame]:
-    """Everything the what-if and the ladder read, for the selected runs (and ``run``)."""
+    """Everything the what-if and the ladder read, for the selected runs (and ``run``): the
+    ledger, retentions, the timeline and the observed settings."""
     frames = _frames(ctx)
-    ledger = ctx.ledger()
+    ledger = run_ledger(ctx, run)
     if run is not None:
-        known = ledger["run_id"].unique().to_list()
-        if run not in known:
-            raise AnalysisError(f"run {run!r} not in the store; known: {', '.join(known)}")
-        ledger = ledger.filter(pl.col("run_id") == run)
         frames = {k: v.filter(pl.col("run_id") == run) for k, v in frames.items()}
     turns = ctx.get(_timeline, tuple(sorted(ledger["run_id"].unique().to_list())))
     return {
         "ledger": ledger,
         "retentions": frames["retentions"],
-        "transfers": frames["transfers"],
         "timeline": turns,
         "observed": observed_settings(ledger, frames["retentions"], frames["router_ttl"]),
     }
@@ -920,17 +709,6 @@ def _floats(values: Sequence[Any], name: str, low: float, high: float) -> list[f
         if number not in out:
             out.append(number)
     return out
-
-
-@register(
-    "cost_fit",
-    "Cost model fitted from the observed spans (prefill vs computed tokens, wire vs bytes)",
-    params=(Param("run", str, None, "only this run id (default: every selected run)"),),
-    columns=COST_FIT_COLUMNS,
-)
-def cost_fit(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    data = inputs(ctx, params["run"])
-    return fit_costs(data["ledger"], data["transfers"])
 
 
 @register(
@@ -960,7 +738,7 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
         raise AnalysisError(
             f"whatif: {settings} settings asked (ttl x threshold x router_ttl); at most "
             f"{MAX_SETTINGS} per request, since each one replays every observed turn")
-    fits = ctx.get(_fits, params["run"])
+    fits = ctx.get(fits_of, params["run"])
     return whatif_table(
         data["timeline"], fits, data["observed"], data["ledger"], data["retentions"],
         ttls=ttls, thresholds=thresholds, router_ttls=routers,
@@ -968,10 +746,7 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     )
 
 
-__all__ = ["BYTES_FORMULA", "COEFFICIENTS", "COST_FIT_COLUMNS", "DEFAULT_THRESHOLDS",
-    "DEFAULT_TTLS_S", "GIB", "LinearFit", "MAX_SECONDS", "MAX_SETTINGS", "MAX_TOKENS", "MIB",
-    "PATH_CARRIED", "PATH_NOT_LATER", "PREFILL_FORMULA", "QUERIES", "SOURCE_OBSERVED",
-    "SOURCE_REPLAY", "Setting", "TIMELINE_COLUMNS", "TRANSFER_FORMULA", "WHATIF_COLUMNS",
-    "coefficients", "cost_fit", "fit_costs", "handle_times", "inputs", "least_squares",
-    "observed_settings", "on_run_clock", "replay", "shape_retentions", "shape_transfers",
-    "timeline", "whatif", "whatif_table"]
+__all__ = ["DEFAULT_THRESHOLDS", "DEFAULT_TTLS_S", "GIB", "MAX_SECONDS", "MAX_SETTINGS",
+    "MAX_TOKENS", "PATH_CARRIED", "PATH_NOT_LATER", "QUERIES", "SOURCE_OBSERVED", "SOURCE_REPLAY",
+    "Setting", "TIMELINE_COLUMNS", "WHATIF_COLUMNS", "handle_times", "inputs", "observed_settings",
+    "on_run_clock", "replay", "shape_retentions", "timeline", "whatif", "whatif_table"]

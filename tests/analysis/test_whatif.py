@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvscope import cli, semconv
-from kvscope.analysis import whatif
+from kvscope.analysis import cost_fit, whatif
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, run
 from kvscope.emulator.ground_truth import account_turn
 from kvscope.emulator.reuse_model import (
@@ -360,7 +360,7 @@ def test_least_squares_recovers_a_known_linear_model() -> None:
     y = [40.0 + 0.025 * c + f * -12.0 + 0.004 * p + rng.gauss(0, 2.0)
          for c, p, f in zip(computed, pulled, flag, strict=True)]
     frame = pl.DataFrame({"y": y, "computed": computed, "pull_flag": flag, "pulled": pulled})
-    fit = whatif.least_squares(frame, "y", ["computed", "pull_flag", "pulled"])
+    fit = cost_fit.least_squares(frame, "y", ["computed", "pull_flag", "pulled"])
     assert fit is not None and fit.n == n
     coefs = fit.coefficients
     assert coefs["intercept"] == pytest.approx(40.0, abs=0.5)
@@ -371,9 +371,9 @@ def test_least_squares_recovers_a_known_linear_model() -> None:
     assert fit.r2 is not None and fit.r2 > 0.99
     # A term that never varies is not measured: absent, not 0.
     none_pulled = frame.with_columns(pl.lit(0.0).alias("pull_flag"), pl.lit(0).alias("pulled"))
-    partial = whatif.least_squares(none_pulled, "y", ["computed", "pull_flag", "pulled"])
+    partial = cost_fit.least_squares(none_pulled, "y", ["computed", "pull_flag", "pulled"])
     assert partial is not None and set(partial.coefficients) == {"intercept", "computed"}
-    assert whatif.least_squares(frame.head(1), "y", ["computed"]) is None
+    assert cost_fit.least_squares(frame.head(1), "y", ["computed"]) is None
 
 
 def test_cost_fit_recovers_the_simulators_tiny_profile(tmp_path: Path) -> None:
@@ -414,7 +414,7 @@ def test_main_whatif_prints_json_csv_and_a_table(tmp_path: Path,
     assert len(lines) == 1 + 1 + 4 + 1
     assert cli.main(["whatif", str(db), "--ttl", "480", "--threshold", "64"]) == 0
     out = capsys.readouterr().out
-    assert "token_reuse_rate" in out and whatif.PREFILL_FORMULA in out
+    assert "token_reuse_rate" in out and cost_fit.PREFILL_FORMULA in out
 
 
 def test_semconv_values_name_the_replayed_paths() -> None:
