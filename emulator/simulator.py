@@ -266,6 +266,37 @@ class _Turn:
     truth_args: dict[str, Any]
 
 
+
+@dataclass(eq=False)
+class _Run:
+    """One run's state in the event loop (the Simulator keeps the nodes and the router)."""
+
+    run_id: str
+    workload: Workload
+    view: BlockView
+    proxy: ProxyTelemetry
+    spans_for: Callable[[TurnRecord], Any]
+    prefill_tel: list[Emitter]
+    decode_tel: list[Emitter]
+    conversation_ids: list[ConversationId]
+    read_faults: bool
+    chains: _ChainRuns = field(default_factory=lambda: _ChainRuns())
+    # (time, tie-break sequence, conversation, turn position, the turn in flight or None for an
+    # arrival)
+    events: list[tuple[float, int, int, int, _Turn | None]] = field(default_factory=list)
+    seq: int = 0
+    truth: list[TruthRow] = field(default_factory=list)
+    previous_end: dict[int, float] = field(default_factory=dict)
+    rr_p: int = 0
+    rr_d: int = 0
+    turns: int = 0
+
+    def push(self, t: float, ci: int, pos: int, turn: _Turn | None) -> None:
+        """Queue an arrival (``turn`` None) or a turn's end at ``t``, after any already queued
+        for the same time."""
+        heapq.heappush(self.events, (t, self.seq, ci, pos, turn))
+        self.seq += 1
+
 class Simulator:
     """One simulated deployment (P and D nodes, a proxy) writing one run into a store."""
 
@@ -428,10 +459,32 @@ class Simulator:
 
     def _simulate(self, workload: Workload, view: BlockView, sink: _AnySink, run_id: str,
                   epoch_ns: int, spec: TelemetrySpec) -> SimulationResult:
+        """The event loop: each turn's arrival (proxy, prefill, decode admission) and its
+        decode finish (retention, router entry, spans, truth), in virtual-time order."""
+        run = self._start(workload, view, sink, run_id, epoch_ns, spec)
+        progress, progress_mask = self._progress, PROGRESS_EVERY_TURNS - 1
+        events = run.events
+        while events:
+            t, _, ci, pos, inflight = heapq.heappop(events)
+            self._now = t
+            if inflight is not None:
+                self._finish(inflight, t, run)
+                if pos + 1 < len(self._conversations[ci].turns):
+                    nxt = self._conversations[ci].turns[pos + 1]
+                    run.push(send_time(nxt, t), ci, pos + 1, None)
+                continue
+            run.turns += 1
+            if progress is not None and not run.turns & progress_mask:
+                progress(run.turns, t)
+            self._arrive(run, ci, pos, t)
+        return self._end(run, sink)
+
+    def _start(self, workload: Workload, view: BlockView, sink: _AnySink, run_id: str,
+               epoch_ns: int, spec: TelemetrySpec) -> _Run:
+        """A run's state: span builders (here or in the span process), the conversations' ids
+        (the no-id fault drawn per conversation), each turn's reusable tokens, the first
+        arrivals queued."""
         s = self.settings
-        # The proxy as requests meet it (trace and span ids); its spans are built by
-        # spans_for, here or in the span process, as are the engines' from their records.
-        proxy = ProxyTelemetry(None, router_ttl_s=s.router_ttl)
         spans_for: Callable[[TurnRecord], Any]
         engines: Sequence[Emitter]
         if isinstance(sink, RowSink):
@@ -439,26 +492,26 @@ class Simulator:
         else:
             spans_for = sink.turn
             engines = [sink.engine(i) for i in range(len(spec.engines))]
-        prefill_tel = list(engines[:len(self.prefillers)])
-        decode_tel = list(engines[len(self.prefillers):])
-        runs = _ChainRuns()
         conversations = workload.conversations
         no_id = ConversationId(None, semconv.ID_SOURCE_NONE)
-        conversation_ids = [
-            ConversationId(conv.id, semconv.ID_SOURCE_BODY)
-            if not self._fault(FAULT_NO_CONVERSATION_ID) else no_id
-            for conv in conversations
-        ]
-        previous_end: dict[int, float] = {}
-        events: list[tuple[float, int, int, int, _Turn | None]] = []
-        seq = 0
+        run = _Run(
+            run_id=run_id, workload=workload, view=view,
+            # The proxy as requests meet it (trace and span ids); its spans are built by
+            # spans_for, here or in the span process, as are the engines' from their records.
+            proxy=ProxyTelemetry(None, router_ttl_s=s.router_ttl), spans_for=spans_for,
+            prefill_tel=list(engines[:len(self.prefillers)]),
+            decode_tel=list(engines[len(self.prefillers):]),
+            conversation_ids=[
+                ConversationId(conv.id, semconv.ID_SOURCE_BODY)
+                if not self._fault(FAULT_NO_CONVERSATION_ID) else no_id
+                for conv in conversations],
+            read_faults=any(
+                s.faults.get(name, 0.0) > 0.0
+                for name in (FAULT_HANDSHAKE, FAULT_TRANSFER, FAULT_PREEMPT, FAULT_CLOCK_SKEW)),
+        )
         for ci, conv in enumerate(conversations):
             if conv.turns:
-                heapq.heappush(events, (conv.start_s, seq, ci, 0, None))
-                seq += 1
-        truth: list[TruthRow] = []
-        rr_p = rr_d = 0
-        turns = 0
+                run.push(conv.start_s, ci, 0, None)
         self._epoch_ns = epoch_ns
         self._conversations = conversations
         self._conversation_ids = [c.id for c in conversations]
@@ -469,173 +522,184 @@ class Simulator:
             for ci, conv in enumerate(conversations)
             for pos in range(len(conv.turns))
         }
-        ns = self._ns
-        progress, progress_mask = self._progress, PROGRESS_EVERY_TURNS - 1
-        read_faults = any(
-            s.faults.get(name, 0.0) > 0.0
-            for name in (FAULT_HANDSHAKE, FAULT_TRANSFER, FAULT_PREEMPT, FAULT_CLOCK_SKEW)
-        )
+        return run
 
-        while events:
-            t, _, ci, pos, inflight = heapq.heappop(events)
-            self._now = t
-            conv = conversations[ci]
-            if inflight is not None:
-                self._finish(inflight, t, ns, spans_for, decode_tel, run_id, truth,
-                             previous_end)
-                if pos + 1 < len(conv.turns):
-                    nxt = conv.turns[pos + 1]
-                    heapq.heappush(events, (send_time(nxt, t), seq, ci, pos + 1, None))
-                    seq += 1
-                continue
-            turns += 1
-            if progress is not None and not turns & progress_mask:
-                progress(turns, t)
-            turn = conv.turns[pos]
-            if self._fault(FAULT_PROXY_RESTART):
-                self.router = ConversationRouter(s.router_ttl, clock=lambda: self._now)
-            prefill = self.prefillers[rr_p % len(self.prefillers)]
-            p_tel = prefill_tel[rr_p % len(self.prefillers)]
-            di = rr_d % len(self.decoders)
-            rr_p += 1
-            rr_d += 1
-            decode = self.decoders[di]
-            # The run id keeps X-Request-Ids unique across runs sharing one store.
-            x_request_id = f"{run_id}{self._rng.getrandbits(64):016x}"
-            record = proxy.begin_turn("/v1/chat/completions", x_request_id, None, None)
-            record.arrival_ns = ns(t)
-            record.model = s.model
-            record.stream = True
-            conversation = conversation_ids[ci]
-            record.conversation = conversation
-            # Without an id the proxy cannot number turns: every request looks like a turn 1.
-            record.turn_index = turn.index if conversation.value is not None else 1
-            if conversation.value is not None and ci in previous_end:
-                record.previous_end_ns = ns(previous_end[ci])
-            record.message_count, record.boundary_hashes = self._messages.boundaries(ci, conv,
-                                                                                     pos)
-            record.boundary_key_id = SIMULATED_KEY.key_id
-            record.boundary_roles = self._messages.roles(ci)
-            lookup = self.router.lookup(conversation.value)
-            record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
-            if s.reuse_guard and lookup.params is not None:
-                # kvscope proxy --reuse-guard: the entry is the previous turn's; a history that
-                # does not continue it gets MISS params.
-                edited = self._messages.diverged(ci, pos)
-                record.reuse_guard = GUARD_EDITED if edited else GUARD_PASSED
-                if edited:
-                    lookup = Lookup(lookup.result, lookup.age_s)
-            params = prefill_params(lookup)
-            record.d_metadata_attached = bool(lookup.params)
-            if lookup.params:
-                record.offered_request_id = str(lookup.params.get("remote_request_id"))
-                offered = lookup.params.get("remote_num_tokens")
-                record.offered_tokens = int(offered) if isinstance(offered, int) else None
-                if self._fault(FAULT_INVALID_PARAMS):
-                    params.pop("remote_request_id", None)
-            prompt = runs.seq(view.prompt(conv.id, turn.index), turn.prompt_tokens,
-                              workload.block_size)
-            # Without read faults configured every switch is off and no random draw is taken,
-            # so the shared NO_FAULTS is the same value (a frozen dataclass costs ~2 us a turn).
-            faults = NO_FAULTS if not read_faults else Faults(
-                handshake_fails=self._fault(FAULT_HANDSHAKE),
-                transfer_fails=self._fault(FAULT_TRANSFER),
-                preempt_after_read=self._fault(FAULT_PREEMPT),
-                clock_offset_error_s=s.decoder_kv_blocks_ttl if self._fault(FAULT_CLOCK_SKEW)
-                else 0.0,
-            )
-            p_rid = vllm_request_id(x_request_id, self._rng)
-            result = prefill.prefill(p_rid, prompt, params, t, faults)
-            record.prefill_instance = f"prefill-{(rr_p - 1) % len(self.prefillers)}.local:8100"
-            record.decode_instance = f"{self._decode_http_host(di)}:8200"
-            record.prefill_request_id = p_rid
-            record.prompt_tokens = turn.prompt_tokens
-            record.cached_tokens = result.cached_tokens
-            record.prefill_start_ns = ns(t)
-            transfer_s = 0.0
-            if result.transfer is not None:
-                transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
-            # Engine spans: the decision (and a re-decision after preemption or a failed load).
-            self._emit_decisions(p_tel, result, t, transfer_s, ns, params)
-            if result.transfer is not None:
-                p_tel.emit(KvTransferRecord(
-                    request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
-                    direction=result.transfer.direction, status=result.transfer.status,
-                    size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
-                    remote_engine_id=result.transfer.remote_engine_id,
-                    request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
-                ))
-            if result.decode_release is not None:
-                self._emit_released(decode_tel)
-            truth_args = {"router_lookup": lookup.result}
-            if result.errored or result.stalled:
-                end = t + (CLIENT_TIMEOUT_S if result.stalled else transfer_s)
-                record.prefill_end_ns = ns(end)
-                kind = "prefill_stalled" if result.stalled else "kv_load_failed"
-                record.fail("prefill", kind, 504 if result.stalled else 500,
-                            "KV load failed" if result.errored else "stalled waiting for KV")
-                record.end_ns = ns(end)
-                inflight_turn = _Turn(ci, pos, record, conversation, lookup, result, None,
-                                      prompt, truth_args)
-                heapq.heappush(events, (end, seq, ci, pos, inflight_turn))
-                seq += 1
-                continue
-            context = result.local_hit_tokens + result.remote_reused_tokens
-            prefill_s = (
-                self.cost.prefill_ms(max(result.computed_tokens, 1), context,
-                                     result.remote_reused_tokens) / 1000.0
-                + transfer_s
-            )
-            p_end = t + prefill_s
-            record.prefill_end_ns = ns(p_end)
-            d_rid = vllm_request_id(x_request_id, self._rng)
-            p_params = prefill.finish_request(p_rid, prompt, result.cached_tokens)
-            p_to_d = decode.admit(d_rid, prompt, p_params)
-            to_first = self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
-            decoding = to_first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
-                turn.prompt_tokens) / 1000.0
-            # Decode waits for KV blocks while retained handles and running requests hold them.
-            started = self.memory[di].admit(
-                decode, p_end, -(-(turn.prompt_tokens + turn.output_tokens)
-                                 // workload.block_size), decoding)
-            truth_args["decode_queue_s"] = started - p_end
-            first = started + to_first
-            end = started + decoding
-            if p_to_d is not None:
-                d_tel = decode_tel[di]
-                d_tel.emit(KvTransferRecord(
-                    request_id=d_rid, start_ns=ns(started),
-                    end_ns=ns(started + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
-                    direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
-                    blocks=p_to_d.blocks, remote_engine_id=prefill.config.engine_id,
-                ))
-            record.decode_start_ns = ns(p_end)
-            record.first_token_ns = ns(first)
-            record.decode_request_id = d_rid
-            record.output_tokens = turn.output_tokens
-            record.chunks = turn.output_tokens
-            record.finish_reasons = ["stop"]
-            record.end_ns = record.decode_end_ns = ns(end)
-            sequence = runs.seq(view.sequence(conv.id, turn.index),
-                                turn.prompt_tokens + turn.output_tokens, workload.block_size)
-            inflight_turn = _Turn(ci, pos, record, conversation, lookup, result, decode,
-                                  sequence, truth_args)
-            heapq.heappush(events, (end, seq, ci, pos, inflight_turn))
-            seq += 1
-
+    def _end(self, run: _Run, sink: _AnySink) -> SimulationResult:
+        """Reap every handle past its TTL, flush the spans, and sum the run up."""
         final = self._now
-        for node, tel in zip(self.decoders, decode_tel, strict=True):
-            node.reap(final + s.decoder_kv_blocks_ttl + 1e-6)
-            self._drain(node, tel, ns)
+        for node, tel in zip(self.decoders, run.decode_tel, strict=True):
+            node.reap(final + self.settings.decoder_kv_blocks_ttl + 1e-6)
+            self._drain(node, tel, self._ns)
         sink.flush()
-        if progress is not None:
-            progress(turns, final)
+        if self._progress is not None:
+            self._progress(run.turns, final)
         memory = self.memory
         return SimulationResult(  # spans: once all are stored
-            run_id, turns, 0, truth, final, decode_kv_blocks=self.decode_kv_blocks,
+            run.run_id, run.turns, 0, run.truth, final, decode_kv_blocks=self.decode_kv_blocks,
             decode_queued_turns=sum(m.queued_turns for m in memory),
             decode_queue_s=sum(m.queued_s for m in memory),
             decode_peak_blocks=max((m.peak_blocks for m in memory), default=0))
+
+    def _arrive(self, run: _Run, ci: int, pos: int, t: float) -> None:
+        """Turn ``pos`` of conversation ``ci`` arrives at ``t``: the proxy routes it, prefill
+        decides and reads, and decode admits it (or the turn ends in prefill's error)."""
+        s = self.settings
+        conv = self._conversations[ci]
+        turn = conv.turns[pos]
+        if self._fault(FAULT_PROXY_RESTART):
+            self.router = ConversationRouter(s.router_ttl, clock=lambda: self._now)
+        pi = run.rr_p % len(self.prefillers)
+        di = run.rr_d % len(self.decoders)
+        run.rr_p += 1
+        run.rr_d += 1
+        prefill, decode = self.prefillers[pi], self.decoders[di]
+        # The run id keeps X-Request-Ids unique across runs sharing one store.
+        x_request_id = f"{run.run_id}{self._rng.getrandbits(64):016x}"
+        record, lookup, params = self._route(run, ci, pos, t, x_request_id)
+        prompt = run.chains.seq(run.view.prompt(conv.id, turn.index), turn.prompt_tokens,
+                                run.workload.block_size)
+        faults = self._read_faults(run)  # drawn before the request id, as ever
+        p_rid = vllm_request_id(x_request_id, self._rng)
+        result = prefill.prefill(p_rid, prompt, params, t, faults)
+        record.prefill_instance = f"prefill-{pi}.local:8100"
+        record.decode_instance = f"{self._decode_http_host(di)}:8200"
+        record.prefill_request_id = p_rid
+        record.prompt_tokens = turn.prompt_tokens
+        record.cached_tokens = result.cached_tokens
+        record.prefill_start_ns = self._ns(t)
+        transfer_s = self._emit_prefill(run.prefill_tel[pi], run, result, p_rid, t, params)
+        truth_args: dict[str, Any] = {"router_lookup": lookup.result}
+        if result.errored or result.stalled:
+            end = t + (CLIENT_TIMEOUT_S if result.stalled else transfer_s)
+            record.prefill_end_ns = self._ns(end)
+            kind = "prefill_stalled" if result.stalled else "kv_load_failed"
+            record.fail("prefill", kind, 504 if result.stalled else 500,
+                        "KV load failed" if result.errored else "stalled waiting for KV")
+            record.end_ns = self._ns(end)
+            run.push(end, ci, pos, _Turn(ci, pos, record, record.conversation, lookup, result,
+                                         None, prompt, truth_args))
+            return
+        context = result.local_hit_tokens + result.remote_reused_tokens
+        prefill_s = self.cost.prefill_ms(max(result.computed_tokens, 1), context,
+                                         result.remote_reused_tokens) / 1000.0 + transfer_s
+        p_end = t + prefill_s
+        record.prefill_end_ns = self._ns(p_end)
+        p_params = prefill.finish_request(p_rid, prompt, result.cached_tokens)
+        end = self._decode_leg(run, di, prefill.config.engine_id, record, turn, prompt,
+                               p_params, x_request_id, p_end, truth_args)
+        sequence = run.chains.seq(run.view.sequence(conv.id, turn.index),
+                                  turn.prompt_tokens + turn.output_tokens,
+                                  run.workload.block_size)
+        run.push(end, ci, pos, _Turn(ci, pos, record, record.conversation, lookup, result,
+                                     decode, sequence, truth_args))
+
+    def _route(self, run: _Run, ci: int, pos: int, t: float,
+               x_request_id: str) -> tuple[TurnRecord, Lookup, dict[str, Any]]:
+        """The proxy's part of an arrival: the turn's record, the router's lookup (and the
+        reuse guard's verdict), and the params prefill gets."""
+        s = self.settings
+        conv = self._conversations[ci]
+        turn = conv.turns[pos]
+        record = run.proxy.begin_turn("/v1/chat/completions", x_request_id, None, None)
+        record.arrival_ns = self._ns(t)
+        record.model = s.model
+        record.stream = True
+        conversation = run.conversation_ids[ci]
+        record.conversation = conversation
+        # Without an id the proxy cannot number turns: every request looks like a turn 1.
+        record.turn_index = turn.index if conversation.value is not None else 1
+        if conversation.value is not None and ci in run.previous_end:
+            record.previous_end_ns = self._ns(run.previous_end[ci])
+        record.message_count, record.boundary_hashes = self._messages.boundaries(ci, conv, pos)
+        record.boundary_key_id = SIMULATED_KEY.key_id
+        record.boundary_roles = self._messages.roles(ci)
+        lookup = self.router.lookup(conversation.value)
+        record.lookup, record.lookup_age_s = lookup.result, lookup.age_s
+        if s.reuse_guard and lookup.params is not None:
+            # kvscope proxy --reuse-guard: the entry is the previous turn's; a history that
+            # does not continue it gets MISS params.
+            edited = self._messages.diverged(ci, pos)
+            record.reuse_guard = GUARD_EDITED if edited else GUARD_PASSED
+            if edited:
+                lookup = Lookup(lookup.result, lookup.age_s)
+        params = prefill_params(lookup)
+        record.d_metadata_attached = bool(lookup.params)
+        if lookup.params:
+            record.offered_request_id = str(lookup.params.get("remote_request_id"))
+            offered = lookup.params.get("remote_num_tokens")
+            record.offered_tokens = int(offered) if isinstance(offered, int) else None
+            if self._fault(FAULT_INVALID_PARAMS):
+                params.pop("remote_request_id", None)
+        return record, lookup, params
+
+    def _read_faults(self, run: _Run) -> Faults:
+        """This turn's injected read faults. Without read faults configured every switch is
+        off and no random draw is taken, so the shared NO_FAULTS is the same value (a frozen
+        dataclass costs ~2 us a turn)."""
+        if not run.read_faults:
+            return NO_FAULTS
+        return Faults(
+            handshake_fails=self._fault(FAULT_HANDSHAKE),
+            transfer_fails=self._fault(FAULT_TRANSFER),
+            preempt_after_read=self._fault(FAULT_PREEMPT),
+            clock_offset_error_s=self.settings.decoder_kv_blocks_ttl
+            if self._fault(FAULT_CLOCK_SKEW) else 0.0,
+        )
+
+    def _emit_prefill(self, tel: Emitter, run: _Run, result: PrefillResult, p_rid: str,
+                      t: float, params: Mapping[str, Any]) -> float:
+        """Prefill's engine spans for one arrival (the decision, a re-decision after
+        preemption or a failed load, the D→P read) and decode's releases; the read's seconds."""
+        ns = self._ns
+        transfer_s = 0.0
+        if result.transfer is not None:
+            transfer_s = self.cost.transfer_ms(result.transfer.bytes) / 1000.0
+        self._emit_decisions(tel, result, t, transfer_s, ns, params)
+        if result.transfer is not None:
+            tel.emit(KvTransferRecord(
+                request_id=p_rid, start_ns=ns(t), end_ns=ns(t + transfer_s),
+                direction=result.transfer.direction, status=result.transfer.status,
+                size_bytes=result.transfer.bytes, blocks=result.transfer.blocks,
+                remote_engine_id=result.transfer.remote_engine_id,
+                request_outcome=semconv.OUTCOME_ERROR if result.errored else None,
+            ))
+        if result.decode_release is not None:
+            self._emit_released(run.decode_tel)
+        return transfer_s
+
+    def _decode_leg(self, run: _Run, di: int, prefill_engine: str, record: TurnRecord,
+                    turn: Turn, prompt: BlockRuns, p_params: dict[str, Any] | None,
+                    x_request_id: str, p_end: float, truth_args: dict[str, Any]) -> float:
+        """Decode admits the turn at ``p_end`` (P→D pull, a wait for KV blocks) and generates
+        its output; when it ends."""
+        ns = self._ns
+        decode = self.decoders[di]
+        d_rid = vllm_request_id(x_request_id, self._rng)
+        p_to_d = decode.admit(d_rid, prompt, p_params)
+        to_first = self.cost.first_token_ms(turn.prompt_tokens) / 1000.0
+        decoding = to_first + max(turn.output_tokens - 1, 0) * self.cost.decode_token_ms(
+            turn.prompt_tokens) / 1000.0
+        # Decode waits for KV blocks while retained handles and running requests hold them.
+        started = self.memory[di].admit(
+            decode, p_end, -(-(turn.prompt_tokens + turn.output_tokens)
+                             // run.workload.block_size), decoding)
+        truth_args["decode_queue_s"] = started - p_end
+        end = started + decoding
+        if p_to_d is not None:
+            run.decode_tel[di].emit(KvTransferRecord(
+                request_id=d_rid, start_ns=ns(started),
+                end_ns=ns(started + self.cost.transfer_ms(p_to_d.bytes) / 1000.0),
+                direction=p_to_d.direction, status=p_to_d.status, size_bytes=p_to_d.bytes,
+                blocks=p_to_d.blocks, remote_engine_id=prefill_engine,
+            ))
+        record.decode_start_ns = ns(p_end)
+        record.first_token_ns = ns(started + to_first)
+        record.decode_request_id = d_rid
+        record.output_tokens = turn.output_tokens
+        record.chunks = turn.output_tokens
+        record.finish_reasons = ["stop"]
+        record.end_ns = record.decode_end_ns = ns(end)
+        return end
 
     def _emit_decisions(self, tel: Emitter, result: PrefillResult, t: float, transfer_s: float,
                         ns: Any, params: Mapping[str, Any]) -> None:
@@ -661,9 +725,10 @@ class Simulator:
                 ns(retention.start), ns(retention.end) if retention.end is not None else None))
         node.released.clear()
 
-    def _finish(self, turn: _Turn, t: float, ns: Any, spans_for: Callable[[TurnRecord], Any],
-                decode_tel: list[Emitter], run_id: str, truth: list[TruthRow],
-                previous_end: dict[int, float]) -> None:
+    def _finish(self, turn: _Turn, t: float, run: _Run) -> None:
+        """A turn's decode finishes at ``t``: decode retains its KV (the router stores its
+        params), the turn's spans are built, and its ground truth is labelled."""
+        ns, decode_tel, previous_end = self._ns, run.decode_tel, run.previous_end
         record = turn.record
         returned = False
         if turn.decode is not None:
@@ -684,7 +749,7 @@ class Simulator:
             self._drain(turn.decode, decode_tel[di], ns)
         if turn.conversation.value is not None:
             previous_end[turn.conversation_index] = t
-        spans_for(record)
+        run.spans_for(record)
         conv = self._conversations[turn.conversation_index]
         conv_turn = conv.turns[turn.turn_position].index
         prompt_tokens = record.prompt_tokens or 0
@@ -699,8 +764,8 @@ class Simulator:
         )
         self._returned[turn.conversation_index] = returned
         result = turn.result
-        truth.append(TruthRow(
-            run_id=run_id,
+        run.truth.append(TruthRow(
+            run_id=run.run_id,
             conversation_id=self._conversation_ids[turn.conversation_index],
             turn_index=conv_turn,
             x_request_id=record.x_request_id,
