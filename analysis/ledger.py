@@ -49,8 +49,9 @@ from kvscope.reuse.validity import (
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
+from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.query import resource_attr, span_attr
-from kvscope.store.reader import StoreReader
+from kvscope.store.reader import Reader
 from kvscope.store.schema import quote
 
 if TYPE_CHECKING:
@@ -275,21 +276,14 @@ QUERIES: dict[str, query.Query] = {
     name: query.spans(span, columns, distinct=True) for name, (span, columns) in _KINDS.items()}
 
 
-def load_spans(reader: StoreReader | duckdb.DuckDBPyConnection) -> dict[str, pl.DataFrame]:
+def load_spans(reader: Reader) -> dict[str, pl.DataFrame]:
     """Run the extraction queries; one frame of string-typed attributes per span kind.
 
     What :func:`build` takes (the live ledger keeps these frames; tests shape them by hand).
     The store's ledger does not come this way: :func:`ledger` runs :data:`TURN_QUERY` in the
     engine and takes back one row per turn.
     """
-    seam = _seam(reader)
-    return {name: seam.frame(sql) for name, sql in QUERIES.items()}
-
-
-def _seam(reader: StoreReader | duckdb.DuckDBPyConnection) -> StoreReader:
-    # A bare connection (the store's own writer, rebuilding) still goes through the reader's
-    # seam for its error translation; it has no time limit, as rebuilding may take a while.
-    return reader if isinstance(reader, StoreReader) else StoreReader(reader, time_limit_s=None)
+    return {name: reader.frame(sql.named(name)) for name, sql in QUERIES.items()}
 
 
 # --- per turn, in the engine --------------------------------------------------------------------
@@ -675,14 +669,14 @@ _DERIVED: list[tuple[str, query.Part]] = [
 
 # The store's ledger rows before shaping: the extraction queries and the per-turn parts as one
 # statement, run in the engine.
-TURN_QUERY = query.compose([*QUERIES.items(), *_DERIVED], _per_turn)
+TURN_QUERY = query.compose([*QUERIES.items(), *_DERIVED], _per_turn).named("ledger turns")
 # The same parts over extraction frames registered under QUERIES' names (:func:`build`).
-_FRAMES_QUERY = query.compose(_DERIVED, _per_turn)
+_FRAMES_QUERY = query.compose(_DERIVED, _per_turn).named("ledger turns of frames")
 
 
-def turn_rows(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
+def turn_rows(reader: Reader) -> pl.DataFrame:
     """The per-turn rows the engine computes from the store's spans (before :func:`shape`)."""
-    return _seam(reader).frame(TURN_QUERY)
+    return reader.frame(TURN_QUERY)
 
 
 def frame_turn_rows(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
@@ -692,7 +686,7 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
     try:
         for name, (_, columns) in _KINDS.items():
             con.register(name, _complete(frames.get(name), columns).to_arrow())
-        return StoreReader(con, time_limit_s=None).frame(_FRAMES_QUERY)
+        return DuckDBReader(con, time_limit_s=None).frame(_FRAMES_QUERY)
     finally:
         con.close()
 
@@ -1020,10 +1014,10 @@ def _facts() -> dict[str, pl.Expr]:
     }
 
 
-def ledger(reader: StoreReader | duckdb.DuckDBPyConnection) -> pl.DataFrame:
+def ledger(reader: Reader) -> pl.DataFrame:
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once)."""
-    return pl.concat(_seam(reader).map_batches(TURN_QUERY, shape), rechunk=False)
+    return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
@@ -1047,7 +1041,9 @@ def rebuild(path: str | Path) -> int:
     """
     con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
     try:
-        frame = ledger(con)
+        # The writer's own connection, through a reader's seam for its errors; no time limit,
+        # as rebuilding may take a while.
+        frame = ledger(DuckDBReader(con, time_limit_s=None))
         con.execute("BEGIN TRANSACTION")
         try:
             rows = persist(con, frame)

@@ -37,7 +37,8 @@ from kvscope import semconv, settings
 from kvscope.analysis import ledger as ledger_module
 from kvscope.store import query
 from kvscope.store.database import open_store
-from kvscope.store.reader import StoreReader
+from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.reader import Reader
 from kvscope.store.schema import META_TABLE, quote
 
 # kvscope_meta keys: the highest otel_traces rowid the table has read, and the row count then.
@@ -111,7 +112,7 @@ def _key_sql(column: str, params: dict[str, object]) -> str:
     return text
 
 
-def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None = None,
+def unit_frames(reader: Reader, units: Iterable[str], *, high: int | None = None,
                 rows: bool = False) -> dict[str, pl.DataFrame]:
     """The extraction frames (:func:`kvscope.analysis.ledger.load_spans`' shape) of the spans
     ``units``' rows read, among the rows with ``rowid <= high`` (all when None).
@@ -173,7 +174,7 @@ def unit_frames(reader: StoreReader, units: Iterable[str], *, high: int | None =
     return frames
 
 
-def unit_rows(reader: StoreReader, units: Iterable[str], *, high: int | None = None
+def unit_rows(reader: Reader, units: Iterable[str], *, high: int | None = None
               ) -> pl.DataFrame:
     """The ledger rows of ``units`` (the ledger's columns), from the store's spans."""
     return ledger_module.build(unit_frames(reader, units, high=high))
@@ -193,7 +194,7 @@ class Touched:
 _ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
 
 
-def touched(reader: StoreReader, low: int, high: int) -> Touched:
+def touched(reader: Reader, low: int, high: int) -> Touched:
     """The units whose rows the span rows with ``low < rowid <= high`` can change."""
     fresh = {name: reader.frame(_rows_between(q, low, high))
              for name, q in ledger_module.QUERIES.items()}
@@ -246,7 +247,7 @@ def touched(reader: StoreReader, low: int, high: int) -> Touched:
     return Touched(frozenset(units))
 
 
-def units_of(reader: StoreReader, traces: Iterable[str], keys: Iterable[str]) -> pl.DataFrame:
+def units_of(reader: Reader, traces: Iterable[str], keys: Iterable[str]) -> pl.DataFrame:
     """The units (``unit``, with ``run_id`` and ``x_request_id``) of the turn spans in the
     store whose trace is among ``traces`` or whose X-Request-Id is among ``keys``."""
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
@@ -259,7 +260,7 @@ def units_of(reader: StoreReader, traces: Iterable[str], keys: Iterable[str]) ->
         for condition, values in lookups])
 
 
-def _runs_with_turns(reader: StoreReader, runs: set[str | None]) -> set[str | None]:
+def _runs_with_turns(reader: Reader, runs: set[str | None]) -> set[str | None]:
     named = [r for r in runs if r is not None]
     found = reader.frame(_filtered(
         ledger_module.QUERIES["turns"], "run_id IN (SELECT unnest($runs))", {"runs": named},
@@ -267,15 +268,16 @@ def _runs_with_turns(reader: StoreReader, runs: set[str | None]) -> set[str | No
     return set(found["run_id"].to_list())
 
 
-def _engine_only_rows(reader: StoreReader, runs: list[str | None]) -> bool:
-    _, rows = reader.rows(
-        f"SELECT count(*) FROM {quote(ledger_module.LEDGER_TABLE)} WHERE observer = ? "
-        "AND (run_id IN (SELECT unnest(?)) OR run_id IS NULL)",
-        [semconv.OBSERVER_ENGINE, [r for r in runs if r is not None]])
+def _engine_only_rows(reader: Reader, runs: list[str | None]) -> bool:
+    _, rows = reader.rows(query.Query(
+        f"SELECT count(*) FROM {quote(ledger_module.LEDGER_TABLE)} WHERE observer = $observer "
+        "AND (run_id IN (SELECT unnest($runs)) OR run_id IS NULL)",
+        {"observer": semconv.OBSERVER_ENGINE, "runs": [r for r in runs if r is not None]},
+        name="engine-only ledger rows"))
     return bool(rows[0][0])
 
 
-def _hooks_changed(reader: StoreReader, fresh: dict[str, pl.DataFrame], low: int) -> list[str]:
+def _hooks_changed(reader: Reader, fresh: dict[str, pl.DataFrame], low: int) -> list[str]:
     """Runs whose largest missing-hooks list (the ledger's per-run value) the new rows raise."""
     new = pl.concat([fresh[name].select("run_id", "hooks_missing")
                      for name in ("decisions", "transfers", "retentions")],
@@ -348,12 +350,12 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
     if reason is None and con.execute("SELECT count(*) FROM otel_traces WHERE rowid <= ?",
                                       [mark]).fetchall()[0][0] != counted:
         reason = "the span rows below the watermark are not those counted at the last build"
-    reader = StoreReader(con, time_limit_s=None)
+    reader = DuckDBReader(con, time_limit_s=None)
     units: frozenset[str] = frozenset()
     if reason is None and high > (mark or -1):
         touch = touched(reader, mark or -1, high)
         reason, units = touch.rebuild_all, touch.units
-    frame = ledger_module.ledger(con) if reason is not None else (
+    frame = ledger_module.ledger(reader) if reason is not None else (
         unit_rows(reader, units, high=high) if units else None)
     con.execute("BEGIN TRANSACTION")
     try:

@@ -65,7 +65,8 @@ from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis import ledger_units
 from kvscope.reuse import outcomes
 from kvscope.store import query
-from kvscope.store.reader import StoreReader
+from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.reader import Reader
 
 _LEG_SPANS = (semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION, semconv.SPAN_TOOL_WAIT)
 _ENGINE_SPANS = (semconv.SPAN_REUSE_DECISION, semconv.SPAN_KV_TRANSFER, semconv.SPAN_KV_RETENTION)
@@ -142,13 +143,14 @@ _NEW_SPANS_SQL = (
     f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model, {_a(semconv.TTFT_MS)} AS ttft_ms, "
     f"{_a(semconv.ENGINE_ID)} AS engine, {_a(semconv.TRANSFER_DIRECTION)} AS direction, "
     f"{_a(semconv.TRANSFER_STATUS)} AS status, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
-    f"Duration AS duration_ns FROM otel_traces WHERE rowid > ? AND rowid <= ?"
+    f"Duration AS duration_ns FROM otel_traces WHERE rowid > $low AND rowid <= $high"
 )
 _NEW_GAUGES_SQL = (
     f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, MetricName AS metric, "
     f"Attributes['{semconv.ENGINE_ID}'] AS engine, Attributes['{semconv.GPU_HOST}'] AS host, "
     f"Attributes['{semconv.GPU_INDEX}'] AS gpu, TimeUnix AS time, Value AS value "
-    f"FROM otel_metrics_gauge WHERE rowid > ? AND rowid <= ? AND MetricName IN (?, ?, ?)"
+    f"FROM otel_metrics_gauge WHERE rowid > $low AND rowid <= $high "
+    f"AND list_contains($metrics, MetricName)"
 )
 
 
@@ -322,7 +324,7 @@ class LiveLedger:
             now = self._clock()
             cursor = self._con.cursor()
             try:
-                reader = StoreReader(cursor, time_limit_s=None)
+                reader = DuckDBReader(cursor, time_limit_s=None)
                 previous = self._span_mark
                 dirty = self._read_spans(reader)
                 self._read_gauges(reader)
@@ -339,20 +341,24 @@ class LiveLedger:
             self.last_refresh_s = time.perf_counter() - started
             return len(dirty)
 
-    def _run_label(self, reader: StoreReader, run_id: str) -> str:
+    def _run_label(self, reader: Reader, run_id: str) -> str:
         label = self._labels_of_run.get(run_id)
         if label is None:
-            _, rows = reader.rows("SELECT label FROM kvscope_runs WHERE run_id = ?", [run_id])
+            _, rows = reader.rows(query.Query(
+                "SELECT label FROM kvscope_runs WHERE run_id = $run", {"run": run_id},
+                name="run label"))
             # Spans of a run the store has no row for keep the id as their label.
             label = self._labels_of_run[run_id] = rows[0][0] if rows else run_id
         return label
 
-    def _read_spans(self, reader: StoreReader) -> set[str]:
-        _, top = reader.rows("SELECT max(rowid) FROM otel_traces")
+    def _read_spans(self, reader: Reader) -> set[str]:
+        _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_traces",
+                                         name="last span row"))
         high = top[0][0]
         if high is None or high <= self._span_mark:
             return set()
-        new = reader.frame(_NEW_SPANS_SQL, [self._span_mark, high]).with_columns(
+        new = reader.frame(query.Query(_NEW_SPANS_SQL, {"low": self._span_mark, "high": high},
+                                       name="new spans")).with_columns(
             ledger_module.request_key("request_id").alias("request_key"))
         # The ledger's own extraction, of the new rows only, kept: a recomputation filters
         # these frames by key instead of reading the store again.
@@ -424,12 +430,15 @@ class LiveLedger:
             self._transfer_s.setdefault(labels, _Histogram(exposition.LATENCY_BUCKETS_S)).observe(
                 span["duration_ns"] / 1e9)
 
-    def _read_gauges(self, reader: StoreReader) -> None:
-        _, top = reader.rows("SELECT max(rowid) FROM otel_metrics_gauge")
+    def _read_gauges(self, reader: Reader) -> None:
+        _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_metrics_gauge",
+                                         name="last gauge row"))
         high = top[0][0]
         if high is None or high <= self._gauge_mark:
             return
-        new = reader.frame(_NEW_GAUGES_SQL, [self._gauge_mark, high, *_GAUGE_METRICS])
+        new = reader.frame(query.Query(
+            _NEW_GAUGES_SQL, {"low": self._gauge_mark, "high": high,
+                              "metrics": list(_GAUGE_METRICS)}, name="new gauge samples"))
         self._gauge_mark = high
         for sample in new.iter_rows(named=True):
             run_id = sample["run_id"] or ""
@@ -458,7 +467,7 @@ class LiveLedger:
                                          "vllm_requests")},
         }
 
-    def _drop_unmatched(self, reader: StoreReader, now: float) -> set[str]:
+    def _drop_unmatched(self, reader: Reader, now: float) -> set[str]:
         """Drop kept spans no resident conversation claimed for ``idle_s``; the conversations
         the store says they belong to (ones let go) are returned, to be read back."""
         if self._idle_s is None or not self._frames:
@@ -523,7 +532,7 @@ class LiveLedger:
         return sorted(u for u in units if u in self._let_go
                       or any(k in self._let_go for k in keys.get(u, ())))
 
-    def _read_back(self, reader: StoreReader, units: list[str], previous: int) -> None:
+    def _read_back(self, reader: Reader, units: list[str], previous: int) -> None:
         """Make ``units`` resident again from the store: their spans into the frames, and as
         their contribution what the totals hold of them (their spans up to ``previous`` that
         were not waiting in the frames unclaimed)."""
@@ -556,7 +565,7 @@ class LiveLedger:
             [self._models.filter(~pl.col("x_request_id").is_in(models["x_request_id"].to_list())),
              models], how="vertical_relaxed", rechunk=False)
 
-    def _recompute(self, reader: StoreReader, dirty: set[str], previous: int,
+    def _recompute(self, reader: Reader, dirty: set[str], previous: int,
                    now: float) -> None:
         back = self._maybe_let_go({u for u in dirty if u not in self._last_seen})
         if back:
@@ -665,12 +674,13 @@ def _bare(frames: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     return {name: frame.drop("_row", strict=False) for name, frame in frames.items()}
 
 
-def _models_of(reader: StoreReader, requests: list[str]) -> pl.DataFrame:
+def _models_of(reader: Reader, requests: list[str]) -> pl.DataFrame:
     """X-Request-Id → model of the turn spans naming ``requests``."""
-    return reader.frame(
+    return reader.frame(query.Query(
         f"SELECT {_a(semconv.X_REQUEST_ID)} AS x_request_id, "
-        f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model FROM otel_traces WHERE SpanName = ? "
-        f"AND {_a(semconv.X_REQUEST_ID)} IN (SELECT unnest(?))", [semconv.SPAN_TURN, requests])
+        f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model FROM otel_traces WHERE SpanName = $span "
+        f"AND {_a(semconv.X_REQUEST_ID)} IN (SELECT unnest($requests))",
+        {"span": semconv.SPAN_TURN, "requests": requests}, name="models of requests"))
 
 
 def _number(text: object) -> float | None:

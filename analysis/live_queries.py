@@ -10,7 +10,7 @@ labels, comma separated), ``param`` (``NAME=VALUE``, repeatable), ``labels=1`` (
 shown as a ``run`` column of labels, as tables show it).
 
 Read-only by construction: only registered analyses run (no SQL text is taken), through a
-:class:`~kvscope.store.reader.StoreReader` with the store query time limit.
+:class:`~kvscope.store.reader.Reader` with the store query time limit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from kvscope import settings
 from kvscope.analysis import registry
 from kvscope.analysis.runs import context_over, run_table, with_run_labels
 from kvscope.errors import SettingError
-from kvscope.store.reader import StoreReader
+from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.reader import Reader
 from kvscope.tables import jsonable
 
 # The receiver's route (``{name}``: the analysis).
@@ -45,7 +46,7 @@ def parse_params(items: Sequence[str]) -> dict[str, str]:
     return params
 
 
-def run_analysis(reader: StoreReader, name: str, params: Mapping[str, str],
+def run_analysis(reader: Reader, name: str, params: Mapping[str, str],
                  runs: Sequence[str] | None = None, *, labels: bool = False) -> pl.DataFrame:
     """One registered analysis on an open reader (parameters checked first); ``labels``: its
     ``run_id`` column as run labels."""
@@ -67,7 +68,7 @@ def answer_source(con: duckdb.DuckDBPyConnection) -> Answer:
         cursor = con.cursor()
         try:
             limit = float(settings.resolve("store_query_time_limit_s")) or None
-            frame = run_analysis(StoreReader(cursor, time_limit_s=limit), name,
+            frame = run_analysis(DuckDBReader(cursor, time_limit_s=limit), name,
                                  parse_params(query.get("param", [])), runs or None,
                                  labels=labels)
         finally:

@@ -22,7 +22,8 @@ import polars as pl
 
 from kvscope.errors import KvscopeError
 from kvscope.store.query import Query
-from kvscope.store.reader import Source, StoreReader
+from kvscope.store.reader import Reader
+from kvscope.store.source import Source, open_reader
 
 
 class AnalysisError(KvscopeError, ValueError):
@@ -176,7 +177,7 @@ def get(name: str) -> Analysis:
 class AnalysisContext:
     """A store opened for analysis, with derived data cached for the context's lifetime."""
 
-    def __init__(self, reader: StoreReader, *, runs: Sequence[str] | None = None) -> None:
+    def __init__(self, reader: Reader, *, runs: Sequence[str] | None = None) -> None:
         self.reader = reader
         self.runs = list(runs) if runs else None
         self._cache: dict[Hashable, Any] = {}
@@ -184,7 +185,7 @@ class AnalysisContext:
     @classmethod
     def open(cls, path: Source, *, runs: Sequence[str] | None = None) -> AnalysisContext:
         """Open the store at ``path`` read-only (or connect to a ClickHouse source)."""
-        return cls(StoreReader.open(path), runs=runs)
+        return cls(open_reader(path), runs=runs)
 
     def close(self) -> None:
         self.reader.close()
@@ -215,8 +216,8 @@ class AnalysisContext:
             return frame
         return frame.filter(pl.col("run_id").is_in(self.runs))
 
-    def frame(self, sql: str | Query) -> pl.DataFrame:
-        """Run a query through the store's one execute seam."""
+    def frame(self, sql: Query) -> pl.DataFrame:
+        """Run a query through the store's reader."""
         return self.reader.frame(sql)
 
 

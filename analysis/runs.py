@@ -28,8 +28,9 @@ from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, AnalysisError, intermediate
 from kvscope.errors import KvscopeError
 from kvscope.store import query
-from kvscope.store.reader import StoreReader
+from kvscope.store.reader import Reader
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
+from kvscope.store.source import open_reader
 
 __all__ = ["FEATURE_OFF", "FEATURE_ON", "RUNS_FROM_SPANS", "RUNS_SQL", "RUN_INFO_COLUMNS",
     "RUN_TABLE", "all_runs", "baseline_for", "choose_pair", "context_over", "context_run_info",
@@ -51,8 +52,8 @@ _FEATURE_KEYS = (
 _WORKLOAD_KEYS = ("workload", "workload_settings")
 _LABEL_WORD = re.compile(r"(?<![a-z0-9])(on|off)(?![a-z0-9])")
 
-RUNS_SQL = ("SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs "
-            "ORDER BY started_at")
+RUNS_SQL = query.Query("SELECT run_id, label, settings, started_at, ended_at FROM kvscope_runs "
+                       "ORDER BY started_at", name="runs")
 # Where no kvscope process recorded runs (the OpenTelemetry Collector writing ClickHouse), the
 # runs are the run ids the spans' resources carry: labelled by their id, settings not recorded.
 # (A missing key reads as NULL on DuckDB and as '' on ClickHouse: both are left out.)
@@ -60,7 +61,8 @@ RUNS_FROM_SPANS = query.Query(
     "SELECT run_id, run_id AS label, '{}' AS settings, min(Timestamp) AS started_at, "
     "max(Timestamp) AS ended_at FROM (SELECT ResourceAttributes[$key] AS run_id, Timestamp "
     "FROM otel_traces) AS spans WHERE run_id IS NOT NULL AND run_id <> '' "
-    "GROUP BY run_id ORDER BY started_at, run_id", {"key": semconv.RUN_ID})
+    "GROUP BY run_id ORDER BY started_at, run_id", {"key": semconv.RUN_ID},
+    name="runs from spans")
 
 RUN_INFO_COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -81,7 +83,7 @@ def RUN_TABLE(ctx: AnalysisContext) -> pl.DataFrame:  # noqa: N802 (a registered
     return ctx.frame(runs_query(ctx.reader))
 
 
-def runs_query(reader: StoreReader) -> str | query.Query:
+def runs_query(reader: Reader) -> query.Query:
     """The query for the run table: ``kvscope_runs``, else the run ids the spans carry."""
     return RUNS_SQL if reader.has_table(RUNS_TABLE) else RUNS_FROM_SPANS
 
@@ -114,7 +116,7 @@ def open_context(db: str | Path | ClickHouseSource,
                  runs: Sequence[str] | None = None) -> AnalysisContext:
     """Open ``db`` read-only for analysis (a DuckDB store, or a ClickHouse source), selecting
     ``runs`` (ids or labels) when given."""
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         return context_over(reader, runs)
     except KvscopeError:
@@ -122,7 +124,7 @@ def open_context(db: str | Path | ClickHouseSource,
         raise
 
 
-def context_over(reader: StoreReader, runs: Sequence[str] | None = None) -> AnalysisContext:
+def context_over(reader: Reader, runs: Sequence[str] | None = None) -> AnalysisContext:
     """An analysis context over an open reader (``kvscope serve``'s own cursor, for one),
     selecting ``runs`` (ids or labels) when given."""
     if not runs:
@@ -144,9 +146,10 @@ def with_run_labels(frame: pl.DataFrame, runs: pl.DataFrame) -> pl.DataFrame:
 def require_spans(db: str | Path | ClickHouseSource) -> None:
     """Raise :class:`AnalysisError` when ``db`` holds no spans: a report or an analysis of it
     would print empty tables and look like a run in which nothing happened."""
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
-        _, rows = reader.rows(f"SELECT 1 FROM {TRACES_TABLE} LIMIT 1")
+        _, rows = reader.rows(query.Query(f"SELECT 1 FROM {TRACES_TABLE} LIMIT 1",
+                                          name="any span"))
     finally:
         reader.close()
     if not rows:

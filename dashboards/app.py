@@ -30,7 +30,7 @@ from kvscope import settings
 from kvscope.dashboards.data import DEFAULT_REFRESH_S, DashboardData, Filters, open_data
 from kvscope.dashboards.deadline import BodyDeadline, DeadlineRequestHandler
 from kvscope.dashboards.pages import FILTERS, VERSION, Page, message, pages
-from kvscope.store.reader import Source
+from kvscope.store.source import Source
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,9 @@ import polars as pl
 from kvscope.analysis import registry, runs
 from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError, StoreError
-from kvscope.store.reader import Source, StoreReader
+from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.reader import Reader
+from kvscope.store.source import Source, open_reader
 from kvscope.store.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -194,11 +196,11 @@ class DashboardData:
 
     # --- versions ---------------------------------------------------------------------------
 
-    def _open_reader(self) -> StoreReader:
+    def _open_reader(self) -> Reader:
         if isinstance(self.source, StoreWriter):
             # A cursor of the writer's connection: DuckDB refuses a second connection to it.
-            return StoreReader(self.source.connection.cursor())
-        return StoreReader.open(self.source)
+            return DuckDBReader(self.source.connection.cursor())
+        return open_reader(self.source)
 
     def _current_number(self) -> int:
         if isinstance(self.source, StoreWriter):

@@ -35,7 +35,7 @@ from kvscope.analysis.registry import AnalysisContext
 from kvscope.analysis.runs import open_context, run_table
 from kvscope.dashboards import figures
 from kvscope.errors import KvscopeError
-from kvscope.store.reader import Source
+from kvscope.store.source import Source
 from kvscope.tables import NOT_MEASURED, round_float
 
 logger = logging.getLogger(__name__)

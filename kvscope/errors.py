@@ -34,6 +34,15 @@ class StoreError(KvscopeError):
     """A DuckDB store cannot be opened or used."""
 
 
+class QueryError(StoreError):
+    """A query a reader ran failed or ran past its time limit; names the query and its SQL."""
+
+    def __init__(self, message: str, *, query_name: str = "", sql: str = "") -> None:
+        super().__init__(message)
+        self.query_name = query_name
+        self.sql = sql
+
+
 class NotAKvscopeStore(StoreError):
     """The file is not a DuckDB database, or is one that kvscope did not create."""
 
@@ -55,4 +64,4 @@ class IngestError(KvscopeError, ValueError):
 
 
 __all__ = ["IngestError", "KvscopeError", "NewerSchemaError", "NotAKvscopeStore", "PayloadError",
-    "SettingError", "StoreError", "StoreLockedError"]
+    "QueryError", "SettingError", "StoreError", "StoreLockedError"]

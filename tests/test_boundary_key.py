@@ -26,7 +26,7 @@ from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
 from kvscope.reuse.boundaries import boundary_hashes
 from kvscope.reuse.router import history_continues
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 from tests.stores import query
 
 LOGGER = logger.name
@@ -131,7 +131,7 @@ def _two_turns(db: Path, first: BoundaryKey, second: BoundaryKey, turn_2_body: d
         assert telemetry.flush(30)
     finally:
         telemetry.shutdown()
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = ledger(reader).sort("turn_index").to_dicts()
     finally:

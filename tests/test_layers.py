@@ -172,3 +172,70 @@ def test_no_library_module_defines_a_command() -> None:
     assert entry_points() <= ENTRY_POINTS_LEFT, sorted(entry_points() - ENTRY_POINTS_LEFT)
     assert ENTRY_POINTS_LEFT <= entry_points(), "moved: drop from ENTRY_POINTS_LEFT " + str(
         sorted(ENTRY_POINTS_LEFT - entry_points()))
+
+
+def runtime_imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """The kvscope modules of ``known`` that importing ``path`` may import (lazy imports in
+    functions included, ``if TYPE_CHECKING:`` blocks not). ``from package import module`` is an
+    edge to the module alone: a package's ``__init__`` facade loads its names lazily."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            submodules = {f"{base}.{a.name}" for a in node.names} & known
+            found |= submodules
+            if len(submodules) < len(node.names):
+                found.add(base)
+    return (found & known) - {module}
+
+
+def import_cycles() -> list[list[str]]:
+    """Every import cycle among kvscope's modules, each as the path that closes it."""
+    paths = {module_name(p): p for p in sources()}
+    graph = {m: runtime_imports(p, m, set(paths)) for m, p in paths.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycle (the store's reader and its ClickHouse reader imported each other)."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
+    a = tmp_path / "a.py"
+    a.write_text("from kvscope.store import b\n", encoding="utf-8")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    from kvscope.store.a import x\n", encoding="utf-8")
+    known = {"kvscope.store.a", "kvscope.store.b"}
+    assert runtime_imports(a, "kvscope.store.a", known) == {"kvscope.store.b"}
+    assert runtime_imports(b, "kvscope.store.b", known) == {"kvscope.store.a"}

@@ -61,12 +61,15 @@ def sql_params(query: str, given: list[str]) -> dict[str, str] | list[str]:
 
 
 def _run_sql(args: argparse.Namespace) -> int:
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.query import Query
+    from kvscope.store.source import open_reader
 
-    reader = StoreReader.open(args.file)
+    bound = sql_params(args.query, args.param)
+    query = (Query(args.query, bound, name="kvscope sql") if isinstance(bound, dict)
+             else Query(args.query, positional=tuple(bound), name="kvscope sql"))
+    reader = open_reader(args.file)
     try:
-        columns, rows = reader.rows(args.query, sql_params(args.query, args.param),
-                                    max_rows=SQL_MAX_ROWS)
+        columns, rows = reader.rows(query, max_rows=SQL_MAX_ROWS)
     except StoreError as exc:
         raise _unbuilt_ledger(exc, args.file) or exc from None
     finally:
@@ -127,11 +130,11 @@ def _run_analyze(args: argparse.Namespace) -> int:
         columns, answered = _ask_live(args.live, args.name, args.param, args.runs, labels)
         sys.stdout.write(format_rows(columns, answered, args.format))
         return 0
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.source import open_reader
 
     assert source is not None
     require_spans(source)
-    reader = StoreReader.open(source)
+    reader = open_reader(source)
     try:
         frame = run_analysis(reader, args.name, params, args.runs, labels=labels)
     finally:

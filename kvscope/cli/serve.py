@@ -121,10 +121,10 @@ def _configure_dashboard(parser: argparse.ArgumentParser) -> None:
 def _run_dashboard(args: argparse.Namespace) -> int:
     """Browse a store read-only until SIGINT or SIGTERM."""
     from kvscope.dashboards.app import DEFAULT_PORT, DashboardServer, create_app
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.source import open_reader
 
     source = store_source(args)
-    StoreReader.open(source).close()  # refuse a missing, locked or foreign store first
+    open_reader(source).close()  # refuse a missing, locked or foreign store first
     # Signals are caught before the app starts warming its pages: a SIGTERM then stops it
     # cleanly (DashboardServer.stop() interrupts the warming) instead of killing it.
     with stop_signals() as wait_for_stop:

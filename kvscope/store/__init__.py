@@ -1,5 +1,6 @@
 """The DuckDB store: schema (mirroring the OpenTelemetry Collector's ClickHouse tables), writer,
-reader, migrations.
+migrations; and reading it, or the Collector's ClickHouse tables, through one Reader protocol
+(``open_reader``).
 
 The names below load their module on first use (PEP 562), so ``kvscope.store.version`` (what
 ``kvscope version`` prints) imports neither DuckDB nor Arrow.
@@ -18,21 +19,26 @@ if TYPE_CHECKING:
         open_store,
         table_counts,
     )
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.duckdb_reader import DuckDBReader
+    from kvscope.store.reader import Reader
     from kvscope.store.rows import GaugeRows, TraceRows
+    from kvscope.store.source import Source, open_reader
     from kvscope.store.version import SCHEMA_VERSION
     from kvscope.store.writer import StoreWriter, WriterStats, insert_arrow
 
 _MODULE_OF = {
     "SCHEMA_VERSION": "version",
     "GaugeRows": "rows",
-    "StoreReader": "reader",
+    "DuckDBReader": "duckdb_reader",
+    "Reader": "reader",
+    "Source": "source",
     "StoreWriter": "writer",
     "TraceRows": "rows",
     "WriterStats": "writer",
     "begin_run": "database",
     "end_run": "database",
     "insert_arrow": "writer",
+    "open_reader": "source",
     "open_readonly": "database",
     "open_store": "database",
     "table_counts": "database",
@@ -40,14 +46,17 @@ _MODULE_OF = {
 
 __all__ = [
     "SCHEMA_VERSION",
+    "DuckDBReader",
     "GaugeRows",
-    "StoreReader",
+    "Reader",
+    "Source",
     "StoreWriter",
     "TraceRows",
     "WriterStats",
     "begin_run",
     "end_run",
     "insert_arrow",
+    "open_reader",
     "open_readonly",
     "open_store",
     "table_counts",

@@ -2,7 +2,7 @@
 
 A fleet sends OTLP to a Collector whose ClickHouse exporter writes ``otel_traces`` and
 ``otel_metrics_gauge``, the tables the DuckDB store mirrors (:mod:`kvscope.store.schema`).
-:class:`ClickHouseReader` is a :class:`~kvscope.store.reader.StoreReader` over those tables, so
+:class:`ClickHouseReader` is a :class:`~kvscope.store.reader.Reader` over those tables, so
 an :class:`~kvscope.analysis.registry.AnalysisContext` and every analysis run on it unchanged:
 it renders each :class:`~kvscope.store.query.Query` in the ClickHouse dialect, binds its values
 as server-side parameters (``{p0:String}``), and returns the frames a DuckDB store returns.
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from kvscope.errors import StoreError
 from kvscope.store.query import CLICKHOUSE, Query
-from kvscope.store.reader import Params, StoreReader
+from kvscope.store.reader import query_error
 from kvscope.store.schema import quote
 
 __all__ = ["CHDB_SCHEME", "ClickHouseReader", "ClickHouseSource", "Engine", "RUNS_DDL",
@@ -170,8 +170,10 @@ class _Server:
 
 
 def _translate(source: ClickHouseSource, time_limit_s: float | None,
-               run: Callable[[], T], doing: str = "query failed on") -> T:
-    """``run()`` with ClickHouse's errors (either engine) as one-line StoreErrors."""
+               run: Callable[[], T], doing: str = "query failed on", *,
+               query: Query | None = None, sql: str | None = None) -> T:
+    """``run()`` with ClickHouse's errors (either engine) as one-line StoreErrors (QueryErrors
+    naming ``query`` when one runs)."""
     try:
         return run()
     except StoreError:
@@ -181,9 +183,12 @@ def _translate(source: ClickHouseSource, time_limit_s: float | None,
             raise
         text = str(exc).strip()
         if _TIMEOUT_EXCEEDED in text:
-            raise StoreError(f"query exceeded the {time_limit_s:g} s time limit") from None
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise StoreError(f"{doing} {source}: {first}") from None
+            problem = f"query exceeded the {time_limit_s:g} s time limit"
+        else:
+            problem = f"{doing} {source}: {text.splitlines()[0] if text else type(exc).__name__}"
+        if query is not None:
+            raise query_error(query, problem, sql) from None
+        raise StoreError(problem) from None
 
 
 def _is_clickhouse_error(exc: Exception) -> bool:
@@ -218,8 +223,9 @@ def normalise(table: pa.Table) -> pa.Table:
     return pa.table(columns, names=table.column_names)
 
 
-class ClickHouseReader(StoreReader):
-    """A :class:`StoreReader` over ClickHouse tables (the Collector's), read-only."""
+class ClickHouseReader:
+    """The :class:`~kvscope.store.reader.Reader` over ClickHouse tables (the Collector's),
+    read-only."""
 
     dialect = CLICKHOUSE
 
@@ -232,55 +238,43 @@ class ClickHouseReader(StoreReader):
     @classmethod
     def connect(cls, source: ClickHouseSource, *,
                 time_limit_s: float | None = 60.0) -> ClickHouseReader:
-        """Connect to ``source`` (``StoreReader.open(source)`` comes here)."""
+        """Connect to ``source`` (``open_reader(source)`` comes here)."""
         return cls(connect(source, time_limit_s), source, time_limit_s=time_limit_s)
 
-    def _text(self, sql: str | Query, params: Params) -> tuple[str, dict[str, Any]]:
-        if isinstance(sql, Query):
-            return sql.text(CLICKHOUSE), dict(sql.params)
-        if params is not None and not isinstance(params, Mapping):
-            if len(params):
-                raise StoreError("positional (?) parameters do not run on ClickHouse: name "
-                                 "them ({name:Type}) and pass a mapping")
-            params = None
-        return sql, dict(params or {})
-
-    def arrow(self, sql: str | Query, params: Params = None) -> pa.Table:
-        """Run one query; its result as an Arrow table with the DuckDB store's types."""
-        text, bound = self._text(sql, params)
+    def arrow(self, query: Query) -> pa.Table:
+        """Run ``query``; its result as an Arrow table with the DuckDB store's types."""
+        if query.positional:
+            raise query_error(query, "positional (?) parameters do not run on ClickHouse: name "
+                              "them ($name) and pass a mapping")
+        text = query.text(CLICKHOUSE)
+        bound = dict(query.params)
         return normalise(_translate(self.source, self.time_limit_s,
-                                    lambda: self._engine.query_arrow(text, bound)))
+                                    lambda: self._engine.query_arrow(text, bound), query=query,
+                                    sql=text))
 
-    def frame(self, sql: str | Query, params: Params = None) -> pl.DataFrame:
-        """Run one query and return its result as a polars DataFrame."""
-        frame = pl.DataFrame(self.arrow(sql, params))
-        return frame
+    def frame(self, query: Query) -> pl.DataFrame:
+        return pl.DataFrame(self.arrow(query))
 
-    def map_batches(self, sql: str | Query, fn: Callable[[pl.DataFrame], T], *,
+    def map_batches(self, query: Query, fn: Callable[[pl.DataFrame], T], *,
                     rows: int = 1_000_000) -> list[T]:
-        """As :meth:`StoreReader.map_batches`; the result arrives whole (one Arrow stream),
-        and is converted and handed to ``fn`` a batch at a time."""
-        table = self.arrow(sql)
+        """As :meth:`Reader.map_batches`; the result arrives whole (one Arrow stream), and is
+        converted and handed to ``fn`` a batch at a time."""
+        table = self.arrow(query)
         done = [fn(pl.DataFrame(batch)) for batch in table.to_batches(max_chunksize=rows)]
         return done or [fn(pl.DataFrame(table.schema.empty_table()))]
 
-    def rows(self, sql: str | Query, params: Params = None, *,
+    def rows(self, query: Query, *,
              max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
-        """Run one query and return (column names, rows); StoreError past ``max_rows``."""
-        frame = self.frame(sql, params)
+        frame = self.frame(query)
         if max_rows is not None and frame.height > max_rows:
-            raise StoreError(f"the result has more than {max_rows} rows; add a LIMIT or "
-                             "aggregate in the query")
+            raise query_error(query, f"the result has more than {max_rows} rows; add a LIMIT "
+                              "or aggregate in the query")
         return frame.columns, frame.rows()
 
-    def execute(self, sql: str | Query, params: Params = None) -> Any:
-        """Not offered: a DuckDB cursor has no ClickHouse twin (use frame() or rows())."""
-        raise StoreError("execute() returns a DuckDB cursor; on ClickHouse use frame() or rows()")
-
     def has_table(self, name: str) -> bool:
-        """Whether the database has a table called ``name``."""
         found = self.frame(Query("SELECT count() AS n FROM system.tables WHERE database = "
-                                 "currentDatabase() AND name = $name", {"name": name}))
+                                 "currentDatabase() AND name = $name", {"name": name},
+                                 name="has_table"))
         return bool(found["n"][0])
 
     def write_table(self, name: str, frame: pl.DataFrame, order_by: tuple[str, ...] = ()) -> int:

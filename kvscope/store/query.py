@@ -4,8 +4,8 @@ Analyses name what they read (:func:`spans`, :func:`select`): a column of the ta
 attribute of the span, its resource or a metric point (:func:`span_attr`,
 :func:`resource_attr`, :func:`point_attr`). Every attribute key and every compared value becomes
 a named parameter (``$p0``, ``$p1``, …) of the :class:`Query`; nothing is spliced into SQL text
-but quoted column names. A :class:`~kvscope.store.reader.StoreReader` runs a :class:`Query`
-through its one seam (time limit, error translation).
+but quoted column names. A :class:`~kvscope.store.reader.Reader` runs a :class:`Query`
+through its one seam (time limit, errors that name the query).
 
 The same query runs on DuckDB and on ClickHouse (the OpenTelemetry Collector's tables): a
 :class:`Dialect` renders what differs, and only that. A parameter is ``$p0`` in DuckDB and
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvscope.store.schema import quote
@@ -171,6 +171,15 @@ class Query:
     sql: str
     params: Mapping[str, Any] = field(default_factory=dict)
     build: Callable[[Binder], str] | None = field(default=None, compare=False, repr=False)
+    # What a reader's errors call the query (an analysis's name for it); "" for none.
+    name: str = field(default="", compare=False)
+    # Values for ``?`` placeholders, in order, instead of ``params``: DuckDB only (kvscope sql's
+    # deprecated ``--param VALUE``); a ClickHouse reader refuses them.
+    positional: tuple[Any, ...] = ()
+
+    def named(self, name: str) -> Query:
+        """This query, called ``name`` in a reader's errors."""
+        return replace(self, name=name)
 
     def text(self, dialect: Dialect) -> str:
         """The SQL text in ``dialect``."""

@@ -1,148 +1,74 @@
-"""Read-only access to a store through one ``execute`` seam (bound parameters, time limit)."""
+"""How kvscope reads a store: the :class:`Reader` protocol, and the errors every reader raises.
+
+One reader per engine, siblings: :class:`~kvscope.store.duckdb_reader.DuckDBReader` (a DuckDB
+store file, or a cursor on the writer's connection) and
+:class:`~kvscope.store.clickhouse.ClickHouseReader` (the OpenTelemetry Collector's ClickHouse
+tables); :func:`kvscope.store.source.open_reader` opens the one a source names. A reader runs
+:class:`~kvscope.store.query.Query` objects only, each through one seam: bound parameters, a
+time limit, and errors (:class:`~kvscope.errors.QueryError`) that name the query and its SQL.
+"""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-import duckdb
-import polars as pl
-
-from kvscope import settings
-from kvscope.errors import StoreError
-from kvscope.store.database import open_readonly
-from kvscope.store.query import DUCKDB, Dialect, Query
+from kvscope.errors import QueryError
+from kvscope.store.query import Dialect, Query
 
 if TYPE_CHECKING:
-    from kvscope.store.clickhouse import ClickHouseSource
+    import polars as pl
 
 T = TypeVar("T")
-# What a reading command reads: a DuckDB store's path, or a ClickHouse source.
-Source: TypeAlias = "str | Path | ClickHouseSource"
-Params = Sequence[Any] | Mapping[str, Any] | None
+# Characters of a query's SQL an error message quotes (the text is on the error whole).
+_SQL_QUOTED = 240
 
 
-def _statement(sql: str | Query, params: Params) -> tuple[str, Any]:
-    """SQL text and its parameters (a list for ``?``, a dict for a :class:`Query`'s ``$name``)."""
-    if isinstance(sql, Query):
-        return sql.sql, dict(sql.params)
-    if params is None or isinstance(params, Mapping):
-        return sql, dict(params) if params else None
-    return sql, list(params)
+class Reader(Protocol):
+    """Read-only queries on a store, in its engine's SQL dialect."""
 
+    # The dialect queries are rendered in (kvscope.store.query).
+    dialect: Dialect
+    # Seconds one query may run (None: no limit).
+    time_limit_s: float | None
 
-class StoreReader:
-    """Queries a store opened read-only (or a cursor on the writer's connection).
+    def frame(self, query: Query) -> pl.DataFrame:
+        """Run ``query``; its result as a polars DataFrame."""
+        ...
 
-    :class:`~kvscope.store.clickhouse.ClickHouseReader` is the same interface over the
-    OpenTelemetry Collector's ClickHouse tables; :meth:`open` returns one for a
-    :class:`~kvscope.store.clickhouse.ClickHouseSource`.
-    """
+    def rows(self, query: Query, *,
+             max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
+        """Run ``query``; (column names, rows). A result of more than ``max_rows`` rows is
+        refused (QueryError), fetched no further where the engine allows."""
+        ...
 
-    # The SQL dialect queries are rendered in (kvscope.store.query).
-    dialect: Dialect = DUCKDB
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, time_limit_s: float | None = 60.0):
-        self._con = con
-        self.time_limit_s = time_limit_s
-
-    @classmethod
-    def open(cls, path: str | Path | ClickHouseSource, *,
-             time_limit_s: float | None | Literal["setting"] = "setting") -> StoreReader:
-        """Open the store at ``path`` read-only (or connect to a ClickHouse source).
-
-        Each query may run ``time_limit_s`` seconds (None: no limit); by default the
-        ``store_query_time_limit_s`` setting's (60 s; 0: no limit).
-        """
-        if time_limit_s == "setting":
-            time_limit_s = float(settings.resolve("store_query_time_limit_s")) or None
-        if not isinstance(path, str | Path):
-            from kvscope.store.clickhouse import ClickHouseReader
-
-            return ClickHouseReader.connect(path, time_limit_s=time_limit_s)
-        return cls(open_readonly(path), time_limit_s=time_limit_s)
+    def map_batches(self, query: Query, fn: Callable[[pl.DataFrame], T], *,
+                    rows: int = 1_000_000) -> list[T]:
+        """Run ``query`` and apply ``fn`` to its result in batches of about ``rows`` rows, in
+        the result's order (an empty result is one empty batch)."""
+        ...
 
     def has_table(self, name: str) -> bool:
         """Whether the store has a table (or view) called ``name``."""
-        _, rows = self.rows("SELECT count(*) FROM information_schema.tables "
-                            "WHERE table_name = ?", [name])
-        return bool(rows[0][0])
-
-    def execute(self, sql: str | Query, params: Params = None) -> duckdb.DuckDBPyConnection:
-        """Run one statement with bound parameters; interrupt it past the time limit."""
-        text, bound = _statement(sql, params)
-        return self._limited(lambda: self._con.execute(text, bound))
-
-    def frame(self, sql: str | Query, params: Params = None) -> pl.DataFrame:
-        """Run one query and return its result as a polars DataFrame (same limit and errors)."""
-        text, bound = _statement(sql, params)
-        # The relation is lazy: building its Arrow table is where the query runs, so that is
-        # what the time limit and the error translation must cover.
-        table = self._limited(lambda: self._con.sql(text, params=bound).to_arrow_table())
-        return pl.DataFrame(table)
-
-    def map_batches(self, sql: str | Query, fn: Callable[[pl.DataFrame], T], *,
-                    rows: int = 1_000_000) -> list[T]:
-        """Run one query and apply ``fn`` to its result in batches of about ``rows`` rows, in
-        the result's order, so the whole result is never held at once (the ledger shapes a
-        large store this way). An empty result is one empty batch."""
-        text, bound = _statement(sql, None)
-
-        def run() -> list[T]:
-            stream = self._con.sql(text, params=bound).to_arrow_reader(rows)
-            done = [fn(pl.DataFrame(batch)) for batch in stream]
-            return done or [fn(pl.DataFrame(stream.schema.empty_table()))]
-        return self._limited(run)
-
-    def rows(self, sql: str | Query, params: Params = None, *,
-             max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
-        """Run one query and return (column names, rows).
-
-        ``max_rows``: refuse (StoreError) a result of more rows, fetched no further: DuckDB's
-        memory limit bounds the engine, not the Python objects a large result becomes.
-        """
-        text, bound = _statement(sql, params)
-
-        def run() -> tuple[list[str], list[tuple]]:
-            result = self._con.execute(text, bound)
-            names = [d[0] for d in result.description or []]
-            if max_rows is None:
-                return names, result.fetchall()
-            fetched = result.fetchmany(max_rows + 1)
-            if len(fetched) > max_rows:
-                raise StoreError(f"the result has more than {max_rows} rows; add a LIMIT or "
-                                 "aggregate in the query")
-            return names, fetched
-        return self._limited(run)
-
-    def _limited(self, run: Callable[[], T]) -> T:
-        """``run()`` interrupted past the time limit; DuckDB errors become StoreError (the one
-        seam every query of a reader passes)."""
-        timer: threading.Timer | None = None
-        if self.time_limit_s:
-            timer = threading.Timer(self.time_limit_s, self._con.interrupt)
-            timer.daemon = True
-            timer.start()
-        try:
-            return run()
-        except duckdb.InterruptException:
-            raise StoreError(f"query exceeded the {self.time_limit_s:g} s time limit") from None
-        except duckdb.Error as exc:
-            raise StoreError(f"query failed: {str(exc).splitlines()[0]}") from None
-        finally:
-            if timer is not None:
-                timer.cancel()
+        ...
 
     def interrupt(self) -> None:
-        """Stop the query running on this reader now (from another thread); it fails with a
-        StoreError. Nothing happens when none runs."""
-        self._con.interrupt()
+        """Stop the query running on this reader now, from another thread (it fails with a
+        QueryError); nothing when none runs."""
+        ...
 
     def close(self) -> None:
         """Close the connection."""
-        self._con.close()
+        ...
 
 
-__all__ = ["Params", "Source", "StoreReader"]
+def query_error(query: Query, problem: str, sql: str | None = None) -> QueryError:
+    """``problem`` as a QueryError naming ``query`` (its name, or "unnamed") and its SQL."""
+    text = query.sql if sql is None else sql
+    one_line = " ".join(text.split())
+    quoted = one_line if len(one_line) <= _SQL_QUOTED else one_line[:_SQL_QUOTED] + " …"
+    name = query.name or "unnamed"
+    return QueryError(f"{problem} (query {name}: {quoted})", query_name=query.name, sql=text)
+
+
+__all__ = ["Reader", "query_error"]

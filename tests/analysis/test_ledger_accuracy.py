@@ -21,7 +21,8 @@ from kvscope.emulator.simulator import SimulationSettings, iter_truth, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
+from kvscope.store.query import Query
+from kvscope.store.source import open_reader
 
 SPLIT = ["reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
          "recomputed_reusable_tokens"]
@@ -41,7 +42,7 @@ def _compare(workload: Workload, db: Path, settings: SimulationSettings) -> pl.D
     result = simulate(workload, db, settings)
     truth = pl.DataFrame([row | {"facts": json.dumps(row["facts"])}
                           for row in iter_truth(result)])
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         observed = ledger(reader).filter(pl.col("run_id") == result.run_id)
     finally:
@@ -162,7 +163,7 @@ def test_the_runs_hold_the_hard_cases(workload: Workload, tmp_path: Path) -> Non
                       SimulationSettings(profile="tiny", seed=17))
     truth = list(iter_truth(result))
     assert sum(t["outcome"] == outcomes.REUSED_INVALID for t in truth) >= 3
-    reader = StoreReader.open(tmp_path / "hard.duckdb")
+    reader = open_reader(tmp_path / "hard.duckdb")
     try:
         observed = ledger(reader)
     finally:
@@ -237,9 +238,9 @@ def test_the_ledger_table_is_rebuilt_idempotently(workload: Workload, tmp_path: 
     result = simulate(workload, db, SimulationSettings(profile="tiny", seed=3))
     assert rebuild(db) == result.turns
     assert rebuild(db) == result.turns  # replaced, not appended
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
-        columns, rows = reader.rows(f"SELECT * FROM {LEDGER_TABLE} ORDER BY x_request_id")
+        columns, rows = reader.rows(Query(f"SELECT * FROM {LEDGER_TABLE} ORDER BY x_request_id"))
         assert columns == list(LEDGER_SCHEMA)
         assert len(rows) == result.turns
         # The stored table is the ledger the analyses compute from the spans.

@@ -26,10 +26,10 @@ from kvscope.collector.proxy.app import SERVER_OPTIONS, ProxyConfig, Upstream, b
 from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
 from kvscope.store.database import open_store
 from kvscope.store.rows import TraceRows
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
+from kvscope.store.source import open_reader
 from kvscope.store.writer import insert_arrow
 from tests.collector.upstream_stub import ServerThread
 from tests.stores import query
@@ -112,7 +112,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, st
 
 
 def _ledger(db: Path) -> pl.DataFrame:
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         return ledger(reader)
     finally:

@@ -20,8 +20,8 @@ from kvscope.analysis.ledger import ledger
 from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
 from kvscope.store.database import open_store
+from kvscope.store.source import open_reader
 
 MODEL = "kvscope-emulated"
 DECISION_HOOK = "NixlPullConnectorScheduler.update_state_after_alloc"
@@ -62,7 +62,7 @@ def _without(run: Path, tmp_path: Path, span: str, hooks_missing: str | None) ->
                  semconv.SERVICE_DECODE])
     finally:
         con.close()
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         return ledger(reader).sort("turn_index")
     finally:
@@ -70,7 +70,7 @@ def _without(run: Path, tmp_path: Path, span: str, hooks_missing: str | None) ->
 
 
 def test_the_full_run_reuses(run: Path) -> None:
-    reader = StoreReader.open(run)
+    reader = open_reader(run)
     try:
         rows = ledger(reader).sort("turn_index")
     finally:
@@ -127,7 +127,7 @@ def test_retention_snapshots_yield_to_their_release(run: Path, tmp_path: Path) -
                  semconv.SPAN_KV_RETENTION])
     finally:
         con.close()
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = ledger(reader).sort("turn_index")
     finally:

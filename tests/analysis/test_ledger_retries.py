@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 
 from kvscope.analysis import ledger
 from kvscope.collector.receiver import Receiver
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 from tests.collector.test_receiver import _spans
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ _DIES_AFTER_COMMIT = textwrap.dedent("""
 
 
 def _ledger(path: Path) -> list[tuple[object, ...]]:
-    reader = StoreReader.open(path)
+    reader = open_reader(path)
     try:
         frame = ledger.ledger(reader)
     finally:

@@ -23,6 +23,7 @@ from kvscope.analysis.ledger import LEDGER_TABLE, ledger
 from kvscope.analysis.ledger_units import update_connection
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
+from kvscope.store.duckdb_reader import DuckDBReader
 from tests.stores import busy_workload, simulate_faults
 
 _ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id"]
@@ -74,7 +75,8 @@ def test_incremental_equals_full_rebuild(spans: pa.Table, tmp_path_factory: pyte
             incremental += done.units is not None
             reasons.append(done.reason)
             table = _table(con)
-            assert _sorted(table).equals(_sorted(ledger(con))), (low, high, done)
+            full = ledger(DuckDBReader(con, time_limit_s=None))
+            assert _sorted(table).equals(_sorted(full)), (low, high, done)
             for row in table.select(*_ORDER, "outcome").iter_rows():
                 key = row[:-1]
                 if key in outcome_seen and outcome_seen[key] != row[-1]:
@@ -100,7 +102,7 @@ def test_the_watermark_falls_back_to_a_full_rebuild_when_rows_go(spans: pa.Table
         con.execute("DELETE FROM otel_traces WHERE rowid % 7 = 0")
         done = update_connection(con)
         assert done.units is None and "not those counted" in str(done.reason)
-        assert _sorted(_table(con)).equals(_sorted(ledger(con)))
+        assert _sorted(_table(con)).equals(_sorted(ledger(DuckDBReader(con, time_limit_s=None))))
     finally:
         con.close()
 
@@ -120,7 +122,7 @@ def test_a_table_an_earlier_kvscope_built_is_rebuilt_not_appended_to(spans: pa.T
         con.execute("INSERT INTO otel_traces SELECT * FROM batch")
         done = update_connection(con)
         assert done.units is None and done.reason == "the table has an earlier kvscope's columns"
-        assert _sorted(_table(con)).equals(_sorted(ledger(con)))
+        assert _sorted(_table(con)).equals(_sorted(ledger(DuckDBReader(con, time_limit_s=None))))
     finally:
         con.close()
 

@@ -32,6 +32,7 @@ from kvscope.analysis.live_metrics import LiveLedger, contributions, metrics_sou
 from kvscope.collector.receiver import Receiver
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
+from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.schema import TRACES_ARROW
 from tests.stores import busy_workload, simulate_faults
 
@@ -66,7 +67,7 @@ def _copy_runs(source: Path, con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _rebuilt(con: duckdb.DuckDBPyConnection, labels: dict[str, str]) -> dict:
-    rows = ledger(con)
+    rows = ledger(DuckDBReader(con, time_limit_s=None))
     models = pl.DataFrame(con.sql(
         f"SELECT SpanAttributes['{semconv.X_REQUEST_ID}'] AS x_request_id, "
         f"SpanAttributes['{semconv.GEN_AI_REQUEST_MODEL}'] AS model FROM otel_traces "

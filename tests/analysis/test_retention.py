@@ -34,6 +34,7 @@ from kvscope.emulator.simulator import SimulationResult, SimulationSettings, sim
 from kvscope.emulator.workloads import synthetic
 from kvscope.reuse import outcomes
 from kvscope.store.database import open_store
+from kvscope.store.query import Query
 from kvscope.store.rows import GaugeRows, TraceRows
 from kvscope.store.schema import GAUGE_TABLE, TRACES_TABLE
 from kvscope.store.writer import insert_arrow
@@ -349,15 +350,15 @@ def test_retention_cost_on_simulated_runs(
         cost = registry.run(ctx, "retention_cost", {"fit": "all"})
         # Independent of the analysis: counts and byte-seconds straight from the spans.
         _, counted = ctx.reader.rows(
-            "SELECT ResourceAttributes[?], SpanAttributes[?], count(*), "
-            "sum(CAST(SpanAttributes[?] AS DOUBLE) * Duration / 1e9) "
-            "FROM otel_traces WHERE SpanName = ? GROUP BY 1, 2",
-            [semconv.RUN_ID, semconv.RETENTION_RELEASE_REASON, semconv.RETENTION_BYTES,
-             semconv.SPAN_KV_RETENTION])
+            Query("SELECT ResourceAttributes[?], SpanAttributes[?], count(*), "
+                  "sum(CAST(SpanAttributes[?] AS DOUBLE) * Duration / 1e9) "
+                  "FROM otel_traces WHERE SpanName = ? GROUP BY 1, 2",
+                  positional=(semconv.RUN_ID, semconv.RETENTION_RELEASE_REASON,
+                              semconv.RETENTION_BYTES, semconv.SPAN_KV_RETENTION)))
         _, span_ends = ctx.reader.rows(
-            "SELECT ResourceAttributes[?], max(epoch_ns(Timestamp) + Duration) FROM otel_traces "
-            "WHERE SpanName IN (?, ?) GROUP BY 1",
-            [semconv.RUN_ID, semconv.SPAN_TURN, semconv.SPAN_KV_RETENTION])
+            Query("SELECT ResourceAttributes[?], max(epoch_ns(Timestamp) + Duration) FROM "
+                  "otel_traces WHERE SpanName IN (?, ?) GROUP BY 1",
+                  positional=(semconv.RUN_ID, semconv.SPAN_TURN, semconv.SPAN_KV_RETENTION)))
         ledger = ctx.ledger()
     assert cost.schema == pl.Schema(COST_COLUMNS)
     rows = {r["run_id"]: r for r in cost.to_dicts()}

@@ -25,6 +25,7 @@ from kvscope.analysis.task_time import (
 )
 from kvscope.emulator.simulator import SimulationResult, SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
+from kvscope.store.query import Query
 
 T0 = dt.datetime(2026, 1, 1)
 
@@ -207,10 +208,10 @@ def test_task_time_on_a_simulated_run(simulated: tuple[Path, SimulationResult]) 
         table = registry.run(ctx, "task_time")
         # Independent of the ledger: first arrival → last byte of each conversation's turns.
         _, spans = ctx.reader.rows(
-            "SELECT SpanAttributes[?], "
-            "(max(epoch_ns(Timestamp) + Duration) - min(epoch_ns(Timestamp))) / 1e9 "
-            "FROM otel_traces WHERE SpanName = ? GROUP BY 1",
-            [semconv.GEN_AI_CONVERSATION_ID, semconv.SPAN_TURN])
+            Query("SELECT SpanAttributes[?], "
+                  "(max(epoch_ns(Timestamp) + Duration) - min(epoch_ns(Timestamp))) / 1e9 "
+                  "FROM otel_traces WHERE SpanName = ? GROUP BY 1",
+                  positional=(semconv.GEN_AI_CONVERSATION_ID, semconv.SPAN_TURN)))
         summary = registry.run(ctx, "task_time_summary")
     assert table.schema == pl.Schema(COLUMNS)
     assert table.height == len({t.conversation_id for t in result.truth}) == len(spans)

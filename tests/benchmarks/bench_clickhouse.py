@@ -169,10 +169,10 @@ def _read_alone(source: Any, what: str) -> dict[str, Any]:
     queries, span rows per kind: what the ledger brought back before) or ``per_turn``
     (``ledger.turn_rows``: the joins and aggregations in the engine, one row per turn back)."""
     from kvscope.analysis.ledger import load_spans, turn_rows
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.source import open_reader
 
     start = time.perf_counter()
-    reader = StoreReader.open(source, time_limit_s=None)
+    reader = open_reader(source, time_limit_s=None)
     try:
         if what == "per_turn":
             rows = turn_rows(reader).height

@@ -110,7 +110,7 @@ def main() -> None:
 
     from kvscope.analysis import ledger
     from kvscope.collector.ingest import KINDS, ingest
-    from kvscope.store import StoreReader
+    from kvscope.store.source import open_reader
 
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-ingest-") as tmp:
         folder = Path(tmp)
@@ -136,7 +136,7 @@ def main() -> None:
         print(f"ingest (3 files, one run)  {took:6.2f} s [{cpu:5.2f}]  "
               f"{turns / took:9,.0f} turns/s  {spans:,d} spans, {result.joined:,d} turns joined")
         start, cpu = time.perf_counter(), time.process_time()
-        reader = StoreReader.open(db)
+        reader = open_reader(db)
         try:
             frame = ledger.ledger(reader)
         finally:

@@ -79,10 +79,10 @@ def _analyse(db: Path) -> dict[str, Any]:
     steps: list[tuple[str, float | None, str]] = []
     total_start = time.perf_counter()
     start = time.perf_counter()
-    from kvscope.store.reader import StoreReader
+    from kvscope.store.source import open_reader
 
     # No time limit: at 10M turns one query (the ledger's) runs past the readers' default 60 s.
-    ctx = registry.AnalysisContext(StoreReader.open(db, time_limit_s=None))
+    ctx = registry.AnalysisContext(open_reader(db, time_limit_s=None))
     steps.append(("open", time.perf_counter() - start, ""))
     with ctx:
         start = time.perf_counter()

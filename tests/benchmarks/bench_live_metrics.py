@@ -30,6 +30,7 @@ from kvscope.analysis.live_metrics import LiveLedger
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.store.database import open_store
+from kvscope.store.duckdb_reader import DuckDBReader
 
 
 def _rss_mib() -> float:
@@ -71,7 +72,7 @@ def main() -> int:
         refresh_s = time.perf_counter() - started
         started = time.perf_counter()
         if not args.no_rebuild:
-            ledger(con)
+            ledger(DuckDBReader(con, time_limit_s=None))
         rebuild_s = time.perf_counter() - started
         refresh_total += refresh_s
         rebuild_total += rebuild_s

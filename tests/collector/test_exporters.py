@@ -20,9 +20,11 @@ from kvscope import semconv
 from kvscope.collector.convert import spans_to_rows
 from kvscope.collector.exporters import DuckDBSpanExporter
 from kvscope.collector.otel import QueueSpanProcessor, setup_telemetry
-from kvscope.store import StoreReader, StoreWriter, insert_arrow, open_store
+from kvscope.store import StoreWriter, insert_arrow, open_store
 from kvscope.store import writer as writer_module
+from kvscope.store.query import Query
 from kvscope.store.rows import TraceRows, stringify
+from kvscope.store.source import open_reader
 
 attr_values = st.one_of(
     st.text(max_size=40),
@@ -61,10 +63,10 @@ def test_span_attributes_round_trip(tmp_path_factory: pytest.TempPathFactory,
     exporter = DuckDBSpanExporter(writer, close_writer=True)
     assert exporter.export(spans) is SpanExportResult.SUCCESS
     exporter.shutdown()
-    reader = StoreReader.open(path)
+    reader = open_reader(path)
     _, rows = reader.rows(
-        "SELECT SpanId, SpanAttributes, ParentSpanId, SpanKind, StatusCode, StatusMessage, "
-        "ServiceName, ScopeName, ScopeVersion, Duration, len(Events) FROM otel_traces"
+        Query("SELECT SpanId, SpanAttributes, ParentSpanId, SpanKind, StatusCode, StatusMessage, "
+        "ServiceName, ScopeName, ScopeVersion, Duration, len(Events) FROM otel_traces")
     )
     reader.close()
     stored = {r[0]: r for r in rows}
@@ -118,8 +120,8 @@ def test_writer_drops_and_counts_when_its_queue_is_full(store_path: Path) -> Non
     gate.set()
     assert writer.flush(10)
     writer.close()
-    reader = StoreReader.open(store_path)
-    assert reader.rows("SELECT count(*) FROM otel_traces")[1] == [(12,)]
+    reader = open_reader(store_path)
+    assert reader.rows(Query("SELECT count(*) FROM otel_traces"))[1] == [(12,)]
     reader.close()
 
 
@@ -184,14 +186,16 @@ def test_setup_telemetry_writes_spans_and_gauges(store_path: Path) -> None:
     gauge.set(4096, {semconv.ENGINE_ID: "decode-0"})
     assert telemetry.flush(10)
     telemetry.shutdown()
-    reader = StoreReader.open(store_path)
+    reader = open_reader(store_path)
     _, spans = reader.rows(
-        "SELECT SpanName, ServiceName, ResourceAttributes[?], SpanAttributes[?] FROM otel_traces",
-        [semconv.RUN_ID, semconv.RETENTION_BLOCKS])
+        Query("SELECT SpanName, ServiceName, ResourceAttributes[?], SpanAttributes[?] FROM "
+              "otel_traces",
+              positional=(semconv.RUN_ID, semconv.RETENTION_BLOCKS)))
     assert spans == [(semconv.SPAN_KV_RETENTION, semconv.SERVICE_DECODE, "run-1", "12")]
     _, points = reader.rows(
-        "SELECT DISTINCT MetricName, MetricUnit, Value, Attributes[?] FROM otel_metrics_gauge",
-        [semconv.ENGINE_ID])
+        Query("SELECT DISTINCT MetricName, MetricUnit, Value, Attributes[?] FROM "
+              "otel_metrics_gauge",
+              positional=(semconv.ENGINE_ID,)))
     assert points == [(semconv.METRIC_KV_RETAINED, "By", 4096.0, "decode-0")]
     reader.close()
 

@@ -23,7 +23,7 @@ from kvscope.analysis import ledger, task_time
 from kvscope.collector.ingest import bench_stats, ingest
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 from tests.stores import query
 
 # RequestStats (bsmt.py:119-131), in declaration order.
@@ -93,7 +93,7 @@ def stats_file(tmp_path: Path) -> Path:
 
 
 def _ledger(db: Path) -> list[dict[str, Any]]:
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows: list[dict[str, Any]] = ledger.ledger(reader).to_dicts()
         return rows
@@ -144,7 +144,7 @@ def test_turns_and_tool_waits_land_in_the_ledger(tmp_path: Path, stats_file: Pat
         assert row["reusable_tokens"] == (0 if key[1] == 1 else None)
         assert row["observer"] == semconv.OBSERVER_CLIENT
     # The task timeline: tool waits measured, the proxy's legs and overhead not measured.
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         tasks = {r["conversation_id"]: r
                  for r in task_time.task_table(ledger.ledger(reader)).to_dicts()}

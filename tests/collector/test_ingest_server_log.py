@@ -418,8 +418,8 @@ def test_decode_s_read_after_release_line_makes_the_read_invalid(tmp_path: Path)
     assert read["d2p_status"] == semconv.TRANSFER_OK
     assert (read["outcome"], read["invalid_kind"]) == (outcomes.REUSED_INVALID, "after_release")
     assert read["remote_reused_tokens"] == 0
-    from kvscope.store import StoreReader
-    reader = StoreReader.open(db)
+    from kvscope.store.source import open_reader
+    reader = open_reader(db)
     try:
         held = retention.shape_retentions(reader.frame(retention.RETENTION_QUERY))
     finally:

@@ -43,6 +43,7 @@ from kvscope import semconv
 from kvscope.collector.exporters import DuckDBMetricExporter, DuckDBSpanExporter
 from kvscope.collector.receiver import Receiver
 from kvscope.errors import KvscopeError, StoreLockedError
+from kvscope.store.query import Query
 from kvscope.store.writer import StoreWriter
 from tests.collector.test_otlp_decode import SPEC_ATTRIBUTES, SPEC_EXAMPLE
 from tests.raw_http import partial_body_answer, post_head
@@ -499,7 +500,7 @@ def test_sigterm_flushes_everything_acknowledged_and_the_file_is_locked_meanwhil
 def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Path) -> None:
     from kvscope import semconv
     from kvscope.collector.receiver import Receiver
-    from kvscope.store import StoreReader
+    from kvscope.store.source import open_reader
 
     db = tmp_path / "runs.duckdb"
     memory = InMemorySpanExporter()
@@ -517,10 +518,11 @@ def test_a_recording_receiver_names_its_run_on_spans_that_name_none(tmp_path: Pa
         exporter = OTLPSpanExporter(endpoint=f"{receiver.url}/v1/traces")
         assert exporter.export(memory.get_finished_spans()) is SpanExportResult.SUCCESS
         receiver.writer.flush(10)
-    reader = StoreReader.open(db)
-    _, runs = reader.rows("SELECT run_id, label, ended_at IS NOT NULL FROM kvscope_runs")
-    _, spans = reader.rows("SELECT SpanName, ResourceAttributes[?] FROM otel_traces ORDER BY 1",
-                           [semconv.RUN_ID])
+    reader = open_reader(db)
+    _, runs = reader.rows(Query("SELECT run_id, label, ended_at IS NOT NULL FROM kvscope_runs"))
+    _, spans = reader.rows(Query("SELECT SpanName, ResourceAttributes[?] FROM otel_traces "
+                                 "ORDER BY 1",
+                                 positional=(semconv.RUN_ID,)))
     reader.close()
     assert len(runs) == 1 and runs[0][1].startswith("kvscope serve") and runs[0][2]
     assert spans == [("anonymous", runs[0][0]), ("named", "their-run")]

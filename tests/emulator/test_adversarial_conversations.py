@@ -37,7 +37,7 @@ from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.reuse import decisions, outcomes
 from kvscope.reuse import params as reuse_params
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 from tests.collector.served import Served
 
 MODEL = "kvscope-emulated"
@@ -258,7 +258,7 @@ def _converse(tmp: Path, batch: list[Any], guarded: bool, scheduling: str) -> No
             truth = list(cluster.emulation.truth.rows)
     finally:
         served.stop()
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = ledger(reader)
     finally:

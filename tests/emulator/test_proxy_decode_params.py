@@ -30,7 +30,7 @@ from kvscope.reuse.params import (
     DECODE_PARAMS_STREAM,
     streams_kv_transfer_params,
 )
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 from tests.stores import query
 
 MODEL = "kvscope-emulated"
@@ -76,7 +76,7 @@ def _run(tmp_path: Path, version: str, decode_params: str) -> tuple[list[Any], p
         _conversation(cluster.proxy_url, "streamed", stream=True)
         _conversation(cluster.proxy_url, "whole", stream=False)
         truth = list(cluster.emulation.truth.rows)
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = ledger(reader).sort("conversation_id", "turn_index")
     finally:

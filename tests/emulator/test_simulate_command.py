@@ -27,7 +27,8 @@ from kvscope.emulator.simulator import SimulationResult, SimulationSettings
 from kvscope.emulator.workloads import mooncake_synthetic
 from kvscope.errors import SettingError
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
+from kvscope.store.query import Query
+from kvscope.store.source import open_reader
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -130,8 +131,9 @@ def test_simulate_a_mooncake_trace_sweep_into_one_store(tmp_path: Path) -> None:
     assert lines[4].startswith("plan decoder-kv-blocks-ttl=480 ")
     assert lines[-1] == "report: kvscope report out.duckdb -o report.html"
 
-    reader = StoreReader.open(tmp_path / "out.duckdb")
-    _, runs = reader.rows("SELECT run_id, label, settings FROM kvscope_runs ORDER BY started_at")
+    reader = open_reader(tmp_path / "out.duckdb")
+    _, runs = reader.rows(Query("SELECT run_id, label, settings FROM kvscope_runs ORDER BY "
+                                "started_at"))
     reader.close()
     assert [label for _, label, _ in runs] == ["plan decoder-kv-blocks-ttl=30",
                                                "plan decoder-kv-blocks-ttl=480"]

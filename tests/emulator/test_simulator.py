@@ -14,7 +14,8 @@ from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import mooncake, mooncake_synthetic, synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
+from kvscope.store.query import Query
+from kvscope.store.source import open_reader
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,10 @@ def test_feature_on_reuses_remotely_and_writes_every_span(workload: Workload,
     for row in result.truth:
         assert (row.local_hit_tokens + row.remote_reused_tokens
                 + row.recomputed_reusable_tokens) == row.reusable_tokens
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     _, counts = reader.rows(
-        "SELECT SpanName, count(*) FROM otel_traces WHERE ResourceAttributes[?] = ? "
-        "GROUP BY 1 ORDER BY 1", [semconv.RUN_ID, result.run_id])
+        Query("SELECT SpanName, count(*) FROM otel_traces WHERE ResourceAttributes[?] = ? "
+        "GROUP BY 1 ORDER BY 1", positional=(semconv.RUN_ID, result.run_id)))
     by_name = dict(counts)
     assert by_name[semconv.SPAN_TURN] == result.turns
     assert by_name[semconv.SPAN_INPUT_PROCESSING] == result.turns
@@ -54,22 +55,22 @@ def test_feature_on_reuses_remotely_and_writes_every_span(workload: Workload,
     assert by_name[semconv.SPAN_REUSE_DECISION] == result.turns
     # Every retention is closed by a read (the next turn pulled it) or by the final reaper.
     _, reasons = reader.rows(
-        "SELECT SpanAttributes[?], count(*) FROM otel_traces WHERE SpanName = ? GROUP BY 1",
-        [semconv.RETENTION_RELEASE_REASON, semconv.SPAN_KV_RETENTION])
+        Query("SELECT SpanAttributes[?], count(*) FROM otel_traces WHERE SpanName = ? GROUP BY 1",
+              positional=(semconv.RETENTION_RELEASE_REASON, semconv.SPAN_KV_RETENTION)))
     expected = {semconv.RELEASE_READ: later[outcomes.REUSED_REMOTE],
                 semconv.RELEASE_NOTIFIED: later[outcomes.BELOW_THRESHOLD],
                 semconv.RELEASE_EXPIRED: len(workload.conversations)}
     assert dict(reasons) == {k: v for k, v in expected.items() if v}
     # Engine spans join the proxy's turn through the vLLM request id the proxy recorded.
     _, joined = reader.rows(
-        "SELECT count(*) FROM otel_traces d JOIN otel_traces p "
-        "ON d.SpanAttributes[?] = p.SpanAttributes[?] "
-        "WHERE d.SpanName = ? AND p.SpanName = ?",
-        [semconv.VLLM_REQUEST_ID, semconv.VLLM_REQUEST_ID, semconv.SPAN_REUSE_DECISION,
-         semconv.SPAN_INPUT_PROCESSING])
+        Query("SELECT count(*) FROM otel_traces d JOIN otel_traces p "
+              "ON d.SpanAttributes[?] = p.SpanAttributes[?] "
+              "WHERE d.SpanName = ? AND p.SpanName = ?",
+              positional=(semconv.VLLM_REQUEST_ID, semconv.VLLM_REQUEST_ID,
+                          semconv.SPAN_REUSE_DECISION, semconv.SPAN_INPUT_PROCESSING)))
     assert joined == [(result.turns,)]
-    _, run = reader.rows("SELECT label, settings->>'profile', ended_at IS NOT NULL "
-                         "FROM kvscope_runs WHERE run_id = ?", [result.run_id])
+    _, run = reader.rows(Query("SELECT label, settings->>'profile', ended_at IS NOT NULL "
+                         "FROM kvscope_runs WHERE run_id = ?", positional=(result.run_id,)))
     assert run == [("ON", "tiny", True)]
     reader.close()
 

@@ -35,7 +35,8 @@ from kvscope.emulator.simulator import (
 )
 from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
-from kvscope.store import StoreReader
+from kvscope.store.query import Query
+from kvscope.store.source import open_reader
 
 _ALL_SPANS = {
     semconv.SPAN_TURN, semconv.SPAN_INPUT_PROCESSING, semconv.SPAN_GENERATION,
@@ -71,8 +72,8 @@ def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: boo
         # process: spans are built and written by the span process (any size of workload).
         sim._process_rows_min_turns = 0 if process else 10**12
         result = sim.run(workload, db)
-    reader = StoreReader.open(db)
-    _, rows = reader.rows("SELECT * FROM otel_traces ORDER BY rowid")
+    reader = open_reader(db)
+    _, rows = reader.rows(Query("SELECT * FROM otel_traces ORDER BY rowid"))
     return result, rows
 
 

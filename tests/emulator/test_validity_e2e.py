@@ -26,7 +26,7 @@ from kvscope.emulator.launcher import EmulatedCluster
 from kvscope.emulator.servers import EmulatorConfig
 from kvscope.reuse import outcomes
 from kvscope.reuse.router import GUARD_EDITED, GUARD_PASSED
-from kvscope.store import StoreReader
+from kvscope.store.source import open_reader
 
 MODEL = "kvscope-emulated"
 _ids = itertools.count()
@@ -65,7 +65,7 @@ def _edited_conversation(url: str) -> str:
 
 
 def _rows(db: Path) -> pl.DataFrame:
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         return ledger(reader).sort("conversation_id", "turn_index")
     finally:
@@ -297,7 +297,7 @@ def _cached(db: Path) -> dict[str, int | None]:
     sql = spans(semconv.SPAN_TURN, {
         "x": span_attr(semconv.X_REQUEST_ID),
         "cached": span_attr(semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS)})
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         frame = reader.frame(sql)
     finally:

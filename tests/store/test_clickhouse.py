@@ -23,8 +23,9 @@ from kvscope.analysis.runs import RUNS_FROM_SPANS, all_runs
 from kvscope.emulator.simulator import SIM_FAULTS, SimulationSettings, simulate
 from kvscope.errors import StoreError
 from kvscope.reuse import outcomes
-from kvscope.store import StoreReader
 from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
+from kvscope.store.query import Query
+from kvscope.store.source import open_reader
 from tests.store import otelcol
 from tests.store.chdb_http import ChdbHttp
 from tests.stores import busy_workload
@@ -84,8 +85,8 @@ def both(request: pytest.FixtureRequest,
          duck: Path) -> Iterator[tuple[AnalysisContext, AnalysisContext]]:
     """(DuckDB, ClickHouse) contexts: ClickHouse in-process (chdb) or over HTTP."""
     source = request.getfixturevalue("source" if request.param == "chdb" else "http_source")
-    with AnalysisContext(StoreReader.open(duck)) as d, AnalysisContext(
-            StoreReader.open(source)) as c:
+    with AnalysisContext(open_reader(duck)) as d, AnalysisContext(
+            open_reader(source)) as c:
         assert isinstance(c.reader, ClickHouseReader)
         yield d, c
 
@@ -93,7 +94,7 @@ def both(request: pytest.FixtureRequest,
 def test_the_extracted_span_rows_are_identical(duck: Path, source: ClickHouseSource) -> None:
     """Row for row (sorted: neither engine promises an order), nulls where attributes are absent
     (ClickHouse's map look-up would give '' without the dialect)."""
-    d, c = StoreReader.open(duck), StoreReader.open(source)
+    d, c = open_reader(duck), open_reader(source)
     try:
         on_duck, on_click = load_spans(d), load_spans(c)
     finally:
@@ -131,8 +132,8 @@ def test_the_engine_sends_back_one_row_per_turn(
         raise AssertionError("the ledger read span rows back instead of per-turn rows")
 
     monkeypatch.setattr(ledger_module, "load_spans", no_extraction)
-    _, counted = d.reader.rows("SELECT count(*) FROM otel_traces WHERE SpanName = $name",
-                               {"name": semconv.SPAN_TURN})
+    _, counted = d.reader.rows(Query("SELECT count(*) FROM otel_traces WHERE SpanName = $name",
+                                     {"name": semconv.SPAN_TURN}))
     on_duck, on_click = ledger_module.turn_rows(d.reader), ledger_module.turn_rows(c.reader)
     assert on_duck.height == on_click.height == counted[0][0]
     keys = ["trace_id", "span_id"]
@@ -177,12 +178,12 @@ def test_runs_come_from_the_spans_where_no_run_table_was_written(
         load_store(duck, reader.engine)
         reader.engine.command("DROP TABLE kvscope_runs")
         assert not reader.has_table("kvscope_runs")
-        with AnalysisContext(reader) as ctx, AnalysisContext(StoreReader.open(duck)) as dctx:
+        with AnalysisContext(reader) as ctx, AnalysisContext(open_reader(duck)) as dctx:
             runs = all_runs(ctx)
             assert sorted(runs["run_id"]) == sorted(all_runs(dctx)["run_id"])
             assert runs["label"].to_list() == runs["run_id"].to_list()
             assert_frame_equal(ctx.ledger(), dctx.ledger())
-        duck_reader = StoreReader.open(duck)
+        duck_reader = open_reader(duck)
         try:  # the same portable query on DuckDB names the same runs
             assert sorted(duck_reader.frame(RUNS_FROM_SPANS)["run_id"]) == sorted(runs["run_id"])
         finally:
@@ -198,7 +199,7 @@ def test_the_ledger_is_written_back_as_a_clickhouse_table(
     ledger = c.ledger()
     assert c.reader.write_table(LEDGER_TABLE, ledger) == ledger.height
     c.reader.write_table(LEDGER_TABLE, ledger)  # replacing keeps one copy
-    stored = c.reader.frame(f"SELECT * FROM {LEDGER_TABLE}")
+    stored = c.reader.frame(Query(f"SELECT * FROM {LEDGER_TABLE}"))
     key = ["run_id", "conversation_id", "turn_index", "arrival"]
     assert_frame_equal(stored.sort(key, nulls_last=True), ledger.sort(key, nulls_last=True))
 
@@ -207,12 +208,12 @@ def test_clickhouse_errors_are_one_line_store_errors(source: ClickHouseSource) -
     reader = ClickHouseReader.connect(source, time_limit_s=0.5)
     try:
         with pytest.raises(StoreError, match=r"query failed on chdb:.*UNKNOWN_TABLE|no_such"):
-            reader.frame("SELECT * FROM no_such_table")
+            reader.frame(Query("SELECT * FROM no_such_table"))
         with pytest.raises(StoreError, match="exceeded the 0.5 s time limit"):
-            reader.frame("SELECT count() FROM numbers(100000000000)")
+            reader.frame(Query("SELECT count() FROM numbers(100000000000)"))
         with pytest.raises(StoreError, match="positional"):
-            reader.rows("SELECT ? AS x", [1])
-        assert reader.rows("SELECT {x:Int64} + 1 AS y", {"x": 41}) == (["y"], [(42,)])
+            reader.rows(Query("SELECT ? AS x", positional=(1,)))
+        assert reader.rows(Query("SELECT {x:Int64} + 1 AS y", {"x": 41})) == (["y"], [(42,)])
     finally:
         reader.close()
 
@@ -222,7 +223,7 @@ def test_a_missing_database_is_refused_and_not_created(chdb_folder: Path) -> Non
         ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}", database="no_such_db"))
     reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}"))
     try:
-        assert reader.frame("SELECT count() AS n FROM system.databases "
-                            "WHERE name = 'no_such_db'")["n"][0] == 0
+        assert reader.frame(Query("SELECT count() AS n FROM system.databases "
+                            "WHERE name = 'no_such_db'"))["n"][0] == 0
     finally:
         reader.close()

@@ -12,8 +12,10 @@ import duckdb
 import pytest
 
 from kvscope.errors import NewerSchemaError, NotAKvscopeStore, StoreError, StoreLockedError
-from kvscope.store import SCHEMA_VERSION, StoreReader, begin_run, end_run, open_store, table_counts
+from kvscope.store import SCHEMA_VERSION, begin_run, end_run, open_store, table_counts
+from kvscope.store.query import Query
 from kvscope.store.schema import GAUGE_COLUMNS, TRACES_COLUMNS
+from kvscope.store.source import open_reader
 
 # The OpenTelemetry Collector ClickHouse exporter's column names, in its order.
 CLICKHOUSE_TRACES = [
@@ -72,7 +74,7 @@ def test_a_foreign_duckdb_file_is_refused_and_left_alone(tmp_path: Path) -> None
     with pytest.raises(NotAKvscopeStore, match="not a kvscope store"):
         open_store(path)
     with pytest.raises(NotAKvscopeStore):
-        StoreReader.open(path)
+        open_reader(path)
     assert _digest(path) == before
 
 
@@ -94,13 +96,13 @@ def test_a_newer_schema_is_refused_and_left_alone(store_path: Path) -> None:
     with pytest.raises(NewerSchemaError, match="newer"):
         open_store(store_path)
     with pytest.raises(NewerSchemaError):
-        StoreReader.open(store_path)
+        open_reader(store_path)
     assert _digest(store_path) == before
 
 
 def test_missing_file_for_reading_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no such store file"):
-        StoreReader.open(tmp_path / "absent.duckdb")
+        open_reader(tmp_path / "absent.duckdb")
 
 
 def test_a_store_held_by_another_process_gives_a_clear_error(store_path: Path) -> None:
@@ -125,13 +127,14 @@ def test_a_store_held_by_another_process_gives_a_clear_error(store_path: Path) -
 
 def test_readers_cannot_write_or_reach_files(store_path: Path, tmp_path: Path) -> None:
     open_store(store_path).close()
-    reader = StoreReader.open(store_path)
+    reader = open_reader(store_path)
     with pytest.raises(StoreError):
-        reader.execute("DELETE FROM otel_traces")
+        reader.execute(Query("DELETE FROM otel_traces"))
     with pytest.raises(StoreError):
-        reader.execute(f"COPY otel_traces TO '{tmp_path / 'leak.csv'}'")
+        reader.execute(Query(f"COPY otel_traces TO '{tmp_path / 'leak.csv'}'"))
     assert not (tmp_path / "leak.csv").exists()
-    names, rows = reader.rows("SELECT count(*) AS n FROM otel_traces WHERE SpanName = ?", ["x"])
+    names, rows = reader.rows(Query("SELECT count(*) AS n FROM otel_traces WHERE SpanName = ?",
+                                    positional=("x",)))
     assert (names, rows) == (["n"], [(0,)])
     reader.close()
 
@@ -142,7 +145,7 @@ def test_a_schema_version_below_one_is_refused_in_one_line(store_path: Path, ver
     con.execute("UPDATE kvscope_meta SET value = ? WHERE key = 'schema_version'", [version])
     con.close()
     before = _digest(store_path)
-    for opener in (open_store, StoreReader.open):
+    for opener in (open_store, open_reader):
         with pytest.raises(NotAKvscopeStore,
                            match="schema version 0 in kvscope_meta is not one kvscope ever"):
             opener(store_path)
@@ -170,7 +173,7 @@ def test_a_damaged_store_is_refused_at_open_naming_what_is_wrong(
     con.execute(damage)
     con.close()
     before = _digest(store_path)
-    for opener in (open_store, StoreReader.open):
+    for opener in (open_store, open_reader):
         with pytest.raises(NotAKvscopeStore, match=named) as caught:
             opener(store_path)
         assert "\n" not in str(caught.value)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.store import open_store
+from kvscope.store.query import Query
 from kvscope.store.schema import GAUGE_COLUMNS, GAUGE_TABLE, TRACES_COLUMNS, TRACES_TABLE
 from tests.store import otelcol
 
@@ -89,7 +90,8 @@ def test_duration_is_nanoseconds_and_timestamps_keep_nanoseconds(tmp_path: Path)
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from kvscope.collector.exporters import DuckDBSpanExporter
-    from kvscope.store import StoreReader, StoreWriter
+    from kvscope.store import StoreWriter
+    from kvscope.store.source import open_reader
 
     memory = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "t"}))
@@ -102,10 +104,10 @@ def test_duration_is_nanoseconds_and_timestamps_keep_nanoseconds(tmp_path: Path)
     exporter = DuckDBSpanExporter(writer, close_writer=True)
     exporter.export(memory.get_finished_spans())
     exporter.shutdown()
-    reader = StoreReader.open(tmp_path / "d.duckdb")
+    reader = open_reader(tmp_path / "d.duckdb")
     try:
-        _, rows = reader.rows("SELECT epoch_ns(Timestamp), Duration, "
-                              "epoch_ns(Events[1].Timestamp), Events[1].Name FROM otel_traces")
+        _, rows = reader.rows(Query("SELECT epoch_ns(Timestamp), Duration, "
+                              "epoch_ns(Events[1].Timestamp), Events[1].Name FROM otel_traces"))
     finally:
         reader.close()
     assert rows == [(start, 1_500_000_001, start + 7, "e")]

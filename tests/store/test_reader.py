@@ -9,25 +9,27 @@ import pytest
 
 from kvscope.errors import StoreError
 from kvscope.store import open_store, query
-from kvscope.store.reader import StoreReader
+from kvscope.store.query import Query
+from kvscope.store.reader import Reader
+from kvscope.store.source import open_reader
 
 # A query that runs for minutes unless interrupted.
-SLOW = "SELECT count(*) FROM range(10000000000) a"
+SLOW = Query("SELECT count(*) FROM range(10000000000) a", name="slow")
 
 
 @pytest.fixture
-def reader(tmp_path: Path) -> StoreReader:
+def reader(tmp_path: Path) -> Reader:
     path = tmp_path / "r.duckdb"
     open_store(path).close()
-    return StoreReader.open(path, time_limit_s=0.3)
+    return open_reader(path, time_limit_s=0.3)
 
 
-def _batches(reader: StoreReader, sql: str) -> list[int]:
+def _batches(reader: Reader, sql: Query) -> list[int]:
     return reader.map_batches(sql, len)
 
 
 @pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
-def test_every_query_path_is_interrupted_at_the_time_limit(reader: StoreReader, how: str) -> None:
+def test_every_query_path_is_interrupted_at_the_time_limit(reader: Reader, how: str) -> None:
     """``frame`` ran its (lazy) query outside the limit before: a slow analysis query ran on."""
     run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
     with pytest.raises(StoreError, match="exceeded the 0.3 s time limit"):
@@ -37,19 +39,19 @@ def test_every_query_path_is_interrupted_at_the_time_limit(reader: StoreReader, 
 
 
 @pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
-def test_every_query_path_translates_duckdb_errors(reader: StoreReader, how: str) -> None:
+def test_every_query_path_translates_duckdb_errors(reader: Reader, how: str) -> None:
     run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
     with pytest.raises(StoreError, match="query failed: "):
-        run("SELECT * FROM no_such_table")
-    assert reader.frame("SELECT ? AS x", [7])["x"].to_list() == [7]
+        run(Query("SELECT * FROM no_such_table"))
+    assert reader.frame(Query("SELECT ? AS x", positional=(7,)))["x"].to_list() == [7]
 
 
 def test_batches_keep_the_order_and_an_empty_result_is_one_empty_batch(
-        reader: StoreReader) -> None:
-    sql = "SELECT range AS n FROM range(10) ORDER BY n DESC"
+        reader: Reader) -> None:
+    sql = Query("SELECT range AS n FROM range(10) ORDER BY n DESC")
     parts = reader.map_batches(sql, lambda frame: frame["n"].to_list(), rows=3)
     assert len(parts) >= 2 and [n for part in parts for n in part] == list(range(9, -1, -1))
-    empty = reader.map_batches("SELECT 1 AS n WHERE false", lambda frame: frame.columns)
+    empty = reader.map_batches(Query("SELECT 1 AS n WHERE false"), lambda frame: frame.columns)
     assert empty == [["n"]]
 
 
@@ -58,16 +60,16 @@ def test_the_store_memory_limit_setting_bounds_a_reader(tmp_path: Path,
     path = tmp_path / "m.duckdb"
     open_store(path).close()
     monkeypatch.setenv("KVSCOPE_STORE_MEMORY_LIMIT", "256MiB")
-    limited = StoreReader.open(path)
+    limited = open_reader(path)
     try:
-        assert limited.rows("SELECT current_setting('memory_limit')")[1] == [("256.0 MiB",)]
+        assert limited.rows(Query("SELECT current_setting('memory_limit')"))[1] == [("256.0 MiB",)]
     finally:
         limited.close()
     # A value that is not an amount is ignored with a warning: DuckDB's default stays.
     monkeypatch.setenv("KVSCOPE_STORE_MEMORY_LIMIT", "256; DROP")
-    default = StoreReader.open(path)
+    default = open_reader(path)
     try:
-        assert default.rows("SELECT current_setting('memory_limit')")[1] != [("256.0 MiB",)]
+        assert default.rows(Query("SELECT current_setting('memory_limit')"))[1] != [("256.0 MiB",)]
     finally:
         default.close()
 
@@ -88,7 +90,7 @@ def test_a_query_binds_every_key_and_value_by_name(tmp_path: Path) -> None:
                                "ns": "Duration"},
                     where={query.span_attr("dir"): ("in", "sideways")})
     assert "'" not in q.sql and "k'ey" in q.params.values()
-    reader = StoreReader.open(path)
+    reader = open_reader(path)
     try:
         assert reader.frame(q).rows() == [("r", "v1", 5)]
         assert reader.rows(q)[1] == [("r", "v1", 5)]
@@ -101,19 +103,19 @@ def test_the_query_time_limit_setting_is_the_readers_default(
     path = tmp_path / "t.duckdb"
     open_store(path).close()
     monkeypatch.setenv("KVSCOPE_STORE_QUERY_TIME_LIMIT_S", "0.3")
-    limited = StoreReader.open(path)
+    limited = open_reader(path)
     try:
         with pytest.raises(StoreError, match="exceeded the 0.3 s time limit"):
             limited.rows(SLOW)
     finally:
         limited.close()
     monkeypatch.setenv("KVSCOPE_STORE_QUERY_TIME_LIMIT_S", "0")  # no limit
-    unlimited = StoreReader.open(path)
+    unlimited = open_reader(path)
     try:
         assert unlimited.time_limit_s is None
     finally:
         unlimited.close()
-    explicit = StoreReader.open(path, time_limit_s=5.0)  # an explicit limit wins
+    explicit = open_reader(path, time_limit_s=5.0)  # an explicit limit wins
     try:
         assert explicit.time_limit_s == 5.0
     finally:
@@ -125,10 +127,44 @@ def test_two_readers_of_one_store_in_one_process(tmp_path: Path) -> None:
     configuration locked by the first, and must still open (read-only and sealed)."""
     path = tmp_path / "two.duckdb"
     open_store(path).close()
-    first, second = StoreReader.open(path), StoreReader.open(path)
+    first, second = open_reader(path), open_reader(path)
     try:
-        assert second.rows("SELECT count(*) FROM otel_traces")[1] == [(0,)]
-        assert second.rows("SELECT current_setting('enable_external_access')")[1] == [(False,)]
+        assert second.rows(Query("SELECT count(*) FROM otel_traces"))[1] == [(0,)]
+        assert second.rows(Query("SELECT current_setting('enable_external_access')"))[1] == [
+            (False,)]
     finally:
         first.close()
         second.close()
+
+
+def test_an_error_names_the_query_and_its_sql(reader: Reader) -> None:
+    """A failed analysis says which of its queries failed, and the SQL that ran."""
+    from kvscope.errors import QueryError
+
+    broken = Query("SELECT nothing_here FROM otel_traces WHERE SpanName = $name",
+                   {"name": "x"}, name="spans by name")
+    with pytest.raises(QueryError) as caught:
+        reader.frame(broken)
+    error = caught.value
+    assert error.query_name == "spans by name" and error.sql == broken.sql
+    assert "(query spans by name: SELECT nothing_here FROM otel_traces WHERE SpanName = $name)" \
+        in str(error)
+    with pytest.raises(QueryError, match=r"exceeded the 0.3 s time limit \(query slow: SELECT"):
+        reader.rows(SLOW)
+    # An unnamed query says so; long SQL is quoted up to a point (the error keeps it whole).
+    long = Query("SELECT " + ", ".join(f"{i} AS c{i}" for i in range(200)) + " FROM no_table")
+    with pytest.raises(QueryError, match=r"\(query unnamed: SELECT 0 AS c0, .* …\)") as caught:
+        reader.frame(long)
+    assert caught.value.sql == long.sql
+
+
+def test_the_readers_are_siblings_with_no_import_cycle() -> None:
+    """Both engines' readers satisfy one protocol; neither is the other's subclass."""
+    from kvscope.store.clickhouse import ClickHouseReader
+    from kvscope.store.duckdb_reader import DuckDBReader
+
+    assert not issubclass(ClickHouseReader, DuckDBReader)
+    assert not issubclass(DuckDBReader, ClickHouseReader)
+    for cls in (ClickHouseReader, DuckDBReader):
+        for method in ("frame", "rows", "map_batches", "has_table", "interrupt", "close"):
+            assert callable(getattr(cls, method)), (cls, method)

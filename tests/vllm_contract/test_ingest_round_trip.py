@@ -50,11 +50,11 @@ ROUNDING_MS = 0.5
 def _ledger_of(tmp_path: Path) -> tuple[Any, list[dict[str, Any]]]:
     from kvscope.analysis import ledger
     from kvscope.collector.ingest import ingest
-    from kvscope.store import StoreReader
+    from kvscope.store.source import open_reader
 
     result = ingest(tmp_path / "ingested.duckdb",
                     [tmp_path / "stats.json", tmp_path / "vllm-proxy.log"])
-    reader = StoreReader.open(tmp_path / "ingested.duckdb")
+    reader = open_reader(tmp_path / "ingested.duckdb")
     try:
         return result, ledger.ledger(reader).to_dicts()
     finally:

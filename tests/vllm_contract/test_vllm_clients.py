@@ -372,12 +372,12 @@ def _check_ingested(tmp_path: Path, run: Run) -> None:
     from kvscope.analysis import ledger
     from kvscope.collector.ingest import ingest
     from kvscope.errors import IngestError
-    from kvscope.store import StoreReader
+    from kvscope.store.source import open_reader
 
     db, stats = tmp_path / "ingested.duckdb", tmp_path / "stats.json"
     result = ingest(db, [stats])
     assert result.sources[0].records == len(run.stats)
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = {(r["conversation_id"], r["turn_index"]): r
                 for r in ledger.ledger(reader).to_dicts()}

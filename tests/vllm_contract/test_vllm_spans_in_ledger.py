@@ -67,7 +67,7 @@ def test_do_tracing_spans_give_an_ingested_turn_its_engine_ttft_and_queueing(
         tmp_path: Path) -> None:
     from kvscope.analysis import ledger
     from kvscope.collector.ingest import ingest
-    from kvscope.store import StoreReader
+    from kvscope.store.source import open_reader
 
     db = tmp_path / "run.duckdb"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -79,7 +79,7 @@ def test_do_tracing_spans_give_an_ingested_turn_its_engine_ttft_and_queueing(
         assert receiver.writer.flush(10)
         assert receiver.stats.spans_accepted == 2
     ingest(db, [_stats(tmp_path / "stats.json"), _vllm_log(tmp_path / "proxy.log")])
-    reader = StoreReader.open(db)
+    reader = open_reader(db)
     try:
         rows = {r["x_request_id"]: r for r in ledger.ledger(reader).to_dicts()}
     finally:

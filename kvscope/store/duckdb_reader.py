@@ -1,0 +1,115 @@
+"""The :class:`~kvscope.store.reader.Reader` over a DuckDB store (read-only), or over a cursor
+on the writer's connection."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import duckdb
+import polars as pl
+
+from kvscope.store.database import open_readonly
+from kvscope.store.query import DUCKDB, Dialect, Query
+from kvscope.store.reader import query_error
+
+T = TypeVar("T")
+
+
+def _statement(query: Query) -> tuple[str, Any]:
+    """SQL text and its bindings: a list for ``?`` placeholders, else a dict for ``$name``."""
+    if query.positional:
+        return query.sql, list(query.positional)
+    return query.sql, dict(query.params) if query.params else None
+
+
+class DuckDBReader:
+    """Queries a DuckDB store opened read-only (or a cursor on the writer's connection)."""
+
+    dialect: Dialect = DUCKDB
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, time_limit_s: float | None = 60.0):
+        self._con = con
+        self.time_limit_s = time_limit_s
+
+    @classmethod
+    def open(cls, path: str | Path, *, time_limit_s: float | None = 60.0) -> DuckDBReader:
+        """The store at ``path``, read-only."""
+        return cls(open_readonly(path), time_limit_s=time_limit_s)
+
+    def has_table(self, name: str) -> bool:
+        _, rows = self.rows(Query("SELECT count(*) FROM information_schema.tables "
+                                  "WHERE table_name = $name", {"name": name}, name="has_table"))
+        return bool(rows[0][0])
+
+    def execute(self, query: Query) -> duckdb.DuckDBPyConnection:
+        """Run one statement (a DuckDB cursor: no ClickHouse twin, so not on :class:`Reader`)."""
+        text, bound = _statement(query)
+        return self._limited(query, lambda: self._con.execute(text, bound))
+
+    def frame(self, query: Query) -> pl.DataFrame:
+        text, bound = _statement(query)
+        # The relation is lazy: building its Arrow table is where the query runs, so that is
+        # what the time limit and the error translation must cover.
+        table = self._limited(query, lambda: self._con.sql(text, params=bound).to_arrow_table())
+        return pl.DataFrame(table)
+
+    def map_batches(self, query: Query, fn: Callable[[pl.DataFrame], T], *,
+                    rows: int = 1_000_000) -> list[T]:
+        """As :meth:`Reader.map_batches`, streamed: the whole result is never held at once (the
+        ledger shapes a large store this way)."""
+        text, bound = _statement(query)
+
+        def run() -> list[T]:
+            stream = self._con.sql(text, params=bound).to_arrow_reader(rows)
+            done = [fn(pl.DataFrame(batch)) for batch in stream]
+            return done or [fn(pl.DataFrame(stream.schema.empty_table()))]
+        return self._limited(query, run)
+
+    def rows(self, query: Query, *,
+             max_rows: int | None = None) -> tuple[list[str], list[tuple]]:
+        """As :meth:`Reader.rows`: DuckDB's memory limit bounds the engine, not the Python
+        objects a large result becomes, so ``max_rows`` stops the fetch at one row more."""
+        text, bound = _statement(query)
+
+        def run() -> tuple[list[str], list[tuple]]:
+            result = self._con.execute(text, bound)
+            names = [d[0] for d in result.description or []]
+            if max_rows is None:
+                return names, result.fetchall()
+            fetched = result.fetchmany(max_rows + 1)
+            if len(fetched) > max_rows:
+                raise query_error(query, f"the result has more than {max_rows} rows; add a "
+                                  "LIMIT or aggregate in the query")
+            return names, fetched
+        return self._limited(query, run)
+
+    def _limited(self, query: Query, run: Callable[[], T]) -> T:
+        """``run()`` interrupted past the time limit; DuckDB errors become QueryError naming
+        ``query`` (the one seam every query of a reader passes)."""
+        timer: threading.Timer | None = None
+        if self.time_limit_s:
+            timer = threading.Timer(self.time_limit_s, self._con.interrupt)
+            timer.daemon = True
+            timer.start()
+        try:
+            return run()
+        except duckdb.InterruptException:
+            raise query_error(
+                query, f"query exceeded the {self.time_limit_s:g} s time limit") from None
+        except duckdb.Error as exc:
+            raise query_error(query, f"query failed: {str(exc).splitlines()[0]}") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def interrupt(self) -> None:
+        self._con.interrupt()
+
+    def close(self) -> None:
+        self._con.close()
+
+
+__all__ = ["DuckDBReader"]
