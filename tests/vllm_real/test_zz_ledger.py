@@ -40,7 +40,7 @@ def ledger(deployment: Any) -> pl.DataFrame:
     """The ledger of everything the tier ran: proxies stopped (their spans flushed), then
     ``kvscope serve`` stopped (everything acknowledged written), then built from the file."""
     from kvscope.analysis.ledger import ledger as build
-    from kvscope.store.database import open_readonly
+    from kvscope.store.source import open_reader
 
     # Engines and vLLM's tracer export every 0.5 s; give them a few rounds.
     time.sleep(3)
@@ -48,11 +48,11 @@ def ledger(deployment: Any) -> pl.DataFrame:
         proxy.stop(timeout_s=60)
     time.sleep(2)
     deployment.serve.stop()
-    con = open_readonly(deployment.serve.db)
+    reader = open_reader(deployment.serve.db, time_limit_s=None)
     try:
-        return build(con)
+        return build(reader)
     finally:
-        con.close()
+        reader.close()
 
 
 def _judge(turn: TurnEvidence, row: dict[str, Any] | None) -> None:
@@ -97,7 +97,7 @@ def ingested(ledger: pl.DataFrame, deployment: Any) -> pl.DataFrame:
     """The ledger of the same run rebuilt post hoc: ``kvscope ingest`` of the servers' and the
     proxies' logs into a store of its own."""
     from kvscope.analysis.ledger import ledger as build
-    from kvscope.store.database import open_readonly
+    from kvscope.store.source import open_reader
 
     db = deployment.logs / "ingested.duckdb"
     # vLLM's own counters: prefill's now, decode's and the second prefill's saved by the kill
@@ -114,11 +114,11 @@ def ingested(ledger: pl.DataFrame, deployment: Any) -> pl.DataFrame:
     done = subprocess.run([sys.executable, "-m", "kvscope.cli", "ingest", "--db", str(db),
                            *sources], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    con = open_readonly(db)
+    reader = open_reader(db, time_limit_s=None)
     try:
-        return build(con)
+        return build(reader)
     finally:
-        con.close()
+        reader.close()
 
 
 # What `kvscope ingest` cannot see in the logs (findings, reported): no log line gives a
