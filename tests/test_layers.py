@@ -52,18 +52,28 @@ def module_name(path: Path) -> str:
     return dotted.removesuffix(".__init__")
 
 
+def _base(node: ast.ImportFrom, package: str) -> str:
+    """The module an ``from ... import`` names, relative imports resolved from ``package``."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, base]) if base else ".".join(anchor)
+    return base
+
+
+def _package(path: Path, module: str) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
 def imports(path: Path, module: str) -> set[str]:
     """Every kvscope module ``path`` imports (absolute and relative, at any depth)."""
     found = set()
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package(path, module)
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            base = _base(node, package)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return {name for name in found if name.startswith("kvscope")}
@@ -178,7 +188,7 @@ def runtime_imports(path: Path, module: str, known: set[str]) -> set[str]:
     """The kvscope modules of ``known`` that importing ``path`` may import (lazy imports in
     functions included, ``if TYPE_CHECKING:`` blocks not). ``from package import module`` is an
     edge to the module alone: a package's ``__init__`` facade loads its names lazily."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package(path, module)
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {id(n) for node in ast.walk(tree)
                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
@@ -190,10 +200,7 @@ def runtime_imports(path: Path, module: str, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            base = _base(node, package)
             submodules = {f"{base}.{a.name}" for a in node.names} & known
             found |= submodules
             if len(submodules) < len(node.names):
