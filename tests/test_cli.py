@@ -145,4 +145,5 @@ def test_sql_runs_under_a_memory_limit_and_refuses_a_result_past_its_rows(
     done = run("sql", str(db), "SELECT * FROM range(3000000)")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("kvscope sql: error: the result has more than 1000000 rows; add a "
-                           "LIMIT or aggregate in the query\n")
+                           "LIMIT or aggregate in the query (query kvscope sql: SELECT * FROM "
+                           "range(3000000))\n")
