@@ -63,16 +63,20 @@ _MAX_ENGINE_SPAN_ATTRIBUTES = 16
 
 
 class ReuseDecisionRecord(NamedTuple):
-    """Prefill decided local hit / remote pull / recompute for one request."""
+    """Prefill decided local hit / remote pull / recompute for one request.
+
+    The hooks and the emulator know every field; a record ``kvscope ingest`` reads from a
+    server's log line may not (None: not measured, and the span carries no such attribute).
+    """
 
     request_id: str
     time_ns: int
-    local_hit_tokens: int
+    local_hit_tokens: int | None
     remote_offered_tokens: int | None
-    to_pull_tokens: int
-    threshold_tokens: int
+    to_pull_tokens: int | None
+    threshold_tokens: int | None
     decision: str
-    bidirectional: bool
+    bidirectional: bool | None
     prompt_tokens: int | None = None
     remote_engine_id: str | None = None
     traceparent: str | None = None
@@ -80,29 +84,31 @@ class ReuseDecisionRecord(NamedTuple):
 
 
 class KvTransferRecord(NamedTuple):
-    """One NIXL READ (or its refusal) as seen by the worker that reads."""
+    """One NIXL READ (or its refusal) as seen by the worker that reads (sizes None: not in the
+    log line a record was ingested from)."""
 
     request_id: str
     start_ns: int
     end_ns: int
     direction: str
     status: str
-    size_bytes: int
-    blocks: int
+    size_bytes: int | None
+    blocks: int | None
     remote_engine_id: str | None = None
     request_outcome: str | None = None
     traceparent: str | None = None
 
 
 class KvRetentionRecord(NamedTuple):
-    """Decode pinned a finished request's blocks; ``end_ns`` None while still held."""
+    """Decode pinned a finished request's blocks; ``end_ns`` None while still held (sizes and
+    TTL None: not in the log line a record was ingested from)."""
 
     request_id: str
     start_ns: int
     end_ns: int | None
-    blocks: int
-    size_bytes: int
-    ttl_s: float
+    blocks: int | None
+    size_bytes: int | None
+    ttl_s: float | None
     release_reason: str
     remote_num_tokens: int | None = None
     traceparent: str | None = None
@@ -338,43 +344,19 @@ class EngineTelemetry:
 
     def _emit_decision(self, r: ReuseDecisionRecord) -> None:
         attrs = self._common(r.request_id)
-        attrs[semconv.LOCAL_HIT_TOKENS] = r.local_hit_tokens
-        attrs[semconv.TOKENS_TO_PULL] = r.to_pull_tokens
-        attrs[semconv.THRESHOLD_TOKENS] = r.threshold_tokens
-        attrs[semconv.DECISION] = r.decision
-        attrs[semconv.BIDIR_ENABLED] = r.bidirectional
-        if r.remote_offered_tokens is not None:
-            attrs[semconv.REMOTE_OFFERED_TOKENS] = r.remote_offered_tokens
-        if r.prompt_tokens is not None:
-            attrs[semconv.PROMPT_TOKENS] = r.prompt_tokens
-        if r.remote_engine_id:
-            attrs[semconv.REMOTE_ENGINE_ID] = r.remote_engine_id
-        if r.block_size:
-            attrs[semconv.KV_BLOCK_SIZE] = r.block_size
+        attrs.update(decision_attributes(r))
         self._span(semconv.SPAN_REUSE_DECISION, r.traceparent, attrs, r.time_ns, r.time_ns)
 
     def _emit_transfer(self, r: KvTransferRecord) -> None:
         attrs = self._common(r.request_id)
-        attrs[semconv.TRANSFER_DIRECTION] = r.direction
-        attrs[semconv.TRANSFER_STATUS] = r.status
-        attrs[semconv.TRANSFER_BYTES] = r.size_bytes
-        attrs[semconv.TRANSFER_BLOCKS] = r.blocks
-        if r.remote_engine_id:
-            attrs[semconv.REMOTE_ENGINE_ID] = r.remote_engine_id
-        if r.request_outcome:
-            attrs[semconv.REQUEST_OUTCOME] = r.request_outcome
+        attrs.update(transfer_attributes(r))
         status = _UNSET if r.status == semconv.TRANSFER_OK else Status(StatusCode.ERROR, r.status)
         self._span(semconv.SPAN_KV_TRANSFER, r.traceparent, attrs, r.start_ns,
                    max(r.end_ns, r.start_ns), status)
 
     def _emit_retention(self, r: KvRetentionRecord) -> None:
         attrs = self._common(r.request_id)
-        attrs[semconv.RETENTION_BLOCKS] = r.blocks
-        attrs[semconv.RETENTION_BYTES] = r.size_bytes
-        attrs[semconv.RETENTION_TTL_S] = r.ttl_s
-        attrs[semconv.RETENTION_RELEASE_REASON] = r.release_reason
-        if r.remote_num_tokens is not None:
-            attrs[semconv.REMOTE_NUM_TOKENS] = r.remote_num_tokens
+        attrs.update(retention_attributes(r))
         self._span(semconv.SPAN_KV_RETENTION, r.traceparent, attrs, r.start_ns,
                    r.end_ns if r.end_ns is not None else r.start_ns)
 
@@ -417,5 +399,54 @@ class EngineTelemetry:
             self._thread.join(timeout_s)
 
 
+# --- one span shape per record: the attributes each record's span carries ----------------------
+# (besides the engine's request id, engine id and role). The engines' spans and the spans
+# ``kvscope ingest`` reads from their logs are both shaped here; None is "not measured": no
+# attribute.
+
+
+def _set(attrs: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        attrs[key] = value
+
+
+def decision_attributes(r: ReuseDecisionRecord) -> dict[str, Any]:
+    """The attributes of a ``kvscope.reuse_decision`` span."""
+    attrs: dict[str, Any] = {}
+    _set(attrs, semconv.LOCAL_HIT_TOKENS, r.local_hit_tokens)
+    _set(attrs, semconv.TOKENS_TO_PULL, r.to_pull_tokens)
+    _set(attrs, semconv.THRESHOLD_TOKENS, r.threshold_tokens)
+    attrs[semconv.DECISION] = r.decision
+    _set(attrs, semconv.BIDIR_ENABLED, r.bidirectional)
+    _set(attrs, semconv.REMOTE_OFFERED_TOKENS, r.remote_offered_tokens)
+    _set(attrs, semconv.PROMPT_TOKENS, r.prompt_tokens)
+    _set(attrs, semconv.REMOTE_ENGINE_ID, r.remote_engine_id or None)
+    _set(attrs, semconv.KV_BLOCK_SIZE, r.block_size or None)
+    return attrs
+
+
+def transfer_attributes(r: KvTransferRecord) -> dict[str, Any]:
+    """The attributes of a ``kvscope.kv_transfer`` span."""
+    attrs: dict[str, Any] = {semconv.TRANSFER_DIRECTION: r.direction,
+                             semconv.TRANSFER_STATUS: r.status}
+    _set(attrs, semconv.TRANSFER_BYTES, r.size_bytes)
+    _set(attrs, semconv.TRANSFER_BLOCKS, r.blocks)
+    _set(attrs, semconv.REMOTE_ENGINE_ID, r.remote_engine_id or None)
+    _set(attrs, semconv.REQUEST_OUTCOME, r.request_outcome or None)
+    return attrs
+
+
+def retention_attributes(r: KvRetentionRecord) -> dict[str, Any]:
+    """The attributes of a ``kvscope.kv_retention`` span."""
+    attrs: dict[str, Any] = {}
+    _set(attrs, semconv.RETENTION_BLOCKS, r.blocks)
+    _set(attrs, semconv.RETENTION_BYTES, r.size_bytes)
+    _set(attrs, semconv.RETENTION_TTL_S, r.ttl_s)
+    attrs[semconv.RETENTION_RELEASE_REASON] = r.release_reason
+    _set(attrs, semconv.REMOTE_NUM_TOKENS, r.remote_num_tokens)
+    return attrs
+
+
 __all__ = ["DirectSpans", "ENGINE_RECORDS", "EngineRecord", "EngineTelemetry", "KvRetentionRecord",
-    "KvTransferRecord", "ReuseDecisionRecord"]
+    "KvTransferRecord", "ReuseDecisionRecord", "decision_attributes", "retention_attributes",
+    "transfer_attributes"]

@@ -82,13 +82,22 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kvscope import semconv
+from kvscope.collector.engine_telemetry import (
+    EngineRecord,
+    KvRetentionRecord,
+    KvTransferRecord,
+    ReuseDecisionRecord,
+    decision_attributes,
+    retention_attributes,
+    transfer_attributes,
+)
 from kvscope.collector.ingest.spans import (
     KIND_INTERNAL,
     LineCounts,
@@ -605,41 +614,49 @@ _SERVICE = {semconv.ROLE_PREFILL: semconv.SERVICE_PREFILL,
             semconv.ROLE_DECODE: semconv.SERVICE_DECODE}
 
 
-def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
-    """Append the reuse decisions and reads the log's lines show; return how many spans."""
-    service = _SERVICE.get(log.role or "", semconv.SERVICE_VLLM_SERVER)
-    kind = {semconv.ROLE_PREFILL: KIND_PREFILL, semconv.ROLE_DECODE: KIND_DECODE}.get(
-        log.role or "", KIND)
-    resource_attrs = resource(service, run_id, kind, log.path.name)
-    added = 0
+# What a span read from a log carries that the engine's own span does not, per span kind: the
+# line it came from, that it has no duration, and what the log says in its own terms (the remote
+# count a skip line compared; a read of released blocks). Everything else is the engine's shape:
+# ingest builds the engine's records (:mod:`kvscope.collector.engine_telemetry`) and shapes them
+# with the same functions; the real-vLLM tier checks both sets against a live run.
+LOG_ONLY: dict[str, frozenset[str]] = {
+    semconv.SPAN_REUSE_DECISION: frozenset({
+        semconv.INGEST_LINE, semconv.DURATION_MEASURED, semconv.REMOTE_COUNT_TOKENS}),
+    semconv.SPAN_KV_TRANSFER: frozenset({semconv.INGEST_LINE, semconv.DURATION_MEASURED}),
+    semconv.SPAN_KV_RETENTION: frozenset({
+        semconv.INGEST_LINE, semconv.DURATION_MEASURED, semconv.RETENTION_READ_AFTER_RELEASE}),
+}
+# What no line of a vLLM 0.33 server's log gives, per span kind (the engine's span has it): the
+# ledger reads these as not measured.
+NOT_IN_THE_LOG: dict[str, frozenset[str]] = {
+    semconv.SPAN_REUSE_DECISION: frozenset({
+        semconv.ENGINE_ID, semconv.BIDIR_ENABLED, semconv.PROMPT_TOKENS, semconv.KV_BLOCK_SIZE}),
+    semconv.SPAN_KV_TRANSFER: frozenset({
+        semconv.ENGINE_ID, semconv.TRANSFER_BYTES, semconv.TRANSFER_BLOCKS}),
+    semconv.SPAN_KV_RETENTION: frozenset({
+        semconv.ENGINE_ID, semconv.RETENTION_BLOCKS, semconv.RETENTION_BYTES,
+        semconv.RETENTION_TTL_S, semconv.REMOTE_NUM_TOKENS}),
+}
 
-    def span(event: Event, name: str, suffix: str, values: dict[str, Any]) -> None:
-        nonlocal added
-        add_span(rows, resource_attrs=resource_attrs, service=service, name=name,
-                 trace_id=ingest_id(log.sha256, event.line, event.request_id, "trace", size=16),
-                 span_id=ingest_id(log.sha256, event.line, event.request_id, suffix, size=8),
-                 parent="", kind=KIND_INTERNAL, start_ns=event.time_ns, end_ns=event.time_ns,
-                 values={semconv.VLLM_REQUEST_ID: event.request_id,
-                         semconv.ENGINE_ROLE: log.role, semconv.INGEST_LINE: event.line,
-                         semconv.DURATION_MEASURED: False, **values})
-        added += 1
 
+def records(log: ServerLog) -> list[tuple[EngineRecord, int, dict[str, Any]]]:
+    """The engine records the log's lines show, each with its line and what only the log says
+    (:data:`LOG_ONLY`'s own values); unknown fields are None (not measured)."""
+    found: list[tuple[EngineRecord, int, dict[str, Any]]] = []
     pulled: set[str] = set()
     for event in log.events:
+        rid, t = event.request_id, event.time_ns
         if event.what == READ_AFTER_RELEASE:
             # Decode's blocks for this request, released by its reaper, were read: the turn
             # offered them loaded freed blocks (its ledger row says reused_invalid, after
             # release). Held how long and how many bytes: not in the line.
-            span(event, semconv.SPAN_KV_RETENTION, "retention", {
-                semconv.RETENTION_RELEASE_REASON: semconv.RELEASE_EXPIRED,
-                semconv.RETENTION_READ_AFTER_RELEASE: True})
+            found.append((KvRetentionRecord(rid, t, t, None, None, None, semconv.RELEASE_EXPIRED),
+                          event.line, {semconv.RETENTION_READ_AFTER_RELEASE: True}))
             continue
         if event.what == semconv.DECISION_BELOW_THRESHOLD:
-            span(event, semconv.SPAN_REUSE_DECISION, "decision", {
-                semconv.DECISION: semconv.DECISION_BELOW_THRESHOLD,
-                semconv.REMOTE_COUNT_TOKENS: event.count_tokens,
-                semconv.THRESHOLD_TOKENS: event.threshold_tokens,
-                semconv.TOKENS_TO_PULL: 0})
+            found.append((ReuseDecisionRecord(rid, t, None, None, 0, event.threshold_tokens,
+                                              semconv.DECISION_BELOW_THRESHOLD, None),
+                          event.line, {semconv.REMOTE_COUNT_TOKENS: event.count_tokens}))
             continue
         # A turn-2 read is always decode's blocks read by prefill (pull_worker.py:160).
         direction = event.direction or _DIRECTION.get(log.role or "")
@@ -647,27 +664,54 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
             continue  # the direction of this read depends on the role, not named
         if event.what == semconv.DECISION_PULL:
             if direction == semconv.DIRECTION_D_TO_P:
-                pulled.add(event.request_id)
-                span(event, semconv.SPAN_REUSE_DECISION, "decision", {
-                    semconv.DECISION: semconv.DECISION_PULL,
-                    semconv.TOKENS_TO_PULL: event.count_tokens,
-                    semconv.LOCAL_HIT_TOKENS: event.local_hit_tokens,
-                    semconv.REMOTE_OFFERED_TOKENS: event.offered_tokens,
-                    semconv.REMOTE_ENGINE_ID: event.remote_engine_id})
+                pulled.add(rid)
+                found.append((ReuseDecisionRecord(
+                    rid, t, event.local_hit_tokens, event.offered_tokens, event.count_tokens,
+                    None, semconv.DECISION_PULL, None, remote_engine_id=event.remote_engine_id),
+                    event.line, {}))
             continue
-        if direction == semconv.DIRECTION_D_TO_P and event.request_id not in pulled:
+        if direction == semconv.DIRECTION_D_TO_P and rid not in pulled:
             # Prefill read (or tried to read) decode's blocks: it had decided to pull.
-            pulled.add(event.request_id)
-            span(event, semconv.SPAN_REUSE_DECISION, "decision",
-                 {semconv.DECISION: semconv.DECISION_PULL})
+            pulled.add(rid)
+            found.append((ReuseDecisionRecord(rid, t, None, None, None, None,
+                                              semconv.DECISION_PULL, None), event.line, {}))
         errored = event.what == semconv.OUTCOME_ERROR
-        span(event, semconv.SPAN_KV_TRANSFER, "transfer", {
-            semconv.TRANSFER_DIRECTION: direction,
-            semconv.TRANSFER_STATUS: semconv.TRANSFER_FAILED if errored else event.what,
-            semconv.REQUEST_OUTCOME: semconv.OUTCOME_ERROR if errored else None,
-            semconv.REMOTE_ENGINE_ID: event.remote_engine_id})
-    return added
+        found.append((KvTransferRecord(
+            rid, t, t, direction, semconv.TRANSFER_FAILED if errored else event.what, None, None,
+            remote_engine_id=event.remote_engine_id,
+            request_outcome=semconv.OUTCOME_ERROR if errored else None), event.line, {}))
+    return found
 
 
-__all__ = ["Event", "KIND", "KIND_DECODE", "KIND_PREFILL", "READ_AFTER_RELEASE", "ServerLog",
-    "add_spans", "looks_like", "read", "read_decode", "read_prefill", "read_role"]
+_SHAPES: dict[type[Any], tuple[str, str, Callable[[Any], dict[str, Any]]]] = {
+    ReuseDecisionRecord: (semconv.SPAN_REUSE_DECISION, "decision", decision_attributes),
+    KvTransferRecord: (semconv.SPAN_KV_TRANSFER, "transfer", transfer_attributes),
+    KvRetentionRecord: (semconv.SPAN_KV_RETENTION, "retention", retention_attributes),
+}
+
+
+def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
+    """Append the spans of the engine records the log's lines show (:func:`records`), shaped
+    as the engine shapes them; return how many."""
+    service = _SERVICE.get(log.role or "", semconv.SERVICE_VLLM_SERVER)
+    kind = {semconv.ROLE_PREFILL: KIND_PREFILL, semconv.ROLE_DECODE: KIND_DECODE}.get(
+        log.role or "", KIND)
+    resource_attrs = resource(service, run_id, kind, log.path.name)
+    found = records(log)
+    for record, line, own in found:
+        name, suffix, shape = _SHAPES[type(record)]
+        start = record[1]  # time_ns / start_ns: a log line has one instant
+        rid = record.request_id
+        add_span(rows, resource_attrs=resource_attrs, service=service, name=name,
+                 trace_id=ingest_id(log.sha256, line, rid, "trace", size=16),
+                 span_id=ingest_id(log.sha256, line, rid, suffix, size=8),
+                 parent="", kind=KIND_INTERNAL, start_ns=start, end_ns=start,
+                 values={semconv.VLLM_REQUEST_ID: rid, semconv.ENGINE_ROLE: log.role,
+                         **shape(record), semconv.INGEST_LINE: line,
+                         semconv.DURATION_MEASURED: False, **own})
+    return len(found)
+
+
+__all__ = ["Event", "KIND", "KIND_DECODE", "KIND_PREFILL", "LOG_ONLY", "NOT_IN_THE_LOG",
+    "READ_AFTER_RELEASE", "ServerLog", "add_spans", "looks_like", "read", "read_decode",
+    "read_prefill", "read_role", "records"]

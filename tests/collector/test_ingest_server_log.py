@@ -426,3 +426,46 @@ def test_decode_s_read_after_release_line_makes_the_read_invalid(tmp_path: Path)
         reader.close()
     assert held.select("request_id", "reason", "duration_ns").rows() == [
         ("chatcmpl-r-0-1-aaaaaaaa", semconv.RELEASE_EXPIRED, None)]
+
+
+def _keys_per_kind(db: Path) -> dict[str, set[str]]:
+    from kvscope.store.query import Query
+    from kvscope.store.source import open_reader
+
+    reader = open_reader(db)
+    try:
+        frame = reader.frame(Query(
+            "SELECT SpanName AS name, list_distinct(flatten(list(map_keys(SpanAttributes)))) "
+            "AS keys FROM otel_traces WHERE list_contains($kinds, SpanName) GROUP BY 1",
+            {"kinds": list(server_log.LOG_ONLY)}, name="attribute keys per span kind"))
+    finally:
+        reader.close()
+    return {row["name"]: set(row["keys"]) for row in frame.to_dicts()}
+
+
+def test_an_ingested_engine_span_has_the_engine_s_shape(tmp_path: Path) -> None:
+    """Per span kind, the attribute keys of engine spans read from logs are the engine's own
+    (here the emulator's, built by the same engine telemetry as the vLLM hooks') less what no
+    log line gives (``NOT_IN_THE_LOG``), plus what only a log says (``LOG_ONLY``): a key the
+    engine adds or renames that ingest does not follow fails here."""
+    from kvscope.emulator.simulator import SimulationSettings, simulate
+    from kvscope.emulator.workloads import synthetic
+
+    live_db = tmp_path / "live.duckdb"
+    simulate(synthetic.generate(conversations=6, seed=3), live_db,
+             SimulationSettings(faults={"transfer_fail": 0.3}))
+    live = _keys_per_kind(live_db)
+    decode = ServerLogFile(tmp_path / "decode.log")
+    decode.log(_at(1000) + 2, logging.WARNING, "pull_worker.py:675",
+               "Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+               "decode worker. They may have expired.", "chatcmpl-r-0-1-aaaaaaaa")
+    logged = tmp_path / "logged.duckdb"
+    ingest(logged, [_stats(tmp_path / "stats.json"),
+                    f"{server_log.KIND_PREFILL}:{_prefill_log(tmp_path / 'p1.log')}",
+                    f"{server_log.KIND_PREFILL}:{_pull_log(tmp_path / 'p2.log', PLAIN)}",
+                    f"{server_log.KIND_DECODE}:{decode.write()}"])
+    post = _keys_per_kind(logged)
+    assert set(live) == set(post) == set(server_log.LOG_ONLY)
+    for kind in server_log.LOG_ONLY:
+        assert post[kind] - live[kind] == server_log.LOG_ONLY[kind], kind
+        assert live[kind] - post[kind] == server_log.NOT_IN_THE_LOG[kind], kind
