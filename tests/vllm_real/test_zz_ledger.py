@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -188,3 +189,34 @@ def test_vllms_own_counters_reconcile_with_the_ingested_ledger(ingested: pl.Data
     assert scheduled["ledger_value"] and scheduled["vllm_value"], table
     assert ("decode", "notifications_after_expiry") in by_quantity, table
     assert not rows["flagged"].any(), table
+
+
+def _keys_per_kind(db: Path, kinds: list[str]) -> dict[str, set[str]]:
+    from kvscope.store.query import Query
+    from kvscope.store.source import open_reader
+
+    reader = open_reader(db, time_limit_s=None)
+    try:
+        frame = reader.frame(Query(
+            "SELECT SpanName AS name, list_distinct(flatten(list(map_keys(SpanAttributes)))) "
+            "AS keys FROM otel_traces WHERE list_contains($kinds, SpanName) GROUP BY 1",
+            {"kinds": kinds}, name="attribute keys per span kind"))
+    finally:
+        reader.close()
+    return {row["name"]: set(row["keys"]) for row in frame.to_dicts()}
+
+
+def test_an_engine_span_ingested_from_the_logs_has_the_hooks_shape(ingested: pl.DataFrame,
+                                                                   deployment: Any) -> None:
+    """Per span kind, over the same run: the keys of engine spans ``kvscope ingest`` read from
+    the real servers' logs are the hooks' own keys, less what no log line gives
+    (``NOT_IN_THE_LOG``: never spelled by ingest), plus what only a log says (``LOG_ONLY``)."""
+    from kvscope.collector.ingest.server_log import LOG_ONLY, NOT_IN_THE_LOG
+
+    kinds = list(LOG_ONLY)
+    live = _keys_per_kind(deployment.serve.db, kinds)
+    post = _keys_per_kind(deployment.logs / "ingested.duckdb", kinds)
+    seen = {kind: (sorted(live.get(kind, ())), sorted(post.get(kind, ()))) for kind in kinds}
+    for kind in post:
+        assert post[kind] - live.get(kind, set()) <= LOG_ONLY[kind], seen
+        assert not post[kind] & NOT_IN_THE_LOG[kind], seen
