@@ -69,6 +69,13 @@ from kvscope.collector.ingest.spans import (
     read_source,
     resource,
 )
+from kvscope.collector.proxy.conversation import ConversationId
+from kvscope.collector.proxy.telemetry import (
+    TurnRecord,
+    decode_attributes,
+    prefill_attributes,
+    turn_attributes,
+)
 from kvscope.errors import IngestError
 from kvscope.reuse.router import GUARD_EDITED
 from kvscope.store.rows import TraceRows
@@ -395,29 +402,95 @@ def read(path: Path) -> ProxyLog:
 # --- spans -------------------------------------------------------------------------------------
 
 
+# What a span read from a proxy's log carries that the live proxy's span does not, per span
+# kind: the line it came from, that it has no duration, who observed the turn, and the attempts a
+# retried turn took (a failed attempt is its own ``kvscope.turn_attempt`` span, which only a log
+# gives). Everything else is the proxy's shape: ingest builds the proxy's own TurnRecord and
+# shapes it with the same functions (:func:`~kvscope.collector.proxy.telemetry.turn_attributes`
+# and the legs'); a test checks both sets against a live run.
+LOG_ONLY: dict[str, frozenset[str]] = {
+    semconv.SPAN_TURN: frozenset({semconv.INGEST_LINE, semconv.DURATION_MEASURED,
+                                  semconv.TURN_OBSERVER, semconv.TURN_ATTEMPTS}),
+    semconv.SPAN_INPUT_PROCESSING: frozenset({semconv.INGEST_LINE}),
+    semconv.SPAN_GENERATION: frozenset({semconv.DURATION_MEASURED}),
+}
+# What no line of a proxy's log gives, per span kind (the live proxy's span has it): the ledger
+# reads these as not measured. The router's TTL is in a stale line only, and not read; a refused
+# conversation id is logged as none; a failure is placed on the turn, not on a leg.
+NOT_IN_THE_LOG: dict[str, frozenset[str]] = {
+    semconv.SPAN_TURN: frozenset({
+        semconv.HTTP_ROUTE, semconv.STREAM_REQUESTED, semconv.CONVERSATION_ID_SOURCE,
+        semconv.GEN_AI_REQUEST_MODEL, semconv.GEN_AI_USAGE_INPUT_TOKENS,
+        semconv.GEN_AI_USAGE_OUTPUT_TOKENS, semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+        semconv.DECODE_CACHED_TOKENS, semconv.ROUTER_TTL_S, semconv.PREFILL_INSTANCE,
+        semconv.DECODE_INSTANCE, semconv.MESSAGE_COUNT, semconv.MESSAGE_BOUNDARY_HASHES,
+        semconv.MESSAGE_BOUNDARY_HASH_KEY_ID, semconv.MESSAGE_ROLES,
+        semconv.REPLY_BOUNDARY_HASH, semconv.GEN_AI_RESPONSE_FINISH_REASONS, semconv.TTFT_MS,
+        semconv.CONVERSATION_ID_REJECTED, semconv.CLIENT_DISCONNECTED}),
+    semconv.SPAN_INPUT_PROCESSING: frozenset({
+        semconv.PREFILL_INSTANCE, semconv.PROMPT_TOKENS, semconv.CACHED_TOKENS,
+        semconv.VLLM_REQUEST_ID, semconv.REMOTE_OFFERED_TOKENS, semconv.ERROR_KIND}),
+    semconv.SPAN_GENERATION: frozenset({
+        semconv.STREAM_CHUNKS, semconv.DECODE_STREAMED, semconv.DECODE_INSTANCE,
+        semconv.GEN_AI_USAGE_OUTPUT_TOKENS, semconv.REMOTE_NUM_TOKENS,
+        semconv.CLIENT_DISCONNECTED, semconv.ERROR_KIND}),
+}
+
+# What the log gives of some turns only (the turn span's): the status and kind of a failure (its
+# access line and traceback; a successful answer's status is not placed on a request), the
+# reuse guard's verdict on an edited history (its line; a passed check logs none), and the turn
+# index of a request in a conversation (the live proxy counts one without a conversation turn 1).
+PARTLY_LOGGED = frozenset({semconv.HTTP_RESPONSE_STATUS_CODE, semconv.ERROR_KIND,
+                           semconv.REUSE_GUARD, semconv.TURN_INDEX})
+
+
+def _error_kind(request: ProxyRequest) -> str | None:
+    """The kind of the failure placed on ``request``, where its cause or status says."""
+    cause = (request.error_cause or "").split(":")[0]
+    if "Timeout" in cause:
+        return semconv.ERROR_TIMEOUT
+    if "Connect" in cause:
+        return semconv.ERROR_CONNECT
+    if request.error_status is not None or "HTTPStatusError" in (request.error_cause or ""):
+        return semconv.ERROR_UPSTREAM_STATUS
+    return None
+
+
+def turn_record(request: ProxyRequest) -> TurnRecord:
+    """The proxy's own record of the request, as far as its log says: what no line gives is
+    None (not measured). Span ids are ingest's own (deterministic per file), not the record's."""
+    prefill_end = request.prefill_end_ns if request.prefill_ms is not None else None
+    return TurnRecord(
+        x_request_id=request.x_request_id, route=None, arrival_ns=request.time_ns,
+        trace_id=0, turn_span_id=0, prefill_span_id=0, decode_span_id=0,
+        conversation=ConversationId(request.conversation_id, None),
+        turn_index=request.turn_index, stream=None,
+        lookup=request.lookup, lookup_age_s=request.entry_age_s,
+        offered_request_id=request.offered_request_id,
+        d_metadata_attached=request.lookup == semconv.ROUTER_HIT and request.reuse_guard is None,
+        reuse_guard=request.reuse_guard,
+        prefill_start_ns=(None if prefill_end is None or request.prefill_ms is None
+                          else prefill_end - round(request.prefill_ms * _NS_PER_MS)),
+        prefill_end_ns=prefill_end,
+        decode_request_id=request.decode_request_id,
+        retention_returned=request.params_returned, retention_blocks=request.retention_blocks,
+        chunks=None, decode_streamed=None,
+        # The HTTP status the proxy answered (its access line; the upstream's is in the cause).
+        status_code=request.error_status, error_kind=_error_kind(request),
+        error_message=request.error_cause or "", end_ns=request.time_ns)
+
+
+# The proxy's evidence a client's record of the same turn takes (kvscope ingest's join).
+JOINED = (semconv.X_REQUEST_ID, semconv.ROUTER_LOOKUP, semconv.ROUTER_ENTRY_AGE_S,
+          semconv.REUSE_GUARD)
+
+
 def turn_values(request: ProxyRequest) -> dict[str, Any]:
-    """The turn span's attributes the proxy's log measured."""
-    return {
-        semconv.X_REQUEST_ID: request.x_request_id,
-        semconv.ROUTER_LOOKUP: request.lookup,
-        semconv.ROUTER_ENTRY_AGE_S: request.entry_age_s,
-        semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None,
-        semconv.REUSE_GUARD: request.reuse_guard,
-    }
-
-
-def _error_values(request: ProxyRequest) -> dict[str, Any]:
-    """The failure's attributes: the HTTP status the proxy answered (its access line; the
-    upstream's own status is in the cause) and the kind of error, where logged."""
-    kind = None
-    if request.error_cause is not None:
-        kind = (semconv.ERROR_TIMEOUT if "Timeout" in request.error_cause.split(":")[0]
-                else semconv.ERROR_CONNECT if "Connect" in request.error_cause.split(":")[0]
-                else None)
-    if kind is None and (request.error_status is not None
-                         or "HTTPStatusError" in (request.error_cause or "")):
-        kind = semconv.ERROR_UPSTREAM_STATUS
-    return {semconv.HTTP_RESPONSE_STATUS_CODE: request.error_status, semconv.ERROR_KIND: kind}
+    """What the proxy's log measured of the turn that a client's record of it takes: the
+    :data:`JOINED` attributes of the turn span, and the attempts a retried turn took."""
+    shaped = turn_attributes(turn_record(request), None)
+    return {**{key: shaped.get(key) for key in JOINED},
+            semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None}
 
 
 def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
@@ -426,33 +499,24 @@ def add_legs(request: ProxyRequest, run_id: str, rows: TraceRows, trace_id: str,
     of ``request`` under the turn span ``parent``; return how many spans."""
     resource_attrs = resource(semconv.SERVICE_PROXY_LOG, run_id, KIND, request.file_name)
     sha = request.file_sha256
+    record = turn_record(request)
     added = 0
     common = {"resource_attrs": resource_attrs, "service": semconv.SERVICE_PROXY_LOG,
               "trace_id": trace_id, "parent": parent, "kind": KIND_CLIENT}
-    if request.prefill_ms is not None and request.prefill_end_ns is not None:
-        end = request.prefill_end_ns
+    if record.prefill_start_ns is not None and record.prefill_end_ns is not None:
         add_span(rows, name=semconv.SPAN_INPUT_PROCESSING,
                  span_id=ingest_id(sha, request.x_request_id, "prefill", size=8),
-                 start_ns=end - round(request.prefill_ms * _NS_PER_MS), end_ns=end,
-                 values={semconv.X_REQUEST_ID: request.x_request_id,
-                         semconv.D_METADATA_ATTACHED: (request.lookup == semconv.ROUTER_HIT
-                                                     and request.reuse_guard is None),
-                         semconv.OFFERED_REQUEST_ID: request.offered_request_id,
-                         semconv.INGEST_LINE: request.line},
+                 start_ns=record.prefill_start_ns, end_ns=record.prefill_end_ns,
+                 values={**prefill_attributes(record), semconv.INGEST_LINE: request.line},
                  **common)
         added += 1
-    returned = request.params_returned
-    if returned is not None:
+    if record.retention_returned is not None:
         start = request.prefill_end_ns or request.time_ns
         add_span(rows, name=semconv.SPAN_GENERATION,
                  span_id=ingest_id(sha, request.x_request_id, "decode", size=8),
                  start_ns=start, end_ns=start,
-                 values={semconv.X_REQUEST_ID: request.x_request_id,
-                         semconv.RETENTION_METADATA_RETURNED: returned,
-                         semconv.VLLM_REQUEST_ID: request.decode_request_id,
-                         semconv.RETENTION_BLOCKS: request.retention_blocks,
-                         # The log has no end of the decode leg.
-                         semconv.DURATION_MEASURED: False},
+                 # The log has no end of the decode leg.
+                 values={**decode_attributes(record), semconv.DURATION_MEASURED: False},
                  **common)
         added += 1
     return added
@@ -474,22 +538,26 @@ def add_spans(log: ProxyLog, run_id: str, rows: TraceRows) -> int:
                   "start_ns": request.time_ns, "end_ns": request.time_ns,
                   "status": STATUS_ERROR if request.errored else STATUS_UNSET,
                   "status_message": request.error_cause or ""}
-        values = {semconv.X_REQUEST_ID: request.x_request_id,
-                  semconv.GEN_AI_CONVERSATION_ID: request.conversation_id,
-                  semconv.TURN_INDEX: request.turn_index, semconv.INGEST_LINE: request.line,
-                  semconv.DURATION_MEASURED: False, **_error_values(request)}
+        own = {semconv.INGEST_LINE: request.line, semconv.DURATION_MEASURED: False}
         if request.retried_by is not None:
             # A failed attempt the client repeated: evidence of the turn, not a turn.
             add_span(rows, name=semconv.SPAN_TURN_ATTEMPT, **common, values={
-                **values, semconv.RETRIED_BY_REQUEST_ID: request.retried_by})
+                semconv.X_REQUEST_ID: request.x_request_id,
+                semconv.GEN_AI_CONVERSATION_ID: request.conversation_id,
+                semconv.TURN_INDEX: request.turn_index, **own,
+                semconv.HTTP_RESPONSE_STATUS_CODE: request.error_status,
+                semconv.ERROR_KIND: _error_kind(request),
+                semconv.RETRIED_BY_REQUEST_ID: request.retried_by})
             added += 1
             continue
         add_span(rows, name=semconv.SPAN_TURN, **common, values={
-            **turn_values(request), **values,
+            **turn_attributes(turn_record(request), None), **own,
+            semconv.TURN_ATTEMPTS: request.attempts if request.attempts > 1 else None,
             semconv.TURN_OBSERVER: semconv.OBSERVER_PROXY_LOG})
         added += 1 + add_legs(request, run_id, rows, trace_id, span_id)
     return added
 
 
-__all__ = ["KIND", "KVSCOPE_LOGGER", "ProxyLog", "ProxyRequest", "VLLM_LOGGER", "add_legs",
-    "add_spans", "looks_like", "read", "turn_values"]
+__all__ = ["JOINED", "KIND", "KVSCOPE_LOGGER", "LOG_ONLY", "NOT_IN_THE_LOG", "PARTLY_LOGGED",
+    "ProxyLog", "ProxyRequest", "VLLM_LOGGER", "add_legs", "add_spans", "looks_like", "read",
+    "turn_record", "turn_values"]

@@ -774,7 +774,7 @@ class Proxy:
             await response.prepare(request)
             for event in sse_events(answer, body):
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                record.chunks += 1
+                record.chunks = (record.chunks or 0) + 1
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:

@@ -26,7 +26,7 @@ class ConversationId:
     """The conversation id of one request, where it came from, and why it was refused if so."""
 
     value: str | None
-    source: str
+    source: str | None  # None: not known (a proxy log names no source)
     rejected: str | None = None
 
 

@@ -59,7 +59,7 @@ class TurnRecordLike(Protocol):
     """What :meth:`ProxyMetrics.observe` reads of a finished
     :class:`~kvscope.collector.proxy.telemetry.TurnRecord`."""
 
-    route: str
+    route: str | None
     model: str | None
     prefill_instance: str | None
     decode_instance: str | None
@@ -166,7 +166,7 @@ class ProxyMetrics:
         model = self.model_label(record.model, served=record.error_kind is None)
         prefill = record.prefill_instance or ""
         decode = record.decode_instance or ""
-        key = (record.route, record.error_kind or "ok", model, prefill, decode)
+        key = (record.route or "", record.error_kind or "ok", model, prefill, decode)
         children = self._children.get(key)
         if children is None:
             # prometheus_client's labels() validates and locks on every call: a third of a

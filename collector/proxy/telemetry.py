@@ -91,7 +91,7 @@ def set_reply_boundary(record: TurnRecord, key: BoundaryKey) -> None:
     if source is None or record.reply_hash is not None:
         return
     last = record.history_last or record.boundary_hashes.rpartition(",")[2]
-    text = reply_text(source, record.retention_returned)
+    text = reply_text(source, bool(record.retention_returned))
     if not last or text is None:
         return
     record.reply_hash = chain_boundary(bytes.fromhex(last), "assistant", text, key).hex()
@@ -119,10 +119,14 @@ def format_traceparent(trace_id: int, span_id: int) -> str:
 # --- per-turn record ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class TurnRecord:
-    """Everything the proxy learns about one turn; plain data, filled on the request path."""
+    """Everything the proxy learns about one turn; plain data, filled on the request path.
+
+    A record built from a proxy's log (:mod:`kvscope.collector.ingest.proxy_log`) leaves what
+    the log does not say as None: not measured, so its span leaves the attribute out.
+    """
 
     x_request_id: str
-    route: str
+    route: str | None
     arrival_ns: int
     trace_id: int
     turn_span_id: int
@@ -131,10 +135,10 @@ class TurnRecord:
     remote_parent_span_id: int | None = None
     tracestate: str | None = None
     conversation: ConversationId | None = None
-    turn_index: int = 1
+    turn_index: int | None = 1
     previous_end_ns: int | None = None
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     # The last BOUNDARY_HASHES_KEPT message-boundary hashes (comma separated), their roles'
     # initials, and how many messages the prompt has.
     boundary_hashes: str = ""
@@ -164,19 +168,19 @@ class TurnRecord:
     decode_end_ns: int | None = None
     decode_request_id: str | None = None
     output_tokens: int | None = None
-    chunks: int = 0
+    chunks: int | None = 0
     finish_reasons: list[str] = field(default_factory=list)
-    retention_returned: bool = False
+    retention_returned: bool | None = False
     remote_num_tokens: int | None = None
     retention_blocks: int | None = None
-    status_code: int = 200
+    status_code: int | None = 200
     error_kind: str | None = None
     error_leg: str | None = None
     error_message: str = ""
     client_disconnected: bool = False
     end_ns: int = 0
     # False when decode was called non-streaming (vLLM < 0.33 streams no kv_transfer_params).
-    decode_streamed: bool = True
+    decode_streamed: bool | None = True
     # The boundary hash of the prompt's messages then decode's reply as one assistant message
     # (semconv.REPLY_BOUNDARY_HASH), and what it is still to be hashed from: the reply's text,
     # or decode's SSE payloads (parsed off the serving path; see reply_text). Never stored.
@@ -228,6 +232,107 @@ class _ConversationClock:
 def _add_known(attrs: dict[str, Any], values: Mapping[str, Any]) -> None:
     """Add the ``values`` that are known: an attribute not measured is left out, never null."""
     attrs.update({key: value for key, value in values.items() if value is not None})
+
+
+# --- a turn record's attributes, per span kind ------------------------------------------------
+# One shape per span kind, shared by every producer of turn spans: the proxy (live, in its
+# process or its export process), the simulator (through ProxyTelemetry) and the ingest of a
+# proxy's log (kvscope.collector.ingest.proxy_log, whose records leave what a log line cannot
+# say as None). An attribute not measured is left out, never stored as a default.
+
+
+def turn_attributes(record: TurnRecord, router_ttl_s: float | None) -> dict[str, Any]:
+    """The ``kvscope.turn`` span's attributes of ``record``."""
+    attrs: dict[str, Any] = {semconv.X_REQUEST_ID: record.x_request_id}
+    _add_known(attrs, {
+        semconv.HTTP_ROUTE: record.route,
+        semconv.HTTP_RESPONSE_STATUS_CODE: record.status_code,
+        semconv.TURN_INDEX: record.turn_index,
+        semconv.STREAM_REQUESTED: record.stream,
+    })
+    conversation = record.conversation
+    if conversation is not None:
+        _add_known(attrs, {
+            semconv.GEN_AI_CONVERSATION_ID: conversation.value,
+            semconv.CONVERSATION_ID_SOURCE: conversation.source,
+            semconv.CONVERSATION_ID_REJECTED: conversation.rejected,
+        })
+    _add_known(attrs, {
+        semconv.GEN_AI_REQUEST_MODEL: record.model,
+        semconv.GEN_AI_USAGE_INPUT_TOKENS: record.prompt_tokens,
+        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
+        semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: record.cached_tokens,
+        semconv.DECODE_CACHED_TOKENS: record.decode_cached_tokens,
+        semconv.ROUTER_LOOKUP: record.lookup,
+        semconv.ROUTER_ENTRY_AGE_S: record.lookup_age_s,
+        semconv.REUSE_GUARD: record.reuse_guard,
+        semconv.REPLY_BOUNDARY_HASH: record.reply_hash,
+        semconv.ROUTER_TTL_S: router_ttl_s,
+        semconv.PREFILL_INSTANCE: record.prefill_instance,
+        semconv.DECODE_INSTANCE: record.decode_instance,
+    })
+    if record.message_count:
+        # The record holds the last hashes only; a longer list (a caller of its own) is cut.
+        hashes = record.boundary_hashes
+        if len(hashes) > _KEPT_HASH_CHARS:
+            hashes = hashes[len(hashes) - _KEPT_HASH_CHARS:]
+        attrs[semconv.MESSAGE_COUNT] = record.message_count
+        attrs[semconv.MESSAGE_BOUNDARY_HASHES] = hashes
+        if record.boundary_key_id is not None:
+            attrs[semconv.MESSAGE_BOUNDARY_HASH_KEY_ID] = record.boundary_key_id
+        roles = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
+        if len(roles) == min(record.message_count, BOUNDARY_HASHES_KEPT):
+            attrs[semconv.MESSAGE_ROLES] = roles
+    if record.finish_reasons:
+        attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
+    if record.first_token_ns is not None:
+        attrs[semconv.TTFT_MS] = (record.first_token_ns - record.arrival_ns) / 1e6
+    if record.client_disconnected:
+        attrs[semconv.CLIENT_DISCONNECTED] = True
+    if record.error_kind is not None:
+        attrs[semconv.ERROR_KIND] = record.error_kind
+    return attrs
+
+
+def prefill_attributes(record: TurnRecord) -> dict[str, Any]:
+    """The prefill leg's (``kvscope.input_processing``) attributes of ``record``."""
+    attrs: dict[str, Any] = {semconv.X_REQUEST_ID: record.x_request_id,
+                             semconv.D_METADATA_ATTACHED: record.d_metadata_attached}
+    _add_known(attrs, {
+        semconv.PREFILL_INSTANCE: record.prefill_instance,
+        semconv.PROMPT_TOKENS: record.prompt_tokens,
+        semconv.CACHED_TOKENS: record.cached_tokens,
+        semconv.VLLM_REQUEST_ID: record.prefill_request_id,
+        semconv.OFFERED_REQUEST_ID: record.offered_request_id,
+        semconv.REMOTE_OFFERED_TOKENS: record.offered_tokens,
+    })
+    _leg_error(attrs, record, semconv.LEG_PREFILL)
+    return attrs
+
+
+def decode_attributes(record: TurnRecord) -> dict[str, Any]:
+    """The decode leg's (``kvscope.generation``) attributes of ``record``."""
+    attrs: dict[str, Any] = {semconv.X_REQUEST_ID: record.x_request_id}
+    _add_known(attrs, {
+        semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
+        semconv.STREAM_CHUNKS: record.chunks,
+        semconv.DECODE_STREAMED: record.decode_streamed,
+        semconv.DECODE_INSTANCE: record.decode_instance,
+        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
+        semconv.VLLM_REQUEST_ID: record.decode_request_id,
+        semconv.REMOTE_NUM_TOKENS: record.remote_num_tokens,
+        semconv.RETENTION_BLOCKS: record.retention_blocks,
+    })
+    if record.client_disconnected:
+        attrs[semconv.CLIENT_DISCONNECTED] = True
+    _leg_error(attrs, record, semconv.LEG_DECODE)
+    return attrs
+
+
+def _leg_error(attrs: dict[str, Any], record: TurnRecord, leg: str) -> None:
+    """The kind of the turn's failure, on the leg it happened in."""
+    if record.error_leg == leg and record.error_kind is not None:
+        attrs[semconv.ERROR_KIND] = record.error_kind
 
 
 def sdk_spans(resource: Resource, scope: InstrumentationScope) -> SpanBuilder:
@@ -395,58 +500,11 @@ class ProxyTelemetry:
         conversation = record.conversation
         conv_id = conversation.value if conversation is not None else None
 
-        turn_attrs: dict[str, Any] = {
-            semconv.X_REQUEST_ID: record.x_request_id,
-            semconv.HTTP_ROUTE: record.route,
-            semconv.HTTP_RESPONSE_STATUS_CODE: record.status_code,
-            semconv.TURN_INDEX: record.turn_index,
-            semconv.STREAM_REQUESTED: record.stream,
-        }
-        if conv_id is not None:
-            turn_attrs[semconv.GEN_AI_CONVERSATION_ID] = conv_id
-        if conversation is not None:
-            turn_attrs[semconv.CONVERSATION_ID_SOURCE] = conversation.source
-            if conversation.rejected is not None:
-                turn_attrs[semconv.CONVERSATION_ID_REJECTED] = conversation.rejected
-        _add_known(turn_attrs, {
-            semconv.GEN_AI_REQUEST_MODEL: record.model,
-            semconv.GEN_AI_USAGE_INPUT_TOKENS: record.prompt_tokens,
-            semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
-            semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: record.cached_tokens,
-            semconv.DECODE_CACHED_TOKENS: record.decode_cached_tokens,
-            semconv.ROUTER_LOOKUP: record.lookup,
-            semconv.ROUTER_ENTRY_AGE_S: record.lookup_age_s,
-            semconv.REUSE_GUARD: record.reuse_guard,
-            semconv.REPLY_BOUNDARY_HASH: record.reply_hash,
-            semconv.ROUTER_TTL_S: self.router_ttl_s,
-            semconv.PREFILL_INSTANCE: record.prefill_instance,
-            semconv.DECODE_INSTANCE: record.decode_instance,
-        })
-        if record.message_count:
-            # The record holds the last hashes only; a longer list (a caller of its own) is cut.
-            hashes = record.boundary_hashes
-            if len(hashes) > _KEPT_HASH_CHARS:
-                hashes = hashes[len(hashes) - _KEPT_HASH_CHARS:]
-            turn_attrs[semconv.MESSAGE_COUNT] = record.message_count
-            turn_attrs[semconv.MESSAGE_BOUNDARY_HASHES] = hashes
-            if record.boundary_key_id is not None:
-                turn_attrs[semconv.MESSAGE_BOUNDARY_HASH_KEY_ID] = record.boundary_key_id
-            roles = record.boundary_roles[-BOUNDARY_HASHES_KEPT:]
-            if len(roles) == min(record.message_count, BOUNDARY_HASHES_KEPT):
-                turn_attrs[semconv.MESSAGE_ROLES] = roles
-        if record.finish_reasons:
-            turn_attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(record.finish_reasons)
+        turn_attrs = turn_attributes(record, self.router_ttl_s)
         first_token_events: tuple[SpanEvent, ...] = ()
         if record.first_token_ns is not None:
-            ttft_ms = (record.first_token_ns - record.arrival_ns) / 1e6
-            turn_attrs[semconv.TTFT_MS] = ttft_ms
-            first_token_events = (
-                (record.first_token_ns, semconv.EVENT_FIRST_TOKEN, {semconv.TTFT_MS: ttft_ms}),
-            )
-        if record.client_disconnected:
-            turn_attrs[semconv.CLIENT_DISCONNECTED] = True
-        if record.error_kind is not None:
-            turn_attrs[semconv.ERROR_KIND] = record.error_kind
+            first_token_events = ((record.first_token_ns, semconv.EVENT_FIRST_TOKEN,
+                                   {semconv.TTFT_MS: turn_attrs[semconv.TTFT_MS]}),)
         turn_status = (
             Status(StatusCode.ERROR, record.error_message or record.error_kind)
             if record.error_kind is not None
@@ -461,39 +519,14 @@ class ProxyTelemetry:
         ]
 
         if record.prefill_start_ns is not None:
-            attrs: dict[str, Any] = {
-                semconv.X_REQUEST_ID: record.x_request_id,
-                semconv.D_METADATA_ATTACHED: record.d_metadata_attached,
-            }
-            _add_known(attrs, {
-                semconv.PREFILL_INSTANCE: record.prefill_instance,
-                semconv.PROMPT_TOKENS: record.prompt_tokens,
-                semconv.CACHED_TOKENS: record.cached_tokens,
-                semconv.VLLM_REQUEST_ID: record.prefill_request_id,
-                semconv.OFFERED_REQUEST_ID: record.offered_request_id,
-                semconv.REMOTE_OFFERED_TOKENS: record.offered_tokens,
-            })
+            attrs = prefill_attributes(record)
             spans.append(
                 self._leg(record, semconv.SPAN_INPUT_PROCESSING, record.prefill_span_id,
                           record.prefill_start_ns, record.prefill_end_ns, attrs, (),
                           semconv.LEG_PREFILL)
             )
         if record.decode_start_ns is not None:
-            attrs = {
-                semconv.X_REQUEST_ID: record.x_request_id,
-                semconv.RETENTION_METADATA_RETURNED: record.retention_returned,
-                semconv.STREAM_CHUNKS: record.chunks,
-                semconv.DECODE_STREAMED: record.decode_streamed,
-            }
-            _add_known(attrs, {
-                semconv.DECODE_INSTANCE: record.decode_instance,
-                semconv.GEN_AI_USAGE_OUTPUT_TOKENS: record.output_tokens,
-                semconv.VLLM_REQUEST_ID: record.decode_request_id,
-                semconv.REMOTE_NUM_TOKENS: record.remote_num_tokens,
-                semconv.RETENTION_BLOCKS: record.retention_blocks,
-            })
-            if record.client_disconnected:
-                attrs[semconv.CLIENT_DISCONNECTED] = True
+            attrs = decode_attributes(record)
             spans.append(
                 self._leg(record, semconv.SPAN_GENERATION, record.decode_span_id,
                           record.decode_start_ns, record.decode_end_ns, attrs,
@@ -529,7 +562,6 @@ class ProxyTelemetry:
     ) -> ReadableSpan:
         status = _UNSET_STATUS
         if record.error_leg == leg and record.error_kind is not None:
-            attrs[semconv.ERROR_KIND] = record.error_kind
             status = Status(StatusCode.ERROR, record.error_message or record.error_kind)
         return self._span(name, record.trace_id, span_id, record.turn_span_id, False,
                           SpanKind.CLIENT, start_ns, end_ns or record.end_ns, attrs, events,
@@ -593,5 +625,5 @@ class ProxyTelemetry:
 
 
 __all__ = ["MAX_TRACKED_CONVERSATIONS", "ProxyTelemetry", "SpanBuilder", "SpanEvent", "SpanSink",
-    "TurnRecord", "format_traceparent", "parse_traceparent", "sdk_spans", "set_boundaries",
-    "set_reply_boundary"]
+    "TurnRecord", "decode_attributes", "format_traceparent", "parse_traceparent",
+    "prefill_attributes", "sdk_spans", "set_boundaries", "set_reply_boundary", "turn_attributes"]

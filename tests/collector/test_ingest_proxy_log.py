@@ -16,16 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import httpx
 import pytest
 
 from kvscope import semconv
 from kvscope.collector.ingest import KINDS, detect, ingest, proxy_log
 from kvscope.collector.proxy import ProxyTelemetry
 from kvscope.collector.proxy import app as proxy_app
+from kvscope.collector.proxy.conversation import ConversationId
+from kvscope.collector.proxy.telemetry import (
+    TurnRecord,
+    decode_attributes,
+    prefill_attributes,
+    turn_attributes,
+)
 from kvscope.errors import IngestError
 from kvscope.reuse import outcomes
 from kvscope.reuse.router import GUARD_EDITED, Lookup
 from tests.collector.test_ingest import Turn, _count, _ledger, write_stats
+from tests.stores import query
 
 VLLM_FORMAT = "%(asctime)s [%(levelname)s] %(name)s: %(message)s"  # dpm.py:91
 VLLM_DATEFMT = "%Y-%m-%d %H:%M:%S"  # dpm.py:92
@@ -427,3 +436,122 @@ def test_a_failure_with_several_requests_in_prefill_is_not_placed(tmp_path: Path
     parsed = proxy_log.read(log.write())
     assert parsed.errors_not_placed == 1
     assert not any(r.errored for r in parsed.requests)
+
+
+# --- the proxy's span shape ------------------------------------------------------------------
+
+
+def _shape(record: TurnRecord, router_ttl_s: float | None) -> dict[str, set[str]]:
+    """The attribute keys per span kind the proxy's own shaping gives ``record``."""
+    return {semconv.SPAN_TURN: set(turn_attributes(record, router_ttl_s)),
+            semconv.SPAN_INPUT_PROCESSING: set(prefill_attributes(record)),
+            semconv.SPAN_GENERATION: set(decode_attributes(record))}
+
+
+def test_a_proxy_log_s_record_is_the_proxy_s_record_less_what_no_line_gives() -> None:
+    """Every field the live proxy fills, against every field a proxy log can give: per span
+    kind, the proxy's keys the log's record lacks are exactly ``NOT_IN_THE_LOG``, and the log's
+    record has no key of its own (what only a log says is added by ingest: ``LOG_ONLY``). A key
+    the proxy adds that ingest does not follow, or a stale declaration, fails here."""
+    live = {kind: set() for kind in proxy_log.LOG_ONLY}
+    for leg in (semconv.LEG_PREFILL, semconv.LEG_DECODE):
+        record = TurnRecord(
+            "x", "/v1/chat/completions", 1, 2, 3, 4, 5,
+            conversation=ConversationId("c", semconv.ID_SOURCE_BODY,
+                                        semconv.ID_REJECTED_TOO_LONG),
+            model="m", stream=True, prompt_tokens=900, cached_tokens=880,
+            decode_cached_tokens=896, lookup=semconv.ROUTER_HIT, lookup_age_s=2.0,
+            offered_request_id="cmpl-1", offered_tokens=880, d_metadata_attached=True,
+            reuse_guard=GUARD_EDITED, reply_hash="ab", prefill_instance="p:1",
+            decode_instance="d:1", prefill_start_ns=2, prefill_end_ns=3,
+            prefill_request_id="p-1", decode_start_ns=3, first_token_ns=4, decode_end_ns=5,
+            decode_request_id="cmpl-2", output_tokens=20, chunks=21, finish_reasons=["stop"],
+            retention_returned=True, remote_num_tokens=919, retention_blocks=58,
+            message_count=3, boundary_hashes="aa,bb,cc", boundary_roles="sua",
+            boundary_key_id="k", client_disconnected=True, end_ns=6)
+        record.fail(leg, semconv.ERROR_UPSTREAM_STATUS, 502, "upstream 500")
+        for kind, keys in _shape(record, 450.0).items():
+            live[kind] |= keys
+    request = proxy_log.ProxyRequest(
+        7, "x", "c", 2, 1, 1_000_000, semconv.ROUTER_HIT, entry_age_s=2.0,
+        offered_request_id="cmpl-1", prefill_ms=40.0, prefill_end_ns=2, reuse_guard=GUARD_EDITED,
+        decode_request_id="cmpl-2", retention_blocks=58, cached_ns=3,
+        error_cause="httpx.HTTPStatusError: Server error '500'", error_status=500, attempts=2)
+    logged = _shape(proxy_log.turn_record(request), None)  # as ingest shapes it
+    for kind in proxy_log.LOG_ONLY:
+        assert logged[kind] <= live[kind], kind
+        assert live[kind] - logged[kind] == proxy_log.NOT_IN_THE_LOG[kind], kind
+
+
+def _keys_per_turn(db: Path, service: str) -> dict[tuple[str, str], set[str]]:
+    """Attribute keys per (X-Request-Id, span kind) of the proxy spans ``service`` stored."""
+    rows = query(db, "SELECT SpanAttributes['kvscope.x_request_id'], SpanName, "
+                     "map_keys(SpanAttributes) FROM otel_traces "
+                     "WHERE ServiceName = ? AND list_contains(?, SpanName)",
+                 [service, list(proxy_log.LOG_ONLY)])
+    return {(rid, name): set(keys) for rid, name, keys in rows}
+
+
+def test_a_turn_ingested_from_kvscope_proxys_log_carries_the_live_turns_keys(
+        tmp_path: Path) -> None:
+    """The same turns seen live (kvscope proxy's spans, in front of the emulated servers) and
+    read back from that proxy's log: per turn and span kind, ingest's keys are the live keys
+    less ``NOT_IN_THE_LOG`` plus ``LOG_ONLY`` (turns: a miss, a hit, an edited history the
+    reuse guard withheld decode's params from, a turn with no conversation id)."""
+    from kvscope.emulator.launcher import EmulatedCluster
+    from kvscope.emulator.servers import EmulatorConfig
+
+    path = tmp_path / "kvscope-proxy.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(KVSCOPE_CLI_FORMAT))
+    turn_log = logging.getLogger(proxy_log.KVSCOPE_LOGGER)
+    level = turn_log.level
+    turn_log.addHandler(handler)
+    turn_log.setLevel(logging.INFO)
+    live_db = tmp_path / "live.duckdb"
+    system = {"role": "system", "content": "you are a coding agent " + "rules " * 150}
+    task = {"role": "user", "content": "fix the failing test " + "context " * 60}
+    config = EmulatorConfig(time_scale=50.0, prefill_prefix_caching=False, stall_timeout_s=0.2)
+    try:
+        with EmulatedCluster(config, db=live_db, proxy=True, reuse_guard=True) as cluster:
+            url = f"{cluster.proxy_url}/v1/chat/completions"
+
+            def ask(messages: list[dict[str, str]], cid: str | None) -> str:
+                body: dict[str, Any] = {"model": "kvscope-emulated", "messages": messages,
+                                        "max_tokens": 40, "stream": False}
+                if cid is not None:
+                    body["conversation_id"] = cid
+                answer = httpx.post(url, json=body, timeout=30)
+                assert answer.status_code == 200, answer.text
+                return str(answer.json()["choices"][0]["message"]["content"])
+
+            reply = ask([system, task], "conv-shape")
+            ask([system, task, {"role": "assistant", "content": reply},
+                 {"role": "user", "content": "tool result " + "line " * 80}], "conv-shape")
+            ask([system, task, {"role": "assistant", "content": "[compacted]"},
+                 {"role": "user", "content": "next"}], "conv-shape")
+            ask([system, task], None)
+    finally:
+        turn_log.removeHandler(handler)
+        turn_log.setLevel(level)
+        handler.close()
+    post_db = tmp_path / "post.duckdb"
+    ingest(post_db, [f"{proxy_log.KIND}:{path}"])
+    live = _keys_per_turn(live_db, semconv.SERVICE_PROXY)
+    post = _keys_per_turn(post_db, semconv.SERVICE_PROXY_LOG)
+    assert len({rid for rid, _ in post}) == 4
+    # Without a conversation id the log says nothing of decode's params: no decode leg.
+    (no_id,) = query(post_db, "SELECT SpanAttributes['kvscope.x_request_id'] FROM otel_traces "
+                              "WHERE SpanName = ? AND SpanAttributes['kvscope.router.lookup'] "
+                              "= ?", [semconv.SPAN_TURN, semconv.ROUTER_NO_CONVERSATION_ID])
+    assert set(live) - set(post) == {(no_id[0], semconv.SPAN_GENERATION)}
+    guards = query(post_db, "SELECT count(*) FROM otel_traces WHERE "
+                            "SpanAttributes['kvscope.reuse_guard'] = ?", [GUARD_EDITED])
+    assert guards == [(1,)]
+    log_only = {**proxy_log.LOG_ONLY, semconv.SPAN_TURN: (
+        proxy_log.LOG_ONLY[semconv.SPAN_TURN] - {semconv.TURN_ATTEMPTS})}  # no retry here
+    for (rid, kind), keys in post.items():
+        assert keys - live[rid, kind] == log_only[kind], (rid, kind)
+        # A success's status and a passed guard check are not logged (PARTLY_LOGGED).
+        assert live[rid, kind] - keys <= proxy_log.NOT_IN_THE_LOG[kind] | (
+            proxy_log.PARTLY_LOGGED if kind == semconv.SPAN_TURN else set()), (rid, kind)

@@ -206,17 +206,20 @@ def _keys_per_kind(db: Path, kinds: list[str]) -> dict[str, set[str]]:
     return {row["name"]: set(row["keys"]) for row in frame.to_dicts()}
 
 
-def test_an_engine_span_ingested_from_the_logs_has_the_hooks_shape(ingested: pl.DataFrame,
-                                                                   deployment: Any) -> None:
+def test_a_span_ingested_from_the_logs_has_the_live_producers_shape(ingested: pl.DataFrame,
+                                                                     deployment: Any) -> None:
     """Per span kind, over the same run: the keys of engine spans ``kvscope ingest`` read from
-    the real servers' logs are the hooks' own keys, less what no log line gives
-    (``NOT_IN_THE_LOG``: never spelled by ingest), plus what only a log says (``LOG_ONLY``)."""
-    from kvscope.collector.ingest.server_log import LOG_ONLY, NOT_IN_THE_LOG
+    the real servers' logs are the hooks' own keys, and those of turn spans read from the
+    proxies' logs the live proxies' keys, less what no log line gives (``NOT_IN_THE_LOG``: never
+    spelled by ingest), plus what only a log says (``LOG_ONLY``)."""
+    from kvscope.collector.ingest import proxy_log, server_log
 
-    kinds = list(LOG_ONLY)
-    live = _keys_per_kind(deployment.serve.db, kinds)
-    post = _keys_per_kind(deployment.logs / "ingested.duckdb", kinds)
-    seen = {kind: (sorted(live.get(kind, ())), sorted(post.get(kind, ()))) for kind in kinds}
-    for kind in post:
-        assert post[kind] - live.get(kind, set()) <= LOG_ONLY[kind], seen
-        assert not post[kind] & NOT_IN_THE_LOG[kind], seen
+    for source in (server_log, proxy_log):
+        kinds = list(source.LOG_ONLY)
+        live = _keys_per_kind(deployment.serve.db, kinds)
+        post = _keys_per_kind(deployment.logs / "ingested.duckdb", kinds)
+        seen = {kind: (sorted(live.get(kind, ())), sorted(post.get(kind, ()))) for kind in kinds}
+        assert post, seen
+        for kind in post:
+            assert post[kind] - live.get(kind, set()) <= source.LOG_ONLY[kind], seen
+            assert not post[kind] & source.NOT_IN_THE_LOG[kind], seen
