@@ -119,6 +119,23 @@ def _vllm_log(path: Path) -> Path:
     return log.write()
 
 
+def hits_log(path: Path) -> LogFile:
+    """vLLM's proxy log of the workload where every follow-up turn is a router hit (decode
+    returned its params every turn); written by ``.write()``."""
+    proxy = LogFile(path, "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
+    for at, rid, conv, offered, decode_id, age in (
+            (0, "r-0-1", "CONV_0", None, "chatcmpl-r-0-1-aaaaaaaa", None),
+            (450, "r-1-1", "CONV_1", None, "chatcmpl-r-1-1-bbbbbbbb", None),
+            (1000, "r-0-2", "CONV_0", "chatcmpl-r-0-1-aaaaaaaa", "chatcmpl-r-0-2-cccccccc", 0.6),
+            (2000, "r-1-2", "CONV_1", "chatcmpl-r-1-1-bbbbbbbb", "chatcmpl-r-1-2-dddddddd", 1.0),
+            (3000, "r-0-3", "CONV_0", "chatcmpl-r-0-2-cccccccc", "chatcmpl-r-0-3-eeeeeeee",
+             1.2)):
+        _vllm_turn(proxy, _at(at), rid, conv,
+                   semconv.ROUTER_MISS if offered is None else semconv.ROUTER_HIT, age=age,
+                   offered=offered, decode_id=decode_id)
+    return proxy
+
+
 def _stats(path: Path) -> Path:
     write_stats(path, WORKLOAD)
     os.utime(path, ns=(int(T0 * 1e9), int(T0 * 1e9)))

@@ -31,6 +31,7 @@ from tests.collector.test_ingest_proxy_log import (
     _at,
     _stats,
     _vllm_turn,
+    hits_log,
 )
 
 VLLM_LINE_FORMAT = ("(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s "
@@ -154,17 +155,7 @@ def test_a_vllm_server_log_is_detected_and_read(tmp_path: Path) -> None:
 def test_prefill_evidence_makes_the_outcome_specific(tmp_path: Path) -> None:
     """With the prefill's log beside the stats and the proxy's log, turns the two files left
     ``unknown`` get the cause prefill logged."""
-    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
-    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-0-1-aaaaaaaa")
-    _vllm_turn(proxy, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-1-1-bbbbbbbb")
-    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
-               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
-    _vllm_turn(proxy, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_HIT, age=1.0,
-               offered="chatcmpl-r-1-1-bbbbbbbb", decode_id="chatcmpl-r-1-2-dddddddd")
-    _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
-               offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
+    proxy = hits_log(tmp_path / "proxy.log")
     db = tmp_path / "run.duckdb"
     prefill = _prefill_log(tmp_path / "prefill.log")
     result = ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
@@ -336,17 +327,7 @@ def test_every_format_gives_the_same_evidence(tmp_path: Path, style: str) -> Non
 def test_a_pull_the_log_shows_is_reused_in_the_ledger(tmp_path: Path) -> None:
     """num_external_tokens and "Finished recving" are a pull and its success: the turn is no
     longer ``unknown``; the notify-only handshake failure adds no read."""
-    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
-    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-0-1-aaaaaaaa")
-    _vllm_turn(proxy, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-1-1-bbbbbbbb")
-    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
-               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
-    _vllm_turn(proxy, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_HIT, age=1.0,
-               offered="chatcmpl-r-1-1-bbbbbbbb", decode_id="chatcmpl-r-1-2-dddddddd")
-    _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
-               offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
+    proxy = hits_log(tmp_path / "proxy.log")
     db = tmp_path / "run.duckdb"
     prefill = _pull_log(tmp_path / "prefill.log", PLAIN)
     ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),

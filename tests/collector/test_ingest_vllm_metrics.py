@@ -18,12 +18,8 @@ from kvscope.analysis import registry
 from kvscope.collector.ingest import KINDS, detect, ingest, vllm_metrics
 from kvscope.errors import IngestError
 from tests.collector.test_ingest_proxy_log import (
-    VLLM_DATEFMT,
-    VLLM_FORMAT,
-    LogFile,
-    _at,
     _stats,
-    _vllm_turn,
+    hits_log,
 )
 from tests.collector.test_ingest_server_log import PLAIN, _pull_log
 
@@ -87,17 +83,7 @@ def test_a_file_with_no_vllm_sample_is_refused(tmp_path: Path) -> None:
 
 
 def _run(tmp_path: Path, external: int, expired: int = 0) -> list[dict]:
-    proxy = LogFile(tmp_path / "proxy.log", "disagg_proxy", VLLM_FORMAT, VLLM_DATEFMT)
-    _vllm_turn(proxy, _at(0), "r-0-1", "CONV_0", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-0-1-aaaaaaaa")
-    _vllm_turn(proxy, _at(450), "r-1-1", "CONV_1", semconv.ROUTER_MISS,
-               decode_id="chatcmpl-r-1-1-bbbbbbbb")
-    _vllm_turn(proxy, _at(1000), "r-0-2", "CONV_0", semconv.ROUTER_HIT, age=0.6,
-               offered="chatcmpl-r-0-1-aaaaaaaa", decode_id="chatcmpl-r-0-2-cccccccc")
-    _vllm_turn(proxy, _at(2000), "r-1-2", "CONV_1", semconv.ROUTER_HIT, age=1.0,
-               offered="chatcmpl-r-1-1-bbbbbbbb", decode_id="chatcmpl-r-1-2-dddddddd")
-    _vllm_turn(proxy, _at(3000), "r-0-3", "CONV_0", semconv.ROUTER_HIT, age=1.2,
-               offered="chatcmpl-r-0-2-cccccccc", decode_id="chatcmpl-r-0-3-eeeeeeee")
+    proxy = hits_log(tmp_path / "proxy.log")
     db = tmp_path / "run.duckdb"
     snapshot = write_snapshot(tmp_path / "prefill-metrics.txt", external, 412, 900, 1, 1, expired)
     ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
