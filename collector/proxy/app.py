@@ -39,7 +39,7 @@ from aiohttp import web
 from kvscope import semconv
 from kvscope.collector.proxy.conversation import SESSION_HEADER, conversation_id_from
 from kvscope.collector.proxy.telemetry import ProxyTelemetry, TurnRecord, set_reply_boundary
-from kvscope.reuse.boundaries import BOUNDARY_HASHES_KEPT, message_boundaries
+from kvscope.reuse.boundaries import BOUNDARY_HASHES_KEPT, message_boundaries, sse_event
 from kvscope.reuse.params import (
     DECODE_PARAMS_AUTO,
     DECODE_PARAMS_MODES,
@@ -268,11 +268,8 @@ class DecodeStream:
             or b'"finish_reason": "' in payload
         ):
             return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(event, dict):
+        event = sse_event(payload)
+        if event is None:
             return None
         if self.response_id is None:
             self.response_id = event.get("id")

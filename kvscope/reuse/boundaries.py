@@ -82,6 +82,16 @@ def _text(content: Any) -> str:
     return content_text(content)
 
 
+def sse_event(payload: bytes | str) -> dict[str, Any] | None:
+    """One SSE ``data:`` payload as the JSON object an OpenAI-compatible server sends; None when
+    it is not one."""
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 def reply_text(source: str | tuple[bytes, ...] | None, kept: bool = True) -> str | None:
     """The assistant message a client sends back for decode's reply: its text, or None when
     the reply is not one plain-text message (tool calls, several choices, unreadable events).
@@ -96,11 +106,8 @@ def reply_text(source: str | tuple[bytes, ...] | None, kept: bool = True) -> str
         return source
     parts: list[str] = []
     for payload in source:
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(event, dict):
+        event = sse_event(payload)
+        if event is None:
             return None
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -130,4 +137,4 @@ def chain_boundary(chain: bytes, role: str, text: str, key: BoundaryKey) -> byte
 
 
 __all__ = ["BOUNDARY_HASHES_KEPT", "BOUNDARY_HASH_HEX", "boundary_hashes", "chain_boundary",
-           "message_boundaries", "reply_text"]
+           "message_boundaries", "reply_text", "sse_event"]
