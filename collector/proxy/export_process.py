@@ -453,11 +453,6 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
         raise SystemExit(0)  # unwinds into the flush below
 
     signal.signal(signal.SIGTERM, _terminate)
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
     export: _SdkExport | _RowExport
     key = BoundaryKey(key_secret)
     try:
@@ -471,6 +466,13 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
         report_error(conn, exc)
         return
     report_ready(conn)
+    # Lower priority only now: the proxy waits for this child's imports and store before it
+    # serves, and a niced child on a busy host (a vLLM server starting beside it) took 112 s.
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
     built = 0
     warned = False
     gc.freeze()

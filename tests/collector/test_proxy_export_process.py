@@ -18,6 +18,7 @@ from kvscope.child import pack, unpack
 from kvscope.collector.otel import setup_telemetry
 from kvscope.collector.proxy.conversation import ConversationId
 from kvscope.collector.proxy.export_process import (
+    CHILD_NICE,
     TurnExportProcess,
     record_from_tuple,
     record_to_tuple,
@@ -225,6 +226,22 @@ def test_a_submitted_turn_keeps_nothing_of_itself_on_the_proxys_heap(tmp_path: P
     finally:
         telemetry.shutdown()
     assert len(_rows(tmp_path / "heap.duckdb")) == spans
+
+
+def test_the_export_process_serves_after_the_proxy_at_its_lower_priority(tmp_path: Path) -> None:
+    # Lowered once it is ready (its imports and store open run at the proxy's own priority, so
+    # a busy host does not hold the proxy's start back), then kept for as long as it runs.
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(tmp_path / "nice.duckdb"))
+    try:
+        pid = process._process.pid
+        assert pid is not None
+        deadline = time.monotonic() + 10
+        expected = min(os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICE, 19)
+        while os.getpriority(os.PRIO_PROCESS, pid) != expected:
+            assert time.monotonic() < deadline, os.getpriority(os.PRIO_PROCESS, pid)
+            time.sleep(0.01)
+    finally:
+        process.close()
 
 
 def test_a_locked_store_fails_at_start_with_the_store_error(tmp_path: Path) -> None:

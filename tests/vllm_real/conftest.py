@@ -165,7 +165,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         for p in (proxy, guarded):
             processes.append(p.start())
         for p in (proxy, guarded):
-            p.wait_ready("/health", timeout_s=120)
+            p.wait_ready("/health")
         warm_up(proxy)
         _START_S.update(start_s)
         deployment = Deployment(model, serve, prefill, decode, plain, proxy, guarded, logs,

@@ -165,7 +165,7 @@ class Serve:
             [sys.executable, "-m", "kvscope.cli", "serve", "--db", str(self.db),
              "--host", HOST, "--port", str(self.http_port), "--grpc-port", str(self.grpc_port)],
             self.log, {"PYTHONUNBUFFERED": "1"}, port=self.http_port).start()
-        self.process.wait_ready("/health", timeout_s=120)
+        self.process.wait_ready("/health")
         return self
 
     def stop(self) -> None:

@@ -38,7 +38,7 @@ def test_a_turn_after_decodes_ttl_then_a_turn_after_decode_died(deployment: Any,
                    extra=["--router-ttl", str(3 * DECODE_TTL_S)]).start()
     recompute_proxy = None
     try:
-        late.wait_ready("/health", timeout_s=120)
+        late.wait_ready("/health")
         prompt = token_ids(40, seed=70)
         expired_first = judged_turn(deployment, turns, scenario="decode_ttl", proxy=late,
                                     conversation_id="ttl-1", turn_index=1, prompt=prompt,
@@ -57,7 +57,7 @@ def test_a_turn_after_decodes_ttl_then_a_turn_after_decode_died(deployment: Any,
         recompute_proxy = d.proxy("recompute proxy", deployment.logs / "recompute-proxy.log",
                                   prefill=recompute, decode=deployment.decode,
                                   serve=deployment.serve, ttl_s=DECODE_TTL_S).start()
-        recompute_proxy.wait_ready("/health", timeout_s=120)
+        recompute_proxy.wait_ready("/health")
         warm_up(recompute_proxy)
 
         # Decode dies right after a turn on each prefill (well within its TTL and the

@@ -104,8 +104,12 @@ def ingested(ledger: pl.DataFrame, deployment: Any) -> pl.DataFrame:
     # vLLM's own counters: prefill's now, decode's and the second prefill's saved by the kill
     # scenario before they stopped.
     save_metrics(deployment.prefill, deployment.logs / "prefill-metrics.prom")
-    # prefill.log, and prefill-recompute.log of the kill scenario's second prefill.
-    sources = [*(f"vllm-prefill-log:{p}" for p in sorted(deployment.logs.glob("prefill*.log"))),
+    # prefill.log, and prefill-recompute.log of the kill scenario's second prefill when that
+    # server served (its metrics were saved): a server stopped while it started logged nothing
+    # in vLLM's format, which ingest rightly refuses as not a vLLM log.
+    served = [p for p in sorted(deployment.logs.glob("prefill*.log"))
+              if p.with_name(f"{p.stem}-metrics.prom").exists()]
+    sources = [*(f"vllm-prefill-log:{p}" for p in served),
                f"vllm-decode-log:{deployment.decode.log}",
                *(f"vllm-prefill-metrics:{p}"
                  for p in sorted(deployment.logs.glob("prefill*-metrics.prom"))),
