@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("kvscope")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
+# The one place the version is written: pyproject.toml reads it from here (setuptools'
+# ``attr:``), so that no command pays for importlib.metadata (a fifth of ``kvscope version``).
+__version__ = "0.1.0"
 
 # Public modules (none is imported with the package: the vLLM plugin path stays light).
 __all__ = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 
 from kvscope import __version__, cli
 from kvscope.store import open_store
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*argv: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -51,6 +54,15 @@ def test_version() -> None:
     result = run("version")
     assert result.returncode == 0
     assert result.stdout == f"kvscope {__version__} (store schema 1)\n"
+
+
+def test_the_package_s_version_is_the_one_kvscope_reports() -> None:
+    # pyproject.toml takes the version from kvscope.__version__: what setuptools builds into
+    # the package's metadata equals what the commands print, and the installed metadata too.
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    built = read_configuration(ROOT / "pyproject.toml", expand=True)["project"]["version"]
+    assert built == __version__ == importlib.metadata.version("kvscope")
 
 
 def test_sql_table_output_is_exact(store: Path) -> None:
