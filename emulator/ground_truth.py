@@ -34,7 +34,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypedDict, Unpack
 
 from kvscope import semconv
 from kvscope.emulator import reuse_model
@@ -59,16 +59,21 @@ class TurnAccounting:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
+class TurnContext(TypedDict, total=False):
+    """What the proxy and the client did around a turn (:func:`turn_facts`' keywords)."""
+
+    router_lookup: str | None
+    decode_returned_params: bool
+    router_entry_age_s: float | None
+    history_edited: bool
+    reuse_guard: str | None
+
+
 def account_turn(
     turn_index: int,
     reusable_tokens: int,
     result: reuse_model.PrefillResult | None,
-    *,
-    router_lookup: str | None = semconv.ROUTER_HIT,
-    decode_returned_params: bool = True,
-    router_entry_age_s: float | None = None,
-    history_edited: bool = False,
-    reuse_guard: str | None = None,
+    **context: Unpack[TurnContext],
 ) -> TurnAccounting:
     """Split turn ``turn_index``'s reusable tokens and label it: the facts of what happened,
     read by the one decision table (:data:`kvscope.reuse.decisions.TABLE`).
@@ -79,10 +84,7 @@ def account_turn(
     loaded KV that does not match the prompt, ``invalid_tokens`` and ``invalid_kind``
     (:mod:`kvscope.reuse.validity`).
     """
-    facts = turn_facts(turn_index, reusable_tokens, result, router_lookup=router_lookup,
-                       decode_returned_params=decode_returned_params,
-                       router_entry_age_s=router_entry_age_s, history_edited=history_edited,
-                       reuse_guard=reuse_guard)
+    facts = turn_facts(turn_index, reusable_tokens, result, **context)
     outcome, evidence = decisions.decide(facts)
     if turn_index <= 1:
         accounting = TurnAccounting(0, 0, 0, 0, outcome, evidence)
@@ -482,4 +484,5 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["FinishedSequence", "Match", "Route", "SequenceOracle", "TruthRecorder", "TruthRow",
-    "TurnAccounting", "account_turn", "common_prefix_tokens", "read_truth", "turn_facts"]
+    "TurnAccounting", "TurnContext", "account_turn", "common_prefix_tokens", "read_truth",
+    "turn_facts"]

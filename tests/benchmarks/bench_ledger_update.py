@@ -15,8 +15,6 @@ Not a test: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import resource
 import shutil
 import sys
 import tempfile
@@ -25,12 +23,9 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-if str(_HERE.parent.parent) not in sys.path:
-    sys.path.insert(0, str(_HERE.parent.parent))
+sys.path[:0] = [str(_HERE), str(_HERE.parent.parent)]  # bench_ledger, kvscope from the tree
 
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from bench_ledger import _in_process, _peak_rss_mib  # noqa: E402  (after the path above)
 
 
 def _prepare(source: Path, target: Path, tail: int) -> dict[str, Any]:
@@ -73,20 +68,6 @@ def _append_and_update(target: Path, full: bool) -> dict[str, Any]:
     con.close()
     return {"seconds": seconds, "peak_rss_mib": _peak_rss_mib(), "units": done.units,
             "rows": done.rows, "digest": digest}
-
-
-def _child(fn: Any, args: tuple[Any, ...], queue: Any) -> None:
-    queue.put(fn(*args))
-
-
-def _in_process(fn: Any, *args: Any) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, queue))
-    proc.start()
-    out: dict[str, Any] = queue.get()
-    proc.join()
-    return out
 
 
 def main() -> None:
