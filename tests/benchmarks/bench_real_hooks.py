@@ -8,6 +8,9 @@ distribution-free ~95% interval (the whole range below 6 rounds):
    ``bidirectional_kv_xfer``) from the same tiny random-weight model, identical but for
    ``KVSCOPE_OTLP_ENDPOINT``: set (kvscope's plugin loads in every vLLM process and exports to a
    ``kvscope serve``) or empty (the plugin does not load). vLLM's own tracing is off in both.
+   One pair runs at a time, started afresh for each round and warmed up unmeasured: each NIXL
+   server's progress thread holds a core (``tests/vllm_real/deployment.py``), and with both
+   pairs up on 2 cores vLLM's 5 s handshake failed.
    The same workload goes to each pair in turn: ``--conversations`` append-only conversations
    at once, ``--turns`` turns each, token-id prompts; turn 1's output is long enough that every
    later turn pulls decode's KV (D→P), so the hooks on the reuse decision, the read and the
@@ -148,6 +151,44 @@ def first_turn_ms(url: str | None, pair: dict[str, str], seed: int) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
+def start_pair(mode: str, model: Path, work: Path, serve: d.Serve,
+               processes: list[d.Process], round_: int) -> dict[str, d.Process]:
+    """A ready P/D pair with kvscope's plugin on (exporting to ``serve``) or off."""
+    pair: dict[str, d.Process] = {}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        server = d.vllm_server(
+            f"{role} (plugin {mode})", model, work / f"{role}-{mode}-{round_}.log", serve=serve,
+            kv_config=d.kv_transfer_config(kv_role, ttl_s=480), telemetry=False,
+            extra_env={"KVSCOPE_OTLP_ENDPOINT": serve.http_url if mode == "on" else "",
+                       "VLLM_LOGGING_LEVEL": "INFO"})
+        pair[role] = server
+        processes.append(server.start())
+    for server in pair.values():
+        server.wait_ready()
+    return pair
+
+
+def stop_pair(pair: dict[str, d.Process], processes: list[d.Process]) -> None:
+    for server in pair.values():
+        server.stop()
+        processes.remove(server)
+
+
+def warm_up(pair: dict[str, d.Process], mode: str) -> None:
+    """One unmeasured conversation (first requests compile and warm caches, and make NIXL's
+    handshakes). vLLM waits 5 s for a handshake's answer: on a loaded machine the first can
+    fail its request (500), and the next request handshakes again."""
+    urls = {role: p.url for role, p in pair.items()}
+    for attempt in range(3):
+        try:
+            conversation(urls, seed=1 + attempt, turns=2)
+            return
+        except AssertionError as exc:
+            print(f"  warm-up of the plugin-{mode} pair failed ({str(exc)[:120]}); again",
+                  flush=True)
+    raise SystemExit(f"bench_real_hooks: the plugin-{mode} pair failed its warm-up 3 times")
+
+
 def _fmt(values: list[float], ratio: bool) -> str:
     median, low, high = _median_interval(values)
     unit = "x" if ratio else " ms"
@@ -183,41 +224,20 @@ def main() -> int:
     processes: list[d.Process] = []
     try:
         serve.start()
-        pairs: dict[str, dict[str, d.Process]] = {}
-        for mode in ("on", "off"):
-            pairs[mode] = {}
-            for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                server = d.vllm_server(
-                    f"{role} (plugin {mode})", model, work / f"{role}-{mode}.log", serve=serve,
-                    kv_config=d.kv_transfer_config(kv_role, ttl_s=480), telemetry=False,
-                    extra_env={"KVSCOPE_OTLP_ENDPOINT": serve.http_url if mode == "on" else "",
-                               "VLLM_LOGGING_LEVEL": "INFO"})
-                pairs[mode][role] = server
-                processes.append(server.start())
-        for server in processes:
-            server.wait_ready()
-        urls = {mode: {role: p.url for role, p in pair.items()} for mode, pair in pairs.items()}
-        # One unmeasured conversation per pair (first requests compile and warm caches, and
-        # make NIXL's handshakes). vLLM waits 5 s for a handshake's answer: on a loaded machine
-        # the first can fail its request (500), and the next request handshakes again.
-        for mode in ("on", "off"):
-            for attempt in range(3):
-                try:
-                    conversation(urls[mode], seed=1 + attempt, turns=2)
-                    break
-                except AssertionError as exc:
-                    print(f"  warm-up of the plugin-{mode} pair failed ({str(exc)[:120]}); "
-                          "again", flush=True)
-            else:
-                raise SystemExit(f"bench_real_hooks: the plugin-{mode} pair failed its warm-up "
-                                 "3 times")
-
         tps: dict[str, list[float]] = {"on": [], "off": []}
         ttft: dict[str, list[float]] = {"on": [], "off": []}
         for r in range(args.rounds):
             for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                rate, ms = hooks_round(urls[mode], 1000 * (r + 1), args.conversations,
-                                       args.turns)
+                # One pair alive at a time: each NIXL server's progress thread holds a core
+                # (tests/vllm_real/deployment.py), and four on 2 cores failed vLLM's 5 s
+                # handshake. Each round starts its pair afresh and warms it up unmeasured.
+                pair = start_pair(mode, model, work, serve, processes, r)
+                try:
+                    warm_up(pair, mode)
+                    rate, ms = hooks_round({role: p.url for role, p in pair.items()},
+                                           1000 * (r + 1), args.conversations, args.turns)
+                finally:
+                    stop_pair(pair, processes)
                 tps[mode].append(rate)
                 ttft[mode].append(ms)
             print(f"  hooks round {r + 1}: tokens/s on {tps['on'][-1]:.1f} off "
@@ -226,7 +246,9 @@ def main() -> int:
 
         proxy_ms: dict[str, list[float]] = {}
         if example is not None:
-            off = pairs["off"]
+            off = start_pair("off", model, work, serve, processes, args.rounds)
+            warm_up(off, "off")
+            urls = {"off": {role: p.url for role, p in off.items()}}
             kv = d.proxy("kvscope proxy", work / "kvscope-proxy.log", prefill=off["prefill"],
                          decode=off["decode"], serve=serve, ttl_s=480)
             port = d.free_port()
