@@ -66,6 +66,7 @@ PROXY_MEMBER = ("vllm-0.33.0/examples/disaggregated/disaggregated_serving/"
 # decode 111 tokens to offer, 79 past prefill's one cached block: above the threshold (64), so
 # every later turn pulls.
 TOKENS = {"first": 72, "later": 16}
+WARM_UP_TRIES = 8
 
 
 def vllm_example_proxy(into: Path) -> Path:
@@ -177,16 +178,18 @@ def stop_pair(pair: dict[str, d.Process], processes: list[d.Process]) -> None:
 def warm_up(pair: dict[str, d.Process], mode: str) -> None:
     """One unmeasured conversation (first requests compile and warm caches, and make NIXL's
     handshakes). vLLM waits 5 s for a handshake's answer: on a loaded machine the first can
-    fail its request (500), and the next request handshakes again."""
+    fail its request (500), and the next request handshakes again: here 4 of the first 5
+    handshakes of freshly started pairs failed, and one pair failed 3 in a row."""
     urls = {role: p.url for role, p in pair.items()}
-    for attempt in range(3):
+    for attempt in range(WARM_UP_TRIES):
         try:
             conversation(urls, seed=1 + attempt, turns=2)
             return
         except AssertionError as exc:
             print(f"  warm-up of the plugin-{mode} pair failed ({str(exc)[:120]}); again",
                   flush=True)
-    raise SystemExit(f"bench_real_hooks: the plugin-{mode} pair failed its warm-up 3 times")
+    raise SystemExit(f"bench_real_hooks: the plugin-{mode} pair failed its warm-up "
+                     f"{WARM_UP_TRIES} times")
 
 
 def _fmt(values: list[float], ratio: bool) -> str:
