@@ -13,7 +13,8 @@ Joins (DESIGN §3): legs and tool waits hang off their ``kvscope.turn`` span (sa
 span id); engine spans join on the vLLM request id reduced to the proxy's X-Request-Id (vLLM
 prefixes ``chatcmpl-``/``cmpl-`` and appends ``-`` + 8 random characters unless
 ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``); turn k's previous turn is turn k-1 of the same
-conversation in the same run.
+conversation in the same run, unless prefill was offered the KV another earlier turn's decode
+left (overlapping turns under one id): then that turn, whose KV the read loads.
 
 Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 
@@ -582,10 +583,11 @@ def _count(b: query.Binder, text: str, comma: str) -> str:
 
 
 def _history(b: query.Binder) -> str:
-    """Turn k's history relative to turn k-1, from message-boundary hashes (HISTORY_*)."""
+    """Turn k's history relative to its previous turn (turn k-1, or the earlier turn whose KV
+    prefill was offered), from message-boundary hashes (HISTORY_*)."""
     same_key = ("(coalesce(hash_key_id = prev_hash_key_id, FALSE) "
                 "OR (hash_key_id IS NULL AND prev_hash_key_id IS NULL))")
-    has_prev = ("(prev_index IS NOT NULL AND prev_index = turn_number - 1 "
+    has_prev = ("(prev_index IS NOT NULL AND (prev_index = turn_number - 1 OR prev_is_source) "
                 "AND conversation_id IS NOT NULL)")
     empty = b("")
     return (
@@ -621,13 +623,30 @@ def _per_turn(b: query.Binder) -> str:
     partition = "run_id, conversation_id"
     order = "turn_number NULLS FIRST, arrival NULLS FIRST"
     linked = "run_id IS NOT NULL AND conversation_id IS NOT NULL"
-    previous = ", ".join(
-        f"CASE WHEN {linked} THEN {d.lag(column, partition, order)} END AS {name}"
+    lagged = ", ".join(
+        f"CASE WHEN {linked} THEN {d.lag(column, partition, order)} END AS lag_{name}"
         for name, column in _PREVIOUS.items())
+    # The turn that left the KV prefill was offered (its decode request is the retention id):
+    # under one conversation id, overlapping turns (two clients, a retry) can leave the router
+    # another turn's entry than turn k-1's, and the read loads that turn's KV.
+    ranked = ", ".join(f"{column} AS src_{name}" for name, column in _PREVIOUS.items())
+    source = (f"SELECT * FROM (SELECT run_id AS src_run, conversation_id AS src_conversation, "
+              f"decode_request_id AS src_request, {ranked}, row_number() OVER (PARTITION BY "
+              f"run_id, conversation_id, decode_request_id ORDER BY {order}) AS src_rank "
+              f"FROM joined WHERE {linked} AND decode_request_id IS NOT NULL) AS ranked "
+              "WHERE src_rank = 1")
+    from_source = "(src_prev_index IS NOT NULL AND src_prev_index < turn_number)"
+    previous = ", ".join(
+        f"CASE WHEN {from_source} THEN src_{name} ELSE lag_{name} END AS {name}"
+        for name in _PREVIOUS)
     out = ", ".join(name for name in (*_JOINED_OUT, *_PREVIOUS) if name not in _OUT_DROPPED)
     # The ledger's order, the engine's to keep: the rows are shaped as they stream back.
     return (f"SELECT {out}, {_history(b)} AS history "
-            f"FROM (SELECT *, {previous} FROM joined) AS with_previous "
+            f"FROM (SELECT *, {previous}, {from_source} AS prev_is_source "
+            f"FROM (SELECT *, {lagged} FROM joined) AS with_lag "
+            f"LEFT JOIN ({source}) AS src ON src.src_run = with_lag.run_id "
+            "AND src.src_conversation = with_lag.conversation_id "
+            "AND src.src_request = with_lag.retention_id) AS with_previous "
             "ORDER BY run_id NULLS FIRST, conversation_id NULLS FIRST, "
             "turn_number NULLS FIRST, arrival NULLS FIRST")
 
