@@ -56,6 +56,8 @@ def test_version() -> None:
     assert result.stdout == f"kvscope {__version__} (store schema 1)\n"
 
 
+# setuptools warns that reading [tool.setuptools] is "beta": the table builds the package.
+@pytest.mark.filterwarnings("ignore:Support for `\\[tool.setuptools\\]`")
 def test_the_package_s_version_is_the_one_kvscope_reports() -> None:
     # pyproject.toml takes the version from kvscope.__version__: what setuptools builds into
     # the package's metadata equals what the commands print, and the installed metadata too.
