@@ -63,6 +63,11 @@ COLUMNS: dict[str, pl.DataType] = {
     "task_time_change": pl.Float64(),
     # Which sources of evidence the run had (kvscope.analysis.sources).
     "sources": pl.String(),
+    # vLLM's own counters beside the ledger (analysis ``reconciliation``): quantities compared
+    # (null: no /metrics snapshot with the run), how many differ unexplained, and which.
+    "vllm_quantities": pl.Int64(),
+    "vllm_flagged": pl.Int64(),
+    "vllm_flagged_detail": pl.String(),
 }
 
 
@@ -99,13 +104,34 @@ def _change(new: Any, old: Any) -> float | None:
     return float(new) / float(old) - 1.0
 
 
+def _reconciled(reconciled: pl.DataFrame | None) -> pl.DataFrame:
+    """Per run: vLLM quantities compared, flagged, and the flagged ones in words (pure)."""
+    if reconciled is None or reconciled.is_empty():
+        return pl.DataFrame(schema={"run_id": pl.String(), "vllm_quantities": pl.Int64(),
+                                    "vllm_flagged": pl.Int64(),
+                                    "vllm_flagged_detail": pl.String()})
+
+    def number(column: str) -> pl.Expr:
+        value = pl.col(column)
+        return pl.when(value.is_null()).then(pl.lit(NOT_MEASURED)).otherwise(
+            value.round(0).cast(pl.Int64).cast(pl.String))
+
+    flagged = pl.col("flagged").fill_null(False)
+    detail = pl.format("{} ({}: ledger {}, vLLM {})", pl.col("quantity"), pl.col("role"),
+                       number("ledger_value"), number("vllm_value"))
+    return reconciled.group_by("run_id", maintain_order=True).agg(
+        pl.len().cast(pl.Int64).alias("vllm_quantities"),
+        flagged.sum().cast(pl.Int64).alias("vllm_flagged"),
+        detail.filter(flagged).str.join("; ").alias("vllm_flagged_detail"))
+
+
 def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFrame | None,
-                  ) -> pl.DataFrame:
+                  reconciled: pl.DataFrame | None = None) -> pl.DataFrame:
     """One verdict row per run of ``info`` (pure).
 
     ``info`` is :func:`runs.run_info` (the runs, among which baselines are found),
-    ``ledger`` the per-turn ledger of those runs and ``retention`` the ``retention_cost``
-    result (None when no module registers it).
+    ``ledger`` the per-turn ledger of those runs, ``retention`` the ``retention_cost``
+    result and ``reconciled`` the ``reconciliation`` one (None when no module registers it).
     """
     totals = compare.retention_totals(retention)
     stats = compare.run_stats(ledger)
@@ -120,6 +146,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         .join(totals, on="run_id", how="left")
         .join(_invalid(ledger), on="run_id", how="left")
         .join(source_table(ledger), on="run_id", how="left")
+        .join(_reconciled(reconciled), on="run_id", how="left")
         .with_columns(pl.col("later_turns").fill_null(
             pl.when(pl.col("turns").is_not_null()).then(0)))
     )
@@ -233,16 +260,33 @@ def verdict_sentences(row: Mapping[str, Any]) -> list[str]:
     elif feature == runs.FEATURE_ON:
         out.append("No feature-OFF run of the same workload in the store: the change in TTFT "
                    f"and task time is {NOT_MEASURED}.")
+    out.append(_counters_sentence(row))
     told = sources_sentence(row)
     if told:
         out.append(told)
     return out
 
 
+def _counters_sentence(row: Mapping[str, Any]) -> str:
+    """What vLLM's own counters (/metrics) say of the ledger's reuse."""
+    compared = row.get("vllm_quantities")
+    if not compared:
+        return (f"vLLM's own reuse counters: {NOT_MEASURED} (no /metrics snapshot with this "
+                "run; kvscope ingest vllm-prefill-metrics:FILE --run RUN adds one).")
+    flagged = row.get("vllm_flagged") or 0
+    if not flagged:
+        return (f"vLLM's own reuse counters agree with the ledger: {compared} quantities, "
+                "every difference explained.")
+    return (f"vLLM's own reuse counters DISAGREE with the ledger on {flagged} of {compared} "
+            f"quantities, unexplained: {row.get('vllm_flagged_detail')}. The ledger may be "
+            "missing requests (see the reconciliation table).")
+
+
 def context_verdict(ctx: AnalysisContext) -> pl.DataFrame:
     """The verdict of the selected runs (baselines are looked for among them too)."""
     return verdict_table(runs.context_run_info(ctx), ctx.ledger(),
-                         compare.optional_analysis(ctx, "retention_cost"))
+                         compare.optional_analysis(ctx, "retention_cost"),
+                         compare.optional_analysis(ctx, "reconciliation"))
 
 
 @register("verdict", "Per-run verdict: reuse, top miss causes, retention cost, TTFT change",
