@@ -8,9 +8,10 @@ distribution-free ~95% interval (the whole range below 6 rounds):
    ``bidirectional_kv_xfer``) from the same tiny random-weight model, identical but for
    ``KVSCOPE_OTLP_ENDPOINT``: set (kvscope's plugin loads in every vLLM process and exports to a
    ``kvscope serve``) or empty (the plugin does not load). vLLM's own tracing is off in both.
-   One pair runs at a time, started afresh for each round and warmed up unmeasured: each NIXL
-   server's progress thread holds a core (``tests/vllm_real/deployment.py``), and with both
-   pairs up on 2 cores vLLM's 5 s handshake failed.
+   One pair runs at a time, started afresh for each round and warmed up unmeasured (the
+   servers get the tier's NIXL progress delay, ``tests/vllm_real/deployment.py``: without it
+   each server's progress thread held a core, and with both pairs up on 2 cores vLLM's 5 s
+   handshake failed).
    The same workload goes to each pair in turn: ``--conversations`` append-only conversations
    at once, ``--turns`` turns each, token-id prompts; turn 1's output is long enough that every
    later turn pulls decode's KV (D→P), so the hooks on the reuse decision, the read and the
