@@ -2,8 +2,9 @@
 
 A turn's ledger row reads its own spans (its legs by trace id, engine spans by the X-Request-Id
 its vLLM request ids reduce to, retentions by vLLM request id) and its previous turn's row of
-the same conversation (turn k-1, or the earlier turn whose KV it was offered), so a *unit* — a conversation (run id + conversation id), or a turn of its own when
-it has none — can be recomputed alone. :func:`unit_frames` reads one set of units' spans from
+the same conversation (turn k-1, or the earlier turn whose KV it was offered), so a *unit* — a
+conversation (run id + conversation id), or a turn of its own when it has none — can be
+recomputed alone. :func:`unit_frames` reads one set of units' spans from
 the store through the ledger's own extraction queries (:data:`kvscope.analysis.ledger.QUERIES`,
 filtered by those keys), and :func:`kvscope.analysis.ledger.build` decides their rows by the
 ledger's one per-turn statement: no second definition of any rule.
