@@ -65,6 +65,11 @@ class Process:
     popen: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_s: float | None = None
+    # SIGTERM the leader alone, then wait for the rest of its group: ``kvscope proxy`` closes
+    # its span-export child in order (the child drains every record the proxy still sends,
+    # in-flight turns included, then flushes); a SIGTERM to the whole group stops the child at
+    # once, and SIGKILL after the leader cut its flush (a stalled turn's span was lost so).
+    leader_first: bool = False
 
     def start(self) -> Process:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -116,11 +121,20 @@ class Process:
         """SIGTERM the process group, SIGKILL it after ``timeout_s``; the exit status."""
         if self.popen is None:
             return None
-        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        if self.leader_first:
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        else:
+            self.signal(signal.SIGTERM)
         try:
             self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        while self.leader_first and time.monotonic() < deadline and _group_alive(self.popen.pid):
+            time.sleep(0.2)
         # The group may hold children (vLLM's engine core) after the leader has gone.
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
@@ -137,6 +151,20 @@ class Process:
         self.signal(signal.SIGKILL)
         if self.popen is not None:
             self.popen.wait(30)
+
+
+# How long a proxy may take to stop: aiohttp waits up to 60 s for in-flight turns (a turn whose
+# prefill stalled is one), cancels them, and the proxy then closes its export child.
+PROXY_STOP_S = 120.0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 @dataclass
@@ -246,7 +274,7 @@ def proxy(name: str, log: Path, *, prefill: Process, decode: Process, serve: Ser
             "--otlp-endpoint", serve.http_url,
             "--decoder-kv-blocks-ttl", str(ttl_s), "--router-ttl", str(max(ttl_s - 5, 1)),
             *extra]
-    return Process(name, argv, log, {"PYTHONUNBUFFERED": "1"}, port=port)
+    return Process(name, argv, log, {"PYTHONUNBUFFERED": "1"}, port=port, leader_first=True)
 
 
 def save_metrics(server: Process, path: Path) -> Path:

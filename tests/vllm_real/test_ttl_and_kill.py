@@ -100,7 +100,7 @@ def test_a_turn_after_decodes_ttl_then_a_turn_after_decode_died(deployment: Any,
     finally:
         for process in (recompute_proxy, late):
             if process is not None:
-                process.stop(timeout_s=60)
+                process.stop(timeout_s=d.PROXY_STOP_S)
         if recompute.alive() and recompute.ready_s is not None:
             d.save_metrics(recompute, deployment.logs / "prefill-recompute-metrics.prom")
         recompute.stop()

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from tests.vllm_real.conftest import TurnEvidence, Turns
-from tests.vllm_real.deployment import save_metrics
+from tests.vllm_real.deployment import PROXY_STOP_S, save_metrics
 
 # Where the ledger and vLLM's evidence disagree on real servers (findings, reported and counted
 # in the summary as named exceptions): strict, so a fix shows as XPASS.
@@ -46,7 +46,7 @@ def ledger(deployment: Any) -> pl.DataFrame:
     # Engines and vLLM's tracer export every 0.5 s; give them a few rounds.
     time.sleep(3)
     for proxy in (deployment.proxy, deployment.guarded_proxy):
-        proxy.stop(timeout_s=60)
+        proxy.stop(timeout_s=PROXY_STOP_S)
     time.sleep(2)
     deployment.serve.stop()
     reader = open_reader(deployment.serve.db, time_limit_s=None)
