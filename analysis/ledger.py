@@ -35,18 +35,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import polars as pl
 
 from kvscope import semconv, settings
-from kvscope.reuse import decisions
+from kvscope.reuse import decisions, taint
 from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
     INVALID_BEYOND_PREFIX,
     INVALID_EDITED,
     INVALID_MISALIGNED,
+    INVALID_TAINTED,
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
@@ -640,8 +641,14 @@ def _per_turn(b: query.Binder) -> str:
         f"CASE WHEN {from_source} THEN src_{name} ELSE lag_{name} END AS {name}"
         for name in _PREVIOUS)
     out = ", ".join(name for name in (*_JOINED_OUT, *_PREVIOUS) if name not in _OUT_DROPPED)
+    # The whole prompt's identity (its last chained hash, with the key's id): a prompt another
+    # request sends again hits the same blocks in prefill's prefix cache (kvscope.reuse.taint).
+    empty = b("")
+    prompt_hash = (f"CASE WHEN boundary_hashes IS NULL OR boundary_hashes = {empty} THEN NULL "
+                   f"ELSE coalesce(hash_key_id, {empty}) || {b('|')} || "
+                   f"{d.last_item('boundary_hashes', b(','))} END")
     # The ledger's order, the engine's to keep: the rows are shaped as they stream back.
-    return (f"SELECT {out}, {_history(b)} AS history "
+    return (f"SELECT {out}, {_history(b)} AS history, {prompt_hash} AS prompt_hash "
             f"FROM (SELECT *, {previous}, {from_source} AS prev_is_source "
             f"FROM (SELECT *, {lagged} FROM joined) AS with_lag "
             f"LEFT JOIN ({source}) AS src ON src.src_run = with_lag.run_id "
@@ -762,10 +769,11 @@ def _bool(column: str) -> pl.Expr:
     return pl.col(column).str.to_lowercase() == "true"
 
 
-def build(frames: dict[str, pl.DataFrame]) -> pl.DataFrame:
+def build(frames: dict[str, pl.DataFrame], *, across_conversations: bool = True
+          ) -> pl.DataFrame:
     """The ledger of extraction frames (:func:`load_spans`' shape): the per-turn SQL on an
     in-memory DuckDB over the frames, then :func:`shape` (no I/O to a store)."""
-    return shape(frame_turn_rows(frames))
+    return finish(shape(frame_turn_rows(frames)), across_conversations=across_conversations)
 
 
 def shape(rows: pl.DataFrame) -> pl.DataFrame:
@@ -910,9 +918,110 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
         pl.when(pl.col("_from_hooks")).then(pl.lit(ENGINE_EVIDENCE_HOOKS))
         .when(pl.col("decision").is_not_null()).then(pl.lit(ENGINE_EVIDENCE_LOG))
         .otherwise(pl.lit(None, pl.String)).alias("engine_evidence"))
+    # What the taint pass reads across turns (kvscope.reuse.taint), dropped after it.
+    c = pl.col
+    loaded = c("_read_ok") & ~c("_reuse_void")
+    carried = {
+        "_taint_prompt": c("prompt_hash"),
+        "_taint_local": pl.when(c("_reuse_void")).then(0)
+        .otherwise(c("final_local_hit").fill_null(0)),
+        "_taint_pulled": pl.when(loaded).then(c("to_pull_tokens").fill_null(0)).otherwise(0),
+        "_taint_clean": pl.when(c("_invalid_kind") == INVALID_BEYOND_PREFIX)
+        .then(pl.max_horizontal(c("reusable_tokens"), c("decision_local_hit")))
+        .otherwise(c("decision_local_hit")).fill_null(0),
+    }
     # Row by row: the rows keep the order the engine sorted them in.
     return ledger.select(
-        [pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()])
+        *(pl.col(name).cast(dtype) for name, dtype in LEDGER_SCHEMA.items()),
+        *(expr.alias(name) for name, expr in carried.items()))
+
+
+_TAINT_COLUMNS = ("_taint_prompt", "_taint_local", "_taint_pulled", "_taint_clean")
+
+
+def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.DataFrame:
+    """The ledger from shaped rows (:func:`shape`, any number of batches concatenated): the
+    turns that read KV an earlier invalid load computed (:mod:`kvscope.reuse.taint`) marked
+    ``reused_invalid`` (kind ``tainted``), the columns the pass read dropped.
+
+    Across conversations and batches within a run, so on a run's whole ledger; in arrival order
+    from the first invalid load on (nothing before it can be tainted). Without
+    ``across_conversations`` a prompt sent again is linked only within its conversation: what
+    the rows of some conversations alone can decide (live metrics recompute conversations one
+    at a time; ``kvscope ledger`` rebuilds a run with an invalid load whole instead)."""
+    own = frame["invalid_kind"].is_not_null()
+    if not own.any():
+        return frame.drop(_TAINT_COLUMNS)
+    first = frame.filter(own)["arrival"].min()
+    rows = (frame.with_row_index("_row")
+            .filter(pl.col("arrival") >= first)
+            .sort("arrival", "_row"))
+    arrival = pl.col("arrival").dt.epoch("ns").fill_null(0)
+    rows = rows.with_columns(
+        arrival.alias("_arrival"),
+        (arrival + (pl.col("prefill_ms").fill_null(0) * 1e6).cast(pl.Int64)).alias("_prefilled"))
+    records = rows.select(
+        "_row", "x_request_id", "run_id", "conversation_id", "turn_index", "_arrival",
+        "_prefilled", "prefill_engine", "_taint_prompt", "decode_request_id", "retention_id",
+        "_taint_local", "_taint_pulled", "history", "invalid_kind", "_taint_clean",
+    ).to_dicts()
+    by_decode = {r["decode_request_id"]: r["x_request_id"] for r in records
+                 if r["decode_request_id"]}
+    by_turn = {(r["run_id"], r["conversation_id"], r["turn_index"]): r["x_request_id"]
+               for r in records if r["conversation_id"] is not None}
+
+    def prompt(r: dict[str, Any]) -> str | None:
+        # Within the run; within the conversation (the request, without one) when asked.
+        if r["_taint_prompt"] is None:
+            return None
+        scope = (r["conversation_id"] if r["conversation_id"] is not None
+                 else f"x:{r['x_request_id']}") if not across_conversations else ""
+        return f"{r['run_id']}\x1f{scope}\x1f{r['_taint_prompt']}"
+
+    def previous(r: dict[str, Any]) -> str | None:
+        if r["retention_id"] in by_decode:
+            return by_decode[r["retention_id"]]
+        if r["conversation_id"] is None or r["turn_index"] is None:
+            return None
+        return by_turn.get((r["run_id"], r["conversation_id"], r["turn_index"] - 1))
+
+    turns = (taint.TaintTurn(
+        key=r["_row"], x_request_id=r["x_request_id"], previous=previous(r),
+        arrival_ns=r["_arrival"], prefilled_ns=r["_prefilled"],
+        prefill_engine=r["prefill_engine"], prompt_hash=prompt(r),
+        decode_request_id=r["decode_request_id"], retention_id=r["retention_id"],
+        local_hit=r["_taint_local"] or 0, pulled=r["_taint_pulled"] or 0,
+        continues=r["history"] == HISTORY_CONTINUES,
+        own_invalid=r["invalid_kind"] is not None, clean_tokens=r["_taint_clean"] or 0,
+        clean_exact=r["invalid_kind"] != INVALID_EDITED,
+    ) for r in records)
+    found = taint.propagate(turns)
+    frame = frame.drop(_TAINT_COLUMNS)
+    if not found:
+        return frame
+    marks = []
+    for row, mark in found.items():
+        outcome, evidence = decisions.decide({
+            "invalid_kind": INVALID_TAINTED, "invalid_tokens": mark.tokens,
+            "taint_read": mark.read, "taint_via": mark.via, "taint_source": mark.source})
+        marks.append({"_row": row, "_tokens": mark.tokens, "_outcome": outcome,
+                      "_evidence": evidence})
+    marked = pl.DataFrame(marks, schema={"_row": pl.UInt32, "_tokens": pl.Int64,
+                                         "_outcome": pl.String, "_evidence": pl.String})
+    hit = pl.col("_outcome").is_not_null()
+    return (frame.with_row_index("_row").join(marked, on="_row", how="left")
+            .with_columns(
+                pl.when(hit).then(pl.lit(INVALID_TAINTED)).otherwise(pl.col("invalid_kind"))
+                .alias("invalid_kind"),
+                pl.when(hit).then(pl.col("_tokens")).otherwise(pl.col("invalid_tokens"))
+                .alias("invalid_tokens"),
+                pl.when(hit).then(pl.lit(VALIDITY_INVALID)).otherwise(pl.col("reuse_validity"))
+                .alias("reuse_validity"),
+                pl.when(hit).then(pl.col("_outcome")).otherwise(pl.col("outcome"))
+                .alias("outcome"),
+                pl.when(hit).then(pl.col("_evidence")).otherwise(pl.col("evidence"))
+                .alias("evidence"))
+            .select(list(LEDGER_SCHEMA)))
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
@@ -1025,6 +1134,10 @@ def _facts() -> dict[str, pl.Expr]:
         "load_reissued": c("last_decision") == semconv.DECISION_REISSUED,
         "loaded": c("to_pull_tokens"),
         "invalid_kind": c("_invalid_kind"),
+        # Set by the taint pass across turns (_taint), after this.
+        "taint_read": pl.lit(None, pl.Int64),
+        "taint_via": pl.lit(None, pl.String),
+        "taint_source": pl.lit(None, pl.String),
         "reusable": c("reusable_tokens"),
         "local": local,
         "remote": remote,
@@ -1033,10 +1146,12 @@ def _facts() -> dict[str, pl.Expr]:
     }
 
 
-def ledger(reader: Reader) -> pl.DataFrame:
+def ledger(reader: Reader, *, across_conversations: bool = True) -> pl.DataFrame:
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
-    stream back (a batch at a time, so a large store's rows are never all held at once)."""
-    return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
+    stream back (a batch at a time, so a large store's rows are never all held at once), then
+    finished (:func:`finish`)."""
+    return finish(pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False),
+                  across_conversations=across_conversations)
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
@@ -1100,6 +1215,7 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 
 __all__ = ["ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED",
     "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "QUERIES", "TURN_QUERY",
-    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "frame_turn_rows",
+    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "finish",
+    "frame_turn_rows",
     "hook_decided", "ledger", "load_spans", "persist", "rebuild", "rebuild_clickhouse",
     "request_key", "runs", "shape", "turn_rows"]

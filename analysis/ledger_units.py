@@ -315,6 +315,24 @@ class Update:
     seconds: float
 
 
+def _runs_with_invalid(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> list[str]:
+    """The runs of ``frame`` (rows just built) with an invalid load, in it or in the table."""
+    runs = frame["run_id"].fill_null("").unique().to_list()
+    fresh = set(frame.filter(pl.col("invalid_kind").is_not_null())["run_id"].fill_null(""))
+    stored = {run for (run,) in con.execute(
+        f"SELECT DISTINCT coalesce(run_id, '') FROM {quote(ledger_module.LEDGER_TABLE)} "
+        "WHERE invalid_kind IS NOT NULL AND coalesce(run_id, '') IN (SELECT unnest(?))",
+        [runs]).fetchall()}
+    return sorted(fresh | stored)
+
+
+def _units_of_runs(con: duckdb.DuckDBPyConnection, runs: list[str]) -> frozenset[str]:
+    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    return frozenset(u for (u,) in con.execute(
+        f"SELECT DISTINCT {unit} FROM {quote(ledger_module.LEDGER_TABLE)} "
+        "WHERE coalesce(run_id, '') IN (SELECT unnest(?))", [runs]).fetchall())
+
+
 def _meta(con: duckdb.DuckDBPyConnection, key: str) -> int | None:
     rows = con.execute(f"SELECT value FROM {quote(META_TABLE)} WHERE key = ?", [key]).fetchall()
     return int(rows[0][0]) if rows else None
@@ -358,6 +376,13 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
         reason, units = touch.rebuild_all, touch.units
     frame = ledger_module.ledger(reader) if reason is not None else (
         unit_rows(reader, units, high=high) if units else None)
+    if frame is not None and reason is None:
+        # A run with an invalid load: its KV may be read again by any later turn of the run
+        # (kvscope.reuse.taint), so the run's units are decided together.
+        runs = _runs_with_invalid(con, frame)
+        if runs:
+            units = units | _units_of_runs(con, runs)
+            frame = unit_rows(reader, units, high=high)
     con.execute("BEGIN TRANSACTION")
     try:
         if reason is not None:

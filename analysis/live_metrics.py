@@ -550,7 +550,8 @@ class LiveLedger:
                 if key is not None:
                     self._unit_of_key[key] = row[2]
         models = _models_of(reader, turns["x_request_id"].drop_nulls().unique().to_list())
-        before = contributions(ledger_module.build(_bare(counted)), models, self._labels_of_run)
+        before = contributions(ledger_module.build(_bare(counted), across_conversations=False),
+                               models, self._labels_of_run)
         for unit in units:
             self._contribution[unit] = before.get(unit, {})
         for name, frame in stored.items():
@@ -584,7 +585,7 @@ class LiveLedger:
                 ledger_module.request_key("request_id").is_in(requests))
         assert self._models is not None
         models = self._models.filter(pl.col("x_request_id").is_in(requests))
-        rows = ledger_module.build(_bare(frames))
+        rows = ledger_module.build(_bare(frames), across_conversations=False)
         fresh = contributions(rows, models, self._labels_of_run)
         for unit in dirty:
             for key, value in self._contribution.pop(unit, {}).items():

@@ -40,7 +40,8 @@ from kvscope import semconv
 from kvscope.emulator import reuse_model
 from kvscope.emulator.tokens import BlockSeq, common_prefix_len
 from kvscope.reuse import decisions
-from kvscope.reuse.validity import INVALID_BEYOND_PREFIX, invalid_tokens
+from kvscope.reuse.taint import Taint, TaintTracker, TaintTurn
+from kvscope.reuse.validity import INVALID_BEYOND_PREFIX, INVALID_TAINTED, invalid_tokens
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
@@ -159,6 +160,46 @@ def turn_facts(
         "coverable": decisions.coverable(reusable, offered, local),
     }
     return facts
+
+
+def taint_turn(
+    key: int,
+    facts: dict[str, Any],
+    result: reuse_model.PrefillResult | None,
+    *,
+    x_request_id: str,
+    previous: str | None,
+    engine: str | None,
+    prompt_key: str | None,
+    retention_id: str | None,
+    decode_request_id: str | None = None,
+    arrival_ns: int = 0,
+    prefilled_ns: int = 0,
+) -> TaintTurn:
+    """What :mod:`kvscope.reuse.taint` reads of a labelled turn: the nodes' own counts (the
+    hit, the tokens a finished read loaded) and its facts (its own invalid load)."""
+    ran = result is not None and not (result.errored or result.stalled)
+    local = decided = pulled = 0
+    if ran and result is not None:
+        local = result.local_hit_tokens
+        decided = result.decision.local_hit_tokens if result.decision is not None else local
+        if facts.get("read_status") == semconv.TRANSFER_OK:
+            pulled = facts.get("loaded") or 0
+    kind = facts.get("invalid_kind")
+    clean = max(facts.get("reusable") or 0, decided) if kind == INVALID_BEYOND_PREFIX else decided
+    return TaintTurn(
+        key=key, x_request_id=x_request_id, previous=previous, arrival_ns=arrival_ns,
+        prefilled_ns=prefilled_ns, prefill_engine=engine, prompt_hash=prompt_key,
+        decode_request_id=decode_request_id, retention_id=retention_id, local_hit=local,
+        pulled=pulled, continues=facts.get("history") == decisions.HISTORY_CONTINUES,
+        own_invalid=kind is not None, clean_tokens=clean)
+
+
+def label_tainted(facts: dict[str, Any], taint: Taint) -> tuple[str, str]:
+    """A turn that read KV an invalid load computed: its facts say so, the table labels it."""
+    facts |= {"invalid_kind": INVALID_TAINTED, "invalid_tokens": taint.tokens,
+              "taint_read": taint.read, "taint_via": taint.via, "taint_source": taint.source}
+    return decisions.decide(facts)
 
 
 @dataclass
@@ -316,6 +357,9 @@ class TruthRecorder:
         self.oracle = SequenceOracle(block_size)
         self.rows: list[TruthRow] = []
         self._pending: dict[str, TruthRow] = {}
+        # KV computed from invalid loads, followed turn by turn (prefill serialises per engine:
+        # the order prefill_done is called in is the order each engine computed).
+        self._taint = TaintTracker()
         # X-Request-Id -> the router's facts for it, from routed() until its prefill is seen.
         self._routes: dict[str, Route] = {}
         self.path = Path(path) if path is not None else None
@@ -371,6 +415,16 @@ class TruthRecorder:
             history_edited=edited,
         )
         transfer = result.transfer
+        taint_in = taint_turn(
+            0, accounting.facts, result, x_request_id=x_request_id,
+            previous=previous.x_request_id if previous is not None else None, engine=engine,
+            prompt_key=_prompt_key(prompt),
+            retention_id=offered_request_id or route.entry_request_id)
+        taint = self._taint.read(taint_in)
+        self._taint.record(taint_in, taint)
+        if taint is not None and not taint_in.own_invalid:
+            accounting.outcome, accounting.evidence = label_tainted(accounting.facts, taint)
+            accounting.extra = {"invalid_tokens": taint.tokens, "invalid_kind": INVALID_TAINTED}
         evidence = accounting.evidence
         if previous is None and match.shared_prefix_tokens:
             evidence += f"; shares {match.shared_prefix_tokens} tokens with no whole earlier turn"
@@ -443,6 +497,7 @@ class TruthRecorder:
                 prompt_tokens=prompt_tokens,
             )
         row.decode_request_id = decode_request_id
+        self._taint.decoded(x_request_id, decode_request_id)
         row.decode_engine = engine
         row.output_tokens = output_tokens
         row.finish_status = finish_status
@@ -477,6 +532,13 @@ class TruthRecorder:
             self._sink.flush()
 
 
+def _prompt_key(prompt: BlockSeq) -> str:
+    """A prompt's identity: its chained hashes end in one that names every full block, then
+    the partial block's tokens."""
+    last = prompt.block_hashes[-1] if prompt.block_hashes else 0
+    return f"{last}:{prompt.num_tokens}:{hash(prompt.tail)}"
+
+
 def read_truth(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a truth file, as dicts."""
     with Path(path).open(encoding="utf-8") as handle:
@@ -484,5 +546,5 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["FinishedSequence", "Match", "Route", "SequenceOracle", "TruthRecorder", "TruthRow",
-    "TurnAccounting", "TurnContext", "account_turn", "common_prefix_tokens", "read_truth",
-    "turn_facts"]
+    "TurnAccounting", "TurnContext", "account_turn", "common_prefix_tokens", "label_tainted",
+    "read_truth", "taint_turn", "turn_facts"]

@@ -53,7 +53,7 @@ from kvscope.collector.span_rows import (
 )
 from kvscope.emulator import capacity, cost_model
 from kvscope.emulator import faults as fault_names
-from kvscope.emulator.ground_truth import account_turn
+from kvscope.emulator.ground_truth import account_turn, label_tainted, taint_turn
 from kvscope.emulator.reuse_model import (
     NO_FAULTS,
     DecodeNode,
@@ -97,6 +97,7 @@ from kvscope.reuse.router import (
     Lookup,
     prefill_params,
 )
+from kvscope.reuse.taint import propagate
 from kvscope.store.database import begin_run, end_run, open_store
 from kvscope.store.writer import ROW_GROUP_ROWS
 
@@ -286,6 +287,10 @@ class _Run:
     events: list[tuple[float, int, int, int, _Turn | None]] = field(default_factory=list)
     seq: int = 0
     truth: list[TruthRow] = field(default_factory=list)
+    # Per truth row, what the taint pass reads (kvscope.reuse.taint), built at the run's end.
+    taint_inputs: list[tuple[Any, ...]] = field(default_factory=list)
+    # (conversation, turn position) -> the turn's X-Request-Id.
+    x_at: dict[tuple[int, int], str] = field(default_factory=dict)
     previous_end: dict[int, float] = field(default_factory=dict)
     rr_p: int = 0
     rr_d: int = 0
@@ -533,6 +538,7 @@ class Simulator:
         sink.flush()
         if self._progress is not None:
             self._progress(run.turns, final)
+        _mark_tainted(run)
         memory = self.memory
         return SimulationResult(  # spans: once all are stored
             run.run_id, run.turns, 0, run.truth, final, decode_kv_blocks=self.decode_kv_blocks,
@@ -764,6 +770,9 @@ class Simulator:
         )
         self._returned[turn.conversation_index] = returned
         result = turn.result
+        ci, pos = turn.conversation_index, turn.turn_position
+        run.taint_inputs.append((turn, accounting.facts, run.x_at.get((ci, pos - 1))))
+        run.x_at[(ci, pos)] = record.x_request_id
         run.truth.append(TruthRow(
             run_id=run.run_id,
             conversation_id=self._conversation_ids[turn.conversation_index],
@@ -787,6 +796,29 @@ class Simulator:
             decode_queue_s=turn.truth_args.get("decode_queue_s", 0.0),
             facts=accounting.facts,
         ))
+
+
+def _mark_tainted(run: _Run) -> None:
+    """Label the turns that read KV an earlier invalid load computed (kvscope.reuse.taint),
+    in arrival order, from the prompt's blocks as the nodes hold them."""
+    inputs, run.taint_inputs = run.taint_inputs, []
+    if not any(facts.get("invalid_kind") for _, facts, _ in inputs):
+        return
+    turns = []
+    for key, (turn, facts, previous) in enumerate(inputs):
+        record = turn.record
+        prompt = record.prompt_tokens or 0
+        bs = turn.sequence.block_size
+        blocks = take_runs(turn.sequence.runs, -(-prompt // bs))
+        turns.append(taint_turn(
+            key, facts, turn.result, x_request_id=record.x_request_id, previous=previous,
+            engine=record.prefill_instance, prompt_key=f"{blocks}:{prompt}",
+            retention_id=record.offered_request_id, decode_request_id=record.decode_request_id,
+            arrival_ns=record.arrival_ns, prefilled_ns=record.prefill_end_ns or record.arrival_ns))
+    turns.sort(key=lambda t: (t.arrival_ns, t.key))
+    for key, taint in propagate(turns).items():
+        row = run.truth[key]
+        row.outcome, row.evidence = label_tainted(row.facts, taint)
 
 
 def _block_view(workload: Workload) -> BlockView:

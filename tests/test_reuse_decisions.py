@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope import semconv
-from kvscope.reuse import decisions, outcomes, validity
+from kvscope.reuse import decisions, outcomes, taint, validity
 from kvscope.reuse import router as router_rules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,10 @@ _STRINGS: dict[str, list[str]] = {
     "read_status": [semconv.TRANSFER_OK, semconv.TRANSFER_FAILED,
                     semconv.TRANSFER_DECLINED_EXPIRED, semconv.TRANSFER_HANDSHAKE_FAILED],
     "invalid_kind": [validity.INVALID_AFTER_RELEASE, validity.INVALID_BEYOND_PREFIX,
-                     validity.INVALID_MISALIGNED, validity.INVALID_EDITED],
+                     validity.INVALID_MISALIGNED, validity.INVALID_EDITED,
+                     validity.INVALID_TAINTED],
+    "taint_via": [taint.VIA_PREFIX_CACHE, taint.VIA_DECODE],
+    "taint_source": ["req-1", "cmpl-2"],
     **{name: ["get_num_new_matched_tokens, start_load_kv", "_read_blocks_for_req"]
        for name in ("decision_hooks_missing", "read_hooks_missing", "cause_hooks_missing")},
 }

@@ -7,6 +7,7 @@
                   last (the reuse guard, the ledger, the emulator's truth)
     router.py     the proxy's per-conversation cache of decode's params (single use, TTL)
     validity.py   which of decode's blocks a read puts where, and whether they match the prompt
+    taint.py      which later turns read KV an invalid load computed (prefix cache, retention)
     outcomes.py   the closed list of per-turn outcomes and their evidence templates
     decisions.py  every outcome as one ordered table of rules over named facts, with a scalar
                   evaluator and a polars rendering
@@ -16,4 +17,5 @@ emulator's model, the vLLM instrumentor, the proxy, the ledger and what-if impor
 re-spells them.
 """
 
-__all__ = ["boundaries", "content", "decisions", "outcomes", "params", "router", "validity"]
+__all__ = ["boundaries", "content", "decisions", "outcomes", "params", "router", "taint",
+           "validity"]

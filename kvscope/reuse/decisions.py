@@ -19,11 +19,13 @@ measured) does not hold, except :data:`IS_NULL`.
 
 The order, and why (DESIGN §5; docs/architecture.md "One vocabulary"):
 
-1. ``no_conversation_id`` — a request without a conversation id can be linked to nothing, its
+1. ``reused_invalid`` — the correctness alarm, ahead of everything else: a request with no
+   conversation id, or a first turn, can hit KV an invalid load left in prefill's prefix cache
+   (:mod:`kvscope.reuse.taint`).
+2. ``no_conversation_id`` — a request without a conversation id can be linked to nothing, its
    first turn included.
-2. ``first_turn``.
-3. ``unknown`` for a client's own record no proxy or engine span explains.
-4. ``reused_invalid`` — the correctness alarm, ahead of everything else.
+3. ``first_turn``.
+4. ``unknown`` for a client's own record no proxy or engine span explains.
 5. A read of valid KV is reuse, never a miss: ``reused_remote`` / ``partial`` when tokens
    pulled from decode were reused.
 6. Causes upstream of the history check that left nothing to pull either way (decode returned
@@ -52,6 +54,7 @@ from kvscope.reuse.validity import (
     INVALID_BEYOND_PREFIX,
     INVALID_EDITED,
     INVALID_MISALIGNED,
+    INVALID_TAINTED,
 )
 
 if TYPE_CHECKING:  # polars is imported by the rendering only: the scalar evaluator stays light
@@ -92,6 +95,9 @@ FACTS: dict[str, tuple[type, str]] = {
     "loaded": (int, "tokens the D->P read loaded"),
     "invalid_kind": (str, "why loaded KV does not match the prompt (validity.INVALID_*)"),
     "invalid_tokens": (int, "loaded tokens that do not match the prompt"),
+    "taint_read": (int, "tokens read through taint_via (the local hit, or it plus the read)"),
+    "taint_via": (str, "where KV computed from an invalid load was read (taint.VIA_*)"),
+    "taint_source": (str, "the request whose invalid load computed that KV"),
     "prompt_tokens": (int, "the prompt's tokens"),
     "reusable": (int, "reusable tokens (DESIGN §5)"),
     "local": (int, "local prefix-cache hit inside the reusable span"),
@@ -180,10 +186,15 @@ _INVALID_ARGS: dict[str, tuple[Arg, ...]] = {
     INVALID_EDITED: (Arg("loaded"),),
     INVALID_BEYOND_PREFIX: (Arg("loaded"), Arg("invalid_tokens"), Arg("reusable")),
     INVALID_MISALIGNED: (Arg("loaded"), Arg("offered"), Arg("prompt_tokens")),
+    INVALID_TAINTED: (Arg("taint_read"), Arg("taint_via"), Arg("taint_source")),
 }
 
 # The table: the first rule whose conditions all hold decides the turn.
 TABLE: tuple[Rule, ...] = (
+    # Loaded KV that does not match the prompt, first: a request with no conversation id, or a
+    # first turn, can still hit prefill's prefix cache on KV an invalid load left there.
+    *(Rule(outcomes.REUSED_INVALID, (_c("invalid_kind", EQ, kind),),
+           outcomes.EVIDENCE_INVALID[kind], args) for kind, args in _INVALID_ARGS.items()),
     Rule(outcomes.NO_CONVERSATION_ID,
          (_c("router_lookup", EQ, semconv.ROUTER_NO_CONVERSATION_ID),),
          outcomes.EVIDENCE_NO_CONVERSATION_ID),
@@ -196,8 +207,6 @@ TABLE: tuple[Rule, ...] = (
     Rule(outcomes.UNKNOWN,
          (_c("engine_only", EQ, True), _c("decision", EQ, semconv.DECISION_NO_OFFER)),
          outcomes.EVIDENCE_ENGINE_ONLY_NO_OFFER),
-    *(Rule(outcomes.REUSED_INVALID, (_c("invalid_kind", EQ, kind),),
-           outcomes.EVIDENCE_INVALID[kind], args) for kind, args in _INVALID_ARGS.items()),
     # KV pulled from decode and reused (valid: the rules above did not fire) is never a miss.
     Rule(outcomes.REUSED_REMOTE, (*_FULL, _c("remote", GT, 0)), outcomes.EVIDENCE_REUSED_REMOTE,
          (Arg("remote"), Arg("local"))),

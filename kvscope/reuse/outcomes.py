@@ -107,6 +107,7 @@ EVIDENCE_INVALID = {
     "after_release": "loaded {} tokens of decode's KV after decode released the blocks",
     "edited": "loaded {} tokens of decode's KV although the history was edited since the "
               "previous turn (message-boundary hashes)",
+    "tainted": "read {} tokens through {}, KV computed from an invalid load (request {})",
 }
 EVIDENCE_EDITED = "history edited since the previous turn"
 EVIDENCE_NO_COMMON_PREFIX = "no common prefix with the previous turn"

@@ -49,6 +49,9 @@ UNRECOGNIZED_NOTIFY = "notify_after_release"
 # What the ledger can say from message-boundary hashes alone: the history was edited, so the
 # tokens loaded past the edit do not match (how many is not measurable without a tokenizer).
 INVALID_EDITED = "edited"
+# KV computed from an earlier invalid load, read again through prefill's prefix cache or
+# decode's retained KV (:mod:`kvscope.reuse.taint`).
+INVALID_TAINTED = "tainted"
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").
@@ -111,4 +114,5 @@ def invalid_tokens(
 
 
 __all__ = ["INVALID_AFTER_RELEASE", "INVALID_BEYOND_PREFIX", "INVALID_EDITED", "INVALID_MISALIGNED",
-    "LoadedSpan", "UNRECOGNIZED_NOTIFY", "UNRECOGNIZED_READ", "invalid_tokens", "loaded_span"]
+    "INVALID_TAINTED", "LoadedSpan", "UNRECOGNIZED_NOTIFY", "UNRECOGNIZED_READ", "invalid_tokens",
+    "loaded_span"]

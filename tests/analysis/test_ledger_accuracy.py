@@ -158,7 +158,8 @@ def test_ledger_equals_ground_truth(workload: Workload, tmp_path: Path, case: st
 
 def test_the_runs_hold_the_hard_cases(workload: Workload, tmp_path: Path) -> None:
     """Edited histories (a reset keeps the id: decode's KV is pulled anyway), hence invalid
-    reuse, are in the compared runs; the ledger names the edit from hashes alone."""
+    reuse, are in the compared runs; the ledger names the edit from hashes alone, and the later
+    turns that read the KV computed from it (kvscope.reuse.taint)."""
     result = simulate(workload, tmp_path / "hard.duckdb",
                       SimulationSettings(profile="tiny", seed=17))
     truth = list(iter_truth(result))
@@ -169,7 +170,10 @@ def test_the_runs_hold_the_hard_cases(workload: Workload, tmp_path: Path) -> Non
     finally:
         reader.close()
     evidence = observed.filter(pl.col("outcome") == outcomes.REUSED_INVALID)["evidence"]
-    assert evidence.str.contains("longer than the prompt|history was edited").all()
+    assert evidence.str.contains(
+        "longer than the prompt|history was edited|computed from an invalid load").all()
+    # The turns after an invalid load read its KV again (decode's retention, prefill's cache).
+    assert evidence.str.contains("computed from an invalid load").any()
 
 
 def test_several_runs_in_one_store_stay_apart(workload: Workload, tmp_path: Path) -> None:

@@ -67,7 +67,8 @@ def _copy_runs(source: Path, con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _rebuilt(con: duckdb.DuckDBPyConnection, labels: dict[str, str]) -> dict:
-    rows = ledger(DuckDBReader(con, time_limit_s=None))
+    # Live metrics link a prompt sent again within its conversation only (ledger.finish).
+    rows = ledger(DuckDBReader(con, time_limit_s=None), across_conversations=False)
     models = pl.DataFrame(con.sql(
         f"SELECT SpanAttributes['{semconv.X_REQUEST_ID}'] AS x_request_id, "
         f"SpanAttributes['{semconv.GEN_AI_REQUEST_MODEL}'] AS model FROM otel_traces "

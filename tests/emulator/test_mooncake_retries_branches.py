@@ -10,6 +10,7 @@ from pathlib import Path
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import mooncake, mooncake_synthetic
 from kvscope.reuse import outcomes
+from kvscope.reuse.validity import INVALID_TAINTED
 
 TRACE_BLOCK = 512
 
@@ -89,8 +90,9 @@ def test_retries_and_every_child_of_a_branching_turn_are_linked(tmp_path: Path) 
 
 def test_a_fault_free_run_shows_invalid_reuse_only_where_the_trace_implies_it(
         tmp_path: Path) -> None:
-    """A turn that re-sends its previous turn's prompt and answer and adds to them is never
-    reused_invalid. Invalid reuse the trace implies: a prompt shorter than what decode holds
+    """A turn that re-sends its previous turn's prompt and answer and adds to them never loads
+    invalid KV itself (it may read KV an earlier invalid load of its session computed: that is
+    what the trace implies, kvscope.reuse.taint). Invalid reuse the trace implies: a prompt shorter than what decode holds
     for the previous turn (a misaligned read of decode's end-trimmed blocks), or a turn that
     does not continue the previous turn of its session (a branch from an earlier turn, a
     retry): the proxy offers the previous turn's KV, which the prompt leaves."""
@@ -104,7 +106,10 @@ def test_a_fault_free_run_shows_invalid_reuse_only_where_the_trace_implies_it(
                                                          strict=True)
              for t, line in zip(c.turns, session, strict=True)}
     counted: collections.Counter[str] = collections.Counter()
-    for row in result.truth:
+    invalid: set[str] = set()  # X-Request-Ids of turns that loaded or read invalid KV
+    for row in sorted(result.truth, key=lambda r: r.arrival_s):
+        if row.outcome == outcomes.REUSED_INVALID:
+            invalid.add(row.x_request_id)
         if row.turn_index == 1:
             continue
         key = (row.conversation_id, row.turn_index)
@@ -114,7 +119,11 @@ def test_a_fault_free_run_shows_invalid_reuse_only_where_the_trace_implies_it(
         continues = found.parents[lines[key]] == (lines[previous_key], mooncake.FOLLOW_UP)
         if continues and turn.prompt_tokens >= held:
             counted["continues"] += 1
-            assert row.outcome != outcomes.REUSED_INVALID, row
+            if row.outcome == outcomes.REUSED_INVALID:
+                # Only by reading KV an earlier invalid load computed (kvscope.reuse.taint).
+                assert row.facts["invalid_kind"] == INVALID_TAINTED, row
+                assert row.facts["taint_source"] in invalid, row
+                counted["read an earlier invalid load's KV"] += 1
         elif row.outcome == outcomes.REUSED_INVALID:
             counted["implied invalid"] += 1
             assert turn.prompt_tokens < held or not continues

@@ -141,14 +141,14 @@ def test_the_engine_sends_back_one_row_per_turn(
     # The unmatched sides of the LEFT JOINs read as NULL on ClickHouse too (join_use_nulls):
     # turns with no conversation id have no previous turn, first turns no read.
     assert on_click["prev_index"].null_count() > 0 and on_click["d2p_status"].null_count() > 0
-    assert_frame_equal(ledger_module.shape(on_click), ledger_module.shape(on_duck),
-                       check_exact=True)
+    assert_frame_equal(ledger_module.finish(ledger_module.shape(on_click)),
+                       ledger_module.finish(ledger_module.shape(on_duck)), check_exact=True)
     # Shaped a batch at a time (as a large store is), in the engine's order: the same ledger.
     whole = d.ledger()
     for reader in (d.reader, c.reader):
         parts = reader.map_batches(ledger_module.TURN_QUERY, ledger_module.shape, rows=97)
         assert len(parts) > 1
-        assert_frame_equal(pl.concat(parts), whole, check_exact=True)
+        assert_frame_equal(ledger_module.finish(pl.concat(parts)), whole, check_exact=True)
 
 
 @pytest.mark.parametrize("name", list(registry.analyses()))

@@ -80,6 +80,9 @@ class TurnEvidence:
     oracle_match: bool | None
     max_logprob_delta: float | None
     notes: str = ""
+    # Prefill's own prefix-cache hit for the turn (vLLM's vllm:prefix_cache_hits counter, read
+    # before and after it); None when not read.
+    local_hit_tokens: int | None = None
     ledger_outcome: str | None = None
     ledger_pulled_tokens: int | None = None
     ledger_agrees: bool | None = None
@@ -96,6 +99,9 @@ class Turns:
     scenarios_done: set[str] = field(default_factory=set)
     # Per turn: whether `kvscope ingest` of the real logs agrees with the hook ledger.
     ingest_agrees: list[bool] = field(default_factory=list)
+    # KV computed from an invalid load (vLLM's evidence: the turn's output differs): where it
+    # is held, so a later turn reading it is judged by it (turns.DirtyKV).
+    dirty: list[Any] = field(default_factory=list)
 
     def of(self, scenario: str) -> list[TurnEvidence]:
         return [t for t in self.turns if t.scenario == scenario]

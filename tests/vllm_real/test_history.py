@@ -42,17 +42,29 @@ def test_an_edited_history_loads_foreign_kv_unless_guarded(deployment: Any, turn
     # The client rewrites its first message (an edit), keeps the reply, adds a question.
     edited = [_user(_text(60, seed=seed + 1)), {"role": "assistant", "content": "done"},
               _user(_text(40, seed=seed + 2))]
+    reply = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
+                        turn_index=2, messages=edited, max_tokens=8, previous=answer,
+                        not_offered="prefix_diverged", proxy=proxy)
+    assert reply is not None and reply.text
+    # The client goes on from the edited turn, append-only: its history continues turn 2, so
+    # the read is valid by itself, but what it reads (prefill's cached blocks of turn 2's
+    # prompt, decode's KV of turn 2) was computed from the foreign KV turn 2 loaded.
+    third = [*edited, {"role": "assistant", "content": reply.text},
+             _user(_text(20, seed=seed + 3))]
     judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
-                turn_index=2, messages=edited, max_tokens=8, previous=answer,
-                not_offered="prefix_diverged", proxy=proxy)
+                turn_index=3, messages=third, max_tokens=8, previous=reply,
+                not_offered="router_no_entry", proxy=proxy)
     turns.scenarios_done.add(scenario)
-    second = turns.of(scenario)[1]
+    second, after = turns.of(scenario)[1:]
     if guarded:
         assert (second.vllm_outcome, second.vllm_pulled_tokens) == ("prefix_diverged", 0)
         assert second.oracle_match
+        assert after.vllm_outcome == "reused_remote" and after.oracle_match
     else:
         assert second.vllm_outcome == "reused_invalid" and second.vllm_pulled_tokens > 0
         assert not second.oracle_match
+        assert after.vllm_pulled_tokens > 0 and after.vllm_outcome == "reused_invalid"
+        assert not after.oracle_match
 
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
@@ -80,7 +92,9 @@ def test_another_client_under_the_same_conversation_id(deployment: Any, turns: A
 def test_an_invalid_pull_poisons_prefills_prefix_cache(deployment: Any, turns: Any) -> None:
     """After the unguarded edited turn loaded foreign KV, prefill caches those blocks under
     that prompt's block hashes: the same prompt again, with no conversation id (nothing is
-    offered), hits prefill's prefix cache and computes from the foreign KV."""
+    offered), hits prefill's prefix cache and computes from the foreign KV. vLLM's evidence
+    (its prefix-cache hit counter, the tokens) and the oracle say so; the ledger must link the
+    two turns by the prompt's hashes (kvscope.reuse.taint)."""
     scenario = "poisoned_prefix_cache"
     if "edited_history_unguarded" not in turns.scenarios_done:
         pytest.skip("needs test_an_edited_history_loads_foreign_kv_unless_guarded[unguarded]")
@@ -92,7 +106,8 @@ def test_an_invalid_pull_poisons_prefills_prefix_cache(deployment: Any, turns: A
                 messages=edited, max_tokens=8, previous=None, not_offered="no_conversation_id")
     turns.scenarios_done.add(scenario)
     again = turns.of(scenario)[0]
-    assert again.vllm_pulled_tokens == 0
+    assert again.vllm_pulled_tokens == 0 and (again.local_hit_tokens or 0) > 0
+    assert again.vllm_outcome == "reused_invalid"
     assert not again.oracle_match  # the foreign KV, from prefill's own cache
 
 

@@ -21,6 +21,7 @@ import random
 import re
 import socket
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class Answer:
     usage: dict[str, Any] | None
     # The prompt as the server tokenised it (chat templates applied).
     prompt_ids: list[int] | None = None
+    # The reply's text (a chat client sends it back as the assistant's message).
+    text: str | None = None
 
     @property
     def sequence(self) -> list[int]:
@@ -74,8 +77,10 @@ def _answer(raw: dict[str, Any]) -> Answer:
     if ids is None:
         raise AssertionError(f"no token_ids in the answer (return_token_ids): {choice}")
     prompt = choice.get("prompt_token_ids") or raw.get("prompt_token_ids")
+    text = (choice.get("message") or {}).get("content") if "message" in choice \
+        else choice.get("text")
     return Answer([int(i) for i in ids], values, str(raw.get("id", "")), raw.get("usage"),
-                  [int(i) for i in prompt] if prompt is not None else None)
+                  [int(i) for i in prompt] if prompt is not None else None, text)
 
 
 def complete(base_url: str, prompt: list[int], max_tokens: int,
@@ -124,6 +129,45 @@ _FAILURE = re.compile(r"NIXL transfer failure: ([^|]+) \| Context: (.*)$")
 # read after its reaper had released them.
 _READ_AFTER_RELEASE = re.compile(r"Potentially invalid KV blocks for unrecognized request (\S+) "
                                  r"were retrieved")
+
+
+def prefix_cache_hits(server: Any) -> int:
+    """A server's ``vllm:prefix_cache_hits`` counter: tokens its own prefix cache served (a
+    request's local hit is the counter's rise across it, when nothing else runs there)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total")))
+
+
+@dataclass
+class DirtyKV:
+    """KV computed from an invalid load (kvscope.reuse.taint, judged by vLLM's evidence here):
+    prefill's cached blocks of ``prompt`` from token ``start`` on, and decode's retained KV of
+    the turn ``x_request_id``."""
+
+    prefill_log: Path
+    prompt: list[int]
+    start: int
+    x_request_id: str | None
+
+
+def _taint(turns: Any, prefill_log: Path, prompt_ids: list[int], local: int | None,
+           pulled: int, previous: Answer | None) -> DirtyKV | None:
+    """The dirty KV this turn read, by vLLM's own counts and the tokens: decode's retained KV
+    of a dirty previous turn reaching past its start, or prefill's cached blocks of a dirty
+    prompt this prompt shares (token for token) beyond their start."""
+    if previous is not None and pulled:
+        for dirty in turns.dirty:
+            if dirty.x_request_id == previous.x_request_id and (local or 0) + pulled > dirty.start:
+                return dirty
+    if not local:
+        return None
+    for dirty in turns.dirty:
+        if (dirty.prefill_log == prefill_log and local > dirty.start
+                and prompt_ids[:local] == dirty.prompt[:local]):
+            return dirty
+    return None
 
 
 @dataclass
@@ -264,6 +308,8 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
     from tests.vllm_real.conftest import TurnEvidence
 
     front = proxy or deployment.proxy
+    server = prefill or deployment.prefill
+    hits_before = prefix_cache_hits(server)
 
     def send(url: str, conversation: str | None, timeout_s: float = 600) -> Answer:
         if messages is not None:
@@ -298,10 +344,15 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
     match, delta = same_output(pd, plain) if pd is not None else (False, None)
     prompt_ids = plain.prompt_ids if plain.prompt_ids is not None else (prompt or [])
     x_request_id = pd.x_request_id if pd is not None else None
-    log = ServerLog((prefill or deployment.prefill).log)
+    log = ServerLog(server.log)
+    try:
+        local: int | None = prefix_cache_hits(server) - hits_before
+    except OSError:  # the server is gone (the kill scenario stops its own)
+        local = None
     if x_request_id is None and previous is not None:
         x_request_id = ServerLog(front.log).turn_offered(previous.x_request_id)
     evidence = log.prefill_turn(previous.x_request_id if previous else None, x_request_id)
+    own_dirty: int | None = None
     pulled = evidence.external_tokens or 0
     if conversation_id is None and not evidence.offered:
         outcome = "no_conversation_id"  # the proxy keys nothing: prefill gets MISS params
@@ -331,15 +382,35 @@ def judged_turn(deployment: Any, turns: Any, *, scenario: str, conversation_id: 
         # Blocks decode had released may already hold other KV: read, they are not the prompt's.
         released = ServerLog(deployment.decode.log).read_after_release(previous.x_request_id)
         outcome = "reused_remote" if same and not released else "reused_invalid"
+        if outcome == "reused_invalid":
+            # What it holds is the prompt's own up to the common prefix with decode's sequence
+            # (or its own hit), foreign after; after a release, foreign past its own hit.
+            common = next((i for i, (a, b) in enumerate(zip(previous.sequence, prompt_ids,
+                                                             strict=False)) if a != b), end)
+            own_dirty = (local or 0) if released else max(common, local or 0)
     elif evidence.offered:
         outcome = "reused_local"
     else:
         outcome = not_offered
+    # KV an earlier invalid load computed, read again (kvscope.reuse.taint): through decode's
+    # retained KV, or prefill's prefix cache; then this turn's KV is dirty from the same start.
+    source = _taint(turns, server.log, prompt_ids, local, pulled, previous)
+    dirty_start = own_dirty
+    if source is not None:
+        dirty_start = source.start if own_dirty is None else min(own_dirty, source.start)
+        outcome = "reused_invalid"
+    if dirty_start is not None and x_request_id is not None:
+        turns.dirty.append(DirtyKV(server.log, prompt_ids, dirty_start, x_request_id))
     notes = f"prompt={len(prompt_ids)} output={len(pd.token_ids) if pd else None}"
+    if local is not None:
+        notes += f" local_hit={local}"
+    if source is not None:
+        notes += f" read_dirty_kv_of={source.x_request_id}"
     if pd is None:
         notes += f" error={error[:200]}"
     turns.turns.append(TurnEvidence(
         scenario=scenario, conversation_id=conversation_id, turn_index=turn_index,
         x_request_id=x_request_id, vllm_outcome=outcome, vllm_pulled_tokens=pulled,
-        oracle_match=match if pd is not None else None, max_logprob_delta=delta, notes=notes))
+        oracle_match=match if pd is not None else None, max_logprob_delta=delta, notes=notes,
+        local_hit_tokens=local))
     return pd
