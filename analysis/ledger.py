@@ -48,6 +48,7 @@ from kvscope.reuse.validity import (
     INVALID_EDITED,
     INVALID_MISALIGNED,
     INVALID_TAINTED,
+    INVALID_TOKENS,
 )
 from kvscope.store import query
 from kvscope.store.database import open_store
@@ -220,6 +221,8 @@ _DECISION_COLUMNS: _Columns = {
     "bidir": span_attr(semconv.BIDIR_ENABLED),
     "remote_count": span_attr(semconv.REMOTE_COUNT_TOKENS),
     "block_size": span_attr(semconv.KV_BLOCK_SIZE),
+    "tokens_hash": span_attr(semconv.KV_TOKENS_HASH),
+    "tokens_key": span_attr(semconv.KV_TOKENS_HASH_KEY_ID),
     "decision_measured": span_attr(semconv.DURATION_MEASURED),
     **_HOOKS_COLUMNS,
 }
@@ -257,6 +260,8 @@ _RETENTION_COLUMNS: _Columns = {
     "reason": span_attr(semconv.RETENTION_RELEASE_REASON),
     "tokens": span_attr(semconv.REMOTE_NUM_TOKENS),
     "read_after_release": span_attr(semconv.RETENTION_READ_AFTER_RELEASE),
+    "tokens_hash": span_attr(semconv.KV_TOKENS_HASH),
+    "tokens_key": span_attr(semconv.KV_TOKENS_HASH_KEY_ID),
     **_HOOKS_COLUMNS,
 }
 
@@ -339,12 +344,13 @@ def _decision_rows(b: query.Binder) -> str:
 
 # Per request: (column of its decisions, name) taken from the first decision, and from the last.
 _DECISION_FIELDS = ("decision", "local_hit", "offered", "to_pull", "threshold", "bidir",
-                    "engine", "remote_count", "block_size")
+                    "engine", "remote_count", "block_size", "tokens_hash", "tokens_key")
 _FIRST_DECISION = (("decision", "decision"), ("local_hit", "decision_local_hit"),
                    ("offered", "offered_tokens"), ("to_pull", "to_pull_tokens"),
                    ("threshold", "threshold_tokens"), ("bidir", "prefill_bidirectional"),
                    ("engine", "prefill_engine"), ("remote_count", "decision_remote_count"),
-                   ("block_size", "block_size"))
+                   ("block_size", "block_size"), ("tokens_hash", "offer_tokens_hash"),
+                   ("tokens_key", "offer_tokens_key"))
 _LAST_DECISION = (("local_hit", "final_local_hit"), ("decision", "last_decision"))
 
 
@@ -406,7 +412,7 @@ def _retention_first(b: query.Binder) -> str:
                 "THEN 1 ELSE 0 END")
     return _first("request_id", f"{snapshot}, \"start\", span_id",
                   "request_id, size_bytes, tokens, reason, \"start\", duration_ns, "
-                  "read_after_release", "retentions")
+                  "read_after_release, tokens_hash, tokens_key", "retentions")
 
 
 def _vllm(b: query.Binder) -> str:
@@ -502,7 +508,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
         "decision", "decision_local_hit", "offered_tokens", "to_pull_tokens",
         "threshold_tokens", "prefill_bidirectional", "prefill_engine", "decisions",
         "final_local_hit", "last_decision", "decision_remote_count", "from_hooks",
-        "block_size")),
+        "block_size", "offer_tokens_hash", "offer_tokens_key")),
     *(("v", name, name) for name in (
         "engine_first_start", "engine_last_start", "engine_last_ttft_s", "engine_queue_s")),
     *(("r", name, name) for name in (
@@ -511,6 +517,7 @@ _JOINED_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("o", "size_bytes", "retention_bytes"), ("o", "duration_ns", "retention_ns"),
     ("o", "reason", "retention_release"), ("o", "start", "retention_start"),
     ("o", "read_after_release", "retention_read_after_release"),
+    ("o", "tokens_hash", "retention_tokens_hash"), ("o", "tokens_key", "retention_tokens_key"),
     ("h", "tokens", "held_tokens"),
     ("e", "hooks_missing", "hooks_missing"),
 )
@@ -615,7 +622,8 @@ def _history(b: query.Binder) -> str:
 # What leaves the engine: the turn's own fields, its joined evidence and the previous turn's
 # counts; the hashes stay behind (their verdict is ``history``).
 _OUT_DROPPED = {"boundary_hashes", "prev_hashes", "hash_key_id", "prev_hash_key_id", "roles",
-                "route", "reply_hash", "prev_reply"}
+                "route", "reply_hash", "prev_reply", "offer_tokens_hash", "offer_tokens_key",
+                "retention_tokens_hash", "retention_tokens_key"}
 
 
 def _per_turn(b: query.Binder) -> str:
@@ -647,8 +655,15 @@ def _per_turn(b: query.Binder) -> str:
     prompt_hash = (f"CASE WHEN boundary_hashes IS NULL OR boundary_hashes = {empty} THEN NULL "
                    f"ELSE coalesce(hash_key_id, {empty}) || {b('|')} || "
                    f"{d.last_item('boundary_hashes', b(','))} END")
+    # The engine's token hashes: the prompt's tokens a read of the offer covers against the
+    # tokens decode holds KV for (1 equal, 0 not, null not comparable).
+    tokens_match = ("CASE WHEN offer_tokens_hash IS NOT NULL "
+                    "AND retention_tokens_hash IS NOT NULL "
+                    "AND offer_tokens_key = retention_tokens_key THEN (CASE WHEN "
+                    "offer_tokens_hash = retention_tokens_hash THEN 1 ELSE 0 END) END")
     # The ledger's order, the engine's to keep: the rows are shaped as they stream back.
-    return (f"SELECT {out}, {_history(b)} AS history, {prompt_hash} AS prompt_hash "
+    return (f"SELECT {out}, {_history(b)} AS history, {prompt_hash} AS prompt_hash, "
+            f"{d.int64(tokens_match)} AS tokens_match "
             f"FROM (SELECT *, {previous}, {from_source} AS prev_is_source "
             f"FROM (SELECT *, {lagged} FROM joined) AS with_lag "
             f"LEFT JOIN ({source}) AS src ON src.src_run = with_lag.run_id "
@@ -794,7 +809,7 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
     ledger = rows.with_columns(
         pl.col("turn_number").alias("turn_index"),
         # The turn's own counts (and the previous turn's) are integers already (_TURN_NUMBERS).
-        *(_int(c) for c in ("prev_held", "decision_local_hit", "block_size",
+        *(_int(c) for c in ("prev_held", "decision_local_hit", "block_size", "tokens_match",
                             "offered_tokens", "to_pull_tokens", "threshold_tokens",
                             "final_local_hit", "decision_remote_count", "retention_bytes",
                             "offered_tokens_proxy")),
@@ -993,7 +1008,7 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
         local_hit=r["_taint_local"] or 0, pulled=r["_taint_pulled"] or 0,
         continues=r["history"] == HISTORY_CONTINUES,
         own_invalid=r["invalid_kind"] is not None, clean_tokens=r["_taint_clean"] or 0,
-        clean_exact=r["invalid_kind"] != INVALID_EDITED,
+        clean_exact=r["invalid_kind"] not in (INVALID_EDITED, INVALID_TOKENS),
     ) for r in records)
     found = taint.propagate(turns)
     frame = frame.drop(_TAINT_COLUMNS)
@@ -1054,10 +1069,18 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
         .then((sequence + block - 1) // block != (reach + block - 1) // block)
         .when(history == HISTORY_CONTINUES).then(sequence > reach)
     ).fill_null(False)
+    # The engines' token hashes, where both recorded them with one key: the prompt's tokens a
+    # read of the offer covers are (1) or are not (0) those decode holds KV for. They decide
+    # over the message hashes: a reply re-sent as text can tokenize otherwise than decode
+    # generated it (the messages continue, the tokens do not), and an edit the messages show
+    # may leave every token the read covers the same.
+    tokens = c("tokens_match")
     kind = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
         .when(c("_stale")).then(pl.lit(INVALID_AFTER_RELEASE))
         .when(shifted).then(pl.lit(INVALID_MISALIGNED))
+        .when(tokens == 0).then(pl.lit(INVALID_TOKENS))
+        .when(tokens == 1).then(pl.lit(None, pl.String))
         .when(history == HISTORY_EDITED).then(pl.lit(INVALID_EDITED))
         .when((history == HISTORY_CONTINUES) & (reach > valid_end))
         .then(pl.lit(INVALID_BEYOND_PREFIX))
@@ -1066,14 +1089,16 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
         pl.when(c("_invalid_kind").is_in([INVALID_AFTER_RELEASE, INVALID_MISALIGNED]))
         .then(c("to_pull_tokens"))
         .when(c("_invalid_kind") == INVALID_BEYOND_PREFIX).then(reach - valid_end)
-        .when(c("_invalid_kind").is_null() & loaded & (history == HISTORY_CONTINUES))
+        .when(c("_invalid_kind").is_null() & loaded
+              & ((history == HISTORY_CONTINUES) | (tokens == 1).fill_null(False)))
         .then(pl.lit(0, pl.Int64))
         .when(~loaded & c("decision").is_not_null()).then(pl.lit(0, pl.Int64))
     )
     validity = (
         pl.when(~loaded).then(pl.lit(None, pl.String))
         .when(c("_invalid_kind").is_not_null()).then(pl.lit(VALIDITY_INVALID))
-        .when(history == HISTORY_CONTINUES).then(pl.lit(VALIDITY_VALID))
+        .when((history == HISTORY_CONTINUES) | (tokens == 1).fill_null(False))
+        .then(pl.lit(VALIDITY_VALID))
         .otherwise(pl.lit(VALIDITY_NOT_VERIFIED))
     )
     return ledger.with_columns(kind.alias("_invalid_kind")).with_columns(

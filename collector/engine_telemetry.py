@@ -81,6 +81,9 @@ class ReuseDecisionRecord(NamedTuple):
     remote_engine_id: str | None = None
     traceparent: str | None = None
     block_size: int | None = None
+    # Keyed hash of the prompt's first min(offered, prompt) token ids, and the key's id.
+    tokens_hash: str | None = None
+    tokens_hash_key_id: str | None = None
 
 
 class KvTransferRecord(NamedTuple):
@@ -112,6 +115,9 @@ class KvRetentionRecord(NamedTuple):
     release_reason: str
     remote_num_tokens: int | None = None
     traceparent: str | None = None
+    # Keyed hash of the token ids decode holds KV for, and the key's id.
+    tokens_hash: str | None = None
+    tokens_hash_key_id: str | None = None
 
 
 EngineRecord = ReuseDecisionRecord | KvTransferRecord | KvRetentionRecord
@@ -422,6 +428,8 @@ def decision_attributes(r: ReuseDecisionRecord) -> dict[str, Any]:
     _set(attrs, semconv.PROMPT_TOKENS, r.prompt_tokens)
     _set(attrs, semconv.REMOTE_ENGINE_ID, r.remote_engine_id or None)
     _set(attrs, semconv.KV_BLOCK_SIZE, r.block_size or None)
+    _set(attrs, semconv.KV_TOKENS_HASH, r.tokens_hash)
+    _set(attrs, semconv.KV_TOKENS_HASH_KEY_ID, r.tokens_hash_key_id)
     return attrs
 
 
@@ -444,6 +452,8 @@ def retention_attributes(r: KvRetentionRecord) -> dict[str, Any]:
     _set(attrs, semconv.RETENTION_TTL_S, r.ttl_s)
     attrs[semconv.RETENTION_RELEASE_REASON] = r.release_reason
     _set(attrs, semconv.REMOTE_NUM_TOKENS, r.remote_num_tokens)
+    _set(attrs, semconv.KV_TOKENS_HASH, r.tokens_hash)
+    _set(attrs, semconv.KV_TOKENS_HASH_KEY_ID, r.tokens_hash_key_id)
     return attrs
 
 

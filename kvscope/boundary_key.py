@@ -29,7 +29,8 @@ import hashlib
 import logging
 import os
 import secrets
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvscope import settings
@@ -80,6 +81,13 @@ class BoundaryKey:
     def hasher(self) -> hashlib.blake2b:
         """A fresh keyed blake2b (64-bit digest) to feed one boundary."""
         return self._blank.copy()
+
+    def hash_token_ids(self, token_ids: Sequence[int]) -> str:
+        """Keyed hash of a run of token ids (as 32-bit integers): the engine hooks' check that
+        the KV a read loads is the prompt's own (``kvscope.kv.tokens_hash``)."""
+        hasher = self._blank.copy()
+        hasher.update(array("i", token_ids).tobytes())
+        return hasher.hexdigest()
 
     def __reduce__(self) -> tuple[type[BoundaryKey], tuple[bytes, str]]:
         return BoundaryKey, (self.secret, self.source)

@@ -231,6 +231,18 @@ REMOTE_COUNT_TOKENS = _attr(
     "Remote tokens beyond prefill's own hit that kv_recompute_threshold was compared with "
     "(vLLM's count; from a server log's skip line, where offer and hit are not logged).",
 )
+KV_TOKENS_HASH = _attr(
+    "kvscope.kv.tokens_hash", "",
+    "Keyed hash of token ids (never the ids): on a reuse decision with an offer, of the prompt's "
+    "first min(offered, prompt) tokens; on a retention, of the tokens decode holds KV for. Equal "
+    "on both: the read loads the KV of the prompt's own tokens (a client that re-sent decode's "
+    "reply as text may not: its tokens can differ from those decode generated).",
+)
+KV_TOKENS_HASH_KEY_ID = _attr(
+    "kvscope.kv.tokens_hash_key_id", "",
+    "Id of the key the token hash was made with (as kvscope.prompt.boundary_hash_key_id): "
+    "hashes compare only between spans with the same id.",
+)
 KV_BLOCK_SIZE = _attr(
     "kvscope.kv.block_size_tokens", "tokens",
     "Tokens per KV block on prefill (cache_config.block_size): says which of decode's blocks a "
@@ -470,7 +482,8 @@ __all__ = ["BIDIR_ENABLED", "CACHED_TOKENS", "CLIENT_DISCONNECTED", "CLIENT_ID",
     "GEN_AI_USAGE_INPUT_TOKENS", "GEN_AI_USAGE_OUTPUT_TOKENS", "GPU_HOST", "GPU_INDEX", "GPU_PID",
     "HOOKS_MISSING", "HTTP_RESPONSE_STATUS_CODE", "HTTP_ROUTE", "ID_REJECTED_NON_PRINTABLE",
     "ID_REJECTED_TOO_LONG", "ID_REJECTED_WRONG_TYPE", "ID_SOURCE_BODY", "ID_SOURCE_HEADER",
-    "ID_SOURCE_NONE", "INGEST_FILE", "INGEST_KIND", "INGEST_LINE", "KV_BLOCK_SIZE", "Kind",
+    "ID_SOURCE_NONE", "INGEST_FILE", "INGEST_KIND", "INGEST_LINE", "KV_BLOCK_SIZE",
+    "KV_TOKENS_HASH", "KV_TOKENS_HASH_KEY_ID", "Kind",
     "LEG_DECODE", "LEG_PREFILL", "LOCAL_HIT_TOKENS", "MESSAGE_BOUNDARY_HASHES",
     "MESSAGE_BOUNDARY_HASH_KEY_ID", "MESSAGE_COUNT", "MESSAGE_ROLES", "METRIC_GPU_MEMORY_TOTAL",
     "METRIC_GPU_MEMORY_USED", "METRIC_GPU_PROCESS_MEMORY_USED", "METRIC_KV_RETAINED",

@@ -38,7 +38,7 @@ _STRINGS: dict[str, list[str]] = {
                     semconv.TRANSFER_DECLINED_EXPIRED, semconv.TRANSFER_HANDSHAKE_FAILED],
     "invalid_kind": [validity.INVALID_AFTER_RELEASE, validity.INVALID_BEYOND_PREFIX,
                      validity.INVALID_MISALIGNED, validity.INVALID_EDITED,
-                     validity.INVALID_TAINTED],
+                     validity.INVALID_TAINTED, validity.INVALID_TOKENS],
     "taint_via": [taint.VIA_PREFIX_CACHE, taint.VIA_DECODE],
     "taint_source": ["req-1", "cmpl-2"],
     **{name: ["get_num_new_matched_tokens, start_load_kv", "_read_blocks_for_req"]

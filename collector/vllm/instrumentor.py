@@ -66,6 +66,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observa
 from opentelemetry.trace import TracerProvider
 
 from kvscope import __version__, semconv, settings
+from kvscope.boundary_key import BoundaryKey, resolve_boundary_key
 from kvscope.collector.engine_telemetry import (
     EngineRecord,
     EngineTelemetry,
@@ -76,6 +77,8 @@ from kvscope.collector.engine_telemetry import (
 from kvscope.reuse.params import classify_observed
 
 logger = logging.getLogger(__name__)
+# The token-hash key before its first use (None after it: no key could be had).
+_UNRESOLVED = object()
 # What vLLM's operators must see goes to vLLM's log: a child of vLLM's own "vllm" logger, which
 # vLLM gives its handler and format in every process (kvscope's logger has no handler there).
 VLLM_LOGGER = "vllm.kvscope"
@@ -251,6 +254,9 @@ class _Pin:
     traceparent: str | None
     # Recorded as an open retention already (held past retention_snapshot_s, or stopping).
     snapshot: bool = False
+    # Keyed hash of the token ids decode holds KV for, and the key's id.
+    tokens_hash: str | None = None
+    tokens_hash_key_id: str | None = None
 
 
 @dataclass
@@ -351,6 +357,8 @@ class NixlConnectorInstrumentor:
         self._snapshot_s = 10.0
         self._snapshotter: threading.Thread | None = None
         self._snapshots_stop = threading.Event()
+        # The key of token hashes (kvscope.kv.tokens_hash), resolved at the first hash.
+        self._token_key: BoundaryKey | None | object = _UNRESOLVED
 
     # --- public API -----------------------------------------------------------------------
     @property
@@ -655,13 +663,33 @@ class NixlConnectorInstrumentor:
         remote_engine = str(remote_engine) if remote_engine else None
         if decision == semconv.DECISION_PULL:
             state.pulls[request.request_id] = (to_pull, time_ns, remote_engine)
+        tokens_hash = key_id = None
+        if offered:  # the prompt's tokens a read of decode's offer would cover
+            tokens_hash, key_id = self._tokens_hash(request.prompt_token_ids, int(offered))
         # Positional (field order of ReuseDecisionRecord): keywords cost ~0.7 µs on this path.
         self._emit(state, semconv.ROLE_PREFILL, ReuseDecisionRecord(
             request.request_id, time_ns, local, offered, to_pull,
             int(sched.kv_recompute_threshold), decision,
             bool(sched.is_bidirectional_kv_xfer_enabled), request.num_prompt_tokens,
-            remote_engine, _traceparent(request), _block_size(sched),
+            remote_engine, _traceparent(request), _block_size(sched), tokens_hash, key_id,
         ))
+
+    def _tokens_hash(self, token_ids: Any, count: int) -> tuple[str | None, str | None]:
+        """Keyed hash of the first ``count`` token ids (``kvscope.kv.tokens_hash``) and the
+        key's id; (None, None) without a key (:func:`kvscope.boundary_key.resolve_boundary_key`,
+        resolved once per process)."""
+        key = self._token_key
+        if key is _UNRESOLVED:
+            try:
+                key = resolve_boundary_key()
+            except Exception as exc:  # a missing or unreadable key file: no hashes, say why
+                logger.warning("kvscope: no key for token hashes (%s): reads are checked "
+                               "without them", exc)
+                key = None
+            self._token_key = key
+        if not isinstance(key, BoundaryKey):
+            return None, None
+        return key.hash_token_ids(token_ids[:count]), key.key_id
 
     def _wrap_connector_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def update_connector_output(sched: Any, connector_output: Any, *args: Any,
@@ -730,7 +758,7 @@ class NixlConnectorInstrumentor:
         # Positional (field order of KvRetentionRecord): keywords cost ~0.7 µs on this path.
         self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
             req_id, pin.start_ns, end_ns, pin.blocks, pin.size_bytes, pin.ttl_s, reason,
-            pin.remote_num_tokens, pin.traceparent,
+            pin.remote_num_tokens, pin.traceparent, pin.tokens_hash, pin.tokens_hash_key_id,
         ))
 
     def _wrap_request_finished(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -773,6 +801,10 @@ class NixlConnectorInstrumentor:
             time.time_ns() - int((time.perf_counter() - (expiry - ttl)) * 1e9),
             blocks, size, ttl, expiry, params.get("remote_num_tokens"), _traceparent(request),
         )
+        held = params.get("remote_num_tokens")
+        if isinstance(held, int) and held > 0:
+            pin.tokens_hash, pin.tokens_hash_key_id = self._tokens_hash(
+                request.all_token_ids, held)
         old = state.pins.pop(req_id, None)
         if old is not None:  # a finished id finishing again (not seen): close the old pin
             self._release(state, req_id, old, time.time_ns(), semconv.RELEASE_OPEN)
@@ -862,7 +894,8 @@ class NixlConnectorInstrumentor:
             pin.snapshot = True
             self._emit(state, semconv.ROLE_DECODE, KvRetentionRecord(
                 req_id, pin.start_ns, None, pin.blocks, pin.size_bytes, pin.ttl_s,
-                semconv.RELEASE_OPEN, pin.remote_num_tokens, pin.traceparent,
+                semconv.RELEASE_OPEN, pin.remote_num_tokens, pin.traceparent, pin.tokens_hash,
+                pin.tokens_hash_key_id,
             ))
 
     def open_retentions(self, sched: Any) -> list[str]:

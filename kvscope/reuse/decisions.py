@@ -55,6 +55,7 @@ from kvscope.reuse.validity import (
     INVALID_EDITED,
     INVALID_MISALIGNED,
     INVALID_TAINTED,
+    INVALID_TOKENS,
 )
 
 if TYPE_CHECKING:  # polars is imported by the rendering only: the scalar evaluator stays light
@@ -186,6 +187,7 @@ _INVALID_ARGS: dict[str, tuple[Arg, ...]] = {
     INVALID_EDITED: (Arg("loaded"),),
     INVALID_BEYOND_PREFIX: (Arg("loaded"), Arg("invalid_tokens"), Arg("reusable")),
     INVALID_MISALIGNED: (Arg("loaded"), Arg("offered"), Arg("prompt_tokens")),
+    INVALID_TOKENS: (Arg("loaded"),),
     INVALID_TAINTED: (Arg("taint_read"), Arg("taint_via"), Arg("taint_source")),
 }
 

@@ -107,6 +107,8 @@ EVIDENCE_INVALID = {
     "after_release": "loaded {} tokens of decode's KV after decode released the blocks",
     "edited": "loaded {} tokens of decode's KV although the history was edited since the "
               "previous turn (message-boundary hashes)",
+    "tokens_differ": "loaded {} tokens of decode's KV, but the prompt's tokens are not those "
+                     "decode holds KV for (the engines' token hashes)",
     "tainted": "read {} tokens through {}, KV computed from an invalid load (request {})",
 }
 EVIDENCE_EDITED = "history edited since the previous turn"

@@ -49,6 +49,10 @@ UNRECOGNIZED_NOTIFY = "notify_after_release"
 # What the ledger can say from message-boundary hashes alone: the history was edited, so the
 # tokens loaded past the edit do not match (how many is not measurable without a tokenizer).
 INVALID_EDITED = "edited"
+# What the engines' token hashes show (kvscope.kv.tokens_hash): the prompt's tokens the read
+# covers are not those decode holds KV for (an edit, or a reply re-sent as text that tokenizes
+# otherwise than decode generated it); where they differ is not measured.
+INVALID_TOKENS = "tokens_differ"
 # KV computed from an earlier invalid load, read again through prefill's prefix cache or
 # decode's retained KV (:mod:`kvscope.reuse.taint`).
 INVALID_TAINTED = "tainted"
@@ -114,5 +118,5 @@ def invalid_tokens(
 
 
 __all__ = ["INVALID_AFTER_RELEASE", "INVALID_BEYOND_PREFIX", "INVALID_EDITED", "INVALID_MISALIGNED",
-    "INVALID_TAINTED", "LoadedSpan", "UNRECOGNIZED_NOTIFY", "UNRECOGNIZED_READ", "invalid_tokens",
-    "loaded_span"]
+    "INVALID_TAINTED", "INVALID_TOKENS", "LoadedSpan", "UNRECOGNIZED_NOTIFY", "UNRECOGNIZED_READ",
+    "invalid_tokens", "loaded_span"]

@@ -92,10 +92,11 @@ def test_a_fault_free_run_shows_invalid_reuse_only_where_the_trace_implies_it(
         tmp_path: Path) -> None:
     """A turn that re-sends its previous turn's prompt and answer and adds to them never loads
     invalid KV itself (it may read KV an earlier invalid load of its session computed: that is
-    what the trace implies, kvscope.reuse.taint). Invalid reuse the trace implies: a prompt shorter than what decode holds
-    for the previous turn (a misaligned read of decode's end-trimmed blocks), or a turn that
-    does not continue the previous turn of its session (a branch from an earlier turn, a
-    retry): the proxy offers the previous turn's KV, which the prompt leaves."""
+    what the trace implies, kvscope.reuse.taint). Invalid reuse the trace implies: a prompt
+    shorter than what decode holds for the previous turn (a misaligned read of decode's
+    end-trimmed blocks), or a turn that does not continue the previous turn of its session (a
+    branch from an earlier turn, a retry): the proxy offers the previous turn's KV, which the
+    prompt leaves."""
     trace = _generated()
     path = trace.write(tmp_path / "trace.jsonl")
     work = mooncake.load(path)

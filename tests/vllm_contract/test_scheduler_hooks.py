@@ -257,3 +257,35 @@ def test_an_exception_inside_a_hook_never_reaches_vllm(
     assert delay and params is not None
     sched.update_connector_output(KVConnectorOutput(finished_sending={"d"}))
     assert instrumentor.stats.hook_errors > errors
+
+
+def test_token_hashes_say_whether_the_prompt_holds_the_tokens_decode_holds(
+    captured: Captured, make_scheduler_connector: Any
+) -> None:
+    """Decode's retention hashes the tokens it holds KV for (prompt + output, remote_num_tokens
+    of them); prefill's decision hashes the prompt's tokens a read of that offer covers. Equal
+    exactly when those tokens are the same: a reply re-sent as text that tokenizes otherwise
+    (one token differs here) gives another hash, though counts and messages may agree."""
+    dec = make_scheduler_connector("kv_consumer", engine_id="d0").connector_scheduler
+    held = request("d-turn1", 170, {"do_remote_prefill": False, "do_remote_decode": False})
+    held.append_output_token_ids([170, 171, 172])
+    _, params = finish(dec, held, RequestStatus.FINISHED_STOPPED, 11)
+    assert params is not None and params["remote_num_tokens"] == 173
+    dec.update_connector_output(KVConnectorOutput(finished_sending={"d-turn1"}))
+    [retention] = captured.spans(semconv.SPAN_KV_RETENTION)
+    pre = make_scheduler_connector("kv_producer").connector_scheduler
+    same = request("p-same", 200, offer(173))
+    # One token of the reply tokenized otherwise.
+    prompt = [9 if i == 171 else i for i in range(200)]
+    retokenized = Request("p-retokenized", prompt, SamplingParams(max_tokens=8), None)
+    retokenized.kv_transfer_params = offer(173)
+    for req in (same, retokenized):
+        schedule(pre, req, 0)
+    by_id = {s.attributes[semconv.VLLM_REQUEST_ID]: s.attributes
+             for s in captured.spans(semconv.SPAN_REUSE_DECISION)}
+    held_hash = retention.attributes[semconv.KV_TOKENS_HASH]
+    key_id = retention.attributes[semconv.KV_TOKENS_HASH_KEY_ID]
+    assert len(held_hash) == 16 and key_id
+    assert by_id["p-same"][semconv.KV_TOKENS_HASH] == held_hash
+    assert by_id["p-retokenized"][semconv.KV_TOKENS_HASH] != held_hash
+    assert {a[semconv.KV_TOKENS_HASH_KEY_ID] for a in by_id.values()} == {key_id}

@@ -42,8 +42,10 @@ def test_an_edited_history_loads_foreign_kv_unless_guarded(deployment: Any, turn
     # The client rewrites its first message (an edit), keeps the reply, adds a question.
     edited = [_user(_text(60, seed=seed + 1)), {"role": "assistant", "content": "done"},
               _user(_text(40, seed=seed + 2))]
+    # A reply long enough that turn 3's read of it clears the threshold (64) beyond prefill's
+    # own hit of turn 2's prompt.
     reply = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
-                        turn_index=2, messages=edited, max_tokens=8, previous=answer,
+                        turn_index=2, messages=edited, max_tokens=72, previous=answer,
                         not_offered="prefix_diverged", proxy=proxy)
     assert reply is not None and reply.text
     # The client goes on from the edited turn, append-only: its history continues turn 2, so
