@@ -29,7 +29,7 @@ import hashlib
 import logging
 import os
 import secrets
-from array import array
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -83,11 +83,21 @@ class BoundaryKey:
         return self._blank.copy()
 
     def hash_token_ids(self, token_ids: Sequence[int]) -> str:
-        """Keyed hash of a run of token ids (as 32-bit integers): the engine hooks' check that
-        the KV a read loads is the prompt's own (``kvscope.kv.tokens_hash``)."""
+        """Keyed hash of a run of token ids: the engine hooks' check that the KV a read loads
+        is the prompt's own (``kvscope.kv.tokens_hash``). On vLLM's scheduler thread, so the
+        ids are hashed as Python does a tuple of ints (~7 ns a token here, against ~35 for
+        packing them into bytes first), and that 64-bit value is keyed: the store cannot
+        confirm a guessed prompt without the key. Compare only under one
+        :attr:`token_hash_key_id` (it names the Python the tuple hash comes from)."""
         hasher = self._blank.copy()
-        hasher.update(array("i", token_ids).tobytes())
+        hasher.update(hash(tuple(token_ids)).to_bytes(8, "little", signed=True))
+        hasher.update(len(token_ids).to_bytes(8, "little"))
         return hasher.hexdigest()
+
+    @property
+    def token_hash_key_id(self) -> str:
+        """The key's id for token hashes: the key, and the tuple hash's Python."""
+        return f"{self.key_id}.py{sys.version_info[0]}{sys.version_info[1]}"
 
     def __reduce__(self) -> tuple[type[BoundaryKey], tuple[bytes, str]]:
         return BoundaryKey, (self.secret, self.source)

@@ -233,8 +233,9 @@ REMOTE_COUNT_TOKENS = _attr(
 )
 KV_TOKENS_HASH = _attr(
     "kvscope.kv.tokens_hash", "",
-    "Keyed hash of token ids (never the ids): on a reuse decision with an offer, of the prompt's "
-    "first min(offered, prompt) tokens; on a retention, of the tokens decode holds KV for. Equal "
+    "Keyed hash of token ids (never the ids): on a reuse decision with an offer no longer than "
+    "the prompt, of the prompt's first offered tokens; on a retention, of the tokens decode "
+    "holds KV for. Equal "
     "on both: the read loads the KV of the prompt's own tokens (a client that re-sent decode's "
     "reply as text may not: its tokens can differ from those decode generated).",
 )

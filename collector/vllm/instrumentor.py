@@ -664,7 +664,10 @@ class NixlConnectorInstrumentor:
         if decision == semconv.DECISION_PULL:
             state.pulls[request.request_id] = (to_pull, time_ns, remote_engine)
         tokens_hash = key_id = None
-        if offered:  # the prompt's tokens a read of decode's offer would cover
+        if offered and request.num_prompt_tokens >= offered:
+            # The prompt's tokens a read of decode's whole offer covers: comparable with the
+            # hash of the tokens decode holds (a shorter prompt is read misaligned or in part,
+            # which the counts judge).
             tokens_hash, key_id = self._tokens_hash(request.prompt_token_ids, int(offered))
         # Positional (field order of ReuseDecisionRecord): keywords cost ~0.7 µs on this path.
         self._emit(state, semconv.ROLE_PREFILL, ReuseDecisionRecord(
@@ -689,7 +692,7 @@ class NixlConnectorInstrumentor:
             self._token_key = key
         if not isinstance(key, BoundaryKey):
             return None, None
-        return key.hash_token_ids(token_ids[:count]), key.key_id
+        return key.hash_token_ids(token_ids[:count]), key.token_hash_key_id
 
     def _wrap_connector_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def update_connector_output(sched: Any, connector_output: Any, *args: Any,

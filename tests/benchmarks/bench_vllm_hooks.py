@@ -6,6 +6,10 @@ instrumented, in the same run, interleaved in rounds (best round kept, so backgr
 shared machine inflates neither side); the table prints both and the added µs per call. The
 target is ≤ 5 µs added per call. Worker-side hooks are not timed: the worker role needs
 registered KV caches (a GPU) to be constructed.
+
+``--prompt-tokens N`` (default 170) sizes the prompts and offers: the token hashes
+(``kvscope.kv.tokens_hash``: the offered prompt tokens on prefill's decision, the held tokens on
+decode's pin) cost in proportion to them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor  # noq
 
 N = 2000
 WARMUP = 200
+# Tokens of each request's prompt (--prompt-tokens); the offer is 10 fewer, the local hit 16.
+PROMPT = 170
 ROUNDS = 7
 MATCHED = "get_num_new_matched_tokens"
 SCHEDULE = "schedule (matched + update_state_after_alloc)"
@@ -64,21 +70,22 @@ def cases() -> dict[str, Callable[[], Callable[[], None]]]:
         return NixlConnector(vllm_config(kv_role), KVConnectorRole.SCHEDULER,
                              kv_cache_config(4096)).connector_scheduler
 
+    offered = PROMPT - 10
     offer = {"do_remote_decode": True, "do_remote_prefill": False,
-             "remote_block_ids": [list(range(10))], "remote_engine_id": "d",
+             "remote_block_ids": [list(range(-(-offered // 16)))], "remote_engine_id": "d",
              "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600,
-             "remote_num_tokens": 160}
+             "remote_num_tokens": offered}
 
     def matched() -> Callable[[], None]:
         sched = connector("kv_producer")
-        req = Request("p", list(range(170)), SamplingParams(max_tokens=1), None)
+        req = Request("p", list(range(PROMPT)), SamplingParams(max_tokens=1), None)
         req.kv_transfer_params = dict(offer)
         return lambda: sched.get_num_new_matched_tokens(req, 16)
 
     def schedule() -> Callable[[], None]:
         sched = connector("kv_producer")
-        req = Request("p", list(range(170)), SamplingParams(max_tokens=1), None)
-        blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(10)],))
+        req = Request("p", list(range(PROMPT)), SamplingParams(max_tokens=1), None)
+        blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(-(-(offered - 16) // 16))],))
 
         def call() -> None:
             req.kv_transfer_params = dict(offer)
@@ -91,10 +98,10 @@ def cases() -> dict[str, Callable[[], Callable[[], None]]]:
 
     def pin_release() -> Callable[[], None]:
         sched = connector("kv_consumer")
-        req = Request("d", list(range(170)), SamplingParams(max_tokens=1), None)
+        req = Request("d", list(range(PROMPT)), SamplingParams(max_tokens=1), None)
         req.status = RequestStatus.FINISHED_STOPPED
-        req.num_computed_tokens = 172
-        block_ids = (list(range(11)),)
+        req.num_computed_tokens = PROMPT + 2
+        block_ids = (list(range(-(-(PROMPT + 2) // 16))),)
         output = KVConnectorOutput(finished_sending={"d"})
 
         def call() -> None:
@@ -109,12 +116,12 @@ def cases() -> dict[str, Callable[[], Callable[[], None]]]:
         sched = connector("kv_consumer")
         requests = []
         for i in range(N + WARMUP):  # one request per call: each finishes once, as in vLLM
-            req = Request(f"d{i}", list(range(170)), SamplingParams(max_tokens=1), None)
+            req = Request(f"d{i}", list(range(PROMPT)), SamplingParams(max_tokens=1), None)
             req.status = RequestStatus.FINISHED_STOPPED
-            req.num_computed_tokens = 172
+            req.num_computed_tokens = PROMPT + 2
             req.kv_transfer_params = {"do_remote_prefill": False, "do_remote_decode": False}
             requests.append(req)
-        block_ids = (list(range(11)),)
+        block_ids = (list(range(-(-(PROMPT + 2) // 16))),)
         pending = iter(requests)
 
         def call() -> None:
@@ -147,7 +154,13 @@ def per_call_us(call: Callable[[], None]) -> float:
 
 
 def main() -> None:
+    import argparse
     import logging
+
+    global PROMPT
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT)
+    PROMPT = parser.parse_args().prompt_tokens
 
     from kvscope.collector import engine_telemetry
 
@@ -159,10 +172,15 @@ def main() -> None:
     span_builders = {name: getattr(engine_telemetry.EngineTelemetry, name)
                      for name in ("_emit_decision", "_emit_transfer", "_emit_retention")}
 
+    token_hash = NixlConnectorInstrumentor._tokens_hash
+
     def run(mode: str, factory: Callable[[], Callable[[], None]]) -> float:
         if mode != "plain":
             instrumentor.instrument(tracer_provider=tracer_provider,
                                     meter_provider=meter_provider)
+        # "no token hash": the hook path without kvscope.kv.tokens_hash (its share, side by side).
+        NixlConnectorInstrumentor._tokens_hash = (  # type: ignore[method-assign]
+            (lambda self, ids, count: (None, None)) if mode == "no token hash" else token_hash)
         for name, builder in span_builders.items():
             # "hook path": the telemetry thread drains records without building spans, so
             # the time is what the scheduler's thread pays; "all": span building shares the
@@ -172,12 +190,13 @@ def main() -> None:
         try:
             return per_call_us(factory())  # objects built after instrumenting, as in vLLM
         finally:
+            NixlConnectorInstrumentor._tokens_hash = token_hash  # type: ignore[method-assign]
             instrumentor.uninstrument()
             for name, builder in span_builders.items():
                 setattr(engine_telemetry.EngineTelemetry, name, builder)
 
-    modes = ("plain", "hook path", "all")
-    print(f"{'hooked call':58} {'plain µs':>9} {'hook path':>10} {'added':>7} "
+    modes = ("plain", "no token hash", "hook path", "all")
+    print(f"{'hooked call':58} {'plain µs':>9} {'no hash':>8} {'hook path':>10} {'added':>7} "
           f"{'with spans':>11} {'added':>7}")
     added: dict[str, tuple[float, float]] = {}
     for name, factory in cases().items():
@@ -187,7 +206,7 @@ def main() -> None:
                 best[mode] = min(best[mode], run(mode, factory))
         plain = best["plain"]
         added[name] = (best["hook path"] - plain, best["all"] - plain)
-        print(f"{name:58} {plain:9.2f} {best['hook path']:10.2f} "
+        print(f"{name:58} {plain:9.2f} {best['no token hash']:8.2f} {best['hook path']:10.2f} "
               f"{best['hook path'] - plain:7.2f} {best['all']:11.2f} {best['all'] - plain:7.2f}")
     # Hooks that only run after another one: their own share is the difference of two rows.
     for name, pair, first in (
@@ -196,8 +215,10 @@ def main() -> None:
     ):
         hook = added[pair][0] - added[first][0]
         spans = added[pair][1] - added[first][1]
-        print(f"{name + ' (row difference)':58} {'':9} {'':10} {hook:7.2f} {'':11} {spans:7.2f}")
-    print(f"(µs per call, best of {ROUNDS} rounds × {N} calls, interleaved; target: hook path "
+        print(f"{name + ' (row difference)':58} {'':9} {'':8} {'':10} {hook:7.2f} {'':11} "
+              f"{spans:7.2f}")
+    print(f"(prompts of {PROMPT} tokens; µs per call, best of {ROUNDS} rounds × {N} calls, "
+          "interleaved; target: hook path "
           "adds ≤ 5 µs per call)")
 
 

@@ -289,3 +289,8 @@ def test_token_hashes_say_whether_the_prompt_holds_the_tokens_decode_holds(
     assert by_id["p-same"][semconv.KV_TOKENS_HASH] == held_hash
     assert by_id["p-retokenized"][semconv.KV_TOKENS_HASH] != held_hash
     assert {a[semconv.KV_TOKENS_HASH_KEY_ID] for a in by_id.values()} == {key_id}
+    # A prompt shorter than the offer: no hash (its read is judged by counts).
+    schedule(pre, request("p-shorter", 170, offer(173)), 0)
+    [shorter] = [s.attributes for s in captured.spans(semconv.SPAN_REUSE_DECISION)
+                 if s.attributes[semconv.VLLM_REQUEST_ID] == "p-shorter"]
+    assert semconv.KV_TOKENS_HASH not in shorter
