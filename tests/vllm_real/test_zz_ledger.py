@@ -134,7 +134,11 @@ _NO_REISSUE = ("ingest does not read prefill's re-issued load (policy recompute:
 _NO_MESSAGES = ("no log line gives a request's messages or their hashes, so a prompt sent "
                 "again is not linked to the invalid load whose KV prefill's prefix cache holds "
                 "for it (kvscope.reuse.taint)")
+_NO_TOKEN_HASHES = ("no log line gives the engines' token hashes: a reply re-sent as text that "
+                    "tokenizes otherwise than decode generated it continues the messages, and "
+                    "its read looks valid")
 _INGEST_GAPS = {"edited_history_unguarded": _NO_PROMPT_LENGTH,
+                "edited_history_guarded": _NO_TOKEN_HASHES,
                 "poisoned_prefix_cache": _NO_MESSAGES,
                 "other_client_unguarded": _NO_PROMPT_LENGTH,
                 "shorter_prompt": _NO_PROMPT_LENGTH,
@@ -168,7 +172,8 @@ def test_ingest_of_the_real_logs_agrees_with_the_hook_ledger(ledger: pl.DataFram
     assert [row for row in table if not row[-1] and row[0] not in _INGEST_GAPS] == []
 
 
-@pytest.mark.xfail(strict=True, reason=f"{_NO_PROMPT_LENGTH}; {_NO_REISSUE}; {_NO_MESSAGES}")
+@pytest.mark.xfail(strict=True, reason=f"{_NO_PROMPT_LENGTH}; {_NO_REISSUE}; {_NO_MESSAGES}; "
+                                       f"{_NO_TOKEN_HASHES}")
 def test_ingest_judges_reads_against_the_prompts_length_and_sees_reissued_loads(
         ledger: pl.DataFrame, ingested: pl.DataFrame, turns: Turns) -> None:
     table = _ingest_table(ledger, ingested, turns)
