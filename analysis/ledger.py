@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
@@ -967,49 +967,45 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
     own = frame["invalid_kind"].is_not_null()
     if not own.any():
         return frame.drop(_TAINT_COLUMNS)
+    c = pl.col
     first = frame.filter(own)["arrival"].min()
-    rows = (frame.with_row_index("_row")
-            .filter(pl.col("arrival") >= first)
-            .sort("arrival", "_row"))
-    arrival = pl.col("arrival").dt.epoch("ns").fill_null(0)
-    rows = rows.with_columns(
-        arrival.alias("_arrival"),
-        (arrival + (pl.col("prefill_ms").fill_null(0) * 1e6).cast(pl.Int64)).alias("_prefilled"))
-    records = rows.select(
-        "_row", "x_request_id", "run_id", "conversation_id", "turn_index", "_arrival",
-        "_prefilled", "prefill_engine", "_taint_prompt", "decode_request_id", "retention_id",
-        "_taint_local", "_taint_pulled", "history", "invalid_kind", "_taint_clean",
-    ).to_dicts()
-    by_decode = {r["decode_request_id"]: r["x_request_id"] for r in records
-                 if r["decode_request_id"]}
-    by_turn = {(r["run_id"], r["conversation_id"], r["turn_index"]): r["x_request_id"]
-               for r in records if r["conversation_id"] is not None}
-
-    def prompt(r: dict[str, Any]) -> str | None:
-        # Within the run; within the conversation (the request, without one) when asked.
-        if r["_taint_prompt"] is None:
-            return None
-        scope = (r["conversation_id"] if r["conversation_id"] is not None
-                 else f"x:{r['x_request_id']}") if not across_conversations else ""
-        return f"{r['run_id']}\x1f{scope}\x1f{r['_taint_prompt']}"
-
-    def previous(r: dict[str, Any]) -> str | None:
-        if r["retention_id"] in by_decode:
-            return by_decode[r["retention_id"]]
-        if r["conversation_id"] is None or r["turn_index"] is None:
-            return None
-        return by_turn.get((r["run_id"], r["conversation_id"], r["turn_index"] - 1))
-
-    turns = (taint.TaintTurn(
-        key=r["_row"], x_request_id=r["x_request_id"], previous=previous(r),
-        arrival_ns=r["_arrival"], prefilled_ns=r["_prefilled"],
-        prefill_engine=r["prefill_engine"], prompt_hash=prompt(r),
-        decode_request_id=r["decode_request_id"], retention_id=r["retention_id"],
-        local_hit=r["_taint_local"] or 0, pulled=r["_taint_pulled"] or 0,
-        continues=r["history"] == HISTORY_CONTINUES,
-        own_invalid=r["invalid_kind"] is not None, clean_tokens=r["_taint_clean"] or 0,
-        clean_exact=r["invalid_kind"] not in (INVALID_EDITED, INVALID_TOKENS),
-    ) for r in records)
+    rows = frame.with_row_index("_row").filter(c("arrival") >= first)
+    # The turn each follows: the one whose decode KV it was offered, else turn k-1 of its
+    # conversation (nothing before the first invalid load can be dirty).
+    decoded = (rows.filter(c("decode_request_id").is_not_null())
+               .unique("decode_request_id", keep="first")
+               .select(c("decode_request_id").alias("retention_id"),
+                       c("x_request_id").alias("_offered_turn")))
+    conversation = ["run_id", "conversation_id"]
+    rows = (rows.join(decoded, on="retention_id", how="left")
+            .sort(*conversation, "turn_index", "_row", nulls_last=True)
+            .with_columns(
+                pl.when(c("conversation_id").is_not_null()
+                        & (c("turn_index").shift(1).over(conversation) == c("turn_index") - 1))
+                .then(c("x_request_id").shift(1).over(conversation)).alias("_lag_turn")))
+    # Within the run; within the conversation (the request, without one) when asked.
+    scope = (pl.lit("") if across_conversations
+             else pl.coalesce(c("conversation_id"), pl.lit("x:") + c("x_request_id")))
+    arrival = c("arrival").dt.epoch("ns").fill_null(0)
+    loaded = (c("_taint_local") > 0) | (c("_taint_pulled") > 0) | c("invalid_kind").is_not_null()
+    rows = (rows.filter(loaded)  # a turn that read nothing is no reader, and no source
+            .sort("arrival", "_row")
+            .select(  # TaintTurn's fields, in order
+                "_row", "x_request_id", pl.coalesce("_offered_turn", "_lag_turn").alias("p"),
+                arrival.alias("a"),
+                (arrival + (c("prefill_ms").fill_null(0) * 1e6).cast(pl.Int64)).alias("pa"),
+                "prefill_engine",
+                pl.when(c("_taint_prompt").is_not_null()).then(pl.concat_str(
+                    [c("run_id").fill_null(""), scope, c("_taint_prompt")], separator="\x1f"))
+                .alias("h"),
+                "decode_request_id", "retention_id", c("_taint_local").fill_null(0),
+                c("_taint_pulled").fill_null(0),
+                (c("history") == HISTORY_CONTINUES).fill_null(False).alias("co"),
+                c("invalid_kind").is_not_null().alias("own"), c("_taint_clean").fill_null(0),
+                ~c("invalid_kind").is_in([INVALID_EDITED, INVALID_TOKENS]).fill_null(False)
+                .alias("exact")))
+    # Streamed row by row in arrival order: only the dirty turns are kept (the tracker's maps).
+    turns = (taint.TaintTurn(*row) for row in rows.iter_rows())
     found = taint.propagate(turns)
     frame = frame.drop(_TAINT_COLUMNS)
     if not found:
