@@ -218,6 +218,15 @@ _DECLARED = [
         _positive,
     ),
     Setting(
+        "token_hashes",
+        bool,
+        True,
+        "Whether kvscope's vLLM hooks hash the token ids a read covers (prefill) and decode "
+        "holds (keyed, kvscope.kv.tokens_hash), so the ledger checks each read token for token; "
+        "~7 ns a token on vLLM's scheduler thread. Off: reads are judged by message hashes and "
+        "counts alone.",
+    ),
+    Setting(
         "gpu_sample_interval_s",
         float,
         1.0,

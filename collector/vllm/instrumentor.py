@@ -680,11 +680,11 @@ class NixlConnectorInstrumentor:
     def _tokens_hash(self, token_ids: Any, count: int) -> tuple[str | None, str | None]:
         """Keyed hash of the first ``count`` token ids (``kvscope.kv.tokens_hash``) and the
         key's id; (None, None) without a key (:func:`kvscope.boundary_key.resolve_boundary_key`,
-        resolved once per process)."""
+        resolved once per process) or with the ``token_hashes`` setting off."""
         key = self._token_key
         if key is _UNRESOLVED:
             try:
-                key = resolve_boundary_key()
+                key = resolve_boundary_key() if settings.resolve("token_hashes") else None
             except Exception as exc:  # a missing or unreadable key file: no hashes, say why
                 logger.warning("kvscope: no key for token hashes (%s): reads are checked "
                                "without them", exc)

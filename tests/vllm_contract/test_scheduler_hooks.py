@@ -294,3 +294,15 @@ def test_token_hashes_say_whether_the_prompt_holds_the_tokens_decode_holds(
     [shorter] = [s.attributes for s in captured.spans(semconv.SPAN_REUSE_DECISION)
                  if s.attributes[semconv.VLLM_REQUEST_ID] == "p-shorter"]
     assert semconv.KV_TOKENS_HASH not in shorter
+
+
+def test_token_hashes_off_by_setting(captured: Captured, make_scheduler_connector: Any,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvscope.collector.vllm import instrumentor as module
+
+    monkeypatch.setenv("KVSCOPE_TOKEN_HASHES", "off")
+    monkeypatch.setattr(NixlConnectorInstrumentor(), "_token_key", module._UNRESOLVED)
+    schedule(make_scheduler_connector("kv_producer").connector_scheduler,
+             request("p", 200, offer(173)), 0)
+    [decision] = captured.spans(semconv.SPAN_REUSE_DECISION)
+    assert semconv.KV_TOKENS_HASH not in decision.attributes
