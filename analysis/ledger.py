@@ -952,6 +952,10 @@ def _shape(rows: pl.LazyFrame) -> pl.LazyFrame:
 
 
 _TAINT_COLUMNS = ("_taint_prompt", "_taint_local", "_taint_pulled", "_taint_clean")
+# What the taint pass reads of each row.
+_TAINT_INPUTS = ("run_id", "conversation_id", "turn_index", "x_request_id", "arrival",
+                 "prefill_ms", "prefill_engine", "decode_request_id", "retention_id", "history",
+                 "invalid_kind", *_TAINT_COLUMNS)
 
 
 def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.DataFrame:
@@ -969,7 +973,7 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
         return frame.drop(_TAINT_COLUMNS)
     c = pl.col
     first = frame.filter(own)["arrival"].min()
-    rows = frame.with_row_index("_row").filter(c("arrival") >= first)
+    rows = frame.select(_TAINT_INPUTS).with_row_index("_row").filter(c("arrival") >= first)
     # The turn each follows: the one whose decode KV it was offered, else turn k-1 of its
     # conversation (nothing before the first invalid load can be dirty).
     decoded = (rows.filter(c("decode_request_id").is_not_null())
@@ -1003,36 +1007,67 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
                 (c("history") == HISTORY_CONTINUES).fill_null(False).alias("co"),
                 c("invalid_kind").is_not_null().alias("own"), c("_taint_clean").fill_null(0),
                 ~c("invalid_kind").is_in([INVALID_EDITED, INVALID_TOKENS]).fill_null(False)
-                .alias("exact")))
-    # Streamed row by row in arrival order: only the dirty turns are kept (the tracker's maps).
+                .alias("exact"),
+                pl.when(c("conversation_id").is_not_null()).then(pl.concat_str(
+                    [c("run_id").fill_null(""), c("conversation_id")], separator="\x1f"))
+                .alias("_conversation")))
+    # Streamed row by row in arrival order, over the turns an invalid load can reach at all
+    # (the tracker's maps keep only the dirty ones; a turn no link reaches never changes them).
+    rows = rows.filter(_reachable(rows)).drop("_conversation")
     turns = (taint.TaintTurn(*row) for row in rows.iter_rows())
     found = taint.propagate(turns)
     frame = frame.drop(_TAINT_COLUMNS)
     if not found:
         return frame
-    marks = []
-    for row, mark in found.items():
-        outcome, evidence = decisions.decide({
-            "invalid_kind": INVALID_TAINTED, "invalid_tokens": mark.tokens,
-            "taint_read": mark.read, "taint_via": mark.via, "taint_source": mark.source})
-        marks.append({"_row": row, "_tokens": mark.tokens, "_outcome": outcome,
-                      "_evidence": evidence})
-    marked = pl.DataFrame(marks, schema={"_row": pl.UInt32, "_tokens": pl.Int64,
-                                         "_outcome": pl.String, "_evidence": pl.String})
-    hit = pl.col("_outcome").is_not_null()
-    return (frame.with_row_index("_row").join(marked, on="_row", how="left")
-            .with_columns(
-                pl.when(hit).then(pl.lit(INVALID_TAINTED)).otherwise(pl.col("invalid_kind"))
-                .alias("invalid_kind"),
-                pl.when(hit).then(pl.col("_tokens")).otherwise(pl.col("invalid_tokens"))
-                .alias("invalid_tokens"),
-                pl.when(hit).then(pl.lit(VALIDITY_INVALID)).otherwise(pl.col("reuse_validity"))
-                .alias("reuse_validity"),
-                pl.when(hit).then(pl.col("_outcome")).otherwise(pl.col("outcome"))
-                .alias("outcome"),
-                pl.when(hit).then(pl.col("_evidence")).otherwise(pl.col("evidence"))
-                .alias("evidence"))
-            .select(list(LEDGER_SCHEMA)))
+    marked = pl.DataFrame(
+        [(key, INVALID_TAINTED, mark.tokens, mark.read, mark.via, mark.source)
+         for key, mark in found.items()], orient="row",
+        schema={"_row": pl.UInt32, "_kind": pl.String, "_tokens": pl.Int64,
+                "_read": pl.Int64, "_via": pl.String, "_source": pl.String})
+    facts = {name: pl.lit(None) for name in decisions.FACTS} | {
+        "invalid_kind": pl.col("_kind"), "invalid_tokens": pl.col("_tokens"),
+        "taint_read": pl.col("_read"), "taint_via": pl.col("_via"),
+        "taint_source": pl.col("_source")}
+    label, evidence = decisions.polars_exprs(facts)
+    marked = marked.select("_row", "_tokens", label.alias("_outcome"),
+                           evidence.alias("_evidence"))
+    at = marked["_row"]
+    return frame.with_columns(  # the marked rows' values written in place of theirs
+        frame["invalid_kind"].scatter(at, INVALID_TAINTED),
+        frame["invalid_tokens"].scatter(at, marked["_tokens"]),
+        frame["reuse_validity"].scatter(at, VALIDITY_INVALID),
+        frame["outcome"].scatter(at, marked["_outcome"]),
+        frame["evidence"].scatter(at, marked["_evidence"])).select(list(LEDGER_SCHEMA))
+
+
+def _reachable(rows: pl.DataFrame) -> pl.Series:
+    """Which of :func:`finish`'s taint rows an invalid load can reach by any chain of the
+    rule's links, ignoring times and token counts (a superset; :func:`taint.propagate` decides).
+
+    Links: a later turn of the same conversation (turn k-1, or the turn whose decode KV was
+    offered, is one), the turn offered a reachable turn's decode KV, the same prompt on the
+    same prefill. Closed over whole conversations at once, so a long chain costs one step.
+    """
+    c = pl.col
+    keyed = rows.select(
+        "own", "x_request_id", "decode_request_id", "retention_id", "p", "a",
+        pl.concat_str(["prefill_engine", "h"], separator="\x1f").alias("eh"),
+        c("_conversation").alias("conversation"))
+    reach = keyed["own"]
+    count = -1
+    while (now := int(reach.sum())) != count:
+        count = now
+        found = keyed.filter(reach)
+        firsts = found.group_by("conversation").agg(c("a").min().alias("_first"))
+        decoded = found["decode_request_id"].drop_nulls().implode()
+        turns = found["x_request_id"].drop_nulls().implode()
+        prompts = found["eh"].drop_nulls().implode()
+        reach = (keyed.join(firsts, on="conversation", how="left", maintain_order="left")
+                 .select((c("own") | (c("a") >= c("_first")) | c("retention_id").is_in(decoded)
+                          | c("p").is_in(turns) | c("eh").is_in(prompts)).fill_null(False)
+                         | reach)
+                 .to_series())
+    return reach
 
 
 def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:

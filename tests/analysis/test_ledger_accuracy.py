@@ -15,6 +15,7 @@ import polars as pl
 import pytest
 
 from kvscope import semconv
+from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis.ledger import HISTORY_CONTINUES, HISTORY_UNKNOWN, ledger
 from kvscope.emulator import simulator as sim
 from kvscope.emulator.simulator import SimulationSettings, iter_truth, simulate
@@ -174,6 +175,24 @@ def test_the_runs_hold_the_hard_cases(workload: Workload, tmp_path: Path) -> Non
         "longer than the prompt|history was edited|computed from an invalid load").all()
     # The turns after an invalid load read its KV again (decode's retention, prefill's cache).
     assert evidence.str.contains("computed from an invalid load").any()
+
+
+def test_the_taint_pass_follows_only_what_an_invalid_load_can_reach(
+        workload: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass feeds the tracker only turns some chain of links reaches from an invalid load
+    (``ledger._reachable``); fed every turn instead, it marks the same turns the same way."""
+    settings = SimulationSettings(profile="tiny", label="mix", seed=17, **FAULT_CASES["mix_sync"])
+    result = simulate(workload, tmp_path / "reach.duckdb", settings)
+    reader = open_reader(tmp_path / "reach.duckdb")
+    try:
+        shaped = ledger_module.shape(ledger_module.turn_rows(reader))
+    finally:
+        reader.close()
+    pruned = ledger_module.finish(shaped)
+    assert result.turns and (pruned["invalid_kind"] == "tainted").any()
+    monkeypatch.setattr(ledger_module, "_reachable",
+                        lambda rows: pl.Series([True] * rows.height))
+    assert ledger_module.finish(shaped).equals(pruned)
 
 
 def test_several_runs_in_one_store_stay_apart(workload: Workload, tmp_path: Path) -> None:
