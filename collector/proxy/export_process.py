@@ -37,7 +37,10 @@ spans they would have made), never waited for; a child that dies costs spans, no
 The child ignores SIGINT (a Ctrl-C reaches the whole process group; the proxy then closes it in
 order): it stops when the proxy sends the end-of-records marker (:meth:`TurnExportProcess.close`,
 also registered with ``atexit``), when the pipe closes because the proxy is gone, or on SIGTERM,
-and flushes what it has received in every case.
+and flushes what it has received in every case. A SIGTERM that stops the proxy too (to the
+process group, or systemd's control group) does not cut the turns the proxy still ends: the
+proxy says it is stopping (:meth:`TurnExportProcess.stopping`) and the child receives until the
+proxy closes it (at most :data:`TERM_DRAIN_S`).
 """
 
 from __future__ import annotations
@@ -84,12 +87,20 @@ _values = operator.attrgetter(*_FIELDS)
 
 # Slots of the shared counter array the child publishes.
 (_RECEIVED, _BUILD_FAILED, _QUEUED, _EXPORTED, _DROPPED, _EXPORT_FAILED, _WRITE_FAILED,
- _FLUSHED, _STORE_WRITES, _STORE_WRITE_NS) = range(10)
+ _FLUSHED, _STORE_WRITES, _STORE_WRITE_NS, _STOPPING) = range(11)
 # Control messages on the pipe (record batches are packed: they never start with these).
 _END = b""
 _FLUSH = b"F"
 # How often an idle child publishes its exporter's counters.
 _PUBLISH_INTERVAL_S = 0.2
+# A SIGTERM reaches the child alone (someone stops it: it flushes and exits) or with the proxy
+# (a stop of the process group, systemd's default KillMode=control-group): the proxy then says
+# it is stopping (:meth:`TurnExportProcess.stopping`) and still records the turns in flight,
+# which it waits for up to aiohttp's 60 s. The child waits this long for that word, then, if it
+# came, receives until the proxy's end marker or the pipe closes, at most TERM_DRAIN_S after the
+# signal. A second SIGTERM ends it at once (after the flush).
+_TERM_WAIT_S = 2.0
+TERM_DRAIN_S = 90.0
 # The longest collected rows wait before they go to the store (--db); sooner when the sink's
 # batch (20,000 rows) fills. A store write costs about the same CPU whatever its size up to
 # thousands of rows (DuckDB's commit of a small append: ~5.5 ms for 75 rows, plus the rows'
@@ -200,7 +211,7 @@ class TurnExportProcess:
         boundary_key: BoundaryKey | None = None,
     ) -> None:
         self.boundary_key = boundary_key or BoundaryKey.ephemeral()
-        self._counters = mp.get_context("spawn").Array("q", 10, lock=False)
+        self._counters = mp.get_context("spawn").Array("q", 11, lock=False)
         self._process, self._conn = start_child(
             _child_main, (service_name, db, otlp_endpoint, router_ttl_s, nice, self._counters,
                           self.boundary_key.secret),
@@ -330,6 +341,11 @@ class TurnExportProcess:
             time.sleep(0.005)
         return False
 
+    def stopping(self) -> None:
+        """Tell the child the proxy is stopping in order (its turns in flight still end and are
+        sent): a SIGTERM the child gets with the proxy's then waits for :meth:`close`."""
+        self._counters[_STOPPING] = 1
+
     def close(self, timeout_s: float = 60.0) -> None:
         """Send what is queued, let the child flush and exit; then stop the sender thread."""
         with self._cond:
@@ -344,6 +360,9 @@ class TurnExportProcess:
                          "terminating it", timeout_s)
             self._process.terminate()
             self._process.join(5)
+            if self._process.is_alive():
+                self._process.terminate()  # a second SIGTERM ends it at once, after its flush
+                self._process.join(5)
         self._conn.close()
         atexit.unregister(self.close)
 
@@ -448,9 +467,12 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
                 router_ttl_s: float | None, nice: int, counters: Any, key_secret: bytes) -> None:
     """The export process: rebuild records, build their spans, export them, until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminated: list[float] = []  # when SIGTERM came (monotonic)
 
     def _terminate(signum: int, frame: object) -> None:
-        raise SystemExit(0)  # unwinds into the flush below
+        if terminated:
+            raise SystemExit(0)  # a second one: unwinds into the flush below
+        terminated.append(time.monotonic())
 
     signal.signal(signal.SIGTERM, _terminate)
     export: _SdkExport | _RowExport
@@ -480,7 +502,11 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
     collected_at = time.monotonic()
     try:
         while True:
-            if time.monotonic() - collected_at >= _COLLECT_INTERVAL_S:
+            now = time.monotonic()
+            if terminated and now - terminated[0] >= (
+                    TERM_DRAIN_S if counters[_STOPPING] else _TERM_WAIT_S):
+                break  # stopped alone, or the proxy's stop took too long: flush what arrived
+            if now - collected_at >= _COLLECT_INTERVAL_S:
                 gc.collect()
                 collected_at = time.monotonic()
             try:
@@ -518,5 +544,5 @@ def _child_main(conn: Connection, service_name: str, db: str | None, otlp_endpoi
 
 
 __all__ = ["CHILD_NICE", "ExportProcessStats", "MAX_QUEUED_RECORDS", "SEND_INTERVAL_S",
-    "STORE_INTERVAL_S", "TurnExportProcess", "boundary_input", "record_from_tuple",
-    "record_to_tuple", "resolve_boundaries", "span_count"]
+    "STORE_INTERVAL_S", "TERM_DRAIN_S", "TurnExportProcess", "boundary_input",
+    "record_from_tuple", "record_to_tuple", "resolve_boundaries", "span_count"]

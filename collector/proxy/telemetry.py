@@ -609,6 +609,12 @@ class ProxyTelemetry:
             return self.telemetry.flush(timeout_s)
         return True
 
+    def stopping(self) -> None:
+        """The proxy began its orderly stop: the turns in flight still end and are recorded
+        (the export process, signalled with the proxy, waits for them; see export_process)."""
+        if self.export_process is not None:
+            self.export_process.stopping()
+
     def shutdown(self) -> None:
         """Export what is queued and close the destination (blocks; off the event loop)."""
         if self.export_process is not None:

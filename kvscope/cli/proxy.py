@@ -150,7 +150,12 @@ def run_proxy(args: argparse.Namespace) -> int:
             # Flushing waits on the export process; keep the loop free while it does.
             await asyncio.get_running_loop().run_in_executor(None, telemetry.shutdown)
 
+    async def _stopping(app: web.Application) -> None:
+        # aiohttp runs this as the stop begins, before it waits for the turns in flight.
+        telemetry.stopping()
+
     app.on_startup.append(configure_serving_gc)
+    app.on_shutdown.append(_stopping)
     app.on_cleanup.append(_close_telemetry)
     if config.log_turns and not turn_log.isEnabledFor(logging.INFO):
         # Shown like vLLM's proxy, whatever kvscope's own log level (~56 us of CPU a turn for

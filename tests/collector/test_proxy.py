@@ -1043,6 +1043,59 @@ def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
     assert "loopback only" in line
 
 
+def test_a_group_sigterm_keeps_the_turn_in_flight_in_the_store(tmp_path: Path) -> None:
+    """``kvscope proxy --db`` stopped by SIGTERM to its whole process group (a shell's kill of
+    the group; systemd's default KillMode signals every process of the unit) while a turn
+    streams: the proxy ends the turn, and its export child, signalled too, still stores it.
+    Before, the child stopped at its own signal and the turn's spans were lost."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from tests.stores import query
+
+    db = tmp_path / "group.duckdb"
+    decode = StubState(engine_id="decode-engine-001", tokens=6, chunk_delay_s=0.4)
+    with ServerThread(lambda: prefill_app(StubState(engine_id="prefill-engine-001"))) as p, \
+            ServerThread(lambda: decode_app(decode)) as d:
+        port = free_port()
+        argv = [sys.executable, "-m", "kvscope.cli", "proxy", "--port", str(port),
+                "--db", str(db), "--prefiller-port", str(p.port), "--decoder-port", str(d.port)]
+        process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            assert process.stderr is not None
+            for _ in range(50):
+                line = process.stderr.readline()
+                if "kvscope proxy on" in line or not line:
+                    break
+            assert "kvscope proxy on" in line
+            answers: list[httpx.Response] = []
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True, "max_tokens": 8, "conversation_id": "c-group"}
+            client = threading.Thread(target=lambda: answers.append(httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)))
+            client.start()
+            deadline = time.monotonic() + 20
+            while not decode.received:  # the turn is in its decode leg
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.killpg(process.pid, signal.SIGTERM)
+            client.join(30)
+            assert process.wait(60) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+    assert answers and answers[0].status_code == 200
+    turns = query(db, "SELECT count(*) FROM otel_traces WHERE SpanName = ?",
+                  [semconv.SPAN_TURN])
+    assert turns == [(1,)]
+
+
 def test_a_client_holding_a_partial_body_gets_408(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """300 connections holding partial bodies once stayed open indefinitely."""

@@ -293,6 +293,32 @@ def test_sigterm_makes_the_export_process_store_what_it_received(tmp_path: Path)
     assert len(_rows(db)) == sum(map(span_count, records))
 
 
+def test_a_sigterm_that_stops_the_proxy_too_keeps_the_turns_it_still_ends(
+        tmp_path: Path) -> None:
+    """A stop of the whole process group (systemd's default KillMode) signals the child with
+    the proxy: the proxy says it is stopping, still ends its turns in flight (aiohttp waits for
+    them) and closes the child, which receives them all before it flushes. Before, the child
+    stopped at its signal and those turns were lost."""
+    db = tmp_path / "group.duckdb"
+    process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db), send_interval_s=0.005)
+    telemetry = ProxyTelemetry(None, export_process=process)
+    records = _turns(telemetry, 20)
+    for record in records[:10]:
+        telemetry.finish_turn(record)
+    telemetry.stopping()
+    pid = process._process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(3.0)  # past the child's wait for the proxy's word
+    assert process._process.is_alive()
+    for record in records[10:]:  # the turns that were in flight end now
+        telemetry.finish_turn(record)
+    telemetry.shutdown()
+    assert process._process.exitcode == 0
+    assert process.stats.dropped_records == 0
+    assert len(_rows(db)) == sum(map(span_count, records))
+
+
 def test_turns_finishing_after_close_are_dropped_and_counted(tmp_path: Path) -> None:
     db = tmp_path / "late.duckdb"
     process = TurnExportProcess(semconv.SERVICE_PROXY, db=str(db))
