@@ -25,6 +25,7 @@ What is refused, and how:
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from base64 import b64encode
@@ -263,12 +264,85 @@ def _raw_attrs(raw: Sequence[bytes], cache: dict[bytes, tuple[str, str]]) -> Att
 
 
 def _decode_key_value(blob: bytes, cache: dict[bytes, tuple[str, str]]) -> tuple[str, str]:
+    big = _big_string(blob) if len(blob) > _BIG_STRING_BYTES else None
+    if big is not None:
+        cache[blob] = big
+        return big
     kv = KeyValue.FromString(blob)
     value = _string(kv.value)
     if len(value) > MAX_VALUE_CHARS:
         value = _cut(value)
     pair = cache[blob] = (kv.key, value)
     return pair
+
+
+# A UTF-8 string of more bytes than this has more than MAX_VALUE_CHARS characters: it is cut.
+_BIG_STRING_BYTES = 4 * MAX_VALUE_CHARS
+# How much of a big string is decoded at a time (checked, then dropped but for its head).
+_CHUNK_BYTES = 1 << 20
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The protobuf varint at ``pos`` and the position after it (IndexError past the end)."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def _big_string(blob: bytes) -> tuple[str, str] | None:
+    """A serialized ``KeyValue`` whose value is one ``string_value`` longer than
+    :data:`_BIG_STRING_BYTES`: ``(key, value cut and marked)``, read off the wire without the
+    whole value ever being a message field or a ``str`` (a 60 MiB value once made four 60 MiB
+    copies at once: the message's, the parsed one's, the string and the request body). The
+    whole value is still checked as UTF-8, as the parser checks it. ``None`` for any other shape
+    or anything irregular: the full parse then decides, errors included."""
+    key: str | None = None
+    value: tuple[int, int] | None = None
+    pos, end = 0, len(blob)
+    try:
+        while pos < end:
+            tag, pos = _varint(blob, pos)
+            if tag not in (0x0A, 0x12):  # KeyValue: 1 key, 2 value (both length-delimited)
+                return None
+            size, pos = _varint(blob, pos)
+            if pos + size > end:
+                return None
+            if tag == 0x0A and key is None:
+                key = blob[pos:pos + size].decode("utf-8")
+            elif tag == 0x12 and value is None:
+                value = (pos, pos + size)
+            else:
+                return None  # a field twice: proto's merge rules, left to the parser
+            pos += size
+        if key is None or value is None:
+            return None
+        pos, end = value
+        tag, pos = _varint(blob, pos)
+        size, pos = _varint(blob, pos)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    # AnyValue: its one field is 1, string_value, and fills it.
+    if tag != 0x0A or pos + size != end or size <= _BIG_STRING_BYTES:
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    head = ""
+    view = memoryview(blob)
+    try:
+        for start in range(pos, end, _CHUNK_BYTES):
+            stop = min(start + _CHUNK_BYTES, end)
+            text = decoder.decode(view[start:stop], final=stop == end)
+            if len(head) < MAX_VALUE_CHARS:
+                head += text[:MAX_VALUE_CHARS - len(head)]
+    except UnicodeDecodeError:
+        return None
+    return key, head + TRUNCATED_MARK
 
 
 def decode_traces(request: ExportTraceServiceRequest, run_id: str | None = None) -> TraceBatch:

@@ -36,18 +36,24 @@ _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 # exporters retry it). Each may hold a message of up to max_request_bytes that grpc read before
 # the intake's byte admission sees it, so :func:`concurrent_rpcs` sizes the limit to the budget.
 GRPC_MAX_CONCURRENT_RPCS = 16
+# The receive window of each stream (grpc's lookahead; its bandwidth-delay probe is off).
+GRPC_STREAM_WINDOW_BYTES = 4 << 20
 
 
 def concurrent_rpcs(max_request_bytes: int, max_inflight_bytes: int | None) -> int:
-    """RPCs grpc may serve at once: as many whole requests as the in-flight budget holds, plus
-    one, at least 2 and at most :data:`GRPC_MAX_CONCURRENT_RPCS`.
+    """RPCs grpc may serve at once: as many whole requests as the in-flight budget holds, at
+    least 2 (a small request passes beside a big one) and at most
+    :data:`GRPC_MAX_CONCURRENT_RPCS`.
 
     grpc reads a message whole before its handler runs, so what it holds beyond the budget is
     bounded by this many messages: 16 of 64 MiB once took 7.9 GB under 24 concurrent 60 MiB
-    requests. With the defaults (64 MiB requests, 128 MiB budget) it is 3.
+    requests. One more than the budget holds (3 at the defaults) read a message the intake then
+    refused, again and again under that load: peak +720..+892 MiB and 708 MiB held when idle,
+    against +372..+440 and back to the base with 2 (docs/benchmarks.md). With the defaults (64
+    MiB requests, 128 MiB budget) it is 2.
     """
     budget = max_inflight_bytes or 2 * max_request_bytes
-    return max(2, min(GRPC_MAX_CONCURRENT_RPCS, budget // max(1, max_request_bytes) + 1))
+    return max(2, min(GRPC_MAX_CONCURRENT_RPCS, budget // max(1, max_request_bytes)))
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
@@ -127,6 +133,12 @@ class GrpcListener:
             # grpc sets SO_REUSEPORT by default, so a second server on a busy port would share
             # it silently instead of failing to start.
             ("grpc.so_reuseport", 0),
+            # A fixed receive window per stream (4 MiB) instead of one that grpc's bandwidth-
+            # delay probe grows: the data of RPCs waiting or refused stays bounded (24
+            # concurrent 60 MiB requests: +360 MiB peak instead of +546..+690). At 4 MiB a
+            # round trip a big message still crosses a 50 ms link at ~80 MB/s.
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", GRPC_STREAM_WINDOW_BYTES),
         ])
         target = grpc_target(host, port)
         try:
@@ -170,4 +182,5 @@ class GrpcListener:
             self._server = None
 
 
-__all__ = ["GRPC_MAX_CONCURRENT_RPCS", "GrpcListener", "concurrent_rpcs", "grpc_target"]
+__all__ = ["GRPC_MAX_CONCURRENT_RPCS", "GRPC_STREAM_WINDOW_BYTES", "GrpcListener",
+    "concurrent_rpcs", "grpc_target"]

@@ -500,3 +500,78 @@ def test_random_attributes_store_identically_through_both_paths(attrs: dict[str,
     assert received == in_process
     # And both store what stringify() makes of the SDK's own values.
     assert received[0] == {k: stringify(v) for k, v in (spans[0].attributes or {}).items()}
+
+
+def _decoded_attributes(body: bytes) -> dict[str, str]:
+    batch = decode_trace_request(body, "protobuf")
+    return dict(batch.rows.to_arrow().column("SpanAttributes")[0].as_py())
+
+
+@pytest.mark.parametrize("value", [
+    "a" * (300 * 1024),  # one byte a character
+    "é" * (200 * 1024),  # two bytes a character (a chunk boundary falls inside one)
+    "x" + "漢" * (600 * 1024) + "🎉",  # three and four bytes
+], ids=["ascii", "two-byte", "wide"])
+def test_a_big_string_value_is_cut_as_the_full_parse_cuts_it(value: str) -> None:
+    """A value of more than 4 x MAX_VALUE_CHARS bytes is read off the wire (never whole as a
+    field or a str): stored exactly as the full parse stores it; its neighbours untouched."""
+    from kvscope.collector import otlp_decode
+
+    attributes = [KeyValue(key="big ✓", value=AnyValue(string_value=value)),
+                  KeyValue(key="small", value=AnyValue(string_value="s"))]
+    body = _request(_span(attributes=attributes)).SerializeToString()
+    blob = attributes[0].SerializeToString()
+    assert otlp_decode._big_string(blob) == (
+        "big ✓", value[:otlp_decode.MAX_VALUE_CHARS] + otlp_decode.TRUNCATED_MARK)
+    stored = _decoded_attributes(body)
+    assert stored == {"big ✓": value[:otlp_decode.MAX_VALUE_CHARS] + otlp_decode.TRUNCATED_MARK,
+                      "small": "s"}
+
+
+def test_other_big_values_take_the_full_parse() -> None:
+    """Not one string filling the value (bytes, a field given twice, bad UTF-8 at its end):
+    left to the full parse, whose answer (a cut value, or the refusal) stands."""
+    from kvscope.collector import otlp_decode
+
+    raw = b"\xab" * (300 * 1024)
+    as_bytes = KeyValue(key="b", value=AnyValue(bytes_value=raw)).SerializeToString()
+    assert otlp_decode._big_string(as_bytes) is None
+    text = KeyValue(key="t", value=AnyValue(string_value="a" * (300 * 1024))).SerializeToString()
+    assert otlp_decode._big_string(text + text) is None  # key and value twice: merged by proto
+    bad_end = bytearray(text)
+    bad_end[-1] = 0xFF  # the last byte of the value is no UTF-8
+    assert otlp_decode._big_string(bytes(bad_end)) is None
+    span = _span().SerializeToString() + b"\x4a" + _length(len(bad_end)) + bytes(bad_end)
+    scope_spans = b"\x12" + _length(len(span)) + span
+    resource_spans = b"\x12" + _length(len(scope_spans)) + scope_spans
+    body = b"\x0a" + _length(len(resource_spans)) + resource_spans
+    with pytest.raises(PayloadError, match="malformed protobuf ExportTraceServiceRequest"):
+        decode_trace_request(body, "protobuf")
+
+
+def _length(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def test_a_big_string_value_never_becomes_a_whole_str() -> None:
+    """What Python allocates to decode a span with a 24 MiB attribute: the attribute's bytes as
+    the parsed request hands them over (24 MiB), a chunk (1 MiB) and the cut value; never the
+    value as a 24 MiB str besides (nor upb's parsed copy, which tracemalloc does not see)."""
+    import tracemalloc
+
+    value = "z" * (24 << 20)
+    body = _request(_span(attributes=[
+        KeyValue(key="blob", value=AnyValue(string_value=value))])).SerializeToString()
+    del value
+    tracemalloc.start()
+    try:
+        decode_trace_request(body, "protobuf")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < (29 << 20), f"{peak / 2**20:.1f} MiB traced"

@@ -423,6 +423,6 @@ def test_grpc_serves_as_many_rpcs_at_once_as_the_budget_holds_whole() -> None:
     from kvscope.collector.otlp_grpc import GrpcListener
 
     mib = 1 << 20
-    assert GrpcListener(64 * mib, 128 * mib).max_concurrent_rpcs == 3  # the defaults
+    assert GrpcListener(64 * mib, 128 * mib).max_concurrent_rpcs == 2  # the defaults
     assert GrpcListener(64 * mib, 32 * mib).max_concurrent_rpcs == 2  # one alone, one waiting
     assert GrpcListener(1 * mib, 128 * mib).max_concurrent_rpcs == 16  # small requests
