@@ -14,8 +14,8 @@ requests in flight, on both transports:
   without waiting (past ``limit`` if it must), so requests that each hold part of their body
   cannot wait for each other for ever: the bound is ``limit`` plus one request's size.
 - OTLP/gRPC receives the message before its handler runs, so it reserves the message's size
-  without waiting (a request is refused at once when the budget is full) and grpc's own
-  ``maximum_concurrent_rpcs`` bounds the messages it reads meanwhile.
+  without waiting (a request is refused at once when the budget is full); the calls whose
+  messages grpc reads at all are bounded before that (``otlp_grpc``'s slots: the others wait).
 - A gzip body grows its reservation by the inflated size before it is inflated (see
   :meth:`Reservation.grow_to`).
 

@@ -11,8 +11,10 @@ OTLP/HTTP does, which lets the intake decode them with its own fast path and let
 body be answered ``INVALID_ARGUMENT`` with the decoder's message (grpc's own deserializer would
 answer ``INTERNAL``). gzip (and deflate) are inflated by grpc itself, whose
 ``grpc.max_receive_message_length`` is set to ``max_request_bytes``; the intake checks the
-inflated size again. Each message is admitted by its bytes (``max_inflight_bytes``) without
-waiting, and :func:`concurrent_rpcs` (from that budget) bounds how many grpc holds at once.
+inflated size again. A call waits for one of :func:`concurrent_rpcs` slots (from that budget)
+before grpc reads its message (:class:`_Slots`: waiting, a call holds at most its stream's 1 MiB
+window, and is not refused); its message is then admitted by its bytes (``max_inflight_bytes``)
+without waiting. A call whose message has not come within the body timeout loses its slot.
 Refusals carry the ``google.rpc`` code of the HTTP refusal (the same numbers as gRPC's status
 codes): INVALID_ARGUMENT, RESOURCE_EXHAUSTED, and UNAVAILABLE with a ``google.rpc.RetryInfo``
 in the trailers, which the OTLP exporters honour.
@@ -20,6 +22,7 @@ in the trailers, which the OTLP exporters honour.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -30,19 +33,24 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from kvscope.collector.otlp_intake import RETRY_AFTER_S, Intake, Refused, Signal
 from kvscope.errors import KvscopeError
+from kvscope.serving import BODY_READ_TIMEOUT_S
 
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
-# Most RPCs grpc serves at once; past it grpc answers RESOURCE_EXHAUSTED itself (the OTLP
-# exporters retry it). Each may hold a message of up to max_request_bytes that grpc read before
-# the intake's byte admission sees it, so :func:`concurrent_rpcs` sizes the limit to the budget.
+# Most calls whose messages grpc reads at once (the slots). Each may hold a message of up to
+# max_request_bytes that grpc read before the intake's byte admission sees it, so
+# :func:`concurrent_rpcs` sizes the slots to the budget.
 GRPC_MAX_CONCURRENT_RPCS = 16
+# Most calls grpc holds at once, served or waiting for a slot (:class:`_Slots`); past it grpc
+# answers RESOURCE_EXHAUSTED itself (the Go exporters drop such a batch: it carries no
+# RetryInfo). Each waiting call holds at most its stream's window.
+GRPC_MAX_WAITING_RPCS = 64
 # The receive window of each stream (grpc's lookahead; its bandwidth-delay probe is off).
-GRPC_STREAM_WINDOW_BYTES = 4 << 20
+GRPC_STREAM_WINDOW_BYTES = 1 << 20
 
 
 def concurrent_rpcs(max_request_bytes: int, max_inflight_bytes: int | None) -> int:
-    """RPCs grpc may serve at once: as many whole requests as the in-flight budget holds, at
-    least 2 (a small request passes beside a big one) and at most
+    """Calls whose messages grpc may read at once (the slots): as many whole requests as the
+    in-flight budget holds, at least 2 (a small request passes beside a big one) and at most
     :data:`GRPC_MAX_CONCURRENT_RPCS`.
 
     grpc reads a message whole before its handler runs, so what it holds beyond the budget is
@@ -87,7 +95,7 @@ async def _export(intake: Intake, signal_kind: Signal, body: bytes,
     intake.stats.requests += 1
     try:
         # grpc has read the message already: its bytes are admitted now or refused (a wait
-        # would hold them); grpc's maximum_concurrent_rpcs bounds the messages it reads.
+        # would hold them); the slots (_Slots) bound the messages it reads.
         async with intake.admitted(len(body), 0) as reservation:
             return await intake.export(signal_kind, body, "protobuf", reservation=reservation)
     except Refused as refused:
@@ -110,6 +118,60 @@ def _handler(service: Any, servicer: Any, response_class: Any) -> grpc.GenericRp
     })
 
 
+class _Slots(grpc.aio.ServerInterceptor):
+    """Calls wait here for one of ``slots`` before grpc reads their message (an interceptor runs
+    when a call's headers arrive; grpc reads the request only once it returns): a waiting call
+    holds at most its stream's receive window (:data:`GRPC_STREAM_WINDOW_BYTES`), not its
+    message, and is not refused. A slot is freed when its call's task ends, however it ends
+    (answered, refused, cancelled by the client's deadline); a call whose message has not
+    arrived within ``read_timeout_s`` of taking its slot is cancelled (as OTLP/HTTP answers a
+    body that slow 408), so slow senders cannot hold the slots."""
+
+    def __init__(self, slots: int, read_timeout_s: float | None = None) -> None:
+        self.slots = slots
+        self.read_timeout_s = BODY_READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
+        self.waiting = 0
+        self.read_timeouts = 0
+        self._free: asyncio.Semaphore | None = None
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if self._free is None:
+            self._free = asyncio.Semaphore(self.slots)
+        free = self._free
+        self.waiting += 1
+        try:
+            await free.acquire()
+        finally:
+            self.waiting -= 1
+        task = asyncio.current_task()
+        if task is None:  # not on a task: nothing would free the slot later
+            free.release()
+            return await continuation(details)
+        task.add_done_callback(lambda _task: free.release())
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        arrived = False
+
+        def too_slow() -> None:
+            if not arrived and not task.done():
+                self.read_timeouts += 1
+                task.cancel()
+
+        watchdog = asyncio.get_running_loop().call_later(self.read_timeout_s, too_slow)
+        behaviour = handler.unary_unary
+
+        async def received(request: Any, context: Any) -> Any:
+            nonlocal arrived
+            arrived = True
+            watchdog.cancel()
+            return await behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            received, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
 class GrpcListener:
     """The OTLP/gRPC server of one receiver (bind, start and stop on the receiver's event loop).
 
@@ -128,15 +190,18 @@ class GrpcListener:
     async def bind(self, host: str, port: int) -> int:
         """Bind ``host:port`` without serving yet (0 picks a free port; returned and kept in
         :attr:`port`). Raises :class:`~kvscope.errors.KvscopeError` when it cannot be bound."""
-        server = grpc.aio.server(maximum_concurrent_rpcs=self.max_concurrent_rpcs, options=[
+        self.slots = _Slots(self.max_concurrent_rpcs)
+        server = grpc.aio.server(interceptors=[self.slots],
+                                 maximum_concurrent_rpcs=GRPC_MAX_WAITING_RPCS, options=[
             ("grpc.max_receive_message_length", self.max_request_bytes),
             # grpc sets SO_REUSEPORT by default, so a second server on a busy port would share
             # it silently instead of failing to start.
             ("grpc.so_reuseport", 0),
-            # A fixed receive window per stream (4 MiB) instead of one that grpc's bandwidth-
-            # delay probe grows: the data of RPCs waiting or refused stays bounded (24
-            # concurrent 60 MiB requests: +360 MiB peak instead of +546..+690). At 4 MiB a
-            # round trip a big message still crosses a 50 ms link at ~80 MB/s.
+            # A fixed receive window per stream (1 MiB) instead of one that grpc's bandwidth-
+            # delay probe grows: what calls waiting for a slot hold stays bounded (24
+            # concurrent 60 MiB requests: +375 MiB peak; with 4 MiB windows +406..+424, with
+            # the probe on and grpc refusing instead +546..+690). At 1 MiB a round trip a big
+            # message still crosses a 50 ms link at ~20 MB/s.
             ("grpc.http2.bdp_probe", 0),
             ("grpc.http2.lookahead_bytes", GRPC_STREAM_WINDOW_BYTES),
         ])
@@ -182,5 +247,5 @@ class GrpcListener:
             self._server = None
 
 
-__all__ = ["GRPC_MAX_CONCURRENT_RPCS", "GRPC_STREAM_WINDOW_BYTES", "GrpcListener",
-    "concurrent_rpcs", "grpc_target"]
+__all__ = ["GRPC_MAX_CONCURRENT_RPCS", "GRPC_MAX_WAITING_RPCS", "GRPC_STREAM_WINDOW_BYTES",
+    "GrpcListener", "concurrent_rpcs", "grpc_target"]

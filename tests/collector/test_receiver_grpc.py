@@ -426,3 +426,94 @@ def test_grpc_serves_as_many_rpcs_at_once_as_the_budget_holds_whole() -> None:
     assert GrpcListener(64 * mib, 128 * mib).max_concurrent_rpcs == 2  # the defaults
     assert GrpcListener(64 * mib, 32 * mib).max_concurrent_rpcs == 2  # one alone, one waiting
     assert GrpcListener(1 * mib, 128 * mib).max_concurrent_rpcs == 16  # small requests
+
+
+def _hpack(headers: list[tuple[str, str]]) -> bytes:
+    """Headers as HPACK literals without indexing, no Huffman (lengths below 127)."""
+    block = bytearray()
+    for name, value in headers:
+        block += b"\x00" + bytes([len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+    return bytes(block)
+
+
+def _stalled_calls(port: int, calls: int) -> socket.socket:
+    """An HTTP/2 connection opening ``calls`` TraceService/Export calls whose message never
+    comes (headers only): what a sender too slow to finish its upload looks like to grpc."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    sock.settimeout(10)
+    while True:  # the server's SETTINGS, then acknowledged
+        head = sock.recv(9, socket.MSG_WAITALL)
+        length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+        if length:
+            sock.recv(length, socket.MSG_WAITALL)
+        if kind == 0x4 and not flags & 0x1:
+            break
+    sock.sendall(b"\x00\x00\x00\x04\x01\x00\x00\x00\x00")
+    block = _hpack([(":method", "POST"), (":scheme", "http"), (":path", TRACE_EXPORT),
+                    (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
+                    ("te", "trailers")])
+    for stream in range(1, 2 * calls, 2):  # END_HEADERS, no END_STREAM: the message is owed
+        sock.sendall(len(block).to_bytes(3, "big") + b"\x01\x04" + stream.to_bytes(4, "big")
+                     + block)
+    return sock
+
+
+def test_concurrent_exports_wait_for_a_slot_instead_of_being_refused(tmp_path: Path) -> None:
+    """16 exporters at once against a budget that holds two requests: grpc reads two messages
+    at a time and the other calls wait for a slot. Before, grpc refused 14 of the 16 with
+    RESOURCE_EXHAUSTED (its own limit, with no RetryInfo: the Go exporters drop such a batch)."""
+    body = encode_spans(_spans(400)).SerializeToString()
+    with Receiver(tmp_path / "wait.duckdb", grpc_port=0, max_request_bytes=4 * len(body),
+                  max_inflight_bytes=8 * len(body)) as rx:
+        refused: list[Any] = []
+
+        def export() -> None:
+            try:
+                _raw_export(rx, body)
+            except grpc.RpcError as error:
+                refused.append(error.code())
+
+        threads = [threading.Thread(target=export) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert refused == []
+        assert rx._server._grpc.slots.slots == 2  # type: ignore[union-attr]
+        assert len(_live_traces(rx)) == 16 * 2 * 400
+
+
+def test_a_sender_too_slow_loses_its_slot(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call holds its slot from its headers on: three calls whose message never comes (two
+    hold the slots, one waits) lose them after the body timeout, as OTLP/HTTP answers 408, and
+    the export waiting behind them is served; every slot comes back."""
+    from kvscope.collector import otlp_grpc
+
+    monkeypatch.setattr(otlp_grpc, "BODY_READ_TIMEOUT_S", 1.0)
+    with Receiver(tmp_path / "slots.duckdb", grpc_port=0, max_request_bytes=LIMIT,
+                  max_inflight_bytes=2 * LIMIT) as rx:
+        assert rx.grpc_port is not None
+        slots = rx._server._grpc.slots  # type: ignore[union-attr]
+        with _stalled_calls(rx.grpc_port, 3):
+            deadline = time.monotonic() + 10
+            while slots.waiting < 1:  # two stalled calls hold the slots, the third waits
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            body = encode_spans(_spans(3)).SerializeToString()
+            started = time.monotonic()
+            _raw_export(rx, body)  # waits for a slot the stalled calls lose, then is served
+            waited = time.monotonic() - started
+        assert slots.read_timeouts >= 2
+        assert 0.5 < waited < 9
+        one = len(_live_traces(rx))
+        assert one > 0
+        # Every slot came back: as many exports at once as there are slots are served at once.
+        done = [threading.Thread(target=_raw_export, args=(rx, body)) for _ in range(4)]
+        for thread in done:
+            thread.start()
+        for thread in done:
+            thread.join(20)
+        assert len(_live_traces(rx)) == 5 * one
+        assert slots.waiting == 0
