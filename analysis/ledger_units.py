@@ -26,14 +26,19 @@ rebuilt whole.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import duckdb
 import polars as pl
 
+import kvscope
 from kvscope import semconv, settings
 from kvscope.analysis import ledger as ledger_module
 from kvscope.store import query
@@ -45,6 +50,12 @@ from kvscope.store.schema import META_TABLE, quote
 # kvscope_meta keys: the highest otel_traces rowid the table has read, and the row count then.
 MARK_KEY = "ledger_span_mark"
 COUNT_KEY = "ledger_span_count"
+# ... and the fingerprint of the rules that built it (rules_fingerprint).
+RULES_KEY = "ledger_rules"
+# The modules whose code decides a ledger row: a table built by other code is not this ledger.
+_RULE_MODULES = ("kvscope.analysis.ledger", "kvscope.reuse.boundaries", "kvscope.reuse.content",
+                 "kvscope.reuse.decisions", "kvscope.reuse.outcomes", "kvscope.reuse.params",
+                 "kvscope.reuse.taint", "kvscope.reuse.validity", "kvscope.store.query")
 
 _SEP = "\x1f"
 
@@ -333,12 +344,61 @@ def _units_of_runs(con: duckdb.DuckDBPyConnection, runs: list[str]) -> frozenset
         "WHERE coalesce(run_id, '') IN (SELECT unnest(?))", [runs]).fetchall())
 
 
+@cache
+def rules_fingerprint() -> str:
+    """A hash of the source of the modules that decide ledger rows (kvscope's version where a
+    source cannot be read): a stored table whose fingerprint differs was built by other rules."""
+    digest = hashlib.sha256()
+    for name in _RULE_MODULES:
+        try:
+            digest.update(Path(inspect.getfile(importlib.import_module(name))).read_bytes())
+        except (OSError, TypeError):
+            digest.update(f"{name} {kvscope.__version__}".encode())
+    return digest.hexdigest()[:32]
+
+
+def stored_ledger(reader: Reader) -> pl.DataFrame | None:
+    """The store's ``kvscope_ledger`` table when it is the ledger its spans give now (``kvscope
+    ledger`` built or updated it since the last span row was stored, with these rules and
+    columns), in the ledger's order; else None (the caller computes it). DuckDB stores only (the
+    watermark is a rowid)."""
+    if reader.dialect is not query.DUCKDB or not reader.has_table(ledger_module.LEDGER_TABLE):
+        return None
+    _, meta = reader.rows(query.Query(
+        f"SELECT key, value FROM {quote(META_TABLE)} WHERE key IN ($mark, $count, $rules)",
+        {"mark": MARK_KEY, "count": COUNT_KEY, "rules": RULES_KEY}, name="ledger watermark"))
+    kept = dict(meta)
+    _, spans = reader.rows(query.Query("SELECT max(rowid), count(*) FROM otel_traces",
+                                       name="span rows"))
+    high, count = spans[0]
+    _, columns = reader.rows(query.Query(
+        "SELECT column_name FROM duckdb_columns() WHERE table_name = $table "
+        "ORDER BY column_index", {"table": ledger_module.LEDGER_TABLE}, name="ledger columns"))
+    if (kept.get(RULES_KEY) != rules_fingerprint()
+            or kept.get(MARK_KEY) != str(-1 if high is None else high)
+            or kept.get(COUNT_KEY) != str(count)
+            or [c for (c,) in columns] != list(ledger_module.LEDGER_SCHEMA)):
+        return None
+    frame = reader.frame(query.Query(f"SELECT * FROM {quote(ledger_module.LEDGER_TABLE)}",
+                                     name="stored ledger")).cast(ledger_module.LEDGER_SCHEMA)
+    order = frame.select(pl.arg_sort_by("run_id", "conversation_id", "turn_index", "arrival",
+                                        nulls_last=False, maintain_order=True)).to_series()
+    if (order == pl.int_range(frame.height, dtype=pl.UInt32, eager=True)).all():
+        return frame  # built whole: already in order (a sorted copy of 1M rows costs ~1 GiB)
+    return frame[order]
+
+
 def _meta(con: duckdb.DuckDBPyConnection, key: str) -> int | None:
     rows = con.execute(f"SELECT value FROM {quote(META_TABLE)} WHERE key = ?", [key]).fetchall()
     return int(rows[0][0]) if rows else None
 
 
-def _set_meta(con: duckdb.DuckDBPyConnection, key: str, value: int) -> None:
+def _meta_text(con: duckdb.DuckDBPyConnection, key: str) -> str | None:
+    rows = con.execute(f"SELECT value FROM {quote(META_TABLE)} WHERE key = ?", [key]).fetchall()
+    return str(rows[0][0]) if rows else None
+
+
+def _set_meta(con: duckdb.DuckDBPyConnection, key: str, value: int | str) -> None:
     con.execute(f"INSERT OR REPLACE INTO {quote(META_TABLE)} VALUES (?, ?)", [key, str(value)])
 
 
@@ -366,6 +426,8 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
         reason = "no table or watermark from an earlier build"
     if reason is None and _ledger_columns(con) != list(ledger_module.LEDGER_SCHEMA):
         reason = "the table has an earlier kvscope's columns"
+    if reason is None and _meta_text(con, RULES_KEY) != rules_fingerprint():
+        reason = "the ledger's rules changed since the last build"
     if reason is None and con.execute("SELECT count(*) FROM otel_traces WHERE rowid <= ?",
                                       [mark]).fetchall()[0][0] != counted:
         reason = "the span rows below the watermark are not those counted at the last build"
@@ -400,6 +462,7 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
                 con.unregister("_kvscope_ledger_rows")
         _set_meta(con, MARK_KEY, high)
         _set_meta(con, COUNT_KEY, count)
+        _set_meta(con, RULES_KEY, rules_fingerprint())
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -421,5 +484,6 @@ def update(path: str | Path, *, full: bool = False) -> Update:
         con.close()
 
 
-__all__ = ["COUNT_KEY", "MARK_KEY", "Touched", "Update", "touched", "unit_expr", "unit_frames",
-           "unit_key", "unit_rows", "units_of", "update", "update_connection"]
+__all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "Touched", "Update", "rules_fingerprint",
+    "stored_ledger", "touched", "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of",
+    "update", "update_connection"]

@@ -231,10 +231,13 @@ def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None
 
 @intermediate("ledger", shared=True)
 def _whole_ledger(ctx: AnalysisContext) -> pl.DataFrame:
-    """The ledger of every run in the store (contexts select their runs from it)."""
+    """The ledger of every run in the store (contexts select their runs from it): the stored
+    ``kvscope_ledger`` table when ``kvscope ledger`` has kept it current, else computed."""
     from kvscope.analysis import ledger as ledger_module
+    from kvscope.analysis import ledger_units
 
-    return ledger_module.ledger(ctx.reader)
+    stored = ledger_units.stored_ledger(ctx.reader)
+    return stored if stored is not None else ledger_module.ledger(ctx.reader)
 
 
 LEDGER = _whole_ledger

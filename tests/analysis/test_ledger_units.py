@@ -144,3 +144,54 @@ def test_cli_ledger_says_what_it_recomputed(spans: pa.Table, tmp_path: Path,
     assert cli.main(["ledger", str(db)]) == 0
     out = capsys.readouterr().out
     assert "conversations touched by new spans recomputed" in out, out
+
+
+def test_analyses_read_the_stored_ledger_only_while_it_is_current(
+        spans: pa.Table, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``kvscope ledger`` the analyses read its table (equal to the ledger computed from
+    the spans) instead of computing it; a span row stored since, or other rules than the ones
+    that built it, and they compute it again."""
+    from kvscope.analysis import ledger as ledger_module
+    from kvscope.analysis import ledger_units, registry
+
+    db = tmp_path / "store.duckdb"
+    con = open_store(db)
+    half = spans.num_rows // 2
+    con.register("batch", spans.slice(0, half))
+    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+    con.close()
+    computed: list[int] = []
+    compute = ledger_module.ledger
+
+    def counted(reader: object, **options: bool) -> pl.DataFrame:
+        computed.append(1)
+        return compute(reader, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ledger_module, "ledger", counted)
+
+    def analysed() -> pl.DataFrame:
+        with registry.AnalysisContext.open(db) as ctx:
+            return ctx.ledger()
+
+    assert cli.main(["ledger", str(db)]) == 0
+    stored = analysed()
+    assert computed == [1]  # the build's own
+    assert _sorted(stored).equals(_sorted(compute(DuckDBReader.open(db))))
+    assert stored.schema == pl.Schema(ledger_module.LEDGER_SCHEMA)
+
+    con = open_store(db)
+    con.register("batch", spans.slice(half, 10))
+    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+    con.close()
+    analysed()
+    assert computed == [1, 1]  # spans stored since the build: computed
+    assert cli.main(["ledger", str(db)]) == 0
+    updated = analysed()
+    assert len(computed) == 2  # current again (the update recomputed touched units only)
+    assert _sorted(updated).equals(_sorted(compute(DuckDBReader.open(db))))
+    keys = ["run_id", "conversation_id", "turn_index", "arrival"]
+    assert updated.equals(updated.sort(keys, nulls_last=False, maintain_order=True))
+
+    monkeypatch.setattr(ledger_units, "rules_fingerprint", lambda: "other rules")
+    analysed()
+    assert len(computed) == 3
