@@ -127,20 +127,24 @@ def test_a_table_an_earlier_kvscope_built_is_rebuilt_not_appended_to(spans: pa.T
         con.close()
 
 
+def _append(db: Path, rows: pa.Table) -> None:
+    """Store span rows, as a receiver does between two ``kvscope ledger`` runs."""
+    con = open_store(db)
+    try:
+        con.register("batch", rows)
+        con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+    finally:
+        con.close()
+
+
 def test_cli_ledger_says_what_it_recomputed(spans: pa.Table, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "store.duckdb"
-    con = open_store(db)
     half = spans.num_rows // 2
-    con.register("batch", spans.slice(0, half))
-    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
-    con.close()
+    _append(db, spans.slice(0, half))
     assert cli.main(["ledger", str(db)]) == 0
     assert "rebuilt from the raw spans" in capsys.readouterr().out
-    con = open_store(db)
-    con.register("batch", spans.slice(half))
-    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
-    con.close()
+    _append(db, spans.slice(half))
     assert cli.main(["ledger", str(db)]) == 0
     out = capsys.readouterr().out
     assert "conversations touched by new spans recomputed" in out, out
@@ -155,11 +159,8 @@ def test_analyses_read_the_stored_ledger_only_while_it_is_current(
     from kvscope.analysis import ledger_units, registry
 
     db = tmp_path / "store.duckdb"
-    con = open_store(db)
     half = spans.num_rows // 2
-    con.register("batch", spans.slice(0, half))
-    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
-    con.close()
+    _append(db, spans.slice(0, half))
     computed: list[int] = []
     compute = ledger_module.ledger
 
@@ -179,10 +180,7 @@ def test_analyses_read_the_stored_ledger_only_while_it_is_current(
     assert _sorted(stored).equals(_sorted(compute(DuckDBReader.open(db))))
     assert stored.schema == pl.Schema(ledger_module.LEDGER_SCHEMA)
 
-    con = open_store(db)
-    con.register("batch", spans.slice(half, 10))
-    con.execute("INSERT INTO otel_traces SELECT * FROM batch")
-    con.close()
+    _append(db, spans.slice(half, 10))
     analysed()
     assert computed == [1, 1]  # spans stored since the build: computed
     assert cli.main(["ledger", str(db)]) == 0
