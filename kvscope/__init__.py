@@ -8,7 +8,6 @@ __version__ = "0.1.0"
 
 # Public modules (none is imported with the package: the vLLM plugin path stays light).
 __all__ = [
-    "__version__", "boundary_key", "child", "cli", "errors", "exposition", "files", "fit",
-    "progress",
-    "published", "reuse", "semconv", "serving", "settings", "store", "tables",
+    "__version__", "boundary_key", "child", "cli", "errors", "exposition", "files", "fit", "lazy",
+    "progress", "published", "reuse", "semconv", "serving", "settings", "store", "tables",
 ]

@@ -8,8 +8,9 @@ The names below load their module on first use (PEP 562), so ``kvscope.store.ver
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvscope.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvscope.store.database import (
@@ -63,10 +64,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(
+    __name__, {name: f"{__name__}.{module}" for name, module in _MODULE_OF.items()}, globals())
