@@ -204,6 +204,13 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _cached_tokens(usage: dict[str, Any], known: int | None) -> int | None:
+    """A usage's ``prompt_tokens_details.cached_tokens`` (vLLM with
+    ``--enable-prompt-tokens-details``); ``known`` where the usage has no details."""
+    details = usage.get("prompt_tokens_details")
+    return _int(details.get("cached_tokens")) if isinstance(details, dict) else known
+
+
 class DecodeStream:
     """Reads decode's SSE bytes on the side: events, kv_transfer_params, usage, text.
 
@@ -292,9 +299,7 @@ class DecodeStream:
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion_tokens = _int(usage.get("completion_tokens"))
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict):
-                self.cached_tokens = _int(details.get("cached_tokens"))
+            self.cached_tokens = _cached_tokens(usage, self.cached_tokens)
         params = event.get("kv_transfer_params")
         return params if isinstance(params, dict) and params else None
 
@@ -589,14 +594,8 @@ class Proxy:
             payload.pop(name, None)
         prefill = next(self._prefill_cycle)
         record.prefill_instance = prefill.name
-        record.prefill_start_ns = time.time_ns()
         leg = semconv.LEG_PREFILL
-        try:
-            status, raw = await self._post_whole(leg, prefill, api_path, payload, record,
-                                                 record.prefill_traceparent(),
-                                                 self._prefill_timeout)
-        finally:
-            record.prefill_end_ns = time.time_ns()
+        status, raw = await self._post_whole(leg, prefill, api_path, payload, record)
         if self.config.log_turns:
             turn_log.info("[%s] Prefill done in %.0fms", record.x_request_id,
                           (record.prefill_end_ns - record.prefill_start_ns) / 1e6)
@@ -604,9 +603,7 @@ class Proxy:
         usage = answer.get("usage")
         if isinstance(usage, dict):
             record.prompt_tokens = _int(usage.get("prompt_tokens"))
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict):
-                record.cached_tokens = _int(details.get("cached_tokens"))
+            record.cached_tokens = _cached_tokens(usage, record.cached_tokens)
         p_params = answer.get("kv_transfer_params")
         if isinstance(p_params, dict) and p_params:
             p_params["remote_host"] = prefill.host
@@ -718,26 +715,26 @@ class Proxy:
         payload.pop("stream_options", None)  # vLLM refuses it on a non-streaming request
         record.decode_instance = decode.name
         record.decode_streamed = False
-        record.decode_start_ns = time.time_ns()
         leg = semconv.LEG_DECODE
-        try:
-            status, raw = await self._post_whole(leg, decode, api_path, payload, record,
-                                                 record.decode_traceparent(),
-                                                 self._decode_timeout)
-        finally:
-            record.decode_end_ns = time.time_ns()
+        status, raw = await self._post_whole(leg, decode, api_path, payload, record)
         return _json_object(leg, decode, status, raw)
 
     async def _post_whole(self, leg: str, upstream: Upstream, api_path: str,
-                          payload: dict[str, Any], record: TurnRecord, traceparent: str,
-                          timeout: aiohttp.ClientTimeout) -> tuple[int, bytes]:
-        """POST ``payload`` to ``upstream`` and read its whole answer: (status, body)."""
+                          payload: dict[str, Any], record: TurnRecord) -> tuple[int, bytes]:
+        """POST ``payload`` to ``upstream`` as ``leg`` and read its whole answer: (status,
+        body). The leg's start and end times are kept on ``record``, however the call ends."""
+        prefill = leg == semconv.LEG_PREFILL
+        if prefill:
+            record.prefill_start_ns = time.time_ns()
+        else:
+            record.decode_start_ns = time.time_ns()
         try:
             async with self._session_or_fail().post(
                 upstream.url(api_path),
                 data=json.dumps(payload).encode(),
-                headers=self._headers(record, traceparent),
-                timeout=timeout,
+                headers=self._headers(record, record.prefill_traceparent() if prefill
+                                      else record.decode_traceparent()),
+                timeout=self._prefill_timeout if prefill else self._decode_timeout,
             ) as resp:
                 return resp.status, await resp.read()
         except TimeoutError as exc:
@@ -746,6 +743,11 @@ class Proxy:
         except aiohttp.ClientError as exc:
             raise UpstreamFailure(leg, semconv.ERROR_CONNECT, 502,
                                   f"{leg} {upstream.name} unreachable: {exc}") from exc
+        finally:
+            if prefill:
+                record.prefill_end_ns = time.time_ns()
+            else:
+                record.decode_end_ns = time.time_ns()
 
     def _whole_ended(self, answer: dict[str, Any], conversation_id: str | None,
                      decode: Upstream, record: TurnRecord) -> None:

@@ -150,28 +150,26 @@ def _configure_grafana(parser: argparse.ArgumentParser) -> None:
                         help="file to write (default: print it to stdout)")
 
 
-def _run_grafana(args: argparse.Namespace) -> int:
-    from kvscope.dashboards.grafana_dashboard import render
-
-    text = render()
+def _write_rendered(args: argparse.Namespace, text: str, what: str) -> int:
+    """Print ``text``, or write it to ``--out`` and say so."""
     if args.out is None:
         sys.stdout.write(text)
     else:
         Path(args.out).write_text(text, encoding="utf-8")
-        print(f"wrote the Grafana dashboard to {args.out}", file=sys.stderr)
+        print(f"wrote {what} to {args.out}", file=sys.stderr)
     return 0
+
+
+def _run_grafana(args: argparse.Namespace) -> int:
+    from kvscope.dashboards.grafana_dashboard import render
+
+    return _write_rendered(args, render(), "the Grafana dashboard")
 
 
 def _run_alerts(args: argparse.Namespace) -> int:
     from kvscope.dashboards.prometheus_alerts import render
 
-    text = render()
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(f"wrote the Prometheus alert rules to {args.out}", file=sys.stderr)
-    return 0
+    return _write_rendered(args, render(), "the Prometheus alert rules")
 
 
 COMMANDS = [
