@@ -80,13 +80,14 @@ class CostProfile:
     kv_bytes_per_token: int
     prefill_fixed_ms: float
     prefill_ms_per_token: float
-    prefill_ms_per_token_context: float
-    load_ms_per_pulled_token: float
-    pull_fixed_ms: float
     transfer_latency_ms: float
     transfer_bytes_per_ms: float
     first_token_fixed_ms: float
-    first_token_ms_per_prompt_token: float
+    # Terms a profile may leave out (0: no such cost).
+    prefill_ms_per_token_context: float = 0.0
+    load_ms_per_pulled_token: float = 0.0
+    pull_fixed_ms: float = 0.0
+    first_token_ms_per_prompt_token: float = 0.0
     decode_ms_per_token: float = 8.0
     decode_ms_per_token_context: float = 0.0001
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -251,7 +252,6 @@ def fit_profile(name: str, kv_bytes_per_token: int, cal: Calibration,
         kv_bytes_per_token=kv_bytes_per_token,
         prefill_fixed_ms=a,
         prefill_ms_per_token=b,
-        prefill_ms_per_token_context=0.0,
         load_ms_per_pulled_token=g,
         pull_fixed_ms=h,
         transfer_latency_ms=latency,
@@ -277,13 +277,9 @@ PROFILES: dict[str, CostProfile] = {
         kv_bytes_per_token=1024,
         prefill_fixed_ms=2.0,
         prefill_ms_per_token=0.01,
-        prefill_ms_per_token_context=0.0,
-        load_ms_per_pulled_token=0.0,
-        pull_fixed_ms=0.0,
         transfer_latency_ms=0.5,
         transfer_bytes_per_ms=1_000_000.0,
         first_token_fixed_ms=0.5,
-        first_token_ms_per_prompt_token=0.0,
         decode_ms_per_token=0.2,
         decode_ms_per_token_context=0.0,
     ),

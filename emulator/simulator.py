@@ -31,7 +31,7 @@ import heapq
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -310,18 +310,19 @@ class Simulator:
         self.cost = cost_model.profile(settings.profile)
         s = settings
         self.fabric = Fabric()
+        # What every engine shares; each role adds its own below.
+        engine = NodeConfig(
+            engine_id="", kv_recompute_threshold=s.kv_recompute_threshold,
+            decoder_kv_blocks_ttl=s.decoder_kv_blocks_ttl,
+            kv_bytes_per_token=self.cost.kv_bytes_per_token, block_size=self.cost.block_size,
+            scheduling=s.scheduling)
         self.decoders: list[DecodeNode] = []
         for i in range(s.decode_nodes):
-            node = DecodeNode(NodeConfig(
-                engine_id=f"decode-{i}", side_channel_host=f"10.0.1.{i + 1}",
+            node = DecodeNode(replace(
+                engine, engine_id=f"decode-{i}", side_channel_host=f"10.0.1.{i + 1}",
                 bidirectional_kv_xfer=s.decode_bidirectional_kv_xfer,
-                decoder_kv_blocks_ttl=s.decoder_kv_blocks_ttl,
-                kv_recompute_threshold=s.kv_recompute_threshold,
                 cache_capacity_blocks=s.decode_cache_blocks,
-                kv_bytes_per_token=self.cost.kv_bytes_per_token,
-                block_size=self.cost.block_size,
                 clock_offset_s=s.decode_clock_offset_s * (i + 1),
-                scheduling=s.scheduling,
             ), compact_block_ids=True)
             # vLLM's proxy rewrites remote_host to the decode HTTP host; here both resolve.
             self.fabric.register(node, hosts=(self._decode_http_host(i),))
@@ -329,17 +330,12 @@ class Simulator:
         self.decode_kv_blocks = s.decode_kv_blocks(self.cost.block_size)
         self.memory = [capacity.DecodeMemory(self.decode_kv_blocks) for _ in self.decoders]
         self.prefillers = [
-            PrefillNode(NodeConfig(
-                engine_id=f"prefill-{i}", side_channel_host=f"10.0.0.{i + 1}",
+            PrefillNode(replace(
+                engine, engine_id=f"prefill-{i}", side_channel_host=f"10.0.0.{i + 1}",
                 bidirectional_kv_xfer=s.prefill_bidirectional_kv_xfer,
-                kv_recompute_threshold=s.kv_recompute_threshold,
-                decoder_kv_blocks_ttl=s.decoder_kv_blocks_ttl,
                 kv_load_failure_policy=s.kv_load_failure_policy,
                 enable_prefix_caching=s.prefill_prefix_caching,
                 cache_capacity_blocks=s.prefill_cache_blocks,
-                kv_bytes_per_token=self.cost.kv_bytes_per_token,
-                block_size=self.cost.block_size,
-                scheduling=s.scheduling,
             ), self.fabric, compact_block_ids=True)
             for i in range(s.prefill_nodes)
         ]
