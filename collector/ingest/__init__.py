@@ -42,6 +42,7 @@ the ``reconciliation`` analysis.
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from collections.abc import Callable, Sequence
@@ -97,51 +98,33 @@ class Kind:
     add_spans: Callable[[Any, str, TraceRows], int]
 
 
-KINDS: dict[str, Kind] = {
-    bench_stats.KIND: Kind(
-        bench_stats.KIND, "vLLM multi-turn benchmark --stats-json-output",
-        bench_stats.looks_like, bench_stats.read, bench_stats.add_spans,
-    ),
-    replay_records.KIND: Kind(
-        replay_records.KIND, "kvscope replay --output (JSON lines, one per request)",
-        replay_records.looks_like, replay_records.read, bench_stats.add_spans,
-    ),
-    proxy_log.KIND: Kind(
-        proxy_log.KIND, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)",
-        proxy_log.looks_like, proxy_log.read, proxy_log.add_spans,
-    ),
-    server_log.KIND: Kind(
-        server_log.KIND, "a vLLM server's log, role not named (name it: vllm-prefill-log:FILE)",
-        server_log.looks_like, server_log.read, server_log.add_spans,
-    ),
-    # Named only (KIND:PATH or --kind): a log does not show its server's role.
-    server_log.KIND_PREFILL: Kind(
-        server_log.KIND_PREFILL, "a vLLM prefill server's log", lambda head: False,
-        server_log.read_prefill, server_log.add_spans,
-    ),
-    server_log.KIND_DECODE: Kind(
-        server_log.KIND_DECODE, "a vLLM decode server's log", lambda head: False,
-        server_log.read_decode, server_log.add_spans,
-    ),
-    vllm_metrics.KIND: Kind(
-        vllm_metrics.KIND, "a snapshot of a vLLM server's /metrics (Prometheus text), role not "
-        "named (name it: vllm-prefill-metrics:FILE)",
-        vllm_metrics.looks_like, vllm_metrics.read, vllm_metrics.add_spans,
-    ),
-    vllm_metrics.KIND_PREFILL: Kind(
-        vllm_metrics.KIND_PREFILL, "a snapshot of a vLLM prefill server's /metrics",
-        lambda head: False, vllm_metrics.read_prefill, vllm_metrics.add_spans,
-    ),
-    vllm_metrics.KIND_DECODE: Kind(
-        vllm_metrics.KIND_DECODE, "a snapshot of a vLLM decode server's /metrics",
-        lambda head: False, vllm_metrics.read_decode, vllm_metrics.add_spans,
-    ),
-    weka_tester.KIND: Kind(
-        weka_tester.KIND, "an output of the WEKA kv-cache-tester (detailed_results, "
-        "summary_trace_replay, user_lifecycle CSV or test_metadata.json): recorded with the run",
-        weka_tester.looks_like, weka_tester.read, weka_tester.add_spans,
-    ),
-}
+def _kind(module: Any, description: str) -> Kind:
+    """The kind a source module defines (its ``KIND``, ``looks_like``, ``read``, ``add_spans``)."""
+    return Kind(module.KIND, description, module.looks_like, module.read, module.add_spans)
+
+
+def _by_role(module: Any, description: str) -> list[Kind]:
+    """A module's kind per server role, named only (``KIND:PATH`` or ``--kind``): a file does not
+    show its server's role. ``description`` has a ``{role}`` to fill."""
+    return [Kind(kind, description.format(role=role), lambda head: False,
+                 functools.partial(module.read_role, role=role), module.add_spans)
+            for kind, role in ((module.KIND_PREFILL, semconv.ROLE_PREFILL),
+                               (module.KIND_DECODE, semconv.ROLE_DECODE))]
+
+
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
+    _kind(bench_stats, "vLLM multi-turn benchmark --stats-json-output"),
+    Kind(replay_records.KIND, "kvscope replay --output (JSON lines, one per request)",
+         replay_records.looks_like, replay_records.read, bench_stats.add_spans),
+    _kind(proxy_log, "a P/D proxy's log (vLLM's disagg_proxy_multiturn.py or kvscope proxy)"),
+    _kind(server_log, "a vLLM server's log, role not named (name it: vllm-prefill-log:FILE)"),
+    *_by_role(server_log, "a vLLM {role} server's log"),
+    _kind(vllm_metrics, "a snapshot of a vLLM server's /metrics (Prometheus text), role not "
+          "named (name it: vllm-prefill-metrics:FILE)"),
+    *_by_role(vllm_metrics, "a snapshot of a vLLM {role} server's /metrics"),
+    _kind(weka_tester, "an output of the WEKA kv-cache-tester (detailed_results, "
+          "summary_trace_replay, user_lifecycle CSV or test_metadata.json): recorded with the run"),
+)}
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ false, and their counts of tokens or bytes are left out where the line does not 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -98,16 +99,7 @@ from kvscope.collector.engine_telemetry import (
     retention_attributes,
     transfer_attributes,
 )
-from kvscope.collector.ingest.spans import (
-    KIND_INTERNAL,
-    LineCounts,
-    add_span,
-    count_value,
-    ingest_id,
-    measure_value,
-    read_source,
-    resource,
-)
+from kvscope.collector.ingest import spans
 from kvscope.errors import IngestError
 from kvscope.store.rows import TraceRows
 
@@ -377,7 +369,7 @@ class _Line:
 
 
 def _lines(path: Path, text: str, mtime_ns: int,
-           read: LineCounts) -> Iterator[tuple[int, _Line]]:
+           read: spans.LineCounts) -> Iterator[tuple[int, _Line]]:
     """(line number, line) of each line vLLM's logger wrote, plain, coloured or JSON; the
     others counted unknown."""
     to_ns = _clock(path, mtime_ns)
@@ -425,14 +417,14 @@ def _json_line(path: Path, number: int, raw: str, seconds: dict[str, int]) -> _L
 
 def read_role(path: Path, role: str | None) -> ServerLog:
     """Parse one vLLM server log of ``role``; IngestError names the file and line of a problem."""
-    source = read_source(path)
+    source = spans.read_source(path)
     events: list[Event] = []
     counts: dict[str, int] = {}
     metrics: dict[str, float] = {}
     engine: dict[str, Any] = {}
     invalid: list[str] = []
     invalidated: list[str] = []
-    read = LineCounts()
+    read = spans.LineCounts()
     vllm_lines = 0
     # Reads the scheduler allocated, in order, until a line names their request (the
     # allocation line names none); prefill's own hit per params, from the line before.
@@ -470,7 +462,7 @@ def read_role(path: Path, role: str | None) -> ServerLog:
         vllm_lines += 1
         message, now = line.message, line.time_ns
         if found := _METRICS.match(message):
-            pairs = {m["key"].strip(): measure_value(path, number, m["value"])
+            pairs = {m["key"].strip(): spans.measure_value(path, number, m["value"])
                      for m in _PAIR.finditer(found["pairs"])}
             if "Num successful transfers" not in pairs:
                 read.unknown += 1
@@ -483,8 +475,8 @@ def read_role(path: Path, role: str | None) -> ServerLog:
                 "Avg MB per transfer", 0) * pairs["Num successful transfers"]
         elif found := _SKIP.match(message):
             events.append(Event(number, now, found["rid"], semconv.DECISION_BELOW_THRESHOLD,
-                                count_tokens=count_value(path, number, found["count"]),
-                                threshold_tokens=count_value(path, number,
+                                count_tokens=spans.count_value(path, number, found["count"]),
+                                threshold_tokens=spans.count_value(path, number,
                                                                    found["threshold"])))
         elif found := _DECLINED.match(message):
             sighting(found["rid"])
@@ -596,14 +588,9 @@ def read(path: Path) -> ServerLog:
     return read_role(path, None)
 
 
-def read_prefill(path: Path) -> ServerLog:
-    """A prefill server's log."""
-    return read_role(path, semconv.ROLE_PREFILL)
-
-
-def read_decode(path: Path) -> ServerLog:
-    """A decode server's log."""
-    return read_role(path, semconv.ROLE_DECODE)
+# A file whose server's role was named (``vllm-prefill-...:FILE``, ``--kind``).
+read_prefill = functools.partial(read_role, role=semconv.ROLE_PREFILL)
+read_decode = functools.partial(read_role, role=semconv.ROLE_DECODE)
 
 
 # --- spans -------------------------------------------------------------------------------------
@@ -696,19 +683,19 @@ def add_spans(log: ServerLog, run_id: str, rows: TraceRows) -> int:
     service = _SERVICE.get(log.role or "", semconv.SERVICE_VLLM_SERVER)
     kind = {semconv.ROLE_PREFILL: KIND_PREFILL, semconv.ROLE_DECODE: KIND_DECODE}.get(
         log.role or "", KIND)
-    resource_attrs = resource(service, run_id, kind, log.path.name)
+    resource_attrs = spans.resource(service, run_id, kind, log.path.name)
     found = records(log)
     for record, line, own in found:
         name, suffix, shape = _SHAPES[type(record)]
         start = record[1]  # time_ns / start_ns: a log line has one instant
         rid = record.request_id
-        add_span(rows, resource_attrs=resource_attrs, service=service, name=name,
-                 trace_id=ingest_id(log.sha256, line, rid, "trace", size=16),
-                 span_id=ingest_id(log.sha256, line, rid, suffix, size=8),
-                 parent="", kind=KIND_INTERNAL, start_ns=start, end_ns=start,
-                 values={semconv.VLLM_REQUEST_ID: rid, semconv.ENGINE_ROLE: log.role,
-                         **shape(record), semconv.INGEST_LINE: line,
-                         semconv.DURATION_MEASURED: False, **own})
+        spans.add_span(rows, resource_attrs=resource_attrs, service=service, name=name,
+                       trace_id=spans.ingest_id(log.sha256, line, rid, "trace", size=16),
+                       span_id=spans.ingest_id(log.sha256, line, rid, suffix, size=8),
+                       parent="", kind=spans.KIND_INTERNAL, start_ns=start, end_ns=start,
+                       values={semconv.VLLM_REQUEST_ID: rid, semconv.ENGINE_ROLE: log.role,
+                               **shape(record), semconv.INGEST_LINE: line,
+                               semconv.DURATION_MEASURED: False, **own})
     return len(found)
 
 

@@ -26,6 +26,7 @@ of a ``vllm:`` metric.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -157,12 +158,9 @@ def read(path: Path) -> VllmMetrics:
     return read_role(path, None)
 
 
-def read_prefill(path: Path) -> VllmMetrics:
-    return read_role(path, semconv.ROLE_PREFILL)
-
-
-def read_decode(path: Path) -> VllmMetrics:
-    return read_role(path, semconv.ROLE_DECODE)
+# A file whose server's role was named (``vllm-prefill-...:FILE``, ``--kind``).
+read_prefill = functools.partial(read_role, role=semconv.ROLE_PREFILL)
+read_decode = functools.partial(read_role, role=semconv.ROLE_DECODE)
 
 
 def add_spans(parsed: VllmMetrics, run_id: str, rows: TraceRows) -> int:

@@ -47,16 +47,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvscope import semconv
-from kvscope.reuse import outcomes
+from kvscope.reuse import outcomes, validity
 from kvscope.reuse.router import GUARD_EDITED
-from kvscope.reuse.validity import (
-    INVALID_AFTER_RELEASE,
-    INVALID_BEYOND_PREFIX,
-    INVALID_EDITED,
-    INVALID_MISALIGNED,
-    INVALID_TAINTED,
-    INVALID_TOKENS,
-)
 
 if TYPE_CHECKING:  # polars is imported by the rendering only: the scalar evaluator stays light
     import polars as pl
@@ -183,12 +175,12 @@ def _upstream(extra: tuple[Cond, ...], suffix: str) -> list[Rule]:
 
 
 _INVALID_ARGS: dict[str, tuple[Arg, ...]] = {
-    INVALID_AFTER_RELEASE: (Arg("loaded"),),
-    INVALID_EDITED: (Arg("loaded"),),
-    INVALID_BEYOND_PREFIX: (Arg("loaded"), Arg("invalid_tokens"), Arg("reusable")),
-    INVALID_MISALIGNED: (Arg("loaded"), Arg("offered"), Arg("prompt_tokens")),
-    INVALID_TOKENS: (Arg("loaded"),),
-    INVALID_TAINTED: (Arg("taint_read"), Arg("taint_via"), Arg("taint_source")),
+    validity.INVALID_AFTER_RELEASE: (Arg("loaded"),),
+    validity.INVALID_EDITED: (Arg("loaded"),),
+    validity.INVALID_BEYOND_PREFIX: (Arg("loaded"), Arg("invalid_tokens"), Arg("reusable")),
+    validity.INVALID_MISALIGNED: (Arg("loaded"), Arg("offered"), Arg("prompt_tokens")),
+    validity.INVALID_TOKENS: (Arg("loaded"),),
+    validity.INVALID_TAINTED: (Arg("taint_read"), Arg("taint_via"), Arg("taint_source")),
 }
 
 # The table: the first rule whose conditions all hold decides the turn.
