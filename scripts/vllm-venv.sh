@@ -13,7 +13,7 @@ VENV="${VLLM_VENV:-.venv-vllm}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.kvscope-vllm-complete"
 # The editable install registers kvscope's entry points: a pyproject change re-runs it.
-WANT="$(cat "$0" pyproject.toml | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$0" scripts/venv-stamp.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 
 probe() {
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$PY" - <<'EOF' >/dev/null 2>&1
@@ -32,12 +32,8 @@ installed() {
     compgen -G "$VENV/lib/python3*/site-packages/nixl-1.5.1.dist-info" >/dev/null
 }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && installed; then
-  echo "vllm-venv: $VENV is complete"
-  exit 0
-fi
-
-test -x "$PY" || "$PYTHON" -m venv "$VENV"
+NAME=vllm-venv
+. scripts/venv-stamp.sh
 # The local index directories print one harmless "Location ... is ignored" line per package.
 pip() { "$PY" -m pip install --quiet "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
