@@ -25,10 +25,8 @@ def on_off_store(db: Path, *, seed: int, conversations: int, turns_p50: int, max
                  on_label: str = "ON") -> Path:
     """Feature ON and OFF over one calm workload (no resets, no subagents, waits 5-20 s); P's
     own prefix cache off, so reuse is remote. Different run seeds: request ids never repeat."""
-    workload = synthetic.generate(
-        seed=seed, conversations=conversations, turns_p50=turns_p50, max_turns=max_turns,
-        think_time_p50_s=5, think_time_p90_s=20, reset_probability=0.0,
-        subagent_probability=0.0)
+    workload = calm_workload(seed=seed, conversations=conversations, turns_p50=turns_p50,
+                             max_turns=max_turns)
     for label, on, run_seed in ((on_label, True, 1), ("OFF", False, 2)):
         simulate(workload, db, SimulationSettings(
             profile="qwen3-32b", label=label, prefill_bidirectional_kv_xfer=on,
@@ -36,11 +34,21 @@ def on_off_store(db: Path, *, seed: int, conversations: int, turns_p50: int, max
     return db
 
 
-def busy_workload(*, turns_p50: int, max_turns: int) -> Workload:
-    """Eight conversations with a shared system prompt, long and short tool waits, resets and
-    subagents: a workload on which faults leave many different outcomes."""
+def calm_workload(*, seed: int, conversations: int, turns_p50: int, max_turns: int,
+                  **sizes: int) -> Workload:
+    """A workload with no resets, no subagents and tool waits of 5-20 s; ``sizes`` overrides
+    other fields of the synthetic workload (token counts)."""
     return synthetic.generate(
-        seed=5, conversations=8, turns_p50=turns_p50, max_turns=max_turns,
+        seed=seed, conversations=conversations, turns_p50=turns_p50, max_turns=max_turns,
+        think_time_p50_s=5, think_time_p90_s=20, reset_probability=0.0,
+        subagent_probability=0.0, **sizes)
+
+
+def busy_workload(*, turns_p50: int, max_turns: int, conversations: int = 8) -> Workload:
+    """Conversations (eight by default) with a shared system prompt, long and short tool waits,
+    resets and subagents: a workload on which faults leave many different outcomes."""
+    return synthetic.generate(
+        seed=5, conversations=conversations, turns_p50=turns_p50, max_turns=max_turns,
         system_prompt_tokens=700, new_input_tokens_p50=250, think_time_p50_s=4,
         think_time_p90_s=30, reset_probability=0.08, subagent_probability=0.1)
 

@@ -19,11 +19,11 @@ from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis.ledger import HISTORY_CONTINUES, HISTORY_UNKNOWN, ledger
 from kvscope.emulator import simulator as sim
 from kvscope.emulator.simulator import SimulationSettings, iter_truth, simulate
-from kvscope.emulator.workloads import synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
 from kvscope.store.query import Query
 from kvscope.store.source import open_reader
+from tests.stores import busy_workload
 
 SPLIT = ["reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
          "recomputed_reusable_tokens"]
@@ -32,11 +32,7 @@ SPLIT = ["reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
 @pytest.fixture(scope="module")
 def workload() -> Workload:
     # Resets, sub-agents and a shared system prompt included: the hard cases stay in.
-    return synthetic.generate(
-        seed=5, conversations=6, turns_p50=7, max_turns=10, system_prompt_tokens=700,
-        new_input_tokens_p50=250, think_time_p50_s=4, think_time_p90_s=30,
-        reset_probability=0.08, subagent_probability=0.1,
-    )
+    return busy_workload(conversations=6, turns_p50=7, max_turns=10)
 
 
 def _compare(workload: Workload, db: Path, settings: SimulationSettings) -> pl.DataFrame:

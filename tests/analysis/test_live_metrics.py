@@ -29,7 +29,7 @@ from kvscope import cli, semconv
 from kvscope.analysis import live_metrics
 from kvscope.analysis.ledger import ledger
 from kvscope.analysis.live_metrics import LiveLedger, contributions, metrics_source
-from kvscope.collector.receiver import Receiver
+from kvscope.collector.receiver import MetricsSource, QuerySource, Receiver
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
@@ -64,6 +64,21 @@ def _copy_runs(source: Path, con: duckdb.DuckDBPyConnection) -> None:
     con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
     con.execute("INSERT INTO kvscope_runs SELECT * FROM src.kvscope_runs")
     con.execute("DETACH src")
+
+
+def _serving_runs_of(source: Path, db: Path, *, metrics: MetricsSource | None = None,
+                     queries: QuerySource | None = None) -> Receiver:
+    """A started receiver writing ``db`` (``metrics`` and ``queries`` as ``Receiver`` takes
+    them) that holds ``source``'s runs and none of its spans yet; the caller stops it."""
+    receiver = Receiver(db, port=0, metrics=metrics, queries=queries).start()
+    try:
+        cursor = receiver.writer.connection.cursor()
+        _copy_runs(source, cursor)
+        cursor.close()
+    except BaseException:
+        receiver.stop()
+        raise
+    return receiver
 
 
 def _rebuilt(con: duckdb.DuckDBPyConnection, labels: dict[str, str]) -> dict:
@@ -176,11 +191,8 @@ def test_scrape_agrees_with_analyze(source: Path, tmp_path: Path,
     """``kvscope serve``'s receiver, filled batch by batch through its own writer, scraped over
     HTTP; every ledger number equals what ``kvscope analyze`` prints for the same store."""
     db = tmp_path / "served.duckdb"
-    receiver = Receiver(db, port=0, metrics=metrics_source).start()
+    receiver = _serving_runs_of(source, db, metrics=metrics_source)
     try:
-        cursor = receiver.writer.connection.cursor()
-        _copy_runs(source, cursor)
-        cursor.close()
         for batch in _shuffled_batches(source, 5, 3):
             assert receiver.writer.submit_traces(batch.cast(TRACES_ARROW))
             assert receiver.writer.flush(30)

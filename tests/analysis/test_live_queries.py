@@ -12,10 +12,9 @@ import pytest
 
 from kvscope import cli
 from kvscope.analysis.live_queries import answer_source
-from kvscope.collector.receiver import Receiver
 from kvscope.store.schema import TRACES_ARROW
 from tests.analysis.test_live_metrics import (
-    _copy_runs,
+    _serving_runs_of,
     _shuffled_batches,
     source,  # noqa: F401  (the fixture)
 )
@@ -31,11 +30,8 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 def test_analyze_live_reads_what_serve_is_writing(
         source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
     db = tmp_path / "served.duckdb"
-    receiver = Receiver(db, port=0, queries=answer_source).start()
+    receiver = _serving_runs_of(source, db, queries=answer_source)
     try:
-        cursor = receiver.writer.connection.cursor()
-        _copy_runs(source, cursor)
-        cursor.close()
         batches = _shuffled_batches(source, 2, 1)
         assert receiver.writer.submit_traces(batches[0].cast(TRACES_ARROW))
         assert receiver.writer.flush(30)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,22 @@ def _raw_export(rx: Receiver, body: bytes, compression: grpc.Compression | None 
         return response
 
 
+def _assert_stored_as_in_process(
+    receiver: Receiver, tmp_path: Path, exporter: GrpcSpanExporter | GrpcMetricExporter,
+    data: Any, success: SpanExportResult | MetricExportResult,
+    received: Callable[[Receiver], list[tuple[Any, ...]]],
+    in_process: Callable[[Path, Any], list[tuple[Any, ...]]], *, rows: int,
+) -> None:
+    """Export ``data`` with ``exporter`` (answered ``success``) and shut it down; ``receiver``
+    then holds ``rows`` rows, those the in-process exporter stores for the same data."""
+    assert exporter.export(data) is success
+    exporter.shutdown()
+
+    stored = received(receiver)
+    assert len(stored) == rows
+    assert stored == in_process(tmp_path, data)
+
+
 # --- the official exporters --------------------------------------------------------------------
 
 
@@ -89,31 +105,21 @@ def _raw_export(rx: Receiver, body: bytes, compression: grpc.Compression | None 
 def test_official_grpc_span_exporter_rows_equal_the_in_process_rows(
     receiver: Receiver, tmp_path: Path, compression: grpc.Compression
 ) -> None:
-    spans = _spans(4)
     # The endpoint as vLLM's --otlp-traces-endpoint passes it: http:// means no TLS.
     exporter = GrpcSpanExporter(endpoint=receiver.grpc_url, compression=compression)
-
-    assert exporter.export(spans) is SpanExportResult.SUCCESS
-    exporter.shutdown()
-
-    received = _live_traces(receiver)
-    assert len(received) == 8
-    assert received == _in_process(tmp_path, spans)
+    _assert_stored_as_in_process(
+        receiver, tmp_path, exporter, _spans(4), SpanExportResult.SUCCESS,
+        _live_traces, _in_process, rows=8)
     assert receiver.stats.spans_accepted == 8
 
 
 def test_official_grpc_metric_exporter_rows_equal_the_in_process_rows(
     receiver: Receiver, tmp_path: Path
 ) -> None:
-    data = _sample_metrics(retained=False)
     exporter = GrpcMetricExporter(endpoint=receiver.grpc_url, compression=grpc.Compression.Gzip)
-
-    assert exporter.export(data) is MetricExportResult.SUCCESS
-    exporter.shutdown()
-
-    received = _metrics_received(receiver)
-    assert len(received) == 1
-    assert received == _metrics_in_process(tmp_path, data)
+    _assert_stored_as_in_process(
+        receiver, tmp_path, exporter, _sample_metrics(retained=False), MetricExportResult.SUCCESS,
+        _metrics_received, _metrics_in_process, rows=1)
     assert receiver.stats.points_rejected == 1
 
 
@@ -313,6 +319,21 @@ _LAUNCHER = (
 )
 
 
+def _serve_in_a_process(path: Path) -> subprocess.Popen[str]:
+    """``kvscope serve`` on ``path`` in a child process, both transports on free ports."""
+    return subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(path)], stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _urls(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """The OTLP/HTTP and OTLP/gRPC addresses a served process says it receives on."""
+    assert process.stderr is not None
+    line = process.stderr.readline()
+    assert "receiving OTLP/HTTP on http://127.0.0.1:" in line, line
+    return (line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0],
+            line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0])
+
+
 def _refuses_connections(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0
@@ -320,19 +341,9 @@ def _refuses_connections(port: int) -> bool:
 
 def test_sigterm_stops_both_listeners_and_writes_what_both_acknowledged(tmp_path: Path) -> None:
     path = tmp_path / "served.duckdb"
-    process = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(path)],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process = _serve_in_a_process(path)
     try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
-        assert "receiving OTLP/HTTP on http://127.0.0.1:" in line, line
-        http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
-        grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
+        http_url, grpc_url = _urls(process)
         http = HttpSpanExporter(endpoint=f"{http_url}/v1/traces")
         over_grpc = GrpcSpanExporter(endpoint=grpc_url, compression=grpc.Compression.Gzip)
         for i in range(10):
@@ -353,13 +364,7 @@ def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "busy.duckdb"
-    process = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCHER, str(path)],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process = _serve_in_a_process(path)
     acknowledged: list[str] = []
     stop = threading.Event()
 
@@ -378,10 +383,7 @@ def test_sigterm_while_both_transports_export_keeps_every_acknowledged_span(
     exporters: list[Any] = []
     senders: list[threading.Thread] = []
     try:
-        assert process.stderr is not None
-        line = process.stderr.readline()
-        http_url = line.split("OTLP/HTTP on ", 1)[1].split(",", 1)[0]
-        grpc_url = line.split("OTLP/gRPC on ", 1)[1].split(",", 1)[0]
+        http_url, grpc_url = _urls(process)
         exporters += [GrpcSpanExporter(endpoint=grpc_url, timeout=EXPORT_TIMEOUT_S,
                                        compression=grpc.Compression.Gzip) for _ in range(2)]
         exporters.append(HttpSpanExporter(endpoint=f"{http_url}/v1/traces",

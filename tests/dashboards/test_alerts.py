@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,8 @@ from kvscope.collector.proxy.metrics import ProxyMetrics
 from kvscope.collector.receiver import Receiver
 from kvscope.dashboards import prometheus_alerts
 
-FOLDER = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus"
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = ROOT / "dashboards" / "prometheus"
 COMMITTED = FOLDER / "kvscope-alerts.yml"
 UNIT_TESTS = FOLDER / "kvscope-alerts.test.yml"
 PROMTOOL = shutil.which("promtool")
@@ -29,11 +31,24 @@ needs_promtool = pytest.mark.skipif(
     ".ci/run installs it)")
 
 
+def assert_committed_is_generated(committed: Path, render: Callable[[], str], command: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``committed`` (a file under the repository root) holds what ``render`` returns, and
+    ``kvscope COMMAND`` prints the same."""
+    assert committed.read_text(encoding="utf-8") == render(), (
+        f"regenerate: kvscope {command} -o {committed.relative_to(ROOT).as_posix()}")
+    assert cli.main([command]) == 0
+    assert capsys.readouterr().out == render()
+
+
+def _promtool(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``promtool ARGS``, its output captured as text."""
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=timeout)
+
+
 def test_committed_rules_are_what_the_code_generates(capsys: pytest.CaptureFixture[str]) -> None:
-    assert COMMITTED.read_text(encoding="utf-8") == prometheus_alerts.render(), (
-        "regenerate: kvscope alerts -o dashboards/prometheus/kvscope-alerts.yml")
-    assert cli.main(["alerts"]) == 0
-    assert capsys.readouterr().out == prometheus_alerts.render()
+    assert_committed_is_generated(COMMITTED, prometheus_alerts.render, "alerts", capsys)
 
 
 def test_the_brief_s_alerts_are_all_there() -> None:
@@ -48,32 +63,26 @@ def test_the_brief_s_alerts_are_all_there() -> None:
 
 @needs_promtool
 def test_promtool_checks_the_rules() -> None:
-    assert PROMTOOL is not None
-    done = subprocess.run([PROMTOOL, "check", "rules", str(COMMITTED)], capture_output=True,
-                          text=True, timeout=60)
+    done = _promtool("check", "rules", str(COMMITTED), timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{len(prometheus_alerts.rules())} rules found" in done.stdout
 
 
 @needs_promtool
 def test_promtool_unit_tests_pass() -> None:
-    assert PROMTOOL is not None
-    done = subprocess.run([PROMTOOL, "test", "rules", str(UNIT_TESTS)], capture_output=True,
-                          text=True, timeout=120)
+    done = _promtool("test", "rules", str(UNIT_TESTS), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @needs_promtool
 def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     """The unit tests see the thresholds: a rule with its threshold moved fails them."""
-    assert PROMTOOL is not None
     text = COMMITTED.read_text(encoding="utf-8")
     moved = text.replace(f"< {prometheus_alerts.REUSE_DROP_FACTOR} *", "< 0.1 *")
     assert moved != text
     (tmp_path / COMMITTED.name).write_text(moved, encoding="utf-8")
     shutil.copy(UNIT_TESTS, tmp_path / UNIT_TESTS.name)
-    done = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / UNIT_TESTS.name)],
-                          capture_output=True, text=True, timeout=120)
+    done = _promtool("test", "rules", str(tmp_path / UNIT_TESTS.name), timeout=120)
     assert done.returncode != 0
     assert "KvscopeReuseRateBelowBaseline" in done.stdout + done.stderr
 

@@ -15,17 +15,16 @@ import pytest
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvscope import cli
 from kvscope.analysis.live_metrics import LEDGER_SERIES, metrics_source
 from kvscope.collector.proxy.metrics import ProxyMetrics
-from kvscope.collector.receiver import Receiver
 from kvscope.dashboards import grafana_dashboard
 from kvscope.store.schema import TRACES_ARROW
+from tests.dashboards.test_alerts import assert_committed_is_generated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
 from test_live_metrics import (  # noqa: E402
-    _copy_runs,
     _send_gauges,
+    _serving_runs_of,
     _shuffled_batches,
     _wait_for_gauges,
     source,  # noqa: F401  (the fixture)
@@ -45,10 +44,7 @@ def _queries(model: dict[str, Any]) -> list[str]:
 
 
 def test_committed_json_is_what_the_code_generates(capsys: pytest.CaptureFixture[str]) -> None:
-    assert COMMITTED.read_text(encoding="utf-8") == grafana_dashboard.render(), (
-        "regenerate: kvscope grafana -o dashboards/grafana/kvscope.json")
-    assert cli.main(["grafana"]) == 0
-    assert capsys.readouterr().out == grafana_dashboard.render()
+    assert_committed_is_generated(COMMITTED, grafana_dashboard.render, "grafana", capsys)
 
 
 def test_dashboard_structure() -> None:
@@ -97,10 +93,9 @@ def test_dashboard_structure() -> None:
 def scraped(source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:  # noqa: F811
     """Sample name → label names, scraped from a live receiver holding simulated runs."""
     db = tmp_path_factory.mktemp("grafana") / "served.duckdb"
-    receiver = Receiver(db, port=0, metrics=metrics_source).start()
+    receiver = _serving_runs_of(source, db, metrics=metrics_source)
     try:
         cursor = receiver.writer.connection.cursor()
-        _copy_runs(source, cursor)
         runs = dict(cursor.execute("SELECT label, run_id FROM kvscope_runs").fetchall())
         cursor.close()
         for batch in _shuffled_batches(source, 2, 1):

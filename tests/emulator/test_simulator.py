@@ -11,20 +11,18 @@ import pytest
 from kvscope import semconv
 from kvscope.emulator import simulator as sim
 from kvscope.emulator.simulator import SimulationSettings, simulate
-from kvscope.emulator.workloads import mooncake, mooncake_synthetic, synthetic
+from kvscope.emulator.workloads import mooncake, mooncake_synthetic
 from kvscope.emulator.workloads.model import Workload
 from kvscope.reuse import outcomes
 from kvscope.store.query import Query
 from kvscope.store.source import open_reader
+from tests.stores import calm_workload
 
 
 @pytest.fixture(scope="module")
 def workload() -> Workload:
-    return synthetic.generate(
-        seed=3, conversations=4, turns_p50=6, max_turns=8, system_prompt_tokens=512,
-        new_input_tokens_p50=300, think_time_p50_s=5, think_time_p90_s=20,
-        reset_probability=0.0, subagent_probability=0.0,
-    )
+    return calm_workload(seed=3, conversations=4, turns_p50=6, max_turns=8,
+                         system_prompt_tokens=512, new_input_tokens_p50=300)
 
 
 def _later_outcomes(result) -> collections.Counter[str]:  # type: ignore[no-untyped-def]

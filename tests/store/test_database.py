@@ -34,6 +34,17 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _assert_refused_and_untouched(path: Path, error: type[StoreError], match: str) -> None:
+    """open_store refuses ``path`` with ``error`` (message matching ``match``), open_reader
+    refuses it with ``error`` too, and neither changes a byte of the file."""
+    before = _digest(path)
+    with pytest.raises(error, match=match):
+        open_store(path)
+    with pytest.raises(error):
+        open_reader(path)
+    assert _digest(path) == before
+
+
 def test_new_store_has_the_clickhouse_shaped_tables(store_path: Path) -> None:
     con = open_store(store_path)
     cols = [r[0] for r in con.execute("DESCRIBE otel_traces").fetchall()]
@@ -70,12 +81,7 @@ def test_a_foreign_duckdb_file_is_refused_and_left_alone(tmp_path: Path) -> None
     con = duckdb.connect(str(path))
     con.execute("CREATE TABLE orders (id INTEGER)")
     con.close()
-    before = _digest(path)
-    with pytest.raises(NotAKvscopeStore, match="not a kvscope store"):
-        open_store(path)
-    with pytest.raises(NotAKvscopeStore):
-        open_reader(path)
-    assert _digest(path) == before
+    _assert_refused_and_untouched(path, NotAKvscopeStore, "not a kvscope store")
 
 
 def test_a_file_that_is_not_duckdb_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -92,12 +98,7 @@ def test_a_newer_schema_is_refused_and_left_alone(store_path: Path) -> None:
     con.execute("UPDATE kvscope_meta SET value = ? WHERE key = 'schema_version'",
                 [str(SCHEMA_VERSION + 1)])
     con.close()
-    before = _digest(store_path)
-    with pytest.raises(NewerSchemaError, match="newer"):
-        open_store(store_path)
-    with pytest.raises(NewerSchemaError):
-        open_reader(store_path)
-    assert _digest(store_path) == before
+    _assert_refused_and_untouched(store_path, NewerSchemaError, "newer")
 
 
 def test_missing_file_for_reading_is_a_clear_error(tmp_path: Path) -> None:

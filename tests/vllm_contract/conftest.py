@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -48,6 +49,40 @@ def kv_cache_config(num_blocks: int = 256) -> Any:
 def block_bytes() -> int:
     """Bytes of one block of :func:`kv_cache_config`: K and V × heads × head size × 2 B × layers."""
     return 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE * 2 * len(LAYERS)
+
+
+def assert_notified_retention(span: Any, req_id: str, blocks: int, remote_num_tokens: int) -> None:
+    """A decode retention of ``blocks`` blocks (480 s TTL) that P's READ notification released."""
+    from kvscope import semconv
+
+    a = span.attributes
+    assert a[semconv.VLLM_REQUEST_ID] == req_id
+    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_DECODE
+    assert a[semconv.RETENTION_BLOCKS] == blocks
+    assert a[semconv.RETENTION_BYTES] == blocks * block_bytes()
+    assert a[semconv.RETENTION_TTL_S] == 480
+    assert a[semconv.RETENTION_RELEASE_REASON] == semconv.RELEASE_NOTIFIED
+    assert a[semconv.REMOTE_NUM_TOKENS] == remote_num_tokens
+
+
+def assert_reuse_decision(span: Any, traceparent: str, *, req_id: str, decision: str, local: int,
+                          offered: int, to_pull: int, bidir: bool, prompt: int) -> None:
+    """A prefill's reuse decision (threshold 64) on decode's offer, in ``traceparent``'s trace."""
+    from kvscope import semconv
+
+    a = span.attributes
+    assert a[semconv.VLLM_REQUEST_ID] == req_id
+    assert a[semconv.ENGINE_ID] == "kv_producer-engine"
+    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_PREFILL
+    assert a[semconv.DECISION] == decision
+    assert a[semconv.LOCAL_HIT_TOKENS] == local
+    assert a[semconv.REMOTE_OFFERED_TOKENS] == offered
+    assert a[semconv.TOKENS_TO_PULL] == to_pull
+    assert a[semconv.THRESHOLD_TOKENS] == 64
+    assert a[semconv.BIDIR_ENABLED] is bidir
+    assert a[semconv.PROMPT_TOKENS] == prompt
+    assert a[semconv.REMOTE_ENGINE_ID] == "decode-engine"
+    assert format(span.context.trace_id, "032x") == traceparent.split("-")[1]
 
 
 def vllm_config(kv_role: str, *, bidir: bool = True, threshold: int = 64, ttl: float = 480.0,
@@ -126,17 +161,24 @@ class Captured:
         return points
 
 
-@pytest.fixture
-def captured() -> Iterator[Captured]:
-    """Instrument the real role classes with in-memory providers; uninstrument afterwards."""
+@contextmanager
+def instrumented(**options: Any) -> Iterator[Captured]:
+    """Instrument the real role classes with in-memory providers (and ``options``); undo after."""
     from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
 
     cap = Captured()
     instrumentor = NixlConnectorInstrumentor()
     instrumentor.uninstrument()
     instrumentor.instrument(tracer_provider=cap.tracer_provider,
-                            meter_provider=cap.meter_provider)
+                            meter_provider=cap.meter_provider, **options)
     try:
         yield cap
     finally:
         instrumentor.uninstrument()
+
+
+@pytest.fixture
+def captured() -> Iterator[Captured]:
+    """Instrument the real role classes with in-memory providers; uninstrument afterwards."""
+    with instrumented() as cap:
+        yield cap

@@ -20,23 +20,15 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvscope import semconv
-from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
-from tests.vllm_contract.conftest import Captured, block_bytes
+from tests.vllm_contract.conftest import Captured, block_bytes, instrumented
 from tests.vllm_contract.test_scheduler_hooks import finish, request
 
 
 @pytest.fixture
 def snapshots() -> Iterator[Captured]:
     """Instrumented with a short retention_snapshot_s."""
-    cap = Captured()
-    instrumentor = NixlConnectorInstrumentor()
-    instrumentor.uninstrument()
-    instrumentor.instrument(tracer_provider=cap.tracer_provider,
-                            meter_provider=cap.meter_provider, retention_snapshot_s=0.2)
-    try:
+    with instrumented(retention_snapshot_s=0.2) as cap:
         yield cap
-    finally:
-        instrumentor.uninstrument()
 
 
 def _open(cap: Captured) -> list[Any]:

@@ -339,6 +339,17 @@ def read_then_fail(p: e2e.Engine, how: str, bad_block: int = 0) -> tuple[Request
     return req, [o for batch in result.values() for o in batch.outputs]
 
 
+def assert_parked(p: e2e.Engine, steps: int) -> None:
+    """For ``steps`` scheduler steps "p-t2" is scheduled nothing, the worker is sent no read,
+    and it stays in WAITING_FOR_REMOTE_KVS."""
+    for _ in range(steps):
+        out = p.scheduler.schedule()
+        assert out.num_scheduled_tokens == {}
+        assert out.kv_connector_metadata.reqs_to_recv == {}
+        p.scheduler.update_from_output(out, Runner(p).answer(out))
+        assert p.status("p-t2") == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
 @pytest.mark.parametrize("how", ["failed_recving", "invalid_block_ids", "worker"])
 def test_recompute_policy_resets_to_zero_and_stalls_for_good(model_config: Any, how: str) -> None:
     """Claim 3 (recompute): reset to 0 computed tokens, the connector is asked again, no new
@@ -360,12 +371,7 @@ def test_recompute_policy_resets_to_zero_and_stalls_for_good(model_config: Any, 
     req, outputs = read_then_fail(p, how)
     assert outputs == []  # no error, no output
     assert req.num_computed_tokens == 0
-    for _ in range(20):
-        out = p.scheduler.schedule()
-        assert out.num_scheduled_tokens == {}
-        assert out.kv_connector_metadata.reqs_to_recv == {}
-        p.scheduler.update_from_output(out, Runner(p).answer(out))
-        assert p.status("p-t2") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert_parked(p, steps=20)
     assert [a[1] for a in asked] == [(160, True), (160, True)]  # asked once more, then parked
     assert [r[1][0] for r in registered] == [160, 160]
     assert registered[0][1][1] is not None and registered[1][1][1] is None  # no second read
@@ -386,12 +392,7 @@ def test_recompute_policy_stalls_after_every_failed_nixl_read(model_config: Any,
     p = engine(model_config, "kv_producer", policy="recompute")
     req, outputs = read_then_fail(p, "worker_bad_block", bad_block=bad_block)
     assert outputs == [] and req.num_computed_tokens == 0
-    for _ in range(10):
-        out = p.scheduler.schedule()
-        assert out.num_scheduled_tokens == {}
-        assert out.kv_connector_metadata.reqs_to_recv == {}
-        p.scheduler.update_from_output(out, Runner(p).answer(out))
-        assert p.status("p-t2") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert_parked(p, steps=10)
 
 
 def test_a_lone_invalid_block_report_nixl_never_sends_would_recompute_locally(

@@ -73,12 +73,7 @@ def messages(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
 
 def step(engine: Engine) -> Any:
     """One model-runner step; returns the worker's KVConnectorTransferResults."""
-    meta = engine.scheduler.build_connector_meta(None)
-    engine.worker.bind_connector_metadata(meta)
-    engine.worker.connector_worker.start_load_kv(meta)
-    results = engine.worker.get_transfer_results(set())
-    engine.worker.clear_connector_metadata()
-    return results
+    return engine.step_with(lambda worker: worker.get_transfer_results(set()))
 
 
 def step_until(condition: Callable[[], bool], *engines_: Engine, on: Callable[[Engine, Any], None],

@@ -27,7 +27,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvscope import semconv
 from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
-from tests.vllm_contract.conftest import BLOCK_SIZE, Captured, block_bytes, kv_cache_config
+from tests.vllm_contract.conftest import (
+    BLOCK_SIZE,
+    Captured,
+    assert_notified_retention,
+    assert_reuse_decision,
+    block_bytes,
+    kv_cache_config,
+)
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 NUM_BLOCKS = 128
@@ -213,15 +220,8 @@ def test_decode_turn_pins_its_blocks_and_a_notification_releases_them(
     d.step(finished_sending={"d-t1"})  # P's READ notification arrived
     assert d.free_blocks() == free0
     span = the_span(captured, semconv.SPAN_KV_RETENTION)
-    a = span.attributes
-    assert a[semconv.VLLM_REQUEST_ID] == "d-t1"
-    assert a[semconv.ENGINE_ID] == "decode-engine"
-    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_DECODE
-    assert a[semconv.RETENTION_BLOCKS] == 7
-    assert a[semconv.RETENTION_BYTES] == 7 * block_bytes()
-    assert a[semconv.RETENTION_TTL_S] == 480
-    assert a[semconv.RETENTION_RELEASE_REASON] == semconv.RELEASE_NOTIFIED
-    assert a[semconv.REMOTE_NUM_TOKENS] == 103
+    assert span.attributes[semconv.ENGINE_ID] == "decode-engine"
+    assert_notified_retention(span, "d-t1", blocks=7, remote_num_tokens=103)
     assert format(span.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
     assert 0 <= span.end_time - span.start_time < 10e9
     assert captured.gauge(semconv.METRIC_KV_RETAINED) == {
@@ -245,19 +245,9 @@ def test_decode_with_bidir_off_retains_nothing(captured: Captured, engines: Any)
 # --- prefill role -----------------------------------------------------------------------------
 def check_decision(span: Any, *, decision: str, local: int, offered: int, to_pull: int,
                    bidir: bool = True, prompt: int = 170) -> None:
-    a = span.attributes
-    assert a[semconv.VLLM_REQUEST_ID] == "p-t2"
-    assert a[semconv.ENGINE_ID] == "kv_producer-engine"
-    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_PREFILL
-    assert a[semconv.DECISION] == decision
-    assert a[semconv.LOCAL_HIT_TOKENS] == local
-    assert a[semconv.REMOTE_OFFERED_TOKENS] == offered
-    assert a[semconv.TOKENS_TO_PULL] == to_pull
-    assert a[semconv.THRESHOLD_TOKENS] == 64
-    assert a[semconv.BIDIR_ENABLED] is bidir
-    assert a[semconv.PROMPT_TOKENS] == prompt
-    assert a[semconv.REMOTE_ENGINE_ID] == "decode-engine"
-    assert format(span.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+    """The reuse decision of "p-t2", a request carrying :data:`TRACEPARENT`."""
+    assert_reuse_decision(span, TRACEPARENT, req_id="p-t2", decision=decision, local=local,
+                          offered=offered, to_pull=to_pull, bidir=bidir, prompt=prompt)
 
 
 def test_prefill_pulls_an_offer_above_threshold_then_resumes(

@@ -17,7 +17,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvscope import semconv
 from kvscope.collector.vllm.instrumentor import NixlConnectorInstrumentor
-from tests.vllm_contract.conftest import BLOCK_SIZE, Captured, block_bytes
+from tests.vllm_contract.conftest import (
+    BLOCK_SIZE,
+    Captured,
+    assert_notified_retention,
+    assert_reuse_decision,
+    block_bytes,
+)
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -74,21 +80,11 @@ def test_reuse_decision_span_field_by_field(
     count, load_async = schedule(sched, req, local)
     assert (count, load_async) == expected[:2]  # the hook did not change vLLM's answer
     [span] = captured.spans(semconv.SPAN_REUSE_DECISION)
-    a = span.attributes
-    assert a[semconv.VLLM_REQUEST_ID] == "chatcmpl-t2"
-    assert a[semconv.ENGINE_ID] == "kv_producer-engine"
-    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_PREFILL
-    assert a[semconv.LOCAL_HIT_TOKENS] == local
-    assert a[semconv.REMOTE_OFFERED_TOKENS] == offered
-    assert a[semconv.TOKENS_TO_PULL] == expected[0]
-    assert a[semconv.THRESHOLD_TOKENS] == 64
-    assert a[semconv.DECISION] == expected[2]
-    assert a[semconv.BIDIR_ENABLED] is bidir
-    assert a[semconv.PROMPT_TOKENS] == 170
-    assert a[semconv.REMOTE_ENGINE_ID] == "decode-engine"
+    assert_reuse_decision(span, TRACEPARENT, req_id="chatcmpl-t2", decision=expected[2],
+                          local=local, offered=offered, to_pull=expected[0], bidir=bidir,
+                          prompt=170)
     # cache_config.block_size, so the ledger can tell an aligned read from a misaligned one.
-    assert a[semconv.KV_BLOCK_SIZE] == sched.block_size > 0
-    assert format(span.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+    assert span.attributes[semconv.KV_BLOCK_SIZE] == sched.block_size > 0
     # The read is registered exactly when bidir is on at P (R10 otherwise).
     assert ("chatcmpl-t2" in sched._reqs_need_recv) is bidir
 
@@ -156,14 +152,7 @@ def test_decode_retention_pinned_then_released_by_notification(
     assert captured.spans(semconv.SPAN_KV_RETENTION) == []  # still held
     sched.update_connector_output(KVConnectorOutput(finished_sending={"d-turn1"}))
     [span] = captured.spans(semconv.SPAN_KV_RETENTION)
-    a = span.attributes
-    assert a[semconv.VLLM_REQUEST_ID] == "d-turn1"
-    assert a[semconv.ENGINE_ROLE] == semconv.ROLE_DECODE
-    assert a[semconv.RETENTION_BLOCKS] == 11
-    assert a[semconv.RETENTION_BYTES] == 11 * block_bytes()
-    assert a[semconv.RETENTION_TTL_S] == 480
-    assert a[semconv.RETENTION_RELEASE_REASON] == semconv.RELEASE_NOTIFIED
-    assert a[semconv.REMOTE_NUM_TOKENS] == 173
+    assert_notified_retention(span, "d-turn1", blocks=11, remote_num_tokens=173)
     assert 0 <= span.end_time - span.start_time < 5e9
     assert captured.gauge(semconv.METRIC_KV_RETAINED) == {((semconv.ENGINE_ID, "d0"),): 0}
 

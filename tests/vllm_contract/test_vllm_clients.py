@@ -412,6 +412,21 @@ def _pulls(run: Run) -> list[Span]:
         semconv.TRANSFER_DIRECTION: semconv.DIRECTION_D_TO_P})
 
 
+def _check_no_decode_metadata(run: Run, retained: int) -> None:
+    """Decode's params never came back: no later turn got an offer, none pulled, every lookup
+    missed; ``retained`` is how many finished turns decode pinned all the same."""
+    _check_workload(run)
+    assert not any(r["params_returned"] for r in run.truth), run.truth
+    for row in run.later:
+        assert row["outcome"] == outcomes.NO_DECODE_METADATA, row
+        assert row["decision"] == semconv.DECISION_NO_OFFER, row
+        assert row["remote_reused_tokens"] == 0, row
+    assert _pulls(run) == []
+    assert len(run.named(semconv.SPAN_KV_RETENTION)) == retained
+    assert "cache HIT" not in run.proxy_log
+    assert run.proxy_log.count("cache MISS") == REQUESTS, run.proxy_log
+
+
 # --- the cases ------------------------------------------------------------------------------------
 
 
@@ -448,17 +463,9 @@ def test_bidir_on_turns_after_the_first_are_pulled_from_decode(
 
 def test_bidir_off_nothing_is_pulled(tmp_path: Path, workload: Workload) -> None:
     run = _run(tmp_path, workload, emulator_flags=["--no-bidirectional-kv-xfer"])
-    _check_workload(run)
-    assert not any(r["params_returned"] for r in run.truth), run.truth
+    _check_no_decode_metadata(run, retained=0)  # D pins nothing for a next turn
     for row in run.later:
-        assert row["outcome"] == outcomes.NO_DECODE_METADATA, row
-        assert row["decision"] == semconv.DECISION_NO_OFFER, row
-        assert row["remote_reused_tokens"] == 0, row
         assert row["recomputed_reusable_tokens"] == row["reusable_tokens"] > 0, row
-    assert _pulls(run) == []
-    assert run.named(semconv.SPAN_KV_RETENTION) == []  # D pins nothing for a next turn
-    assert "cache HIT" not in run.proxy_log
-    assert run.proxy_log.count("cache MISS") == REQUESTS, run.proxy_log
 
 
 def test_without_conversation_id_the_proxy_cannot_link_turns(
@@ -528,17 +535,8 @@ def test_fault_transfer_fail_stalls_the_turn_and_vllms_stack_drops_it(
 def test_fault_strip_stream_metadata_leaves_the_proxy_nothing_to_offer(
         tmp_path: Path, workload: Workload) -> None:
     run = _run(tmp_path, workload, emulator_flags=["--fault", "strip_stream_metadata"])
-    _check_workload(run)
-    assert not any(r["params_returned"] for r in run.truth), run.truth
-    for row in run.later:
-        assert row["outcome"] == outcomes.NO_DECODE_METADATA, row
-        assert row["decision"] == semconv.DECISION_NO_OFFER, row
-        assert row["remote_reused_tokens"] == 0, row
-    assert _pulls(run) == []
     # Unlike bidir off, decode did pin every finished turn: retained, never read.
-    assert len(run.named(semconv.SPAN_KV_RETENTION)) == REQUESTS
-    assert "cache HIT" not in run.proxy_log
-    assert run.proxy_log.count("cache MISS") == REQUESTS, run.proxy_log
+    _check_no_decode_metadata(run, retained=REQUESTS)
 
 
 def test_benchmark_through_kvscope_proxy_one_turn_span_per_request(

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -42,6 +42,8 @@ HEAD_SIZE = 32
 NUM_BLOCKS = 32
 # K and V × heads × block tokens × head size × 2 bytes (fp16) × layers.
 BLOCK_BYTES = 2 * KV_HEADS * BLOCK * HEAD_SIZE * 2 * len(LAYERS)
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -71,14 +73,18 @@ class Engine:
     def nixl(self) -> Any:
         return self.scheduler.connector_scheduler
 
-    def step(self) -> tuple[set[str], set[str]]:
-        """One model-runner step: bind this step's metadata, start loads, poll completions."""
+    def step_with(self, poll: Callable[[Any], T]) -> T:
+        """One model-runner step: bind this step's metadata, start loads, ``poll(worker)``."""
         meta = self.scheduler.build_connector_meta(None)
         self.worker.bind_connector_metadata(meta)
         self.worker.connector_worker.start_load_kv(meta)
-        done = self.worker.get_finished(set())
+        polled = poll(self.worker)
         self.worker.clear_connector_metadata()
-        return done
+        return polled
+
+    def step(self) -> tuple[set[str], set[str]]:
+        """One model-runner step polling completions: (finished sending, finished recving)."""
+        return self.step_with(lambda worker: worker.get_finished(set()))
 
     def fill(self, block_ids: list[int], value: float) -> None:
         for cache in self.caches.values():
@@ -196,6 +202,32 @@ def transfers(captured: Captured) -> dict[str, Any]:
             for s in captured.spans(semconv.SPAN_KV_TRANSFER)}
 
 
+def read_until_released(reader: Engine, read_id: str, holder: Engine, held_id: str) -> None:
+    """Step the reader, then the holder, until the READ is received and the holder released."""
+    recving: set[str] = set()
+    released: set[str] = set()
+
+    def done() -> bool:
+        recving.update(reader.step()[1])
+        released.update(holder.step()[0])
+        return read_id in recving and held_id in released
+
+    until(done)
+
+
+def assert_read_ok(span: Any, engine_id: str, role: str, direction: str, blocks_read: int,
+                   remote_engine_id: str) -> None:
+    """A completed READ's span: who read, which way, how many blocks and bytes, from whom."""
+    a = span.attributes
+    assert a[semconv.ENGINE_ID] == engine_id
+    assert a[semconv.ENGINE_ROLE] == role
+    assert a[semconv.TRANSFER_DIRECTION] == direction
+    assert a[semconv.TRANSFER_STATUS] == semconv.TRANSFER_OK
+    assert a[semconv.TRANSFER_BLOCKS] == blocks_read
+    assert a[semconv.TRANSFER_BYTES] == blocks_read * BLOCK_BYTES
+    assert a[semconv.REMOTE_ENGINE_ID] == remote_engine_id
+
+
 def test_p_to_d_then_d_to_p_reads_over_ucx(
     captured: Captured, engines: tuple[Engine, Engine]
 ) -> None:
@@ -209,15 +241,7 @@ def test_p_to_d_then_d_to_p_reads_over_ucx(
     # D reads them into its blocks 4-6 (P→D).
     d_req = request("d-t1", 96, p_params)
     assert schedule(d, d_req, [4, 5, 6]) == 96
-    recving: set[str] = set()
-    sending: set[str] = set()
-
-    def p_to_d_done() -> bool:
-        recving.update(d.step()[1])
-        sending.update(p.step()[0])
-        return "d-t1" in recving and "p-t1" in sending
-
-    until(p_to_d_done)
+    read_until_released(d, "d-t1", p, "p-t1")
     assert d.values([4, 5, 6]) == [1.0, 1.0, 1.0]
     # D finishes the turn: 96 + 4 generated, 99 computed, blocks 4-7 pinned.
     d.fill([7], 2.0)
@@ -227,34 +251,15 @@ def test_p_to_d_then_d_to_p_reads_over_ucx(
     offer.update(do_remote_decode=True, do_remote_prefill=False)
     p_req = request("p-t2", 140, offer)
     assert schedule(p, p_req, [8, 9, 10, 11]) == 99
-    released: set[str] = set()
-
-    def d_to_p_done() -> bool:
-        recving.update(p.step()[1])
-        released.update(d.step()[0])
-        return "p-t2" in recving and "d-t1" in released
-
-    until(d_to_p_done)
+    read_until_released(p, "p-t2", d, "d-t1")
     assert p.values([8, 9, 10, 11]) == [1.0, 1.0, 1.0, 2.0]
 
     spans = transfers(captured)
     assert set(spans) == {"d-t1", "p-t2"}
-    d_to_p = spans["p-t2"].attributes
-    assert d_to_p[semconv.ENGINE_ID] == "prefill-engine"
-    assert d_to_p[semconv.ENGINE_ROLE] == semconv.ROLE_PREFILL
-    assert d_to_p[semconv.TRANSFER_DIRECTION] == semconv.DIRECTION_D_TO_P
-    assert d_to_p[semconv.TRANSFER_STATUS] == semconv.TRANSFER_OK
-    assert d_to_p[semconv.TRANSFER_BLOCKS] == 4
-    assert d_to_p[semconv.TRANSFER_BYTES] == 4 * BLOCK_BYTES
-    assert d_to_p[semconv.REMOTE_ENGINE_ID] == "decode-engine"
-    p_to_d = spans["d-t1"].attributes
-    assert p_to_d[semconv.ENGINE_ID] == "decode-engine"
-    assert p_to_d[semconv.ENGINE_ROLE] == semconv.ROLE_DECODE
-    assert p_to_d[semconv.TRANSFER_DIRECTION] == semconv.DIRECTION_P_TO_D
-    assert p_to_d[semconv.TRANSFER_STATUS] == semconv.TRANSFER_OK
-    assert p_to_d[semconv.TRANSFER_BLOCKS] == 3
-    assert p_to_d[semconv.TRANSFER_BYTES] == 3 * BLOCK_BYTES
-    assert p_to_d[semconv.REMOTE_ENGINE_ID] == "prefill-engine"
+    assert_read_ok(spans["p-t2"], "prefill-engine", semconv.ROLE_PREFILL,
+                   semconv.DIRECTION_D_TO_P, 4, "decode-engine")
+    assert_read_ok(spans["d-t1"], "decode-engine", semconv.ROLE_DECODE,
+                   semconv.DIRECTION_P_TO_D, 3, "prefill-engine")
     for span in spans.values():
         assert 0 < span.end_time - span.start_time < 15e9
     # The scheduler side closes D's retention when the worker reports the handle released.

@@ -26,15 +26,26 @@ def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+# Each test below runs without, then with, the proxy's --reuse-guard.
+GUARDED = pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+
+
+def _variant(deployment: Any, guarded: bool, scenario: str, conversation: str,
+             seed: int) -> tuple[str, Any, str, int]:
+    """One variant's scenario name, proxy, conversation id and text seed. Texts of their own
+    per variant (the guarded one's seed is 100 more): an invalid pull leaves foreign KV in
+    prefill's prefix cache (test_an_invalid_pull_poisons_prefills_prefix_cache), which the same
+    text would hit."""
+    return (f"{scenario}_{'guarded' if guarded else 'unguarded'}",
+            deployment.guarded_proxy if guarded else deployment.proxy,
+            f"{conversation}-{int(guarded)}", seed + 100 * guarded)
+
+
+@GUARDED
 def test_an_edited_history_loads_foreign_kv_unless_guarded(deployment: Any, turns: Any,
                                                            guarded: bool) -> None:
-    scenario = f"edited_history_{'guarded' if guarded else 'unguarded'}"
-    proxy = deployment.guarded_proxy if guarded else deployment.proxy
-    conversation = f"edited-{int(guarded)}"
-    # Texts of their own per variant: an invalid pull leaves foreign KV in prefill's prefix
-    # cache (test_an_invalid_pull_poisons_prefills_prefix_cache), which the same text would hit.
-    seed = 130 if guarded else 30
+    scenario, proxy, conversation, seed = _variant(deployment, guarded, "edited_history",
+                                                   "edited", 30)
     first = [_user(_text(60, seed=seed))]
     answer = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
                          turn_index=1, messages=first, max_tokens=72, previous=None,
@@ -73,13 +84,11 @@ def test_an_edited_history_loads_foreign_kv_unless_guarded(deployment: Any, turn
         assert not after.oracle_match
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+@GUARDED
 def test_another_client_under_the_same_conversation_id(deployment: Any, turns: Any,
                                                        guarded: bool) -> None:
-    scenario = f"other_client_{'guarded' if guarded else 'unguarded'}"
-    proxy = deployment.guarded_proxy if guarded else deployment.proxy
-    conversation = f"shared-{int(guarded)}"
-    seed = 140 if guarded else 40
+    scenario, proxy, conversation, seed = _variant(deployment, guarded, "other_client",
+                                                   "shared", 40)
     answer = judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
                          turn_index=1, messages=[_user(_text(60, seed=seed))], max_tokens=72,
                          previous=None, not_offered="router_no_entry", proxy=proxy)

