@@ -21,12 +21,13 @@ the new one. A conversation is the unit because turn k's row reads turn k-1's (i
 and decode retention).
 
 Bounded memory: a conversation no span touched for ``idle_s`` leaves memory (its kept span rows,
-routing keys and contribution; the totals keep what it contributed), and a fixed-size Bloom
-filter remembers it was let go. A later turn or late span of it reads it back from the store
-(:func:`kvscope.analysis.ledger_units.unit_frames`): what the totals hold of it is recomputed
-from its spans up to the previous refresh that were not waiting unclaimed, then replaced by its
-new contribution as for any conversation. A kept span no conversation claims for ``idle_s`` is
-looked up in the store once (its conversation may have been let go) and dropped.
+routing keys and contribution; the totals keep what it contributed), and the 64-bit hash of its
+id and keys remembers it was let go (8 bytes each). A later turn or late span of it reads it
+back from the store (:func:`kvscope.analysis.ledger_units.unit_frames`): what the totals hold
+of it is recomputed from its spans up to the previous refresh that were not waiting unclaimed,
+then replaced by its new contribution as for any conversation. A kept span no conversation
+claims for ``idle_s`` is looked up in the store once (its conversation may have been let go) and
+dropped.
 
 Late spans: an engine or leg span that arrives *after* its turn was counted makes that
 conversation dirty again, and its turns (outcome included) are recomputed at the next refresh; one
@@ -42,15 +43,19 @@ The result equals a full rebuild (:func:`kvscope.analysis.ledger.ledger`) on the
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import duckdb
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -159,27 +164,54 @@ _unit_expr = ledger_units.unit_expr
 
 
 class _Seen:
-    """A fixed-size set of strings that may say "seen" for one never added (a Bloom filter):
-    where it says "not seen", the string was never added. Bounded memory for "was this
-    conversation, or this span's key, ever let go?"; a false "seen" only costs a read of the
-    store."""
+    """The strings let go, kept as 64-bit hashes (8 bytes each): "was this conversation, or
+    this span's key, ever let go?". Exact but for a hash collision (among 10M strings, one
+    with probability ~3e-6: it costs a read of the store, as any "yes" does).
 
-    def __init__(self, bits: int = 1 << 23, hashes: int = 4) -> None:
-        self._bits = bytearray(bits // 8)
-        self._size = bits
-        self._hashes = hashes
+    It was a fixed 1 MiB Bloom filter: at 1M stored turns it held ~2M strings and said "yes"
+    for ~16 % of those never added, so each refresh read ~300 conversations back from the store
+    for nothing (5 s a refresh instead of under 1 s, ``bench_live_metrics.py --base``). Memory
+    now grows with what was let go, 8 bytes a string (~20 MB at 1M turns), where the kept
+    conversations' spans it replaces cost hundreds of bytes each. Hashes are sorted in an
+    ``array('Q')`` (looked up by bisection); new ones wait in a set until they are a sixteenth
+    of it (at least 64Ki), then are merged in by one sort in Arrow.
+    """
 
-    def _positions(self, text: str) -> Iterator[int]:
-        digest = hashlib.blake2b(text.encode(), digest_size=8 * self._hashes).digest()
-        for i in range(self._hashes):
-            yield int.from_bytes(digest[8 * i:8 * i + 8], "little") % self._size
+    def __init__(self) -> None:
+        self._sorted = array("Q")
+        self._pending: set[int] = set()
+
+    @staticmethod
+    def _hash(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+    def __len__(self) -> int:
+        return len(self._sorted) + len(self._pending)
 
     def add(self, text: str) -> None:
-        for p in self._positions(text):
-            self._bits[p >> 3] |= 1 << (p & 7)
+        value = self._hash(text)
+        if not self._has(value):
+            self._pending.add(value)
+            if len(self._pending) >= max(1 << 16, len(self._sorted) >> 4):
+                self._merge()
 
     def __contains__(self, text: str) -> bool:
-        return all(self._bits[p >> 3] & (1 << (p & 7)) for p in self._positions(text))
+        return self._has(self._hash(text))
+
+    def _has(self, value: int) -> bool:
+        if value in self._pending:
+            return True
+        at = bisect.bisect_left(self._sorted, value)
+        return at < len(self._sorted) and self._sorted[at] == value
+
+    def _merge(self) -> None:
+        both = array("Q", self._sorted)
+        both.extend(self._pending)
+        values = pa.Array.from_buffers(pa.uint64(), len(both), [None, pa.py_buffer(both)])
+        ordered = values.take(pc.sort_indices(values))
+        merged = array("Q")
+        merged.frombytes(ordered.buffers()[1].to_pybytes()[:8 * len(ordered)])
+        self._sorted, self._pending = merged, set()
 
 
 def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[str, str]

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope import cli, semconv
 from kvscope.analysis import live_metrics
 from kvscope.analysis.ledger import ledger
-from kvscope.analysis.live_metrics import LiveLedger, contributions, metrics_source
+from kvscope.analysis.live_metrics import LiveLedger, _Seen, contributions, metrics_source
 from kvscope.collector.receiver import MetricsSource, QuerySource, Receiver
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
@@ -298,3 +298,18 @@ def test_a_series_no_turn_measured_is_absent_not_zero() -> None:
               for (name, _), value in unit.items()}
     assert values[live_metrics.REUSED_REMOTE_TOKENS] == 0.0  # measured 0 stays 0
     assert values[live_metrics.RECOMPUTED_TOKENS] == 400.0
+
+
+def test_what_was_let_go_is_remembered_exactly() -> None:
+    """The live ledger remembers what it let go by 64-bit hashes: every string added is seen,
+    across merges of the pending ones, and none of 200,000 never added is. The fixed 1 MiB Bloom
+    filter before said "seen" for ~75 of them at 300,000 added (and for ~16 % of keys at the ~2M
+    a 1M-turn store lets go: each a needless read of the store)."""
+    seen = _Seen()
+    added = [f"chatcmpl-r-{i}-1-{i:08x}" for i in range(300_000)]
+    for text in added:
+        seen.add(text)
+    seen.add(added[0])  # again: kept once
+    assert len(seen) == len(added)
+    assert all(text in seen for text in added)
+    assert not any(f"cmpl-other-{i}" in seen for i in range(200_000))

@@ -7,18 +7,26 @@ they touch); the full rebuild (:func:`kvscope.analysis.ledger.ledger` on the who
 scrape would cost without the live ledger) is timed on the same store right after, so both see the
 same rows. Prints both per batch and the ratio.
 
+With ``--base STORE`` the live store starts as a copy of STORE (a large one: the ledger benchmark's
+cached 1M-turn store, say): the live ledger's first refresh reads all of it (what ``kvscope
+serve`` restarted on that store does at its first scrape; timed apart), the clock then moves past
+``--idle-s`` so that those conversations leave memory, and the batches of the new run follow, each
+refresh now over a store that large (the simulated run takes another seed: no id repeats).
+
 With ``--idle-s S`` the live ledger lets conversations idle for S seconds (of a clock that moves
 one second per batch) leave memory, and each line also shows what it holds (conversations, span
 rows) and the process's resident memory; ``--no-rebuild`` skips the rebuilds (larger runs).
 
 Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
-      [--idle-s 3] [--no-rebuild]
+      [--idle-s 3] [--no-rebuild] [--base STORE]
 Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -47,17 +55,30 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--idle-s", type=float, default=None)
     parser.add_argument("--no-rebuild", action="store_true")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a store the live store starts as a copy of")
     args = parser.parse_args()
     tick = [0.0]
     folder = Path(tempfile.mkdtemp())
     source = folder / "source.duckdb"
     workload = synthetic.generate(seed=3, conversations=args.conversations, turns_p50=8,
                                   max_turns=20)
-    result = simulate(workload, source, SimulationSettings(profile="tiny", seed=1))
+    result = simulate(workload, source, SimulationSettings(
+        profile="tiny", seed=1 if args.base is None else 7919))
+    if args.base is not None:
+        shutil.copyfile(args.base, folder / "live.duckdb")
     con = open_store(folder / "live.duckdb")
     con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
     rows = con.execute("SELECT count(*) FROM src.otel_traces").fetchone()[0]
     live = LiveLedger(con, idle_s=args.idle_s, clock=lambda: tick[0])
+    if args.base is not None:
+        base_spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
+        started = time.perf_counter()
+        touched = live.refresh()
+        print(f"base: {base_spans} spans; first refresh {time.perf_counter() - started:.1f} s, "
+              f"{touched} conversations, RSS {_rss_mib():.0f} MiB (peak "
+              f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f})", flush=True)
+        tick[0] += (args.idle_s or 0.0) + 1.0  # the base's conversations are idle from now
     size = -(-rows // args.batches)
     print(f"live ledger: {result.turns} turns, {rows} spans in {args.batches} batches")
     print("batch  spans   refresh ms  conversations  rebuild ms  rebuild/refresh  "
