@@ -44,7 +44,6 @@ The result equals a full rebuild (:func:`kvscope.analysis.ledger.ledger`) on the
 from __future__ import annotations
 
 import bisect
-import hashlib
 import threading
 import time
 from array import array
@@ -148,8 +147,10 @@ _NEW_SPANS_SQL = (
     f"{_a(semconv.GEN_AI_REQUEST_MODEL)} AS model, {_a(semconv.TTFT_MS)} AS ttft_ms, "
     f"{_a(semconv.ENGINE_ID)} AS engine, {_a(semconv.TRANSFER_DIRECTION)} AS direction, "
     f"{_a(semconv.TRANSFER_STATUS)} AS status, {_a(semconv.TRANSFER_BYTES)} AS size_bytes, "
-    f"Duration AS duration_ns FROM otel_traces WHERE rowid > $low AND rowid <= $high"
+    f"Duration AS duration_ns, epoch_ns(Timestamp) + Duration AS end_ns "
+    f"FROM otel_traces WHERE rowid > $low AND rowid <= $high"
 )
+
 _NEW_GAUGES_SQL = (
     f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, MetricName AS metric, "
     f"Attributes['{semconv.ENGINE_ID}'] AS engine, Attributes['{semconv.GPU_HOST}'] AS host, "
@@ -172,42 +173,47 @@ class _Seen:
     for ~16 % of those never added, so each refresh read ~300 conversations back from the store
     for nothing (5 s a refresh instead of under 1 s, ``bench_live_metrics.py --base``). Memory
     now grows with what was let go, 8 bytes a string (~20 MB at 1M turns), where the kept
-    conversations' spans it replaces cost hundreds of bytes each. Hashes are sorted in an
+    conversations' spans it replaces cost hundreds of bytes each. The hash is Python's own
+    (SipHash, keyed per process: nothing here outlives the process). Hashes are sorted in an
     ``array('Q')`` (looked up by bisection); new ones wait in a set until they are a sixteenth
     of it (at least 64Ki), then are merged in by one sort in Arrow.
     """
+
+    _MASK = (1 << 64) - 1
 
     def __init__(self) -> None:
         self._sorted = array("Q")
         self._pending: set[int] = set()
 
-    @staticmethod
-    def _hash(text: str) -> int:
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
     def __len__(self) -> int:
-        return len(self._sorted) + len(self._pending)
+        self._merge()
+        return len(self._sorted)
 
     def add(self, text: str) -> None:
-        value = self._hash(text)
-        if not self._has(value):
-            self._pending.add(value)
-            if len(self._pending) >= max(1 << 16, len(self._sorted) >> 4):
-                self._merge()
+        self.update((text,))
+
+    def update(self, texts: Iterable[str]) -> None:
+        mask = self._MASK
+        self._pending.update(hash(text) & mask for text in texts)
+        if len(self._pending) >= max(1 << 16, len(self._sorted) >> 4):
+            self._merge()
 
     def __contains__(self, text: str) -> bool:
-        return self._has(self._hash(text))
-
-    def _has(self, value: int) -> bool:
+        if not self._sorted and not self._pending:
+            return False
+        value = hash(text) & self._MASK
         if value in self._pending:
             return True
         at = bisect.bisect_left(self._sorted, value)
         return at < len(self._sorted) and self._sorted[at] == value
 
     def _merge(self) -> None:
+        if not self._pending:
+            return
         both = array("Q", self._sorted)
         both.extend(self._pending)
-        values = pa.Array.from_buffers(pa.uint64(), len(both), [None, pa.py_buffer(both)])
+        values = pc.unique(pa.Array.from_buffers(pa.uint64(), len(both),
+                                                 [None, pa.py_buffer(both)]))
         ordered = values.take(pc.sort_indices(values))
         merged = array("Q")
         merged.frombytes(ordered.buffers()[1].to_pybytes()[:8 * len(ordered)])
@@ -310,6 +316,9 @@ class LiveLedger:
     docstring for what brings it back.
     """
 
+    # The most span rows one step of a refresh reads (see :meth:`refresh`).
+    step_rows = 250_000
+
     def __init__(self, con: duckdb.DuckDBPyConnection, *, idle_s: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._con = con
@@ -340,6 +349,10 @@ class LiveLedger:
         self._transfer_s: dict[Labels, _Histogram] = {}
         self._ttft: dict[Labels, _Histogram] = {}
         self._labels_of_run: dict[str, str] = {}
+        # The newest span end read (ns); a first refresh's conversations → their newest turn's
+        # end, while it runs (kept for those let go: a later step may bring one back).
+        self._newest_end: int | None = None
+        self._turn_end: dict[str, int] | None = None
         self.refreshes = 0
         self.recomputed_conversations = 0
         self.store_reads = 0  # conversations read back from the store
@@ -349,29 +362,61 @@ class LiveLedger:
     def refresh(self) -> int:
         """Read the rows appended since the last refresh; recompute the conversations they touch.
 
+        More than :attr:`step_rows` new rows (a first refresh over a large store: ``kvscope
+        serve`` restarted on it) are read in steps of that many, each as a refresh of its own,
+        so what one step holds is bounded. In a first refresh, a conversation whose newest turn
+        ended ``idle_s`` or more before the newest span read so far leaves memory after the
+        step (its contribution stays in the totals; a later step may read it back): history is
+        idle by its own spans' clock, not held for ``idle_s`` of this process's.
+
         Returns how many conversations were recomputed.
         """
         with self._lock:
             started = time.perf_counter()
             now = self._clock()
             cursor = self._con.cursor()
+            touched: set[str] = set()
             try:
                 reader = DuckDBReader(cursor, time_limit_s=None)
-                previous = self._span_mark
-                dirty = self._read_spans(reader)
+                _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_traces",
+                                                 name="last span row"))
+                high = top[0][0]
+                ends: dict[str, int] = {}
+                idle_ns = None if self._idle_s is None else int(self._idle_s * 1e9)
+                catching_up = self._span_mark < 0 and idle_ns is not None
+                if catching_up:
+                    self._turn_end = ends
                 self._read_gauges(reader)
-                self._unapplied = set()
-                dirty |= self._drop_unmatched(reader, now)
-                if dirty:
-                    self._recompute(reader, dirty, previous, now)
-                self._let_idle_go(now)
-                self._marks.append((now, self._span_mark))
+                while True:
+                    step = (None if high is None
+                            else min(high, max(self._span_mark, -1) + self.step_rows))
+                    touched |= self._step(reader, step, now)
+                    if catching_up and idle_ns is not None and self._newest_end is not None:
+                        # Idle by the spans' own clock, as of the newest span read so far.
+                        old_before = self._newest_end - idle_ns
+                        self._let_units_go({u for u in self._last_seen
+                                            if ends.get(u, old_before) < old_before})
+                    if step is None or step >= high:
+                        break
             finally:
+                self._turn_end = None
                 cursor.close()
             self.refreshes += 1
-            self.recomputed_conversations += len(dirty)
+            self.recomputed_conversations += len(touched)
             self.last_refresh_s = time.perf_counter() - started
-            return len(dirty)
+            return len(touched)
+
+    def _step(self, reader: Reader, high: int | None, now: float) -> set[str]:
+        """One step of a refresh: the rows up to ``high``; the conversations recomputed."""
+        previous = self._span_mark
+        dirty = self._read_spans(reader, high)
+        self._unapplied = set()
+        dirty |= self._drop_unmatched(reader, now)
+        if dirty:
+            self._recompute(reader, dirty, previous, now)
+        self._let_idle_go(now)
+        self._marks.append((now, self._span_mark))
+        return dirty
 
     def _run_label(self, reader: Reader, run_id: str) -> str:
         label = self._labels_of_run.get(run_id)
@@ -383,15 +428,16 @@ class LiveLedger:
             label = self._labels_of_run[run_id] = rows[0][0] if rows else run_id
         return label
 
-    def _read_spans(self, reader: Reader) -> set[str]:
-        _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_traces",
-                                         name="last span row"))
-        high = top[0][0]
+    def _read_spans(self, reader: Reader, high: int | None) -> set[str]:
         if high is None or high <= self._span_mark:
             return set()
         new = reader.frame(query.Query(_NEW_SPANS_SQL, {"low": self._span_mark, "high": high},
                                        name="new spans")).with_columns(
             ledger_module.request_key("request_id").alias("request_key"))
+        ends = new["end_ns"].drop_nulls()
+        if ends.len():
+            newest = int(ends.cast(pl.Int64).max())  # type: ignore[arg-type]
+            self._newest_end = max(newest, self._newest_end or newest)
         # The ledger's own extraction, of the new rows only, kept: a recomputation filters
         # these frames by key instead of reading the store again.
         for name, extraction in ledger_module.QUERIES.items():
@@ -423,6 +469,9 @@ class LiveLedger:
                     if turn_key is not None:
                         self._unit_of_key[turn_key] = unit
                 dirty.add(unit)
+                if self._turn_end is not None and span["end_ns"] is not None:
+                    self._turn_end[unit] = max(self._turn_end.get(unit, span["end_ns"]),
+                                               span["end_ns"])
                 ttft = _number(span["ttft_ms"])
                 if ttft is not None:
                     labels = (self._labels_of_run.get(run_id, run_id), run_id,
@@ -490,10 +539,12 @@ class LiveLedger:
         """Per frame, the rows of ``units`` (None: of every unit whose turn is known)."""
         chosen = (set(self._last_seen) | set(self._unit_of_key.values()) if units is None
                   else set(units))
-        keys = [k for k, u in self._unit_of_key.items() if u in chosen]
+        # One Series for every frame's test (a list is converted again at each use).
+        keys = pl.Series([k for k, u in self._unit_of_key.items() if u in chosen],
+                         dtype=pl.String).implode()
         by_key = ledger_module.request_key("request_id").is_in(keys)
         return {
-            "turns": _unit_expr().is_in(chosen),
+            "turns": _unit_expr().is_in(pl.Series(list(chosen), dtype=pl.String).implode()),
             **{name: pl.col("trace_id").is_in(keys) for name in ("prefill", "decode", "waits")},
             **{name: by_key for name in ("decisions", "transfers", "retentions",
                                          "vllm_requests")},
@@ -526,8 +577,8 @@ class LiveLedger:
             else:
                 keys.update(dropped.select(ledger_module.request_key("request_id"))
                             .to_series().drop_nulls().to_list())
-        for key in (*traces, *keys):
-            self._let_go.add(key)
+        self._let_go.update(traces)
+        self._let_go.update(keys)
         if not traces and not keys:
             return set()
         return set(ledger_units.units_of(reader, traces, keys)["unit"].to_list())
@@ -537,7 +588,12 @@ class LiveLedger:
         (which stays in the totals)."""
         if self._idle_s is None:
             return
-        idle = {u for u, seen in self._last_seen.items() if now - seen >= self._idle_s}
+        self._let_units_go({u for u, seen in self._last_seen.items()
+                            if now - seen >= self._idle_s})
+
+    def _let_units_go(self, idle: set[str]) -> None:
+        """``idle`` (resident conversations) leave memory: their spans, keys and contribution
+        (which stays in the totals)."""
         if not idle:
             return
         mine = self._membership(idle)
@@ -545,15 +601,15 @@ class LiveLedger:
             self._frames[name] = frame.filter(~mine[name].fill_null(False))
         keys = [k for k, u in self._unit_of_key.items() if u in idle]
         if self._models is not None:
-            self._models = self._models.filter(~pl.col("x_request_id").is_in(keys))
+            self._models = self._models.filter(
+                ~pl.col("x_request_id").is_in(pl.Series(keys, dtype=pl.String).implode()))
         for key in keys:
             del self._unit_of_key[key]
         for unit in idle:
             del self._last_seen[unit]
             self._contribution.pop(unit, None)
-            self._let_go.add(unit)
-        for key in keys:
-            self._let_go.add(key)
+        self._let_go.update(idle)
+        self._let_go.update(keys)
 
     def _maybe_let_go(self, units: set[str]) -> list[str]:
         """Those of ``units`` (not resident) that may have been let go, or own dropped spans."""

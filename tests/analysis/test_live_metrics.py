@@ -134,6 +134,51 @@ def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int,
         con.close()
 
 
+def test_a_restart_reads_the_stored_history_in_steps_and_lets_old_conversations_go(
+        source: Path, tmp_path: Path) -> None:
+    """``kvscope serve`` restarted on a store that already holds spans: the first refresh reads
+    them in steps of ``step_rows`` and lets go, step by step, the conversations whose newest
+    turn ended ``idle_s`` before the newest span (at 1M stored turns it held every one: 12 GB
+    at its peak and 7 GB for ``idle_s`` after). The totals equal a rebuild, then and after the
+    rest of the spans arrive (conversations let go come back from the store)."""
+    con = open_store(tmp_path / "live.duckdb")
+    try:
+        _copy_runs(source, con)
+        history = duckdb.connect(str(source), read_only=True)
+        try:
+            rows = history.sql("SELECT * FROM otel_traces ORDER BY rowid").to_arrow_table()
+        finally:
+            history.close()
+        stored = rows.num_rows * 7 // 10
+        con.register("batch", rows.slice(0, stored))
+        con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+        con.unregister("batch")
+        labels = dict(con.execute("SELECT run_id, label FROM kvscope_runs").fetchall())
+        live = LiveLedger(con, idle_s=1.0)
+        live.step_rows = 97
+        recomputed = live.refresh()
+        conversations = con.execute(
+            f"SELECT count(DISTINCT (ResourceAttributes['{semconv.RUN_ID}'], "
+            f"SpanAttributes['{semconv.GEN_AI_CONVERSATION_ID}'])) "
+            f"FROM otel_traces WHERE SpanName = '{semconv.SPAN_TURN}'").fetchall()[0][0]
+        assert recomputed >= conversations
+        # Turns end within seconds of one another here: all but the newest are history.
+        assert live.resident()["conversations"] < conversations / 2
+        totals = live.totals()
+        expected = _rebuilt(con, labels)
+        assert {k: v for k, v in totals.items() if v} == {k: v for k, v in expected.items() if v}
+        con.register("batch", rows.slice(stored))
+        con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+        con.unregister("batch")
+        live.refresh()
+        assert live.store_reads > 0  # conversations let go came back
+        totals = live.totals()
+        expected = _rebuilt(con, labels)
+        assert {k: v for k, v in totals.items() if v} == {k: v for k, v in expected.items() if v}
+    finally:
+        con.close()
+
+
 def _scrape(url: str, accept: str | None = None) -> dict[str, list]:
     headers = {"Accept": accept} if accept else {}
     response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)

@@ -18,7 +18,7 @@ one second per batch) leave memory, and each line also shows what it holds (conv
 rows) and the process's resident memory; ``--no-rebuild`` skips the rebuilds (larger runs).
 
 Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
-      [--idle-s 3] [--no-rebuild] [--base STORE]
+      [--idle-s 3] [--no-rebuild] [--base STORE] [--step-rows N]
 Not a test: nothing here asserts a time.
 """
 
@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--no-rebuild", action="store_true")
     parser.add_argument("--base", type=Path, default=None,
                         help="a store the live store starts as a copy of")
+    parser.add_argument("--step-rows", type=int, default=LiveLedger.step_rows,
+                        help="span rows one step of a refresh reads at most")
     args = parser.parse_args()
     tick = [0.0]
     folder = Path(tempfile.mkdtemp())
@@ -71,6 +73,7 @@ def main() -> int:
     con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
     rows = con.execute("SELECT count(*) FROM src.otel_traces").fetchone()[0]
     live = LiveLedger(con, idle_s=args.idle_s, clock=lambda: tick[0])
+    live.step_rows = args.step_rows
     if args.base is not None:
         base_spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
         started = time.perf_counter()
