@@ -151,6 +151,13 @@ _NEW_SPANS_SQL = (
     f"FROM otel_traces WHERE rowid > $low AND rowid <= $high"
 )
 
+# Per conversation, the row of its last stored turn (a first refresh's catch-up, below).
+_LAST_TURNS_SQL = (
+    f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, "
+    f"{_a(semconv.GEN_AI_CONVERSATION_ID)} AS conversation_id, max(rowid) AS last_row "
+    f"FROM otel_traces WHERE rowid <= $high AND SpanName = $turn "
+    f"AND {_a(semconv.GEN_AI_CONVERSATION_ID)} IS NOT NULL GROUP BY 1, 2"
+)
 _NEW_GAUGES_SQL = (
     f"SELECT ResourceAttributes['{semconv.RUN_ID}'] AS run_id, MetricName AS metric, "
     f"Attributes['{semconv.ENGINE_ID}'] AS engine, Attributes['{semconv.GPU_HOST}'] AS host, "
@@ -365,9 +372,10 @@ class LiveLedger:
         More than :attr:`step_rows` new rows (a first refresh over a large store: ``kvscope
         serve`` restarted on it) are read in steps of that many, each as a refresh of its own,
         so what one step holds is bounded. In a first refresh, a conversation whose newest turn
-        ended ``idle_s`` or more before the newest span read so far leaves memory after the
-        step (its contribution stays in the totals; a later step may read it back): history is
-        idle by its own spans' clock, not held for ``idle_s`` of this process's.
+        ended ``idle_s`` or more before the newest span read so far, and none of whose turns is
+        stored further on, leaves memory after the step (its contribution stays in the totals):
+        history is idle by its own spans' clock, not held for ``idle_s`` of this process's, and
+        what stays is the conversations open at that point of the store.
 
         Returns how many conversations were recomputed.
         """
@@ -383,19 +391,27 @@ class LiveLedger:
                 high = top[0][0]
                 ends: dict[str, int] = {}
                 idle_ns = None if self._idle_s is None else int(self._idle_s * 1e9)
-                catching_up = self._span_mark < 0 and idle_ns is not None
+                catching_up = self._span_mark < 0 and idle_ns is not None and high is not None
+                last_turn: dict[str, int] = {}
                 if catching_up:
                     self._turn_end = ends
+                    _, rows = reader.rows(query.Query(
+                        _LAST_TURNS_SQL, {"high": high, "turn": semconv.SPAN_TURN},
+                        name="last turn rows"))
+                    last_turn = {unit_key(run, conversation, None): row
+                                 for run, conversation, row in rows}
                 self._read_gauges(reader)
                 while True:
                     step = (None if high is None
                             else min(high, max(self._span_mark, -1) + self.step_rows))
                     touched |= self._step(reader, step, now)
                     if catching_up and idle_ns is not None and self._newest_end is not None:
-                        # Idle by the spans' own clock, as of the newest span read so far.
+                        # Idle by the spans' own clock, as of the newest span read so far, and
+                        # no turn of it stored further on (else a later step reads it back).
                         old_before = self._newest_end - idle_ns
                         self._let_units_go({u for u in self._last_seen
-                                            if ends.get(u, old_before) < old_before})
+                                            if ends.get(u, old_before) < old_before
+                                            and last_turn.get(u, -1) <= (step or -1)})
                     if step is None or step >= high:
                         break
             finally:
