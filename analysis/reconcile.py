@@ -11,13 +11,18 @@ series the snapshot lacks, or no turn with the evidence).
 Prefill (vLLM's counts are its scheduler's, at admission, for every request it served):
 
 * ``d2p_tokens_scheduled``: Σ ``to_pull_tokens`` of the turns whose decision was a pull against
-  ``prompt_tokens_by_source{source="external_kv_transfer"}``: the same count, the tokens
-  allocated to load from decode. A difference is the ledger missing requests (not in its turns:
-  a warm-up, a request no log or span placed) or a pull counted twice by vLLM after a
-  preemption;
-* ``d2p_tokens_reused``: Σ ``remote_reused_tokens`` against the same counter: vLLM counts a
-  read that then failed, was declined as expired or loaded blocks decode had released; the
-  ledger does not (explained by the ``to_pull_tokens`` of such turns);
+  ``prompt_tokens_by_source{source="external_kv_transfer"}``, the tokens allocated to load from
+  decode as vLLM counts them: set at a request's admission (``PrefillStats.set``), reported with
+  its first output (``take_prefill_stats``). A pull whose read failed or was declined is not in
+  vLLM's count: with policy ``fail`` the request ends in an error output that carries no stats;
+  with ``recompute`` it goes back to waiting, is admitted again (the stats set again) and either
+  re-issues the load, which parks it for good (the connector queues one read per request), or
+  computes with nothing external. The ledger's failed reads explain the difference; what else
+  differs is the ledger missing requests (a warm-up, a request no log or span placed);
+* ``d2p_tokens_reused``: Σ ``remote_reused_tokens`` against the same counter: vLLM counts what
+  was allocated to load, also tokens the ledger does not call reused (a read of released or
+  misaligned blocks, a stale offer, a preempted read): explained by ``to_pull_tokens −
+  remote_reused_tokens`` of the reads that finished;
 * ``reads_ok``, ``reads_failed``, ``reads_declined_expired``: the turns' D→P read statuses
   against the NIXL counters (``vllm:nixl_xfer_time_seconds_count``,
   ``vllm:nixl_num_failed_transfers``, ``vllm:nixl_num_kv_expired_reqs``): vLLM counts
@@ -42,7 +47,7 @@ import polars as pl
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, register
 from kvscope.analysis.runs import run_settings, run_table
-from kvscope.reuse import outcomes, validity
+from kvscope.reuse import validity
 
 COLUMNS: dict[str, pl.DataType] = {
     "run_id": pl.String(),
@@ -57,6 +62,8 @@ COLUMNS: dict[str, pl.DataType] = {
     "explanation": pl.String(),
 }
 
+_READ_FAILURES = [semconv.TRANSFER_FAILED, semconv.TRANSFER_HANDSHAKE_FAILED,
+                  semconv.TRANSFER_DECLINED_EXPIRED]
 _METRICS_KINDS = {"vllm-metrics": None, "vllm-prefill-metrics": semconv.ROLE_PREFILL,
                   "vllm-decode-metrics": semconv.ROLE_DECODE}
 
@@ -101,9 +108,9 @@ def _prefill_rows(run_id: str, engines: list[str], counters: dict[str, float],
                   turns: pl.DataFrame) -> list[dict[str, Any]]:
     c = pl.col
     pulled = turns.filter(c("decision") == semconv.DECISION_PULL)
-    not_reused = pulled.filter(c("errored") | (c("d2p_status") != semconv.TRANSFER_OK)
-                               | c("d2p_status").is_null()
-                               | (c("outcome") == outcomes.REUSED_INVALID))
+    # Reads that failed or were declined: their requests report no prefill stats to vLLM.
+    uncounted_reads = pulled.filter(c("d2p_status").is_in(_READ_FAILURES))
+    counted_reads = pulled.filter(~c("d2p_status").is_in(_READ_FAILURES).fill_null(False))
     unmeasured = turns.filter((c("turn_index") >= 2) & c("remote_reused_tokens").is_null())
     external = counters.get("prompt_tokens_external_kv_transfer")
     status = turns["d2p_status"]
@@ -112,16 +119,21 @@ def _prefill_rows(run_id: str, engines: list[str], counters: dict[str, float],
     def reads(value: str) -> float | None:
         return float((status == value).sum()) if has_reads else None
 
-    lost = _sum(not_reused, "to_pull_tokens") or 0.0
+    failed = _sum(uncounted_reads, "to_pull_tokens") or 0.0
+    not_reuse = _sum(counted_reads.select(c("to_pull_tokens") - c("remote_reused_tokens")),
+                     "to_pull_tokens") or 0.0
     rows = [
         _row(run_id, semconv.ROLE_PREFILL, engines, "d2p_tokens_scheduled",
-             _sum(pulled, "to_pull_tokens"), external, 0.0,
-             "tokens allocated to load from decode; a difference is a request the ledger has "
-             "no turn for, or a pull vLLM counted again after a preemption"),
+             _sum(pulled, "to_pull_tokens"), external, -failed,
+             f"tokens allocated to load from decode; vLLM does not count a read that failed "
+             f"or was declined (its request reports no prefill stats: {failed:.0f} tokens in "
+             f"this run's ledger); any other difference is a request the ledger has no turn "
+             f"for"),
         _row(run_id, semconv.ROLE_PREFILL, engines, "d2p_tokens_reused",
-             _sum(turns, "remote_reused_tokens"), external, lost,
-             f"vLLM counts at admission, also reads that failed, were declined or loaded "
-             f"released blocks ({lost:.0f} tokens in this run's ledger)"
+             _sum(turns, "remote_reused_tokens"), external, not_reuse,
+             f"vLLM counts what was allocated to load, also reads the ledger does not call "
+             f"reuse (released, misaligned or stale blocks, a preempted read: {not_reuse:.0f} "
+             f"tokens)"
              + (f"; {len(unmeasured)} turns not measured by the ledger" if len(unmeasured)
                 else "")),
         _row(run_id, semconv.ROLE_PREFILL, engines, "reads_ok", reads(semconv.TRANSFER_OK),

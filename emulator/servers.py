@@ -525,10 +525,11 @@ class PrefillServer(_EngineServer[PrefillNode]):
                      f"(emulator gave up after {cfg.stall_timeout_s:g}s)")
         elif result.errored:
             error = "Internal server error"
-        if not result.stalled:
+        if not result.stalled and not result.errored:
             # PrefillStats.set at a schedule with no preemption before it: the first, or the
             # one after a failed load (back to WAITING, not preempted); taken with the first
-            # output or the error.
+            # output. A request ended in error (a failed load, policy fail) reports none: the
+            # scheduler's error output carries no prefill_stats.
             counted = (result.rescheduled_decision
                        if result.rescheduled_decision is not None and not result.preempted
                        else result.decision)

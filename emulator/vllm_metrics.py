@@ -8,9 +8,9 @@ servers:
 * ``vllm:prompt_tokens``, ``vllm:prompt_tokens_by_source{source}``, ``vllm:prompt_tokens_cached``
   (``v1/metrics/loggers.py``), prefill only: per request, the local hit and the tokens scheduled
   to load from decode at its first schedule (``PrefillStats.set`` in ``scheduler.py``, skipped
-  after a preemption), counted when the request first emits output or finishes in error
-  (``take_prefill_stats``); a request parked for good (a stalled re-issued load) emits nothing
-  and is not counted;
+  after a preemption), counted when the request first emits output (``take_prefill_stats``); a
+  request ended in error (a failed load, policy fail: the scheduler's error output carries no
+  stats) or parked for good (a stalled re-issued load) is not counted;
 * the NIXL connector's (``kv_connector/v1/nixl/stats.py``), on the engine whose worker reads:
   ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred`` observed per finished READ
   (prefill's D→P readbacks, decode's P→D pulls), ``vllm:nixl_num_failed_transfers`` (a failed

@@ -199,6 +199,31 @@ def test_vllms_own_counters_reconcile_with_the_ingested_ledger(ingested: pl.Data
     assert not rows["flagged"].any(), table
 
 
+def test_vllms_own_counters_reconcile_exactly_with_the_hook_ledger(
+        ledger: pl.DataFrame, ingested: pl.DataFrame, deployment: Any) -> None:
+    """The same counters beside the hook ledger, which measures every pull (the logs leave
+    concurrent reads' token counts unmeasured): vLLM's ``external_kv_transfer`` is exactly the
+    tokens of the reads that finished, a failed or declined read's request reporting no prefill
+    stats (policy fail: its error output carries none; recompute: the re-issued load parks it)."""
+    from kvscope.analysis import registry
+    from kvscope.analysis.reconcile import reconcile_table
+    from kvscope.analysis.runs import run_table
+
+    with registry.AnalysisContext.open(deployment.logs / "ingested.duckdb") as ctx:
+        [run] = run_table(ctx).select("run_id", "settings").iter_rows()
+    rows = reconcile_table(pl.DataFrame([run], schema=["run_id", "settings"], orient="row"),
+                           ledger.with_columns(pl.lit(run[0]).alias("run_id")))
+    table = rows.select("role", "quantity", "ledger_value", "vllm_value", "difference",
+                        "explained", "flagged").rows()
+    by_quantity = {r["quantity"]: r for r in rows.to_dicts()}
+    for quantity in ("d2p_tokens_scheduled", "d2p_tokens_reused"):
+        row = by_quantity[quantity]
+        assert row["vllm_value"] and row["difference"] == row["explained"], table
+    # The tier's failed and declined reads are in the ledger and in no vLLM count.
+    assert by_quantity["d2p_tokens_scheduled"]["explained"] < 0, table
+    assert not rows["flagged"].any(), table
+
+
 def _keys_per_kind(db: Path, kinds: list[str]) -> dict[str, set[str]]:
     from kvscope.store.query import Query
     from kvscope.store.source import open_reader
