@@ -59,6 +59,24 @@ class TurnAccounting:
     # What happened, as the decision table's facts (kvscope.reuse.decisions.FACTS).
     facts: dict[str, Any] = field(default_factory=dict)
 
+    def split(self) -> TurnSplit:
+        """The token split and the outcome, as a truth row's keywords."""
+        return TurnSplit(reusable_tokens=self.reusable_tokens,
+                         local_hit_tokens=self.local_hit_tokens,
+                         remote_reused_tokens=self.remote_reused_tokens,
+                         recomputed_reusable_tokens=self.recomputed_reusable_tokens,
+                         outcome=self.outcome)
+
+
+class TurnSplit(TypedDict):
+    """A turn's token split and outcome (:meth:`TurnAccounting.split`)."""
+
+    reusable_tokens: int
+    local_hit_tokens: int
+    remote_reused_tokens: int
+    recomputed_reusable_tokens: int
+    outcome: str
+
 
 class TurnContext(TypedDict, total=False):
     """What the proxy and the client did around a turn (:func:`turn_facts`' keywords)."""
@@ -435,11 +453,7 @@ class TruthRecorder:
             prefill_engine=engine,
             turn_index=turn_index,
             previous_x_request_id=previous.x_request_id if previous is not None else None,
-            reusable_tokens=accounting.reusable_tokens,
-            local_hit_tokens=accounting.local_hit_tokens,
-            remote_reused_tokens=accounting.remote_reused_tokens,
-            recomputed_reusable_tokens=accounting.recomputed_reusable_tokens,
-            outcome=accounting.outcome,
+            **accounting.split(),
             evidence=evidence,
             decision=result.decision.decision,
             prompt_tokens=prompt.num_tokens,
@@ -546,5 +560,5 @@ def read_truth(path: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = ["FinishedSequence", "Match", "Route", "SequenceOracle", "TruthRecorder", "TruthRow",
-    "TurnAccounting", "TurnContext", "account_turn", "common_prefix_tokens", "label_tainted",
-    "read_truth", "taint_turn", "turn_facts"]
+    "TurnAccounting", "TurnContext", "TurnSplit", "account_turn", "common_prefix_tokens",
+    "label_tainted", "read_truth", "taint_turn", "turn_facts"]

@@ -779,11 +779,7 @@ class Simulator:
             arrival_s=(record.arrival_ns - self._epoch_ns) / _NS,
             prompt_tokens=prompt_tokens,
             output_tokens=record.output_tokens or 0,
-            reusable_tokens=accounting.reusable_tokens,
-            local_hit_tokens=accounting.local_hit_tokens,
-            remote_reused_tokens=accounting.remote_reused_tokens,
-            recomputed_reusable_tokens=accounting.recomputed_reusable_tokens,
-            outcome=accounting.outcome,
+            **accounting.split(),
             evidence=accounting.evidence,
             router_lookup=turn.truth_args["router_lookup"],
             ttft_ms=((record.first_token_ns - record.arrival_ns) / 1e6
