@@ -6,8 +6,8 @@ reused-remote and recomputed tokens; invalid-reuse turns), what the engines repo
 bytes per decode engine, GPU memory used and total), KV transfers by direction and status, and
 TTFT, labelled by run (its label, and its id), model and engine.
 
-Incremental, not a rebuild per scrape. :meth:`LiveLedger.refresh` (run before each scrape is
-answered) reads only the span rows appended since the last refresh (``rowid`` above a watermark:
+Incremental, not a rebuild per scrape. :meth:`LiveLedger.refresh` (started by each scrape, in
+a thread of its own that the scrape waits for at most :attr:`LiveMetrics.wait_s`) reads only the span rows appended since the last refresh (``rowid`` above a watermark:
 one writer appends, so row ids grow in commit order), and maps each to the *conversation* it
 belongs to: a ``kvscope.turn`` span names it (run id + conversation id; a turn without a
 conversation id is a unit of its own), a leg or tool-wait span by its trace id, an engine span
@@ -95,6 +95,7 @@ TTFT_SECONDS = "kvscope_ttft_seconds"
 REFRESHES = "kvscope_live_refreshes"  # counter
 RECOMPUTED_CONVERSATIONS = "kvscope_live_recomputed_conversations"  # counter
 REFRESH_SECONDS = "kvscope_live_last_refresh_seconds"
+PENDING_ROWS = "kvscope_live_pending_span_rows"
 
 _LEDGER_LABELS = ("run", "run_id", "model", "engine")
 # Series built from the ledger: name → (help, extra label names).
@@ -314,6 +315,28 @@ class _Histogram:
         return out
 
 
+@dataclass(frozen=True)
+class _View:
+    """What a scrape shows: the series as of the end of the last refresh step (copies)."""
+
+    totals: dict[SeriesKey, float] = field(default_factory=dict)
+    gauges: dict[SeriesKey, tuple[object, float]] = field(default_factory=dict)
+    transfers: dict[Labels, float] = field(default_factory=dict)
+    transfer_bytes: dict[Labels, float] = field(default_factory=dict)
+    transfer_s: dict[Labels, _Histogram] = field(default_factory=dict)
+    ttft: dict[Labels, _Histogram] = field(default_factory=dict)
+    refreshes: int = 0
+    recomputed_conversations: int = 0
+    last_refresh_s: float | None = None
+    # Span rows stored but not read yet (a refresh in steps, as of its last step).
+    pending_rows: int = 0
+
+
+def _copies(histograms: dict[Labels, _Histogram]) -> dict[Labels, _Histogram]:
+    return {labels: _Histogram(h.buckets, list(h.counts), h.total)
+            for labels, h in histograms.items()}
+
+
 class LiveLedger:
     """The ledger's series over one store, kept current by :meth:`refresh` (thread-safe).
 
@@ -329,6 +352,9 @@ class LiveLedger:
     def __init__(self, con: duckdb.DuckDBPyConnection, *, idle_s: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._con = con
+        # The in-memory engine each recomputation's per-turn SQL runs on (kept: a connect per
+        # refresh cost ~15 ms of a ~300 ms refresh).
+        self._engine = duckdb.connect()
         self._lock = threading.Lock()
         self._idle_s = idle_s
         self._clock = clock
@@ -362,6 +388,12 @@ class LiveLedger:
         self._turn_end: dict[str, int] | None = None
         self.refreshes = 0
         self.recomputed_conversations = 0
+        # What collect() and totals() read: replaced whole after each step of a refresh, so a
+        # scrape never waits for a refresh in progress (a restart's reads the whole store).
+        self._view = _View()
+        self._view_lock = threading.Lock()
+        # Set by stop(): a refresh in progress ends after its current step.
+        self._stopping = threading.Event()
         self.store_reads = 0  # conversations read back from the store
         self.last_refresh_s: float | None = None
 
@@ -389,6 +421,7 @@ class LiveLedger:
                 _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_traces",
                                                  name="last span row"))
                 high = top[0][0]
+                self._publish(pending=0 if high is None else max(high - self._span_mark, 0))
                 ends: dict[str, int] = {}
                 idle_ns = None if self._idle_s is None else int(self._idle_s * 1e9)
                 catching_up = self._span_mark < 0 and idle_ns is not None and high is not None
@@ -412,15 +445,29 @@ class LiveLedger:
                         self._let_units_go({u for u in self._last_seen
                                             if ends.get(u, old_before) < old_before
                                             and last_turn.get(u, -1) <= (step or -1)})
-                    if step is None or step >= high:
+                    if step is None or step >= high or self._stopping.is_set():
                         break
+                    self._publish(pending=high - step)
             finally:
                 self._turn_end = None
                 cursor.close()
             self.refreshes += 1
             self.recomputed_conversations += len(touched)
             self.last_refresh_s = time.perf_counter() - started
+            self._publish(pending=0 if high is None else max(high - self._span_mark, 0))
             return len(touched)
+
+    def stop(self) -> None:
+        """End a refresh in progress after its current step (the store is about to close)."""
+        self._stopping.set()
+
+    def _publish(self, *, pending: int) -> None:
+        view = _View(dict(self._totals), dict(self._gauges), dict(self._transfers),
+                     dict(self._transfer_bytes), _copies(self._transfer_s), _copies(self._ttft),
+                     self.refreshes, self.recomputed_conversations, self.last_refresh_s,
+                     pending)
+        with self._view_lock:
+            self._view = view
 
     def _step(self, reader: Reader, high: int | None, now: float) -> set[str]:
         """One step of a refresh: the rows up to ``high``; the conversations recomputed."""
@@ -654,7 +701,8 @@ class LiveLedger:
                 if key is not None:
                     self._unit_of_key[key] = row[2]
         models = _models_of(reader, turns["x_request_id"].drop_nulls().unique().to_list())
-        before = contributions(ledger_module.build(_bare(counted), across_conversations=False),
+        before = contributions(ledger_module.build(_bare(counted), across_conversations=False,
+                                                   con=self._engine),
                                models, self._labels_of_run)
         for unit in units:
             self._contribution[unit] = before.get(unit, {})
@@ -689,7 +737,7 @@ class LiveLedger:
                 ledger_module.request_key("request_id").is_in(requests))
         assert self._models is not None
         models = self._models.filter(pl.col("x_request_id").is_in(requests))
-        rows = ledger_module.build(_bare(frames), across_conversations=False)
+        rows = ledger_module.build(_bare(frames), across_conversations=False, con=self._engine)
         fresh = contributions(rows, models, self._labels_of_run)
         for unit in dirty:
             for key, value in self._contribution.pop(unit, {}).items():
@@ -714,64 +762,73 @@ class LiveLedger:
 
     # -- reading -----------------------------------------------------------------------------------
     def totals(self) -> dict[SeriesKey, float]:
-        """The ledger series now: (series, labels) → value."""
-        with self._lock:
-            return dict(self._totals)
+        """The ledger series as of the last refresh step: (series, labels) → value."""
+        with self._view_lock:
+            return dict(self._view.totals)
 
     def collect(self) -> Iterator[Metric]:
-        """Every series as Prometheus metric families (a ``prometheus_client`` collector)."""
-        with self._lock:
-            yield from self._ledger_families()
-            yield from self._gauge_families()
-            yield from self._transfer_families()
-            ttft = HistogramMetricFamily(
-                TTFT_SECONDS, "Request arrival at the proxy to the first token sent, from its "
-                "kvscope.turn spans (vLLM's TTFT buckets)", labels=["run", "run_id", "model"])
-            for labels, hist in sorted(self._ttft.items()):
-                ttft.add_metric(list(labels), hist.cumulative(), hist.total)
-            yield ttft
-            yield from self._self_families()
+        """Every series as Prometheus metric families (a ``prometheus_client`` collector), as
+        of the last refresh step: never waits for a refresh in progress."""
+        with self._view_lock:
+            view = self._view
+        yield from _ledger_families(view)
+        yield from _gauge_families(view)
+        yield from _transfer_families(view)
+        ttft = HistogramMetricFamily(
+            TTFT_SECONDS, "Request arrival at the proxy to the first token sent, from its "
+            "kvscope.turn spans (vLLM's TTFT buckets)", labels=["run", "run_id", "model"])
+        for labels, hist in sorted(view.ttft.items()):
+            ttft.add_metric(list(labels), hist.cumulative(), hist.total)
+        yield ttft
+        yield from _self_families(view)
 
-    def _ledger_families(self) -> Iterator[Metric]:
-        for name, (help_text, extra) in LEDGER_SERIES.items():
-            family = GaugeMetricFamily(name, help_text, labels=[*_LEDGER_LABELS, *extra])
-            for (series, labels), value in sorted(self._totals.items()):
-                if series == name:
-                    family.add_metric(list(labels), value)
-            yield family
 
-    def _gauge_families(self) -> Iterator[Metric]:
-        for metric, (name, help_text, label_names) in GAUGE_SERIES.items():
-            family = GaugeMetricFamily(name, help_text, labels=list(label_names))
-            for (series, labels), (_, value) in sorted(self._gauges.items(), key=str):
-                if series == metric:
-                    family.add_metric(list(labels), value)
-            yield family
+def _ledger_families(view: _View) -> Iterator[Metric]:
+    for name, (help_text, extra) in LEDGER_SERIES.items():
+        family = GaugeMetricFamily(name, help_text, labels=[*_LEDGER_LABELS, *extra])
+        for (series, labels), value in sorted(view.totals.items()):
+            if series == name:
+                family.add_metric(list(labels), value)
+        yield family
 
-    def _transfer_families(self) -> Iterator[Metric]:
-        count = CounterMetricFamily(TRANSFERS, "KV transfers (kvscope.kv_transfer spans) by "
+
+def _gauge_families(view: _View) -> Iterator[Metric]:
+    for metric, (name, help_text, label_names) in GAUGE_SERIES.items():
+        family = GaugeMetricFamily(name, help_text, labels=list(label_names))
+        for (series, labels), (_, value) in sorted(view.gauges.items(), key=str):
+            if series == metric:
+                family.add_metric(list(labels), value)
+        yield family
+
+
+def _transfer_families(view: _View) -> Iterator[Metric]:
+    count = CounterMetricFamily(TRANSFERS, "KV transfers (kvscope.kv_transfer spans) by "
+                                "direction and status", labels=list(_TRANSFER_LABELS))
+    size = CounterMetricFamily(TRANSFER_BYTES, "Bytes KV transfers moved, by direction and "
+                               "status", labels=list(_TRANSFER_LABELS))
+    seconds = HistogramMetricFamily(TRANSFER_SECONDS, "Duration of KV transfers, by "
                                     "direction and status", labels=list(_TRANSFER_LABELS))
-        size = CounterMetricFamily(TRANSFER_BYTES, "Bytes KV transfers moved, by direction and "
-                                   "status", labels=list(_TRANSFER_LABELS))
-        seconds = HistogramMetricFamily(TRANSFER_SECONDS, "Duration of KV transfers, by "
-                                        "direction and status", labels=list(_TRANSFER_LABELS))
-        for labels, value in sorted(self._transfers.items()):
-            count.add_metric(list(labels), value)
-        for labels, value in sorted(self._transfer_bytes.items()):
-            size.add_metric(list(labels), value)
-        for labels, hist in sorted(self._transfer_s.items()):
-            seconds.add_metric(list(labels), hist.cumulative(), hist.total)
-        yield count
-        yield size
-        yield seconds
+    for labels, value in sorted(view.transfers.items()):
+        count.add_metric(list(labels), value)
+    for labels, value in sorted(view.transfer_bytes.items()):
+        size.add_metric(list(labels), value)
+    for labels, hist in sorted(view.transfer_s.items()):
+        seconds.add_metric(list(labels), hist.cumulative(), hist.total)
+    yield count
+    yield size
+    yield seconds
 
-    def _self_families(self) -> Iterator[Metric]:
-        yield CounterMetricFamily(REFRESHES, "Refreshes of the live ledger", value=self.refreshes)
-        yield CounterMetricFamily(RECOMPUTED_CONVERSATIONS, "Conversations recomputed by those "
-                                  "refreshes", value=self.recomputed_conversations)
-        if self.last_refresh_s is not None:
-            yield GaugeMetricFamily(REFRESH_SECONDS, "How long the last refresh took",
-                                    value=self.last_refresh_s)
+
+def _self_families(view: _View) -> Iterator[Metric]:
+    yield CounterMetricFamily(REFRESHES, "Refreshes of the live ledger", value=view.refreshes)
+    yield CounterMetricFamily(RECOMPUTED_CONVERSATIONS, "Conversations recomputed by those "
+                              "refreshes", value=view.recomputed_conversations)
+    if view.last_refresh_s is not None:
+        yield GaugeMetricFamily(REFRESH_SECONDS, "How long the last refresh took",
+                                value=view.last_refresh_s)
+    yield GaugeMetricFamily(PENDING_ROWS, "Span rows stored that the live ledger has not read "
+                            "yet (a refresh in progress, as of its last step)",
+                            value=view.pending_rows)
 
 
 def _bare(frames: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -806,7 +863,16 @@ class _Adapter(Collector):
 
 
 class LiveMetrics:
-    """``GET /metrics`` for ``kvscope serve``: refresh the live ledger, then expose it."""
+    """``GET /metrics`` for ``kvscope serve``: refresh the live ledger, then expose it.
+
+    The refresh runs in a thread of its own; a scrape starts one (unless one is running) and
+    waits for it at most ``wait_s`` seconds, then answers with the series as of the last
+    refresh step: a restart's first refresh over a large store (minutes at 1M turns) does not
+    hold scrapes past Prometheus' timeout, and ``kvscope_live_pending_span_rows`` says how far
+    behind it still is.
+    """
+
+    wait_s = 8.0  # below Prometheus' default scrape timeout (10 s)
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *beside: Collector) -> None:
         self.ledger = LiveLedger(con)
@@ -814,11 +880,45 @@ class LiveMetrics:
         self.registry.register(_Adapter(self.ledger))
         for collector in beside:
             self.registry.register(collector)
+        self._starting = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
 
     def __call__(self, accept: str | None) -> tuple[bytes, str]:
-        """Refresh, then render in the format ``accept`` asks for: (body, Content-Type)."""
-        self.ledger.refresh()
+        """Refresh (waiting at most :attr:`wait_s`), then render in the format ``accept`` asks
+        for: (body, Content-Type). A refresh that failed fails the scrape that sees it end."""
+        thread = self._start()
+        thread.join(self.wait_s)
+        failed = None
+        with self._starting:
+            if not thread.is_alive():
+                failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
         return exposition.render(self.registry, accept)
+
+    def close(self) -> None:
+        """Before the store closes: end a refresh in progress after its current step."""
+        self.ledger.stop()
+        with self._starting:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _start(self) -> threading.Thread:
+        with self._starting:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                                name="kvscope-live-refresh")
+                self._thread.start()
+            return self._thread
+
+    def _refresh(self) -> None:
+        try:
+            self.ledger.refresh()
+        except BaseException as exc:  # handed to the scrape that sees the refresh end
+            with self._starting:
+                self._failed = exc
 
 
 def metrics_source(con: duckdb.DuckDBPyConnection, *beside: Collector) -> LiveMetrics:
@@ -829,7 +929,7 @@ def metrics_source(con: duckdb.DuckDBPyConnection, *beside: Collector) -> LiveMe
 
 __all__ = ["GAUGE_SERIES", "GPU_TOTAL_BYTES", "GPU_USED_BYTES", "INVALID_REUSE_TOKENS",
     "INVALID_REUSE_TURNS", "LEDGER_SERIES", "Labels", "LiveLedger", "LiveMetrics",
-    "OUTCOME_CLASSES", "RECOMPUTED_CONVERSATIONS", "RECOMPUTED_TOKENS", "REFRESHES",
+    "OUTCOME_CLASSES", "PENDING_ROWS", "RECOMPUTED_CONVERSATIONS", "RECOMPUTED_TOKENS", "REFRESHES",
     "REFRESH_SECONDS", "RETAINED_BYTES", "REUSABLE_TOKENS", "REUSED_LOCAL_TOKENS",
     "REUSED_REMOTE_TOKENS", "SeriesKey", "TRANSFERS", "TRANSFER_BYTES", "TRANSFER_SECONDS",
     "TTFT_SECONDS", "TURNS", "contributions", "metrics_source", "unit_key"]

@@ -241,6 +241,10 @@ class _OtlpServer:
         await asyncio.gather(*listeners)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.intake.shutdown)
+        # A metrics renderer refreshing in a thread of its own ends that before the store closes.
+        close_metrics = getattr(self.metrics, "close", None)
+        if close_metrics is not None:
+            await loop.run_in_executor(None, close_metrics)
         if self.run_id is not None:
             await loop.run_in_executor(None, self._end_run)
         await loop.run_in_executor(None, self.writer.close)

@@ -23,6 +23,7 @@ from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope import cli, semconv
@@ -177,6 +178,63 @@ def test_a_restart_reads_the_stored_history_in_steps_and_lets_old_conversations_
         assert {k: v for k, v in totals.items() if v} == {k: v for k, v in expected.items() if v}
     finally:
         con.close()
+
+
+def test_a_scrape_does_not_wait_for_a_long_refresh(source: Path, tmp_path: Path) -> None:
+    """A restart's first refresh over a large store takes minutes (84 s at 1M turns); the
+    scrape that starts it answers after ``wait_s`` with the series as of the last step and how
+    many span rows are still to read, while the refresh goes on in its thread. Once it ends,
+    a scrape shows what a refresh done at once shows; ``close`` ends a refresh early."""
+    con = open_store(tmp_path / "live.duckdb")
+    try:
+        _copy_runs(source, con)
+        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces ORDER BY rowid")
+        stored = con.execute("SELECT count(*) FROM otel_traces").fetchall()[0][0]
+        metrics = metrics_source(con)
+        metrics.wait_s = 0.0
+        metrics.ledger.step_rows = 40
+        mid = None
+        for _ in range(200):
+            page = _parsed(metrics(None)[0])
+            if metrics._thread is not None and metrics._thread.is_alive() and _value(
+                    page["kvscope_live_pending_span_rows"],
+                    "kvscope_live_pending_span_rows") > 0:
+                mid = page
+                break
+            time.sleep(0.01)
+        assert mid is not None  # answered while the refresh was still reading
+        pending = _value(mid["kvscope_live_pending_span_rows"], "kvscope_live_pending_span_rows")
+        assert 0 < pending <= stored
+        assert mid["kvscope_live_refreshes"][0].value == 0
+        assert metrics._thread is not None
+        metrics._thread.join()
+        metrics.wait_s = 30.0
+        done = _parsed(metrics(None)[0])
+        assert _value(done["kvscope_live_pending_span_rows"],
+                      "kvscope_live_pending_span_rows") == 0
+        at_once = LiveLedger(con)
+        at_once.refresh()
+        assert metrics.ledger.totals() == at_once.totals()
+        # A new run's spans arrive; close() (the receiver stopping) ends the refresh early.
+        con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces ORDER BY rowid")
+        metrics.wait_s = 0.0
+        metrics(None)
+        metrics.close()
+        assert metrics._thread is not None and not metrics._thread.is_alive()
+        closed = _parsed(generate_latest(metrics.registry))
+        assert _value(closed["kvscope_live_pending_span_rows"],
+                      "kvscope_live_pending_span_rows") > 0
+    finally:
+        con.close()
+
+
+def _parsed(text: bytes | str) -> dict[str, list]:
+    families: dict[str, list] = {}
+    for family in text_string_to_metric_families(
+            text.decode() if isinstance(text, bytes) else text):
+        families[family.name] = family.samples
+    return families
 
 
 def _scrape(url: str, accept: str | None = None) -> dict[str, list]:
