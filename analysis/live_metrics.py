@@ -7,11 +7,12 @@ bytes per decode engine, GPU memory used and total), KV transfers by direction a
 TTFT, labelled by run (its label, and its id), model and engine.
 
 Incremental, not a rebuild per scrape. :meth:`LiveLedger.refresh` (started by each scrape, in
-a thread of its own that the scrape waits for at most :attr:`LiveMetrics.wait_s`) reads only the span rows appended since the last refresh (``rowid`` above a watermark:
-one writer appends, so row ids grow in commit order), and maps each to the *conversation* it
-belongs to: a ``kvscope.turn`` span names it (run id + conversation id; a turn without a
-conversation id is a unit of its own), a leg or tool-wait span by its trace id, an engine span
-(reuse decision, KV transfer, retention) by its vLLM request id reduced to the X-Request-Id
+a thread of its own that the scrape waits for at most :attr:`LiveMetrics.wait_s`) reads only
+the span rows appended since the last refresh (``rowid`` above a watermark: one writer
+appends, so row ids grow in commit order), and maps each to the *conversation* it belongs to:
+a ``kvscope.turn`` span names it (run id + conversation id; a turn without a conversation id
+is a unit of its own), a leg or tool-wait span by its trace id, an engine span (reuse
+decision, KV transfer, retention) by its vLLM request id reduced to the X-Request-Id
 (:func:`kvscope.analysis.ledger.request_key`). The new rows also go through the ledger's own
 extraction (:data:`kvscope.analysis.ledger.QUERIES`, restricted to those row ids) and are kept in
 memory, so the store is read once per row. Only the conversations that received a span are
@@ -170,6 +171,20 @@ _NEW_GAUGES_SQL = (
 
 unit_key = ledger_units.unit_key
 _unit_expr = ledger_units.unit_expr
+# Kept frames keyed by trace id, and by request key (vLLM's request id reduced to the
+# X-Request-Id: a precomputed ``_key`` column, so a refresh does not apply the regexes again to
+# every kept row); turn rows carry their unit (``_unit``).
+_BY_TRACE = ("prefill", "decode", "waits")
+_BY_REQUEST = ("decisions", "transfers", "retentions", "vllm_requests")
+
+
+def _keyed(name: str, frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` (rows entering the kept frames) with its look-up column."""
+    if name == "turns":
+        return frame.with_columns(_unit_expr().alias("_unit"))
+    if name in _BY_REQUEST:
+        return frame.with_columns(ledger_module.request_key("request_id").alias("_key"))
+    return frame
 
 
 class _Seen:
@@ -506,10 +521,10 @@ class LiveLedger:
         for name, extraction in ledger_module.QUERIES.items():
             # The live ledger reads its own DuckDB store: the DuckDB text, rows past the mark;
             # each span with its row (a span sent twice is read twice: kept once, below).
-            fresh = reader.frame(query.Query(
+            fresh = _keyed(name, reader.frame(query.Query(
                 extraction.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ", 1)
                 + " AND rowid > $row_low AND rowid <= $row_high",
-                {**extraction.params, "row_low": self._span_mark, "row_high": high}))
+                {**extraction.params, "row_low": self._span_mark, "row_high": high})))
             kept = self._frames.get(name)
             # Without a rechunk: appending must not copy what is kept.
             self._frames[name] = fresh if kept is None else pl.concat(
@@ -605,12 +620,10 @@ class LiveLedger:
         # One Series for every frame's test (a list is converted again at each use).
         keys = pl.Series([k for k, u in self._unit_of_key.items() if u in chosen],
                          dtype=pl.String).implode()
-        by_key = ledger_module.request_key("request_id").is_in(keys)
         return {
-            "turns": _unit_expr().is_in(pl.Series(list(chosen), dtype=pl.String).implode()),
-            **{name: pl.col("trace_id").is_in(keys) for name in ("prefill", "decode", "waits")},
-            **{name: by_key for name in ("decisions", "transfers", "retentions",
-                                         "vllm_requests")},
+            "turns": pl.col("_unit").is_in(pl.Series(list(chosen), dtype=pl.String).implode()),
+            **{name: pl.col("trace_id").is_in(keys) for name in _BY_TRACE},
+            **{name: pl.col("_key").is_in(keys) for name in _BY_REQUEST},
         }
 
     def _drop_unmatched(self, reader: Reader, now: float) -> set[str]:
@@ -635,11 +648,10 @@ class LiveLedger:
             self._unapplied.update(dropped["_row"].to_list())
             if name == "turns":
                 continue  # a turn span always has its unit, resident (claimed) or let go
-            if name in ("prefill", "decode", "waits"):
+            if name in _BY_TRACE:
                 traces.update(dropped["trace_id"].drop_nulls().to_list())
             else:
-                keys.update(dropped.select(ledger_module.request_key("request_id"))
-                            .to_series().drop_nulls().to_list())
+                keys.update(dropped["_key"].drop_nulls().to_list())
         self._let_go.update(traces)
         self._let_go.update(keys)
         if not traces and not keys:
@@ -688,7 +700,8 @@ class LiveLedger:
         their contribution what the totals hold of them (their spans up to ``previous`` that
         were not waiting in the frames unclaimed)."""
         self.store_reads += len(units)
-        stored = ledger_units.unit_frames(reader, units, high=self._span_mark, rows=True)
+        stored = {name: _keyed(name, frame) for name, frame in ledger_units.unit_frames(
+            reader, units, high=self._span_mark, rows=True).items()}
         waiting = set(self._unapplied)
         for frame in self._frames.values():
             waiting.update(frame["_row"].to_list())
@@ -696,7 +709,7 @@ class LiveLedger:
                                       & ~pl.col("_row").is_in(list(waiting)))
                    for name, frame in stored.items()}
         turns = stored["turns"]
-        for row in turns.select("x_request_id", "trace_id", _unit_expr().alias("u")).iter_rows():
+        for row in turns.select("x_request_id", "trace_id", "_unit").iter_rows():
             for key in row[:2]:
                 if key is not None:
                     self._unit_of_key[key] = row[2]
@@ -726,15 +739,15 @@ class LiveLedger:
         for unit in dirty:
             self._last_seen[unit] = now
         frames = dict(self._frames)
-        turns = frames["turns"].filter(_unit_expr().is_in(list(dirty)))
-        traces = turns["trace_id"].unique().to_list()
-        requests = turns["x_request_id"].unique().drop_nulls().to_list()
+        turns = frames["turns"].filter(
+            pl.col("_unit").is_in(pl.Series(list(dirty), dtype=pl.String).implode()))
+        traces = turns["trace_id"].unique().implode()
+        requests = turns["x_request_id"].unique().drop_nulls().implode()
         frames["turns"] = turns
-        for name in ("prefill", "decode", "waits"):
+        for name in _BY_TRACE:
             frames[name] = frames[name].filter(pl.col("trace_id").is_in(traces))
-        for name in ("decisions", "transfers", "retentions", "vllm_requests"):
-            frames[name] = frames[name].filter(
-                ledger_module.request_key("request_id").is_in(requests))
+        for name in _BY_REQUEST:
+            frames[name] = frames[name].filter(pl.col("_key").is_in(requests))
         assert self._models is not None
         models = self._models.filter(pl.col("x_request_id").is_in(requests))
         rows = ledger_module.build(_bare(frames), across_conversations=False, con=self._engine)
@@ -833,7 +846,8 @@ def _self_families(view: _View) -> Iterator[Metric]:
 
 def _bare(frames: dict[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """Frames without the kept row ids (the ledger's extraction columns only)."""
-    return {name: frame.drop("_row", strict=False) for name, frame in frames.items()}
+    return {name: frame.drop("_row", "_unit", "_key", strict=False)
+            for name, frame in frames.items()}
 
 
 def _models_of(reader: Reader, requests: list[str]) -> pl.DataFrame:

@@ -18,7 +18,7 @@ one second per batch) leave memory, and each line also shows what it holds (conv
 rows) and the process's resident memory; ``--no-rebuild`` skips the rebuilds (larger runs).
 
 Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
-      [--idle-s 3] [--no-rebuild] [--base STORE] [--step-rows N]
+      [--idle-s 3] [--no-rebuild] [--base STORE [--scrape]] [--step-rows N]
 Not a test: nothing here asserts a time.
 """
 
@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 
 import duckdb
+from prometheus_client import CollectorRegistry
 
 from kvscope.analysis.ledger import ledger
-from kvscope.analysis.live_metrics import LiveLedger
+from kvscope.analysis.live_metrics import PENDING_ROWS, LiveLedger, LiveMetrics, _Adapter
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.emulator.workloads import synthetic
 from kvscope.store.database import open_store
@@ -57,6 +58,9 @@ def main() -> int:
     parser.add_argument("--no-rebuild", action="store_true")
     parser.add_argument("--base", type=Path, default=None,
                         help="a store the live store starts as a copy of")
+    parser.add_argument("--scrape", action="store_true",
+                        help="with --base: the first refresh started by a scrape, as kvscope "
+                             "serve's (the scrape's wait printed)")
     parser.add_argument("--step-rows", type=int, default=LiveLedger.step_rows,
                         help="span rows one step of a refresh reads at most")
     args = parser.parse_args()
@@ -77,7 +81,23 @@ def main() -> int:
     if args.base is not None:
         base_spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
         started = time.perf_counter()
-        touched = live.refresh()
+        if args.scrape:
+            # As kvscope serve's first scrape after a restart: the refresh in its thread, the
+            # scrape answered after LiveMetrics.wait_s.
+            metrics = LiveMetrics(con)
+            metrics.ledger = live
+            metrics.registry = CollectorRegistry(auto_describe=False)
+            metrics.registry.register(_Adapter(live))
+            body, _ = metrics(None)
+            pending = [line for line in body.decode().splitlines()
+                       if line.startswith(PENDING_ROWS)]
+            print(f"first scrape answered in {time.perf_counter() - started:.2f} s: "
+                  f"{pending}", flush=True)
+            assert metrics._thread is not None
+            metrics._thread.join()
+            touched = live.recomputed_conversations
+        else:
+            touched = live.refresh()
         print(f"base: {base_spans} spans; first refresh {time.perf_counter() - started:.1f} s, "
               f"{touched} conversations, RSS {_rss_mib():.0f} MiB (peak "
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f})", flush=True)
