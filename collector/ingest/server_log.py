@@ -222,7 +222,8 @@ class Event:
     line: int
     time_ns: int
     request_id: str
-    # semconv.DECISION_BELOW_THRESHOLD or DECISION_PULL, a semconv.TRANSFER_* status,
+    # semconv.DECISION_BELOW_THRESHOLD, DECISION_PULL or DECISION_REISSUED (the request's load
+    # allocated again, no read queued), a semconv.TRANSFER_* status,
     # semconv.OUTCOME_ERROR (the scheduler failed the request for its read), or
     # READ_AFTER_RELEASE (decode: the request's released blocks were read)
     what: str
@@ -358,6 +359,34 @@ def _read_direction(params: dict[str, Any]) -> str | None:
     if params.get("do_remote_prefill"):
         return semconv.DIRECTION_P_TO_D
     return None
+
+
+def _reissued(params: dict[str, Any]) -> bool:
+    """An allocation to load decode's blocks for a request whose one read was set up already
+    (``_remote_blocks_processed``, set by its first allocation: pull_scheduler.py:188-189): it
+    was scheduled again (a recompute after its failed read, or a preemption), the connector
+    offered the same blocks (pull_scheduler.py:67-103 does not look at the mark) and queued no
+    read, so the request waits for one that never comes."""
+    return bool(params.get("_remote_blocks_processed") and params.get("remote_block_ids")
+                and params.get("do_remote_decode"))
+
+
+def _reissue(events: list[Event], params: dict[str, Any], line: int, time_ns: int,
+             local_hit_tokens: int | None) -> Event | None:
+    """The re-issued load's decision, for the request whose read of the same offer the log
+    placed last (the allocation line names no request; the offer's id does); None when no read
+    of that offer was placed."""
+    offer = params.get("remote_request_id")
+    pull = next((e for e in reversed(events) if e.what == semconv.DECISION_PULL
+                 and offer is not None and e.offered_request_id == str(offer)), None)
+    if pull is None:
+        return None
+    # After the read's own decision, also within the second the plain format resolves.
+    return Event(line, max(time_ns, pull.time_ns + 1), pull.request_id,
+                 semconv.DECISION_REISSUED,
+                 remote_engine_id=pull.remote_engine_id, count_tokens=0,
+                 local_hit_tokens=local_hit_tokens, direction=pull.direction,
+                 offered_request_id=pull.offered_request_id, offered_tokens=pull.offered_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,6 +548,11 @@ def read_role(path: Path, role: str | None) -> ServerLog:
                     str(remote_engine) if remote_engine is not None else None,
                     str(remote_id) if remote_id is not None else None,
                     offered if isinstance(offered, int) else None))
+            elif int(found["tokens"]) > 0 and _reissued(params):
+                reissue = _reissue(events, params, number, now, own_hit.get(found["params"]))
+                count("reissued_loads" if reissue is not None else "reissued_loads_unplaced")
+                if reissue is not None:
+                    events.append(reissue)
             else:
                 count("allocations_without_read")
         elif found := _START_LOAD.match(message):
@@ -649,12 +683,12 @@ def records(log: ServerLog) -> list[tuple[EngineRecord, int, dict[str, Any]]]:
         direction = event.direction or _DIRECTION.get(log.role or "")
         if direction is None:
             continue  # the direction of this read depends on the role, not named
-        if event.what == semconv.DECISION_PULL:
+        if event.what in (semconv.DECISION_PULL, semconv.DECISION_REISSUED):
             if direction == semconv.DIRECTION_D_TO_P:
                 pulled.add(rid)
                 found.append((ReuseDecisionRecord(
                     rid, t, event.local_hit_tokens, event.offered_tokens, event.count_tokens,
-                    None, semconv.DECISION_PULL, None, remote_engine_id=event.remote_engine_id),
+                    None, event.what, None, remote_engine_id=event.remote_engine_id),
                     event.line, {}))
             continue
         if direction == semconv.DIRECTION_D_TO_P and rid not in pulled:

@@ -263,10 +263,6 @@ def _pull_log(path: Path, style: str) -> Path:
             "Num remote_block_ids: %s. ", pulled, "decode-engine-0", 24, 25)
     log.log(_at(1000) + 1, logging.DEBUG, "scheduler.py:3570",
             "Finished recving KV transfer for request %s", pulled)
-    # Preempted and allocated again: its one read was set up already, so nothing is read.
-    _allocation(log, _at(1000) + 1, 16, 384, {
-        **_params("chatcmpl-r-0-1-aaaaaaaa", 400, [*range(25)]),
-        "_remote_blocks_processed": True})
     # CONV_1 turn 2: prefill's own cache covers the offer, so it only notifies decode
     # (num_external_tokens 0); the handshake for that notification fails.
     notify = "chatcmpl-r-1-2-Qw12Er34"
@@ -314,7 +310,7 @@ def test_every_format_gives_the_same_evidence(tmp_path: Path, style: str) -> Non
     assert log.events[0].offered_request_id == "chatcmpl-r-0-1-aaaaaaaa"
     # The notify-only request's failed handshake is no read (vLLM drops it).
     assert log.counts["notify_only_failures"] == 1
-    assert log.counts["allocations_without_read"] == 3
+    assert log.counts["allocations_without_read"] == 2
     assert log.counts["remote_metadata_invalidated"] == 1
     assert log.invalidated_remote_engines == ["decode-engine-0"]
     assert log.engine == {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 480}
@@ -350,6 +346,74 @@ def test_a_pull_the_log_shows_is_reused_in_the_ledger(tmp_path: Path) -> None:
     # Prefill's log shows no decision for it: what it reused is not measured.
     assert notify["remote_reused_tokens"] is None
     assert notify["recomputed_reusable_tokens"] is None
+
+
+def _reissue_log(path: Path) -> Path:
+    """CONV_0 turn 2 read, then preempted and allocated again; CONV_0 turn 3's read fails and,
+    under policy recompute, is allocated again: vLLM 0.32.0's lines as a real prefill logged
+    them (tests/vllm_real's decode_killed_recompute scenario), the second allocation's params
+    marked ``_remote_blocks_processed``."""
+    log = ServerLogFile(path)
+    pulled, offer = "chatcmpl-r-0-2-Xy12Ab34", "chatcmpl-r-0-1-aaaaaaaa"
+    _allocation(log, _at(1000), 16, 384, _params(offer, 400, [*range(25)]))
+    log.log(_at(1000), logging.DEBUG, "pull_worker.py:61",
+            "start_load_kv for request %s from remote engine %s. Num local_block_ids: %s. "
+            "Num remote_block_ids: %s. ", pulled, "decode-engine-0", 24, 25)
+    log.log(_at(1000), logging.DEBUG, "scheduler.py:3570",
+            "Finished recving KV transfer for request %s", pulled)
+    _allocation(log, _at(1000), 16, 384, {**_params(offer, 400, [*range(25)]),
+                                          "_remote_blocks_processed": True})
+    failed, second_offer = "chatcmpl-r-0-3-Zx98Cv76", "chatcmpl-r-0-2-cccccccc"
+    _allocation(log, _at(3000), 32, 79, _params(second_offer, 111, [[120, 113, 102, 83]]))
+    context = {"failure_type": "transfer_setup_failed", "request_id": failed,
+               "engine_id": "prefill-engine-0", "remote_engine_id": "decode-engine-0",
+               "remote_request_id": second_offer, "remote_host": "127.0.0.1",
+               "remote_port": 5600, "num_local_blocks": 5, "num_remote_blocks": 4,
+               "local_block_ids_sample": [7, 8, 9]}
+    log.log(_at(3000), logging.ERROR, "pull_worker.py:562",
+            "NIXL transfer failure: %s. Deferring failure reporting until outstanding "
+            "transfers finish | Context: %s", "transfer_setup_failed", context)
+    log.log(_at(3000), logging.WARNING, "base_worker.py:2915",
+            "Skipping KV post-processing for failed request %s", failed)
+    log.log(_at(3000), logging.WARNING, "scheduler.py:3774",
+            "Recovered from KV load failure: %d request(s) rescheduled (%d tokens affected).",
+            1, 79)
+    _allocation(log, _at(3000), 32, 79, {**_params(second_offer, 111, [[120, 113, 102, 83]]),
+                                         "_remote_blocks_processed": True})
+    # A re-allocation of an offer no read of this log used: counted, not placed.
+    _allocation(log, _at(4000), 0, 50, {**_params("chatcmpl-elsewhere", 50, [[1]]),
+                                        "_remote_blocks_processed": True})
+    return log.write()
+
+
+def test_a_load_allocated_again_is_the_requests_reissued_load(tmp_path: Path) -> None:
+    """An allocation whose params say the request's one read was set up already is a re-issued
+    load (vLLM queues no read: the request waits for one that never comes), tied to the request
+    whose read of the same offer came before: after a failed read (policy recompute) the turn
+    is ``load_stalled``, after a good one ``preempted``, as the hooks say on the real servers."""
+    path = _reissue_log(tmp_path / "prefill.log")
+    log = server_log.read_prefill(path)
+    assert log.unknown_lines == 0, path.read_text()
+    assert [(e.request_id, e.what, e.count_tokens) for e in log.events] == [
+        ("chatcmpl-r-0-2-Xy12Ab34", semconv.DECISION_PULL, 384),
+        ("chatcmpl-r-0-2-Xy12Ab34", semconv.TRANSFER_OK, None),
+        ("chatcmpl-r-0-2-Xy12Ab34", semconv.DECISION_REISSUED, 0),
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.DECISION_PULL, 79),
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.TRANSFER_FAILED, None),  # the failure line
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.TRANSFER_FAILED, None),  # post-processing skipped
+        ("chatcmpl-r-0-3-Zx98Cv76", semconv.DECISION_REISSUED, 0)]
+    assert (log.counts["reissued_loads"], log.counts["reissued_loads_unplaced"]) == (2, 1)
+    # Within one second of the plain format, the re-issue still comes after the read's decision.
+    assert log.events[2].time_ns > log.events[0].time_ns
+    proxy = hits_log(tmp_path / "proxy.log")
+    db = tmp_path / "run.duckdb"
+    ingest(db, [_stats(tmp_path / "stats.json"), proxy.write(),
+                f"{server_log.KIND_PREFILL}:{path}"])
+    rows = {(r["conversation_id"], r["turn_index"]): r for r in _ledger(db)}
+    assert rows[("CONV_0", 3)]["outcome"] == outcomes.LOAD_STALLED
+    assert rows[("CONV_0", 3)]["evidence"] == outcomes.EVIDENCE_LOAD_STALLED.format(
+        semconv.TRANSFER_FAILED)
+    assert rows[("CONV_0", 2)]["outcome"] == outcomes.PREEMPTED
 
 
 def test_a_decode_log_s_pull_is_a_p_to_d_read_and_no_reuse_decision(tmp_path: Path) -> None:
