@@ -43,6 +43,8 @@ RETAINED_SHARE_OF_GPU = 0.5
 # Transfers and telemetry loss: any within EVENT_WINDOW.
 EVENT_WINDOW = "5m"
 FAILED_TRANSFER_STATUSES = (semconv.TRANSFER_FAILED, semconv.TRANSFER_HANDSHAKE_FAILED)
+# The live ledger (kvscope serve): fire when span rows wait unread at every scrape this long.
+LIVE_BEHIND_FOR = "10m"
 _FIRST = outcomes.FIRST_TURN
 _REFUSED_BY = "job, instance, reason"
 _FAILED_BY = "run, engine, status"
@@ -139,6 +141,14 @@ def rules() -> list[Rule]:
              f"{{{{ $value }}}} OTLP request(s) refused whole in the last {EVENT_WINDOW} "
              "(busy: the store writer is behind and senders retry; others: malformed, too "
              "large or unsupported bodies, whose spans are lost).", for_="2m"),
+        Rule("KvscopeLiveLedgerBehind",
+             f"max by (job, instance) ({m.PENDING_ROWS}) > 0",
+             "kvscope serve {{ $labels.instance }}: the live ledger is behind the store",
+             "{{ $value }} stored span rows were not yet read by the live ledger at the last "
+             f"scrape, for {LIVE_BEHIND_FOR}: its refreshes do not keep up "
+             f"({m.REFRESH_SECONDS} says how long one takes) and the ledger series lag what "
+             "was received. A restart on a large store catches up in steps (about 80 s at 1M "
+             "stored turns).", for_=LIVE_BEHIND_FOR),
     ]
 
 

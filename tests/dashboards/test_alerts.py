@@ -56,7 +56,7 @@ def test_the_brief_s_alerts_are_all_there() -> None:
     assert names == {"KvscopeInvalidReuse", "KvscopeKvTransferFailures",
                      "KvscopeReuseRateBelowBaseline", "KvscopeTtlExpiredMissesRising",
                      "KvscopeRetainedKvNearCapacity", "KvscopeTelemetryLost",
-                     "KvscopeReceiverRefusingRequests"}
+                     "KvscopeReceiverRefusingRequests", "KvscopeLiveLedgerBehind"}
     tested = set(re.findall(r"alertname: (\w+)", UNIT_TESTS.read_text(encoding="utf-8")))
     assert tested == names, "every rule has a promtool unit test"
 
