@@ -187,6 +187,6 @@ def render() -> str:
     return header + "\n".join(_yaml(groups(), 0)) + "\n"
 
 
-__all__ = ["EVENT_WINDOW", "FAILED_TRANSFER_STATUSES", "RETAINED_SHARE_OF_GPU", "REUSE_DROP_FACTOR",
-    "REUSE_MIN_TOKENS", "REUSE_WINDOW", "Rule", "TTL_MIN_TURNS", "TTL_OUTCOMES", "TTL_SHARE",
-    "TTL_WINDOW", "groups", "render", "rules"]
+__all__ = ["EVENT_WINDOW", "FAILED_TRANSFER_STATUSES", "LIVE_BEHIND_FOR", "RETAINED_SHARE_OF_GPU",
+    "REUSE_DROP_FACTOR", "REUSE_MIN_TOKENS", "REUSE_WINDOW", "Rule", "TTL_MIN_TURNS",
+    "TTL_OUTCOMES", "TTL_SHARE", "TTL_WINDOW", "groups", "render", "rules"]
