@@ -163,10 +163,17 @@ def run_proxy(args: argparse.Namespace) -> int:
         turn_log.setLevel(logging.INFO)
     host = settings.resolve("host", args.host)
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    (turn_log if turn_log.isEnabledFor(logging.INFO) else logger).log(
-        logging.INFO if turn_log.isEnabledFor(logging.INFO) else logging.WARNING,
-        "kvscope proxy on http://%s:%d%s: %d prefill, %d decode instances", host, args.port,
-        " (loopback only, kvscope's default; --host 0.0.0.0 listens on every address, as "
-        "vLLM's proxy does)" if loopback else "", len(config.prefillers), len(config.decoders))
-    web.run_app(app, host=host, port=args.port, print=None, access_log=None, **SERVER_OPTIONS)
+    ready = turn_log if turn_log.isEnabledFor(logging.INFO) else logger
+
+    def _listening(_aiohttp_banner: str) -> None:
+        # aiohttp calls this once every socket listens: the line means "send turns now".
+        ready.log(
+            logging.INFO if ready is turn_log else logging.WARNING,
+            "kvscope proxy on http://%s:%d%s: %d prefill, %d decode instances", host, args.port,
+            " (loopback only, kvscope's default; --host 0.0.0.0 listens on every address, as "
+            "vLLM's proxy does)" if loopback else "", len(config.prefillers),
+            len(config.decoders))
+
+    web.run_app(app, host=host, port=args.port, print=_listening, access_log=None,
+                **SERVER_OPTIONS)
     return 0

@@ -1013,8 +1013,9 @@ def test_a_client_that_leaves_during_prefill_cancels_the_prefill_call(tmp_path: 
 
 
 def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
-    """The start-up line is INFO (shown, like vLLM's proxy's "Ready"), and says that the default
-    address is loopback only."""
+    """The start-up line is INFO (shown, like vLLM's proxy's "Ready"), says that the default
+    address is loopback only, and comes once the port listens: a client that waits for it is
+    not refused (it once came before aiohttp bound the port; CI's client was refused)."""
     import os
     import signal
     import socket
@@ -1035,9 +1036,15 @@ def test_kvscope_proxy_says_where_it_listens_at_info(tmp_path: Path) -> None:
             lines.append(process.stderr.readline())
             if "kvscope proxy on" in lines[-1] or not lines[-1]:
                 break
+        refused = None
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError as exc:
+            refused = exc
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(30)
+    assert refused is None, "the start-up line came before the port listened"
     line = lines[-1]
     assert " INFO kvscope.collector.proxy.turns: kvscope proxy on http://127.0.0.1:" in line, lines
     assert "loopback only" in line
@@ -1081,6 +1088,7 @@ def test_a_group_sigterm_keeps_the_turn_in_flight_in_the_store(tmp_path: Path) -
             client.start()
             deadline = time.monotonic() + 20
             while not decode.received:  # the turn is in its decode leg
+                assert client.is_alive(), "the turn ended before its decode leg"
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             os.killpg(process.pid, signal.SIGTERM)
