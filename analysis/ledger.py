@@ -55,7 +55,7 @@ from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.query import resource_attr, span_attr
 from kvscope.store.reader import Reader
-from kvscope.store.schema import quote
+from kvscope.store.schema import TRACES_TABLE, quote
 
 if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource
@@ -444,7 +444,7 @@ def _engine_hooks(b: query.Binder) -> str:
             "WHERE missing IS NOT NULL GROUP BY hooks_run")
 
 
-def _engine_turns(b: query.Binder) -> str:
+def _engine_turns(b: query.Binder, turns: str = "turns", only: str = "") -> str:
     """One row per X-Request-Id that engine spans of a run without ``kvscope.turn`` spans
     name (and no turn span does): the requests of a deployment routed by vLLM's own proxy,
     llm-d or any router but kvscope's. In a run the proxy recorded, an engine request no turn
@@ -455,6 +455,9 @@ def _engine_turns(b: query.Binder) -> str:
     token). Conversation, turn index and router fields stay null: only a proxy span knows them.
     Once a turn span names the request (``kvscope ingest`` of the proxy's log later, say), its
     row replaces this one.
+
+    ``turns``: the relation of every turn span (the store's, when a partition's are not all);
+    ``only``: one more condition on ``x_key`` (a partition's own requests).
     """
     d = b.dialect
     keys = " UNION ALL ".join((
@@ -481,8 +484,8 @@ def _engine_turns(b: query.Binder) -> str:
         f"{'NULL' if name in nulls else chosen[name]} AS {quote(name)}" for name in _TURN_COLUMNS)
     return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
             f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
-            "(SELECT x_request_id FROM turns WHERE x_request_id IS NOT NULL) "
-            "AND key_run NOT IN (SELECT run_id FROM turns WHERE run_id IS NOT NULL) "
+            f"(SELECT x_request_id FROM {turns} WHERE x_request_id IS NOT NULL) "
+            f"AND key_run NOT IN (SELECT run_id FROM {turns} WHERE run_id IS NOT NULL){only} "
             "GROUP BY x_key) "
             f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
@@ -737,6 +740,121 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
         else:
             for name in _KINDS:
                 engine.unregister(name)
+
+
+# --- a large store: the per-turn parts a partition of its conversations at a time (DuckDB) ----
+#
+# One statement over a large store makes DuckDB hold (or spill) every turn's joins and windows
+# at once: at 1M turns, 6.6 GB of buffers. Above PARTITION_TURNS turn spans the ledger instead
+# extracts each span kind once into temporary tables, then runs the same per-turn parts over
+# one partition of the conversations at a time (by a hash of run and conversation): their turn
+# spans, their legs (by trace), the engine spans their requests name (by X-Request-Id) and the
+# retentions their legs were offered or left. What spans partitions is decided once over all:
+# each run's missing hooks, and which requests no turn names (such a request's engine spans
+# make their row in the partition of its own hash). The rows equal the one statement's
+# (tests/analysis/test_ledger_partitions.py).
+
+PARTITION_TURNS = 250_000
+_SCRATCH = "_kvscope_ledger_"
+_ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
+
+
+def _scratch(name: str) -> str:
+    return quote(_SCRATCH + name)
+
+
+def partitions_for(reader: Reader) -> int:
+    """How many partitions :func:`ledger` builds the store's rows in (1: one statement)."""
+    if not isinstance(reader, DuckDBReader):
+        return 1
+    _, rows = reader.rows(query.Query(
+        f'SELECT count(*) FROM {quote(TRACES_TABLE)} WHERE "SpanName" = $span',
+        {"span": semconv.SPAN_TURN}, name="ledger turn spans"))
+    return max(1, -(-int(rows[0][0]) // PARTITION_TURNS))
+
+
+def _extraction(kind: str) -> Callable[[query.Binder], str]:
+    build = QUERIES[kind].build
+    assert build is not None  # built by query.spans
+    return build
+
+
+def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder], str]) -> None:
+    statement = query.compose([], lambda b: f"CREATE TEMP TABLE {_scratch(name)} AS {select(b)}")
+    reader.execute(statement.named(f"ledger partitions: {name}"))
+
+
+def _stage(reader: DuckDBReader, count: int) -> None:
+    """The span kinds, extracted once, with what places each row in its partitions."""
+    conversation = ("hash(run_id, conversation_id, CASE WHEN run_id IS NULL "
+                    "OR conversation_id IS NULL THEN span_id END)")
+    _temporary(reader, "turns", lambda b: (
+        f"SELECT *, {conversation} % {count} AS _p FROM ({_extraction('turns')(b)}) AS e"))
+    turns = _scratch("turns")
+    _temporary(reader, "traces", lambda b: (
+        f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
+    _temporary(reader, "keys", lambda b: (
+        f"SELECT DISTINCT x_request_id AS k, _p FROM {turns} WHERE x_request_id IS NOT NULL"))
+    def leg(kind: str) -> Callable[[query.Binder], str]:
+        return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
+                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id")
+
+    def keyed(kind: str) -> Callable[[query.Binder], str]:
+        return lambda b: (f"SELECT *, {_key(b, 'request_id')} AS _k "
+                          f"FROM ({_extraction(kind)(b)}) AS e")
+
+    for kind in ("prefill", "decode", "waits"):
+        _temporary(reader, kind, leg(kind))
+    _temporary(reader, "held", lambda b: (
+        f"SELECT retention_id AS r, _p FROM {_scratch('prefill')} WHERE retention_id IS NOT NULL "
+        f"UNION SELECT decode_request_id, _p FROM {_scratch('decode')} "
+        "WHERE decode_request_id IS NOT NULL"))
+    for kind in _ENGINE_KINDS:
+        _temporary(reader, kind, keyed(kind))
+    def whole(kind: str) -> Callable[[query.Binder], str]:
+        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)}"
+
+    everything: list[tuple[str, query.Part]] = [(kind, whole(kind)) for kind in _ENGINE_KINDS]
+    hooks = query.compose(everything, _engine_hooks).build
+    assert hooks is not None
+    _temporary(reader, "engine_hooks", hooks)
+
+
+def _partition_query(index: int, count: int) -> query.Query:
+    """The per-turn parts over partition ``index`` of ``count`` (:func:`_stage`'s tables)."""
+    def own(kind: str) -> query.Part:
+        return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind)} WHERE _p = {index}"
+
+    def engine(kind: str) -> query.Part:
+        keys = _scratch("keys")
+        named = (f"_k IN (SELECT k FROM {keys} WHERE _p = {index}) OR (hash(_k) % {count} = "
+                 f"{index} AND _k NOT IN (SELECT k FROM {keys}))")
+        if kind == "retentions":
+            named += f" OR request_id IN (SELECT r FROM {_scratch('held')} WHERE _p = {index})"
+        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)} WHERE {named}"
+
+    relations = [(kind, engine(kind) if kind in _ENGINE_KINDS else own(kind)) for kind in _KINDS]
+    replaced: dict[str, query.Part] = {
+        "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks')}",
+        "engine_turns": lambda b: _engine_turns(
+            b, _scratch("turns"), f" AND hash(x_key) % {count} = {index}"),
+    }
+    derived = [(name, replaced.get(name, part)) for name, part in _DERIVED]
+    return query.compose([*relations, *derived], _per_turn).named(
+        f"ledger turns, partition {index + 1} of {count}")
+
+
+def partitioned_turn_rows(reader: DuckDBReader, count: int,
+                          fn: Callable[[pl.DataFrame], pl.DataFrame]) -> list[pl.DataFrame]:
+    """``fn`` over the per-turn rows of ``count`` partitions of the store's conversations, as
+    they stream back (each partition sorted as :data:`TURN_QUERY` sorts; not across them)."""
+    scratch = reader.cursor()  # its temporary tables are its own, and go with it
+    try:
+        _stage(scratch, count)
+        return [done for index in range(count)
+                for done in scratch.map_batches(_partition_query(index, count), fn)]
+    finally:
+        scratch.close()
 
 
 _COLUMN_TYPES: dict[query.Column, pl.DataType] = {
@@ -1211,12 +1329,23 @@ def _facts() -> dict[str, pl.Expr]:
     }
 
 
-def ledger(reader: Reader, *, across_conversations: bool = True) -> pl.DataFrame:
+def ledger(reader: Reader, *, across_conversations: bool = True,
+           partitions: int | None = None) -> pl.DataFrame:
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once), then
-    finished (:func:`finish`)."""
-    return finish(pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False),
-                  across_conversations=across_conversations)
+    finished (:func:`finish`). ``partitions``: build the rows that many conversations' parts
+    at a time (DuckDB only; default :func:`partitions_for`, one per PARTITION_TURNS turns)."""
+    count = partitions_for(reader) if partitions is None else partitions
+    if count > 1 and isinstance(reader, DuckDBReader):
+        frame = pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False).sort(
+            _LEDGER_ORDER, nulls_last=False, maintain_order=True)
+    else:
+        frame = pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
+    return finish(frame, across_conversations=across_conversations)
+
+
+# TURN_QUERY's order, in the shaped rows' names.
+_LEDGER_ORDER = ["run_id", "conversation_id", "turn_index", "arrival"]
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:

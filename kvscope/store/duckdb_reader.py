@@ -39,6 +39,11 @@ class DuckDBReader:
         """The store at ``path``, read-only."""
         return cls(open_readonly(path), time_limit_s=time_limit_s)
 
+    def cursor(self) -> DuckDBReader:
+        """A reader on a connection of its own to the same database: its temporary tables are
+        its own and go when it is closed."""
+        return DuckDBReader(self._con.cursor(), time_limit_s=self.time_limit_s)
+
     def has_table(self, name: str) -> bool:
         _, rows = self.rows(Query("SELECT count(*) FROM information_schema.tables "
                                   "WHERE table_name = $name", {"name": name}, name="has_table"))

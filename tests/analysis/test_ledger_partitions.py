@@ -1,0 +1,157 @@
+"""A large store's ledger, built a partition of its conversations at a time, equals the one
+statement's (analysis/ledger.py, ``partitions``).
+
+The store holds what crosses partitions: a faulted run (clients without conversation ids,
+stripped metadata, failed transfers and handshakes, preemptions, so retentions offered to
+later turns), a plain run, and an engine-only run (engine spans with no turn span, as a router
+that writes none leaves) whose requests' keys the plain run's turns also name, and whose
+engines said hooks were missing on a few spans only (the run's value is their largest).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+
+from kvscope import semconv
+from kvscope.analysis import ledger as ledger_module
+from kvscope.analysis.ledger import ledger
+from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.store.database import open_store
+from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.schema import TRACES_TABLE
+from tests.stores import busy_workload, simulate_faults
+
+_ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
+_ENGINE_SPANS = (semconv.SPAN_REUSE_DECISION, semconv.SPAN_KV_TRANSFER,
+                 semconv.SPAN_KV_RETENTION, semconv.SPAN_VLLM_REQUEST)
+ENGINE_ONLY = "engine-only-run"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    db = tmp_path_factory.mktemp("partitions") / "store.duckdb"
+    workload = busy_workload(turns_p50=5, max_turns=8)
+    simulate_faults(workload, db)
+    simulate(workload, db, SimulationSettings(profile="tiny", label="plain", seed=3))
+    con = open_store(db)
+    try:
+        _retentions_named_apart(con)
+        _an_engine_only_copy(con)
+    finally:
+        con.close()
+    return db
+
+
+def _retentions_named_apart(con: duckdb.DuckDBPyConnection) -> None:
+    """Decode's request ids, as its legs and retentions say them, no longer reduce to the turn's
+    X-Request-Id (a router whose ids do not embed it): a retention joins its turns only through
+    the legs that name it (offered to turn k, left by turn k-1)."""
+    renamed = {semconv.SPAN_KV_RETENTION: semconv.VLLM_REQUEST_ID,
+               semconv.SPAN_GENERATION: semconv.VLLM_REQUEST_ID,
+               semconv.SPAN_INPUT_PROCESSING: semconv.OFFERED_REQUEST_ID}
+    for span, key in renamed.items():
+        con.execute(
+            f"UPDATE {TRACES_TABLE} SET \"SpanAttributes\" = map_concat(\"SpanAttributes\", "
+            "MAP {$key: 'held-' || \"SpanAttributes\"[$key]}) "
+            "WHERE \"SpanName\" = $span AND \"SpanAttributes\"[$key] IS NOT NULL",
+            {"key": key, "span": span})
+
+
+def _an_engine_only_copy(con: duckdb.DuckDBPyConnection) -> None:
+    """The plain run's engine spans again, as another run's without turn spans (new span ids).
+    Half the requests renamed (no turn names them: each makes an engine row), half keep their
+    ids (the plain run's turns name them, and its legs its retentions'). One span says a hook
+    was missing, a few others a shorter list: the run's value is the largest, on every row."""
+    plain = con.execute("SELECT run_id FROM kvscope_runs WHERE label = 'plain'").fetchone()
+    assert plain is not None
+    names = ", ".join(f"'{name}'" for name in _ENGINE_SPANS)
+    key = (f"CASE WHEN \"SpanName\" = '{semconv.SPAN_VLLM_REQUEST}' THEN $gen_ai_id "
+           "ELSE $request_id END")
+    request = f"\"SpanAttributes\"[{key}]"
+    first = (f"(SELECT min(\"SpanId\") FROM {TRACES_TABLE} WHERE \"SpanName\" = "
+             f"'{semconv.SPAN_REUSE_DECISION}' AND \"ResourceAttributes\"[$run_key] = $plain)")
+    con.execute(
+        f"INSERT INTO {TRACES_TABLE} SELECT * REPLACE ("
+        "md5(\"SpanId\") AS \"SpanId\", "
+        f"map_concat(\"SpanAttributes\", CASE WHEN hash({request}) % 2 = 0 "
+        f"THEN MAP {{{key}: 'renamed-' || {request}}} "
+        "ELSE MAP {}::MAP(VARCHAR, VARCHAR) END) AS \"SpanAttributes\", "
+        "map_concat(\"ResourceAttributes\", CASE "
+        f"WHEN \"SpanId\" = {first} THEN MAP {{$run_key: $run, $hooks: 'start_load_kv'}} "
+        "WHEN hash(\"SpanId\") % 7 = 0 THEN MAP {$run_key: $run, $hooks: 'read_blocks'} "
+        "ELSE MAP {$run_key: $run} END) AS \"ResourceAttributes\") "
+        f"FROM {TRACES_TABLE} WHERE \"SpanName\" IN ({names}) "
+        "AND \"ResourceAttributes\"[$run_key] = $plain",
+        {"run_key": semconv.RUN_ID, "run": ENGINE_ONLY, "hooks": semconv.HOOKS_MISSING,
+         "plain": plain[0], "gen_ai_id": semconv.VLLM_GEN_AI_REQUEST_ID,
+         "request_id": semconv.VLLM_REQUEST_ID})
+
+
+def _sorted(frame: pl.DataFrame, order: list[str]) -> pl.DataFrame:
+    return frame.sort(order, nulls_last=False)
+
+
+@pytest.fixture(scope="module")
+def rows(store: Path) -> pl.DataFrame:
+    """The one statement's per-turn rows (before shaping: every joined column)."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        return ledger_module.turn_rows(reader)
+    finally:
+        reader.close()
+
+
+def test_the_store_crosses_partitions(rows: pl.DataFrame) -> None:
+    """What the equality below must survive is in the store (or the test proves little)."""
+    engine_only = rows.filter(pl.col("run_id") == ENGINE_ONLY)
+    assert engine_only.height > 0
+    assert set(engine_only["observer"].to_list()) == {semconv.OBSERVER_ENGINE}
+    # The run's largest list on every row, though only some of its spans carried one.
+    assert set(engine_only["hooks_missing"].to_list()) == {"start_load_kv"}
+    assert rows.filter(pl.col("conversation_id").is_null()
+                       & (pl.col("run_id") != ENGINE_ONLY)).height > 0
+    # Retentions offered to turn k (turn k-1's decode left them) and the one k's decode left.
+    assert rows["retention_bytes"].drop_nulls().len() > 0
+    assert rows["held_tokens"].drop_nulls().len() > 0
+    assert rows.filter(pl.col("retention_id").str.starts_with("held-")
+                       & pl.col("retention_bytes").is_not_null()).height > 0
+    assert {"first", "continues", "edited"} <= set(rows["history"].to_list())
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_partitions_give_the_one_statements_rows(store: Path, rows: pl.DataFrame,
+                                                 count: int) -> None:
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        parted = pl.concat(ledger_module.partitioned_turn_rows(reader, count, lambda f: f))
+    finally:
+        reader.close()
+    assert parted.columns == rows.columns
+    order = ["run_id", "conversation_id", "turn_number", "arrival", "x_request_id", "observer"]
+    assert _sorted(parted, order).equals(_sorted(rows, order))
+
+
+def test_a_large_store_is_built_in_partitions(store: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    """Above PARTITION_TURNS turn spans the default is partitions: the same ledger, in the
+    one statement's order; their temporary tables go with the build."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        whole = ledger(reader)
+        monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
+        assert ledger_module.partitions_for(reader) > 2
+        built = ledger(reader)
+        _, left = reader.rows(ledger_module.query.Query(
+            "SELECT count(*) FROM duckdb_tables() WHERE temporary", name="temporary tables"))
+    finally:
+        reader.close()
+    assert built.height == whole.height
+    order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
+    assert _sorted(built, order).equals(_sorted(whole, order))
+    keys = ["run_id", "conversation_id", "turn_index", "arrival"]
+    assert built.select(keys).equals(whole.select(keys))
+    assert left == [(0,)]
