@@ -33,6 +33,7 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ import duckdb
 import polars as pl
 
 from kvscope import semconv, settings
+from kvscope.errors import QueryOutOfMemory
 from kvscope.reuse import decisions, taint
 from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource
 
 LEDGER_TABLE = "kvscope_ledger"
+logger = logging.getLogger(__name__)
 
 # The ledger's columns and types: the typed contract the analyses and dashboards read.
 LEDGER_SCHEMA: dict[str, pl.DataType] = {
@@ -754,7 +757,14 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # make their row in the partition of its own hash). The rows equal the one statement's
 # (tests/analysis/test_ledger_partitions.py).
 
-PARTITION_TURNS = 250_000
+# Turn spans a partition holds by default: up to 1M turns the one statement is fastest (at 1M,
+# DuckDB's default 4 GB limit: 30 s and 5 GB in one, 41 s and 6 GB in four partitions).
+PARTITION_TURNS = 1_000_000
+# A build that runs out of DuckDB's memory is tried again in this many times more partitions
+# (at 1M turns under a 1 GB limit the one statement fails, four partitions take 69 s and 3.7
+# GB, eight 64 s and 3.6 GB), up to MAX_PARTITIONS.
+_RETRY_FACTOR = 4
+MAX_PARTITIONS = 256
 _SCRATCH = "_kvscope_ledger_"
 _ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
 
@@ -1334,14 +1344,29 @@ def ledger(reader: Reader, *, across_conversations: bool = True,
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once), then
     finished (:func:`finish`). ``partitions``: build the rows that many conversations' parts
-    at a time (DuckDB only; default :func:`partitions_for`, one per PARTITION_TURNS turns)."""
+    at a time (DuckDB only; default :func:`partitions_for`, one per PARTITION_TURNS turns);
+    rows that run out of DuckDB's memory are built again in more partitions."""
     count = partitions_for(reader) if partitions is None else partitions
-    if count > 1 and isinstance(reader, DuckDBReader):
-        frame = pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False).sort(
-            _LEDGER_ORDER, nulls_last=False, maintain_order=True)
-    else:
-        frame = pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
+    while True:
+        try:
+            frame = _shaped(reader, count)
+            break
+        except QueryOutOfMemory as exc:
+            if not isinstance(reader, DuckDBReader) or count >= MAX_PARTITIONS:
+                raise
+            count = min(MAX_PARTITIONS, count * _RETRY_FACTOR)
+            logger.warning("the ledger's per-turn rows ran out of DuckDB's memory (%s); "
+                           "building them again in %d partitions of the conversations",
+                           str(exc).split(" (query ")[0], count)
     return finish(frame, across_conversations=across_conversations)
+
+
+def _shaped(reader: Reader, count: int) -> pl.DataFrame:
+    """The store's per-turn rows, shaped: in ``count`` partitions (DuckDB), else in one."""
+    if count > 1 and isinstance(reader, DuckDBReader):
+        return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False).sort(
+            _LEDGER_ORDER, nulls_last=False, maintain_order=True)
+    return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
 
 
 # TURN_QUERY's order, in the shaped rows' names.
@@ -1408,8 +1433,8 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 
 
 __all__ = ["ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED",
-    "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "QUERIES", "TURN_QUERY",
-    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "finish",
-    "frame_turn_rows",
-    "hook_decided", "ledger", "load_spans", "persist", "rebuild", "rebuild_clickhouse",
-    "request_key", "runs", "shape", "turn_rows"]
+    "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS",
+    "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
+    "VALIDITY_VALID", "build", "finish", "frame_turn_rows", "hook_decided", "ledger",
+    "load_spans", "partitioned_turn_rows", "partitions_for", "persist", "rebuild",
+    "rebuild_clickhouse", "request_key", "runs", "shape", "turn_rows"]

@@ -43,6 +43,10 @@ class QueryError(StoreError):
         self.sql = sql
 
 
+class QueryOutOfMemory(QueryError):
+    """A query ran out of the engine's memory (DuckDB's ``memory_limit``, its spill included)."""
+
+
 class NotAKvscopeStore(StoreError):
     """The file is not a DuckDB database, or is one that kvscope did not create."""
 
@@ -64,4 +68,4 @@ class IngestError(KvscopeError, ValueError):
 
 
 __all__ = ["IngestError", "KvscopeError", "NewerSchemaError", "NotAKvscopeStore", "PayloadError",
-    "QueryError", "SettingError", "StoreError", "StoreLockedError"]
+    "QueryError", "QueryOutOfMemory", "SettingError", "StoreError", "StoreLockedError"]

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import duckdb
 import polars as pl
 
+from kvscope.errors import QueryOutOfMemory
 from kvscope.store.database import open_readonly
 from kvscope.store.query import DUCKDB, Dialect, Query
 from kvscope.store.reader import query_error
@@ -104,6 +105,9 @@ class DuckDBReader:
         except duckdb.InterruptException:
             raise query_error(
                 query, f"query exceeded the {self.time_limit_s:g} s time limit") from None
+        except duckdb.OutOfMemoryException as exc:
+            raise query_error(query, f"query failed: {str(exc).splitlines()[0]}",
+                              kind=QueryOutOfMemory) from None
         except duckdb.Error as exc:
             raise query_error(query, f"query failed: {str(exc).splitlines()[0]}") from None
         finally:

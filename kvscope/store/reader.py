@@ -62,13 +62,15 @@ class Reader(Protocol):
         ...
 
 
-def query_error(query: Query, problem: str, sql: str | None = None) -> QueryError:
-    """``problem`` as a QueryError naming ``query`` (its name, or "unnamed") and its SQL."""
+def query_error(query: Query, problem: str, sql: str | None = None, *,
+                kind: type[QueryError] = QueryError) -> QueryError:
+    """``problem`` as a QueryError (or ``kind``) naming ``query`` (its name, or "unnamed") and
+    its SQL."""
     text = query.sql if sql is None else sql
     one_line = " ".join(text.split())
     quoted = one_line if len(one_line) <= _SQL_QUOTED else one_line[:_SQL_QUOTED] + " …"
     name = query.name or "unnamed"
-    return QueryError(f"{problem} (query {name}: {quoted})", query_name=query.name, sql=text)
+    return kind(f"{problem} (query {name}: {quoted})", query_name=query.name, sql=text)
 
 
 __all__ = ["Reader", "query_error"]

@@ -10,7 +10,9 @@ engines said hooks were missing on a few spans only (the run's value is their la
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -20,6 +22,7 @@ from kvscope import semconv
 from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis.ledger import ledger
 from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.errors import QueryOutOfMemory
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.schema import TRACES_TABLE
@@ -155,3 +158,47 @@ def test_a_large_store_is_built_in_partitions(store: Path, monkeypatch: pytest.M
     keys = ["run_id", "conversation_id", "turn_index", "arrival"]
     assert built.select(keys).equals(whole.select(keys))
     assert left == [(0,)]
+
+
+def test_rows_that_run_out_of_memory_are_built_again_in_partitions(
+        store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """DuckDB out of memory in the one statement (at 1M turns under a 1 GB limit, say): the
+    ledger is built again in partitions, says so once, and is the same ledger."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        whole = ledger(reader)
+        statements: list[str] = []
+        real = DuckDBReader.map_batches
+
+        def short_of_memory(self: DuckDBReader, query: Any, fn: Any, **kw: Any) -> Any:
+            statements.append(query.name)
+            if query.name == ledger_module.TURN_QUERY.name:
+                raise QueryOutOfMemory("query failed: Out of Memory Error: could not allocate "
+                                       "block of size 256.0 KiB (query ledger turns: …)")
+            return real(self, query, fn, **kw)
+
+        monkeypatch.setattr(DuckDBReader, "map_batches", short_of_memory)
+        with caplog.at_level(logging.WARNING, logger=ledger_module.__name__):
+            built = ledger(reader)
+    finally:
+        reader.close()
+    assert statements[0] == "ledger turns"
+    assert statements[1:] == [f"ledger turns, partition {i} of 4" for i in range(1, 5)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the ledger's per-turn rows ran out of DuckDB's memory (query failed: Out of Memory "
+        "Error: could not allocate block of size 256.0 KiB); building them again in 4 "
+        "partitions of the conversations"]
+    assert built.equals(whole)
+
+
+def test_the_reader_names_running_out_of_memory(store: Path) -> None:
+    """DuckDB's own out-of-memory error comes out of a reader as QueryOutOfMemory."""
+    con = open_store(store)
+    try:
+        con.execute("SET memory_limit = '1MB'")
+        reader = DuckDBReader(con, time_limit_s=None)
+        with pytest.raises(QueryOutOfMemory, match="Out of Memory Error"):
+            reader.frame(ledger_module.query.Query(
+                "SELECT string_agg(repeat('x', 1000), ',') FROM range(100000)", name="big"))
+    finally:
+        con.close()

@@ -18,7 +18,7 @@ Two phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrs
                time; it is not counted as done.
 
 Run:  .venv/bin/python tests/benchmarks/bench_ledger.py [--turns 1000000] [--regenerate]
-      [--cache-dir DIR] [--seed 1] [--rounds 1]
+      [--cache-dir DIR] [--seed 1] [--rounds 1] [--partition-turns N]
 Not a test: nothing here asserts a time.
 """
 
@@ -72,9 +72,41 @@ def _generate(db: Path, turns: int, seed: int) -> dict[str, Any]:
             "file_mib": db.stat().st_size / 2**20}
 
 
-def _analyse(db: Path) -> dict[str, Any]:
-    """Open ``db``, build the ledger, run every registered analysis; time each step."""
+class _SpillWatch:
+    """The largest size DuckDB's spill folder (``<db>.tmp``) reaches, sampled every 0.2 s."""
+
+    def __init__(self, db: Path) -> None:
+        import threading
+
+        self.folder = db.with_name(db.name + ".tmp")
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                size = sum(f.stat().st_size for f in self.folder.iterdir())
+            except OSError:
+                continue
+            self.peak = max(self.peak, size)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
+def _analyse(db: Path, partition_turns: int | None = None) -> dict[str, Any]:
+    """Open ``db``, build the ledger, run every registered analysis; time each step.
+    ``partition_turns``: the ledger's PARTITION_TURNS (turn spans per partition) for this run."""
+    from kvscope.analysis import ledger as ledger_module
     from kvscope.analysis import registry
+
+    if partition_turns is not None:
+        ledger_module.PARTITION_TURNS = partition_turns
+    spill = _SpillWatch(db)
 
     steps: list[tuple[str, float | None, str]] = []
     total_start = time.perf_counter()
@@ -99,7 +131,8 @@ def _analyse(db: Path) -> dict[str, Any]:
             steps.append((analysis.name, time.perf_counter() - start, f"{frame.height} rows"))
     return {"steps": steps, "total_s": time.perf_counter() - total_start,
             "turns": ledger.height, "ledger_rss_mib": ledger_rss,
-            "peak_rss_mib": _peak_rss_mib()}
+            "peak_rss_mib": _peak_rss_mib(), "spill_mib": spill.stop(),
+            "partitions": ledger_module.PARTITION_TURNS}
 
 
 def _child(fn: Any, args: tuple[Any, ...], queue: Any) -> None:
@@ -124,6 +157,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=_DEFAULT_CACHE)
     parser.add_argument("--regenerate", action="store_true", help="rebuild the cached store")
     parser.add_argument("--rounds", type=int, default=1, help="analysis runs; best total kept")
+    parser.add_argument("--partition-turns", type=int, default=None,
+                        help="the ledger's turn spans per partition (default: the ledger's "
+                             "PARTITION_TURNS; a number above the store's turns: one statement)")
     args = parser.parse_args()
 
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +174,7 @@ def main() -> None:
     else:
         print(f"using cached {db} ({db.stat().st_size / 2**20:.0f} MiB; --regenerate rebuilds)")
 
-    runs = [_in_process(_analyse, db) for _ in range(args.rounds)]
+    runs = [_in_process(_analyse, db, args.partition_turns) for _ in range(args.rounds)]
     best = min(runs, key=lambda r: r["total_s"])
     print(f"\nanalyse (fresh process, best of {args.rounds}): {best['turns']} ledger rows")
     for name, seconds, note in best["steps"]:
@@ -148,7 +184,8 @@ def main() -> None:
     print(f"  {'total':<20} {best['total_s']:8.2f} s  (target <= 30 s"
           f"{'; ' + str(len(failed)) + ' analysis(es) failed' if failed else ''})")
     print(f"  peak RSS {best['peak_rss_mib']:.0f} MiB (after the ledger: "
-          f"{best['ledger_rss_mib']:.0f} MiB; target <= 4096 MiB)")
+          f"{best['ledger_rss_mib']:.0f} MiB; target <= 4096 MiB); DuckDB's spill at most "
+          f"{best['spill_mib']:.0f} MiB; {best['partitions']} turn spans a partition")
 
 
 if __name__ == "__main__":
