@@ -748,13 +748,14 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # --- a large store: the per-turn parts a partition of its conversations at a time (DuckDB) ----
 #
 # One statement over a large store makes DuckDB hold (or spill) every turn's joins and windows
-# at once: at 1M turns, 6.6 GB of buffers. Above PARTITION_TURNS turn spans the ledger instead
-# extracts each span kind once into temporary tables, then runs the same per-turn parts over
-# one partition of the conversations at a time (by a hash of run and conversation): their turn
-# spans, their legs (by trace), the engine spans their requests name (by X-Request-Id) and the
-# retentions their legs were offered or left. What spans partitions is decided once over all:
-# each run's missing hooks, and which requests no turn names (such a request's engine spans
-# make their row in the partition of its own hash). The rows equal the one statement's
+# at once: at 1M turns, 6.6 GB of buffers. Above PARTITION_TURNS turn spans (or when the one
+# statement runs out of DuckDB's memory) the ledger instead extracts each span kind once into
+# temporary tables, then runs the same per-turn parts over one range of conversations at a
+# time (the ledger's order cut into ranges of about as many turns): their turn spans, their
+# legs (by trace), the engine spans their requests name (by X-Request-Id) and the retentions
+# their legs were offered or left. What spans partitions is decided once over all: each run's
+# missing hooks, and which requests no turn names (an engine-only run's requests are one range
+# unit). The rows equal the one statement's, in its order
 # (tests/analysis/test_ledger_partitions.py).
 
 # Turn spans a partition holds by default: up to 1M turns the one statement is fastest (at 1M,
@@ -795,59 +796,92 @@ def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder],
 
 
 def _stage(reader: DuckDBReader, count: int) -> None:
-    """The span kinds, extracted once, with what places each row in its partitions."""
-    conversation = ("hash(run_id, conversation_id, CASE WHEN run_id IS NULL "
-                    "OR conversation_id IS NULL THEN span_id END)")
-    _temporary(reader, "turns", lambda b: (
-        f"SELECT *, {conversation} % {count} AS _p FROM ({_extraction('turns')(b)}) AS e"))
-    turns = _scratch("turns")
-    _temporary(reader, "traces", lambda b: (
-        f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
-    _temporary(reader, "keys", lambda b: (
-        f"SELECT DISTINCT x_request_id AS k, _p FROM {turns} WHERE x_request_id IS NOT NULL"))
-    def leg(kind: str) -> Callable[[query.Binder], str]:
-        return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
-                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id")
+    """The span kinds, extracted once, and what places each row in its partition.
 
+    A partition is a range of units in the ledger's order (run, then conversation; a run's
+    turns without a conversation id, and an engine-only run's requests, are one unit), about
+    as many turns each: the partitions' rows, one after the other, are in the ledger's order.
+    """
     def keyed(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT *, {_key(b, 'request_id')} AS _k "
                           f"FROM ({_extraction(kind)(b)}) AS e")
 
+    def whole(kind: str) -> Callable[[query.Binder], str]:
+        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)}"
+
+    def leg(kind: str) -> Callable[[query.Binder], str]:
+        return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
+                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id")
+
+    turns, units = _scratch("turns"), _scratch("units")
+    _temporary(reader, "turns", _extraction("turns"))
+    for kind in _ENGINE_KINDS:
+        _temporary(reader, kind, keyed(kind))
+    everything: list[tuple[str, query.Part]] = [(kind, whole(kind)) for kind in _ENGINE_KINDS]
+    hooks = query.compose(everything, _engine_hooks).build
+    assert hooks is not None
+    _temporary(reader, "engine_hooks", hooks)
+    # The requests no turn names, of runs without turn spans: each an engine row (in its run's
+    # unit; engine_turns takes the largest run among its spans).
+    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {_scratch(kind)}"
+                               for kind in _ENGINE_KINDS)
+    _temporary(reader, "unnamed", lambda b: (
+        f"SELECT _k AS k, max(run_id) AS run_id FROM ({named}) AS e WHERE _k IS NOT NULL "
+        f"AND _k NOT IN (SELECT x_request_id FROM {turns} WHERE x_request_id IS NOT NULL) "
+        f"AND run_id NOT IN (SELECT run_id FROM {turns} WHERE run_id IS NOT NULL) GROUP BY _k"))
+    weights = (f"SELECT run_id, conversation_id, count(*) AS n FROM {turns} GROUP BY ALL "
+               f"UNION ALL SELECT run_id, NULL, count(*) FROM {_scratch('unnamed')} "
+               "GROUP BY ALL")
+    order = "run_id NULLS FIRST, conversation_id NULLS FIRST"
+    _temporary(reader, "units", lambda b: (
+        f"SELECT run_id, conversation_id, (sum(n) OVER (ORDER BY {order} ROWS UNBOUNDED "
+        f"PRECEDING) - n) * {count} // (SELECT sum(n) FROM ({weights})) AS _p "
+        f"FROM ({weights}) AS w"))
+    unit = (f"JOIN {units} AS u ON u.run_id IS NOT DISTINCT FROM t.run_id "
+            "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id")
+    _temporary(reader, "traces", lambda b: (
+        f"SELECT DISTINCT t.trace_id, u._p FROM {turns} AS t {unit} "
+        "WHERE t.trace_id IS NOT NULL"))
+    _temporary(reader, "keys", lambda b: (
+        f"SELECT DISTINCT t.x_request_id AS k, u._p FROM {turns} AS t {unit} "
+        "WHERE t.x_request_id IS NOT NULL UNION "
+        f"SELECT e.k, u._p FROM {_scratch('unnamed')} AS e JOIN {units} AS u "
+        "ON u.run_id = e.run_id AND u.conversation_id IS NULL"))
     for kind in ("prefill", "decode", "waits"):
         _temporary(reader, kind, leg(kind))
     _temporary(reader, "held", lambda b: (
         f"SELECT retention_id AS r, _p FROM {_scratch('prefill')} WHERE retention_id IS NOT NULL "
         f"UNION SELECT decode_request_id, _p FROM {_scratch('decode')} "
         "WHERE decode_request_id IS NOT NULL"))
-    for kind in _ENGINE_KINDS:
-        _temporary(reader, kind, keyed(kind))
-    def whole(kind: str) -> Callable[[query.Binder], str]:
-        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)}"
-
-    everything: list[tuple[str, query.Part]] = [(kind, whole(kind)) for kind in _ENGINE_KINDS]
-    hooks = query.compose(everything, _engine_hooks).build
-    assert hooks is not None
-    _temporary(reader, "engine_hooks", hooks)
 
 
 def _partition_query(index: int, count: int) -> query.Query:
     """The per-turn parts over partition ``index`` of ``count`` (:func:`_stage`'s tables)."""
+    units, keys = _scratch("units"), _scratch("keys")
+
     def own(kind: str) -> query.Part:
         return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind)} WHERE _p = {index}"
 
+    def turns(b: query.Binder) -> str:
+        return (f"SELECT t.* FROM {_scratch('turns')} AS t JOIN {units} AS u "
+                "ON u.run_id IS NOT DISTINCT FROM t.run_id "
+                "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id "
+                f"WHERE u._p = {index}")
+
     def engine(kind: str) -> query.Part:
-        keys = _scratch("keys")
-        named = (f"_k IN (SELECT k FROM {keys} WHERE _p = {index}) OR (hash(_k) % {count} = "
-                 f"{index} AND _k NOT IN (SELECT k FROM {keys}))")
+        named = f"_k IN (SELECT k FROM {keys} WHERE _p = {index})"
         if kind == "retentions":
             named += f" OR request_id IN (SELECT r FROM {_scratch('held')} WHERE _p = {index})"
         return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)} WHERE {named}"
 
-    relations = [(kind, engine(kind) if kind in _ENGINE_KINDS else own(kind)) for kind in _KINDS]
+    relations = [(kind, turns if kind == "turns" else engine(kind) if kind in _ENGINE_KINDS
+                  else own(kind)) for kind in _KINDS]
     replaced: dict[str, query.Part] = {
         "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks')}",
         "engine_turns": lambda b: _engine_turns(
-            b, _scratch("turns"), f" AND hash(x_key) % {count} = {index}"),
+            b, _scratch("turns"), f" AND x_key IN (SELECT k FROM {_scratch('unnamed')} AS e "
+            f"JOIN {units} AS u ON u.run_id = e.run_id AND u.conversation_id IS NULL "
+            f"WHERE u._p = {index})"),
     }
     derived = [(name, replaced.get(name, part)) for name, part in _DERIVED]
     return query.compose([*relations, *derived], _per_turn).named(
@@ -857,7 +891,7 @@ def _partition_query(index: int, count: int) -> query.Query:
 def partitioned_turn_rows(reader: DuckDBReader, count: int,
                           fn: Callable[[pl.DataFrame], pl.DataFrame]) -> list[pl.DataFrame]:
     """``fn`` over the per-turn rows of ``count`` partitions of the store's conversations, as
-    they stream back (each partition sorted as :data:`TURN_QUERY` sorts; not across them)."""
+    they stream back, in :data:`TURN_QUERY`'s order."""
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
         _stage(scratch, count)
@@ -1364,13 +1398,9 @@ def ledger(reader: Reader, *, across_conversations: bool = True,
 def _shaped(reader: Reader, count: int) -> pl.DataFrame:
     """The store's per-turn rows, shaped: in ``count`` partitions (DuckDB), else in one."""
     if count > 1 and isinstance(reader, DuckDBReader):
-        return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False).sort(
-            _LEDGER_ORDER, nulls_last=False, maintain_order=True)
+        return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False)
     return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
 
-
-# TURN_QUERY's order, in the shaped rows' names.
-_LEDGER_ORDER = ["run_id", "conversation_id", "turn_index", "arrival"]
 
 
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:

@@ -1,5 +1,5 @@
-"""A large store's ledger, built a partition of its conversations at a time, equals the one
-statement's (analysis/ledger.py, ``partitions``).
+"""A large store's ledger, built a range of its conversations at a time, equals the one
+statement's, in its order (analysis/ledger.py, ``partitions``).
 
 The store holds what crosses partitions: a faulted run (clients without conversation ids,
 stripped metadata, failed transfers and handshakes, preemptions, so retentions offered to
@@ -136,6 +136,8 @@ def test_partitions_give_the_one_statements_rows(store: Path, rows: pl.DataFrame
     assert parted.columns == rows.columns
     order = ["run_id", "conversation_id", "turn_number", "arrival", "x_request_id", "observer"]
     assert _sorted(parted, order).equals(_sorted(rows, order))
+    # One partition after the other is the one statement's order: nothing to sort after.
+    assert parted.select(order[:4]).equals(rows.select(order[:4]))
 
 
 def test_a_large_store_is_built_in_partitions(store: Path, monkeypatch: pytest.MonkeyPatch
