@@ -796,7 +796,9 @@ def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder],
 
 
 def _stage(reader: DuckDBReader, count: int) -> None:
-    """The span kinds, extracted once, and what places each row in its partition.
+    """The span kinds, extracted once, each row with its partition (``_p``; a row a turn of
+    another partition also reads is there twice), stored in partition order so that a
+    partition's scan skips the others' row groups.
 
     A partition is a range of units in the ledger's order (run, then conversation; a run's
     turns without a conversation id, and an engine-only run's requests, are one unit), about
@@ -807,29 +809,39 @@ def _stage(reader: DuckDBReader, count: int) -> None:
                           f"FROM ({_extraction(kind)(b)}) AS e")
 
     def whole(kind: str) -> Callable[[query.Binder], str]:
-        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)}"
+        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch('all_' + kind)}"
 
     def leg(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
-                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id")
+                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id "
+                          "ORDER BY t._p")
 
-    turns, units = _scratch("turns"), _scratch("units")
-    _temporary(reader, "turns", _extraction("turns"))
+    def placed(kind: str) -> Callable[[query.Binder], str]:
+        source = _scratch("all_" + kind)
+        rows = f"SELECT e.* EXCLUDE (_k), k._p FROM {source} AS e JOIN {keys} AS k ON k.k = e._k"
+        if kind == "retentions":
+            rows += (f" UNION SELECT e.* EXCLUDE (_k), h._p FROM {source} AS e "
+                     f"JOIN {_scratch('held')} AS h ON h.r = e.request_id")
+        return lambda b: f"SELECT * FROM ({rows}) AS e ORDER BY _p"
+
+    every_turn, units, keys = _scratch("all_turns"), _scratch("units"), _scratch("keys")
+    _temporary(reader, "all_turns", _extraction("turns"))
     for kind in _ENGINE_KINDS:
-        _temporary(reader, kind, keyed(kind))
+        _temporary(reader, "all_" + kind, keyed(kind))
     everything: list[tuple[str, query.Part]] = [(kind, whole(kind)) for kind in _ENGINE_KINDS]
     hooks = query.compose(everything, _engine_hooks).build
     assert hooks is not None
     _temporary(reader, "engine_hooks", hooks)
     # The requests no turn names, of runs without turn spans: each an engine row (in its run's
     # unit; engine_turns takes the largest run among its spans).
-    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {_scratch(kind)}"
+    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {_scratch('all_' + kind)}"
                                for kind in _ENGINE_KINDS)
     _temporary(reader, "unnamed", lambda b: (
         f"SELECT _k AS k, max(run_id) AS run_id FROM ({named}) AS e WHERE _k IS NOT NULL "
-        f"AND _k NOT IN (SELECT x_request_id FROM {turns} WHERE x_request_id IS NOT NULL) "
-        f"AND run_id NOT IN (SELECT run_id FROM {turns} WHERE run_id IS NOT NULL) GROUP BY _k"))
-    weights = (f"SELECT run_id, conversation_id, count(*) AS n FROM {turns} GROUP BY ALL "
+        f"AND _k NOT IN (SELECT x_request_id FROM {every_turn} WHERE x_request_id IS NOT NULL) "
+        f"AND run_id NOT IN (SELECT run_id FROM {every_turn} WHERE run_id IS NOT NULL) "
+        "GROUP BY _k"))
+    weights = (f"SELECT run_id, conversation_id, count(*) AS n FROM {every_turn} GROUP BY ALL "
                f"UNION ALL SELECT run_id, NULL, count(*) FROM {_scratch('unnamed')} "
                "GROUP BY ALL")
     order = "run_id NULLS FIRST, conversation_id NULLS FIRST"
@@ -837,15 +849,17 @@ def _stage(reader: DuckDBReader, count: int) -> None:
         f"SELECT run_id, conversation_id, (sum(n) OVER (ORDER BY {order} ROWS UNBOUNDED "
         f"PRECEDING) - n) * {count} // (SELECT sum(n) FROM ({weights})) AS _p "
         f"FROM ({weights}) AS w"))
-    unit = (f"JOIN {units} AS u ON u.run_id IS NOT DISTINCT FROM t.run_id "
-            "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id")
+    _temporary(reader, "turns", lambda b: (
+        f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
+        "ON u.run_id IS NOT DISTINCT FROM t.run_id "
+        "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id ORDER BY u._p"))
+    reader.execute(query.Query(f"DROP TABLE {every_turn}", name="ledger partitions"))
+    turns = _scratch("turns")
     _temporary(reader, "traces", lambda b: (
-        f"SELECT DISTINCT t.trace_id, u._p FROM {turns} AS t {unit} "
-        "WHERE t.trace_id IS NOT NULL"))
+        f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
     _temporary(reader, "keys", lambda b: (
-        f"SELECT DISTINCT t.x_request_id AS k, u._p FROM {turns} AS t {unit} "
-        "WHERE t.x_request_id IS NOT NULL UNION "
-        f"SELECT e.k, u._p FROM {_scratch('unnamed')} AS e JOIN {units} AS u "
+        f"SELECT DISTINCT x_request_id AS k, _p FROM {turns} WHERE x_request_id IS NOT NULL "
+        f"UNION SELECT e.k, u._p FROM {_scratch('unnamed')} AS e JOIN {units} AS u "
         "ON u.run_id = e.run_id AND u.conversation_id IS NULL"))
     for kind in ("prefill", "decode", "waits"):
         _temporary(reader, kind, leg(kind))
@@ -853,38 +867,27 @@ def _stage(reader: DuckDBReader, count: int) -> None:
         f"SELECT retention_id AS r, _p FROM {_scratch('prefill')} WHERE retention_id IS NOT NULL "
         f"UNION SELECT decode_request_id, _p FROM {_scratch('decode')} "
         "WHERE decode_request_id IS NOT NULL"))
+    for kind in _ENGINE_KINDS:
+        _temporary(reader, kind, placed(kind))
+        reader.execute(query.Query(f"DROP TABLE {_scratch('all_' + kind)}",
+                                   name="ledger partitions"))
 
 
 def _partition_query(index: int, count: int) -> query.Query:
     """The per-turn parts over partition ``index`` of ``count`` (:func:`_stage`'s tables)."""
-    units, keys = _scratch("units"), _scratch("keys")
-
     def own(kind: str) -> query.Part:
         return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind)} WHERE _p = {index}"
 
-    def turns(b: query.Binder) -> str:
-        return (f"SELECT t.* FROM {_scratch('turns')} AS t JOIN {units} AS u "
-                "ON u.run_id IS NOT DISTINCT FROM t.run_id "
-                "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id "
-                f"WHERE u._p = {index}")
-
-    def engine(kind: str) -> query.Part:
-        named = f"_k IN (SELECT k FROM {keys} WHERE _p = {index})"
-        if kind == "retentions":
-            named += f" OR request_id IN (SELECT r FROM {_scratch('held')} WHERE _p = {index})"
-        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch(kind)} WHERE {named}"
-
-    relations = [(kind, turns if kind == "turns" else engine(kind) if kind in _ENGINE_KINDS
-                  else own(kind)) for kind in _KINDS]
+    unnamed = (f" AND x_key IN (SELECT e.k FROM {_scratch('unnamed')} AS e "
+               f"JOIN {_scratch('units')} AS u ON u.run_id = e.run_id "
+               f"AND u.conversation_id IS NULL WHERE u._p = {index})")
     replaced: dict[str, query.Part] = {
         "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks')}",
-        "engine_turns": lambda b: _engine_turns(
-            b, _scratch("turns"), f" AND x_key IN (SELECT k FROM {_scratch('unnamed')} AS e "
-            f"JOIN {units} AS u ON u.run_id = e.run_id AND u.conversation_id IS NULL "
-            f"WHERE u._p = {index})"),
+        # The partition's own turns suffice: the unnamed requests are no turn's already.
+        "engine_turns": lambda b: _engine_turns(b, "turns", unnamed),
     }
     derived = [(name, replaced.get(name, part)) for name, part in _DERIVED]
-    return query.compose([*relations, *derived], _per_turn).named(
+    return query.compose([*((kind, own(kind)) for kind in _KINDS), *derived], _per_turn).named(
         f"ledger turns, partition {index + 1} of {count}")
 
 

@@ -44,6 +44,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         _retentions_named_apart(con)
         _an_engine_only_copy(con)
+        # One span of the faulted run says a hook was missing: the run's value, on all its turns
+        # (whichever partition they are in).
+        con.execute(
+            f"UPDATE {TRACES_TABLE} SET \"ResourceAttributes\" = map_concat("
+            "\"ResourceAttributes\", MAP {$hooks: 'update_state_after_alloc'}) "
+            f"WHERE \"SpanId\" = (SELECT max(\"SpanId\") FROM {TRACES_TABLE} "
+            "WHERE \"SpanName\" = $span AND \"ResourceAttributes\"[$run_key] = "
+            "(SELECT run_id FROM kvscope_runs WHERE label = 'faults'))",
+            {"hooks": semconv.HOOKS_MISSING, "span": semconv.SPAN_KV_TRANSFER,
+             "run_key": semconv.RUN_ID})
     finally:
         con.close()
     return db
@@ -115,6 +125,10 @@ def test_the_store_crosses_partitions(rows: pl.DataFrame) -> None:
     assert set(engine_only["observer"].to_list()) == {semconv.OBSERVER_ENGINE}
     # The run's largest list on every row, though only some of its spans carried one.
     assert set(engine_only["hooks_missing"].to_list()) == {"start_load_kv"}
+    faulted = rows.filter((pl.col("run_id") != ENGINE_ONLY)
+                          & pl.col("hooks_missing").is_not_null())
+    assert set(faulted["hooks_missing"].to_list()) == {"update_state_after_alloc"}
+    assert faulted.height == rows.filter(pl.col("run_id") == faulted["run_id"][0]).height
     assert rows.filter(pl.col("conversation_id").is_null()
                        & (pl.col("run_id") != ENGINE_ONLY)).height > 0
     # Retentions offered to turn k (turn k-1's decode left them) and the one k's decode left.

@@ -75,10 +75,12 @@ def _generate(db: Path, turns: int, seed: int) -> dict[str, Any]:
 class _SpillWatch:
     """The largest size DuckDB's spill folder (``<db>.tmp``) reaches, sampled every 0.2 s."""
 
-    def __init__(self, db: Path) -> None:
+    def __init__(self, db: Any) -> None:
         import threading
 
-        self.folder = db.with_name(db.name + ".tmp")
+        # A chdb source spills in its own folder: 0 here, "not measured" in the output.
+        self.measured = isinstance(db, Path)
+        self.folder = db.with_name(db.name + ".tmp") if self.measured else Path("/nonexistent")
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -92,13 +94,13 @@ class _SpillWatch:
                 continue
             self.peak = max(self.peak, size)
 
-    def stop(self) -> float:
+    def stop(self) -> float | None:
         self._stop.set()
         self._thread.join()
-        return self.peak / 2**20
+        return self.peak / 2**20 if self.measured else None
 
 
-def _analyse(db: Path, partition_turns: int | None = None) -> dict[str, Any]:
+def _analyse(db: Any, partition_turns: int | None = None) -> dict[str, Any]:
     """Open ``db``, build the ledger, run every registered analysis; time each step.
     ``partition_turns``: the ledger's PARTITION_TURNS (turn spans per partition) for this run."""
     from kvscope.analysis import ledger as ledger_module
@@ -133,6 +135,12 @@ def _analyse(db: Path, partition_turns: int | None = None) -> dict[str, Any]:
             "turns": ledger.height, "ledger_rss_mib": ledger_rss,
             "peak_rss_mib": _peak_rss_mib(), "spill_mib": spill.stop(),
             "partitions": ledger_module.PARTITION_TURNS}
+
+
+def _spill(result: dict[str, Any]) -> str:
+    """The largest spill folder a run's sampler saw, or "not measured" (chdb)."""
+    spill = result.get("spill_mib")
+    return "not measured" if spill is None else f"{spill:.0f} MiB"
 
 
 def _child(fn: Any, args: tuple[Any, ...], queue: Any) -> None:
@@ -185,7 +193,7 @@ def main() -> None:
           f"{'; ' + str(len(failed)) + ' analysis(es) failed' if failed else ''})")
     print(f"  peak RSS {best['peak_rss_mib']:.0f} MiB (after the ledger: "
           f"{best['ledger_rss_mib']:.0f} MiB; target <= 4096 MiB); DuckDB's spill at most "
-          f"{best['spill_mib']:.0f} MiB; {best['partitions']} turn spans a partition")
+          f"{_spill(best)}; {best['partitions']} turn spans a partition")
 
 
 if __name__ == "__main__":
