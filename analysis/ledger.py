@@ -758,12 +758,13 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # unit). The rows equal the one statement's, in its order
 # (tests/analysis/test_ledger_partitions.py).
 
-# Turn spans a partition holds by default: up to 1M turns the one statement is fastest (at 1M,
-# DuckDB's default 4 GB limit: 30 s and 5 GB in one, 41 s and 6 GB in four partitions).
+# Turn spans a partition holds by default: up to 1M turns the one statement is fastest (at 1M
+# under DuckDB's 4 GB limit: 29.0-29.1 s in one, 35.0-35.2 s in four partitions, 5.2-5.4 GB
+# peak either way; docs/benchmarks.md).
 PARTITION_TURNS = 1_000_000
 # A build that runs out of DuckDB's memory is tried again in this many times more partitions
-# (at 1M turns under a 1 GB limit the one statement fails, four partitions take 69 s and 3.7
-# GB, eight 64 s and 3.6 GB), up to MAX_PARTITIONS.
+# (at 1M turns under a 1 GB limit the one statement fails; four partitions take 53 s and peak
+# at 3.1 GB), up to MAX_PARTITIONS.
 _RETRY_FACTOR = 4
 MAX_PARTITIONS = 256
 _SCRATCH = "_kvscope_ledger_"
