@@ -34,6 +34,7 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -793,7 +794,9 @@ def _extraction(kind: str) -> Callable[[query.Binder], str]:
 
 def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder], str]) -> None:
     statement = query.compose([], lambda b: f"CREATE TEMP TABLE {_scratch(name)} AS {select(b)}")
+    start = time.perf_counter()
     reader.execute(statement.named(f"ledger partitions: {name}"))
+    logger.info("ledger partitions: %s staged in %.1f s", name, time.perf_counter() - start)
 
 
 def _stage(reader: DuckDBReader, count: int) -> None:
@@ -899,8 +902,14 @@ def partitioned_turn_rows(reader: DuckDBReader, count: int,
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
         _stage(scratch, count)
-        return [done for index in range(count)
-                for done in scratch.map_batches(_partition_query(index, count), fn)]
+        done: list[pl.DataFrame] = []
+        for index in range(count):
+            start = time.perf_counter()
+            part = scratch.map_batches(_partition_query(index, count), fn)
+            done.extend(part)
+            logger.info("ledger partition %d of %d: %d turns in %.1f s", index + 1, count,
+                        sum(frame.height for frame in part), time.perf_counter() - start)
+        return done
     finally:
         scratch.close()
 
