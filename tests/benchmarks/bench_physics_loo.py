@@ -3,7 +3,7 @@ from a fit that never saw it (leave-one-out), and the headline TTFT speedups.
 
 For each of the sweep's published points (prefill OFF and ON and the D→P read, at both ends,
 Qwen3-32B and GLM-5-FP8: 12 points) it fits the model's constants (per model on its GPU: fixed
-ms and efficiency; per interconnect: latency, per-descriptor cost, link efficiency) on the other
+ms and efficiency; per interconnect: latency and per-block cost) on the other
 11 and prints the prediction, the published value and the error; a point whose absence leaves a
 constant undetermined is printed as such, not predicted. Then the full fit's constants, and the
 headline speedups TTFT OFF / ON at each sweep's long end: published, and predicted from the
@@ -50,8 +50,16 @@ def main() -> None:
     for name in sorted(engines):
         print(f"  {name}: efficiency {full.efficiency(name):.3f}, fixed "
               f"{full.fixed_ms(name):.1f} ms")
-    print(f"  link efficiency {full.link_efficiency:.3f} of EFA's "
-          f"{physics.EFA_P5EN_BYTES_PER_S / 1e9:.0f} GB/s a node")
+    print(f"  link: {full.values[('link', 'latency')]:.1f} ms a read plus "
+          f"{1000 * full.block_ms:.1f} µs a block")
+    for point in points:
+        if point.quantity == "transfer":
+            blocks = sum(t.read_blocks for t in point.turns if t.pulled_tokens) / max(
+                1, sum(1 for t in point.turns if t.pulled_tokens))
+            wire = physics.wire_ms(engines[point.model], blocks)
+            print(f"  {point.model} {point.label}: {point.published_ms:.0f} ms published, "
+                  f"its bytes at EFA's {physics.EFA_P5EN_BYTES_PER_S / 1e9:.0f} GB/s a node "
+                  f"{wire:.1f} ms")
     for sweep in published.SWEEPS:
         end = f"{sweep.prompt_tokens[1] // 1000}k"
         engine = engines[sweep.profile]
