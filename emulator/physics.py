@@ -55,7 +55,12 @@ point, for a reason the published numbers show and no physical term here explain
 read (130 ms) and 150 tokens of compute after 26k of context (~2 ms at the fitted efficiency;
 reading that context's KV once: 0.2 ms), while GLM-5's 20k ON prefill needs nothing extra (its
 sparse attention reads a fixed number of tokens, but that is ~2 ms either way), so Qwen3-32B's
-predicted headline speedup is ~2.5x for a published 1.69x.
+predicted headline speedup is ~2.5x for a published 1.69x. A candidate, not modelled: the
+published transfer time is NIXL's own telemetry (``xferDuration``, post to completion: vLLM
+0.29's ``NixlKVConnectorStats.record_transfer``), so the host's work before the post (descriptor
+ids and ``make_prepped_xfer`` over blocks × regions descriptors: ~105k for Qwen3-32B's 24k read)
+is in the prefill and not in the transfer. It would explain the gap only if GLM-5's reads post
+far fewer descriptors (a cache packed across layers), which was not checked.
 
 Sources (cited where the numbers are defined): NVIDIA's H100 / H200 / A100 datasheets
 (:mod:`kvscope.emulator.capacity`), AWS's p5en instance page for EFA (3,200 Gbit/s a node),
