@@ -135,6 +135,34 @@ def test_incremental_equals_rebuild(source: Path, tmp_path: Path, seed: int,
         con.close()
 
 
+def test_the_per_turn_sql_reads_each_frame_in_one_chunk(
+        source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept frames gain a chunk every refresh (appending does not copy them); what the
+    per-turn SQL scans is one chunk a frame, or refreshes slow down as the live ledger ages."""
+    built: list[dict[str, pl.DataFrame]] = []
+    build = live_metrics.ledger_module.build
+
+    def capture(frames: dict[str, pl.DataFrame], **kwargs: Any) -> pl.DataFrame:
+        built.append(frames)
+        return build(frames, **kwargs)
+
+    monkeypatch.setattr(live_metrics.ledger_module, "build", capture)
+    con = open_store(tmp_path / "live.duckdb")
+    try:
+        _copy_runs(source, con)
+        live = LiveLedger(con, idle_s=600.0)
+        for batch in _shuffled_batches(source, 5, 1):
+            con.register("batch", batch)
+            con.execute("INSERT INTO otel_traces SELECT * FROM batch")
+            con.unregister("batch")
+            live.refresh()
+        assert max(frame.n_chunks() for frame in live._frames.values()) > 1
+        assert built and all(frame.n_chunks() == 1 for frames in built
+                             for frame in frames.values())
+    finally:
+        con.close()
+
+
 def test_a_restart_reads_the_stored_history_in_steps_and_lets_old_conversations_go(
         source: Path, tmp_path: Path) -> None:
     """``kvscope serve`` restarted on a store that already holds spans: the first refresh reads
