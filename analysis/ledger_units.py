@@ -125,20 +125,27 @@ def _key_sql(column: str, params: dict[str, object]) -> str:
 
 
 def unit_frames(reader: Reader, units: Iterable[str], *, high: int | None = None,
-                rows: bool = False) -> dict[str, pl.DataFrame]:
+                rows: bool = False, low: int | None = None) -> dict[str, pl.DataFrame]:
     """The extraction frames (:func:`kvscope.analysis.ledger.load_spans`' shape) of the spans
-    ``units``' rows read, among the rows with ``rowid <= high`` (all when None).
+    ``units``' rows read, among the rows with ``rowid <= high`` (all when None). ``low``: the
+    caller knows none of those spans is at or before that row (a scan skips the row groups
+    before it); the run-wide hook carriers below are looked for in every row all the same.
 
     Also, per run of those turns, one engine span for each distinct missing-hooks list (the
     ledger takes the run's largest): that evidence is run-wide, and a span no turn names adds
     no row in a run that has turn spans. ``rows``: each frame also says the span's row
     (``_row``, its otel_traces rowid; a span stored twice is kept once, at its first row).
     """
-    queries = {name: _rows_between(q, None, high) for name, q in ledger_module.QUERIES.items()}
-    if rows:
-        queries = {name: query.Query(q.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ",
-                                                   1), q.params)
-                   for name, q in queries.items()}
+    def numbered(queries: dict[str, query.Query]) -> dict[str, query.Query]:
+        if not rows:
+            return queries
+        return {name: query.Query(q.sql.replace("SELECT DISTINCT ", "SELECT rowid AS _row, ", 1),
+                                  q.params) for name, q in queries.items()}
+
+    everywhere = numbered({name: _rows_between(q, None, high)
+                           for name, q in ledger_module.QUERIES.items()})
+    queries = numbered({name: _rows_between(q, low, high)
+                        for name, q in ledger_module.QUERIES.items()})
     wanted = sorted(set(units))
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
     # First by the attributes themselves (one look-up a span), then by the exact unit.
@@ -172,7 +179,7 @@ def unit_frames(reader: Reader, units: Iterable[str], *, high: int | None = None
     if runs:
         for name in ("decisions", "transfers", "retentions"):
             carriers = reader.frame(_filtered(
-                queries[name],
+                everywhere[name],
                 "hooks_missing IS NOT NULL AND run_id IN (SELECT unnest($runs)) "
                 "QUALIFY row_number() OVER (PARTITION BY run_id, hooks_missing "
                 "ORDER BY span_id) = 1", {"runs": runs}))
@@ -259,15 +266,18 @@ def touched(reader: Reader, low: int, high: int) -> Touched:
     return Touched(frozenset(units))
 
 
-def units_of(reader: Reader, traces: Iterable[str], keys: Iterable[str]) -> pl.DataFrame:
+def units_of(reader: Reader, traces: Iterable[str], keys: Iterable[str], *,
+             low: int | None = None) -> pl.DataFrame:
     """The units (``unit``, with ``run_id`` and ``x_request_id``) of the turn spans in the
-    store whose trace is among ``traces`` or whose X-Request-Id is among ``keys``."""
+    store whose trace is among ``traces`` or whose X-Request-Id is among ``keys`` (after row
+    ``low``: the caller knows none is at or before it)."""
     unit = _unit_sql("run_id", "conversation_id", "x_request_id")
     lookups: list[tuple[str, dict[str, object]]] = [
         (_BY_TRACE, {"traces": sorted(set(traces))}),
         (_BY_X_REQUEST_ID, {"keys": sorted(set(keys)), "x_key": semconv.X_REQUEST_ID})]
     return pl.concat([reader.frame(_filtered(
-        _narrowed(ledger_module.QUERIES["turns"], condition, values), "TRUE", {},
+        _narrowed(_rows_between(ledger_module.QUERIES["turns"], low, None), condition, values),
+        "TRUE", {},
         columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
         for condition, values in lookups])
 

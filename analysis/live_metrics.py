@@ -49,13 +49,12 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import duckdb
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -188,59 +187,101 @@ def _keyed(name: str, frame: pl.DataFrame) -> pl.DataFrame:
 
 
 class _Seen:
-    """The strings let go, kept as 64-bit hashes (8 bytes each): "was this conversation, or
-    this span's key, ever let go?". Exact but for a hash collision (among 10M strings, one
-    with probability ~3e-6: it costs a read of the store, as any "yes" does).
+    """The strings let go, each with a row at or before the first store row of its spans,
+    kept as 64-bit hashes and rows (16 bytes a string): "was this conversation, or this
+    span's key, ever let go?", and "from which row on is it in the store?". Exact but for a
+    hash collision (among 10M strings, one with probability ~3e-6: it costs a read of the
+    store, as any "yes" does; strings whose hashes collide share the lower row, so a row is
+    never after its string's first one).
 
     It was a fixed 1 MiB Bloom filter: at 1M stored turns it held ~2M strings and said "yes"
     for ~16 % of those never added, so each refresh read ~300 conversations back from the store
     for nothing (5 s a refresh instead of under 1 s, ``bench_live_metrics.py --base``). Memory
-    now grows with what was let go, 8 bytes a string (~20 MB at 1M turns), where the kept
-    conversations' spans it replaces cost hundreds of bytes each. The hash is Python's own
-    (SipHash, keyed per process: nothing here outlives the process). Hashes are sorted in an
-    ``array('Q')`` (looked up by bisection); new ones wait in a set until they are a sixteenth
-    of it (at least 64Ki), then are merged in by one sort in Arrow.
+    now grows with what was let go, 16 bytes a string (~40 MB at 1M turns), where the kept
+    conversations' spans it replaces cost hundreds of bytes each. The rows bound what a read
+    back scans (a store scan restricted to ``rowid > row`` skips the row groups before it:
+    13-20 ms instead of 704 ms for an attribute filter over 6.9M spans). The hash is Python's
+    own (SipHash, keyed per process: nothing here outlives the process). Hashes are sorted in
+    an ``array('Q')`` (looked up by bisection), their rows beside them in an ``array('q')``;
+    new ones wait in a dict until they are a sixteenth of it (at least 64Ki), then are merged
+    in by one sort.
     """
 
     _MASK = (1 << 64) - 1
 
     def __init__(self) -> None:
         self._sorted = array("Q")
-        self._pending: set[int] = set()
+        self._rows = array("q")
+        self._pending: dict[int, int] = {}
 
     def __len__(self) -> int:
         self._merge()
         return len(self._sorted)
 
-    def add(self, text: str) -> None:
-        self.update((text,))
+    def add(self, text: str, row: int) -> None:
+        self.update({text: row})
 
-    def update(self, texts: Iterable[str]) -> None:
-        mask = self._MASK
-        self._pending.update(hash(text) & mask for text in texts)
-        if len(self._pending) >= max(1 << 16, len(self._sorted) >> 4):
+    def update(self, rows: Mapping[str, int]) -> None:
+        """Add each string with its row (a string added again keeps the lower row)."""
+        mask, pending = self._MASK, self._pending
+        for text, row in rows.items():
+            value = hash(text) & mask
+            known = pending.get(value)
+            pending[value] = row if known is None else min(known, row)
+        if len(pending) >= max(1 << 16, len(self._sorted) >> 4):
             self._merge()
 
     def __contains__(self, text: str) -> bool:
+        return self.first_row(text) is not None
+
+    def first_row(self, text: str) -> int | None:
+        """The row ``text`` was added with (the lowest, if more than once); None if never."""
         if not self._sorted and not self._pending:
-            return False
+            return None
         value = hash(text) & self._MASK
-        if value in self._pending:
-            return True
+        pending = self._pending.get(value)
         at = bisect.bisect_left(self._sorted, value)
-        return at < len(self._sorted) and self._sorted[at] == value
+        stored = (self._rows[at] if at < len(self._sorted) and self._sorted[at] == value
+                  else None)
+        if pending is None or stored is None:
+            return pending if stored is None else stored
+        return min(pending, stored)
+
+    def lowest_row(self, texts: Iterable[str]) -> int | None:
+        """The lowest row of those of ``texts`` added; None when none was."""
+        rows = [row for row in map(self.first_row, texts) if row is not None]
+        return min(rows, default=None)
 
     def _merge(self) -> None:
         if not self._pending:
             return
-        both = array("Q", self._sorted)
-        both.extend(self._pending)
-        values = pc.unique(pa.Array.from_buffers(pa.uint64(), len(both),
-                                                 [None, pa.py_buffer(both)]))
-        ordered = values.take(pc.sort_indices(values))
-        merged = array("Q")
-        merged.frombytes(ordered.buffers()[1].to_pybytes()[:8 * len(ordered)])
-        self._sorted, self._pending = merged, set()
+        hashes = array("Q", self._sorted)
+        hashes.extend(self._pending.keys())
+        rows = array("q", self._rows)
+        rows.extend(self._pending.values())
+        merged = (pl.DataFrame({"h": _uint64s(hashes), "r": _int64s(rows)})
+                  .group_by("h").agg(pl.col("r").min()).sort("h"))
+        self._sorted = array("Q", merged["h"].to_arrow().buffers()[1].to_pybytes()[
+            :8 * merged.height])
+        self._rows = array("q", merged["r"].to_arrow().buffers()[1].to_pybytes()[
+            :8 * merged.height])
+        self._pending = {}
+
+
+def _first_row_by(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    """``column``'s values (not null) with the first row of each in ``frame``."""
+    return (frame.filter(pl.col(column).is_not_null())
+            .group_by(column).agg(pl.col("_row").min()))
+
+
+def _uint64s(values: array) -> pl.Series:
+    return pl.Series(pa.Array.from_buffers(pa.uint64(), len(values),
+                                           [None, pa.py_buffer(values)]))
+
+
+def _int64s(values: array) -> pl.Series:
+    return pl.Series(pa.Array.from_buffers(pa.int64(), len(values),
+                                           [None, pa.py_buffer(values)]))
 
 
 def contributions(rows: pl.DataFrame, models: pl.DataFrame, labels_of_run: dict[str, str]
@@ -575,7 +616,10 @@ class LiveLedger:
                 # Maybe a late span of a conversation let go: the store says whose it is.
                 (traces if name in _LEG_SPANS else requests).add(key)
         if traces or requests:
-            dirty.update(ledger_units.units_of(reader, traces, requests)["unit"].to_list())
+            # Their turns are at or after the rows the keys were let go with.
+            low = self._let_go.lowest_row(traces | requests)
+            dirty.update(ledger_units.units_of(
+                reader, traces, requests, low=None if low is None else low - 1)["unit"].to_list())
         return dirty
 
     def _count_transfer(self, span: dict, run_id: str) -> None:
@@ -637,8 +681,8 @@ class LiveLedger:
         if cut is None:
             return set()
         claimed = self._membership(None)
-        traces: set[str] = set()
-        keys: set[str] = set()
+        traces: dict[str, int] = {}
+        keys: dict[str, int] = {}
         for name, frame in self._frames.items():
             aged = (pl.col("_row") <= cut) & ~claimed[name].fill_null(False)
             dropped = frame.filter(aged)
@@ -648,15 +692,19 @@ class LiveLedger:
             self._unapplied.update(dropped["_row"].to_list())
             if name == "turns":
                 continue  # a turn span always has its unit, resident (claimed) or let go
-            if name in _BY_TRACE:
-                traces.update(dropped["trace_id"].drop_nulls().to_list())
-            else:
-                keys.update(dropped["_key"].drop_nulls().to_list())
+            column, found = ("trace_id", traces) if name in _BY_TRACE else ("_key", keys)
+            for key, row in _first_row_by(dropped, column).iter_rows():
+                found[key] = min(row, found.get(key, row))
         self._let_go.update(traces)
         self._let_go.update(keys)
         if not traces and not keys:
             return set()
-        return set(ledger_units.units_of(reader, traces, keys)["unit"].to_list())
+        # A turn span of these keys is after their dropped spans (all rows up to them were
+        # read, and a turn read before would have claimed them), or its conversation was let
+        # go, with a row lower still.
+        low = self._let_go.lowest_row([*traces, *keys])
+        return set(ledger_units.units_of(reader, traces, keys,
+                                         low=None if low is None else low - 1)["unit"].to_list())
 
     def _let_idle_go(self, now: float) -> None:
         """Conversations idle for ``idle_s`` leave memory: their spans, keys and contribution
@@ -672,19 +720,58 @@ class LiveLedger:
         if not idle:
             return
         mine = self._membership(idle)
+        keys = [k for k, u in self._unit_of_key.items() if u in idle]
+        first = self._first_rows(idle, keys)
         for name, frame in self._frames.items():
             self._frames[name] = frame.filter(~mine[name].fill_null(False))
-        keys = [k for k, u in self._unit_of_key.items() if u in idle]
         if self._models is not None:
             self._models = self._models.filter(
                 ~pl.col("x_request_id").is_in(pl.Series(keys, dtype=pl.String).implode()))
+        # Each key with its conversation's first row: a read back starts there.
+        self._let_go.update({key: first.get(self._unit_of_key[key], 0) for key in keys})
+        self._let_go.update({unit: first.get(unit, 0) for unit in idle})
         for key in keys:
             del self._unit_of_key[key]
         for unit in idle:
             del self._last_seen[unit]
             self._contribution.pop(unit, None)
-        self._let_go.update(idle)
-        self._let_go.update(keys)
+
+    def _first_rows(self, units: set[str], keys: list[str]) -> dict[str, int]:
+        """Each of ``units``' first row among the kept spans (``keys``: theirs). Every span
+        of a resident conversation up to the mark is kept (a read back brought back what was
+        let go or dropped), so it is the conversation's first row in the store."""
+        owner = pl.DataFrame({"key": keys, "unit": [self._unit_of_key[k] for k in keys]},
+                             schema={"key": pl.String, "unit": pl.String})
+        parts = []
+        for name, frame in self._frames.items():
+            if name == "turns":
+                part = frame.filter(pl.col("_unit").is_in(
+                    pl.Series(list(units), dtype=pl.String).implode())).select(
+                        unit=pl.col("_unit"), row=pl.col("_row"))
+            else:
+                column = "trace_id" if name in _BY_TRACE else "_key"
+                part = frame.select(key=pl.col(column), row=pl.col("_row")).join(
+                    owner, on="key").select("unit", "row")
+            parts.append(part)
+        if not parts:
+            return {}
+        firsts = pl.concat(parts).group_by("unit").agg(pl.col("row").min())
+        return dict(firsts.iter_rows())
+
+    def _first_row_of(self, units: list[str]) -> int | None:
+        """A row before every stored span of ``units`` (read back: let go, or owning dropped
+        spans; their kept spans stay kept); None when one's rows are not known."""
+        keys: dict[str, list[str]] = {}
+        for key, unit in self._unit_of_key.items():
+            if unit in units:
+                keys.setdefault(unit, []).append(key)
+        lows = []
+        for unit in units:
+            low = self._let_go.lowest_row([unit, *keys.get(unit, ())])
+            if low is None:
+                return None
+            lows.append(low)
+        return min(lows) - 1 if lows else None
 
     def _maybe_let_go(self, units: set[str]) -> list[str]:
         """Those of ``units`` (not resident) that may have been let go, or own dropped spans."""
@@ -701,7 +788,8 @@ class LiveLedger:
         were not waiting in the frames unclaimed)."""
         self.store_reads += len(units)
         stored = {name: _keyed(name, frame) for name, frame in ledger_units.unit_frames(
-            reader, units, high=self._span_mark, rows=True).items()}
+            reader, units, high=self._span_mark, rows=True,
+            low=self._first_row_of(units)).items()}
         waiting = set(self._unapplied)
         for frame in self._frames.values():
             waiting.update(frame["_row"].to_list())

@@ -438,9 +438,15 @@ def test_what_was_let_go_is_remembered_exactly() -> None:
     a 1M-turn store lets go: each a needless read of the store)."""
     seen = _Seen()
     added = [f"chatcmpl-r-{i}-1-{i:08x}" for i in range(300_000)]
-    for text in added:
-        seen.add(text)
-    seen.add(added[0])  # again: kept once
+    for row, text in enumerate(added):
+        seen.add(text, 1000 + row)
+    seen.add(added[0], 5)  # again: kept once, with the lower row
+    seen.add(added[1], 5000)  # again with a higher row: keeps its first
     assert len(seen) == len(added)
     assert all(text in seen for text in added)
     assert not any(f"cmpl-other-{i}" in seen for i in range(200_000))
+    # Each string's row, across merges: the lowest it was added with.
+    assert seen.first_row(added[0]) == 5 and seen.first_row(added[1]) == 1001
+    assert [seen.first_row(t) for t in added[2:2000]] == list(range(1002, 3000))
+    assert seen.lowest_row([added[9], "never", added[7]]) == 1007
+    assert seen.lowest_row(["never"]) is None and seen.first_row("never") is None

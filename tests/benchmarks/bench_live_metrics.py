@@ -13,12 +13,18 @@ serve`` restarted on that store does at its first scrape; timed apart), the cloc
 ``--idle-s`` so that those conversations leave memory, and the batches of the new run follow, each
 refresh now over a store that large (the simulated run takes another seed: no id repeats).
 
+With ``--source STORE`` the batches are STORE's spans instead of a new simulated run, in the order
+they were written (a soak: the cached 1M-turn store streams its 6.9M spans through the live
+ledger; with ``--idle-s`` finished conversations leave memory, and the resident set should stay
+flat); ``--print-every K`` prints every K-th batch only.
+
 With ``--idle-s S`` the live ledger lets conversations idle for S seconds (of a clock that moves
 one second per batch) leave memory, and each line also shows what it holds (conversations, span
 rows) and the process's resident memory; ``--no-rebuild`` skips the rebuilds (larger runs).
 
 Run:  .venv/bin/python tests/benchmarks/bench_live_metrics.py [--conversations 400] [--batches 10]
       [--idle-s 3] [--no-rebuild] [--base STORE [--scrape]] [--step-rows N]
+      [--source STORE] [--print-every K]
 Not a test: nothing here asserts a time.
 """
 
@@ -34,6 +40,7 @@ from pathlib import Path
 import duckdb
 from prometheus_client import CollectorRegistry
 
+from kvscope import semconv
 from kvscope.analysis.ledger import ledger
 from kvscope.analysis.live_metrics import PENDING_ROWS, LiveLedger, LiveMetrics, _Adapter
 from kvscope.emulator.simulator import SimulationSettings, simulate
@@ -50,6 +57,12 @@ def _rss_mib() -> float:
     return float("nan")
 
 
+def _duckdb_mib(con: duckdb.DuckDBPyConnection) -> float:
+    """What DuckDB's buffer manager holds now (its block cache of the store included)."""
+    row = con.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+    return (row[0] or 0) / 2**20 if row else float("nan")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=400)
@@ -63,17 +76,30 @@ def main() -> int:
                              "serve's (the scrape's wait printed)")
     parser.add_argument("--step-rows", type=int, default=LiveLedger.step_rows,
                         help="span rows one step of a refresh reads at most")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="stream this store's spans instead of a new simulated run")
+    parser.add_argument("--print-every", type=int, default=1, help="print every K-th batch")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="stop after this many batches (a soak's first part)")
+    parser.add_argument("--memory-limit", default=None,
+                        help="DuckDB's memory limit on the live store (default DuckDB's)")
     args = parser.parse_args()
     tick = [0.0]
     folder = Path(tempfile.mkdtemp())
-    source = folder / "source.duckdb"
-    workload = synthetic.generate(seed=3, conversations=args.conversations, turns_p50=8,
-                                  max_turns=20)
-    result = simulate(workload, source, SimulationSettings(
-        profile="tiny", seed=1 if args.base is None else 7919))
+    if args.source is not None:
+        source = args.source
+        source_turns = duckdb.connect(str(source), read_only=True).execute(
+            "SELECT count(*) FROM otel_traces WHERE SpanName = ?", [semconv.SPAN_TURN]
+        ).fetchone()[0]
+    else:
+        source = folder / "source.duckdb"
+        workload = synthetic.generate(seed=3, conversations=args.conversations, turns_p50=8,
+                                      max_turns=20)
+        source_turns = simulate(workload, source, SimulationSettings(
+            profile="tiny", seed=1 if args.base is None else 7919)).turns
     if args.base is not None:
         shutil.copyfile(args.base, folder / "live.duckdb")
-    con = open_store(folder / "live.duckdb")
+    con = open_store(folder / "live.duckdb", memory_limit=args.memory_limit)
     con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
     rows = con.execute("SELECT count(*) FROM src.otel_traces").fetchone()[0]
     live = LiveLedger(con, idle_s=args.idle_s, clock=lambda: tick[0])
@@ -103,11 +129,11 @@ def main() -> int:
               f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f})", flush=True)
         tick[0] += (args.idle_s or 0.0) + 1.0  # the base's conversations are idle from now
     size = -(-rows // args.batches)
-    print(f"live ledger: {result.turns} turns, {rows} spans in {args.batches} batches")
+    print(f"live ledger: {source_turns} turns, {rows} spans in {args.batches} batches")
     print("batch  spans   refresh ms  conversations  rebuild ms  rebuild/refresh  "
-          "resident conv  resident rows  RSS MiB")
+          "resident conv  resident rows  RSS MiB  DuckDB MiB")
     refresh_total = rebuild_total = 0.0
-    for i in range(args.batches):
+    for i in range(args.batches if args.stop_after is None else args.stop_after):
         con.execute("INSERT INTO otel_traces SELECT * FROM src.otel_traces "
                     "WHERE rowid >= ? AND rowid < ?", [i * size, (i + 1) * size])
         tick[0] += 1
@@ -123,13 +149,17 @@ def main() -> int:
         spans = con.execute("SELECT count(*) FROM otel_traces").fetchone()[0]
         held = live.resident()
         rss = _rss_mib()
+        if (i + 1) % args.print_every and i + 1 not in (args.batches, args.stop_after):
+            continue
         print(f"{i + 1:5d}  {spans:6d}  {refresh_s * 1e3:10.1f}  {touched:13d}  "
               f"{rebuild_s * 1e3:10.1f}  {rebuild_s / refresh_s:14.1f}x  "
-              f"{held['conversations']:13d}  {held['span_rows']:13d}  {rss:7.0f}", flush=True)
+              f"{held['conversations']:13d}  {held['span_rows']:13d}  {rss:7.0f}  "
+              f"{_duckdb_mib(con):10.0f}", flush=True)
     print(f"total: refreshes {refresh_total:.2f} s, rebuilds {rebuild_total:.2f} s "
           f"({rebuild_total / refresh_total:.1f}x)")
     con.close()
     duckdb.connect(":memory:").close()
+    shutil.rmtree(folder, ignore_errors=True)  # the live copy (GBs with --base or --source)
     return 0
 
 
