@@ -221,6 +221,32 @@ def _print_side_by_side(turns: int, results: dict[str, dict[str, Any]]) -> None:
               f"peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x")
 
 
+def _print_growth(growth: list[tuple[int, str, dict[str, Any] | str]]) -> None:
+    """Per engine, each size's ledger + analyses (time, peak RSS, DuckDB's spill) and its growth
+    from the size before it (x turns, x time, x peak RSS)."""
+    if len({turns for turns, _, _ in growth}) < 2:
+        return
+    print(f"\ngrowth (ledger and every analysis, a fresh process each)\n"
+          f"  {'engine':<7} {'turns':>9} {'ledger rows':>11} {'total s':>9} {'peak RSS':>10} "
+          f"{'spill':>10} {'x turns':>8} {'x time':>7} {'x RSS':>6}")
+    for engine in dict.fromkeys(e for _, e, _ in growth):
+        before: dict[str, Any] | None = None
+        for turns, _, result in (g for g in growth if g[1] == engine):
+            if isinstance(result, str):
+                print(f"  {engine:<7} {turns:>9}  {result}")
+                before = None
+                continue
+            ratios = ""
+            if before is not None:
+                ratios = (f"{result['turns'] / before['turns']:8.1f} "
+                          f"{result['total_s'] / before['total_s']:7.1f} "
+                          f"{result['peak_rss_mib'] / before['peak_rss_mib']:6.1f}")
+            print(f"  {engine:<7} {turns:>9} {result['turns']:>11} {result['total_s']:9.1f} "
+                  f"{result['peak_rss_mib']:6.0f} MiB {bench_ledger._spill(result):>10} "
+                  f"{ratios}")
+            before = result
+
+
 def _status_kib(pid: int, field: str) -> int | None:
     """One ``/proc/<pid>/status`` figure in KiB (``VmRSS``: resident now)."""
     try:
@@ -327,6 +353,7 @@ def main() -> None:
     if args.replicate < 1 or not phases <= {"analyse", "per_turn", "extract"}:
         parser.error("--replicate takes K >= 1; --phases takes analyse, per_turn, extract")
 
+    growth: list[tuple[int, str, dict[str, Any] | str]] = []
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
         db, folder = _store(args, turns)
         if "chdb" in engines and not (folder / _COMPLETE).exists():
@@ -351,6 +378,7 @@ def main() -> None:
                 results[engine] = _in_process_capped(args.rss_limit_mib, bench_ledger._analyse,
                                                      source)
             stopped_any = {e: _stopped(r, args.rss_limit_mib) for e, r in results.items()}
+            growth.extend((turns, e, stopped_any[e] or r) for e, r in results.items())
             for engine, note in stopped_any.items():
                 if note:
                     print(f"\n{turns} turns, {engine} analyse: {note}")
@@ -383,6 +411,7 @@ def main() -> None:
                   + f"   ({next(iter(alone.values()))['rows']} {unit}; fresh process each)")
             print(f"  {'its peak RSS':<20}"
                   + "".join(f"{e['peak_rss_mib']:8.0f} MiB" for e in alone.values()))
+    _print_growth(growth)
 
 
 if __name__ == "__main__":
