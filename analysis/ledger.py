@@ -33,11 +33,14 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import duckdb
 import polars as pl
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource
 
 LEDGER_TABLE = "kvscope_ledger"
+_T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
 # The ledger's columns and types: the typed contract the analyses and dashboards read.
@@ -772,8 +776,9 @@ _SCRATCH = "_kvscope_ledger_"
 _ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
 
 
-def _scratch(name: str) -> str:
-    return quote(_SCRATCH + name)
+def _scratch(name: str, db: str = "") -> str:
+    """A staged table's name: temporary, or in the attached scratch database ``db``."""
+    return f"{db}.{quote(_SCRATCH + name)}" if db else quote(_SCRATCH + name)
 
 
 def partitions_for(reader: Reader) -> int:
@@ -792,14 +797,16 @@ def _extraction(kind: str) -> Callable[[query.Binder], str]:
     return build
 
 
-def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder], str]) -> None:
-    statement = query.compose([], lambda b: f"CREATE TEMP TABLE {_scratch(name)} AS {select(b)}")
+def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder], str],
+               db: str = "") -> None:
+    create = f"CREATE TABLE {_scratch(name, db)}" if db else f"CREATE TEMP TABLE {_scratch(name)}"
+    statement = query.compose([], lambda b: f"{create} AS {select(b)}")
     start = time.perf_counter()
     reader.execute(statement.named(f"ledger partitions: {name}"))
     logger.info("ledger partitions: %s staged in %.1f s", name, time.perf_counter() - start)
 
 
-def _stage(reader: DuckDBReader, count: int) -> None:
+def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
     """The span kinds, extracted once, each row with its partition (``_p``; a row a turn of
     another partition also reads is there twice), stored in partition order so that a
     partition's scan skips the others' row groups.
@@ -807,86 +814,94 @@ def _stage(reader: DuckDBReader, count: int) -> None:
     A partition is a range of units in the ledger's order (run, then conversation; a run's
     turns without a conversation id, and an engine-only run's requests, are one unit), about
     as many turns each: the partitions' rows, one after the other, are in the ledger's order.
+    ``db``: an attached database to stage in (its tables are compressed; temporary ones are
+    not, and spill as they are), else temporary tables.
     """
+    def at(name: str) -> str:
+        return _scratch(name, db)
+
+    def stage(name: str, select: Callable[[query.Binder], str]) -> None:
+        _temporary(reader, name, select, db)
+
     def keyed(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT *, {_key(b, 'request_id')} AS _k "
                           f"FROM ({_extraction(kind)(b)}) AS e")
 
     def whole(kind: str) -> Callable[[query.Binder], str]:
-        return lambda b: f"SELECT * EXCLUDE (_k) FROM {_scratch('all_' + kind)}"
+        return lambda b: f"SELECT * EXCLUDE (_k) FROM {at('all_' + kind)}"
 
     def leg(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
-                          f"JOIN {_scratch('traces')} AS t ON t.trace_id = e.trace_id "
+                          f"JOIN {at('traces')} AS t ON t.trace_id = e.trace_id "
                           "ORDER BY t._p")
 
     def placed(kind: str) -> Callable[[query.Binder], str]:
-        source = _scratch("all_" + kind)
+        source = at("all_" + kind)
         rows = f"SELECT e.* EXCLUDE (_k), k._p FROM {source} AS e JOIN {keys} AS k ON k.k = e._k"
         if kind == "retentions":
             rows += (f" UNION SELECT e.* EXCLUDE (_k), h._p FROM {source} AS e "
-                     f"JOIN {_scratch('held')} AS h ON h.r = e.request_id")
+                     f"JOIN {at('held')} AS h ON h.r = e.request_id")
         return lambda b: f"SELECT * FROM ({rows}) AS e ORDER BY _p"
 
-    every_turn, units, keys = _scratch("all_turns"), _scratch("units"), _scratch("keys")
-    _temporary(reader, "all_turns", _extraction("turns"))
+    every_turn, units, keys = at("all_turns"), at("units"), at("keys")
+    stage("all_turns", _extraction("turns"))
     for kind in _ENGINE_KINDS:
-        _temporary(reader, "all_" + kind, keyed(kind))
+        stage("all_" + kind, keyed(kind))
     everything: list[tuple[str, query.Part]] = [(kind, whole(kind)) for kind in _ENGINE_KINDS]
     hooks = query.compose(everything, _engine_hooks).build
     assert hooks is not None
-    _temporary(reader, "engine_hooks", hooks)
+    stage("engine_hooks", hooks)
     # The requests no turn names, of runs without turn spans: each an engine row (in its run's
     # unit; engine_turns takes the largest run among its spans).
-    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {_scratch('all_' + kind)}"
+    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {at('all_' + kind)}"
                                for kind in _ENGINE_KINDS)
-    _temporary(reader, "unnamed", lambda b: (
+    stage("unnamed", lambda b: (
         f"SELECT _k AS k, max(run_id) AS run_id FROM ({named}) AS e WHERE _k IS NOT NULL "
         f"AND _k NOT IN (SELECT x_request_id FROM {every_turn} WHERE x_request_id IS NOT NULL) "
         f"AND run_id NOT IN (SELECT run_id FROM {every_turn} WHERE run_id IS NOT NULL) "
         "GROUP BY _k"))
     weights = (f"SELECT run_id, conversation_id, count(*) AS n FROM {every_turn} GROUP BY ALL "
-               f"UNION ALL SELECT run_id, NULL, count(*) FROM {_scratch('unnamed')} "
+               f"UNION ALL SELECT run_id, NULL, count(*) FROM {at('unnamed')} "
                "GROUP BY ALL")
     order = "run_id NULLS FIRST, conversation_id NULLS FIRST"
-    _temporary(reader, "units", lambda b: (
+    stage("units", lambda b: (
         f"SELECT run_id, conversation_id, (sum(n) OVER (ORDER BY {order} ROWS UNBOUNDED "
         f"PRECEDING) - n) * {count} // (SELECT sum(n) FROM ({weights})) AS _p "
         f"FROM ({weights}) AS w"))
-    _temporary(reader, "turns", lambda b: (
+    stage("turns", lambda b: (
         f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
         "ON u.run_id IS NOT DISTINCT FROM t.run_id "
         "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id ORDER BY u._p"))
     reader.execute(query.Query(f"DROP TABLE {every_turn}", name="ledger partitions"))
-    turns = _scratch("turns")
-    _temporary(reader, "traces", lambda b: (
+    turns = at("turns")
+    stage("traces", lambda b: (
         f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
-    _temporary(reader, "keys", lambda b: (
+    stage("keys", lambda b: (
         f"SELECT DISTINCT x_request_id AS k, _p FROM {turns} WHERE x_request_id IS NOT NULL "
-        f"UNION SELECT e.k, u._p FROM {_scratch('unnamed')} AS e JOIN {units} AS u "
+        f"UNION SELECT e.k, u._p FROM {at('unnamed')} AS e JOIN {units} AS u "
         "ON u.run_id = e.run_id AND u.conversation_id IS NULL"))
     for kind in ("prefill", "decode", "waits"):
-        _temporary(reader, kind, leg(kind))
-    _temporary(reader, "held", lambda b: (
-        f"SELECT retention_id AS r, _p FROM {_scratch('prefill')} WHERE retention_id IS NOT NULL "
-        f"UNION SELECT decode_request_id, _p FROM {_scratch('decode')} "
+        stage(kind, leg(kind))
+    stage("held", lambda b: (
+        f"SELECT retention_id AS r, _p FROM {at('prefill')} WHERE retention_id IS NOT NULL "
+        f"UNION SELECT decode_request_id, _p FROM {at('decode')} "
         "WHERE decode_request_id IS NOT NULL"))
     for kind in _ENGINE_KINDS:
-        _temporary(reader, kind, placed(kind))
-        reader.execute(query.Query(f"DROP TABLE {_scratch('all_' + kind)}",
+        stage(kind, placed(kind))
+        reader.execute(query.Query(f"DROP TABLE {at('all_' + kind)}",
                                    name="ledger partitions"))
 
 
-def _partition_query(index: int, count: int) -> query.Query:
+def _partition_query(index: int, count: int, db: str = "") -> query.Query:
     """The per-turn parts over partition ``index`` of ``count`` (:func:`_stage`'s tables)."""
     def own(kind: str) -> query.Part:
-        return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind)} WHERE _p = {index}"
+        return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind, db)} WHERE _p = {index}"
 
-    unnamed = (f" AND x_key IN (SELECT e.k FROM {_scratch('unnamed')} AS e "
-               f"JOIN {_scratch('units')} AS u ON u.run_id = e.run_id "
+    unnamed = (f" AND x_key IN (SELECT e.k FROM {_scratch('unnamed', db)} AS e "
+               f"JOIN {_scratch('units', db)} AS u ON u.run_id = e.run_id "
                f"AND u.conversation_id IS NULL WHERE u._p = {index})")
     replaced: dict[str, query.Part] = {
-        "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks')}",
+        "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks', db)}",
         # The partition's own turns suffice: the unnamed requests are no turn's already.
         "engine_turns": lambda b: _engine_turns(b, "turns", unnamed),
     }
@@ -895,22 +910,30 @@ def _partition_query(index: int, count: int) -> query.Query:
         f"ledger turns, partition {index + 1} of {count}")
 
 
-def partitioned_turn_rows(reader: DuckDBReader, count: int,
-                          fn: Callable[[pl.DataFrame], pl.DataFrame]) -> list[pl.DataFrame]:
+def partitioned_turn_rows(reader: DuckDBReader, count: int, fn: Callable[[pl.DataFrame], _T],
+                          *, db: str = "") -> list[_T]:
     """``fn`` over the per-turn rows of ``count`` partitions of the store's conversations, as
-    they stream back, in :data:`TURN_QUERY`'s order."""
+    they stream back, in :data:`TURN_QUERY`'s order. ``db``: stage in that attached database
+    (:func:`_stage`) and drop what was staged there after."""
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
-        _stage(scratch, count)
-        done: list[pl.DataFrame] = []
+        _stage(scratch, count, db)
+        done: list[_T] = []
         for index in range(count):
             start = time.perf_counter()
-            part = scratch.map_batches(_partition_query(index, count), fn)
-            done.extend(part)
-            logger.info("ledger partition %d of %d: %d turns in %.1f s", index + 1, count,
-                        sum(frame.height for frame in part), time.perf_counter() - start)
+            done.extend(scratch.map_batches(_partition_query(index, count, db), fn))
+            logger.info("ledger partition %d of %d in %.1f s", index + 1, count,
+                        time.perf_counter() - start)
         return done
     finally:
+        if db:
+            _, staged = scratch.rows(query.Query(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = $db "
+                "AND starts_with(table_name, $prefix)", {"db": db, "prefix": _SCRATCH},
+                name="ledger partitions: staged tables"))
+            for (name,) in staged:
+                scratch.execute(query.Query(f"DROP TABLE {db}.{quote(name)}",
+                                            name="ledger partitions"))
         scratch.close()
 
 
@@ -1155,9 +1178,30 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
     own = frame["invalid_kind"].is_not_null()
     if not own.any():
         return frame.drop(_TAINT_COLUMNS)
-    c = pl.col
     first = frame.filter(own)["arrival"].min()
-    rows = frame.select(_TAINT_INPUTS).with_row_index("_row").filter(c("arrival") >= first)
+    rows = (frame.select(_TAINT_INPUTS).with_row_index("_row")
+            .filter(pl.col("arrival") >= first))
+    marked = taint_marks(rows, across_conversations=across_conversations)
+    frame = frame.drop(_TAINT_COLUMNS)
+    if marked is None:
+        return frame
+    at = marked["_row"]
+    return frame.with_columns(  # the marked rows' values written in place of theirs
+        frame["invalid_kind"].scatter(at, INVALID_TAINTED),
+        frame["invalid_tokens"].scatter(at, marked["_tokens"]),
+        frame["reuse_validity"].scatter(at, VALIDITY_INVALID),
+        frame["outcome"].scatter(at, marked["_outcome"]),
+        frame["evidence"].scatter(at, marked["_evidence"])).select(list(LEDGER_SCHEMA))
+
+
+def taint_marks(rows: pl.DataFrame, *, across_conversations: bool = True
+                ) -> pl.DataFrame | None:
+    """The rows :func:`finish` marks tainted: ``_row`` (each row's index in the ledger),
+    ``_tokens``, ``_outcome``, ``_evidence``; None when none is. ``rows``: the ledger's
+    :data:`_TAINT_INPUTS` with ``_row``, in the ledger's order, from the first invalid load's
+    arrival on (the whole ledger held, or read back narrow from a table written a partition
+    at a time)."""
+    c = pl.col
     # The turn each follows: the one whose decode KV it was offered, else turn k-1 of its
     # conversation (nothing before the first invalid load can be dirty).
     decoded = (rows.filter(c("decode_request_id").is_not_null())
@@ -1200,9 +1244,8 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
     rows = rows.filter(_reachable(rows)).drop("_conversation")
     turns = (taint.TaintTurn(*row) for row in rows.iter_rows())
     found = taint.propagate(turns)
-    frame = frame.drop(_TAINT_COLUMNS)
     if not found:
-        return frame
+        return None
     marked = pl.DataFrame(
         [(key, INVALID_TAINTED, mark.tokens, mark.read, mark.via, mark.source)
          for key, mark in found.items()], orient="row",
@@ -1213,15 +1256,8 @@ def finish(frame: pl.DataFrame, *, across_conversations: bool = True) -> pl.Data
         "taint_read": pl.col("_read"), "taint_via": pl.col("_via"),
         "taint_source": pl.col("_source")}
     label, evidence = decisions.polars_exprs(facts)
-    marked = marked.select("_row", "_tokens", label.alias("_outcome"),
-                           evidence.alias("_evidence"))
-    at = marked["_row"]
-    return frame.with_columns(  # the marked rows' values written in place of theirs
-        frame["invalid_kind"].scatter(at, INVALID_TAINTED),
-        frame["invalid_tokens"].scatter(at, marked["_tokens"]),
-        frame["reuse_validity"].scatter(at, VALIDITY_INVALID),
-        frame["outcome"].scatter(at, marked["_outcome"]),
-        frame["evidence"].scatter(at, marked["_evidence"])).select(list(LEDGER_SCHEMA))
+    return marked.select("_row", "_tokens", label.alias("_outcome"),
+                         evidence.alias("_evidence"))
 
 
 def _reachable(rows: pl.DataFrame) -> pl.Series:
@@ -1416,6 +1452,114 @@ def _shaped(reader: Reader, count: int) -> pl.DataFrame:
 
 
 
+# Where a large store's ledger is written as it is built (:func:`build_table`), swapped in
+# for LEDGER_TABLE by :func:`swap_in`.
+BUILDING_TABLE = "_kvscope_ledger_building"
+
+
+def build_table(con: duckdb.DuckDBPyConnection, *, across_conversations: bool = True,
+                partitions: int | None = None) -> int | None:
+    """Build the ledger of a store too large for one statement into :data:`BUILDING_TABLE`
+    of the store (writable ``con``), a partition at a time; return its rows, or None when the
+    store is built in one statement (the caller persists :func:`ledger`).
+
+    Nothing of the whole ledger is held: each batch of shaped rows is written as it comes,
+    its taint inputs to a scratch database beside DuckDB's temporary files (where the span
+    kinds are staged too, compressed); then the taint pass reads those back narrow and marks
+    its rows in the table (the same rules as :func:`finish`)."""
+    reader = DuckDBReader(con, time_limit_s=None)
+    count = partitions_for(reader) if partitions is None else partitions
+    if count <= 1:
+        return None
+    folder = Path(str(con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0])
+                  or tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    db = f"kvscope_scratch_{uuid.uuid4().hex[:12]}"
+    path = folder / f"{db}.duckdb"
+    table, inputs = quote(BUILDING_TABLE), f"{db}._kvscope_taint_inputs"
+    con.execute(f"ATTACH '{path}' AS {db}")
+    try:
+        writer = con.cursor()
+        empty = shape(frame_turn_rows({}))  # the shaped columns, typed
+        writer.register("_kvscope_empty", empty.to_arrow())
+        writer.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT "
+                       f"{', '.join(quote(c) for c in LEDGER_SCHEMA)} FROM _kvscope_empty")
+        writer.execute(f"CREATE TABLE {inputs} AS SELECT 0::UBIGINT AS _row, "
+                       f"{', '.join(quote(c) for c in _TAINT_INPUTS)} FROM _kvscope_empty")
+        writer.unregister("_kvscope_empty")
+        written = 0
+
+        def put(rows: pl.DataFrame) -> int:
+            nonlocal written
+            shaped = shape(rows)
+            writer.register("_kvscope_shaped", shaped.select(list(LEDGER_SCHEMA)).to_arrow())
+            writer.execute(f"INSERT INTO {table} SELECT * FROM _kvscope_shaped")
+            writer.register("_kvscope_shaped", shaped.select(_TAINT_INPUTS).with_row_index(
+                "_row", written).cast({"_row": pl.UInt64}).to_arrow())
+            writer.execute(f"INSERT INTO {inputs} SELECT * FROM _kvscope_shaped")
+            writer.unregister("_kvscope_shaped")
+            written += shaped.height
+            return shaped.height
+
+        try:
+            partitioned_turn_rows(reader, count, put, db=db)
+        except QueryOutOfMemory as exc:
+            if count >= MAX_PARTITIONS:
+                raise
+            retry = min(MAX_PARTITIONS, count * _RETRY_FACTOR)
+            logger.warning("the ledger's per-turn rows ran out of DuckDB's memory (%s); "
+                           "building them again in %d partitions of the conversations",
+                           str(exc).split(" (query ")[0], retry)
+            writer.close()
+            con.execute(f"DETACH {db}")
+            path.unlink(missing_ok=True)
+            return build_table(con, across_conversations=across_conversations,
+                               partitions=retry)
+        _mark_tainted(writer, table, inputs, across_conversations)
+        writer.close()
+        return written
+    finally:
+        with contextlib.suppress(duckdb.Error):
+            con.execute(f"DETACH {db}")
+        for leftover in (path, path.with_name(path.name + ".wal")):
+            leftover.unlink(missing_ok=True)
+
+
+def _mark_tainted(con: duckdb.DuckDBPyConnection, table: str, inputs: str,
+                  across_conversations: bool) -> None:
+    """:func:`finish`'s taint pass over a written table: its inputs read back from ``inputs``
+    (``_row`` is the table's row), the marked rows updated in ``table``."""
+    first = con.execute(f"SELECT min(arrival) FROM {table} "
+                        "WHERE invalid_kind IS NOT NULL").fetchall()[0][0]
+    if first is None:
+        return
+    rows = pl.DataFrame(con.sql(f"SELECT * FROM {inputs} WHERE arrival >= $first",
+                                params={"first": first}).to_arrow_table())
+    if not rows["_row"].is_sorted():  # a scan keeps the insertion order; never trusted blind
+        rows = rows.sort("_row")
+    marked = taint_marks(rows.cast({"_row": pl.UInt32}),
+                         across_conversations=across_conversations)
+    if marked is None:
+        return
+    con.register("_kvscope_marked", marked.to_arrow())
+    try:
+        con.execute(
+            f"UPDATE {table} SET invalid_kind = ?, invalid_tokens = m._tokens, "
+            "reuse_validity = ?, outcome = m._outcome, evidence = m._evidence "
+            f"FROM _kvscope_marked AS m WHERE {table}.rowid = m._row",
+            [INVALID_TAINTED, VALIDITY_INVALID])
+    finally:
+        con.unregister("_kvscope_marked")
+
+
+def swap_in(con: duckdb.DuckDBPyConnection) -> int:
+    """Replace ``kvscope_ledger`` with what :func:`build_table` built (in the caller's
+    transaction); return its row count."""
+    con.execute(f"DROP TABLE IF EXISTS {quote(LEDGER_TABLE)}")
+    con.execute(f"ALTER TABLE {quote(BUILDING_TABLE)} RENAME TO {quote(LEDGER_TABLE)}")
+    return int(con.execute(f"SELECT count(*) FROM {quote(LEDGER_TABLE)}").fetchall()[0][0])
+
+
 def persist(con: duckdb.DuckDBPyConnection, frame: pl.DataFrame) -> int:
     """Replace the derived ``kvscope_ledger`` table with ``frame``; return its row count."""
     arrow = frame.to_arrow()
@@ -1438,11 +1582,12 @@ def rebuild(path: str | Path) -> int:
     con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
     try:
         # The writer's own connection, through a reader's seam for its errors; no time limit,
-        # as rebuilding may take a while.
-        frame = ledger(DuckDBReader(con, time_limit_s=None))
+        # as rebuilding may take a while. A large store's is written as it is built.
+        built = build_table(con)
+        frame = ledger(DuckDBReader(con, time_limit_s=None)) if built is None else None
         con.execute("BEGIN TRANSACTION")
         try:
-            rows = persist(con, frame)
+            rows = swap_in(con) if frame is None else persist(con, frame)
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")

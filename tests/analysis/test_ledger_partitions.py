@@ -20,6 +20,7 @@ import pytest
 
 from kvscope import semconv
 from kvscope.analysis import ledger as ledger_module
+from kvscope.analysis import ledger_units
 from kvscope.analysis.ledger import ledger
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.errors import QueryOutOfMemory
@@ -218,3 +219,39 @@ def test_the_reader_names_running_out_of_memory(store: Path) -> None:
                 "SELECT string_agg(repeat('x', 1000), ',') FROM range(100000)", name="big"))
     finally:
         con.close()
+
+
+def test_kvscope_ledger_writes_a_large_store_as_it_builds_it(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvscope ledger` on a store above PARTITION_TURNS writes each partition's rows to the
+    table as they come (nothing of the whole ledger held), staging in a scratch database it
+    removes, and marks the tainted turns from their inputs read back: the table is the ledger
+    the one statement gives, tainted turns included, in its order."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        whole = ledger(reader)
+    finally:
+        reader.close()
+    assert whole.filter(pl.col("invalid_kind") == "tainted").height > 0
+    copy = tmp_path / "store.duckdb"
+    copy.write_bytes(store.read_bytes())
+    monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
+    held: list[int] = []
+    real_finish = ledger_module.finish
+    monkeypatch.setattr(ledger_module, "finish",
+                        lambda frame, **kw: held.append(frame.height) or real_finish(frame, **kw))
+    done = ledger_units.update(copy, full=True)
+    assert held == []  # the whole ledger never became one frame
+    assert done.rows == whole.height
+    con = duckdb.connect(str(copy), read_only=True)
+    try:
+        table = pl.DataFrame(con.sql(
+            f"SELECT * FROM {ledger_module.LEDGER_TABLE}").to_arrow_table())
+        tables = {name for (name,) in con.execute(
+            "SELECT table_name FROM duckdb_tables()").fetchall()}
+    finally:
+        con.close()
+    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)
+    assert ledger_module.BUILDING_TABLE not in tables
+    assert not any(name.startswith("_kvscope_ledger_") for name in tables)
+    assert sorted(p.name for p in tmp_path.rglob("*scratch*")) == []
