@@ -452,7 +452,8 @@ def _engine_hooks(b: query.Binder) -> str:
             "WHERE missing IS NOT NULL GROUP BY hooks_run")
 
 
-def _engine_turns(b: query.Binder, turns: str = "turns", only: str = "") -> str:
+def _engine_turns(b: query.Binder, turns: str = "turns", only: str = "",
+                  runs: str = "") -> str:
     """One row per X-Request-Id that engine spans of a run without ``kvscope.turn`` spans
     name (and no turn span does): the requests of a deployment routed by vLLM's own proxy,
     llm-d or any router but kvscope's. In a run the proxy recorded, an engine request no turn
@@ -465,9 +466,12 @@ def _engine_turns(b: query.Binder, turns: str = "turns", only: str = "") -> str:
     row replaces this one.
 
     ``turns``: the relation of every turn span (the store's, when a partition's are not all);
-    ``only``: one more condition on ``x_key`` (a partition's own requests).
+    ``only``: one more condition on ``x_key`` (a partition's own requests); ``runs``: the
+    runs with turn spans, when ``turns`` does not hold them all (a partition's: a request's
+    spans in a run whose turns are in other partitions must not give it that run).
     """
     d = b.dialect
+    turn_runs = f"SELECT run_id FROM {turns} WHERE run_id IS NOT NULL"
     keys = " UNION ALL ".join((
         "SELECT x_key, run_id AS key_run, \"time\" AS seen FROM decision_keys",
         "SELECT x_key, run_id AS key_run, \"start\" AS seen FROM transfer_rows",
@@ -493,7 +497,7 @@ def _engine_turns(b: query.Binder, turns: str = "turns", only: str = "") -> str:
     return (f"SELECT {columns} FROM (SELECT x_key, max(key_run) AS run_id, "
             f"min(seen) AS arrival FROM ({keys}) AS e WHERE x_key IS NOT NULL AND x_key NOT IN "
             f"(SELECT x_request_id FROM {turns} WHERE x_request_id IS NOT NULL) "
-            f"AND key_run NOT IN (SELECT run_id FROM {turns} WHERE run_id IS NOT NULL){only} "
+            f"AND key_run NOT IN ({runs or turn_runs}){only} "
             "GROUP BY x_key) "
             f"AS k LEFT JOIN ({usage}) AS u ON u.x_key = k.x_key")
 
@@ -872,6 +876,8 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
         f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
         "ON u.run_id IS NOT DISTINCT FROM t.run_id "
         "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id ORDER BY u._p"))
+    stage("turn_runs", lambda b: (
+        f"SELECT DISTINCT run_id FROM {every_turn} WHERE run_id IS NOT NULL"))
     reader.execute(query.Query(f"DROP TABLE {every_turn}", name="ledger partitions"))
     turns = at("turns")
     stage("traces", lambda b: (
@@ -902,8 +908,10 @@ def _partition_query(index: int, count: int, db: str = "") -> query.Query:
                f"AND u.conversation_id IS NULL WHERE u._p = {index})")
     replaced: dict[str, query.Part] = {
         "engine_hooks": lambda b: f"SELECT * FROM {_scratch('engine_hooks', db)}",
-        # The partition's own turns suffice: the unnamed requests are no turn's already.
-        "engine_turns": lambda b: _engine_turns(b, "turns", unnamed),
+        # The partition's own turns suffice for the requests (the unnamed ones are no turn's
+        # already), not for the runs: a request's spans of a run with turns elsewhere.
+        "engine_turns": lambda b: _engine_turns(
+            b, "turns", unnamed, f"SELECT run_id FROM {_scratch('turn_runs', db)}"),
     }
     derived = [(name, replaced.get(name, part)) for name, part in _DERIVED]
     return query.compose([*((kind, own(kind)) for kind in _KINDS), *derived], _per_turn).named(
@@ -1423,19 +1431,20 @@ def _facts() -> dict[str, pl.Expr]:
 
 
 def ledger(reader: Reader, *, across_conversations: bool = True,
-           partitions: int | None = None) -> pl.DataFrame:
+           partitions: int | None = None, retry: bool = True) -> pl.DataFrame:
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once), then
     finished (:func:`finish`). ``partitions``: build the rows that many conversations' parts
     at a time (DuckDB only; default :func:`partitions_for`, one per PARTITION_TURNS turns);
-    rows that run out of DuckDB's memory are built again in more partitions."""
+    rows that run out of DuckDB's memory are built again in more partitions (unless not
+    ``retry``: then QueryOutOfMemory is raised)."""
     count = partitions_for(reader) if partitions is None else partitions
     while True:
         try:
             frame = _shaped(reader, count)
             break
         except QueryOutOfMemory as exc:
-            if not isinstance(reader, DuckDBReader) or count >= MAX_PARTITIONS:
+            if not retry or not isinstance(reader, DuckDBReader) or count >= MAX_PARTITIONS:
                 raise
             count = min(MAX_PARTITIONS, count * _RETRY_FACTOR)
             logger.warning("the ledger's per-turn rows ran out of DuckDB's memory (%s); "
@@ -1515,7 +1524,10 @@ def build_table(con: duckdb.DuckDBPyConnection, *, across_conversations: bool = 
             path.unlink(missing_ok=True)
             return build_table(con, across_conversations=across_conversations,
                                partitions=retry)
+        start = time.perf_counter()
         _mark_tainted(writer, table, inputs, across_conversations)
+        logger.info("ledger: %d rows written, taint pass in %.1f s", written,
+                    time.perf_counter() - start)
         writer.close()
         return written
     finally:
@@ -1523,6 +1535,22 @@ def build_table(con: duckdb.DuckDBPyConnection, *, across_conversations: bool = 
             con.execute(f"DETACH {db}")
         for leftover in (path, path.with_name(path.name + ".wal")):
             leftover.unlink(missing_ok=True)
+
+
+def full_build(con: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
+    """The whole ledger of the store on writable ``con``: a frame to persist when one
+    statement builds it, else None, written to :data:`BUILDING_TABLE` (:func:`build_table`;
+    :func:`swap_in` it), as when the one statement runs out of DuckDB's memory."""
+    if build_table(con) is not None:
+        return None
+    try:
+        return ledger(DuckDBReader(con, time_limit_s=None), retry=False)
+    except QueryOutOfMemory as exc:
+        logger.warning("the ledger's per-turn rows ran out of DuckDB's memory (%s); "
+                       "building them again in %d partitions of the conversations",
+                       str(exc).split(" (query ")[0], _RETRY_FACTOR)
+    build_table(con, partitions=_RETRY_FACTOR)
+    return None
 
 
 def _mark_tainted(con: duckdb.DuckDBPyConnection, table: str, inputs: str,
@@ -1583,8 +1611,7 @@ def rebuild(path: str | Path) -> int:
     try:
         # The writer's own connection, through a reader's seam for its errors; no time limit,
         # as rebuilding may take a while. A large store's is written as it is built.
-        built = build_table(con)
-        frame = ledger(DuckDBReader(con, time_limit_s=None)) if built is None else None
+        frame = full_build(con)
         con.execute("BEGIN TRANSACTION")
         try:
             rows = swap_in(con) if frame is None else persist(con, frame)
@@ -1620,9 +1647,10 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
     )
 
 
-__all__ = ["ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED",
-    "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS",
-    "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
-    "VALIDITY_VALID", "build", "finish", "frame_turn_rows", "hook_decided", "ledger",
-    "load_spans", "partitioned_turn_rows", "partitions_for", "persist", "rebuild",
-    "rebuild_clickhouse", "request_key", "runs", "shape", "turn_rows"]
+__all__ = ["BUILDING_TABLE", "ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES",
+    "HISTORY_EDITED", "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE",
+    "MAX_PARTITIONS", "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID",
+    "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_table", "finish",
+    "frame_turn_rows", "full_build", "hook_decided", "ledger", "load_spans",
+    "partitioned_turn_rows", "partitions_for", "persist", "rebuild", "rebuild_clickhouse",
+    "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]

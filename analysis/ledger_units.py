@@ -446,10 +446,10 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
     if reason is None and high > (mark or -1):
         touch = touched(reader, mark or -1, high)
         reason, units = touch.rebuild_all, touch.units
-    # A full build of a large store is written as it is built (never held whole).
-    built = ledger_module.build_table(con) if reason is not None else None
-    frame = (None if built is not None else ledger_module.ledger(reader)
-             if reason is not None else unit_rows(reader, units, high=high) if units else None)
+    # A full build of a large store is written as it is built (never held whole: built).
+    frame = (ledger_module.full_build(con) if reason is not None
+             else unit_rows(reader, units, high=high) if units else None)
+    built = reason is not None and frame is None
     if frame is not None and reason is None:
         # A run with an invalid load: its KV may be read again by any later turn of the run
         # (kvscope.reuse.taint), so the run's units are decided together.
@@ -459,7 +459,7 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
             frame = unit_rows(reader, units, high=high)
     con.execute("BEGIN TRANSACTION")
     try:
-        if built is not None:
+        if built:
             ledger_module.swap_in(con)
         elif reason is not None:
             assert frame is not None

@@ -16,6 +16,12 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
     analyse    per engine: ``AnalysisContext.open(source)`` -> ``ctx.ledger()`` -> every analysis
                of ``registry.iter_analyses()`` with default parameters. The process's peak RSS
                includes chdb's engine, which runs inside it.
+    table      DuckDB only: ``kvscope ledger`` (``ledger_units.update(full=True)``) on a copy of
+               the store (``--work-dir``), then every analysis over the table it wrote
+               (``stored_ledger``), each in a fresh process; time, peak RSS and the largest
+               the store's temporary folder grew (DuckDB's spill and the build's scratch
+               database), and the copy's growth. A large store's build writes each partition's
+               rows as they come (analysis/ledger.py ``build_table``). The copy is removed.
 
 Larger than simulation allows (``--replicate K``, issue 20 part 6's 10M turns): the store of
 ``--turns`` N is then made by replicate.py from the simulated store of N/K turns (generated as
@@ -34,7 +40,7 @@ queries, which the live ledger still reads), each in a fresh process.
 
 Run:  .venv/bin/python tests/benchmarks/bench_clickhouse.py [--turns 100000,1000000]
       [--cache-dir DIR] [--seed 1] [--engines duckdb,chdb] [--replicate K]
-      [--phases analyse,extract] [--rss-limit-mib MIB]
+      [--phases analyse,extract,table] [--rss-limit-mib MIB] [--work-dir DIR]
 e.g.  ... --turns 10000000 --replicate 10 --phases extract --rss-limit-mib 8192
 Not a test: nothing here asserts a time.
 """
@@ -188,6 +194,53 @@ def _source(folder: Path) -> Any:
     from kvscope.store.clickhouse import ClickHouseSource
 
     return ClickHouseSource(f"chdb:{folder}", database=DATABASE)
+
+
+def _table(db: Path) -> dict[str, Any]:
+    """``kvscope ledger`` on ``db`` (a copy): the whole table built and written."""
+    from kvscope.analysis import ledger_units
+
+    spill = bench_ledger._SpillWatch(db)
+    before = db.stat().st_size
+    start = time.perf_counter()
+    done = ledger_units.update(db, full=True)
+    return {"table_s": time.perf_counter() - start, "rows": done.rows,
+            "peak_rss_mib": bench_ledger._peak_rss_mib(), "spill_mib": spill.stop(),
+            "grew_mib": (db.stat().st_size - before) / 2**20}
+
+
+def _run_table(db: Path, work: Path, turns: int, limit: float | None) -> None:
+    """The ``table`` phase: ``kvscope ledger`` on a copy of ``db``, then the analyses on it."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-table-", dir=work) as tmp:
+        copy = Path(tmp) / db.name
+        start = time.perf_counter()
+        shutil.copyfile(db, copy)
+        print(f"\n{turns} turns ({db.name}): copied in {time.perf_counter() - start:.1f} s; "
+              "kvscope ledger, then every analysis on its table (a fresh process each)",
+              flush=True)
+        built = _in_process_capped(limit, _table, copy)
+        stopped = _stopped(built, limit)
+        if stopped:
+            print(f"  kvscope ledger: {stopped}")
+            return
+        print(f"  kvscope ledger: {built['rows']} rows in {built['table_s']:.1f} s, peak RSS "
+              f"{built['peak_rss_mib']:.0f} MiB, temporary folder at most "
+              f"{bench_ledger._spill(built)}, store +{built['grew_mib']:.0f} MiB "
+              f"(store {db.stat().st_size / 2**20:.0f} MiB)", flush=True)
+        analysed = _in_process_capped(limit, bench_ledger._analyse, copy)
+        stopped = _stopped(analysed, limit)
+        if stopped:
+            print(f"  analyses on the table: {stopped}")
+            return
+        steps = "; ".join(f"{name} {'-' if s is None else f'{s:.1f}'}"
+                          for name, s, _ in analysed["steps"])
+        print(f"  analyses on the table: {analysed['total_s']:.1f} s, peak RSS "
+              f"{analysed['peak_rss_mib']:.0f} MiB ({steps})")
+        print(f"  together: {built['table_s'] + analysed['total_s']:.1f} s, peak RSS "
+              f"{max(built['peak_rss_mib'], analysed['peak_rss_mib']):.0f} MiB", flush=True)
 
 
 def _print_side_by_side(turns: int, results: dict[str, dict[str, Any]]) -> None:
@@ -344,19 +397,24 @@ def main() -> None:
                         help="what runs on the data: any of analyse, per_turn, extract")
     parser.add_argument("--rss-limit-mib", type=float, default=None,
                         help="stop a phase whose resident memory passes this")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where the table phase copies the store (default: the cache dir)")
     parser.add_argument("--load-parts", type=int, default=1,
                         help="load into chdb in this many windows of time, a process each")
     args = parser.parse_args()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
-    if args.replicate < 1 or not phases <= {"analyse", "per_turn", "extract"}:
-        parser.error("--replicate takes K >= 1; --phases takes analyse, per_turn, extract")
+    if args.replicate < 1 or not phases <= {"analyse", "per_turn", "extract", "table"}:
+        parser.error("--replicate takes K >= 1; --phases takes analyse, per_turn, extract, "
+                     "table")
 
     growth: list[tuple[int, str, dict[str, Any] | str]] = []
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
         db, folder = _store(args, turns)
-        if "chdb" in engines and not (folder / _COMPLETE).exists():
+        if "table" in phases:
+            _run_table(db, args.work_dir or args.cache_dir, turns, args.rss_limit_mib)
+        if "chdb" in engines and phases - {"table"} and not (folder / _COMPLETE).exists():
             if folder.exists():
                 import shutil
 
