@@ -1556,28 +1556,66 @@ def full_build(con: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
 def _mark_tainted(con: duckdb.DuckDBPyConnection, table: str, inputs: str,
                   across_conversations: bool) -> None:
     """:func:`finish`'s taint pass over a written table: its inputs read back from ``inputs``
-    (``_row`` is the table's row), the marked rows updated in ``table``."""
-    first = con.execute(f"SELECT min(arrival) FROM {table} "
-                        "WHERE invalid_kind IS NOT NULL").fetchall()[0][0]
-    if first is None:
+    (``_row`` is the table's row), the marked rows updated in ``table``.
+
+    A group of runs at a time: runs that share no request id (X-Request-Id, decode's request,
+    the retention offered) cannot link (a prompt and a conversation are keyed by their run), so
+    each group with an invalid load is passed alone, from its own first invalid load on (nothing
+    before that can be dirty): exactly what one pass over them all marks, in the memory of the
+    largest group."""
+    starts = dict(con.execute(
+        f"SELECT coalesce(run_id, ''), min(arrival) FROM {table} "
+        "WHERE invalid_kind IS NOT NULL GROUP BY 1").fetchall())
+    if not starts:
         return
-    rows = pl.DataFrame(con.sql(f"SELECT * FROM {inputs} WHERE arrival >= $first",
-                                params={"first": first}).to_arrow_table())
-    if not rows["_row"].is_sorted():  # a scan keeps the insertion order; never trusted blind
-        rows = rows.sort("_row")
-    marked = taint_marks(rows.cast({"_row": pl.UInt32}),
-                         across_conversations=across_conversations)
-    if marked is None:
-        return
-    con.register("_kvscope_marked", marked.to_arrow())
-    try:
-        con.execute(
-            f"UPDATE {table} SET invalid_kind = ?, invalid_tokens = m._tokens, "
-            "reuse_validity = ?, outcome = m._outcome, evidence = m._evidence "
-            f"FROM _kvscope_marked AS m WHERE {table}.rowid = m._row",
-            [INVALID_TAINTED, VALIDITY_INVALID])
-    finally:
-        con.unregister("_kvscope_marked")
+    for runs in _linked_runs(con, inputs):
+        dirty = [run for run in runs if run in starts]
+        if not dirty:
+            continue
+        rows = pl.DataFrame(con.sql(
+            f"SELECT * FROM {inputs} WHERE arrival >= $first "
+            "AND coalesce(run_id, '') IN (SELECT unnest($runs))",
+            params={"first": min(starts[run] for run in dirty), "runs": sorted(runs)},
+        ).to_arrow_table())
+        if not rows["_row"].is_sorted():  # a scan keeps the insertion order; never trusted blind
+            rows = rows.sort("_row")
+        marked = taint_marks(rows.cast({"_row": pl.UInt32}),
+                             across_conversations=across_conversations)
+        if marked is None:
+            continue
+        con.register("_kvscope_marked", marked.to_arrow())
+        try:
+            con.execute(
+                f"UPDATE {table} SET invalid_kind = ?, invalid_tokens = m._tokens, "
+                "reuse_validity = ?, outcome = m._outcome, evidence = m._evidence "
+                f"FROM _kvscope_marked AS m WHERE {table}.rowid = m._row",
+                [INVALID_TAINTED, VALIDITY_INVALID])
+        finally:
+            con.unregister("_kvscope_marked")
+
+
+def _linked_runs(con: duckdb.DuckDBPyConnection, inputs: str) -> list[set[str]]:
+    """The runs of the taint ``inputs`` (a null run as ``''``), grouped so that no request id
+    is in two groups (a union over the ids two runs share)."""
+    ids = " UNION ALL ".join(f"SELECT coalesce(run_id, '') AS r, {column} AS i FROM {inputs}"
+                             for column in ("x_request_id", "decode_request_id", "retention_id"))
+    group: dict[str, str] = {run: run for (run,) in con.execute(
+        f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs}").fetchall()}
+
+    def root(run: str) -> str:
+        while group[run] != run:
+            group[run] = group[group[run]]
+            run = group[run]
+        return run
+
+    for (runs,) in con.execute(f"SELECT list(DISTINCT r) FROM ({ids}) AS e WHERE i IS NOT NULL "
+                               "GROUP BY i HAVING count(DISTINCT r) > 1").fetchall():
+        for run in runs[1:]:
+            group[root(run)] = root(runs[0])
+    found: dict[str, set[str]] = {}
+    for run in group:
+        found.setdefault(root(run), set()).add(run)
+    return sorted(found.values(), key=sorted)
 
 
 def swap_in(con: duckdb.DuckDBPyConnection) -> int:

@@ -296,3 +296,37 @@ def test_kvscope_ledger_out_of_memory_writes_partitions_as_it_builds(
         con.close()
     assert done.rows == whole.height
     assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)
+
+
+def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -> None:
+    """The taint pass over a written table goes a group of runs at a time; runs that share a
+    request id are one group. A copy of the faulted run under another run id, without invalid
+    loads of its own, whose turns were offered the original's decode requests: one pass over
+    everything (finish) taints the copy's turns through them, and so must the written pass."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        shaped = ledger_module._shaped(reader, 1)
+    finally:
+        reader.close()
+    faulted = shaped.filter(pl.col("run_id").is_in(
+        shaped.filter(pl.col("invalid_kind").is_not_null())["run_id"].unique().implode()))
+    copy = faulted.with_columns(pl.lit("zz-copy").alias("run_id"),
+                                pl.lit(None, pl.String).alias("invalid_kind"))
+    frame = pl.concat([shaped, copy])
+    expected = ledger_module.finish(frame)
+    assert expected.filter((pl.col("run_id") == "zz-copy")
+                           & (pl.col("invalid_kind") == "tainted")).height > 0
+    con = duckdb.connect()
+    try:
+        con.register("f", frame.select(list(ledger_module.LEDGER_SCHEMA)).to_arrow())
+        con.execute("CREATE TABLE t AS SELECT * FROM f")
+        con.register("f", frame.select(ledger_module._TAINT_INPUTS).with_row_index("_row")
+                     .cast({"_row": pl.UInt64}).to_arrow())
+        con.execute("CREATE TABLE i AS SELECT * FROM f")
+        groups = ledger_module._linked_runs(con, "i")
+        ledger_module._mark_tainted(con, "t", "i", True)
+        table = pl.DataFrame(con.sql("SELECT * FROM t").to_arrow_table())
+    finally:
+        con.close()
+    assert any("zz-copy" in group and len(group) > 1 for group in groups)
+    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(expected)

@@ -198,8 +198,12 @@ def _source(folder: Path) -> Any:
 
 def _table(db: Path) -> dict[str, Any]:
     """``kvscope ledger`` on ``db`` (a copy): the whole table built and written."""
+    import logging
+
     from kvscope.analysis import ledger_units
 
+    # The build's steps and partitions, as it goes (a 10M-turn build runs for minutes).
+    logging.basicConfig(level=logging.INFO, format="    %(asctime)s %(message)s")
     spill = bench_ledger._SpillWatch(db)
     before = db.stat().st_size
     start = time.perf_counter()
