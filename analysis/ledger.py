@@ -926,6 +926,11 @@ def partitioned_turn_rows(reader: DuckDBReader, count: int, fn: Callable[[pl.Dat
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
         _stage(scratch, count, db)
+        if db:
+            _, size = scratch.rows(query.Query(
+                "SELECT total_blocks * block_size FROM pragma_database_size() "
+                "WHERE database_name = $db", {"db": db}, name="ledger partitions: staged size"))
+            logger.info("ledger partitions: staged in %.0f MiB", (size[0][0] or 0) / 2**20)
         done: list[_T] = []
         for index in range(count):
             start = time.perf_counter()
@@ -1537,11 +1542,13 @@ def build_table(con: duckdb.DuckDBPyConnection, *, across_conversations: bool = 
             leftover.unlink(missing_ok=True)
 
 
-def full_build(con: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
+def full_build(con: duckdb.DuckDBPyConnection, *,
+               partitions: int | None = None) -> pl.DataFrame | None:
     """The whole ledger of the store on writable ``con``: a frame to persist when one
     statement builds it, else None, written to :data:`BUILDING_TABLE` (:func:`build_table`;
-    :func:`swap_in` it), as when the one statement runs out of DuckDB's memory."""
-    if build_table(con) is not None:
+    :func:`swap_in` it), as when the one statement runs out of DuckDB's memory.
+    ``partitions``: as :func:`build_table`'s (1: the one statement)."""
+    if build_table(con, partitions=partitions) is not None:
         return None
     try:
         return ledger(DuckDBReader(con, time_limit_s=None), retry=False)

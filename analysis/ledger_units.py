@@ -424,7 +424,8 @@ def _ledger_columns(con: duckdb.DuckDBPyConnection) -> list[str]:
         [ledger_module.LEDGER_TABLE]).fetchall()]
 
 
-def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> Update:
+def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False,
+                      partitions: int | None = None) -> Update:
     """Bring ``kvscope_ledger`` up to the store's spans on a writable connection (see
     :func:`update`)."""
     started = time.perf_counter()
@@ -447,7 +448,7 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
         touch = touched(reader, mark or -1, high)
         reason, units = touch.rebuild_all, touch.units
     # A full build of a large store is written as it is built (never held whole: built).
-    frame = (ledger_module.full_build(con) if reason is not None
+    frame = (ledger_module.full_build(con, partitions=partitions) if reason is not None
              else unit_rows(reader, units, high=high) if units else None)
     built = reason is not None and frame is None
     if frame is not None and reason is None:
@@ -487,13 +488,16 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False) -> 
                   time.perf_counter() - started)
 
 
-def update(path: str | Path, *, full: bool = False) -> Update:
+def update(path: str | Path, *, full: bool = False, partitions: int | None = None) -> Update:
     """Bring the store's ``kvscope_ledger`` table up to its spans, recomputing only the units
     touched since the last build (the whole table on the first build, when ``full``, or when
-    the new spans reach beyond their units: see the module's docstring)."""
+    the new spans reach beyond their units: see the module's docstring). ``partitions``: a
+    whole build in that many ranges of conversations, each written as it is built (the
+    default: one statement up to ``ledger.PARTITION_TURNS`` turn spans)."""
     con = open_store(path, memory_limit=settings.resolve("store_memory_limit") or None)
     try:
-        return update_connection(con, full=full)
+        con.execute("SET enable_progress_bar = false")  # the CLI draws its own
+        return update_connection(con, full=full, partitions=partitions)
     finally:
         con.close()
 

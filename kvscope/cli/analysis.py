@@ -173,6 +173,20 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true",
                         help="rebuild every turn (default: only the conversations new spans "
                              "touched since the last build; DuckDB stores)")
+    parser.add_argument("--partitions", type=_partitions, default=None, metavar="N",
+                        help="build a whole table in N ranges of conversations, each written "
+                             "as it is built: less memory, more time (default: one statement "
+                             "up to 1M turns, then one range per 1M; DuckDB stores)")
+
+
+def _partitions(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number from 1 to 256")
+    return value
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
@@ -192,7 +206,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
     from kvscope.progress import spinner
 
     with spinner(f"kvscope ledger: bringing {LEDGER_TABLE} up to the raw spans"):
-        done = update(args.file, full=args.full)
+        done = update(args.file, full=args.full, partitions=args.partitions)
     if done.units is None:
         print(f"{LEDGER_TABLE}: {done.rows} turns rebuilt from the raw spans in {args.file} "
               f"({done.reason})")

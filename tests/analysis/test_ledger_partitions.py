@@ -330,3 +330,38 @@ def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -
         con.close()
     assert any("zz-copy" in group and len(group) > 1 for group in groups)
     assert table.cast(ledger_module.LEDGER_SCHEMA).equals(expected)
+
+
+def test_cli_ledger_builds_in_the_partitions_asked_for(
+        store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvscope ledger --partitions N` writes a whole build in N ranges (less memory, more
+    time); anything but 1-256 is refused with the flag named, and nothing is written."""
+    from kvscope import cli
+
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        whole = ledger(reader)
+    finally:
+        reader.close()
+    copy = tmp_path / "store.duckdb"
+    copy.write_bytes(store.read_bytes())
+    for bad in ("0", "257", "three"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["ledger", "--partitions", bad, str(copy)])
+        assert exited.value.code == 2
+        assert (f"argument --partitions: '{bad}': a whole number from 1 to 256"
+                in capsys.readouterr().err)
+    with duckdb.connect(str(copy), read_only=True) as con:
+        assert not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?",
+                               [ledger_module.LEDGER_TABLE]).fetchall()[0][0]
+    with caplog.at_level(logging.INFO, logger=ledger_module.__name__):
+        assert cli.main(["ledger", "--full", "--partitions", "3", str(copy)]) == 0
+    assert f"{whole.height} turns rebuilt" in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("ledger partition ")][-1].startswith(
+        "ledger partition 3 of 3")
+    with duckdb.connect(str(copy), read_only=True) as con:
+        table = pl.DataFrame(con.sql(
+            f"SELECT * FROM {ledger_module.LEDGER_TABLE}").to_arrow_table())
+    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)

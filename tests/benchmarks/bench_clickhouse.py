@@ -41,6 +41,7 @@ queries, which the live ledger still reads), each in a fresh process.
 Run:  .venv/bin/python tests/benchmarks/bench_clickhouse.py [--turns 100000,1000000]
       [--cache-dir DIR] [--seed 1] [--engines duckdb,chdb] [--replicate K]
       [--phases analyse,extract,table] [--rss-limit-mib MIB] [--work-dir DIR]
+      [--ledger-partitions N]
 e.g.  ... --turns 10000000 --replicate 10 --phases extract --rss-limit-mib 8192
 Not a test: nothing here asserts a time.
 """
@@ -196,8 +197,9 @@ def _source(folder: Path) -> Any:
     return ClickHouseSource(f"chdb:{folder}", database=DATABASE)
 
 
-def _table(db: Path) -> dict[str, Any]:
-    """``kvscope ledger`` on ``db`` (a copy): the whole table built and written."""
+def _table(db: Path, partitions: int | None = None) -> dict[str, Any]:
+    """``kvscope ledger`` on ``db`` (a copy): the whole table built and written
+    (``partitions``: ``kvscope ledger --partitions``)."""
     import logging
 
     from kvscope.analysis import ledger_units
@@ -207,13 +209,14 @@ def _table(db: Path) -> dict[str, Any]:
     spill = bench_ledger._SpillWatch(db)
     before = db.stat().st_size
     start = time.perf_counter()
-    done = ledger_units.update(db, full=True)
+    done = ledger_units.update(db, full=True, partitions=partitions)
     return {"table_s": time.perf_counter() - start, "rows": done.rows,
             "peak_rss_mib": bench_ledger._peak_rss_mib(), "spill_mib": spill.stop(),
             "grew_mib": (db.stat().st_size - before) / 2**20}
 
 
-def _run_table(db: Path, work: Path, turns: int, limit: float | None) -> None:
+def _run_table(db: Path, work: Path, turns: int, limit: float | None,
+               partitions: int | None) -> None:
     """The ``table`` phase: ``kvscope ledger`` on a copy of ``db``, then the analyses on it."""
     import shutil
     import tempfile
@@ -225,7 +228,7 @@ def _run_table(db: Path, work: Path, turns: int, limit: float | None) -> None:
         print(f"\n{turns} turns ({db.name}): copied in {time.perf_counter() - start:.1f} s; "
               "kvscope ledger, then every analysis on its table (a fresh process each)",
               flush=True)
-        built = _in_process_capped(limit, _table, copy)
+        built = _in_process_capped(limit, _table, copy, partitions)
         stopped = _stopped(built, limit)
         if stopped:
             print(f"  kvscope ledger: {stopped}")
@@ -403,6 +406,8 @@ def main() -> None:
                         help="stop a phase whose resident memory passes this")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="where the table phase copies the store (default: the cache dir)")
+    parser.add_argument("--ledger-partitions", type=int, default=None,
+                        help="the table phase's kvscope ledger --partitions")
     parser.add_argument("--load-parts", type=int, default=1,
                         help="load into chdb in this many windows of time, a process each")
     args = parser.parse_args()
@@ -417,7 +422,8 @@ def main() -> None:
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
         db, folder = _store(args, turns)
         if "table" in phases:
-            _run_table(db, args.work_dir or args.cache_dir, turns, args.rss_limit_mib)
+            _run_table(db, args.work_dir or args.cache_dir, turns, args.rss_limit_mib,
+                       args.ledger_partitions)
         if "chdb" in engines and phases - {"table"} and not (folder / _COMPLETE).exists():
             if folder.exists():
                 import shutil
