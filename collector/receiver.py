@@ -360,7 +360,12 @@ class _OtlpServer:
 
 
 def _open_writer(db_path: str | Path, max_queue_rows: int) -> StoreWriter:
-    return StoreWriter(open_store(db_path), max_queue_rows=max_queue_rows)
+    # Held to store_memory_limit as readers are: DuckDB keeps the blocks its queries read (the
+    # live metrics' read backs), up to 80 % of RAM without a limit (docs/benchmarks.md, the
+    # 1M-turn soak: RSS flat under 1 GB).
+    memory_limit = settings.resolve("store_memory_limit") or None
+    return StoreWriter(open_store(db_path, memory_limit=memory_limit),
+                       max_queue_rows=max_queue_rows)
 
 
 def _begin_run(writer: StoreWriter, host: str, port: int, grpc_port: int | None) -> str:

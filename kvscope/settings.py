@@ -134,8 +134,9 @@ _DECLARED = [
         str,
         "4GB",
         "Memory DuckDB may use for a reading command's queries (`sql`, the ledger, analyses, "
-        "report, dashboard); past it DuckDB spills to disk beside the store, or the query "
-        "fails with an out-of-memory error. Empty: DuckDB's default, 80 % of RAM.",
+        "report, dashboard) and for `serve`'s store (its inserts and live metrics); past it "
+        "DuckDB spills to disk beside the store, or the query fails with an out-of-memory "
+        "error. Empty: DuckDB's default, 80 % of RAM.",
         _memory,
     ),
     Setting(

@@ -871,3 +871,34 @@ def test_values_past_the_maximum_are_stored_cut_marked_and_counted(tmp_path: Pat
             assert value.endswith(TRUNCATED_MARK)
         assert stored < 5 * (MAX_VALUE_CHARS + 1024)  # 4 cut values, not 4 MiB
     assert counted == 14
+
+
+def test_the_receivers_store_is_held_to_store_memory_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvscope serve`'s store keeps DuckDB to store_memory_limit, as readers do (without a
+    limit DuckDB keeps up to 80 % of RAM of the blocks its queries read)."""
+    def limit_of(rx: Receiver) -> str:
+        cursor = rx.writer.connection.cursor()
+        try:
+            row = cursor.execute("SELECT current_setting('memory_limit')").fetchone()
+        finally:
+            cursor.close()
+        assert row is not None
+        return str(row[0])
+
+    expected = duckdb.connect()
+    try:
+        limits = {}
+        for amount in ("1GB", "4GB"):
+            expected.execute(f"SET memory_limit = '{amount}'")
+            row = expected.execute("SELECT current_setting('memory_limit')").fetchone()
+            assert row is not None
+            limits[amount] = str(row[0])
+    finally:
+        expected.close()
+    monkeypatch.setenv("KVSCOPE_STORE_MEMORY_LIMIT", "1GB")
+    with Receiver(tmp_path / "limited.duckdb") as rx:
+        assert limit_of(rx) == limits["1GB"]
+    monkeypatch.delenv("KVSCOPE_STORE_MEMORY_LIMIT")
+    with Receiver(tmp_path / "default.duckdb") as rx:
+        assert limit_of(rx) == limits["4GB"]  # the setting's default
