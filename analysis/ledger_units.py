@@ -45,7 +45,7 @@ from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.reader import Reader
-from kvscope.store.schema import META_TABLE, quote
+from kvscope.store.schema import META_TABLE, TRACES_TABLE, quote
 
 # kvscope_meta keys: the highest otel_traces rowid the table has read, and the row count then.
 MARK_KEY = "ledger_span_mark"
@@ -124,6 +124,17 @@ def _key_sql(column: str, params: dict[str, object]) -> str:
     return text
 
 
+def _raw_request_id(kind: str, params: dict[str, object]) -> str:
+    """The extraction ``kind``'s ``request_id`` as the attribute look-up on ``otel_traces``
+    (its key bound into ``params``): a condition on it filters before the extraction's
+    DISTINCT."""
+    _, columns = ledger_module._KINDS[kind]
+    column = columns["request_id"]
+    assert isinstance(column, query.Attr)
+    params["raw_request_key"] = column.key
+    return f'"{column.map}"[$raw_request_key]'
+
+
 def unit_frames(reader: Reader, units: Iterable[str], *, high: int | None = None,
                 rows: bool = False, low: int | None = None) -> dict[str, pl.DataFrame]:
     """The extraction frames (:func:`kvscope.analysis.ledger.load_spans`' shape) of the spans
@@ -166,16 +177,20 @@ def unit_frames(reader: Reader, units: Iterable[str], *, high: int | None = None
         frames[name] = reader.frame(_narrowed(queries[name], _BY_TRACE, {"traces": traces}))
     held = {*frames["prefill"]["retention_id"].drop_nulls().to_list(),
             *frames["decode"]["decode_request_id"].drop_nulls().to_list()}
+    # Engine spans by their request's key, decided on the raw attribute before the extraction's
+    # DISTINCT (after it, DuckDB de-duplicates every span of the kind first: 14 s a kind at 10M
+    # turns, against a scan's few).
     for name in ("decisions", "transfers", "vllm_requests"):
         params: dict[str, object] = {"keys": keys}
-        key = _key_sql("request_id", params)
-        frames[name] = reader.frame(_filtered(
+        key = _key_sql(_raw_request_id(name, params), params)
+        frames[name] = reader.frame(_narrowed(
             queries[name], f"{key} IN (SELECT unnest($keys))", params))
     params = {"keys": keys, "held": sorted(held)}
-    key = _key_sql("request_id", params)
-    frames["retentions"] = reader.frame(_filtered(
+    raw = _raw_request_id("retentions", params)
+    key = _key_sql(raw, params)
+    frames["retentions"] = reader.frame(_narrowed(
         queries["retentions"],
-        f"(request_id IN (SELECT unnest($held)) OR {key} IN (SELECT unnest($keys)))", params))
+        f"({raw} IN (SELECT unnest($held)) OR {key} IN (SELECT unnest($keys)))", params))
     if runs:
         for name in ("decisions", "transfers", "retentions"):
             carriers = reader.frame(_filtered(
@@ -283,10 +298,14 @@ def units_of(reader: Reader, traces: Iterable[str], keys: Iterable[str], *,
 
 
 def _runs_with_turns(reader: Reader, runs: set[str | None]) -> set[str | None]:
+    # One look-up a turn span (the whole extraction, DISTINCT over every column, took 25 s at
+    # 10M turns).
     named = [r for r in runs if r is not None]
-    found = reader.frame(_filtered(
-        ledger_module.QUERIES["turns"], "run_id IN (SELECT unnest($runs))", {"runs": named},
-        columns="DISTINCT run_id"))
+    found = reader.frame(query.Query(
+        f'SELECT DISTINCT "ResourceAttributes"[$run_key] AS run_id FROM {quote(TRACES_TABLE)} '
+        'WHERE "SpanName" = $span AND "ResourceAttributes"[$run_key] IN (SELECT unnest($runs))',
+        {"run_key": semconv.RUN_ID, "span": semconv.SPAN_TURN, "runs": named},
+        name="runs with turn spans"))
     return set(found["run_id"].to_list())
 
 
