@@ -187,16 +187,7 @@ def test_rows_that_run_out_of_memory_are_built_again_in_partitions(
     try:
         whole = ledger(reader)
         statements: list[str] = []
-        real = DuckDBReader.map_batches
-
-        def short_of_memory(self: DuckDBReader, query: Any, fn: Any, **kw: Any) -> Any:
-            statements.append(query.name)
-            if query.name == ledger_module.TURN_QUERY.name:
-                raise QueryOutOfMemory("query failed: Out of Memory Error: could not allocate "
-                                       "block of size 256.0 KiB (query ledger turns: …)")
-            return real(self, query, fn, **kw)
-
-        monkeypatch.setattr(DuckDBReader, "map_batches", short_of_memory)
+        monkeypatch.setattr(DuckDBReader, "map_batches", _short_of_memory(statements))
         with caplog.at_level(logging.WARNING, logger=ledger_module.__name__):
             built = ledger(reader)
     finally:
@@ -223,55 +214,9 @@ def test_the_reader_names_running_out_of_memory(store: Path) -> None:
         con.close()
 
 
-def test_kvscope_ledger_writes_a_large_store_as_it_builds_it(
-        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kvscope ledger` on a store above PARTITION_TURNS writes each partition's rows to the
-    table as they come (nothing of the whole ledger held), staging in a scratch database it
-    removes, and marks the tainted turns from their inputs read back: the table is the ledger
-    the one statement gives, tainted turns included, in its order."""
-    reader = DuckDBReader.open(store, time_limit_s=None)
-    try:
-        whole = ledger(reader)
-    finally:
-        reader.close()
-    assert whole.filter(pl.col("invalid_kind") == "tainted").height > 0
-    copy = tmp_path / "store.duckdb"
-    copy.write_bytes(store.read_bytes())
-    monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
-    held: list[int] = []
-    real_finish = ledger_module.finish
-    monkeypatch.setattr(ledger_module, "finish",
-                        lambda frame, **kw: held.append(frame.height) or real_finish(frame, **kw))
-    done = ledger_units.update(copy, full=True)
-    assert held == []  # the whole ledger never became one frame
-    assert done.rows == whole.height
-    con = duckdb.connect(str(copy), read_only=True)
-    try:
-        table = pl.DataFrame(con.sql(
-            f"SELECT * FROM {ledger_module.LEDGER_TABLE}").to_arrow_table())
-        tables = {name for (name,) in con.execute(
-            "SELECT table_name FROM duckdb_tables()").fetchall()}
-    finally:
-        con.close()
-    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)
-    assert ledger_module.BUILDING_TABLE not in tables
-    assert not any(name.startswith("_kvscope_ledger_") for name in tables)
-    assert sorted(p.name for p in tmp_path.rglob("*scratch*")) == []
-
-
-def test_kvscope_ledger_out_of_memory_writes_partitions_as_it_builds(
-        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """The one statement out of DuckDB's memory in `kvscope ledger`: built again in four
-    partitions written as they come (not held, as the reader's ledger() holds them)."""
-    reader = DuckDBReader.open(store, time_limit_s=None)
-    try:
-        whole = ledger(reader)
-    finally:
-        reader.close()
-    copy = tmp_path / "store.duckdb"
-    copy.write_bytes(store.read_bytes())
-    statements: list[str] = []
+def _short_of_memory(statements: list[str]) -> Any:
+    """DuckDBReader.map_batches, but the one statement runs out of DuckDB's memory (at 1M
+    turns under a 1 GB limit, say); ``statements`` collects what ran."""
     real = DuckDBReader.map_batches
 
     def short_of_memory(self: DuckDBReader, query: Any, fn: Any, **kw: Any) -> Any:
@@ -280,22 +225,70 @@ def test_kvscope_ledger_out_of_memory_writes_partitions_as_it_builds(
             raise QueryOutOfMemory("query failed: Out of Memory Error: could not allocate "
                                    "block of size 256.0 KiB (query ledger turns: …)")
         return real(self, query, fn, **kw)
+    return short_of_memory
 
-    monkeypatch.setattr(DuckDBReader, "map_batches", short_of_memory)
+
+@pytest.fixture(scope="module")
+def whole(store: Path) -> pl.DataFrame:
+    """The store's ledger, from the one statement."""
+    reader = DuckDBReader.open(store, time_limit_s=None)
+    try:
+        return ledger(reader)
+    finally:
+        reader.close()
+
+
+def _table(db: Path) -> pl.DataFrame:
+    """The ``kvscope_ledger`` table ``kvscope ledger`` wrote, typed."""
+    with duckdb.connect(str(db), read_only=True) as con:
+        return pl.DataFrame(con.sql(f"SELECT * FROM {ledger_module.LEDGER_TABLE}")
+                            .to_arrow_table()).cast(ledger_module.LEDGER_SCHEMA)
+
+
+def _copy(store: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "store.duckdb"
+    copy.write_bytes(store.read_bytes())
+    return copy
+
+
+def test_kvscope_ledger_writes_a_large_store_as_it_builds_it(
+        store: Path, whole: pl.DataFrame, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvscope ledger` on a store above PARTITION_TURNS writes each partition's rows to the
+    table as they come (nothing of the whole ledger held), staging in a scratch database it
+    removes, and marks the tainted turns from their inputs read back: the table is the ledger
+    the one statement gives, tainted turns included, in its order."""
+    assert whole.filter(pl.col("invalid_kind") == "tainted").height > 0
+    copy = _copy(store, tmp_path)
+    monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
+    monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
+    done = ledger_units.update(copy, full=True)
+    assert done.rows == whole.height
+    assert _table(copy).equals(whole)
+    with duckdb.connect(str(copy), read_only=True) as con:
+        tables = {name for (name,) in con.execute(
+            "SELECT table_name FROM duckdb_tables()").fetchall()}
+    assert ledger_module.BUILDING_TABLE not in tables
+    assert not any(name.startswith("_kvscope_ledger_") for name in tables)
+    assert sorted(p.name for p in tmp_path.rglob("*scratch*")) == []
+
+
+def test_kvscope_ledger_out_of_memory_writes_partitions_as_it_builds(
+        store: Path, whole: pl.DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The one statement out of DuckDB's memory in `kvscope ledger`: built again in four
+    partitions written as they come (not held, as the reader's ledger() holds them)."""
+    copy = _copy(store, tmp_path)
+    statements: list[str] = []
+    monkeypatch.setattr(DuckDBReader, "map_batches", _short_of_memory(statements))
     monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
     with caplog.at_level(logging.WARNING, logger=ledger_module.__name__):
         done = ledger_units.update(copy, full=True)
     assert statements == ["ledger turns"] + [
         f"ledger turns, partition {i} of 4" for i in range(1, 5)]
     assert len(caplog.records) == 1 and "building them again in 4" in caplog.records[0].message
-    con = duckdb.connect(str(copy), read_only=True)
-    try:
-        table = pl.DataFrame(con.sql(
-            f"SELECT * FROM {ledger_module.LEDGER_TABLE}").to_arrow_table())
-    finally:
-        con.close()
     assert done.rows == whole.height
-    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)
+    assert _table(copy).equals(whole)
 
 
 def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -> None:
@@ -333,19 +326,13 @@ def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -
 
 
 def test_cli_ledger_builds_in_the_partitions_asked_for(
-        store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        store: Path, whole: pl.DataFrame, tmp_path: Path, caplog: pytest.LogCaptureFixture,
         capsys: pytest.CaptureFixture[str]) -> None:
     """`kvscope ledger --partitions N` writes a whole build in N ranges (less memory, more
     time); anything but 1-256 is refused with the flag named, and nothing is written."""
     from kvscope import cli
 
-    reader = DuckDBReader.open(store, time_limit_s=None)
-    try:
-        whole = ledger(reader)
-    finally:
-        reader.close()
-    copy = tmp_path / "store.duckdb"
-    copy.write_bytes(store.read_bytes())
+    copy = _copy(store, tmp_path)
     for bad in ("0", "257", "three"):
         with pytest.raises(SystemExit) as exited:
             cli.main(["ledger", "--partitions", bad, str(copy)])
@@ -361,7 +348,4 @@ def test_cli_ledger_builds_in_the_partitions_asked_for(
     assert [r.getMessage() for r in caplog.records
             if r.getMessage().startswith("ledger partition ")][-1].startswith(
         "ledger partition 3 of 3")
-    with duckdb.connect(str(copy), read_only=True) as con:
-        table = pl.DataFrame(con.sql(
-            f"SELECT * FROM {ledger_module.LEDGER_TABLE}").to_arrow_table())
-    assert table.cast(ledger_module.LEDGER_SCHEMA).equals(whole)
+    assert _table(copy).equals(whole)
