@@ -3,7 +3,8 @@ from a fit that never saw it (leave-one-out), and the headline TTFT speedups.
 
 For each of the sweep's published points (prefill OFF and ON and the D→P read, at both ends,
 Qwen3-32B and GLM-5-FP8: 12 points) it fits the model's constants (per model on its GPU: fixed
-ms and efficiency; per interconnect: latency and per-block cost) on the other
+ms and efficiency; per interconnect: latency and per-block cost; per host: the cost of a
+posted descriptor) on the other
 11 and prints the prediction, the published value and the error; a point whose absence leaves a
 constant undetermined is printed as such, not predicted. Then the full fit's constants, and the
 headline speedups TTFT OFF / ON at each sweep's long end: published, and predicted from the
@@ -52,14 +53,19 @@ def main() -> None:
               f"{full.fixed_ms(name):.1f} ms")
     print(f"  link: {full.values[('link', 'latency')]:.1f} ms a read plus "
           f"{1000 * full.block_ms:.1f} µs a block")
+    print(f"  host: {1000 * full.descriptor_ms:.2f} µs a posted descriptor")
     for point in points:
         if point.quantity == "transfer":
             blocks = sum(t.read_blocks for t in point.turns if t.pulled_tokens) / max(
                 1, sum(1 for t in point.turns if t.pulled_tokens))
             wire = physics.wire_ms(engines[point.model], blocks)
+            pulled = sum(t.pulled_tokens for t in point.turns if t.pulled_tokens) / max(
+                1, sum(1 for t in point.turns if t.pulled_tokens))
+            descriptors = engines[point.model].descriptors(pulled)
             print(f"  {point.model} {point.label}: {point.published_ms:.0f} ms published, "
                   f"its bytes at EFA's {physics.EFA_P5EN_BYTES_PER_S / 1e9:.0f} GB/s a node "
-                  f"{wire:.1f} ms")
+                  f"{wire:.1f} ms; {descriptors:,} descriptors a read, their host work "
+                  f"{descriptors * full.descriptor_ms:.1f} ms in the prefill")
     for sweep in published.SWEEPS:
         end = f"{sweep.prompt_tokens[1] // 1000}k"
         engine = engines[sweep.profile]
