@@ -73,11 +73,13 @@ the models' public configs, vLLM 0.29.0's NIXL connector and model registry. The
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.emulator.capacity import GPUS, MODELS, Gpu, ModelShape
+from kvscope.emulator.cost_model import CostProfile
 from kvscope.emulator.turn_mix import TurnShape
 from kvscope.fit import solve_linear
 
@@ -288,6 +290,68 @@ def published_engines() -> dict[str, Engine]:
     return {name: Engine(MODELS[name], GPUS["h200-141gb"], 8) for name in ATTENTION_DIM}
 
 
+@functools.cache
+def published_fit() -> Constants:
+    """The constants fitted on every published point (what :func:`cost_profile` prices with)."""
+    return fit(published_engines(), published_points())
+
+
+def cost_profile(model: str, gpu: str = "h200-141gb", tensor_parallel_size: int = 8,
+                 constants: Constants | None = None) -> CostProfile:
+    """The simulator's timing for ``model`` on ``tensor_parallel_size`` × ``gpu``, priced by
+    this model (``kvscope simulate --cost-model physics``).
+
+    The physics is linear in the tokens as :class:`~kvscope.emulator.cost_model.CostProfile`
+    is, so each of its constants is a product of the work and the fitted constants:
+
+    * prefill: fixed ms + the weights' read, a linear and an attention term per computed token,
+      all over the fitted efficiency; a pull adds the host's work per descriptor, spread per
+      pulled token (blocks × regions, without the last block's rounding);
+    * a read: the link's latency and its per-block cost as bytes per ms;
+    * decode, and the first token, one step at the HBM floor: the weights a token routes
+      through (MoE: the active ones) plus the context's KV, read once at the GPUs' bandwidth.
+      No TPOT was published to fit an efficiency to, so this is the floor, not a calibration;
+      the published TTFT − prefill gaps (34-46 ms) are far above it and nothing here models
+      the D leg's other costs.
+
+    The efficiencies were fitted on 8 × H200: another GPU or TP is the same efficiency applied
+    to its limits, an extrapolation."""
+    if model not in ATTENTION_DIM:
+        raise KeyError(f"no physics for model {model!r}; known: {', '.join(ATTENTION_DIM)}")
+    if gpu not in GPUS:
+        raise KeyError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
+    c = constants or published_fit()
+    engine = Engine(MODELS[model], GPUS[gpu], tensor_parallel_size)
+    shape, inverse = engine.model, c.values[(model, "inverse")]
+    per_flop_ms = 1000.0 / engine.peak_flops * inverse
+    hbm = engine.gpu.hbm_bytes_per_s * tensor_parallel_size
+    # A sharded GQA cache is read 1/TP per GPU; an MLA latent cache is replicated on each.
+    kv_read_bytes = shape.kv_bytes_per_token * (tensor_parallel_size
+                                                if shape.kv_heads < tensor_parallel_size else 1)
+    weights_ms = 1000.0 * shape.weights_bytes / hbm
+    # One decode step of one sequence reads the weights its token routes through (MoE: the
+    # active parameters) and its context's KV.
+    step_ms = 1000.0 * shape.active_parameters * shape.weight_bytes / hbm
+    step_per_context_ms = 1000.0 * kv_read_bytes / hbm
+    block_size = 16
+    descriptor_ms = c.values.get(HOST_DESCRIPTOR, 0.0)
+    return CostProfile(
+        name=f"{model}-physics",
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+        prefill_fixed_ms=c.values[(model, "fixed")] + weights_ms * inverse,
+        prefill_ms_per_token=2.0 * shape.active_parameters * per_flop_ms,
+        prefill_ms_per_token_context=4.0 * shape.layers * ATTENTION_DIM[model] * per_flop_ms,
+        load_ms_per_pulled_token=(NIXL_REGIONS[model] / KV_BLOCK_TOKENS[model]
+                                  * descriptor_ms),
+        transfer_latency_ms=c.values[("link", "latency")],
+        transfer_bytes_per_ms=block_size * shape.kv_bytes_per_token / c.block_ms,
+        first_token_fixed_ms=step_ms,
+        first_token_ms_per_prompt_token=step_per_context_ms,
+        decode_ms_per_token=step_ms,
+        decode_ms_per_token_context=step_per_context_ms,
+        block_size=block_size)
+
+
 def published_points(block_size: int = 16) -> list[Point]:
     """The sweep's published prefill (OFF, ON) and transfer figures at both ends, each at the
     mean turn of the sweep's own workload (:func:`kvscope.emulator.cost_model.calibration`)."""
@@ -320,5 +384,5 @@ def published_points(block_size: int = 16) -> list[Point]:
 
 __all__ = ["ATTENTION_DIM", "Column", "Constants", "EFA_P5EN_BYTES_PER_S", "Engine", "FP8_FLOPS",
     "FP8_WEIGHTS", "HOST_DESCRIPTOR", "KV_BLOCK_TOKENS", "LINK_COLUMNS", "NIXL_REGIONS",
-    "NegativeTimeError", "Point", "fit", "predict",
-    "published_engines", "published_points", "read_terms", "terms", "wire_ms"]
+    "NegativeTimeError", "Point", "cost_profile", "fit", "predict",
+    "published_engines", "published_fit", "published_points", "read_terms", "terms", "wire_ms"]

@@ -51,8 +51,9 @@ from kvscope.collector.span_rows import (
     RowSink,
     cyclic_gc_per_batch,
 )
-from kvscope.emulator import capacity, cost_model
+from kvscope.emulator import capacity, cost_model, physics
 from kvscope.emulator import faults as fault_names
+from kvscope.emulator.cost_model import CostProfile
 from kvscope.emulator.ground_truth import account_turn, label_tainted, taint_turn
 from kvscope.emulator.reuse_model import (
     NO_FAULTS,
@@ -133,6 +134,9 @@ PROCESS_ROWS_MIN_TURNS = 10_000
 # A progress callback hears every this many turns sent (a power of two: one AND a turn).
 PROGRESS_EVERY_TURNS = 1024
 
+COST_FITTED, COST_PHYSICS = "fitted", "physics"
+COST_MODELS = (COST_FITTED, COST_PHYSICS)
+
 # Told (turns sent, virtual seconds) as a run goes, and once when its model has finished.
 Progress: TypeAlias = "Callable[[int, float], None]"
 _NS = 1_000_000_000
@@ -144,6 +148,9 @@ class SimulationSettings:
 
     label: str = "simulated"
     profile: str = "qwen3-32b"
+    # How the profile's model is timed: "fitted" (cost_model's profile, solved on the published
+    # sweep) or "physics" (physics.cost_profile: the model's shape on --gpu's limits).
+    cost_model: str = COST_FITTED
     prefill_nodes: int = 1
     decode_nodes: int = 1
     prefill_bidirectional_kv_xfer: bool = True
@@ -185,6 +192,22 @@ class SimulationSettings:
         if self.gpu != capacity.NO_GPU:
             capacity.hardware(self.gpu, self.profile, self.gpu_memory_utilization,
                               self.tensor_parallel_size)  # CapacityError names what is wrong
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model {self.cost_model!r}: not one of "
+                             f"{', '.join(COST_MODELS)}")
+        if self.cost_model == COST_PHYSICS and self.profile not in physics.ATTENTION_DIM:
+            raise ValueError(f"cost_model physics: no model shape for profile {self.profile!r} "
+                             f"(known: {', '.join(physics.ATTENTION_DIM)})")
+
+    def cost_profile(self) -> CostProfile:
+        """The timing the run prices its turns with. Physics prices the profile's model on
+        ``gpu`` × ``tensor_parallel_size``, or, without a GPU, on the published runs' 8 × H200
+        its efficiencies were fitted on."""
+        if self.cost_model == COST_FITTED:
+            return cost_model.profile(self.profile)
+        if self.gpu == capacity.NO_GPU:
+            return physics.cost_profile(self.profile)
+        return physics.cost_profile(self.profile, self.gpu, self.tensor_parallel_size)
 
     def decode_kv_blocks(self, block_size: int) -> int:
         """KV blocks of each decode engine: ``decode_cache_blocks``, capped by the GPU's."""
@@ -307,7 +330,7 @@ class Simulator:
 
     def __init__(self, settings: SimulationSettings) -> None:
         self.settings = settings
-        self.cost = cost_model.profile(settings.profile)
+        self.cost = settings.cost_profile()
         s = settings
         self.fabric = Fabric()
         # What every engine shares; each role adds its own below.
@@ -960,8 +983,8 @@ def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:
         yield asdict(row)
 
 
-__all__ = ["CLIENT_TIMEOUT_S", "FAULT_CLOCK_SKEW", "FAULT_HANDSHAKE", "FAULT_INVALID_PARAMS",
-    "FAULT_NO_CONVERSATION_ID", "FAULT_PREEMPT", "FAULT_PROXY_RESTART", "FAULT_STRIP_METADATA",
-    "FAULT_TRANSFER", "PROCESS_ROWS_MIN_TURNS", "PROGRESS_EVERY_TURNS", "Progress", "SIMULATED_KEY",
-    "SIM_FAULTS", "SimulationResult", "SimulationSettings", "Simulator", "TruthRow", "iter_truth",
-    "simulate"]
+__all__ = ["CLIENT_TIMEOUT_S", "COST_FITTED", "COST_MODELS", "COST_PHYSICS", "FAULT_CLOCK_SKEW",
+    "FAULT_HANDSHAKE", "FAULT_INVALID_PARAMS", "FAULT_NO_CONVERSATION_ID", "FAULT_PREEMPT",
+    "FAULT_PROXY_RESTART", "FAULT_STRIP_METADATA", "FAULT_TRANSFER", "PROCESS_ROWS_MIN_TURNS",
+    "PROGRESS_EVERY_TURNS", "Progress", "SIMULATED_KEY", "SIM_FAULTS", "SimulationResult",
+    "SimulationSettings", "Simulator", "TruthRow", "iter_truth", "simulate"]

@@ -27,6 +27,7 @@ from kvscope.cli.options import add_setting, add_workload_scaling, required
 from kvscope.emulator.capacity import GPUS, NO_GPU
 from kvscope.emulator.cost_model import PROFILES
 from kvscope.emulator.simulator import (
+    COST_MODELS,
     SIM_FAULTS,
     SimulationResult,
     SimulationSettings,
@@ -95,6 +96,10 @@ OPTIONS: tuple[Option, ...] = (
            "run label (a sweep appends each run's KEY=VALUE pairs)"),
     Option("profile", "--profile", str, "cost-model profile timing prefill, transfer, decode",
            tuple(sorted(PROFILES))),
+    Option("cost_model", "--cost-model", str,
+           "how the profile's model is timed: fitted (solved on the published sweep) or physics "
+           "(its config on the GPU's published limits: --gpu, else the published 8 x H200; "
+           "docs/benchmarks.md, the physics cost model)", COST_MODELS),
     Option("prefill_nodes", "--prefill-nodes", int, "prefill engines (round robin)"),
     Option("decode_nodes", "--decode-nodes", int, "decode engines (round robin)"),
     Option("prefill_bidirectional_kv_xfer", "--prefill-bidirectional-kv-xfer", parse_bool,
@@ -365,10 +370,9 @@ def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]
              db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
     """Simulate each (plan, workload for a block size) into ``db`` in turn, with a progress
     line per run on ``stream``: runs whose workloads differ (the published sweep)."""
-    from kvscope.emulator.cost_model import profile
 
     for number, (plan, workloads) in enumerate(runs, start=1):
-        workload = workloads(profile(plan.profile).block_size)
+        workload = workloads(plan.cost_profile().block_size)
         line = None
         if stream is not None:
             line = ProgressLine(f"[{number}/{len(runs)} {plan.label}]", workload.num_requests,

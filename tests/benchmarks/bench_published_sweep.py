@@ -13,7 +13,12 @@ the mean composition of the sweep's own turns (history re-sent, first turns pull
 published point is held out of the calibration: a match at the ends tests that the simulator
 composes the costs as the fit did, not the cost model's extrapolation between or beyond them.
 
+With ``--cost-model physics`` the runs are timed by ``emulator/physics.py`` (fitted on the
+published prefill and read points, not on TTFT; decode at the HBM floor), so the TTFT column
+shows what the physics leaves out of the D leg.
+
 Run:  .venv/bin/python tests/benchmarks/bench_published_sweep.py [--prefix-tokens 2000,24000]
+      [--cost-model physics]
 Not a test: nothing here asserts a number.
 """
 
@@ -29,16 +34,20 @@ def main() -> None:
     from kvscope import published
     from kvscope.analysis import registry
     from kvscope.cli.simulate import SWEEP_COLUMNS, run_each, sweep_rows
-    from kvscope.emulator.simulator import SimulationSettings
+    from kvscope.emulator.simulator import COST_FITTED, COST_MODELS, SimulationSettings
     from kvscope.emulator.sweeps import DEFAULT_PREFIX_TOKENS, sweep_runs
     from kvscope.tables import format_rows
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefix-tokens", default=",".join(map(str, DEFAULT_PREFIX_TOKENS)))
+    parser.add_argument("--cost-model", choices=COST_MODELS, default=COST_FITTED,
+                        help="physics: the physics model fitted on all 12 published prefill "
+                             "and read points (in-sample here too)")
     args = parser.parse_args()
     prefixes = [int(v) for v in args.prefix_tokens.split(",")]
 
-    runs = sweep_runs(SimulationSettings(label="bench"), None, prefixes)
+    runs = sweep_runs(SimulationSettings(label="bench", cost_model=args.cost_model), None,
+                      prefixes)
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-sweep-") as tmp:
         db = Path(tmp) / "sweep.duckdb"
         start = time.perf_counter()

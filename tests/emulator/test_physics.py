@@ -4,10 +4,16 @@ published limits, constants recovered by the fit, and no negative time."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from kvscope.analysis import registry
+from kvscope.cli.simulate import run_each
 from kvscope.emulator import physics
+from kvscope.emulator.simulator import COST_FITTED, COST_PHYSICS, SimulationSettings
+from kvscope.emulator.sweeps import sweep_runs
 
 
 def test_prefill_flops_and_the_ideal_time_follow_the_model_and_the_gpus() -> None:
@@ -129,3 +135,70 @@ def test_every_held_out_published_prefill_and_read_is_within_a_quarter() -> None
         constants = physics.fit(engines, points[:index] + points[index + 1:])
         error = physics.predict(engines, constants, point) / point.published_ms - 1
         assert abs(error) <= 0.25, f"{point.model} {point.label}: {100 * error:+.1f} %"
+
+
+def test_the_physics_cost_profile_prices_each_turn_as_the_model_does() -> None:
+    engines, constants = physics.published_engines(), physics.published_fit()
+    for point in physics.published_points():
+        if point.quantity == "transfer":
+            continue
+        profile = physics.cost_profile(point.model)
+        prices = []
+        for turn in point.turns:
+            if point.quantity == "prefill_off":
+                prices.append(profile.prefill_ms(turn.prompt_tokens))
+                continue
+            pulled = turn.pulled_tokens
+            ms = profile.prefill_ms(turn.computed_on_tokens,
+                                    turn.prompt_tokens - turn.computed_on_tokens, pulled)
+            prices.append(ms + (profile.transfer_ms(profile.kv_bytes(pulled)) if pulled else 0))
+        # The profile spreads the descriptors per token (no last-block rounding): within 0.5 %.
+        assert sum(prices) / len(prices) == pytest.approx(
+            physics.predict(engines, constants, point), rel=0.005), (point.model, point.label)
+
+
+def test_the_physics_cost_profile_follows_the_gpu_and_decodes_at_the_hbm_floor() -> None:
+    h200, h100 = physics.cost_profile("qwen3-32b"), physics.cost_profile("qwen3-32b",
+                                                                         "h100-80gb", 8)
+    # One decode step reads the 65.6 GB of weights and the context's KV once.
+    assert h100.decode_token_ms(0) == pytest.approx(1000 * 65.6e9 / (8 * 3.35e12))
+    assert h100.decode_token_ms(1000) - h100.decode_token_ms(0) == pytest.approx(
+        1000 * 1000 * 262_144 / (8 * 3.35e12))
+    # Same FLOP/s, slower HBM: the weights' read in each prefill costs more on H100.
+    assert h100.prefill_ms(150) > h200.prefill_ms(150)
+    assert h100.prefill_ms_per_token == pytest.approx(h200.prefill_ms_per_token)
+    # GLM-5 is MoE: a decode step reads its 40 B active parameters (fp8), not all 744 B.
+    glm = physics.cost_profile("glm-5-fp8")
+    assert glm.decode_token_ms(0) == pytest.approx(1000 * 40e9 / (8 * 4.8e12))
+    with pytest.raises(KeyError, match="no physics for model 'tiny'"):
+        physics.cost_profile("tiny")
+
+
+def test_kvscope_simulate_times_turns_by_the_physics_when_asked(tmp_path: Path) -> None:
+    engines, constants = physics.published_engines(), physics.published_fit()
+    points = {p.label: p for p in physics.published_points() if p.model == "qwen3-32b"}
+    prefill = {}
+    for cost in (COST_FITTED, COST_PHYSICS):
+        db = tmp_path / f"{cost}.duckdb"
+        runs = sweep_runs(SimulationSettings(cost_model=cost), ["qwen3-32b"], [24_000])
+        list(run_each([(r.settings, r.workload) for r in runs], db))
+        with registry.AnalysisContext.open(db) as ctx:
+            table = registry.run(ctx, "published_sweep")
+        prefill[cost] = {r["feature"]: r["prefill_ms"] for r in table.iter_rows(named=True)}
+        assert {r["cost_model"] for r in _run_settings(db)} == {cost}
+    for feature in ("on", "off"):
+        expected = physics.predict(engines, constants, points[f"prefill {feature.upper()} 24k"])
+        assert prefill[COST_PHYSICS][feature] == pytest.approx(expected, rel=0.01)
+    # The two models differ where the fitted profile and the physics disagree (ON 414 vs 398).
+    assert abs(prefill[COST_FITTED]["on"] / prefill[COST_PHYSICS]["on"] - 1) > 0.03
+    with pytest.raises(ValueError, match="no model shape for profile 'tiny'"):
+        SimulationSettings(profile="tiny", cost_model=COST_PHYSICS)
+
+
+def _run_settings(db: Path) -> list[dict[str, object]]:
+    """The stored runs' settings."""
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        return [json.loads(s) for (s,) in con.execute("SELECT settings FROM kvscope_runs")
+                .fetchall()]
