@@ -5,6 +5,7 @@
                      composition the profiles are calibrated on
     physics.py       prefill/transfer times from the model's shape and the hardware's limits
     capacity.py      decode KV blocks from a GPU profile; turns waiting for blocks
+    model_config.py  a model's shape read from its config.json (--model-config)
     tokens.py, faults.py, ground_truth.py   token streams, injected faults, per-turn truth
                      (account_turn labels a turn with the decision table)
     servers.py       the HTTP prefill/decode engines (``kvscope emulate``); launcher.py starts them
@@ -19,7 +20,8 @@
 """
 
 __all__ = [
-    "capacity", "cost_model", "faults", "ground_truth", "launcher", "openai_api", "physics",
+    "capacity", "cost_model", "faults", "ground_truth", "launcher", "model_config", "openai_api",
+    "physics",
     "replay", "reuse_model", "servers", "simulator", "span_process", "sweeps", "tokens",
     "turn_mix", "vllm_metrics", "workloads",
 ]

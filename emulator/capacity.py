@@ -37,30 +37,54 @@ from kvscope.emulator.reuse_model import DecodeNode
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What sizes a model's weights and KV cache (from its public config)."""
+    """What sizes a model's weights and KV cache (from its public config), and what the physics
+    cost model (:mod:`kvscope.emulator.physics`) counts its work and its reads with."""
 
     name: str
     parameters: float  # all parameters (MoE: every expert)
     active_parameters: float  # per token (dense: all)
     layers: int
-    kv_heads: int
+    kv_heads: int  # MLA: 1 (one latent, replicated on every rank)
     head_dim: int
     weight_bytes: float  # per parameter (bf16: 2, fp8: 1)
     kv_bytes_per_token: int
+    # Query heads × query head dim: the attention's FLOPs per token pair per layer are 4 × this.
+    attention_dim: int = 0
+    fp8_weights: bool = False
+    # Tokens per KV block of vLLM's attention backend, and NIXL regions a rank registers (one
+    # descriptor per block per region): physics.py's host term.
+    kv_block_tokens: int = 16
+    nixl_regions: int = 0
+    # The built-in model whose fitted efficiency the physics borrows (its own name when fitted).
+    family: str = ""
 
     @property
     def weights_bytes(self) -> float:
         """Bytes of the weights."""
         return self.parameters * self.weight_bytes
 
+    def kv_bytes_per_token_per_gpu(self, tensor_parallel_size: int) -> float:
+        """KV bytes one token takes on each GPU: the KV heads split over the GPUs, a head never
+        split (fewer heads than GPUs, or MLA's one latent, are replicated)."""
+        return self.kv_bytes_per_token / min(tensor_parallel_size, self.kv_heads)
+
 
 # Qwen/Qwen3-32B config.json: num_hidden_layers 64, num_key_value_heads 8, head_dim 128,
-# torch_dtype bfloat16; 32.8 B parameters (its model card). KV: 64 × 8 × 128 × (K, V) × 2 bytes.
-QWEN3_32B = ModelShape("qwen3-32b", 32.8e9, 32.8e9, 64, 8, 128, 2.0, 64 * 8 * 128 * 2 * 2)
-# GLM-5 FP8: 744 B parameters, 40 B active (zai-org's announcement), fp8 weights; MLA latent
-# cache assumed as in cost_model (78 layers × (512 + 64) × 2 bytes): not checked against the
-# config here, an assumption.
-GLM5_FP8 = ModelShape("glm-5-fp8", 744e9, 40e9, 78, 1, 576, 1.0, 78 * (512 + 64) * 2)
+# torch_dtype bfloat16; 32.8 B parameters (its model card). KV: 64 × 8 × 128 × (K, V) × 2 bytes;
+# 64 query heads × 128. vLLM 0.29.0's NIXL connector: one region per layer (physics.py).
+QWEN3_32B = ModelShape("qwen3-32b", 32.8e9, 32.8e9, 64, 8, 128, 2.0, 64 * 8 * 128 * 2 * 2,
+                       attention_dim=64 * 128, kv_block_tokens=16, nixl_regions=64,
+                       family="qwen3-32b")
+# GLM-5 FP8: 744 B parameters, 40 B active (zai-org's announcement), fp8 weights. The shape is
+# GLM-5.1's config.json (tests/emulator/data/model_configs/glm-5.1.json, the same
+# GlmMoeDsaForCausalLM architecture; GLM-5's own was not read): 78 layers, an MLA latent cache
+# of kv_lora_rank 512 + qk_rope_head_dim 64 (× 2 bytes: vLLM's bf16 KV cache), 64 query heads
+# × (qk_nope 192 + rope 64); model_config.py counts 743 B parameters, 41 B active from it.
+# Served by vLLM's FLASHMLA_SPARSE (64-token blocks) with an indexer-key region per layer
+# (index_topk set, no index_topk_freq: every layer; physics.py).
+GLM5_FP8 = ModelShape("glm-5-fp8", 744e9, 40e9, 78, 1, 576, 1.0, 78 * (512 + 64) * 2,
+                      attention_dim=64 * 256, fp8_weights=True, kv_block_tokens=64,
+                      nixl_regions=2 * 78, family="glm-5-fp8")
 MODELS: dict[str, ModelShape] = {m.name: m for m in (QWEN3_32B, GLM5_FP8)}
 
 
@@ -104,9 +128,13 @@ class HardwareProfile:
         return usable - self.model.weights_bytes - self.reserved_bytes
 
     def kv_blocks(self, block_size: int) -> int:
-        """KV blocks of ``block_size`` tokens the engine holds; CapacityError when none fit."""
-        free = self.kv_cache_bytes()
-        blocks = math.floor(free / (block_size * self.model.kv_bytes_per_token)) if free > 0 else 0
+        """KV blocks of ``block_size`` tokens the engine holds; CapacityError when none fit.
+        Each GPU holds every block's share of it (a replicated head or latent whole), so the
+        blocks are one GPU's free bytes over one GPU's bytes a block."""
+        tp = self.tensor_parallel_size
+        free = self.kv_cache_bytes() / tp
+        per_block = block_size * self.model.kv_bytes_per_token_per_gpu(tp)
+        blocks = math.floor(free / per_block) if free > 0 else 0
         if blocks < 1:
             raise CapacityError(
                 f"{self.model.name} on {self.tensor_parallel_size}x {self.gpu.name} at "
@@ -115,20 +143,22 @@ class HardwareProfile:
         return blocks
 
 
-def hardware(gpu: str, model: str, gpu_memory_utilization: float = 0.9,
+def hardware(gpu: str, model: str | ModelShape, gpu_memory_utilization: float = 0.9,
              tensor_parallel_size: int = 1) -> HardwareProfile:
-    """The profile of ``model`` on ``gpu``; CapacityError naming an unknown part."""
+    """The profile of ``model`` (a built-in's name, or a shape read from a config) on ``gpu``;
+    CapacityError naming an unknown part."""
     if gpu not in GPUS:
         raise CapacityError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
-    if model not in MODELS:
+    if isinstance(model, str) and model not in MODELS:
         raise CapacityError(f"no model config for profile {model!r} (known: "
-                            f"{', '.join(MODELS)}): its KV cache cannot be sized")
+                            f"{', '.join(MODELS)}; or --model-config FILE): its KV cache cannot "
+                            "be sized")
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise CapacityError(f"gpu_memory_utilization {gpu_memory_utilization} is not in (0, 1]")
     if tensor_parallel_size < 1:
         raise CapacityError(f"tensor_parallel_size {tensor_parallel_size} must be >= 1")
-    return HardwareProfile(GPUS[gpu], MODELS[model], gpu_memory_utilization,
-                           tensor_parallel_size)
+    shape = MODELS[model] if isinstance(model, str) else model
+    return HardwareProfile(GPUS[gpu], shape, gpu_memory_utilization, tensor_parallel_size)
 
 
 class DecodeMemory:

@@ -59,11 +59,13 @@ prefill after 23,625 pulled) is not what the turns cost (90 prefills of 150 toke
 pulled, 10 first turns of 24k computed whole).
 
 What it gets (``tests/benchmarks/bench_physics_loo.py``, every published point predicted by a fit
-without it): 12 of 12 within ±25 % (worst 21.9 %: GLM-5's 2k ON prefill), GLM-5's headline
-speedup within 9 %; Qwen3-32B's headline 2.35x for a published 1.69x (+39 %: its held-out 24k ON
-prefill, −21.8 %, is what the speedup's denominator amplifies; with exact prefills the ratio
-would be ~1.78x). The host term was added on the same 12 points the leave-one-out scores, which
-flatters it; its descriptor counts come from vLLM 0.29.0's source, not from those points.
+without it): 12 of 12 within ±25 % (worst 24.6 %: Qwen3-32B's 24k ON prefill), GLM-5's headline
+speedup within 7 %; Qwen3-32B's headline 2.43x for a published 1.69x (+44 %: its held-out 24k
+ON prefill is what the speedup's denominator amplifies; with exact prefills the ratio would be
+~1.78x). The host term was added on the same 12 points the leave-one-out scores, which flatters
+it; its descriptor counts come from vLLM 0.29.0's source, not from those points. GLM-5's
+attention is priced dense: DSA's sparse attention (``index_topk`` keys a query) fitted worse
+(docs/benchmarks.md).
 
 Sources (cited where the numbers are defined): NVIDIA's H100 / H200 / A100 datasheets
 (:mod:`kvscope.emulator.capacity`), AWS's p5en instance page for EFA (3,200 Gbit/s a node),
@@ -88,21 +90,18 @@ class NegativeTimeError(ValueError):
     """A cost came out below zero: the constants are wrong for this shape, not a time."""
 
 
-# Attention width (query heads × head dim) and whether the weights run in FP8, per model.
-# Qwen3-32B config.json: 64 attention heads × head_dim 128. GLM-5 (MLA, DeepSeek-style):
-# assumed 64 heads × (128 + 64 rope) query dims; FP8 checkpoint. Not checked here: assumption.
-ATTENTION_DIM = {"qwen3-32b": 64 * 128, "glm-5-fp8": 64 * 192}
-FP8_WEIGHTS = {"qwen3-32b": False, "glm-5-fp8": True}
-# Tokens per KV block and NIXL regions per rank, per model, as vLLM 0.29.0 (the published
-# runs' version) serves it on H200. Qwen3-32B on FlashAttention: vLLM's default 16-token
-# blocks; ``NixlBaseConnectorWorker.register_kv_caches`` registers one region per attention
-# layer, K and V packed into its page (64). GLM-5 on FLASHMLA_SPARSE (the DeepSeek-V3.2 code):
-# the backend's ``get_supported_kernel_block_sizes`` is [64]; each of the 78 layers has its
-# latent cache and its indexer's key cache (``DeepseekV32IndexerCache``, a KV cache layer of its
-# own), so a region each: 2 x 78. Assumed, not read off GLM-5's config: 78 layers (capacity.py)
-# and an indexer on every one (``index_topk_freq`` 1, the DeepSeek-V3.2 code's default).
-KV_BLOCK_TOKENS = {"qwen3-32b": 16, "glm-5-fp8": 64}
-NIXL_REGIONS = {"qwen3-32b": 64, "glm-5-fp8": 2 * 78}
+# A model's attention width, FP8 weights, KV block size and NIXL regions are its ModelShape's
+# (capacity.py): the built-ins' with their sources there, a config's read by model_config.py.
+# The region counts are vLLM 0.29.0's (the published runs' version) on H200: Qwen3-32B on
+# FlashAttention, vLLM's default 16-token blocks, and ``NixlBaseConnectorWorker.
+# register_kv_caches`` registers one region per attention layer, K and V packed into its page
+# (64). GLM-5 on FLASHMLA_SPARSE (the DeepSeek-V3.2 code): the backend's
+# ``get_supported_kernel_block_sizes`` is [64]; each of the 78 layers has its latent cache and
+# its indexer's key cache (``DeepseekV32IndexerCache``, a KV cache layer of its own), so a
+# region each: 2 x 78. Assumed, not read off GLM-5's config: 78 layers and an indexer on every
+# one (``index_topk_freq`` 1, the DeepSeek-V3.2 code's default).
+# The models the published sweep fitted constants for; any other borrows its family's.
+FITTED = ("qwen3-32b", "glm-5-fp8")
 # NVIDIA datasheets: H100 / H200 SXM 1,979 TFLOP/s FP8 dense (A100: no FP8, BF16 used).
 FP8_FLOPS = {"h100-80gb": 1979e12, "h200-141gb": 1979e12}
 # AWS p5en.48xlarge: 3,200 Gbit/s of EFA per node (the published runs' fabric).
@@ -119,13 +118,13 @@ class Engine:
 
     @property
     def peak_flops(self) -> float:
-        fp8 = FP8_WEIGHTS.get(self.model.name, False) and self.gpu.name in FP8_FLOPS
+        fp8 = self.model.fp8_weights and self.gpu.name in FP8_FLOPS
         per_gpu = FP8_FLOPS[self.gpu.name] if fp8 else self.gpu.bf16_flops
         return per_gpu * self.tensor_parallel_size
 
     def prefill_flops(self, new: float, context: float) -> float:
         """FLOPs of computing ``new`` tokens after ``context`` (module docstring)."""
-        attention = ATTENTION_DIM[self.model.name]
+        attention = self.model.attention_dim
         return (2.0 * self.model.active_parameters * new
                 + 4.0 * self.model.layers * attention * new * (context + new / 2.0))
 
@@ -140,8 +139,9 @@ class Engine:
     def descriptors(self, pulled_tokens: float) -> int:
         """NIXL descriptors one D→P read of ``pulled_tokens`` posts on each rank: one per block
         (of the model's own block size) per registered region."""
-        name = self.model.name
-        return math.ceil(pulled_tokens / KV_BLOCK_TOKENS[name]) * NIXL_REGIONS[name]
+        shape = self.model
+        return math.ceil(pulled_tokens / shape.kv_block_tokens) * (shape.nixl_regions
+                                                                    or shape.layers)
 
 
 # Fitted constants, by column: (model, "fixed") ms and (model, "inverse") = 1 / efficiency per
@@ -287,7 +287,7 @@ def fit(engines: dict[str, Engine], points: Sequence[Point]) -> Constants:
 
 def published_engines() -> dict[str, Engine]:
     """The published runs' engines: each model on 8 × H200, TP 8."""
-    return {name: Engine(MODELS[name], GPUS["h200-141gb"], 8) for name in ATTENTION_DIM}
+    return {name: Engine(MODELS[name], GPUS["h200-141gb"], 8) for name in FITTED}
 
 
 @functools.cache
@@ -296,7 +296,7 @@ def published_fit() -> Constants:
     return fit(published_engines(), published_points())
 
 
-def cost_profile(model: str, gpu: str = "h200-141gb", tensor_parallel_size: int = 8,
+def cost_profile(model: str | ModelShape, gpu: str = "h200-141gb", tensor_parallel_size: int = 8,
                  constants: Constants | None = None) -> CostProfile:
     """The simulator's timing for ``model`` on ``tensor_parallel_size`` × ``gpu``, priced by
     this model (``kvscope simulate --cost-model physics``).
@@ -316,18 +316,23 @@ def cost_profile(model: str, gpu: str = "h200-141gb", tensor_parallel_size: int 
 
     The efficiencies were fitted on 8 × H200: another GPU or TP is the same efficiency applied
     to its limits, an extrapolation."""
-    if model not in ATTENTION_DIM:
-        raise KeyError(f"no physics for model {model!r}; known: {', '.join(ATTENTION_DIM)}")
+    if isinstance(model, str):
+        if model not in FITTED:
+            raise KeyError(f"no physics for model {model!r}; known: {', '.join(FITTED)}")
+        model = MODELS[model]
+    if model.family not in FITTED:
+        raise KeyError(f"{model.name}: no fitted family {model.family!r} to borrow an "
+                       f"efficiency from; known: {', '.join(FITTED)}")
     if gpu not in GPUS:
         raise KeyError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
     c = constants or published_fit()
-    engine = Engine(MODELS[model], GPUS[gpu], tensor_parallel_size)
-    shape, inverse = engine.model, c.values[(model, "inverse")]
+    engine = Engine(model, GPUS[gpu], tensor_parallel_size)
+    shape, family = model, model.family
+    inverse = c.values[(family, "inverse")]
     per_flop_ms = 1000.0 / engine.peak_flops * inverse
     hbm = engine.gpu.hbm_bytes_per_s * tensor_parallel_size
-    # A sharded GQA cache is read 1/TP per GPU; an MLA latent cache is replicated on each.
-    kv_read_bytes = shape.kv_bytes_per_token * (tensor_parallel_size
-                                                if shape.kv_heads < tensor_parallel_size else 1)
+    # Each GPU reads its share of the context's KV (a replicated head or latent whole).
+    kv_read_bytes = shape.kv_bytes_per_token_per_gpu(tensor_parallel_size) * tensor_parallel_size
     weights_ms = 1000.0 * shape.weights_bytes / hbm
     # One decode step of one sequence reads the weights its token routes through (MoE: the
     # active parameters) and its context's KV.
@@ -336,12 +341,12 @@ def cost_profile(model: str, gpu: str = "h200-141gb", tensor_parallel_size: int 
     block_size = 16
     descriptor_ms = c.values.get(HOST_DESCRIPTOR, 0.0)
     return CostProfile(
-        name=f"{model}-physics",
+        name=f"{shape.name}-physics",
         kv_bytes_per_token=shape.kv_bytes_per_token,
-        prefill_fixed_ms=c.values[(model, "fixed")] + weights_ms * inverse,
+        prefill_fixed_ms=c.values[(family, "fixed")] + weights_ms * inverse,
         prefill_ms_per_token=2.0 * shape.active_parameters * per_flop_ms,
-        prefill_ms_per_token_context=4.0 * shape.layers * ATTENTION_DIM[model] * per_flop_ms,
-        load_ms_per_pulled_token=(NIXL_REGIONS[model] / KV_BLOCK_TOKENS[model]
+        prefill_ms_per_token_context=4.0 * shape.layers * shape.attention_dim * per_flop_ms,
+        load_ms_per_pulled_token=((shape.nixl_regions or shape.layers) / shape.kv_block_tokens
                                   * descriptor_ms),
         transfer_latency_ms=c.values[("link", "latency")],
         transfer_bytes_per_ms=block_size * shape.kv_bytes_per_token / c.block_ms,
@@ -382,7 +387,7 @@ def published_points(block_size: int = 16) -> list[Point]:
     return out
 
 
-__all__ = ["ATTENTION_DIM", "Column", "Constants", "EFA_P5EN_BYTES_PER_S", "Engine", "FP8_FLOPS",
-    "FP8_WEIGHTS", "HOST_DESCRIPTOR", "KV_BLOCK_TOKENS", "LINK_COLUMNS", "NIXL_REGIONS",
-    "NegativeTimeError", "Point", "cost_profile", "fit", "predict",
-    "published_engines", "published_fit", "published_points", "read_terms", "terms", "wire_ms"]
+__all__ = ["Column", "Constants", "EFA_P5EN_BYTES_PER_S", "Engine", "FITTED", "FP8_FLOPS",
+    "HOST_DESCRIPTOR", "LINK_COLUMNS", "NegativeTimeError", "Point", "cost_profile", "fit",
+    "predict", "published_engines", "published_fit", "published_points", "read_terms", "terms",
+    "wire_ms"]

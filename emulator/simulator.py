@@ -27,6 +27,7 @@ timed as if alone), and running requests preempted for blocks.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import random
@@ -51,7 +52,7 @@ from kvscope.collector.span_rows import (
     RowSink,
     cyclic_gc_per_batch,
 )
-from kvscope.emulator import capacity, cost_model, physics
+from kvscope.emulator import capacity, cost_model, model_config, physics
 from kvscope.emulator import faults as fault_names
 from kvscope.emulator.cost_model import CostProfile
 from kvscope.emulator.ground_truth import account_turn, label_tainted, taint_turn
@@ -151,6 +152,9 @@ class SimulationSettings:
     # How the profile's model is timed: "fitted" (cost_model's profile, solved on the published
     # sweep) or "physics" (physics.cost_profile: the model's shape on --gpu's limits).
     cost_model: str = COST_FITTED
+    # A model's config.json (model_config.py) instead of the profile's model: its shape sizes
+    # decode's KV blocks (with gpu) and its work is priced by the physics ("": the profile's).
+    model_config: str = ""
     prefill_nodes: int = 1
     decode_nodes: int = 1
     prefill_bidirectional_kv_xfer: bool = True
@@ -189,32 +193,42 @@ class SimulationSettings:
         if self.decode_cache_blocks < 1:
             raise ValueError(f"decode_cache_blocks {self.decode_cache_blocks} must be >= 1 (an "
                              "engine without KV blocks serves nothing)")
-        if self.gpu != capacity.NO_GPU:
-            capacity.hardware(self.gpu, self.profile, self.gpu_memory_utilization,
-                              self.tensor_parallel_size)  # CapacityError names what is wrong
         if self.cost_model not in COST_MODELS:
             raise ValueError(f"cost_model {self.cost_model!r}: not one of "
                              f"{', '.join(COST_MODELS)}")
-        if self.cost_model == COST_PHYSICS and self.profile not in physics.ATTENTION_DIM:
+        if self.model_config and self.cost_model != COST_PHYSICS:
+            raise ValueError("model_config needs cost_model physics: the fitted profiles are "
+                             "solved for their own models")
+        model = self.model_shape()  # CapacityError names the config file and its field
+        if self.cost_model == COST_PHYSICS and not self.model_config \
+                and self.profile not in physics.FITTED:
             raise ValueError(f"cost_model physics: no model shape for profile {self.profile!r} "
-                             f"(known: {', '.join(physics.ATTENTION_DIM)})")
+                             f"(known: {', '.join(physics.FITTED)}; or a model_config)")
+        if self.gpu != capacity.NO_GPU:
+            capacity.hardware(self.gpu, model or self.profile, self.gpu_memory_utilization,
+                              self.tensor_parallel_size)  # CapacityError names what is wrong
+
+    def model_shape(self) -> capacity.ModelShape | None:
+        """The model read from ``model_config`` (None: the profile's own)."""
+        return _model_from_config(self.model_config) if self.model_config else None
 
     def cost_profile(self) -> CostProfile:
-        """The timing the run prices its turns with. Physics prices the profile's model on
-        ``gpu`` × ``tensor_parallel_size``, or, without a GPU, on the published runs' 8 × H200
-        its efficiencies were fitted on."""
+        """The timing the run prices its turns with. Physics prices the profile's model (or
+        ``model_config``'s) on ``gpu`` × ``tensor_parallel_size``, or, without a GPU, on the
+        published runs' 8 × H200 its efficiencies were fitted on."""
         if self.cost_model == COST_FITTED:
             return cost_model.profile(self.profile)
+        model = self.model_shape() or self.profile
         if self.gpu == capacity.NO_GPU:
-            return physics.cost_profile(self.profile)
-        return physics.cost_profile(self.profile, self.gpu, self.tensor_parallel_size)
+            return physics.cost_profile(model)
+        return physics.cost_profile(model, self.gpu, self.tensor_parallel_size)
 
     def decode_kv_blocks(self, block_size: int) -> int:
         """KV blocks of each decode engine: ``decode_cache_blocks``, capped by the GPU's."""
         if self.gpu == capacity.NO_GPU:
             return self.decode_cache_blocks
-        engine = capacity.hardware(self.gpu, self.profile, self.gpu_memory_utilization,
-                                   self.tensor_parallel_size)
+        engine = capacity.hardware(self.gpu, self.model_shape() or self.profile,
+                                   self.gpu_memory_utilization, self.tensor_parallel_size)
         return min(self.decode_cache_blocks, engine.kv_blocks(block_size))
 
     def as_run_settings(self) -> dict[str, Any]:
@@ -223,6 +237,11 @@ class SimulationSettings:
         values["faults"] = dict(self.faults)
         values["source"] = "simulator"
         return values
+
+
+@functools.lru_cache(maxsize=8)
+def _model_from_config(path: str) -> capacity.ModelShape:
+    return model_config.load(path)
 
 
 # Per turn: not frozen (see docs/architecture.md, "Value classes on hot paths").

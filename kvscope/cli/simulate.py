@@ -100,6 +100,10 @@ OPTIONS: tuple[Option, ...] = (
            "how the profile's model is timed: fitted (solved on the published sweep) or physics "
            "(its config on the GPU's published limits: --gpu, else the published 8 x H200; "
            "docs/benchmarks.md, the physics cost model)", COST_MODELS),
+    Option("model_config", "--model-config", str,
+           "a model's config.json (Hugging Face layout) to size and time instead of the "
+           "profile's model: with --cost-model physics; the efficiency is borrowed from the "
+           "fitted model of its family (MoE or MLA: glm-5-fp8; dense: qwen3-32b)"),
     Option("prefill_nodes", "--prefill-nodes", int, "prefill engines (round robin)"),
     Option("decode_nodes", "--decode-nodes", int, "decode engines (round robin)"),
     Option("prefill_bidirectional_kv_xfer", "--prefill-bidirectional-kv-xfer", parse_bool,
@@ -459,6 +463,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.workload == "sweep":
         return _main_published_sweep(args, base)
     plans = expand(base, [parse_sweep(s) for s in args.sweep])
+    model = base.model_shape()
+    if model is not None:
+        print(f"model {model.name} ({base.model_config}): {model.parameters / 1e9:.1f} B "
+              f"parameters, {model.active_parameters / 1e9:.1f} B active, "
+              f"{model.kv_bytes_per_token:,} KV bytes a token; timed by the physics with "
+              f"{model.family}'s fitted efficiency (borrowed, not fitted to this model)",
+              file=sys.stderr)
     loaded: dict[int, Workload] = {}
 
     def workload_for(block_size: int) -> Workload:

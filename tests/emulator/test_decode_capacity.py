@@ -26,6 +26,10 @@ def test_kv_blocks_from_the_gpu_the_weights_and_the_model_config() -> None:
     assert capacity.hardware("h100-80gb", "qwen3-32b", tensor_parallel_size=2).kv_blocks(16) \
         == int((2 * 0.9 * 80e9 - 65.6e9) // (16 * 262_144))
     assert capacity.hardware("h200-141gb", "qwen3-32b", 0.95).kv_blocks(16) > 10 * 1525
+    # An MLA latent (one KV head) is replicated on every GPU: 8 GPUs hold one GPU's blocks,
+    # each GPU's free bytes after its eighth of the 744 GB of weights, not 8 times as many.
+    glm = capacity.hardware("h200-141gb", "glm-5-fp8", tensor_parallel_size=8)
+    assert glm.kv_blocks(16) == int((0.9 * 141e9 - 744e9 / 8) // (16 * 89_856)) == 23_579
     with pytest.raises(capacity.CapacityError, match="leave no room for a KV cache"):
         capacity.hardware("h100-80gb", "glm-5-fp8").kv_blocks(16)
     with pytest.raises(capacity.CapacityError, match="no model config for profile 'tiny'"):
