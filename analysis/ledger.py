@@ -767,10 +767,12 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # unit). The rows equal the one statement's, in its order
 # (tests/analysis/test_ledger_partitions.py).
 
-# Turn spans a partition holds by default: up to 1M turns the one statement is fastest (at 1M
-# under DuckDB's 4 GB limit: 29.0-29.1 s in one, 35.0-35.2 s in four partitions, 5.2-5.4 GB
-# peak either way; docs/benchmarks.md).
+# Up to PARTITION_TURNS turn spans the one statement is fastest (at 1M under DuckDB's 4 GB
+# limit: 29.0-29.1 s in one, 35.0-35.2 s in four partitions, 5.2-5.4 GB peak either way);
+# above, partitions of PARTITION_SIZE turns: at 10M, 40 partitions of 250k spill 1 GB beside
+# what is staged where 10 of 1M spilled 3.7 GB, in the same time (docs/benchmarks.md).
 PARTITION_TURNS = 1_000_000
+PARTITION_SIZE = 250_000
 # A build that runs out of DuckDB's memory is tried again in this many times more partitions
 # (at 1M turns under a 1 GB limit the one statement fails; four partitions take 53 s and peak
 # at 3.1 GB), up to MAX_PARTITIONS.
@@ -792,7 +794,10 @@ def partitions_for(reader: Reader) -> int:
     _, rows = reader.rows(query.Query(
         f'SELECT count(*) FROM {quote(TRACES_TABLE)} WHERE "SpanName" = $span',
         {"span": semconv.SPAN_TURN}, name="ledger turn spans"))
-    return max(1, -(-int(rows[0][0]) // PARTITION_TURNS))
+    turns = int(rows[0][0])
+    if turns <= PARTITION_TURNS:
+        return 1
+    return min(MAX_PARTITIONS, -(-turns // min(PARTITION_SIZE, PARTITION_TURNS)))
 
 
 def _extraction(kind: str) -> Callable[[query.Binder], str]:
@@ -826,6 +831,14 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
 
     def stage(name: str, select: Callable[[query.Binder], str]) -> None:
         _temporary(reader, name, select, db)
+
+    def drop(table: str) -> None:
+        reader.execute(query.Query(f"DROP TABLE {table}", name="ledger partitions"))
+        if db:
+            # A dropped table's blocks are free for the next one only after a checkpoint: else
+            # the scratch file grows by every intermediate table (at 1M turns 852 MiB staged
+            # for 516 MiB of tables kept).
+            reader.execute(query.Query(f"CHECKPOINT {db}", name="ledger partitions"))
 
     def keyed(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT *, {_key(b, 'request_id')} AS _k "
@@ -878,7 +891,7 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
         "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id ORDER BY u._p"))
     stage("turn_runs", lambda b: (
         f"SELECT DISTINCT run_id FROM {every_turn} WHERE run_id IS NOT NULL"))
-    reader.execute(query.Query(f"DROP TABLE {every_turn}", name="ledger partitions"))
+    drop(every_turn)
     turns = at("turns")
     stage("traces", lambda b: (
         f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
@@ -894,8 +907,7 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
         "WHERE decode_request_id IS NOT NULL"))
     for kind in _ENGINE_KINDS:
         stage(kind, placed(kind))
-        reader.execute(query.Query(f"DROP TABLE {at('all_' + kind)}",
-                                   name="ledger partitions"))
+        drop(at("all_" + kind))
 
 
 def _partition_query(index: int, count: int, db: str = "") -> query.Query:
@@ -1440,9 +1452,10 @@ def ledger(reader: Reader, *, across_conversations: bool = True,
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once), then
     finished (:func:`finish`). ``partitions``: build the rows that many conversations' parts
-    at a time (DuckDB only; default :func:`partitions_for`, one per PARTITION_TURNS turns);
-    rows that run out of DuckDB's memory are built again in more partitions (unless not
-    ``retry``: then QueryOutOfMemory is raised)."""
+    at a time (DuckDB only; default :func:`partitions_for`: one statement up to
+    PARTITION_TURNS turns, partitions of PARTITION_SIZE above); rows that run out of DuckDB's
+    memory are built again in more partitions (unless not ``retry``: then QueryOutOfMemory is
+    raised)."""
     count = partitions_for(reader) if partitions is None else partitions
     while True:
         try:
@@ -1694,8 +1707,8 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 
 __all__ = ["BUILDING_TABLE", "ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES",
     "HISTORY_EDITED", "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE",
-    "MAX_PARTITIONS", "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID",
-    "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_table", "finish",
+    "MAX_PARTITIONS", "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "TURN_QUERY",
+    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_table", "finish",
     "frame_turn_rows", "full_build", "hook_decided", "ledger", "load_spans",
     "partitioned_turn_rows", "partitions_for", "persist", "rebuild", "rebuild_clickhouse",
     "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]
