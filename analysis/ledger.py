@@ -769,10 +769,10 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 
 # Up to PARTITION_TURNS turn spans the one statement is fastest (at 1M under DuckDB's 4 GB
 # limit: 29.0-29.1 s in one, 35.0-35.2 s in four partitions, 5.2-5.4 GB peak either way);
-# above, partitions of PARTITION_SIZE turns: at 10M, 40 partitions of 250k spill 1 GB beside
-# what is staged where 10 of 1M spilled 3.7 GB, in the same time (docs/benchmarks.md).
+# above, partitions of PARTITION_SIZE turns: at 10M, 80 partitions of 125k build in 553 s,
+# 40 of 250k in 613 s, 10 of 1M in 666-676 s, and the smaller spill less (docs/benchmarks.md).
 PARTITION_TURNS = 1_000_000
-PARTITION_SIZE = 250_000
+PARTITION_SIZE = 125_000
 # A build that runs out of DuckDB's memory is tried again in this many times more partitions
 # (at 1M turns under a 1 GB limit the one statement fails; four partitions take 53 s and peak
 # at 3.1 GB), up to MAX_PARTITIONS.
