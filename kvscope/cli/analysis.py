@@ -176,7 +176,7 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", type=_partitions, default=None, metavar="N",
                         help="build a whole table in N ranges of conversations, each written "
                              "as it is built: less memory, more time (default: one statement "
-                             "up to 1M turns, then one range per 1M; DuckDB stores)")
+                             "up to 1M turns, then one range per 125k; DuckDB stores)")
 
 
 def _partitions(text: str) -> int:
