@@ -39,6 +39,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -1276,13 +1277,20 @@ def taint_marks(rows: pl.DataFrame, *, across_conversations: bool = True
          for key, mark in found.items()], orient="row",
         schema={"_row": pl.UInt32, "_kind": pl.String, "_tokens": pl.Int64,
                 "_read": pl.Int64, "_via": pl.String, "_source": pl.String})
+    label, evidence = _taint_exprs()
+    return marked.select("_row", "_tokens", label.alias("_outcome"),
+                         evidence.alias("_evidence"))
+
+
+@cache
+def _taint_exprs() -> tuple[pl.Expr, pl.Expr]:
+    """The decision table over a tainted turn's facts (rendered once: a rendering is ~5 ms,
+    and the live ledger shapes a few hundred turns a refresh)."""
     facts = {name: pl.lit(None) for name in decisions.FACTS} | {
         "invalid_kind": pl.col("_kind"), "invalid_tokens": pl.col("_tokens"),
         "taint_read": pl.col("_read"), "taint_via": pl.col("_via"),
         "taint_source": pl.col("_source")}
-    label, evidence = decisions.polars_exprs(facts)
-    return marked.select("_row", "_tokens", label.alias("_outcome"),
-                         evidence.alias("_evidence"))
+    return decisions.polars_exprs(facts)
 
 
 def _reachable(rows: pl.DataFrame) -> pl.Series:
@@ -1385,8 +1393,14 @@ def _validity(ledger: pl.LazyFrame) -> pl.LazyFrame:
 def _label(ledger: pl.LazyFrame) -> pl.LazyFrame:
     """Decide each turn's outcome and its evidence: the facts its spans show, read by the one
     decision table (:data:`kvscope.reuse.decisions.TABLE`)."""
-    label, evidence = decisions.polars_exprs(_facts())
+    label, evidence = _outcome_exprs()
     return ledger.with_columns(label.alias("outcome"), evidence.alias("evidence"))
+
+
+@cache
+def _outcome_exprs() -> tuple[pl.Expr, pl.Expr]:
+    """The decision table over a shaped row's facts, rendered once (see :func:`_taint_exprs`)."""
+    return decisions.polars_exprs(_facts())
 
 
 def _facts() -> dict[str, pl.Expr]:

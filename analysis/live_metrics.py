@@ -419,6 +419,8 @@ class LiveLedger:
         # (refresh time, span mark then): when each row arrived, for as long as idle_s.
         self._marks: deque[tuple[float, int]] = deque()
         self._unit_of_key: dict[str, str] = {}  # X-Request-Id or trace id → unit
+        # ... and back: a refresh's work on a few conversations must not walk every key kept.
+        self._keys_of_unit: dict[str, set[str]] = {}
         self._contribution: dict[str, dict[SeriesKey, float]] = {}
         self._last_seen: dict[str, float] = {}  # resident unit → when a span last touched it
         # Conversations let go, and keys of spans dropped unmatched: a unit or turn that may
@@ -586,7 +588,7 @@ class LiveLedger:
                 unit = unit_key(span["run_id"], span["conversation_id"], span["x_request_id"])
                 for turn_key in (span["x_request_id"], span["trace_id"]):
                     if turn_key is not None:
-                        self._unit_of_key[turn_key] = unit
+                        self._claim(turn_key, unit)
                 dirty.add(unit)
                 if self._turn_end is not None and span["end_ns"] is not None:
                     self._turn_end[unit] = max(self._turn_end.get(unit, span["end_ns"]),
@@ -657,12 +659,29 @@ class LiveLedger:
                 self._gauges[key] = (sample["time"], float(sample["value"]))
 
     # -- which rows belong to which conversation ---------------------------------------------------
+    def _claim(self, key: str, unit: str) -> None:
+        """``key`` (an X-Request-Id or trace id) names a turn of ``unit`` from now on."""
+        before = self._unit_of_key.get(key)
+        if before == unit:
+            return
+        if before is not None:
+            others = self._keys_of_unit[before]
+            others.discard(key)
+            if not others:
+                del self._keys_of_unit[before]
+        self._unit_of_key[key] = unit
+        self._keys_of_unit.setdefault(unit, set()).add(key)
+
+    def _keys(self, units: Iterable[str]) -> list[str]:
+        """The keys naming turns of ``units``."""
+        return [key for unit in units for key in self._keys_of_unit.get(unit, ())]
+
     def _membership(self, units: Iterable[str] | None) -> dict[str, pl.Expr]:
         """Per frame, the rows of ``units`` (None: of every unit whose turn is known)."""
-        chosen = (set(self._last_seen) | set(self._unit_of_key.values()) if units is None
+        chosen = (set(self._last_seen) | set(self._keys_of_unit) if units is None
                   else set(units))
         # One Series for every frame's test (a list is converted again at each use).
-        keys = pl.Series([k for k, u in self._unit_of_key.items() if u in chosen],
+        keys = pl.Series(list(self._unit_of_key) if units is None else self._keys(chosen),
                          dtype=pl.String).implode()
         return {
             "turns": pl.col("_unit").is_in(pl.Series(list(chosen), dtype=pl.String).implode()),
@@ -720,7 +739,7 @@ class LiveLedger:
         if not idle:
             return
         mine = self._membership(idle)
-        keys = [k for k, u in self._unit_of_key.items() if u in idle]
+        keys = self._keys(idle)
         first = self._first_rows(idle, keys)
         for name, frame in self._frames.items():
             self._frames[name] = frame.filter(~mine[name].fill_null(False))
@@ -733,6 +752,7 @@ class LiveLedger:
         for key in keys:
             del self._unit_of_key[key]
         for unit in idle:
+            self._keys_of_unit.pop(unit, None)
             del self._last_seen[unit]
             self._contribution.pop(unit, None)
 
@@ -761,13 +781,9 @@ class LiveLedger:
     def _first_row_of(self, units: list[str]) -> int | None:
         """A row before every stored span of ``units`` (read back: let go, or owning dropped
         spans; their kept spans stay kept); None when one's rows are not known."""
-        keys: dict[str, list[str]] = {}
-        for key, unit in self._unit_of_key.items():
-            if unit in units:
-                keys.setdefault(unit, []).append(key)
         lows = []
         for unit in units:
-            low = self._let_go.lowest_row([unit, *keys.get(unit, ())])
+            low = self._let_go.lowest_row([unit, *self._keys_of_unit.get(unit, ())])
             if low is None:
                 return None
             lows.append(low)
@@ -775,12 +791,10 @@ class LiveLedger:
 
     def _maybe_let_go(self, units: set[str]) -> list[str]:
         """Those of ``units`` (not resident) that may have been let go, or own dropped spans."""
-        keys: dict[str, list[str]] = {}
-        for key, unit in self._unit_of_key.items():
-            if unit in units:
-                keys.setdefault(unit, []).append(key)
+        if not len(self._let_go):
+            return []
         return sorted(u for u in units if u in self._let_go
-                      or any(k in self._let_go for k in keys.get(u, ())))
+                      or any(k in self._let_go for k in self._keys_of_unit.get(u, ())))
 
     def _read_back(self, reader: Reader, units: list[str], previous: int) -> None:
         """Make ``units`` resident again from the store: their spans into the frames, and as
@@ -802,7 +816,7 @@ class LiveLedger:
         for row in turns.select("x_request_id", "trace_id", "_unit").iter_rows():
             for key in row[:2]:
                 if key is not None:
-                    self._unit_of_key[key] = row[2]
+                    self._claim(key, row[2])
         models = _models_of(reader, turns["x_request_id"].drop_nulls().unique().to_list())
         before = contributions(ledger_module.build(_bare(counted), across_conversations=False,
                                                    con=self._engine),
