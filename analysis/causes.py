@@ -54,6 +54,11 @@ COLUMNS: dict[str, pl.DataType] = {
 }
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "turn_index", "x_request_id", "outcome", "evidence", "recomputed_reusable_tokens")
+
+
 def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
     """Outcomes of turns k ≥ 2 per run: count, share, tokens recomputed, examples (pure)."""
     later = ledger.filter(pl.col("turn_index") >= 2)
@@ -86,7 +91,7 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
     columns={"run_id": pl.String(), **COLUMNS},
 )
 def miss_causes(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return cause_table(ctx.ledger(), params["examples"])
+    return cause_table(ctx.ledger(LEDGER_COLUMNS), params["examples"])
 
 
-__all__ = ["COLUMNS", "SUGGESTIONS", "cause_table", "miss_causes"]
+__all__ = ["COLUMNS", "LEDGER_COLUMNS", "SUGGESTIONS", "cause_table", "miss_causes"]

@@ -31,7 +31,9 @@ from kvscope.analysis.registry import (
     intermediate,
     register,
 )
+from kvscope.analysis.reuse import LEDGER_COLUMNS as _REUSE_READS
 from kvscope.analysis.reuse import reuse_table
+from kvscope.analysis.runs import LEDGER_COLUMNS as _RUNS_READS
 from kvscope.analysis.runs import all_runs, context_run_info, pick_runs, run_info
 from kvscope.reuse import outcomes
 
@@ -335,13 +337,19 @@ def comparison(ctx: AnalysisContext, runs: Sequence[str] | None = None, bins: in
     return result
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    ("run_id", "conversation_id", "arrival", "end", "outcome", "errored", "prompt_tokens",
+    "prefill_ms", "ttft_ms", "d2p_ms", "decision", "engine_evidence") + _REUSE_READS + _RUNS_READS)
+
+
 @intermediate("comparison", shared=False)
 def _comparison(ctx: AnalysisContext, pair: tuple[str, str], bins: int,
                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Build both comparison tables for ``pair``."""
-    info = run_info(all_runs(ctx), ctx.ledger())
+    info = run_info(all_runs(ctx), ctx.ledger(_RUNS_READS))
     labels = _labels(info, pair)
-    ledger = ctx.ledger().filter(pl.col("run_id").is_in(pair))
+    ledger = ctx.ledger(LEDGER_COLUMNS).filter(pl.col("run_id").is_in(pair))
     if ledger.is_empty():
         raise AnalysisError(f"runs {pair[0]} and {pair[1]} have no turns in the store")
     edges = prompt_bins(ledger["prompt_tokens"], bins)
@@ -385,7 +393,7 @@ def compare_by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.Dat
 )
 def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     """What a single run (a production store's usual case) shows instead of an A/B overlay."""
-    ledger = ctx.ledger()
+    ledger = ctx.ledger(LEDGER_COLUMNS)
     if ledger.is_empty():
         raise AnalysisError("no turns in the selected runs")
     info = context_run_info(ctx)
@@ -394,7 +402,7 @@ def by_prompt(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return by_prompt_table(ledger, labels, edges)
 
 
-__all__ = ["BY_PROMPT_COLUMNS", "PEAK_COLUMNS", "RETENTION_COLUMNS", "STATS_COLUMNS",
-    "SUMMARY_COLUMNS", "SUMMARY_METRICS", "by_prompt", "by_prompt_table", "compare",
-    "compare_by_prompt", "comparison", "context_retention", "optional_analysis", "prompt_bins",
-    "retained_peak", "retention_totals", "run_stats", "summary_table"]
+__all__ = ["BY_PROMPT_COLUMNS", "LEDGER_COLUMNS", "PEAK_COLUMNS", "RETENTION_COLUMNS",
+    "STATS_COLUMNS", "SUMMARY_COLUMNS", "SUMMARY_METRICS", "by_prompt", "by_prompt_table",
+    "compare", "compare_by_prompt", "comparison", "context_retention", "optional_analysis",
+    "prompt_bins", "retained_peak", "retention_totals", "run_stats", "summary_table"]

@@ -244,13 +244,20 @@ def _store_transfers(ctx: AnalysisContext) -> pl.DataFrame:
     return shape_transfers(ctx.frame(TRANSFERS))
 
 
-def run_ledger(ctx: AnalysisContext, run: str | None) -> pl.DataFrame:
-    """The ledger of the selected runs, or of ``run`` only (an error naming the known runs when
-    the store has no such run)."""
-    ledger = ctx.ledger()
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "turn_index", "outcome", "errored", "prompt_tokens", "prefill_ms", "d2p_bytes",
+    "d2p_ms", "reusable_tokens", "local_hit_tokens", "remote_reused_tokens")
+
+
+def run_ledger(ctx: AnalysisContext, run: str | None,
+               columns: tuple[str, ...] = LEDGER_COLUMNS) -> pl.DataFrame:
+    """The ledger's ``columns`` of the selected runs, or of ``run`` only (an error naming the
+    known runs when the store has no such run)."""
+    ledger = ctx.ledger(("run_id", *columns))
     if run is None:
         return ledger
-    known = ledger["run_id"].unique().to_list()
+    known = sorted(ledger["run_id"].drop_nulls().unique().to_list())
     if run not in known:
         raise AnalysisError(f"run {run!r} not in the store; known: {', '.join(known)}")
     return ledger.filter(pl.col("run_id") == run)
@@ -277,6 +284,6 @@ def cost_fit(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return result
 
 
-__all__ = ["BYTES_FORMULA", "COEFFICIENTS", "COST_FIT_COLUMNS", "LinearFit", "MIB",
-    "PREFILL_FORMULA", "TRANSFERS", "TRANSFER_FORMULA", "coefficients", "cost_fit", "fit_costs",
-    "fits_of", "least_squares", "prefill_estimate", "run_ledger", "shape_transfers"]
+__all__ = ["BYTES_FORMULA", "COEFFICIENTS", "COST_FIT_COLUMNS", "LEDGER_COLUMNS", "LinearFit",
+    "MIB", "PREFILL_FORMULA", "TRANSFERS", "TRANSFER_FORMULA", "coefficients", "cost_fit",
+    "fit_costs", "fits_of", "least_squares", "prefill_estimate", "run_ledger", "shape_transfers"]

@@ -391,6 +391,69 @@ def stored_ledger(reader: Reader) -> pl.DataFrame | None:
     ledger`` built or updated it since the last span row was stored, with these rules and
     columns), in the ledger's order; else None (the caller computes it). DuckDB stores only (the
     watermark is a rowid)."""
+    stored = stored_columns(reader)
+    return None if stored is None else stored.frame()
+
+
+# The columns that put the ledger in order (and select a context's runs: run_id).
+_ORDER = ("run_id", "conversation_id", "turn_index", "arrival")
+
+
+class StoredLedger:
+    """The stored ``kvscope_ledger`` table (:func:`stored_columns`), read a few columns at a
+    time as analyses ask for them, each kept once read.
+
+    An analysis that needs six of the ledger's columns holds those six: at 10M turns the whole
+    ledger is ~5 GiB in polars, most of it request ids and evidence text few analyses read. A
+    table scan returns the rows in their stored order every time, so columns read apart line
+    up; rows stored out of the ledger's order (an update appends its units' rows) are put in
+    order by one permutation, taken once from the ordering columns.
+    """
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._columns: dict[str, pl.Series] = {}
+        keys = self._read(_ORDER)
+        order = keys.select(pl.arg_sort_by(*_ORDER, nulls_last=False,
+                                           maintain_order=True)).to_series()
+        # Built whole: already in order (a sorted copy of 1M rows costs ~1 GiB).
+        self._order = None if (order == pl.int_range(
+            keys.height, dtype=pl.UInt32, eager=True)).all() else order
+        self._keep(keys)
+
+    @property
+    def height(self) -> int:
+        return len(self._columns["run_id"])
+
+    def frame(self, columns: Iterable[str] | None = None) -> pl.DataFrame:
+        """The ledger's ``columns`` (all, in the table's order of columns, when None), in the
+        ledger's order of rows."""
+        names = list(ledger_module.LEDGER_SCHEMA if columns is None else dict.fromkeys(columns))
+        unknown = [name for name in names if name not in ledger_module.LEDGER_SCHEMA]
+        if unknown:
+            raise KeyError(f"the ledger has no column {', '.join(map(repr, unknown))}")
+        missing = [name for name in names if name not in self._columns]
+        if missing:
+            self._keep(self._read(missing))
+        return pl.DataFrame([self._columns[name] for name in names])
+
+    def _read(self, names: Iterable[str]) -> pl.DataFrame:
+        wanted = {name: ledger_module.LEDGER_SCHEMA[name] for name in names}
+        listed = ", ".join(quote(name) for name in wanted)
+        return self._reader.frame(query.Query(
+            f"SELECT {listed} FROM {quote(ledger_module.LEDGER_TABLE)}",
+            name="stored ledger columns")).cast(wanted)  # type: ignore[arg-type]
+
+    def _keep(self, frame: pl.DataFrame) -> None:
+        if self._order is not None:
+            frame = frame[self._order]
+        for series in frame.iter_columns():
+            self._columns[series.name] = series
+
+
+def stored_columns(reader: Reader) -> StoredLedger | None:
+    """The store's ``kvscope_ledger`` table to read by columns (:class:`StoredLedger`) when it
+    is the ledger its spans give now (see :func:`stored_ledger`); else None."""
     if reader.dialect is not query.DUCKDB or not reader.has_table(ledger_module.LEDGER_TABLE):
         return None
     _, meta = reader.rows(query.Query(
@@ -408,13 +471,7 @@ def stored_ledger(reader: Reader) -> pl.DataFrame | None:
             or kept.get(COUNT_KEY) != str(count)
             or [c for (c,) in columns] != list(ledger_module.LEDGER_SCHEMA)):
         return None
-    frame = reader.frame(query.Query(f"SELECT * FROM {quote(ledger_module.LEDGER_TABLE)}",
-                                     name="stored ledger")).cast(ledger_module.LEDGER_SCHEMA)
-    order = frame.select(pl.arg_sort_by("run_id", "conversation_id", "turn_index", "arrival",
-                                        nulls_last=False, maintain_order=True)).to_series()
-    if (order == pl.int_range(frame.height, dtype=pl.UInt32, eager=True)).all():
-        return frame  # built whole: already in order (a sorted copy of 1M rows costs ~1 GiB)
-    return frame[order]
+    return StoredLedger(reader)
 
 
 def _meta(con: duckdb.DuckDBPyConnection, key: str) -> int | None:
@@ -521,6 +578,6 @@ def update(path: str | Path, *, full: bool = False, partitions: int | None = Non
         con.close()
 
 
-__all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "Touched", "Update", "rules_fingerprint",
-    "stored_ledger", "touched", "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of",
-    "update", "update_connection"]
+__all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "StoredLedger", "Touched", "Update",
+    "rules_fingerprint", "stored_columns", "stored_ledger", "touched", "unit_expr", "unit_frames",
+    "unit_key", "unit_rows", "units_of", "update", "update_connection"]

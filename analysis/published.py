@@ -27,6 +27,7 @@ import polars as pl
 
 from kvscope import published
 from kvscope.analysis.registry import AnalysisContext, register
+from kvscope.analysis.runs import LEDGER_COLUMNS as _RUNS_READS
 from kvscope.analysis.runs import feature_state, run_settings, run_table
 
 SWEEP_FORMAT = "published_sweep"
@@ -134,6 +135,12 @@ def _why(run: Mapping[str, Any], stats: Mapping[str, Any], ratios: Mapping[str, 
     return "; ".join(parts)
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    ("run_id", "turn_index", "prompt_tokens", "output_tokens", "prefill_ms", "ttft_ms", "d2p_ms",
+    "remote_reused_tokens") + _RUNS_READS)
+
+
 def sweep_table(runs: list[dict[str, Any]], ledger: pl.DataFrame) -> pl.DataFrame:
     """Per sweep run: simulated means beside the published values, with ratios (pure)."""
     if not runs:
@@ -200,7 +207,8 @@ def published_sweep(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataF
     runs = sweep_runs(run_table(ctx))
     if not runs:
         return pl.DataFrame(schema=COLUMNS)
-    return sweep_table(runs, ctx.ledger())
+    return sweep_table(runs, ctx.ledger(LEDGER_COLUMNS))
 
 
-__all__ = ["COLUMNS", "SWEEP_FORMAT", "TOLERANCE", "published_sweep", "sweep_runs", "sweep_table"]
+__all__ = ["COLUMNS", "LEDGER_COLUMNS", "SWEEP_FORMAT", "TOLERANCE", "published_sweep",
+    "sweep_runs", "sweep_table"]

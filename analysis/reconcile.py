@@ -46,6 +46,7 @@ import polars as pl
 
 from kvscope import semconv
 from kvscope.analysis.registry import AnalysisContext, register
+from kvscope.analysis.runs import LEDGER_COLUMNS as _RUNS_READS
 from kvscope.analysis.runs import run_settings, run_table
 from kvscope.reuse import validity
 
@@ -186,6 +187,12 @@ def _decode_rows(run_id: str, engines: list[str], counters: dict[str, float],
                  "invalid after_release)")]
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    ("run_id", "turn_index", "decision", "to_pull_tokens", "local_hit_tokens",
+    "remote_reused_tokens", "d2p_status", "invalid_kind") + _RUNS_READS)
+
+
 def reconcile_table(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
     """One row per run, role and quantity where the run has vLLM's counters (pure)."""
     rows: list[dict[str, Any]] = []
@@ -209,7 +216,7 @@ def reconciliation(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFr
     runs = run_table(ctx)
     if runs.is_empty() or "settings" not in runs.columns:
         return pl.DataFrame(schema=COLUMNS)
-    return reconcile_table(runs, ctx.ledger())
+    return reconcile_table(runs, ctx.ledger(LEDGER_COLUMNS))
 
 
-__all__ = ["COLUMNS", "reconcile_table", "reconciliation", "vllm_counters"]
+__all__ = ["COLUMNS", "LEDGER_COLUMNS", "reconcile_table", "reconciliation", "vllm_counters"]

@@ -206,9 +206,12 @@ class AnalysisContext:
         """The intermediate ``item`` for ``args``, built once per context."""
         return self.cached((item, args), lambda: item.build(self, *args))
 
-    def ledger(self) -> pl.DataFrame:
-        """The per-turn ledger of the selected runs."""
-        return self.select_runs(self.get(LEDGER))
+    def ledger(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
+        """The per-turn ledger of the selected runs: its ``columns`` (all when None). An
+        analysis that names the columns it reads holds only those of a stored ledger."""
+        if columns is None or self.runs is None or "run_id" in columns:
+            return self.select_runs(whole_ledger(self, columns))
+        return self.select_runs(whole_ledger(self, ["run_id", *columns])).drop("run_id")
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs (all when no selection)."""
@@ -230,14 +233,26 @@ def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None
 
 
 @intermediate("ledger", shared=True)
-def _whole_ledger(ctx: AnalysisContext) -> pl.DataFrame:
+def _whole_ledger(ctx: AnalysisContext) -> Any:
     """The ledger of every run in the store (contexts select their runs from it): the stored
-    ``kvscope_ledger`` table when ``kvscope ledger`` has kept it current, else computed."""
+    ``kvscope_ledger`` table when ``kvscope ledger`` has kept it current (a
+    :class:`~kvscope.analysis.ledger_units.StoredLedger`, read by columns), else computed (a
+    frame). Read it through :func:`whole_ledger`."""
     from kvscope.analysis import ledger as ledger_module
     from kvscope.analysis import ledger_units
 
-    stored = ledger_units.stored_ledger(ctx.reader)
+    stored = ledger_units.stored_columns(ctx.reader)
     return stored if stored is not None else ledger_module.ledger(ctx.reader)
+
+
+def whole_ledger(ctx: AnalysisContext, columns: Sequence[str] | None = None) -> pl.DataFrame:
+    """The ledger of every run in the store, whatever ``ctx`` selects: its ``columns`` (all
+    when None)."""
+    whole = ctx.get(LEDGER)
+    if isinstance(whole, pl.DataFrame):
+        return whole if columns is None else whole.select(list(dict.fromkeys(columns)))
+    frame: pl.DataFrame = whole.frame(columns)
+    return frame
 
 
 LEDGER = _whole_ledger
@@ -250,4 +265,4 @@ def iter_analyses() -> Iterator[Analysis]:
 
 __all__ = ["Analysis", "AnalysisContext", "AnalysisError", "INTERMEDIATES", "Intermediate",
     "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "analyses", "get", "intermediate",
-    "iter_analyses", "register", "run"]
+    "iter_analyses", "register", "run", "whole_ledger"]

@@ -33,7 +33,7 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
-from kvscope.analysis.registry import LEDGER, AnalysisContext, Param, intermediate, register
+from kvscope.analysis.registry import AnalysisContext, Param, intermediate, register, whole_ledger
 from kvscope.reuse import outcomes
 from kvscope.store import query
 
@@ -168,12 +168,17 @@ SAMPLES_QUERY = query.select(query.GAUGES, {
 def _retentions(ctx: AnalysisContext) -> pl.DataFrame:
     """Every run's retention spans, typed, reads told from notifies by the whole ledger."""
     raw = ctx.frame(RETENTION_QUERY)
-    return upgrade_reads(shape_retentions(raw), read_handles(ctx.get(LEDGER)))
+    return upgrade_reads(shape_retentions(raw),
+                         read_handles(whole_ledger(ctx, READ_HANDLE_COLUMNS)))
 
 
 def load_retentions(ctx: AnalysisContext) -> pl.DataFrame:
     """The selected runs' retention spans, typed (cached per context)."""
     return ctx.select_runs(ctx.get(_retentions))
+
+
+# What read_handles reads of the ledger.
+READ_HANDLE_COLUMNS = ("d2p_status", "d2p_bytes", "retention_id")
 
 
 def read_handles(ledger: pl.DataFrame) -> pl.Series:
@@ -402,6 +407,13 @@ def prefill_savings(
     ).drop("_saved_ms")
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "turn_index", "arrival", "end", "outcome", "errored", "prompt_tokens", "prefill_ms",
+    "local_hit_tokens", "d2p_status", "d2p_bytes", "retention_id", "decode_engine",
+    "decode_queue_ms")
+
+
 def retention_cost_table(
     retentions: pl.DataFrame, ledger: pl.DataFrame, samples: pl.DataFrame | None = None, *,
     fit_by: str = "run", min_fit_turns: int = 10,
@@ -588,7 +600,7 @@ def _gauge_series(samples: pl.DataFrame, observed: pl.DataFrame,
 )
 def retention_cost(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return retention_cost_table(
-        load_retentions(ctx), ctx.ledger(), load_samples(ctx),
+        load_retentions(ctx), ctx.ledger(LEDGER_COLUMNS), load_samples(ctx),
         fit_by=params["fit"], min_fit_turns=params["min_fit_turns"],
     )
 
@@ -605,15 +617,15 @@ def retention_cost(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFr
 def retained_memory(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     retentions = load_retentions(ctx)
     samples = load_samples(ctx)
-    observed = observed_range(ctx.ledger(), retentions, samples)
+    observed = observed_range(ctx.ledger(LEDGER_COLUMNS), retentions, samples)
     return retained_series(retentions, samples, observed, step_s=params["step_s"],
                            max_points=params["max_points"])
 
 
 __all__ = ["CLASS_IDLE", "CLASS_OF_REASON", "CLASS_OPEN", "CLASS_USEFUL", "CLASS_WASTED",
-    "COST_COLUMNS", "FIT_SCOPES", "GIB", "MEMORY_COLUMNS", "RETENTION_QUERY", "RETENTION_SCHEMA",
-    "SAMPLES_QUERY", "SAMPLE_SCHEMA", "SOURCE_GPU_TOTAL", "SOURCE_GPU_USED", "SOURCE_OF_METRIC",
-    "SOURCE_RETAINED_GAUGE", "SOURCE_RETENTION_SPANS", "held", "load_retentions", "load_samples",
-    "observed_range", "prefill_fit", "prefill_savings", "read_handles", "retained_memory",
-    "retained_series", "retention_cost", "retention_cost_table", "shape_retentions",
-    "shape_samples", "upgrade_reads", "without_superseded_snapshots"]
+    "COST_COLUMNS", "FIT_SCOPES", "GIB", "LEDGER_COLUMNS", "MEMORY_COLUMNS", "READ_HANDLE_COLUMNS",
+    "RETENTION_QUERY", "RETENTION_SCHEMA", "SAMPLES_QUERY", "SAMPLE_SCHEMA", "SOURCE_GPU_TOTAL",
+    "SOURCE_GPU_USED", "SOURCE_OF_METRIC", "SOURCE_RETAINED_GAUGE", "SOURCE_RETENTION_SPANS",
+    "held", "load_retentions", "load_samples", "observed_range", "prefill_fit", "prefill_savings",
+    "read_handles", "retained_memory", "retained_series", "retention_cost", "retention_cost_table",
+    "shape_retentions", "shape_samples", "upgrade_reads", "without_superseded_snapshots"]

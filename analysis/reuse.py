@@ -41,6 +41,12 @@ def _measured_sum(values: pl.Expr) -> pl.Expr:
     return pl.when(values.is_not_null().any()).then(values.sum())
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "conversation_id", "turn_index", "arrival", "prefill_engine", "outcome",
+    "reusable_tokens", "local_hit_tokens", "remote_reused_tokens", "recomputed_reusable_tokens")
+
+
 def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -> pl.DataFrame:
     """Reuse over turns k ≥ 2, grouped by ``by`` (pure: no I/O).
 
@@ -95,7 +101,7 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
     columns={"run_id": pl.String(), **COLUMNS},  # grouped by run (the default)
 )
 def reuse_rate(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return reuse_table(ctx.ledger(), params["by"], params["window_s"])
+    return reuse_table(ctx.ledger(LEDGER_COLUMNS), params["by"], params["window_s"])
 
 
 @register("ledger", "The per-turn reuse ledger")
@@ -103,4 +109,5 @@ def ledger_rows(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame
     return ctx.ledger()
 
 
-__all__ = ["COLUMNS", "GROUPINGS", "REUSED", "ledger_rows", "reuse_rate", "reuse_table"]
+__all__ = ["COLUMNS", "GROUPINGS", "LEDGER_COLUMNS", "REUSED", "ledger_rows", "reuse_rate",
+    "reuse_table"]

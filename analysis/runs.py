@@ -32,10 +32,10 @@ from kvscope.store.reader import Reader
 from kvscope.store.schema import RUNS_TABLE, TRACES_TABLE
 from kvscope.store.source import open_reader
 
-__all__ = ["FEATURE_OFF", "FEATURE_ON", "RUNS_FROM_SPANS", "RUNS_SQL", "RUN_INFO_COLUMNS",
-    "RUN_TABLE", "all_runs", "baseline_for", "choose_pair", "context_over", "context_run_info",
-    "feature_state", "open_context", "pick_runs", "require_spans", "resolve_runs", "run_info",
-    "run_settings", "run_table", "runs_query", "with_run_labels"]
+__all__ = ["FEATURE_OFF", "FEATURE_ON", "LEDGER_COLUMNS", "RUNS_FROM_SPANS", "RUNS_SQL",
+    "RUN_INFO_COLUMNS", "RUN_TABLE", "all_runs", "baseline_for", "choose_pair", "context_over",
+    "context_run_info", "feature_state", "open_context", "pick_runs", "require_spans",
+    "resolve_runs", "run_info", "run_settings", "run_table", "runs_query", "with_run_labels"]
 
 if TYPE_CHECKING:
     from kvscope.store.clickhouse import ClickHouseSource
@@ -193,6 +193,11 @@ def feature_state(settings: Mapping[str, Any], label: str | None,
     return None, "not recorded"
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "conversation_id", "prefill_bidirectional")
+
+
 def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
     """One row per run: label, feature state (and its source), workload key (pure)."""
     fingerprint = ledger.group_by("run_id").agg(
@@ -224,7 +229,7 @@ def run_info(runs: pl.DataFrame, ledger: pl.DataFrame) -> pl.DataFrame:
 
 @intermediate("run_info", shared=False)
 def _context_run_info(ctx: AnalysisContext) -> pl.DataFrame:
-    return run_info(run_table(ctx), ctx.ledger())
+    return run_info(run_table(ctx), ctx.ledger(LEDGER_COLUMNS))
 
 
 def context_run_info(ctx: AnalysisContext) -> pl.DataFrame:

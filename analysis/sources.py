@@ -132,6 +132,13 @@ EVIDENCE_COLUMNS: dict[str, pl.DataType] = {
 }
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "observer", "turn_ms", "ttft_ms", "tool_wait_s", "decision", "d2p_status",
+    "retention_id", "retention_bytes", "router_lookup", "evidence", "engine_evidence",
+    "engine_ttft_ms", "engine_queue_ms")
+
+
 def evidence_table(ledger: pl.DataFrame, memory: pl.DataFrame | None) -> pl.DataFrame:
     """Which evidence the store holds: source, present, rows, and what is missing without it.
 
@@ -159,9 +166,9 @@ def evidence(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
         memory: pl.DataFrame | None = run(ctx, "retained_memory")
     except KvscopeError:  # no memory evidence is itself the finding
         memory = None
-    return evidence_table(ctx.ledger(), memory)
+    return evidence_table(ctx.ledger(LEDGER_COLUMNS), memory)
 
 
-__all__ = ["CLIENT", "COLUMNS", "ENGINE_HOOKS", "EVIDENCE", "EVIDENCE_COLUMNS", "PROXY_LOG",
-    "PROXY_SPANS", "RETENTION", "SERVER_LOG", "SOURCES", "VLLM_TRACES", "evidence",
+__all__ = ["CLIENT", "COLUMNS", "ENGINE_HOOKS", "EVIDENCE", "EVIDENCE_COLUMNS", "LEDGER_COLUMNS",
+    "PROXY_LOG", "PROXY_SPANS", "RETENTION", "SERVER_LOG", "SOURCES", "VLLM_TRACES", "evidence",
     "evidence_table", "source_table", "sources_sentence"]

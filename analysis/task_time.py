@@ -76,6 +76,13 @@ def _measured_sum(expr: pl.Expr) -> pl.Expr:
     return pl.when(expr.is_not_null().any()).then(expr.sum())
 
 
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "conversation_id", "turn_index", "arrival", "end", "observer", "errored", "turn_ms",
+    "ttft_ms", "prefill_ms", "decode_ms", "d2p_ms", "p2d_ms", "tool_wait_s", "decision",
+    "engine_evidence", "engine_ttft_ms", "engine_queue_ms")
+
+
 def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     """Task time per conversation and its parts, in seconds (pure: ledger in, :data:`COLUMNS`)."""
     c = pl.col
@@ -181,7 +188,7 @@ def task_time(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
 
 @intermediate("task_table", shared=False)
 def _tasks(ctx: AnalysisContext) -> pl.DataFrame:
-    return task_table(ctx.ledger())
+    return task_table(ctx.ledger(LEDGER_COLUMNS))
 
 
 @register("task_time_summary", "Task time per run: median and p90 of each part, TTFT share",
@@ -190,5 +197,5 @@ def task_time_summary(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.Dat
     return task_summary(ctx.get(_tasks))
 
 
-__all__ = ["COLUMNS", "COMPONENTS", "ENGINE_COMPONENTS", "PARTS", "SUMMARY_COLUMNS", "task_summary",
-    "task_table", "task_time", "task_time_summary"]
+__all__ = ["COLUMNS", "COMPONENTS", "ENGINE_COMPONENTS", "LEDGER_COLUMNS", "PARTS",
+    "SUMMARY_COLUMNS", "task_summary", "task_table", "task_time", "task_time_summary"]

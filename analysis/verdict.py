@@ -18,9 +18,14 @@ from typing import Any
 import polars as pl
 
 from kvscope.analysis import compare, runs
+from kvscope.analysis.causes import LEDGER_COLUMNS as _CAUSES_READS
 from kvscope.analysis.causes import cause_table
+from kvscope.analysis.compare import LEDGER_COLUMNS as _COMPARE_READS
 from kvscope.analysis.registry import AnalysisContext, register
+from kvscope.analysis.reuse import LEDGER_COLUMNS as _REUSE_READS
 from kvscope.analysis.reuse import reuse_table
+from kvscope.analysis.runs import LEDGER_COLUMNS as _RUNS_READS
+from kvscope.analysis.sources import LEDGER_COLUMNS as _SOURCES_READS
 from kvscope.analysis.sources import source_table, sources_sentence
 from kvscope.reuse import outcomes
 from kvscope.tables import NOT_MEASURED
@@ -123,6 +128,12 @@ def _reconciled(reconciled: pl.DataFrame | None) -> pl.DataFrame:
         pl.len().cast(pl.Int64).alias("vllm_quantities"),
         flagged.sum().cast(pl.Int64).alias("vllm_flagged"),
         detail.filter(flagged).str.join("; ").alias("vllm_flagged_detail"))
+
+
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    ("run_id", "outcome", "invalid_tokens") + _COMPARE_READS + _RUNS_READS + _CAUSES_READS +
+    _REUSE_READS + _SOURCES_READS)
 
 
 def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFrame | None,
@@ -284,7 +295,7 @@ def _counters_sentence(row: Mapping[str, Any]) -> str:
 
 def context_verdict(ctx: AnalysisContext) -> pl.DataFrame:
     """The verdict of the selected runs (baselines are looked for among them too)."""
-    return verdict_table(runs.context_run_info(ctx), ctx.ledger(),
+    return verdict_table(runs.context_run_info(ctx), ctx.ledger(LEDGER_COLUMNS),
                          compare.optional_analysis(ctx, "retention_cost"),
                          compare.optional_analysis(ctx, "reconciliation"))
 
@@ -295,5 +306,5 @@ def verdict(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return context_verdict(ctx)
 
 
-__all__ = ["COLUMNS", "TOP_CAUSES", "context_verdict", "verdict", "verdict_sentences",
-    "verdict_table"]
+__all__ = ["COLUMNS", "LEDGER_COLUMNS", "TOP_CAUSES", "context_verdict", "verdict",
+    "verdict_sentences", "verdict_table"]

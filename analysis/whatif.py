@@ -63,6 +63,7 @@ from kvscope.analysis.cost_fit import (
     prefill_estimate,
     run_ledger,
 )
+from kvscope.analysis.cost_fit import LEDGER_COLUMNS as _COST_FIT_READS
 from kvscope.analysis.registry import (
     AnalysisContext,
     AnalysisError,
@@ -165,6 +166,15 @@ TIMELINE_COLUMNS = (
     # released the previous handle (see handle_times).
     "margin_s", "prev_ret_window_s", "tail_ret_window_s", "prev_ret_delay_s",
 )
+
+
+# What the what-if and the ladder read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    ("run_id", "conversation_id", "turn_index", "arrival", "end", "outcome", "errored",
+    "prompt_tokens", "output_tokens", "ttft_ms", "tool_wait_s", "router_lookup",
+    "router_entry_age_s", "decision", "prefill_bidirectional", "offered_tokens", "to_pull_tokens",
+    "threshold_tokens", "reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
+    "d2p_status", "decode_request_id", "evidence", "decode_queue_ms") + _COST_FIT_READS)
 
 
 def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
@@ -654,7 +664,7 @@ def _store_frames(ctx: AnalysisContext) -> dict[str, pl.DataFrame]:
 def _timeline(ctx: AnalysisContext, runs: tuple[str, ...]) -> pl.DataFrame:
     """The turns of ``runs`` on one timeline with their retentions (see :func:`timeline`)."""
     frames = _frames(ctx)
-    return timeline(ctx.ledger().filter(pl.col("run_id").is_in(list(runs))),
+    return timeline(ctx.ledger(LEDGER_COLUMNS).filter(pl.col("run_id").is_in(list(runs))),
                     frames["retentions"].filter(pl.col("run_id").is_in(list(runs))),
                     _time_scales(ctx))
 
@@ -684,7 +694,7 @@ def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFra
     """Everything the what-if and the ladder read, for the selected runs (and ``run``): the
     ledger, retentions, the timeline and the observed settings."""
     frames = _frames(ctx)
-    ledger = run_ledger(ctx, run)
+    ledger = run_ledger(ctx, run, LEDGER_COLUMNS)
     if run is not None:
         frames = {k: v.filter(pl.col("run_id") == run) for k, v in frames.items()}
     turns = ctx.get(_timeline, tuple(sorted(ledger["run_id"].unique().to_list())))
@@ -746,7 +756,8 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     )
 
 
-__all__ = ["DEFAULT_THRESHOLDS", "DEFAULT_TTLS_S", "GIB", "MAX_SECONDS", "MAX_SETTINGS",
-    "MAX_TOKENS", "PATH_CARRIED", "PATH_NOT_LATER", "QUERIES", "SOURCE_OBSERVED", "SOURCE_REPLAY",
-    "Setting", "TIMELINE_COLUMNS", "WHATIF_COLUMNS", "handle_times", "inputs", "observed_settings",
-    "on_run_clock", "replay", "shape_retentions", "timeline", "whatif", "whatif_table"]
+__all__ = ["DEFAULT_THRESHOLDS", "DEFAULT_TTLS_S", "GIB", "LEDGER_COLUMNS", "MAX_SECONDS",
+    "MAX_SETTINGS", "MAX_TOKENS", "PATH_CARRIED", "PATH_NOT_LATER", "QUERIES", "SOURCE_OBSERVED",
+    "SOURCE_REPLAY", "Setting", "TIMELINE_COLUMNS", "WHATIF_COLUMNS", "handle_times", "inputs",
+    "observed_settings", "on_run_clock", "replay", "shape_retentions", "timeline", "whatif",
+    "whatif_table"]

@@ -16,7 +16,7 @@ import polars as pl
 
 from kvscope.analysis.registry import AnalysisContext, Param, register
 
-__all__ = ["ENGINE_COLUMNS", "OUTCOME_COLUMNS", "TTFT_COLUMNS", "outcome_engines",
+__all__ = ["ENGINE_COLUMNS", "LEDGER_COLUMNS", "OUTCOME_COLUMNS", "TTFT_COLUMNS", "outcome_engines",
     "outcome_engines_analysis", "outcome_windows", "outcome_windows_analysis", "ttft_windows",
     "ttft_windows_analysis"]
 
@@ -41,6 +41,11 @@ def _window(ledger: pl.DataFrame, window_s: float) -> pl.DataFrame:
 
 def _later(ledger: pl.DataFrame) -> pl.DataFrame:
     return ledger.filter(pl.col("turn_index") >= 2) if not ledger.is_empty() else ledger
+
+
+# What this module's analyses read of the ledger.
+LEDGER_COLUMNS: tuple[str, ...] = (
+    "run_id", "turn_index", "arrival", "outcome", "ttft_ms", "prefill_engine")
 
 
 def ttft_windows(ledger: pl.DataFrame, window_s: float = 60.0) -> pl.DataFrame:
@@ -78,16 +83,16 @@ def outcome_engines(ledger: pl.DataFrame) -> pl.DataFrame:
 @register("ttft_windows", "TTFT p50/p90 per run and time window", params=(_WINDOW,),
           columns=TTFT_COLUMNS)
 def ttft_windows_analysis(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return ttft_windows(ctx.ledger(), params["window_s"])
+    return ttft_windows(ctx.ledger(LEDGER_COLUMNS), params["window_s"])
 
 
 @register("outcome_windows", "Outcomes of turns k ≥ 2 per run and time window",
           params=(_WINDOW,), columns=OUTCOME_COLUMNS)
 def outcome_windows_analysis(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return outcome_windows(ctx.ledger(), params["window_s"])
+    return outcome_windows(ctx.ledger(LEDGER_COLUMNS), params["window_s"])
 
 
 @register("outcome_engines", "Outcomes of turns k ≥ 2 per prefill engine (selected runs "
           "together)", columns=ENGINE_COLUMNS)
 def outcome_engines_analysis(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
-    return outcome_engines(ctx.ledger())
+    return outcome_engines(ctx.ledger(LEDGER_COLUMNS))

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -139,11 +139,12 @@ class ScopedContext(AnalysisContext):
             return self.base.get(item, *args)
         return super().get(item, *args)
 
-    def ledger(self) -> pl.DataFrame:
+    def ledger(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
         """The ledger rows of this selection (the whole ledger is built once, in the base)."""
         if self._ledger is None:
             self._ledger = self.filters.select_ledger(self.select_runs(self.base.ledger()))
-        return self._ledger
+        return self._ledger if columns is None else self._ledger.select(
+            list(dict.fromkeys(columns)))
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs, and of the selected engine where a frame names engines."""

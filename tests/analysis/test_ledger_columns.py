@@ -1,0 +1,122 @@
+"""Analyses read only the ledger columns they name, and answer as they do on the whole ledger.
+
+Each analysis module says which of the ledger's columns it reads (``LEDGER_COLUMNS``), and a
+stored ledger (``kvscope ledger``'s table) is read a few columns at a time as analyses ask:
+at 10M turns the whole ledger is ~5 GiB in polars. A column an analysis reads but did not name
+would fail it (polars names the column) or, where code asks whether a column is there, change
+its answer: so every analysis, with its parameters' variants, is run both ways on a store with
+faults, two runs to compare and a feature-OFF run, computed and stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from kvscope import cli
+from kvscope.analysis import ledger_units, registry, reuse
+from kvscope.emulator.simulator import SimulationSettings, simulate
+from tests.stores import busy_workload, query, simulate_faults
+
+
+
+def _variants(db: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(analysis, parameters) beyond each analysis's defaults: the groupings read other
+    columns, and one run's what-if, ladder and fit take another path."""
+    labels = dict(query(db, "SELECT label, run_id FROM kvscope_runs"))
+    return [*(("reuse_rate", {"by": by}) for by in reuse.GROUPINGS),
+            ("whatif", {"run": labels["faults"]}), ("ladder", {"run": labels["faults"]}),
+            ("cost_fit", {"run": labels["plain"]}), ("cost_fit", {"run": "no such run"})]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("columns")
+    computed = folder / "computed.duckdb"
+    workload = busy_workload(turns_p50=5, max_turns=8)
+    simulate_faults(workload, computed)
+    simulate(workload, computed, SimulationSettings(profile="tiny", label="plain", seed=3))
+    simulate(workload, computed, SimulationSettings(profile="tiny", label="off", seed=3,
+                                                    prefill_bidirectional_kv_xfer=False,
+                                                    decode_bidirectional_kv_xfer=False))
+    stored = folder / "stored.duckdb"
+    stored.write_bytes(computed.read_bytes())
+    assert cli.main(["ledger", str(stored)]) == 0
+    return {"computed": computed, "stored": stored}
+
+
+class _Whole:
+    """The whole ledger, whatever columns are asked for."""
+
+    def __init__(self, frame: pl.DataFrame) -> None:
+        self._frame = frame
+
+    def frame(self, columns: object = None) -> pl.DataFrame:
+        return self._frame
+
+
+class _WholeLedgerContext(registry.AnalysisContext):
+    """Every analysis gets every ledger column (what it got before it named its own)."""
+
+    def get(self, item: registry.Intermediate, *args: Hashable) -> Any:
+        if item is not registry.LEDGER:
+            return super().get(item, *args)
+
+        def whole() -> _Whole:
+            built = item.build(self)
+            return _Whole(built if isinstance(built, pl.DataFrame) else built.frame())
+        return self.cached(("whole", item), whole)
+
+    def ledger(self, columns: object = None) -> pl.DataFrame:
+        return super().ledger()
+
+
+def _runs(kind: str, analyses: list[tuple[str, dict[str, Any]]], stores: dict[str, Path],
+          context: type[registry.AnalysisContext]) -> dict[str, pl.DataFrame | str]:
+    out: dict[str, pl.DataFrame | str] = {}
+    with context(registry.AnalysisContext.open(stores[kind]).reader) as ctx:
+        for name, params in analyses:
+            key = f"{name} {sorted(params.items())}"
+            try:
+                out[key] = registry.run(ctx, name, params)
+            except registry.AnalysisError as exc:  # an analysis that says why it cannot answer
+                out[key] = f"AnalysisError: {exc}"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["computed", "stored"])
+def test_every_analysis_answers_alike_on_the_columns_it_names(stores: dict[str, Path],
+                                                              kind: str) -> None:
+    analyses = [(name, {}) for name in sorted(registry.analyses())] + _variants(stores[kind])
+    narrow = _runs(kind, analyses, stores, registry.AnalysisContext)
+    whole = _runs(kind, analyses, stores, _WholeLedgerContext)
+    assert narrow.keys() == whole.keys()
+    answered = 0
+    for key, got in narrow.items():
+        expected = whole[key]
+        if isinstance(expected, str) or isinstance(got, str):
+            assert got == expected, key
+            continue
+        answered += expected.height > 0
+        # Floats exact but for the last bits: a sum over another chunking of the same column.
+        assert_frame_equal(got, expected, check_exact=False, rel_tol=1e-12, abs_tol=1e-12)
+    assert answered >= 15, answered  # the store gives most analyses something to say
+
+
+def test_a_stored_ledger_is_read_only_as_far_as_analyses_ask(stores: dict[str, Path]) -> None:
+    with registry.AnalysisContext.open(stores["stored"]) as ctx:
+        registry.run(ctx, "reuse_rate")
+        whole = ctx.get(registry.LEDGER)
+        assert isinstance(whole, ledger_units.StoredLedger)
+        read = set(whole.frame([]).columns) | set(whole._columns)
+        assert read <= set(reuse.LEDGER_COLUMNS), read - set(reuse.LEDGER_COLUMNS)
+        assert len(read) < len(whole.frame().columns) // 3
+        # The columns read apart line up: the same rows as the table read whole.
+        full = ledger_units.stored_ledger(ctx.reader)
+        assert full is not None and whole.frame().equals(full)
+        assert whole.height == full.height
