@@ -410,6 +410,9 @@ class StoredLedger:
     order by one permutation, taken once from the ordering columns.
     """
 
+    # The most columns one query reads.
+    read_columns = 8
+
     def __init__(self, reader: Reader) -> None:
         self._reader = reader
         self._columns: dict[str, pl.Series] = {}
@@ -433,8 +436,10 @@ class StoredLedger:
         if unknown:
             raise KeyError(f"the ledger has no column {', '.join(map(repr, unknown))}")
         missing = [name for name in names if name not in self._columns]
-        if missing:
-            self._keep(self._read(missing))
+        # A few columns a query: its Arrow result and the frame made of it coexist for a moment
+        # (the whole 10M-turn ledger in one read passed 10 GiB).
+        for start in range(0, len(missing), self.read_columns):
+            self._keep(self._read(missing[start:start + self.read_columns]))
         return pl.DataFrame([self._columns[name] for name in names])
 
     def _read(self, names: Iterable[str]) -> pl.DataFrame:

@@ -55,7 +55,8 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
     reusable over such turns with reusable > 0. Rates and sums are null where nothing was
     measured (never shown as 0).
     """
-    later = ledger.filter(pl.col("turn_index") >= 2)
+    # Lazily: the filtered rows are grouped as they pass, never held as a copy of the ledger.
+    later = ledger.lazy().filter(pl.col("turn_index") >= 2)
     if by == "window":
         later = later.with_columns(
             pl.col("arrival").dt.truncate(f"{max(int(window_s), 1)}s").alias("window_start")
@@ -80,7 +81,7 @@ def reuse_table(ledger: pl.DataFrame, by: str = "run", window_s: float = 60.0) -
         per_turn.mean().alias("turn_reuse_rate"),
         pl.col("outcome").is_in(REUSED).sum().alias("turns_fully_reused"),
         (pl.col("outcome") == outcomes.UNKNOWN).sum().alias("turns_unknown"),
-    )
+    ).collect()
     total = pl.col("_measured_reusable")
     return grouped.with_columns(
         pl.when(total > 0).then((pl.col("local_tokens") + pl.col("remote_tokens")) / total)

@@ -24,7 +24,6 @@ from kvscope.emulator.simulator import SimulationSettings, simulate
 from tests.stores import busy_workload, query, simulate_faults
 
 
-
 def _variants(db: Path) -> list[tuple[str, dict[str, Any]]]:
     """(analysis, parameters) beyond each analysis's defaults: the groupings read other
     columns, and one run's what-if, ladder and fit take another path."""
@@ -60,7 +59,7 @@ class _Whole:
         return self._frame
 
 
-class _WholeLedgerContext(registry.AnalysisContext):
+class WholeLedgerContext(registry.AnalysisContext):
     """Every analysis gets every ledger column (what it got before it named its own)."""
 
     def get(self, item: registry.Intermediate, *args: Hashable) -> Any:
@@ -94,7 +93,7 @@ def test_every_analysis_answers_alike_on_the_columns_it_names(stores: dict[str, 
                                                               kind: str) -> None:
     analyses = [(name, {}) for name in sorted(registry.analyses())] + _variants(stores[kind])
     narrow = _runs(kind, analyses, stores, registry.AnalysisContext)
-    whole = _runs(kind, analyses, stores, _WholeLedgerContext)
+    whole = _runs(kind, analyses, stores, WholeLedgerContext)
     assert narrow.keys() == whole.keys()
     answered = 0
     for key, got in narrow.items():

@@ -1,0 +1,100 @@
+"""Benchmark: each registered analysis alone, over a store whose ledger ``kvscope ledger`` built.
+
+Each analysis runs in a fresh process (its peak RSS is its own), as ``kvscope analyze NAME``
+would: a context on the store, the analysis with its default parameters. Two ways side by side:
+
+    columns   the analysis reads the ledger columns it names (``LEDGER_COLUMNS``; the stored
+              table read a few columns at a time)
+    whole     every analysis given every ledger column, as before analyses named theirs
+
+and the ratio of their peak RSS. With ``--rss-limit-mib`` a process past that is stopped (a
+figure that does not fit is printed as such, not as a time).
+
+Run:  .venv/bin/python tests/benchmarks/bench_analyses.py STORE [--only NAME,NAME]
+      [--ways columns,whole] [--rss-limit-mib 10000]
+STORE must hold a current ``kvscope_ledger`` table (run ``kvscope ledger STORE`` first; the
+benchmark says so otherwise). Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent.parent)]  # bench_clickhouse, tests.analysis
+
+import bench_clickhouse  # noqa: E402  (after the path above)
+import bench_ledger  # noqa: E402
+
+WAYS = ("columns", "whole")
+
+
+def _one(db: str, name: str, way: str) -> dict[str, Any]:
+    """``name`` over ``db`` in this (fresh) process; seconds, rows and peak RSS."""
+    from kvscope.analysis import registry
+    from kvscope.store.source import open_reader
+    from tests.analysis.test_ledger_columns import WholeLedgerContext
+
+    start = time.perf_counter()
+    context = WholeLedgerContext if way == "whole" else registry.AnalysisContext
+    with context(open_reader(db, time_limit_s=None)) as ctx:
+        try:
+            rows: int | str = registry.run(ctx, name).height
+        except registry.AnalysisError as exc:
+            rows = f"says: {str(exc)[:60]}"
+    return {"s": time.perf_counter() - start, "rows": rows,
+            "peak_rss_mib": bench_ledger._peak_rss_mib()}
+
+
+def _stored(db: str) -> dict[str, Any]:
+    from kvscope.analysis import ledger_units
+    from kvscope.store.source import open_reader
+
+    reader = open_reader(db)
+    try:
+        return {"stored": ledger_units.stored_columns(reader) is not None}
+    finally:
+        reader.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("store", type=Path)
+    parser.add_argument("--only", default="", help="comma-separated analysis names")
+    parser.add_argument("--ways", default=",".join(WAYS), help="columns, whole or both")
+    parser.add_argument("--rss-limit-mib", type=float, default=None)
+    args = parser.parse_args()
+    from kvscope.analysis import registry
+
+    db = str(args.store)
+    if not bench_ledger._in_process(_stored, db)["stored"]:
+        print(f"{db}: no current kvscope_ledger table; run `kvscope ledger {db}` first")
+        return 2
+    names = [n for n in args.only.split(",") if n] or [a.name for a in registry.iter_analyses()]
+    ways = [w for w in args.ways.split(",") if w in WAYS]
+    print(f"{db}: each analysis in a fresh process ({', '.join(ways)})")
+    print(f"{'analysis':<20}" + "".join(f"{w + ' s':>10}{w + ' peak MiB':>18}" for w in ways)
+          + ("  peak ratio" if len(ways) == 2 else ""))
+    for name in names:
+        cells, peaks = [], []
+        for way in ways:
+            out = bench_clickhouse._in_process_capped(args.rss_limit_mib, _one, db, name, way)
+            if "stopped_at_rss_mib" in out:
+                stopped = f"stopped at {out['stopped_at_rss_mib']:.0f}"
+                cells.append(f"{'-':>10}{stopped:>18}")
+                peaks.append(None)
+                continue
+            cells.append(f"{out['s']:>10.1f}{out['peak_rss_mib']:>18.0f}")
+            peaks.append(out["peak_rss_mib"])
+        ratio = (f"  {peaks[1] / peaks[0]:10.2f}x" if len(peaks) == 2 and None not in peaks
+                 else "")
+        print(f"{name:<20}" + "".join(cells) + ratio, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
