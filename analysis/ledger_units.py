@@ -404,7 +404,8 @@ class StoredLedger:
     time as analyses ask for them, each kept once read.
 
     An analysis that needs six of the ledger's columns holds those six: at 10M turns the whole
-    ledger is ~5 GiB in polars, most of it request ids and evidence text few analyses read. A
+    ledger is ~12 GiB resident in polars (its strings keep DuckDB's Arrow buffers), most of it
+    request ids and evidence text few analyses read. A
     table scan returns the rows in their stored order every time, so columns read apart line
     up; rows stored out of the ledger's order (an update appends its units' rows) are put in
     order by one permutation, taken once from the ordering columns.
@@ -436,8 +437,8 @@ class StoredLedger:
         if unknown:
             raise KeyError(f"the ledger has no column {', '.join(map(repr, unknown))}")
         missing = [name for name in names if name not in self._columns]
-        # A few columns a query: its Arrow result and the frame made of it coexist for a moment
-        # (the whole 10M-turn ledger in one read passed 10 GiB).
+        # A few columns a query: its Arrow result and the frame made of it coexist for a moment,
+        # so what one read adds beyond the columns kept stays small.
         for start in range(0, len(missing), self.read_columns):
             self._keep(self._read(missing[start:start + self.read_columns]))
         return pl.DataFrame([self._columns[name] for name in names])
