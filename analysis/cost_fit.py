@@ -28,6 +28,7 @@ from kvscope.analysis.registry import (
     Param,
     intermediate,
     register,
+    stored_query,
 )
 from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
@@ -40,12 +41,12 @@ _FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREF
                  outcomes.HANDSHAKE_FAILED, outcomes.TRANSFER_FAILED, outcomes.UNKNOWN)
 
 # Finished D→P reads: the wire-time fit.
-TRANSFERS = query.spans(semconv.SPAN_KV_TRANSFER, {
+TRANSFERS = stored_query("d2p_reads", query.spans(semconv.SPAN_KV_TRANSFER, {
     "run_id": query.resource_attr(semconv.RUN_ID),
     "size_bytes": query.span_attr(semconv.TRANSFER_BYTES),
     "duration_ns": "Duration",
 }, where={query.span_attr(semconv.TRANSFER_DIRECTION): semconv.DIRECTION_D_TO_P,
-          query.span_attr(semconv.TRANSFER_STATUS): semconv.TRANSFER_OK})
+          query.span_attr(semconv.TRANSFER_STATUS): semconv.TRANSFER_OK}))
 
 
 def shape_transfers(raw: pl.DataFrame) -> pl.DataFrame:

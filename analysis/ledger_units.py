@@ -57,6 +57,11 @@ _RULE_MODULES = ("kvscope.analysis.ledger", "kvscope.reuse.boundaries", "kvscope
                  "kvscope.reuse.decisions", "kvscope.reuse.outcomes", "kvscope.reuse.params",
                  "kvscope.reuse.taint", "kvscope.reuse.validity", "kvscope.store.query")
 
+# ... and the fingerprint of the stored queries' tables (registry.stored_query), named with
+# this prefix and the query's name.
+STORED_KEY = "stored_queries"
+STORED_PREFIX = "kvscope_stored_"
+
 _SEP = "\x1f"
 
 
@@ -457,11 +462,11 @@ class StoredLedger:
             self._columns[series.name] = series
 
 
-def stored_columns(reader: Reader) -> StoredLedger | None:
-    """The store's ``kvscope_ledger`` table to read by columns (:class:`StoredLedger`) when it
-    is the ledger its spans give now (see :func:`stored_ledger`); else None."""
+def _current(reader: Reader) -> bool:
+    """Whether the store's ``kvscope_ledger`` table is the ledger its spans give now (see
+    :func:`stored_ledger`)."""
     if reader.dialect is not query.DUCKDB or not reader.has_table(ledger_module.LEDGER_TABLE):
-        return None
+        return False
     _, meta = reader.rows(query.Query(
         f"SELECT key, value FROM {quote(META_TABLE)} WHERE key IN ($mark, $count, $rules)",
         {"mark": MARK_KEY, "count": COUNT_KEY, "rules": RULES_KEY}, name="ledger watermark"))
@@ -472,12 +477,81 @@ def stored_columns(reader: Reader) -> StoredLedger | None:
     _, columns = reader.rows(query.Query(
         "SELECT column_name FROM duckdb_columns() WHERE table_name = $table "
         "ORDER BY column_index", {"table": ledger_module.LEDGER_TABLE}, name="ledger columns"))
-    if (kept.get(RULES_KEY) != rules_fingerprint()
-            or kept.get(MARK_KEY) != str(-1 if high is None else high)
-            or kept.get(COUNT_KEY) != str(count)
-            or [c for (c,) in columns] != list(ledger_module.LEDGER_SCHEMA)):
-        return None
-    return StoredLedger(reader)
+    return (kept.get(RULES_KEY) == rules_fingerprint()
+            and kept.get(MARK_KEY) == str(-1 if high is None else high)
+            and kept.get(COUNT_KEY) == str(count)
+            and [c for (c,) in columns] == list(ledger_module.LEDGER_SCHEMA))
+
+
+def stored_columns(reader: Reader) -> StoredLedger | None:
+    """The store's ``kvscope_ledger`` table to read by columns (:class:`StoredLedger`) when it
+    is the ledger its spans give now (see :func:`stored_ledger`); else None."""
+    return StoredLedger(reader) if _current(reader) else None
+
+
+# --- stored queries ----------------------------------------------------------------------------
+
+
+def stored_queries() -> dict[str, query.Query]:
+    """Every analysis module's :func:`~kvscope.analysis.registry.stored_query`, by name."""
+    from kvscope.analysis import registry
+
+    registry.analyses()  # their modules register them on import
+    return dict(sorted(registry.STORED_QUERIES.items()))
+
+
+def stored_fingerprint(queries: dict[str, query.Query]) -> str:
+    """What the stored queries' tables were built by: each one's name, SQL and parameters."""
+    text = repr([(name, q.sql, sorted(q.params.items())) for name, q in queries.items()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stored_tables(reader: Reader) -> frozenset[str]:
+    """The stored queries whose tables hold what the queries give now: while the stored ledger
+    is current, those ``kvscope ledger`` built with these queries' text; else none."""
+    if not _current(reader):
+        return frozenset()
+    queries = stored_queries()
+    _, meta = reader.rows(query.Query(
+        f"SELECT value FROM {quote(META_TABLE)} WHERE key = $key", {"key": STORED_KEY},
+        name="stored queries' fingerprint"))
+    if meta != [(stored_fingerprint(queries),)]:
+        return frozenset()
+    return frozenset(name for name in queries if reader.has_table(STORED_PREFIX + name))
+
+
+def stored_table_query(name: str, sql: query.Query) -> query.Query:
+    """What reads the stored query ``name``'s table: its rows in the order they were stored
+    (the spans' order), or distinct ones for a ``SELECT DISTINCT`` (rows appended by later
+    builds may repeat earlier ones)."""
+    distinct = "DISTINCT " if sql.sql.startswith("SELECT DISTINCT ") else ""
+    return query.Query(f"SELECT {distinct}* FROM {quote(STORED_PREFIX + name)}",
+                       name=f"stored {sql.name or name}")
+
+
+def _keep_stored(con: duckdb.DuckDBPyConnection, mark: int | None, high: int,
+                 whole: bool) -> None:
+    """Bring the stored queries' tables up to the span rows ``rowid <= high`` (in the caller's
+    transaction): built whole when ``whole``, when the queries changed or a table is missing,
+    else the rows above ``mark`` appended."""
+    queries = stored_queries()
+    fingerprint = stored_fingerprint(queries)
+    tables = {r[0] for r in con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, ?)",
+        [STORED_PREFIX]).fetchall()}
+    whole = (whole or mark is None or _meta_text(con, STORED_KEY) != fingerprint
+             or any(STORED_PREFIX + name not in tables for name in queries))
+    for name, sql in queries.items():
+        table = quote(STORED_PREFIX + name)
+        if whole:
+            rows = _rows_between(sql, None, high)
+            con.execute(f"CREATE OR REPLACE TABLE {table} AS {rows.sql}", dict(rows.params))
+        elif mark is not None and high > mark:
+            rows = _rows_between(sql, mark, high)
+            con.execute(f"INSERT INTO {table} {rows.sql}", dict(rows.params))
+    for gone in sorted(tables - {STORED_PREFIX + name for name in queries}):
+        con.execute(f"DROP TABLE {quote(gone)}")
+    _set_meta(con, STORED_KEY, fingerprint)
 
 
 def _meta(con: duckdb.DuckDBPyConnection, key: str) -> int | None:
@@ -557,6 +631,7 @@ def update_connection(con: duckdb.DuckDBPyConnection, *, full: bool = False,
                 con.execute(f"INSERT INTO {table} SELECT * FROM _kvscope_ledger_rows")
             finally:
                 con.unregister("_kvscope_ledger_rows")
+        _keep_stored(con, mark, high, whole=reason is not None)
         _set_meta(con, MARK_KEY, high)
         _set_meta(con, COUNT_KEY, count)
         _set_meta(con, RULES_KEY, rules_fingerprint())
@@ -584,6 +659,8 @@ def update(path: str | Path, *, full: bool = False, partitions: int | None = Non
         con.close()
 
 
-__all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "StoredLedger", "Touched", "Update",
-    "rules_fingerprint", "stored_columns", "stored_ledger", "touched", "unit_expr", "unit_frames",
-    "unit_key", "unit_rows", "units_of", "update", "update_connection"]
+__all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "STORED_KEY", "STORED_PREFIX", "StoredLedger",
+    "Touched", "Update", "rules_fingerprint", "stored_columns", "stored_fingerprint",
+    "stored_ledger", "stored_queries", "stored_table_query", "stored_tables", "touched",
+    "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of", "update",
+    "update_connection"]

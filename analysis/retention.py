@@ -33,7 +33,14 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
-from kvscope.analysis.registry import AnalysisContext, Param, intermediate, register, whole_ledger
+from kvscope.analysis.registry import (
+    AnalysisContext,
+    Param,
+    intermediate,
+    register,
+    stored_query,
+    whole_ledger,
+)
 from kvscope.reuse import outcomes
 from kvscope.store import query
 
@@ -140,7 +147,7 @@ MEMORY_COLUMNS: dict[str, pl.DataType] = {
 # --- queries ------------------------------------------------------------------------------------
 
 # Engine spans name their run in the resource attributes (semconv.RUN_ID).
-RETENTION_QUERY = query.spans(semconv.SPAN_KV_RETENTION, {
+RETENTION_QUERY = stored_query("retention_spans", query.spans(semconv.SPAN_KV_RETENTION, {
     "run_id": query.resource_attr(semconv.RUN_ID),
     "engine_id": query.span_attr(semconv.ENGINE_ID),
     "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
@@ -150,7 +157,7 @@ RETENTION_QUERY = query.spans(semconv.SPAN_KV_RETENTION, {
     "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
     "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
     "measured": query.span_attr(semconv.DURATION_MEASURED),
-})
+}))
 
 SAMPLES_QUERY = query.select(query.GAUGES, {
     "run_id": query.resource_attr(semconv.RUN_ID),

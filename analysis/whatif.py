@@ -70,6 +70,7 @@ from kvscope.analysis.registry import (
     Param,
     intermediate,
     register,
+    stored_query,
 )
 from kvscope.analysis.retention import without_superseded_snapshots
 from kvscope.reuse import outcomes
@@ -103,7 +104,7 @@ _RUN = query.resource_attr(semconv.RUN_ID)
 
 QUERIES: dict[str, query.Query] = {
     # One row per retention span: D pinned a finished request's blocks until their release.
-    "retentions": query.spans(semconv.SPAN_KV_RETENTION, {
+    "retentions": stored_query("whatif_retentions", query.spans(semconv.SPAN_KV_RETENTION, {
         "run_id": _RUN,
         "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
         "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
@@ -111,12 +112,12 @@ QUERIES: dict[str, query.Query] = {
         "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
         "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
         "duration_ns": "Duration",
-    }),
+    })),
     # The router TTL the proxy recorded on its turn spans (one value per run in practice).
-    "router_ttl": query.spans(semconv.SPAN_TURN, {
+    "router_ttl": stored_query("router_ttls", query.spans(semconv.SPAN_TURN, {
         "run_id": _RUN,
         "router_ttl_s": query.span_attr(semconv.ROUTER_TTL_S),
-    }, distinct=True),
+    }, distinct=True)),
 }
 
 

@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 
 from kvscope import cli
 from kvscope.analysis.ledger import LEDGER_TABLE, ledger
-from kvscope.analysis.ledger_units import update_connection
+from kvscope.analysis.ledger_units import (
+    stored_queries,
+    stored_table_query,
+    stored_tables,
+    update_connection,
+)
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
@@ -77,6 +82,7 @@ def test_incremental_equals_full_rebuild(spans: pa.Table, tmp_path_factory: pyte
             table = _table(con)
             full = ledger(DuckDBReader(con, time_limit_s=None))
             assert _sorted(table).equals(_sorted(full)), (low, high, done)
+            _assert_stored_queries_current(con)
             for row in table.select(*_ORDER, "outcome").iter_rows():
                 key = row[:-1]
                 if key in outcome_seen and outcome_seen[key] != row[-1]:
@@ -91,6 +97,20 @@ def test_incremental_equals_full_rebuild(spans: pa.Table, tmp_path_factory: pyte
     assert changed_later > 0
 
 
+def _assert_stored_queries_current(con: duckdb.DuckDBPyConnection) -> None:
+    """Each stored query's table (as analyses read it) holds what the query gives now, rows
+    in the same order (a DISTINCT query's rows as a set)."""
+    reader = DuckDBReader(con, time_limit_s=None)
+    names = stored_tables(reader)
+    assert names == set(stored_queries())
+    for name, sql in stored_queries().items():
+        kept, fresh = reader.frame(stored_table_query(name, sql)), reader.frame(sql)
+        if sql.sql.startswith("SELECT DISTINCT "):
+            kept, fresh = kept.sort(pl.all()), fresh.sort(pl.all())
+        assert kept.equals(fresh), name
+        assert fresh.height or name == "d2p_reads", name  # each query finds spans here
+
+
 def test_the_watermark_falls_back_to_a_full_rebuild_when_rows_go(spans: pa.Table,
                                                                   tmp_path: Path) -> None:
     con = open_store(tmp_path / "store.duckdb")
@@ -103,6 +123,7 @@ def test_the_watermark_falls_back_to_a_full_rebuild_when_rows_go(spans: pa.Table
         done = update_connection(con)
         assert done.units is None and "not those counted" in str(done.reason)
         assert _sorted(_table(con)).equals(_sorted(ledger(DuckDBReader(con, time_limit_s=None))))
+        _assert_stored_queries_current(con)
     finally:
         con.close()
 
@@ -193,3 +214,58 @@ def test_analyses_read_the_stored_ledger_only_while_it_is_current(
     monkeypatch.setattr(ledger_units, "rules_fingerprint", lambda: "other rules")
     analysed()
     assert len(computed) == 3
+
+
+def test_analyses_read_stored_queries_tables_only_while_they_are_current(
+        spans: pa.Table, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the stored ledger is current, a stored query (the retention spans) is read from
+    the table ``kvscope ledger`` keeps, with the same result; a span row stored since, or other
+    query text than the table's, and the query runs on the spans again. A build whose only
+    change is the queries' text rebuilds their tables, not the ledger."""
+    from kvscope.analysis import ledger_units, registry, retention
+
+    db = tmp_path / "store.duckdb"
+    half = spans.num_rows // 2
+    _append(db, spans.slice(0, half))
+    ran: list[str] = []
+    frame = DuckDBReader.frame
+
+    def recorded(self: DuckDBReader, sql: object) -> pl.DataFrame:
+        ran.append(getattr(sql, "sql", ""))
+        return frame(self, sql)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DuckDBReader, "frame", recorded)
+
+    def retentions() -> pl.DataFrame:
+        ran.clear()
+        with registry.AnalysisContext.open(db) as ctx:
+            return ctx.frame(retention.RETENTION_QUERY)
+
+    table = f'FROM "{ledger_units.STORED_PREFIX}retention_spans"'
+    from_spans = retentions()
+    assert from_spans.height > 0 and not any(table in sql for sql in ran)
+    assert cli.main(["ledger", str(db)]) == 0
+    assert retentions().equals(from_spans) and any(table in sql for sql in ran)
+
+    _append(db, spans.slice(half))
+    later = retentions()
+    assert later.height > from_spans.height and not any(table in sql for sql in ran)
+    assert cli.main(["ledger", str(db)]) == 0  # the new rows appended to the table
+    assert retentions().equals(later) and any(table in sql for sql in ran)
+
+    # Another kvscope's query text: read from the spans until the next build rebuilds it.
+    changed = {**registry.STORED_QUERIES}
+    changed["retention_spans"] = type(retention.RETENTION_QUERY)(
+        retention.RETENTION_QUERY.sql + " AND 1 = 1", retention.RETENTION_QUERY.params)
+    monkeypatch.setattr(registry, "STORED_QUERIES", changed)
+    ran.clear()
+    with registry.AnalysisContext.open(db) as ctx:
+        assert ctx.frame(changed["retention_spans"]).equals(later)
+    assert not any(table in sql for sql in ran)
+    con = open_store(db)
+    try:
+        done = update_connection(con)
+        assert done.reason is None and done.units == 0  # the ledger stayed as it was
+        _assert_stored_queries_current(con)
+    finally:
+        con.close()
