@@ -83,6 +83,8 @@ MAX_SETTINGS = 64
 MAX_SECONDS = 30 * 86400.0
 MAX_TOKENS = 10_000_000
 DEFAULT_THRESHOLDS = (0, 64, 256)
+# How many settings one collect replays together (see whatif_table).
+SETTINGS_AT_ONCE = 2
 GIB = float(1 << 30)
 SOURCE_OBSERVED = "observed"
 SOURCE_REPLAY = "replay"
@@ -175,7 +177,7 @@ LEDGER_COLUMNS: tuple[str, ...] = (
     "prompt_tokens", "output_tokens", "ttft_ms", "tool_wait_s", "router_lookup",
     "router_entry_age_s", "decision", "prefill_bidirectional", "offered_tokens", "to_pull_tokens",
     "threshold_tokens", "reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
-    "d2p_status", "decode_request_id", "evidence", "decode_queue_ms") + _COST_FIT_READS)
+    "d2p_status", "decode_request_id", "decode_queue_ms") + _COST_FIT_READS)
 
 
 def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
@@ -600,11 +602,15 @@ def whatif_table(
                                    seen["router_ttl_s"])
             if seen_setting not in grid:
                 grid.append(seen_setting)
-        summaries = pl.collect_all([
-            _summary(replay(turns, s.ttl_s, s.threshold, s.router_ttl_s, paths=False), s,
-                     run_retentions.height > 0)
-            for s in grid
-        ])
+        # A few settings at a time: each materialises its columns over every turn of the run
+        # (all 13 default settings at once peaked past 10 GiB at 10M turns).
+        summaries: list[pl.DataFrame] = []
+        for start in range(0, len(grid), SETTINGS_AT_ONCE):
+            summaries += pl.collect_all([
+                _summary(replay(turns, s.ttl_s, s.threshold, s.router_ttl_s, paths=False), s,
+                         run_retentions.height > 0)
+                for s in grid[start:start + SETTINGS_AT_ONCE]
+            ])
         rows = pl.concat(summaries).join(counts, how="cross").with_columns(
             pl.when(pl.col("reusable_tokens") > 0)
             .then(pl.col("reused_tokens") / pl.col("reusable_tokens")).alias("token_reuse_rate"),

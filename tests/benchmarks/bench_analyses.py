@@ -4,14 +4,17 @@ Each analysis runs in a fresh process (its peak RSS is its own), as ``kvscope an
 would: a context on the store, the analysis with its default parameters. Two ways side by side:
 
     columns   the analysis reads the ledger columns it names (``LEDGER_COLUMNS``; the stored
-              table read a few columns at a time)
-    whole     every analysis given every ledger column, as before analyses named theirs
+              table read a few columns at a time), and the stored queries' tables
+              (``registry.stored_query``) that ``kvscope ledger`` keeps
+    spans     the same, but the stored queries run on the span rows, as before their tables
+    whole     every analysis given every ledger column, as before analyses named theirs (and
+              the stored queries' tables)
 
 and the ratio of their peak RSS. With ``--rss-limit-mib`` a process past that is stopped (a
 figure that does not fit is printed as such, not as a time).
 
 Run:  .venv/bin/python tests/benchmarks/bench_analyses.py STORE [--only NAME,NAME]
-      [--ways columns,whole] [--rss-limit-mib 10000]
+      [--ways columns,spans,whole] [--rss-limit-mib 10000]
 STORE must hold a current ``kvscope_ledger`` table (run ``kvscope ledger STORE`` first; the
 benchmark says so otherwise). Not a test: nothing here asserts a time.
 """
@@ -30,7 +33,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent.parent)]  # bench_clickhouse, tests
 import bench_clickhouse  # noqa: E402  (after the path above)
 import bench_ledger  # noqa: E402
 
-WAYS = ("columns", "whole")
+WAYS = ("columns", "spans", "whole")
 
 
 def _one(db: str, name: str, way: str) -> dict[str, Any]:
@@ -39,6 +42,9 @@ def _one(db: str, name: str, way: str) -> dict[str, Any]:
     from kvscope.store.source import open_reader
     from tests.analysis.test_ledger_columns import WholeLedgerContext
 
+    if way == "spans":
+        registry.analyses()
+        registry.STORED_QUERIES.clear()
     start = time.perf_counter()
     context = WholeLedgerContext if way == "whole" else registry.AnalysisContext
     with context(open_reader(db, time_limit_s=None)) as ctx:
@@ -65,7 +71,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("store", type=Path)
     parser.add_argument("--only", default="", help="comma-separated analysis names")
-    parser.add_argument("--ways", default=",".join(WAYS), help="columns, whole or both")
+    parser.add_argument("--ways", default="columns,whole",
+                        help="comma-separated: columns, spans, whole (the first is the base of "
+                        "the peak ratios)")
     parser.add_argument("--rss-limit-mib", type=float, default=None)
     args = parser.parse_args()
     from kvscope.analysis import registry
@@ -78,7 +86,7 @@ def main() -> int:
     ways = [w for w in args.ways.split(",") if w in WAYS]
     print(f"{db}: each analysis in a fresh process ({', '.join(ways)})")
     print(f"{'analysis':<20}" + "".join(f"{w + ' s':>10}{w + ' peak MiB':>18}" for w in ways)
-          + ("  peak ratio" if len(ways) == 2 else ""))
+          + "".join(f"{w + '/' + ways[0]:>16}" for w in ways[1:]))
     for name in names:
         cells, peaks = [], []
         for way in ways:
@@ -90,8 +98,9 @@ def main() -> int:
                 continue
             cells.append(f"{out['s']:>10.1f}{out['peak_rss_mib']:>18.0f}")
             peaks.append(out["peak_rss_mib"])
-        ratio = (f"  {peaks[1] / peaks[0]:10.2f}x" if len(peaks) == 2 and None not in peaks
-                 else "")
+        ratio = "".join(
+            f"{peak / peaks[0]:>15.2f}x" if peak is not None and peaks[0] is not None
+            else f"{'-':>16}" for peak in peaks[1:])
         print(f"{name:<20}" + "".join(cells) + ratio, flush=True)
     return 0
 
