@@ -18,7 +18,7 @@ hooks neither is measured: null, never 0.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 
@@ -122,12 +122,16 @@ RETENTION_COLUMNS: dict[str, pl.DataType] = {
 }
 
 
+_Frame = TypeVar("_Frame", pl.DataFrame, pl.LazyFrame)
+
+
 # --- per-run numbers --------------------------------------------------------------------------
 
 
-def _with_prefill_split(ledger: pl.DataFrame) -> pl.DataFrame:
+def _with_prefill_split(ledger: _Frame) -> _Frame:
     """Add ``transfer_ms`` and ``compute_ms`` (null where the run had no engine hooks)."""
-    hooks = hook_decided(ledger).any().over("run_id")
+    # hook_decided looks only at which columns there are: an empty frame of the schema serves.
+    hooks = hook_decided(pl.DataFrame(schema=ledger.collect_schema())).any().over("run_id")
     transfer = pl.when(hooks).then(pl.col("d2p_ms").fill_null(0.0))
     return ledger.with_columns(
         transfer.alias("transfer_ms"), hooks.alias("engine_hooks")
@@ -262,7 +266,8 @@ def by_prompt_table(ledger: pl.DataFrame, labels: Mapping[str, str], edges: Sequ
     Bin i covers [edge_{i-1}, edge_i) with open ends; ``bin_lo_tokens``/``bin_hi_tokens`` are
     the observed minimum and maximum prompt length in the bin (so the open ends read true).
     """
-    split = _with_prefill_split(ledger.filter(pl.col("prompt_tokens").is_not_null()))
+    # Lazy: only the columns read are filtered (an eager filter copies every column given).
+    split = _with_prefill_split(ledger.lazy().filter(pl.col("prompt_tokens").is_not_null()))
     bin_index = pl.sum_horizontal(
         [(pl.col("prompt_tokens") >= e).cast(pl.Int64) for e in edges] or [pl.lit(0, pl.Int64)]
     )
@@ -288,7 +293,7 @@ def by_prompt_table(ledger: pl.DataFrame, labels: Mapping[str, str], edges: Sequ
                                                            return_dtype=pl.Int64).alias("_o"))
         .sort(["bin", "_o"])
         .select([pl.col(c).cast(t) for c, t in BY_PROMPT_COLUMNS.items()])
-    )
+    ).collect()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -349,7 +354,9 @@ def _comparison(ctx: AnalysisContext, pair: tuple[str, str], bins: int,
     """Build both comparison tables for ``pair``."""
     info = run_info(all_runs(ctx), ctx.ledger(_RUNS_READS))
     labels = _labels(info, pair)
-    ledger = ctx.ledger(LEDGER_COLUMNS).filter(pl.col("run_id").is_in(pair))
+    ledger = ctx.ledger(LEDGER_COLUMNS)
+    if not ledger["run_id"].is_in(pair).all():  # a filtered copy only when other runs are in
+        ledger = ledger.filter(pl.col("run_id").is_in(pair))
     if ledger.is_empty():
         raise AnalysisError(f"runs {pair[0]} and {pair[1]} have no turns in the store")
     edges = prompt_bins(ledger["prompt_tokens"], bins)

@@ -190,11 +190,11 @@ READ_HANDLE_COLUMNS = ("d2p_status", "d2p_bytes", "retention_id")
 
 def read_handles(ledger: pl.DataFrame) -> pl.Series:
     """Decode request ids whose retained blocks a later turn's READ actually moved bytes from."""
-    moved = ledger.filter(
+    # Lazy: only the columns read are filtered (an eager filter copies every column given).
+    return ledger.lazy().filter(
         (pl.col("d2p_status") == semconv.TRANSFER_OK) & (pl.col("d2p_bytes") > 0)
         & pl.col("retention_id").is_not_null()
-    )
-    return moved["retention_id"].unique()
+    ).select(pl.col("retention_id").unique()).collect().to_series()
 
 
 def upgrade_reads(retentions: pl.DataFrame, handles: pl.Series) -> pl.DataFrame:
@@ -294,9 +294,9 @@ def observed_range(
     if samples is not None:
         parts.append(samples.filter(pl.col("run_id").is_not_null()).select(
             "run_id", pl.col("time").alias("first"), pl.col("time").alias("last")))
-    both = pl.concat([p.cast({"first": pl.Datetime("ns"), "last": pl.Datetime("ns")})
+    both = pl.concat([p.lazy().cast({"first": pl.Datetime("ns"), "last": pl.Datetime("ns")})
                       for p in parts])
-    return both.group_by("run_id").agg(pl.col("first").min(), pl.col("last").max())
+    return both.group_by("run_id").agg(pl.col("first").min(), pl.col("last").max()).collect()
 
 
 def held(retentions: pl.DataFrame, observed: pl.DataFrame) -> pl.DataFrame:
@@ -337,18 +337,17 @@ def prefill_fit(ledger: pl.DataFrame, by: str = "run") -> pl.DataFrame:
     """
     computed = (pl.col("prompt_tokens") - pl.col("local_hit_tokens").fill_null(0)).cast(
         pl.Float64)
-    rows = ledger.filter(
+    rows = ledger.lazy().filter(
         (pl.col("turn_index") >= 2) & pl.col("d2p_status").is_null()
         & ~pl.col("errored").fill_null(False)
         & pl.col("prefill_ms").is_not_null() & pl.col("prompt_tokens").is_not_null()
-    ).with_columns(computed.alias("x"), pl.col("prefill_ms").alias("y"))
-    fit = rows.with_columns(_fit_key(by)).drop("run_id").rename({"_fit_key": "run_id"})
-    fit = fit.group_by("run_id").agg(
+    ).select(_fit_key(by).alias("run_id"), computed.alias("x"), pl.col("prefill_ms").alias("y"))
+    fit = rows.group_by("run_id").agg(
         pl.len().alias("fit_turns"),
         pl.col("x").mean().alias("_mx"), pl.col("y").mean().alias("_my"),
         pl.cov("x", "y").alias("_cov"), pl.col("x").var().alias("_var"),
         pl.col("y").var().alias("_vary"),
-    )
+    ).collect()
     slope = pl.when(pl.col("_var") > 0).then(pl.col("_cov") / pl.col("_var"))
     r2 = pl.when((pl.col("_var") > 0) & (pl.col("_vary") > 0)).then(
         pl.col("_cov") ** 2 / (pl.col("_var") * pl.col("_vary"))
@@ -371,19 +370,21 @@ def prefill_savings(
     """
     engines = retentions.select("run_id", pl.col("request_id").alias("retention_id"),
                                 "engine_id").unique(["run_id", "retention_id"], keep="first")
-    turns = ledger.filter(pl.col("outcome") == outcomes.REUSED_REMOTE).join(
-        engines, on=["run_id", "retention_id"], how="left", nulls_equal=True)
+    # In the ledger's order, so that sums add in one order every time.
+    turns = ledger.lazy().filter(pl.col("outcome") == outcomes.REUSED_REMOTE).join(
+        engines.lazy(), on=["run_id", "retention_id"], how="left", nulls_equal=True,
+        maintain_order="left")
     fit = fit.rename({"run_id": "_fit_key"})
     usable = (pl.col("fit_turns") >= min_fit_turns) & pl.col("fit_ms_per_token").is_not_null()
     computed = pl.col("prompt_tokens") - pl.col("local_hit_tokens").fill_null(0)
     recompute_ms = pl.col("fit_fixed_ms") + pl.col("fit_ms_per_token") * computed
     per_turn = turns.with_columns(_fit_key(by)).join(
-        fit, on="_fit_key", how="left", nulls_equal=True,
+        fit.lazy(), on="_fit_key", how="left", nulls_equal=True, maintain_order="left",
     ).with_columns(pl.when(usable).then(recompute_ms - pl.col("prefill_ms")).alias("saved_ms"))
     grouped = per_turn.group_by(["run_id", "engine_id"]).agg(
         pl.len().alias("reused_remote_turns"),
         _measured_sum(pl.col("saved_ms")).alias("_saved_ms"),
-    )
+    ).collect()
     # Every (run, engine) gets the fit's columns, also those without reused turns.
     keys = pl.concat([grouped.select("run_id", "engine_id"),
                       retentions.select("run_id", "engine_id")]).unique()
@@ -477,10 +478,12 @@ def _decode_queue(ledger: pl.DataFrame) -> pl.DataFrame:
     if not {"decode_queue_ms", "decode_engine"} <= set(ledger.columns):
         return pl.DataFrame(schema=schema)
     queue = pl.col("decode_queue_ms").cast(pl.Float64)
-    return ledger.filter(queue.is_not_null() & pl.col("decode_engine").is_not_null()).group_by(
+    return ledger.lazy().filter(
+        queue.is_not_null() & pl.col("decode_engine").is_not_null()).group_by(
         "run_id", pl.col("decode_engine").alias("engine_id")).agg(
         (queue.sum() / 1000).alias("decode_queue_s_total"),
-        queue.quantile(0.9, "linear").alias("decode_queue_ms_p90")).cast(schema)  # type: ignore[arg-type]
+        queue.quantile(0.9, "linear").alias("decode_queue_ms_p90")).collect().cast(
+        schema)  # type: ignore[arg-type]
 
 
 def retained_series(

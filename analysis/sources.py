@@ -166,7 +166,8 @@ def evidence(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
         memory: pl.DataFrame | None = run(ctx, "retained_memory")
     except KvscopeError:  # no memory evidence is itself the finding
         memory = None
-    return evidence_table(ctx.ledger(LEDGER_COLUMNS), memory)
+    # Only the columns whose evidence it counts (the module's list also serves source_table).
+    return evidence_table(ctx.ledger(["run_id", *(column for _, column, _ in EVIDENCE)]), memory)
 
 
 __all__ = ["CLIENT", "COLUMNS", "ENGINE_HOOKS", "EVIDENCE", "EVIDENCE_COLUMNS", "LEDGER_COLUMNS",

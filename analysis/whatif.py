@@ -482,6 +482,11 @@ def _summary(frame: pl.LazyFrame, setting: Setting, has_retention: bool) -> pl.L
     )
 
 
+# What _observed_row reads of the ledger.
+_OBSERVED_READS = ("turn_index", "reusable_tokens", "local_hit_tokens", "remote_reused_tokens",
+                   "ttft_ms", "errored")
+
+
 def _observed_row(ledger: pl.DataFrame, retentions: pl.DataFrame) -> dict[str, Any]:
     later = ledger.filter((pl.col("turn_index") >= 2) & pl.col("reusable_tokens").is_not_null())
     reusable = later["reusable_tokens"].sum()
@@ -580,17 +585,20 @@ def whatif_table(
     coefs = coefficients(fits)
     for run_id in sorted(observed["run_id"].to_list()):
         seen = observed.filter(pl.col("run_id") == run_id).row(0, named=True)
-        run_turns = timeline_frame.filter(pl.col("run_id") == run_id)
+        # Lazily: only the columns read are filtered (an eager filter copies every column).
+        run_turns = timeline_frame.lazy().filter(pl.col("run_id") == run_id)
         counts = run_turns.filter(pl.col("later")).select(
             pl.len().cast(pl.Int64).alias("turns"),
             pl.col("replay").sum().cast(pl.Int64).alias("replayed_turns"),
             pl.col("reusable_tokens").sum().cast(pl.Int64).alias("reusable_tokens"),
-        )
+        ).collect()
         # Only what the replay and the summary read; the observed path priced once.
-        turns = run_turns.join(coefs, on="run_id", how="left").select(
+        # In the timeline's order: the replay reads the previous turn by position.
+        turns = run_turns.join(coefs.lazy(), on="run_id", how="left",
+                               maintain_order="left").select(
             *_REPLAY_INPUTS, *COEFFICIENTS,
             prefill_estimate(pl.col("local_tokens"), pl.col("observed_remote")).alias("est_obs"),
-        ).lazy()
+        ).collect().lazy()
         run_retentions = retentions.filter(pl.col("run_id") == run_id)
         routers: list[float | None] = (
             list(router_ttls) if router_ttls else [seen["router_ttl_s"]])
@@ -625,7 +633,8 @@ def whatif_table(
             for name in ("ttft_p50_ms", "ttft_p90_ms")
         ).sort(["decoder_kv_blocks_ttl", "kv_recompute_threshold", "router_ttl"])
         first = pl.DataFrame([{
-            **_observed_row(ledger.filter(pl.col("run_id") == run_id), run_retentions),
+            **_observed_row(ledger.lazy().filter(pl.col("run_id") == run_id).select(
+                _OBSERVED_READS).collect(), run_retentions),
             "decoder_kv_blocks_ttl": seen["ttl_s"],
             "kv_recompute_threshold": seen["threshold_tokens"],
             "router_ttl": seen["router_ttl_s"],
