@@ -61,8 +61,8 @@ LEDGER_COLUMNS: tuple[str, ...] = (
 
 def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
     """Outcomes of turns k ≥ 2 per run: count, share, tokens recomputed, examples (pure)."""
-    # Lazily: the filtered rows are grouped as they pass, never held as a copy of the ledger.
-    later = ledger.lazy().filter(pl.col("turn_index") >= 2)
+    # The columns read, then the filter: a filter copies every column it is given.
+    later = ledger.select(LEDGER_COLUMNS).filter(pl.col("turn_index") >= 2)
     per_run = later.group_by("run_id").agg(pl.len().alias("_run_turns"))
     table = (
         later.group_by(["run_id", "outcome"], maintain_order=True)
@@ -82,7 +82,7 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
     )
     return table.select(
         "run_id", *(pl.col(name).cast(dtype) for name, dtype in COLUMNS.items())
-    ).sort(["run_id", "turns"], descending=[False, True]).collect()
+    ).sort(["run_id", "turns"], descending=[False, True])
 
 
 @register(
