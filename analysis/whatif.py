@@ -180,6 +180,10 @@ LEDGER_COLUMNS: tuple[str, ...] = (
     "d2p_status", "decode_request_id", "decode_queue_ms") + _COST_FIT_READS)
 
 
+# The timeline's order of turns (the ledger's).
+_TIMELINE_ORDER = ["run_id", "conversation_id", "turn_index", "arrival"]
+
+
 def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
              time_scales: Mapping[str, float] | None = None) -> pl.DataFrame:
     """Per turn, what the replay needs: gap, tokens, offer, router entry, the handles (pure).
@@ -204,8 +208,15 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
         c("held_s").alias("ret_held_s"), c("reason").alias("ret_release"),
         c("ttl_s").alias("ret_ttl_s"),
     ).unique(["run_id", "decode_request_id"], keep="first")
-    frame = ledger.join(handles, on=["run_id", "decode_request_id"], how="left").sort(
-        ["run_id", "conversation_id", "turn_index", "arrival"])
+    # Each turn's handle joined to its two keys alone (handles are unique by them), and the turns
+    # put in order only when they are not already (a stored or computed ledger is): a join or a
+    # sort of the whole frame copies every column (27 of them, ~2 GiB at 10M turns).
+    keys = ["run_id", "decode_request_id"]
+    handle = ledger.select(keys).join(handles, on=keys, how="left", maintain_order="left")
+    frame = ledger.hstack(handle.drop(keys).get_columns())
+    order = frame.select(pl.arg_sort_by(_TIMELINE_ORDER, maintain_order=True)).to_series()
+    if not (order == pl.int_range(frame.height, dtype=pl.UInt32, eager=True)).all():
+        frame = frame[order]
 
     # Sorted by conversation, so a plain shift is the previous turn when the keys match (a
     # window function per column costs ~10x more at a million turns).
