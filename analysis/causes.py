@@ -57,13 +57,26 @@ COLUMNS: dict[str, pl.DataType] = {
 # What this module's analyses read of the ledger.
 LEDGER_COLUMNS: tuple[str, ...] = (
     "run_id", "turn_index", "x_request_id", "outcome", "evidence", "recomputed_reusable_tokens")
+# ... of which the examples' (request ids and evidence text: ~1.5 GiB at 10M turns).
+EXAMPLE_COLUMNS: tuple[str, ...] = ("x_request_id", "evidence")
 
 
-def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
-    """Outcomes of turns k ≥ 2 per run: count, share, tokens recomputed, examples (pure)."""
+def cause_table(ledger: pl.DataFrame, examples: int = 3, *,
+                with_examples: bool = True) -> pl.DataFrame:
+    """Outcomes of turns k ≥ 2 per run: count, share, tokens recomputed, examples (pure).
+
+    ``with_examples=False``: the example columns are null, and ``ledger`` need not have the
+    :data:`EXAMPLE_COLUMNS` (a caller that reads only counts and shares).
+    """
+    read = [c for c in LEDGER_COLUMNS if with_examples or c not in EXAMPLE_COLUMNS]
     # The columns read, then the filter: a filter copies every column it is given.
-    later = ledger.select(LEDGER_COLUMNS).filter(pl.col("turn_index") >= 2)
+    later = ledger.select(read).filter(pl.col("turn_index") >= 2)
     per_run = later.group_by("run_id").agg(pl.len().alias("_run_turns"))
+    shown = (
+        [pl.col("x_request_id").head(examples).str.join(", ").alias("example_requests"),
+         pl.col("evidence").first().alias("example_evidence")] if with_examples
+        else [pl.lit(None, pl.String).alias(name)
+              for name in ("example_requests", "example_evidence")])
     table = (
         later.group_by(["run_id", "outcome"], maintain_order=True)
         .agg(
@@ -71,8 +84,7 @@ def cause_table(ledger: pl.DataFrame, examples: int = 3) -> pl.DataFrame:
             # Null where no turn's count was measured (never a sum of nothing shown as 0).
             pl.when(pl.col("recomputed_reusable_tokens").is_not_null().any())
             .then(pl.col("recomputed_reusable_tokens").sum()).alias("recomputed_tokens"),
-            pl.col("x_request_id").head(examples).str.join(", ").alias("example_requests"),
-            pl.col("evidence").first().alias("example_evidence"),
+            *shown,
         )
         .join(per_run, on="run_id")
         .with_columns(
@@ -95,4 +107,5 @@ def miss_causes(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame
     return cause_table(ctx.ledger(LEDGER_COLUMNS), params["examples"])
 
 
-__all__ = ["COLUMNS", "LEDGER_COLUMNS", "SUGGESTIONS", "cause_table", "miss_causes"]
+__all__ = ["COLUMNS", "EXAMPLE_COLUMNS", "LEDGER_COLUMNS", "SUGGESTIONS", "cause_table",
+    "miss_causes"]

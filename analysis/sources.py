@@ -135,7 +135,7 @@ EVIDENCE_COLUMNS: dict[str, pl.DataType] = {
 # What this module's analyses read of the ledger.
 LEDGER_COLUMNS: tuple[str, ...] = (
     "run_id", "observer", "turn_ms", "ttft_ms", "tool_wait_s", "decision", "d2p_status",
-    "retention_id", "retention_bytes", "router_lookup", "evidence", "engine_evidence",
+    "retention_id", "retention_bytes", "router_lookup", "engine_evidence",
     "engine_ttft_ms", "engine_queue_ms")
 
 

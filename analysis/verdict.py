@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 
 from kvscope.analysis import compare, runs
+from kvscope.analysis.causes import EXAMPLE_COLUMNS as _CAUSE_EXAMPLES
 from kvscope.analysis.causes import LEDGER_COLUMNS as _CAUSES_READS
 from kvscope.analysis.causes import cause_table
 from kvscope.analysis.compare import LEDGER_COLUMNS as _COMPARE_READS
@@ -131,9 +132,11 @@ def _reconciled(reconciled: pl.DataFrame | None) -> pl.DataFrame:
 
 
 # What this module's analyses read of the ledger.
-LEDGER_COLUMNS: tuple[str, ...] = (
-    ("run_id", "outcome", "invalid_tokens") + _COMPARE_READS + _RUNS_READS + _CAUSES_READS +
-    _REUSE_READS + _SOURCES_READS)
+# (Its top causes need no examples: their request ids and evidence text are not read.)
+LEDGER_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys(
+    ("run_id", "outcome", "invalid_tokens") + _COMPARE_READS + _RUNS_READS
+    + tuple(c for c in _CAUSES_READS if c not in _CAUSE_EXAMPLES) + _REUSE_READS
+    + _SOURCES_READS))
 
 
 def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFrame | None,
@@ -153,7 +156,7 @@ def verdict_table(info: pl.DataFrame, ledger: pl.DataFrame, retention: pl.DataFr
         info.select("run_id", "label", "feature", "feature_source", "started_at")
         .join(stats, on="run_id", how="left")
         .join(reuse, on="run_id", how="left")
-        .join(_top_causes(cause_table(ledger)), on="run_id", how="left")
+        .join(_top_causes(cause_table(ledger, with_examples=False)), on="run_id", how="left")
         .join(totals, on="run_id", how="left")
         .join(_invalid(ledger), on="run_id", how="left")
         .join(source_table(ledger), on="run_id", how="left")
