@@ -40,6 +40,7 @@ from kvscope.analysis import registry, runs
 from kvscope.analysis.registry import AnalysisContext
 from kvscope.errors import KvscopeError, StoreError
 from kvscope.store.duckdb_reader import DuckDBReader
+from kvscope.store.query import Query
 from kvscope.store.reader import Reader
 from kvscope.store.source import Source, open_reader
 from kvscope.store.writer import StoreWriter
@@ -138,6 +139,11 @@ class ScopedContext(AnalysisContext):
         if item.shared:
             return self.base.get(item, *args)
         return super().get(item, *args)
+
+    def frame(self, sql: Query) -> pl.DataFrame:
+        """A query's rows, through the base (which knows whether a stored query's table is
+        current)."""
+        return self.base.frame(sql)
 
     def ledger(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
         """The ledger rows of this selection (the whole ledger is built once, in the base)."""
