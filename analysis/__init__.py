@@ -4,6 +4,7 @@
     runs.py       runs: the run table, naming runs, feature state, workload, baselines, pairs
     ledger.py     the per-turn reuse ledger (outcome, tokens, evidence) from the stored spans
     ledger_units.py  the ledger of chosen conversations; kvscope_ledger kept current
+    stored_queries.py  span queries whose results kvscope ledger keeps beside the ledger
     reuse.py      reuse rates; causes.py missed-reuse causes; retention.py retention cost and
                   memory; task_time.py task time; windows.py turns over time and by engine;
                   sources.py which evidence a run or store holds; compare.py two runs side by side;
@@ -20,5 +21,5 @@ imported with the package.
 __all__ = [
     "causes", "compare", "cost_fit", "ladder", "ledger", "ledger_units", "live_metrics",
     "live_queries", "published", "reconcile", "registry", "retention", "reuse", "runs",
-    "sources", "task_time", "verdict", "whatif", "windows",
+    "sources", "stored_queries", "task_time", "verdict", "whatif", "windows",
 ]

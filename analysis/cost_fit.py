@@ -21,18 +21,16 @@ from typing import Any
 
 import polars as pl
 
-from kvscope import semconv
+from kvscope.analysis import stored_queries
 from kvscope.analysis.registry import (
     AnalysisContext,
     AnalysisError,
     Param,
     intermediate,
     register,
-    stored_query,
 )
 from kvscope.fit import solve_linear
 from kvscope.reuse import outcomes
-from kvscope.store import query
 
 MIB = float(1 << 20)
 # Turns left out of the prefill cost fit: their prefill leg is not "compute the rest".
@@ -41,12 +39,7 @@ _FIT_EXCLUDED = (outcomes.PREEMPTED, outcomes.LOAD_FAILED_ERRORED, outcomes.PREF
                  outcomes.HANDSHAKE_FAILED, outcomes.TRANSFER_FAILED, outcomes.UNKNOWN)
 
 # Finished D→P reads: the wire-time fit.
-TRANSFERS = stored_query("d2p_reads", query.spans(semconv.SPAN_KV_TRANSFER, {
-    "run_id": query.resource_attr(semconv.RUN_ID),
-    "size_bytes": query.span_attr(semconv.TRANSFER_BYTES),
-    "duration_ns": "Duration",
-}, where={query.span_attr(semconv.TRANSFER_DIRECTION): semconv.DIRECTION_D_TO_P,
-          query.span_attr(semconv.TRANSFER_STATUS): semconv.TRANSFER_OK}))
+TRANSFERS = stored_queries.D2P_READS
 
 
 def shape_transfers(raw: pl.DataFrame) -> pl.DataFrame:

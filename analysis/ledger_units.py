@@ -41,6 +41,7 @@ import polars as pl
 import kvscope
 from kvscope import semconv, settings
 from kvscope.analysis import ledger as ledger_module
+from kvscope.analysis import stored_queries as stored_queries_module
 from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
@@ -57,7 +58,7 @@ _RULE_MODULES = ("kvscope.analysis.ledger", "kvscope.reuse.boundaries", "kvscope
                  "kvscope.reuse.decisions", "kvscope.reuse.outcomes", "kvscope.reuse.params",
                  "kvscope.reuse.taint", "kvscope.reuse.validity", "kvscope.store.query")
 
-# ... and the fingerprint of the stored queries' tables (registry.stored_query), named with
+# ... and the fingerprint of the stored queries' tables (analysis/stored_queries.py), named with
 # this prefix and the query's name.
 STORED_KEY = "stored_queries"
 STORED_PREFIX = "kvscope_stored_"
@@ -493,11 +494,9 @@ def stored_columns(reader: Reader) -> StoredLedger | None:
 
 
 def stored_queries() -> dict[str, query.Query]:
-    """Every analysis module's :func:`~kvscope.analysis.registry.stored_query`, by name."""
-    from kvscope.analysis import registry
-
-    registry.analyses()  # their modules register them on import
-    return dict(sorted(registry.STORED_QUERIES.items()))
+    """The queries whose results the ledger's build keeps (:mod:`kvscope.analysis.stored_queries`),
+    by name."""
+    return dict(sorted(stored_queries_module.STORED_QUERIES.items()))
 
 
 def stored_fingerprint(queries: dict[str, query.Query]) -> str:

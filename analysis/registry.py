@@ -104,9 +104,6 @@ class Intermediate:
 
 REGISTRY: dict[str, Analysis] = {}
 INTERMEDIATES: dict[str, Intermediate] = {}
-# Span queries whose results ``kvscope ledger`` keeps in tables beside the ledger (see
-# :func:`stored_query`).
-STORED_QUERIES: dict[str, Query] = {}
 
 # Modules whose import registers analyses, in the order the report shows them.
 MODULES = (
@@ -153,20 +150,6 @@ def intermediate(name: str, *, shared: bool) -> Callable[[Callable[..., Any]], I
         return item
 
     return decorate
-
-
-def stored_query(name: str, sql: Query) -> Query:
-    """Register ``sql``, a query of ``otel_traces`` rows (one output row per span row, or
-    ``SELECT DISTINCT``), as one whose result ``kvscope ledger`` keeps in a table beside the
-    ledger (:func:`kvscope.analysis.ledger_units.update`), appending the rows of spans stored
-    since; :meth:`AnalysisContext.frame` then reads that table while the stored ledger is
-    current. A scan of every span row for a few of them (the retention spans: ~7 % of the
-    rows) leaves the store's blocks in DuckDB's cache, up to its memory limit; the table holds
-    only those rows. Returns ``sql``."""
-    if name in STORED_QUERIES:
-        raise ValueError(f"stored query {name!r} registered twice")
-    STORED_QUERIES[name] = sql
-    return sql
 
 
 def analyses() -> dict[str, Analysis]:
@@ -237,11 +220,11 @@ class AnalysisContext:
         return frame.filter(pl.col("run_id").is_in(self.runs))
 
     def frame(self, sql: Query) -> pl.DataFrame:
-        """Run a query through the store's reader (a :func:`stored_query`'s table instead,
-        when ``kvscope ledger`` keeps it current)."""
-        from kvscope.analysis import ledger_units
+        """Run a query through the store's reader (a stored query's table instead, when
+        ``kvscope ledger`` keeps it current: :mod:`kvscope.analysis.stored_queries`)."""
+        from kvscope.analysis import ledger_units, stored_queries
 
-        name = next((n for n, q in STORED_QUERIES.items() if q == sql), None)
+        name = stored_queries.name_of(sql)
         if name is not None and name in self.cached(
                 _STORED_TABLES, lambda: ledger_units.stored_tables(self.reader)):
             sql = ledger_units.stored_table_query(name, sql)
@@ -290,5 +273,5 @@ def iter_analyses() -> Iterator[Analysis]:
 
 
 __all__ = ["Analysis", "AnalysisContext", "AnalysisError", "INTERMEDIATES", "Intermediate",
-    "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "STORED_QUERIES", "analyses", "get",
-    "intermediate", "iter_analyses", "register", "run", "stored_query", "whole_ledger"]
+    "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "analyses", "get", "intermediate",
+    "iter_analyses", "register", "run", "whole_ledger"]

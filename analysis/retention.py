@@ -33,12 +33,12 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
+from kvscope.analysis import stored_queries
 from kvscope.analysis.registry import (
     AnalysisContext,
     Param,
     intermediate,
     register,
-    stored_query,
     whole_ledger,
 )
 from kvscope.reuse import outcomes
@@ -146,18 +146,9 @@ MEMORY_COLUMNS: dict[str, pl.DataType] = {
 
 # --- queries ------------------------------------------------------------------------------------
 
-# Engine spans name their run in the resource attributes (semconv.RUN_ID).
-RETENTION_QUERY = stored_query("retention_spans", query.spans(semconv.SPAN_KV_RETENTION, {
-    "run_id": query.resource_attr(semconv.RUN_ID),
-    "engine_id": query.span_attr(semconv.ENGINE_ID),
-    "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
-    "start": "Timestamp",
-    "duration_ns": "Duration",
-    "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
-    "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
-    "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
-    "measured": query.span_attr(semconv.DURATION_MEASURED),
-}))
+# Engine spans name their run in the resource attributes (semconv.RUN_ID); the stored
+# query's table is read instead while the ledger is current.
+RETENTION_QUERY = stored_queries.RETENTION_SPANS
 
 SAMPLES_QUERY = query.select(query.GAUGES, {
     "run_id": query.resource_attr(semconv.RUN_ID),

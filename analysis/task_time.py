@@ -87,8 +87,7 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     """Task time per conversation and its parts, in seconds (pure: ledger in, :data:`COLUMNS`)."""
     c = pl.col
     # A request only engine spans know has no conversation: it is no part of a task.
-    # Lazily: only the columns read are filtered (an eager filter copies every column given).
-    rows = ledger.lazy().filter(c("observer").ne_missing(semconv.OBSERVER_ENGINE))
+    ledger = ledger.filter(c("observer").ne_missing(semconv.OBSERVER_ENGINE))
     # Transfer spans come from the engine hooks: with hooks seen in the conversation, a turn
     # without one moved nothing; without any, transfer time is unknown (and inside the legs).
     hooks = (hook_decided(ledger) | c("d2p_ms").is_not_null() | c("p2d_ms").is_not_null()).any()
@@ -98,7 +97,7 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
     p2d = pl.when(c("decode_ms").is_not_null()).then(c("p2d_ms").fill_null(0.0))
     previous_end = c("end").shift(1).over(_CONVERSATION, order_by=["turn_index", "arrival"])
     gap_s = (c("arrival") - previous_end).dt.total_nanoseconds() / 1e9
-    turns = rows.with_columns(
+    turns = ledger.with_columns(
         (c("prefill_ms") - d2p).alias("_input_ms"),
         (d2p.fill_null(0.0) + p2d.fill_null(0.0)).alias("_transfer_ms"),
         (c("decode_ms") - p2d).alias("_generation_ms"),
@@ -126,7 +125,7 @@ def task_table(ledger: pl.DataFrame) -> pl.DataFrame:
           for name, alias in (("engine_ttft_ms", "engine_ttft_sum_s"),
                               ("engine_queue_ms", "engine_queue_s"))
           if name in ledger.columns],
-    ).collect()
+    )
     task = (c("last_end") - c("first_arrival")).dt.total_nanoseconds() / 1e9
     # Without transfers measured the legs are whole, so the other parts still add up.
     parts = pl.sum_horizontal(

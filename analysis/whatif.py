@@ -56,6 +56,7 @@ from typing import Any
 import polars as pl
 
 from kvscope import semconv
+from kvscope.analysis import stored_queries
 from kvscope.analysis.cost_fit import (
     COEFFICIENTS,
     coefficients,
@@ -70,7 +71,6 @@ from kvscope.analysis.registry import (
     Param,
     intermediate,
     register,
-    stored_query,
 )
 from kvscope.analysis.retention import without_superseded_snapshots
 from kvscope.reuse import outcomes
@@ -106,20 +106,9 @@ _RUN = query.resource_attr(semconv.RUN_ID)
 
 QUERIES: dict[str, query.Query] = {
     # One row per retention span: D pinned a finished request's blocks until their release.
-    "retentions": stored_query("whatif_retentions", query.spans(semconv.SPAN_KV_RETENTION, {
-        "run_id": _RUN,
-        "request_id": query.span_attr(semconv.VLLM_REQUEST_ID),
-        "size_bytes": query.span_attr(semconv.RETENTION_BYTES),
-        "tokens": query.span_attr(semconv.REMOTE_NUM_TOKENS),
-        "ttl_s": query.span_attr(semconv.RETENTION_TTL_S),
-        "reason": query.span_attr(semconv.RETENTION_RELEASE_REASON),
-        "duration_ns": "Duration",
-    })),
+    "retentions": stored_queries.WHATIF_RETENTIONS,
     # The router TTL the proxy recorded on its turn spans (one value per run in practice).
-    "router_ttl": stored_query("router_ttls", query.spans(semconv.SPAN_TURN, {
-        "run_id": _RUN,
-        "router_ttl_s": query.span_attr(semconv.ROUTER_TTL_S),
-    }, distinct=True)),
+    "router_ttl": stored_queries.ROUTER_TTLS,
 }
 
 

@@ -222,7 +222,7 @@ def test_analyses_read_stored_queries_tables_only_while_they_are_current(
     the table ``kvscope ledger`` keeps, with the same result; a span row stored since, or other
     query text than the table's, and the query runs on the spans again. A build whose only
     change is the queries' text rebuilds their tables, not the ledger."""
-    from kvscope.analysis import ledger_units, registry, retention
+    from kvscope.analysis import ledger_units, registry, retention, stored_queries
 
     db = tmp_path / "store.duckdb"
     half = spans.num_rows // 2
@@ -254,13 +254,12 @@ def test_analyses_read_stored_queries_tables_only_while_they_are_current(
     assert retentions().equals(later) and any(table in sql for sql in ran)
 
     # Another kvscope's query text: read from the spans until the next build rebuilds it.
-    changed = {**registry.STORED_QUERIES}
-    changed["retention_spans"] = type(retention.RETENTION_QUERY)(
+    changed = type(retention.RETENTION_QUERY)(
         retention.RETENTION_QUERY.sql + " AND 1 = 1", retention.RETENTION_QUERY.params)
-    monkeypatch.setattr(registry, "STORED_QUERIES", changed)
+    monkeypatch.setitem(stored_queries.STORED_QUERIES, "retention_spans", changed)
     ran.clear()
     with registry.AnalysisContext.open(db) as ctx:
-        assert ctx.frame(changed["retention_spans"]).equals(later)
+        assert ctx.frame(changed).equals(later)
     assert not any(table in sql for sql in ran)
     con = open_store(db)
     try:

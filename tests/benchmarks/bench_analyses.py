@@ -5,7 +5,7 @@ would: a context on the store, the analysis with its default parameters. Two way
 
     columns   the analysis reads the ledger columns it names (``LEDGER_COLUMNS``; the stored
               table read a few columns at a time), and the stored queries' tables
-              (``registry.stored_query``) that ``kvscope ledger`` keeps
+              (``analysis/stored_queries.py``) that ``kvscope ledger`` keeps
     spans     the same, but the stored queries run on the span rows, as before their tables
     whole     every analysis given every ledger column, as before analyses named theirs (and
               the stored queries' tables)
@@ -43,8 +43,9 @@ def _one(db: str, name: str, way: str) -> dict[str, Any]:
     from tests.analysis.test_ledger_columns import WholeLedgerContext
 
     if way == "spans":
-        registry.analyses()
-        registry.STORED_QUERIES.clear()
+        from kvscope.analysis import stored_queries
+
+        stored_queries.STORED_QUERIES.clear()
     start = time.perf_counter()
     context = WholeLedgerContext if way == "whole" else registry.AnalysisContext
     with context(open_reader(db, time_limit_s=None)) as ctx:
