@@ -11,6 +11,7 @@ import re
 import time
 from typing import Any
 
+from tests.vllm_real.deployment import MAX_MODEL_LEN
 from tests.vllm_real.turns import ServerLog, judged_turn, token_ids
 
 
@@ -22,10 +23,12 @@ def test_a_client_that_leaves_mid_stream(deployment: Any, turns: Any) -> None:
                         turn_index=1, prompt=prompt, max_tokens=72, previous=None,
                         not_offered="router_no_entry")
     assert first is not None
-    # Turn 2 pulls turn 1's KV, then its client leaves 2 s into a 600-token decode.
+    # Turn 2 pulls turn 1's KV, then its client leaves half a second into a decode as long as
+    # the model's length allows (~4 s on an idle machine).
     second_prompt = prompt + first.token_ids + token_ids(20, seed=91)
     judged_turn(deployment, turns, scenario=scenario, conversation_id=conversation,
-                turn_index=2, prompt=second_prompt, max_tokens=600, previous=first,
+                turn_index=2, prompt=second_prompt,
+                max_tokens=MAX_MODEL_LEN - len(second_prompt) - 16, previous=first,
                 not_offered="router_no_entry", leave_mid_stream_=True)
     left = turns.of(scenario)[1]
     assert left.x_request_id, "the proxy's log never named the turn the client left"
