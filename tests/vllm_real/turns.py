@@ -255,8 +255,8 @@ def leave_mid_stream(front: Any, decode_log: Path, prompt: list[int], max_tokens
     ``Finished recving KV transfer for request`` naming the turn that was offered
     ``previous``'s decode KV: it is generating), give it half a second more, then close the
     connection (an idle 2-core machine decodes the tiny model at ~5 ms a token: 600 tokens were
-    done 3 s after the KV arrived, before a client that waited two seconds had left). The turn's X-Request-Id, from the proxy's log
-    (None: never seen)."""
+    done 3 s after the KV arrived, before a client that waited two seconds had left). The turn's
+    X-Request-Id, from the proxy's log (None: never seen)."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "conversation_id": conversation_id}
