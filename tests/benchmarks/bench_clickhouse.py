@@ -269,7 +269,7 @@ def _print_side_by_side(turns: int, results: dict[str, dict[str, Any]]) -> None:
                                           for r in results.values()))
     print(f"  {'RSS after ledger':<20}" + "".join(f"{r['ledger_rss_mib']:8.0f} MiB"
                                                   for r in results.values()))
-    print(f"  {'DuckDB spill, most':<20}" + "".join(f"{bench_ledger._spill(r):>12}"
+    print(f"  {'DuckDB spill, most':<20}" + "".join(f" {bench_ledger._spill(r):>12}"
                                                     for r in results.values()))
     for engine, r in results.items():
         for name, seconds, note in r["steps"]:
