@@ -280,7 +280,7 @@ class SimulationResult:
     run_id: str
     turns: int
     spans: int
-    truth: list[TruthRow]
+    truth: list[TruthRow]  # empty when the run was simulated without truth
     virtual_seconds: float
     # Decode memory (kvscope.emulator.capacity): each engine's KV blocks, the turns that
     # waited for blocks and their total wait, the most blocks one engine held at once.
@@ -396,6 +396,7 @@ class Simulator:
         # one costs ~1 s; a smaller run is done sooner in this one).
         self._process_rows_min_turns = PROCESS_ROWS_MIN_TURNS
         self._progress: Progress | None = None
+        self._truth = True
 
     @staticmethod
     def _decode_http_host(i: int) -> str:
@@ -406,13 +407,17 @@ class Simulator:
         return p > 0.0 and self._rng.random() < p
 
     def run(self, workload: Workload, db: str | Path, *, epoch_ns: int = 1_767_225_600 * _NS,
-            progress: Progress | None = None) -> SimulationResult:
+            progress: Progress | None = None, truth: bool = True) -> SimulationResult:
         """Simulate ``workload`` and write its spans as a new run into the store at ``db``.
 
         ``progress`` hears (turns sent, virtual seconds) every :data:`PROGRESS_EVERY_TURNS`
         turns and when the model has finished (the spans may still be being written then).
+        ``truth``: label each turn's true outcome (:attr:`SimulationResult.truth`); without it
+        the truth is left empty and its labelling (~15 % of the model's time) is not done:
+        the spans, and so the store, are the same.
         """
         self._progress = progress
+        self._truth = truth
         # Checked before the run is recorded: a workload that cannot run records nothing.
         check_times(workload)
         if workload.block_size != self.cost.block_size:
@@ -564,7 +569,7 @@ class Simulator:
             (ci, pos): _reusable_tokens(conv.turns, pos, s.scheduling)
             for ci, conv in enumerate(conversations)
             for pos in range(len(conv.turns))
-        }
+        } if self._truth else {}
         return run
 
     def _end(self, run: _Run, sink: _AnySink) -> SimulationResult:
@@ -794,6 +799,8 @@ class Simulator:
         if turn.conversation.value is not None:
             previous_end[turn.conversation_index] = t
         run.spans_for(record)
+        if not self._truth:
+            return
         conv = self._conversations[turn.conversation_index]
         conv_turn = conv.turns[turn.turn_position].index
         prompt_tokens = record.prompt_tokens or 0
@@ -990,10 +997,11 @@ class _ChainRuns:
 
 
 def simulate(workload: Workload, db: str | Path, settings: SimulationSettings | None = None,
-             *, progress: Progress | None = None) -> SimulationResult:
-    """Simulate ``workload`` under ``settings`` and append it as one run to the store ``db``."""
+             *, progress: Progress | None = None, truth: bool = True) -> SimulationResult:
+    """Simulate ``workload`` under ``settings`` and append it as one run to the store ``db``
+    (``truth``: label each turn's true outcome, :meth:`Simulator.run`)."""
     sim = Simulator(settings or SimulationSettings())
-    return sim.run(workload, db, progress=progress)
+    return sim.run(workload, db, progress=progress, truth=truth)
 
 
 def iter_truth(result: SimulationResult) -> Iterator[dict[str, Any]]:

@@ -371,9 +371,11 @@ class ProgressLine:
 
 
 def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]],
-             db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
+             db: str | Path, *, stream: TextIO | None = None,
+             truth: bool = True) -> Iterator[SimulationResult]:
     """Simulate each (plan, workload for a block size) into ``db`` in turn, with a progress
-    line per run on ``stream``: runs whose workloads differ (the published sweep)."""
+    line per run on ``stream``: runs whose workloads differ (the published sweep). ``truth``:
+    label each turn's true outcome (what ``--truth`` writes)."""
 
     for number, (plan, workloads) in enumerate(runs, start=1):
         workload = workloads(plan.cost_profile().block_size)
@@ -382,7 +384,7 @@ def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]
             line = ProgressLine(f"[{number}/{len(runs)} {plan.label}]", workload.num_requests,
                                 stream)
         try:
-            result = simulate(workload, db, plan, progress=line)
+            result = simulate(workload, db, plan, progress=line, truth=truth)
         finally:
             if line is not None:
                 line.close()
@@ -392,10 +394,11 @@ def run_each(runs: Sequence[tuple[SimulationSettings, Callable[[int], Workload]]
 
 
 def run_all(workloads: Callable[[int], Workload], plans: Sequence[SimulationSettings],
-            db: str | Path, *, stream: TextIO | None = None) -> Iterator[SimulationResult]:
+            db: str | Path, *, stream: TextIO | None = None,
+            truth: bool = True) -> Iterator[SimulationResult]:
     """Simulate each plan into ``db`` in turn (``workloads`` gives the workload for a profile's
     block size); with ``stream``, a progress line per run."""
-    yield from run_each([(plan, workloads) for plan in plans], db, stream=stream)
+    yield from run_each([(plan, workloads) for plan in plans], db, stream=stream, truth=truth)
 
 
 __all__ = ["OPTIONS", "Option", "ProgressLine", "SUMMARY_COLUMNS", "SWEEP_COLUMNS", "WORKLOADS",
@@ -480,7 +483,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     stream = None if args.quiet else sys.stderr
-    results = list(run_all(workload_for, plans, args.db, stream=stream))
+    results = list(run_all(workload_for, plans, args.db, stream=stream,
+                           truth=bool(args.truth)))
     if args.truth:
         rows = _write_truth(Path(args.truth), results)
         print(f"truth: {rows:,} rows in {args.truth}", file=sys.stderr)
@@ -499,7 +503,7 @@ def _main_published_sweep(args: argparse.Namespace, base: SimulationSettings) ->
     runs = sweep_plans(args, base)
     started = time.monotonic()
     stream = None if args.quiet else sys.stderr
-    results = list(run_each(runs, args.db, stream=stream))
+    results = list(run_each(runs, args.db, stream=stream, truth=bool(args.truth)))
     if args.truth:
         rows = _write_truth(Path(args.truth), results)
         print(f"truth: {rows:,} rows in {args.truth}", file=sys.stderr)

@@ -7,13 +7,15 @@ prefix caching on at P and D) into a new DuckDB file in a temporary directory:
                 issue's target: 100k turns simulated and written in <= 20 s on this machine)
     weka        the full shipped WEKA CSV (~49k turns of ~122k-token prompts)
 
-Each workload runs twice per round, alternating: as ``simulate`` does by default (from
-``PROCESS_ROWS_MIN_TURNS`` turns, the turn and engine records go to a span process, which
-builds the spans, converts and inserts them while this one simulates; "convert" is then the
-pickling and sending of record batches, blocked while the span process is behind, and "insert
-wait" the wait for the span process to start and, at the end, to finish) and with every span
-built and written in the simulating process ("/rows here"). Each (workload, round) runs in its
-own process, so peak RSS (``ru_maxrss``) belongs to that workload alone (the span process's is
+Each workload runs three times per round, alternating: as ``simulate`` does by default (from
+``PROCESS_ROWS_MIN_TURNS`` turns, the turn and engine records go to a span process, which builds
+the spans, converts and inserts them while this one simulates; "convert" is then the pickling
+and sending of record batches, blocked while the span process is behind, and "insert wait" the
+wait for the span process to start and, at the end, to finish), the same without labelling each
+turn's truth ("/no truth": ``kvscope simulate`` without ``--truth``; the store is the same), and
+with every span built and written in the simulating process ("/rows here"). Each round prints
+the ratio of the run without truth to the default. Each (workload, round) runs in its own
+process, so peak RSS (``ru_maxrss``) belongs to that workload alone (the span process's is
 "writer RSS"); with ``--rounds 2`` (the default) the best time of the rounds is reported, since
 the machine is shared. Per run it prints the workload build seconds, the simulate seconds split
 into the reuse model + span building and row appends ("model+spans"), row → Arrow conversion
@@ -130,7 +132,7 @@ def _timed(fn: Any, bucket: dict[str, float], key: str) -> Any:
 
 
 def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
-             rows_here: bool, stub: str | None = None) -> dict[str, Any]:
+             rows_here: bool, stub: str | None = None, truth: bool = True) -> dict[str, Any]:
     """Build one workload, simulate it into a fresh file, and return the measurements.
 
     ``rows_here``: build, convert and insert the spans in this process even when the workload
@@ -175,7 +177,7 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
         db = Path(tmp) / "sim.duckdb"
         cpu_here = time.process_time()
         start = time.perf_counter()
-        result = simulator.simulate(workload, db, simulator.SimulationSettings())
+        result = simulator.simulate(workload, db, simulator.SimulationSettings(), truth=truth)
         simulate_s = time.perf_counter() - start
         cpu_here = time.process_time() - cpu_here
         wal = db.with_name(db.name + ".wal")
@@ -184,7 +186,8 @@ def _run_one(kind: str, turns: int, weka_conversations: int | None, seed: int,
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     writer_kib = children.ru_maxrss
     return {
-        "workload": kind + (f"/{stub}" if stub else "/rows here" if rows_here else ""),
+        "workload": kind + (f"/{stub}" if stub else "/rows here" if rows_here
+                            else "" if truth else "/no truth"),
         "conversations": len(workload.conversations),
         "turns": result.turns,
         "prompt_tokens": sum(t.prompt_tokens for c in workload.conversations for t in c.turns),
@@ -226,17 +229,19 @@ def _stub_stages(stub: str) -> None:
 
 
 def _child(kind: str, turns: int, weka_conversations: int | None, seed: int, rows_here: bool,
-           stub: str | None, queue: Any) -> None:
-    queue.put(_run_one(kind, turns, weka_conversations, seed, rows_here, stub))
+           stub: str | None, truth: bool, queue: Any) -> None:
+    queue.put(_run_one(kind, turns, weka_conversations, seed, rows_here, stub, truth))
 
 
-def _in_process(kind: str, turns: int, weka_conversations: int | None,
-                seed: int, rows_here: bool = False, stub: str | None = None) -> dict[str, Any]:
+def _in_process(kind: str, turns: int, weka_conversations: int | None, seed: int,
+                rows_here: bool = False, stub: str | None = None,
+                truth: bool = True) -> dict[str, Any]:
     """Run one measurement in a fresh process (spawned: no inherited heap in its peak RSS)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child,
-                       args=(kind, turns, weka_conversations, seed, rows_here, stub, queue))
+                       args=(kind, turns, weka_conversations, seed, rows_here, stub, truth,
+                             queue))
     proc.start()
     out: dict[str, Any] = queue.get()
     proc.join()
@@ -255,6 +260,10 @@ def _print(rows: list[dict[str, Any]]) -> None:
               f"{r['turns'] / r['simulate_s']:>8.0f} {r['simulate_s'] / r['turns'] * 1e6:>8.0f} "
               f"{r['spans']:>8} {r['file_mib']:>8.1f} {r['peak_rss_mib']:>12.0f} "
               f"{r['writer_rss_mib']:>10.0f} {r['cpu_here_s']:>8.1f} {r['cpu_child_s']:>9.1f}")
+
+
+# (rows written in the simulating process, truth labelled) per measured mode.
+_MODES = ((False, True), (False, False), (True, True))
 
 
 def main() -> None:
@@ -278,20 +287,25 @@ def main() -> None:
     every: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
     for kind in kinds:
-        # The default (rows in the row writer process) and rows written in the simulating
-        # process, alternating per round.
-        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        # The default (rows in the span process, each turn's truth labelled), the same
+        # without the truth (kvscope simulate without --truth), and rows written in the
+        # simulating process, alternating per round.
+        runs: dict[tuple[bool, bool], list[dict[str, Any]]] = {mode: [] for mode in _MODES}
         for round_no in range(args.rounds):
-            for rows_here in (False, True):
+            for rows_here, truth in _MODES:
                 run = _in_process(kind, args.turns, args.weka_conversations, args.seed,
-                                  rows_here)
+                                  rows_here, truth=truth)
                 run["round"] = round_no
-                runs[rows_here].append(run)
+                runs[rows_here, truth].append(run)
                 print(f"  {run['workload']} round {round_no + 1}/{args.rounds}: "
                       f"{run['simulate_s']:.2f} s simulate", flush=True)
         for mode_runs in runs.values():
             every.extend(mode_runs)
             best.append(min(mode_runs, key=lambda r: r["simulate_s"]))
+        for a, b in zip(runs[False, True], runs[False, False], strict=True):
+            print(f"  {kind} round {a['round'] + 1}: without truth / with: "
+                  f"{b['simulate_s'] / a['simulate_s']:.2f}x wall, "
+                  f"{b['cpu_here_s'] / a['cpu_here_s']:.2f}x cpu here")
         if args.split:
             for stub in ("no rows", "model only"):
                 run = _in_process(kind, args.turns, args.weka_conversations, args.seed,

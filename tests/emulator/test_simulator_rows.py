@@ -55,7 +55,7 @@ def workload() -> Workload:
 
 
 def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: bool,
-         monkeypatch: pytest.MonkeyPatch, *, process: bool = False
+         monkeypatch: pytest.MonkeyPatch, *, process: bool = False, truth: bool = True
          ) -> tuple[SimulationResult, list[tuple[Any, ...]]]:
     """Simulate with deterministic span and trace ids; the stored rows in insertion order."""
     init = ProxyTelemetry.__init__
@@ -71,7 +71,7 @@ def _run(workload: Workload, db: Path, settings: SimulationSettings, direct: boo
         sim._direct_rows = direct
         # process: spans are built and written by the span process (any size of workload).
         sim._process_rows_min_turns = 0 if process else 10**12
-        result = sim.run(workload, db)
+        result = sim.run(workload, db, truth=truth)
     reader = open_reader(db)
     _, rows = reader.rows(Query("SELECT * FROM otel_traces ORDER BY rowid"))
     return result, rows
@@ -114,6 +114,22 @@ def test_direct_rows_equal_sdk_span_rows(workload: Workload, tmp_path: Path,
         assert (semconv.SPAN_KV_TRANSFER, "STATUS_CODE_ERROR") in statuses
         assert (semconv.SPAN_TURN, "STATUS_CODE_ERROR") in statuses
         assert (semconv.SPAN_INPUT_PROCESSING, "STATUS_CODE_ERROR") in statuses
+
+
+def test_without_truth_the_store_is_the_same(workload: Workload, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvscope simulate`` without ``--truth`` skips the truth labelling: the same spans."""
+    settings = SimulationSettings(profile="tiny", seed=2, decode_cache_blocks=400, faults={
+        FAULT_HANDSHAKE: 0.15, FAULT_TRANSFER: 0.15, FAULT_PREEMPT: 0.15,
+        FAULT_STRIP_METADATA: 0.1, FAULT_NO_CONVERSATION_ID: 0.2, FAULT_PROXY_RESTART: 0.05})
+    labelled, labelled_rows = _run(workload, tmp_path / "truth.duckdb", settings, True,
+                                   monkeypatch)
+    bare, bare_rows = _run(workload, tmp_path / "bare.duckdb", settings, True, monkeypatch,
+                           truth=False)
+    assert labelled.truth and not bare.truth
+    assert (bare.turns, bare.spans, bare.decode_queued_turns) == (
+        labelled.turns, labelled.spans, labelled.decode_queued_turns)
+    assert _normalised(bare_rows, bare.run_id) == _normalised(labelled_rows, labelled.run_id)
 
 
 def replace_run(row: Any, run_id: str) -> str:
