@@ -41,13 +41,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeGuard, TypeVar
 
 import duckdb
 import polars as pl
 
 from kvscope import semconv, settings
-from kvscope.errors import QueryOutOfMemory
+from kvscope.errors import QueryOutOfMemory, StoreError
 from kvscope.reuse import decisions, taint
 from kvscope.reuse.validity import (
     INVALID_AFTER_RELEASE,
@@ -65,7 +65,10 @@ from kvscope.store.reader import Reader
 from kvscope.store.schema import TRACES_TABLE, quote
 
 if TYPE_CHECKING:
-    from kvscope.store.clickhouse import ClickHouseSource
+    from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource
+
+    # A reader the ledger can stage its span kinds on (:func:`partitioned_turn_rows`).
+    _Staging = DuckDBReader | ClickHouseReader
 
 LEDGER_TABLE = "kvscope_ledger"
 _T = TypeVar("_T")
@@ -755,7 +758,7 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
                 engine.unregister(name)
 
 
-# --- a large store: the per-turn parts a partition of its conversations at a time (DuckDB) ----
+# --- a large store: the per-turn parts a partition of its conversations at a time ------------
 #
 # One statement over a large store makes DuckDB hold (or spill) every turn's joins and windows
 # at once: at 1M turns, 6.6 GB of buffers. Above PARTITION_TURNS turn spans (or when the one
@@ -766,7 +769,8 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # their legs were offered or left. What spans partitions is decided once over all: each run's
 # missing hooks, and which requests no turn names (an engine-only run's requests are one range
 # unit). The rows equal the one statement's, in its order
-# (tests/analysis/test_ledger_partitions.py).
+# (tests/analysis/test_ledger_partitions.py). On ClickHouse the kinds are staged in a scratch
+# database of the server's, as MergeTree tables sorted by partition, dropped after.
 
 # Up to PARTITION_TURNS turn spans the one statement is fastest (at 1M under DuckDB's 4 GB
 # limit: 29.0-29.1 s in one, 35.0-35.2 s in four partitions, 5.2-5.4 GB peak either way);
@@ -774,6 +778,9 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
 # 40 of 250k in 613 s, 10 of 1M in 666-676 s, and the smaller spill less (docs/benchmarks.md).
 PARTITION_TURNS = 1_000_000
 PARTITION_SIZE = 125_000
+# ClickHouse holds the one statement's joins and windows in memory (its memory limits fail the
+# query rather than spill it): above this many turn spans it builds in partitions too.
+CLICKHOUSE_PARTITION_TURNS = 250_000
 # A build that runs out of DuckDB's memory is tried again in this many times more partitions
 # (at 1M turns under a 1 GB limit the one statement fails; four partitions take 53 s and peak
 # at 3.1 GB), up to MAX_PARTITIONS.
@@ -781,6 +788,9 @@ _RETRY_FACTOR = 4
 MAX_PARTITIONS = 256
 _SCRATCH = "_kvscope_ledger_"
 _ENGINE_KINDS = ("decisions", "transfers", "retentions", "vllm_requests")
+# Staged tables without the partition column (on ClickHouse the rest are sorted by it).
+_UNPARTITIONED = frozenset({"all_turns", *(f"all_{kind}" for kind in _ENGINE_KINDS),
+                            "engine_hooks", "unnamed", "turn_runs"})
 
 
 def _scratch(name: str, db: str = "") -> str:
@@ -788,17 +798,24 @@ def _scratch(name: str, db: str = "") -> str:
     return f"{db}.{quote(_SCRATCH + name)}" if db else quote(_SCRATCH + name)
 
 
+def _stages(reader: Reader) -> TypeGuard[_Staging]:
+    """Whether ``reader``'s engine can build the ledger in partitions (:func:`_stage`)."""
+    return isinstance(reader, DuckDBReader) or (
+        reader.dialect is query.CLICKHOUSE and hasattr(reader, "execute"))
+
+
 def partitions_for(reader: Reader) -> int:
     """How many partitions :func:`ledger` builds the store's rows in (1: one statement)."""
-    if not isinstance(reader, DuckDBReader):
+    if not _stages(reader):
         return 1
     _, rows = reader.rows(query.Query(
         f'SELECT count(*) FROM {quote(TRACES_TABLE)} WHERE "SpanName" = $span',
         {"span": semconv.SPAN_TURN}, name="ledger turn spans"))
     turns = int(rows[0][0])
-    if turns <= PARTITION_TURNS:
+    most = CLICKHOUSE_PARTITION_TURNS if reader.dialect is query.CLICKHOUSE else PARTITION_TURNS
+    if turns <= most:
         return 1
-    return min(MAX_PARTITIONS, -(-turns // min(PARTITION_SIZE, PARTITION_TURNS)))
+    return min(MAX_PARTITIONS, -(-turns // min(PARTITION_SIZE, most)))
 
 
 def _extraction(kind: str) -> Callable[[query.Binder], str]:
@@ -807,16 +824,17 @@ def _extraction(kind: str) -> Callable[[query.Binder], str]:
     return build
 
 
-def _temporary(reader: DuckDBReader, name: str, select: Callable[[query.Binder], str],
-               db: str = "") -> None:
-    create = f"CREATE TABLE {_scratch(name, db)}" if db else f"CREATE TEMP TABLE {_scratch(name)}"
-    statement = query.compose([], lambda b: f"{create} AS {select(b)}")
+def _temporary(reader: _Staging, name: str, select: Callable[[query.Binder], str],
+               db: str = "", *, partitioned: bool = False) -> None:
+    table = _scratch(name, db)
+    statement = query.compose(
+        [], lambda b: f"{b.dialect.create_as(table, partitioned)} {select(b)}")
     start = time.perf_counter()
     reader.execute(statement.named(f"ledger partitions: {name}"))
     logger.info("ledger partitions: %s staged in %.1f s", name, time.perf_counter() - start)
 
 
-def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
+def _stage(reader: _Staging, count: int, db: str = "") -> None:
     """The span kinds, extracted once, each row with its partition (``_p``; a row a turn of
     another partition also reads is there twice), stored in partition order so that a
     partition's scan skips the others' row groups.
@@ -825,17 +843,18 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
     turns without a conversation id, and an engine-only run's requests, are one unit), about
     as many turns each: the partitions' rows, one after the other, are in the ledger's order.
     ``db``: an attached database to stage in (its tables are compressed; temporary ones are
-    not, and spill as they are), else temporary tables.
+    not, and spill as they are), else temporary tables; on ClickHouse a database of the
+    server's (MergeTree tables sorted by partition).
     """
     def at(name: str) -> str:
         return _scratch(name, db)
 
     def stage(name: str, select: Callable[[query.Binder], str]) -> None:
-        _temporary(reader, name, select, db)
+        _temporary(reader, name, select, db, partitioned=name not in _UNPARTITIONED)
 
     def drop(table: str) -> None:
         reader.execute(query.Query(f"DROP TABLE {table}", name="ledger partitions"))
-        if db:
+        if db and reader.dialect is query.DUCKDB:
             # A dropped table's blocks are free for the next one only after a checkpoint: else
             # the scratch file grows by every intermediate table (at 1M turns 852 MiB staged
             # for 516 MiB of tables kept).
@@ -846,7 +865,7 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
                           f"FROM ({_extraction(kind)(b)}) AS e")
 
     def whole(kind: str) -> Callable[[query.Binder], str]:
-        return lambda b: f"SELECT * EXCLUDE (_k) FROM {at('all_' + kind)}"
+        return lambda b: f"SELECT * {b.dialect.exclude} (_k) FROM {at('all_' + kind)}"
 
     def leg(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
@@ -855,11 +874,15 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
 
     def placed(kind: str) -> Callable[[query.Binder], str]:
         source = at("all_" + kind)
-        rows = f"SELECT e.* EXCLUDE (_k), k._p FROM {source} AS e JOIN {keys} AS k ON k.k = e._k"
-        if kind == "retentions":
-            rows += (f" UNION SELECT e.* EXCLUDE (_k), h._p FROM {source} AS e "
-                     f"JOIN {at('held')} AS h ON h.r = e.request_id")
-        return lambda b: f"SELECT * FROM ({rows}) AS e ORDER BY _p"
+
+        def rows(b: query.Binder) -> str:
+            but = b.dialect.exclude
+            rows = f"SELECT e.* {but} (_k), k._p FROM {source} AS e JOIN {keys} AS k ON k.k = e._k"
+            if kind == "retentions":
+                rows += (f" UNION DISTINCT SELECT e.* {but} (_k), h._p FROM {source} AS e "
+                         f"JOIN {at('held')} AS h ON h.r = e.request_id")
+            return f"SELECT * FROM ({rows}) AS e ORDER BY _p"
+        return rows
 
     every_turn, units, keys = at("all_turns"), at("units"), at("keys")
     stage("all_turns", _extraction("turns"))
@@ -871,20 +894,22 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
     stage("engine_hooks", hooks)
     # The requests no turn names, of runs without turn spans: each an engine row (in its run's
     # unit; engine_turns takes the largest run among its spans).
-    named = " UNION ALL ".join(f"SELECT _k, run_id FROM {at('all_' + kind)}"
+    # Named apart from the output: ClickHouse resolves a name to a select alias first.
+    named = " UNION ALL ".join(f"SELECT _k, run_id AS e_run FROM {at('all_' + kind)}"
                                for kind in _ENGINE_KINDS)
     stage("unnamed", lambda b: (
-        f"SELECT _k AS k, max(run_id) AS run_id FROM ({named}) AS e WHERE _k IS NOT NULL "
+        f"SELECT _k AS k, max(e_run) AS run_id FROM ({named}) AS e WHERE _k IS NOT NULL "
         f"AND _k NOT IN (SELECT x_request_id FROM {every_turn} WHERE x_request_id IS NOT NULL) "
-        f"AND run_id NOT IN (SELECT run_id FROM {every_turn} WHERE run_id IS NOT NULL) "
+        f"AND e_run NOT IN (SELECT run_id FROM {every_turn} WHERE run_id IS NOT NULL) "
         "GROUP BY _k"))
     weights = (f"SELECT run_id, conversation_id, count(*) AS n FROM {every_turn} GROUP BY ALL "
                f"UNION ALL SELECT run_id, NULL, count(*) FROM {at('unnamed')} "
                "GROUP BY ALL")
     order = "run_id NULLS FIRST, conversation_id NULLS FIRST"
     stage("units", lambda b: (
-        f"SELECT run_id, conversation_id, (sum(n) OVER (ORDER BY {order} ROWS UNBOUNDED "
-        f"PRECEDING) - n) * {count} // (SELECT sum(n) FROM ({weights})) AS _p "
+        "SELECT run_id, conversation_id, " + b.dialect.int_div(
+            f"(sum(n) OVER (ORDER BY {order} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) "
+            f"- n) * {count}", f"(SELECT sum(n) FROM ({weights}))") + " AS _p "
         f"FROM ({weights}) AS w"))
     stage("turns", lambda b: (
         f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
@@ -898,13 +923,13 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
         f"SELECT DISTINCT trace_id, _p FROM {turns} WHERE trace_id IS NOT NULL"))
     stage("keys", lambda b: (
         f"SELECT DISTINCT x_request_id AS k, _p FROM {turns} WHERE x_request_id IS NOT NULL "
-        f"UNION SELECT e.k, u._p FROM {at('unnamed')} AS e JOIN {units} AS u "
+        f"UNION DISTINCT SELECT e.k, u._p FROM {at('unnamed')} AS e JOIN {units} AS u "
         "ON u.run_id = e.run_id AND u.conversation_id IS NULL"))
     for kind in ("prefill", "decode", "waits"):
         stage(kind, leg(kind))
     stage("held", lambda b: (
         f"SELECT retention_id AS r, _p FROM {at('prefill')} WHERE retention_id IS NOT NULL "
-        f"UNION SELECT decode_request_id, _p FROM {at('decode')} "
+        f"UNION DISTINCT SELECT decode_request_id, _p FROM {at('decode')} "
         "WHERE decode_request_id IS NOT NULL"))
     for kind in _ENGINE_KINDS:
         stage(kind, placed(kind))
@@ -914,7 +939,8 @@ def _stage(reader: DuckDBReader, count: int, db: str = "") -> None:
 def _partition_query(index: int, count: int, db: str = "") -> query.Query:
     """The per-turn parts over partition ``index`` of ``count`` (:func:`_stage`'s tables)."""
     def own(kind: str) -> query.Part:
-        return lambda b: f"SELECT * EXCLUDE (_p) FROM {_scratch(kind, db)} WHERE _p = {index}"
+        return lambda b: (f"SELECT * {b.dialect.exclude} (_p) FROM {_scratch(kind, db)} "
+                          f"WHERE _p = {index}")
 
     unnamed = (f" AND x_key IN (SELECT e.k FROM {_scratch('unnamed', db)} AS e "
                f"JOIN {_scratch('units', db)} AS u ON u.run_id = e.run_id "
@@ -931,11 +957,14 @@ def _partition_query(index: int, count: int, db: str = "") -> query.Query:
         f"ledger turns, partition {index + 1} of {count}")
 
 
-def partitioned_turn_rows(reader: DuckDBReader, count: int, fn: Callable[[pl.DataFrame], _T],
+def partitioned_turn_rows(reader: _Staging, count: int, fn: Callable[[pl.DataFrame], _T],
                           *, db: str = "") -> list[_T]:
     """``fn`` over the per-turn rows of ``count`` partitions of the store's conversations, as
     they stream back, in :data:`TURN_QUERY`'s order. ``db``: stage in that attached database
-    (:func:`_stage`) and drop what was staged there after."""
+    (:func:`_stage`) and drop what was staged there after. On ClickHouse the span kinds are
+    staged in a database of their own on the server (created, then dropped)."""
+    if not isinstance(reader, DuckDBReader):
+        return _clickhouse_partitions(reader, count, fn)
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
         _stage(scratch, count, db)
@@ -961,6 +990,37 @@ def partitioned_turn_rows(reader: DuckDBReader, count: int, fn: Callable[[pl.Dat
                 scratch.execute(query.Query(f"DROP TABLE {db}.{quote(name)}",
                                             name="ledger partitions"))
         scratch.close()
+
+
+class _NoScratch(Exception):
+    """ClickHouse refused the scratch database the span kinds are staged in."""
+
+
+def _clickhouse_partitions(reader: ClickHouseReader, count: int,
+                           fn: Callable[[pl.DataFrame], _T]) -> list[_T]:
+    """:func:`partitioned_turn_rows` on ClickHouse: staged in a scratch database, dropped after
+    (a failed build's too)."""
+    db = f"kvscope_scratch_{uuid.uuid4().hex[:12]}"
+    try:
+        reader.execute(query.Query(f"CREATE DATABASE {db}", name="ledger partitions"))
+    except StoreError as exc:  # a read-only user, say
+        raise _NoScratch(str(exc)) from None
+    try:
+        _stage(reader, count, db)
+        _, size = reader.rows(query.Query(
+            "SELECT sum(bytes_on_disk) FROM system.parts WHERE database = $db AND active",
+            {"db": db}, name="ledger partitions: staged size"))
+        logger.info("ledger partitions: staged in %.0f MiB", (size[0][0] or 0) / 2**20)
+        done: list[_T] = []
+        for index in range(count):
+            start = time.perf_counter()
+            done.extend(reader.map_batches(_partition_query(index, count, db), fn))
+            logger.info("ledger partition %d of %d in %.1f s", index + 1, count,
+                        time.perf_counter() - start)
+        return done
+    finally:
+        reader.execute(query.Query(f"DROP DATABASE IF EXISTS {db} SYNC",
+                                   name="ledger partitions"))
 
 
 _COLUMN_TYPES: dict[query.Column, pl.DataType] = {
@@ -1466,8 +1526,9 @@ def ledger(reader: Reader, *, across_conversations: bool = True,
     """Build the ledger of every run in a store: per-turn rows from the engine, shaped as they
     stream back (a batch at a time, so a large store's rows are never all held at once), then
     finished (:func:`finish`). ``partitions``: build the rows that many conversations' parts
-    at a time (DuckDB only; default :func:`partitions_for`: one statement up to
-    PARTITION_TURNS turns, partitions of PARTITION_SIZE above); rows that run out of DuckDB's
+    at a time (DuckDB and ClickHouse; default :func:`partitions_for`: one statement up to
+    PARTITION_TURNS turns, CLICKHOUSE_PARTITION_TURNS on ClickHouse, partitions of
+    PARTITION_SIZE above); rows that run out of DuckDB's
     memory are built again in more partitions (unless not ``retry``: then QueryOutOfMemory is
     raised)."""
     count = partitions_for(reader) if partitions is None else partitions
@@ -1487,8 +1548,12 @@ def ledger(reader: Reader, *, across_conversations: bool = True,
 
 def _shaped(reader: Reader, count: int) -> pl.DataFrame:
     """The store's per-turn rows, shaped: in ``count`` partitions (DuckDB), else in one."""
-    if count > 1 and isinstance(reader, DuckDBReader):
-        return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False)
+    if count > 1 and _stages(reader):
+        try:
+            return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False)
+        except _NoScratch as exc:
+            logger.warning("the ledger cannot stage its span kinds in partitions (%s); building "
+                           "it in one statement", exc)
     return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
 
 
@@ -1719,10 +1784,11 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
     )
 
 
-__all__ = ["BUILDING_TABLE", "ENGINE_EVIDENCE_HOOKS", "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES",
-    "HISTORY_EDITED", "HISTORY_FIRST", "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE",
-    "MAX_PARTITIONS", "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "TURN_QUERY",
-    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_table", "finish",
-    "frame_turn_rows", "full_build", "hook_decided", "ledger", "load_spans",
-    "partitioned_turn_rows", "partitions_for", "persist", "rebuild", "rebuild_clickhouse",
-    "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]
+__all__ = ["BUILDING_TABLE", "CLICKHOUSE_PARTITION_TURNS", "ENGINE_EVIDENCE_HOOKS",
+    "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED", "HISTORY_FIRST",
+    "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "PARTITION_SIZE",
+    "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
+    "VALIDITY_VALID", "build", "build_table", "finish", "frame_turn_rows", "full_build",
+    "hook_decided", "ledger", "load_spans", "partitioned_turn_rows", "partitions_for", "persist",
+    "rebuild", "rebuild_clickhouse", "request_key", "runs", "shape", "swap_in", "taint_marks",
+    "turn_rows"]

@@ -81,7 +81,7 @@ class Engine(Protocol):
 
     def query_arrow(self, sql: str, params: Mapping[str, Any]) -> pa.Table: ...
 
-    def command(self, sql: str) -> None: ...
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None: ...
 
     def insert_arrow(self, table: str, data: pa.Table) -> None: ...
 
@@ -121,8 +121,8 @@ class _Chdb:
             raise
         return pa.ipc.open_stream(result.bytes()).read_all()
 
-    def command(self, sql: str) -> None:
-        self._session.query(sql)
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
+        self._session.query(sql, params=dict(params or {}))
 
     def insert_arrow(self, table: str, data: pa.Table) -> None:
         # chdb reads files in-process: the batch goes through a Parquet file (types kept).
@@ -159,8 +159,8 @@ class _Server:
         table: pa.Table = self._client.query_arrow(sql, parameters=dict(params))
         return table
 
-    def command(self, sql: str) -> None:
-        self._client.command(sql)
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
+        self._client.command(sql, parameters=dict(params or {}))
 
     def insert_arrow(self, table: str, data: pa.Table) -> None:
         self._client.insert_arrow(table, data)
@@ -254,6 +254,13 @@ class ClickHouseReader:
 
     def frame(self, query: Query) -> pl.DataFrame:
         return pl.DataFrame(self.arrow(query))
+
+    def execute(self, query: Query) -> None:
+        """Run ``query``, a statement with no result (the ledger's scratch tables)."""
+        text = query.text(CLICKHOUSE)
+        bound = dict(query.params)
+        _translate(self.source, self.time_limit_s,
+                   lambda: self._engine.command(text, bound), query=query, sql=text)
 
     def map_batches(self, query: Query, fn: Callable[[pl.DataFrame], T], *,
                     rows: int = 1_000_000) -> list[T]:

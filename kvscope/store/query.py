@@ -84,6 +84,13 @@ class Dialect:
     find: Callable[[str, str], str]
     # (a string, placeholder of a separator) -> its last item (all of it without a separator)
     last_item: Callable[[str, str], str]
+    # (a dividend, a divisor) -> their integer quotient
+    int_div: Callable[[str, str], str]
+    # the keyword that leaves columns out of ``SELECT *`` (``SELECT * EXCLUDE (a)``)
+    exclude: str
+    # (a table's name, whether it has the ledger's partition column ``_p``) -> ``CREATE ...
+    # AS`` of a scratch table (DuckDB: temporary unless qualified; ClickHouse: on disk)
+    create_as: Callable[[str, bool], str]
     # appended to a composed query (:func:`compose`): settings the query's meaning relies on
     suffix: str = ""
 
@@ -113,6 +120,10 @@ DUCKDB = Dialect(
     lag=lambda x, partition, order: f"lag({x}) OVER (PARTITION BY {partition} ORDER BY {order})",
     find=lambda x, needle: f"strpos({x}, {needle})",
     last_item=lambda x, sep: f"string_split({x}, {sep})[-1]",
+    int_div=lambda x, y: f"({x}) // ({y})",
+    exclude="EXCLUDE",
+    create_as=lambda table, _: (f"CREATE TABLE {table} AS" if "." in table
+                                else f"CREATE TEMP TABLE {table} AS"),
 )
 CLICKHOUSE = Dialect(
     "clickhouse",
@@ -131,6 +142,12 @@ CLICKHOUSE = Dialect(
     find=lambda x, needle: f"position({x}, {needle})",
     # splitByChar takes a constant separator: a bound parameter is one once substituted.
     last_item=lambda x, sep: f"arrayElement(splitByChar({sep}, {x}), -1)",
+    int_div=lambda x, y: f"intDiv({x}, {y})",
+    exclude="EXCEPT",
+    # A partition's rows are read by ``_p``: the table's sort key, so its scan skips the rest.
+    create_as=lambda table, partitioned: (
+        f"CREATE TABLE {table} ENGINE = MergeTree ORDER BY "
+        + ("_p SETTINGS allow_nullable_key = 1 AS" if partitioned else "tuple() AS")),
     # A LEFT JOIN's unmatched columns are the type's default ('' and 0) unless this is set:
     # the ledger's joins mean NULL (no span joined).
     suffix=" SETTINGS join_use_nulls = 1",

@@ -11,12 +11,14 @@ engines said hooks were missing on a few spans only (the run's value is their la
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 
 from kvscope import semconv
 from kvscope.analysis import ledger as ledger_module
@@ -24,9 +26,11 @@ from kvscope.analysis import ledger_units
 from kvscope.analysis.ledger import ledger
 from kvscope.emulator.simulator import SimulationSettings, simulate
 from kvscope.errors import QueryOutOfMemory
+from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource, load_store
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.schema import TRACES_TABLE
+from tests.store import otelcol
 from tests.stores import busy_workload, simulate_faults
 
 _ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
@@ -349,3 +353,89 @@ def test_cli_ledger_builds_in_the_partitions_asked_for(
             if r.getMessage().startswith("ledger partition ")][-1].startswith(
         "ledger partition 3 of 3")
     assert _table(copy).equals(whole)
+
+
+# --- ClickHouse (chdb): the same store, the same partitions ----------------------------------
+
+CHDB_DATABASE = "kvscope_partitions"
+
+
+@pytest.fixture(scope="module")
+def clickhouse(store: Path, chdb_folder: Path) -> Iterator[ClickHouseReader]:
+    """The store's spans in the OpenTelemetry Collector exporter's ClickHouse tables."""
+    otelcol.create_database(chdb_folder, CHDB_DATABASE)
+    reader = ClickHouseReader.connect(
+        ClickHouseSource(f"chdb:{chdb_folder}", database=CHDB_DATABASE), time_limit_s=None)
+    try:
+        reader.engine.command(otelcol.render(otelcol.TRACES_DDL, CHDB_DATABASE, "otel_traces"))
+        reader.engine.command(otelcol.render(otelcol.GAUGE_DDL, CHDB_DATABASE,
+                                             "otel_metrics_gauge"))
+        load_store(store, reader.engine)
+        yield reader
+    finally:
+        reader.close()
+
+
+def _databases(reader: ClickHouseReader) -> list[str]:
+    return reader.frame(ledger_module.query.Query(
+        "SELECT name FROM system.databases ORDER BY name", name="databases"))["name"].to_list()
+
+
+@pytest.mark.parametrize("count", [2, 7])
+def test_clickhouse_partitions_give_its_one_statements_rows(
+        clickhouse: ClickHouseReader, rows: pl.DataFrame, count: int) -> None:
+    """On ClickHouse the span kinds are staged in a scratch database of MergeTree tables sorted
+    by partition: the rows equal ClickHouse's one statement's, in its order, and the store's
+    rows (DuckDB's one statement); the scratch database goes with the build."""
+    before = _databases(clickhouse)
+    one = ledger_module.turn_rows(clickhouse)
+    parted = pl.concat(ledger_module.partitioned_turn_rows(clickhouse, count, lambda f: f))
+    assert _databases(clickhouse) == before
+    assert parted.columns == one.columns == rows.columns
+    order = ["run_id", "conversation_id", "turn_number", "arrival", "x_request_id", "observer"]
+    assert _sorted(parted, order).equals(_sorted(one, order))
+    assert parted.select(order[:4]).equals(one.select(order[:4]))
+    assert parted.height == rows.height
+    assert parted.select(order[:4]).equals(rows.select(order[:4]))
+
+
+def test_a_large_clickhouse_store_is_built_in_partitions(
+        clickhouse: ClickHouseReader, whole: pl.DataFrame,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above its threshold a ClickHouse store's ledger is built in partitions too, and is the
+    DuckDB store's ledger."""
+    monkeypatch.setattr(ledger_module, "CLICKHOUSE_PARTITION_TURNS", 50)
+    assert ledger_module.partitions_for(clickhouse) > 2
+    statements: list[str] = []
+    real = ClickHouseReader.map_batches
+
+    def counted(self: ClickHouseReader, query: Any, fn: Any, **kw: Any) -> Any:
+        statements.append(query.name)
+        return real(self, query, fn, **kw)
+    monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
+    built = ledger(clickhouse)
+    assert len(statements) > 2 and all(" partition " in s for s in statements)
+    order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
+    assert_frame_equal(_sorted(built, order), _sorted(whole, order), check_exact=False,
+                       rel_tol=1e-12)
+
+
+def test_a_clickhouse_user_that_cannot_create_a_database_gets_the_one_statement(
+        clickhouse: ClickHouseReader, whole: pl.DataFrame, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A user ClickHouse lets read and set settings but not create (``readonly = 2``) cannot
+    stage: the ledger says so once and is built in one statement, the same ledger."""
+    monkeypatch.setattr(ledger_module, "CLICKHOUSE_PARTITION_TURNS", 50)
+    reader = ClickHouseReader.connect(clickhouse.source, time_limit_s=None)  # a session of its own
+    try:
+        reader.engine.command("SET readonly = 2")
+        with caplog.at_level(logging.WARNING, logger=ledger_module.__name__):
+            built = ledger(reader)
+    finally:
+        reader.close()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "the ledger cannot stage its span kinds in partitions"]
+    assert "readonly" in caplog.records[0].getMessage()
+    order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
+    assert_frame_equal(_sorted(built, order), _sorted(whole, order), check_exact=False,
+                       rel_tol=1e-12)

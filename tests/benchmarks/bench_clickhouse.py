@@ -22,6 +22,7 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
                the store's temporary folder grew (DuckDB's spill and the build's scratch
                database), and the copy's growth. A large store's build writes each partition's
                rows as they come (analysis/ledger.py ``build_table``). The copy is removed.
+    load       nothing more: the data made and loaded into chdb (to measure later, idle).
 
 Larger than simulation allows (``--replicate K``, issue 20 part 6's 10M turns): the store of
 ``--turns`` N is then made by replicate.py from the simulated store of N/K turns (generated as
@@ -41,7 +42,7 @@ queries, which the live ledger still reads), each in a fresh process.
 Run:  .venv/bin/python tests/benchmarks/bench_clickhouse.py [--turns 100000,1000000]
       [--cache-dir DIR] [--seed 1] [--engines duckdb,chdb] [--replicate K]
       [--phases analyse,extract,table] [--rss-limit-mib MIB] [--work-dir DIR]
-      [--ledger-partitions N]
+      [--ledger-partitions N] [--partition-turns N]
 e.g.  ... --turns 10000000 --replicate 10 --phases extract --rss-limit-mib 8192
 Not a test: nothing here asserts a time.
 """
@@ -408,15 +409,18 @@ def main() -> None:
                         help="where the table phase copies the store (default: the cache dir)")
     parser.add_argument("--ledger-partitions", type=int, default=None,
                         help="the table phase's kvscope ledger --partitions")
+    parser.add_argument("--partition-turns", type=int, default=None,
+                        help="the analyse phase's ledger builds in partitions above this many "
+                             "turn spans, on either engine (default: the ledger's thresholds)")
     parser.add_argument("--load-parts", type=int, default=1,
                         help="load into chdb in this many windows of time, a process each")
     args = parser.parse_args()
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
-    if args.replicate < 1 or not phases <= {"analyse", "per_turn", "extract", "table"}:
+    if args.replicate < 1 or not phases <= {"analyse", "per_turn", "extract", "table", "load"}:
         parser.error("--replicate takes K >= 1; --phases takes analyse, per_turn, extract, "
-                     "table")
+                     "table, load")
 
     growth: list[tuple[int, str, dict[str, Any] | str]] = []
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
@@ -444,7 +448,7 @@ def main() -> None:
             for engine in engines:
                 source = db if engine == "duckdb" else _source(folder)
                 results[engine] = _in_process_capped(args.rss_limit_mib, bench_ledger._analyse,
-                                                     source)
+                                                     source, args.partition_turns)
             stopped_any = {e: _stopped(r, args.rss_limit_mib) for e, r in results.items()}
             growth.extend((turns, e, stopped_any[e] or r) for e, r in results.items())
             for engine, note in stopped_any.items():

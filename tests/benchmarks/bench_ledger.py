@@ -102,12 +102,14 @@ class _SpillWatch:
 
 def _analyse(db: Any, partition_turns: int | None = None) -> dict[str, Any]:
     """Open ``db``, build the ledger, run every registered analysis; time each step.
-    ``partition_turns``: the ledger's PARTITION_TURNS (turn spans per partition) for this run."""
+    ``partition_turns``: the ledger's PARTITION_TURNS (turn spans per partition) for this run,
+    and CLICKHOUSE_PARTITION_TURNS (the same threshold on ClickHouse)."""
     from kvscope.analysis import ledger as ledger_module
     from kvscope.analysis import registry
 
     if partition_turns is not None:
         ledger_module.PARTITION_TURNS = partition_turns
+        ledger_module.CLICKHOUSE_PARTITION_TURNS = partition_turns
     spill = _SpillWatch(db)
 
     steps: list[tuple[str, float | None, str]] = []
