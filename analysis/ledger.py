@@ -867,10 +867,14 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
     def whole(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: f"SELECT * {b.dialect.exclude} (_k) FROM {at('all_' + kind)}"
 
+    def by_p(b: query.Binder, column: str) -> str:
+        # In partition order: DuckDB as written; a ClickHouse table sorts by ``_p`` itself.
+        return f" ORDER BY {column}" if b.dialect is query.DUCKDB else ""
+
     def leg(kind: str) -> Callable[[query.Binder], str]:
         return lambda b: (f"SELECT e.*, t._p FROM ({_extraction(kind)(b)}) AS e "
-                          f"JOIN {at('traces')} AS t ON t.trace_id = e.trace_id "
-                          "ORDER BY t._p")
+                          f"JOIN {at('traces')} AS t ON t.trace_id = e.trace_id"
+                          + by_p(b, "t._p"))
 
     def placed(kind: str) -> Callable[[query.Binder], str]:
         source = at("all_" + kind)
@@ -881,7 +885,7 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
             if kind == "retentions":
                 rows += (f" UNION DISTINCT SELECT e.* {but} (_k), h._p FROM {source} AS e "
                          f"JOIN {at('held')} AS h ON h.r = e.request_id")
-            return f"SELECT * FROM ({rows}) AS e ORDER BY _p"
+            return f"SELECT * FROM ({rows}) AS e" + by_p(b, "_p")
         return rows
 
     every_turn, units, keys = at("all_turns"), at("units"), at("keys")
@@ -914,7 +918,7 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
     stage("turns", lambda b: (
         f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
         "ON u.run_id IS NOT DISTINCT FROM t.run_id "
-        "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id ORDER BY u._p"))
+        "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id" + by_p(b, "u._p")))
     stage("turn_runs", lambda b: (
         f"SELECT DISTINCT run_id FROM {every_turn} WHERE run_id IS NOT NULL"))
     drop(every_turn)
