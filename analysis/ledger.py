@@ -971,19 +971,9 @@ def partitioned_turn_rows(reader: _Staging, count: int, fn: Callable[[pl.DataFra
         return _clickhouse_partitions(reader, count, fn)
     scratch = reader.cursor()  # its temporary tables are its own, and go with it
     try:
-        _stage(scratch, count, db)
-        if db:
-            _, size = scratch.rows(query.Query(
-                "SELECT total_blocks * block_size FROM pragma_database_size() "
-                "WHERE database_name = $db", {"db": db}, name="ledger partitions: staged size"))
-            logger.info("ledger partitions: staged in %.0f MiB", (size[0][0] or 0) / 2**20)
-        done: list[_T] = []
-        for index in range(count):
-            start = time.perf_counter()
-            done.extend(scratch.map_batches(_partition_query(index, count, db), fn))
-            logger.info("ledger partition %d of %d in %.1f s", index + 1, count,
-                        time.perf_counter() - start)
-        return done
+        size = ("SELECT total_blocks * block_size FROM pragma_database_size() "
+                "WHERE database_name = $db") if db else ""
+        return _each_partition(scratch, count, db, size, fn)
     finally:
         if db:
             _, staged = scratch.rows(query.Query(
@@ -994,6 +984,23 @@ def partitioned_turn_rows(reader: _Staging, count: int, fn: Callable[[pl.DataFra
                 scratch.execute(query.Query(f"DROP TABLE {db}.{quote(name)}",
                                             name="ledger partitions"))
         scratch.close()
+
+
+def _each_partition(reader: _Staging, count: int, db: str, size: str,
+                    fn: Callable[[pl.DataFrame], _T]) -> list[_T]:
+    """Stage the span kinds (in ``db``, its size logged by the query ``size`` when given), then
+    ``fn`` over each partition's per-turn rows."""
+    _stage(reader, count, db)
+    if size:
+        _, staged = reader.rows(query.Query(size, {"db": db}, name="ledger partitions: size"))
+        logger.info("ledger partitions: staged in %.0f MiB", (staged[0][0] or 0) / 2**20)
+    done: list[_T] = []
+    for index in range(count):
+        start = time.perf_counter()
+        done.extend(reader.map_batches(_partition_query(index, count, db), fn))
+        logger.info("ledger partition %d of %d in %.1f s", index + 1, count,
+                    time.perf_counter() - start)
+    return done
 
 
 class _NoScratch(Exception):
@@ -1010,18 +1017,8 @@ def _clickhouse_partitions(reader: ClickHouseReader, count: int,
     except StoreError as exc:  # a read-only user, say
         raise _NoScratch(str(exc)) from None
     try:
-        _stage(reader, count, db)
-        _, size = reader.rows(query.Query(
-            "SELECT sum(bytes_on_disk) FROM system.parts WHERE database = $db AND active",
-            {"db": db}, name="ledger partitions: staged size"))
-        logger.info("ledger partitions: staged in %.0f MiB", (size[0][0] or 0) / 2**20)
-        done: list[_T] = []
-        for index in range(count):
-            start = time.perf_counter()
-            done.extend(reader.map_batches(_partition_query(index, count, db), fn))
-            logger.info("ledger partition %d of %d in %.1f s", index + 1, count,
-                        time.perf_counter() - start)
-        return done
+        return _each_partition(reader, count, db, "SELECT sum(bytes_on_disk) FROM system.parts "
+                               "WHERE database = $db AND active", fn)
     finally:
         reader.execute(query.Query(f"DROP DATABASE IF EXISTS {db} SYNC",
                                    name="ledger partitions"))
