@@ -31,6 +31,7 @@ from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.schema import TRACES_TABLE
 from tests.store import otelcol
+from tests.store.chdb_http import ChdbHttp
 from tests.stores import busy_workload, simulate_faults
 
 _ORDER = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
@@ -376,6 +377,20 @@ def clickhouse(store: Path, chdb_folder: Path) -> Iterator[ClickHouseReader]:
         reader.close()
 
 
+@pytest.fixture(scope="module")
+def http_clickhouse(clickhouse: ClickHouseReader, chdb_folder: Path
+                    ) -> Iterator[ClickHouseReader]:
+    """The same database through ClickHouse's HTTP interface (clickhouse-connect's path)."""
+    server = ChdbHttp(chdb_folder).start()
+    reader = ClickHouseReader.connect(
+        ClickHouseSource(server.url, database=CHDB_DATABASE, user="default"), time_limit_s=None)
+    try:
+        yield reader
+    finally:
+        reader.close()
+        server.stop()
+
+
 def _databases(reader: ClickHouseReader) -> list[str]:
     return reader.frame(ledger_module.query.Query(
         "SELECT name FROM system.databases ORDER BY name", name="databases"))["name"].to_list()
@@ -399,11 +414,15 @@ def test_clickhouse_partitions_give_its_one_statements_rows(
     assert parted.select(order[:4]).equals(rows.select(order[:4]))
 
 
+@pytest.mark.parametrize("path", ["chdb", "clickhouse-connect"])
 def test_a_large_clickhouse_store_is_built_in_partitions(
-        clickhouse: ClickHouseReader, whole: pl.DataFrame,
+        path: str, request: pytest.FixtureRequest, whole: pl.DataFrame,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above its threshold a ClickHouse store's ledger is built in partitions too, and is the
-    DuckDB store's ledger."""
+    """Above its threshold a ClickHouse store's ledger is built in partitions too (in process,
+    or over HTTP: the staging statements' parameters bound by the server), and is the DuckDB
+    store's ledger; the scratch database goes with it."""
+    clickhouse = request.getfixturevalue("clickhouse" if path == "chdb" else "http_clickhouse")
+    before = _databases(clickhouse)
     monkeypatch.setattr(ledger_module, "CLICKHOUSE_PARTITION_TURNS", 50)
     assert ledger_module.partitions_for(clickhouse) > 2
     statements: list[str] = []
@@ -415,6 +434,7 @@ def test_a_large_clickhouse_store_is_built_in_partitions(
     monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
     built = ledger(clickhouse)
     assert len(statements) > 2 and all(" partition " in s for s in statements)
+    assert _databases(clickhouse) == before
     order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
     assert_frame_equal(_sorted(built, order), _sorted(whole, order), check_exact=False,
                        rel_tol=1e-12)
