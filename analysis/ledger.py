@@ -1762,17 +1762,18 @@ def rebuild(path: str | Path) -> int:
         con.close()
 
 
-def rebuild_clickhouse(source: ClickHouseSource) -> int:
+def rebuild_clickhouse(source: ClickHouseSource, *, partitions: int | None = None) -> int:
     """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there.
 
     The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back, are shaped
-    here, and the ledger is written back whole, swapped in.
+    here, and the ledger is written back whole, swapped in. ``partitions``: as
+    :func:`ledger`'s (ranges of conversations the rows are built in).
     """
     from kvscope.store.clickhouse import ClickHouseReader
 
     reader = ClickHouseReader.connect(source, time_limit_s=None)
     try:
-        return reader.write_table(LEDGER_TABLE, ledger(reader),
+        return reader.write_table(LEDGER_TABLE, ledger(reader, partitions=partitions),
                                   order_by=("run_id", "conversation_id", "turn_index"))
     finally:
         reader.close()

@@ -80,9 +80,11 @@ def test_a_command_prints_the_same_from_clickhouse(stores: tuple[Path, str], arg
     assert from_duck.stdout.strip()
 
 
-def test_ledger_is_written_back_as_a_clickhouse_table(stores: tuple[Path, str]) -> None:
+@pytest.mark.parametrize("more", [[], ["--partitions", "3"]], ids=["one", "partitions"])
+def test_ledger_is_written_back_as_a_clickhouse_table(stores: tuple[Path, str],
+                                                      more: list[str]) -> None:
     duck, url = stores
-    result = run(*_click(url, "ledger"))
+    result = run(*_click(url, "ledger", *more))
     assert result.returncode == 0, result.stderr
     turns = int(re.search(r"kvscope_ledger: (\d+) turns", result.stdout).group(1))
     expected = run("sql", str(duck), "SELECT count(*) FROM otel_traces "

@@ -174,9 +174,10 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
                         help="rebuild every turn (default: only the conversations new spans "
                              "touched since the last build; DuckDB stores)")
     parser.add_argument("--partitions", type=_partitions, default=None, metavar="N",
-                        help="build a whole table in N ranges of conversations, each written "
-                             "as it is built: less memory, more time (default: one statement "
-                             "up to 1M turns, then one range per 125k; DuckDB stores)")
+                        help="build a whole table in N ranges of conversations (DuckDB: each "
+                             "written as it is built): less memory, more time (default: one "
+                             "statement up to 1M turns, 250k on ClickHouse, then one range per "
+                             "125k)")
 
 
 def _partitions(text: str) -> int:
@@ -196,7 +197,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if not isinstance(source, str):
         from kvscope.analysis.ledger import rebuild_clickhouse
 
-        rows = rebuild_clickhouse(source)
+        rows = rebuild_clickhouse(source, partitions=args.partitions)
         print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {source}")
         return 0
     if not Path(args.file).is_file():

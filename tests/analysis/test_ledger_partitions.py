@@ -440,6 +440,27 @@ def test_a_large_clickhouse_store_is_built_in_partitions(
                        rel_tol=1e-12)
 
 
+def test_kvscope_ledger_on_clickhouse_writes_the_ledger_built_in_partitions(
+        clickhouse: ClickHouseReader, whole: pl.DataFrame,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvscope ledger --clickhouse URL --partitions 3`` (:func:`rebuild_clickhouse`): built in
+    three ranges of conversations, written back as the table: the DuckDB store's ledger."""
+    statements: list[str] = []
+    real = ClickHouseReader.map_batches
+
+    def counted(self: ClickHouseReader, query: Any, fn: Any, **kw: Any) -> Any:
+        statements.append(query.name)
+        return real(self, query, fn, **kw)
+    monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
+    assert ledger_module.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
+    assert statements == [f"ledger turns, partition {i} of 3" for i in (1, 2, 3)]
+    stored = clickhouse.frame(ledger_module.query.Query(
+        f"SELECT * FROM {ledger_module.LEDGER_TABLE}", name="ledger table"))
+    order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
+    assert_frame_equal(_sorted(stored, order), _sorted(whole, order), check_exact=False,
+                       rel_tol=1e-12)
+
+
 def test_a_clickhouse_user_that_cannot_create_a_database_gets_the_one_statement(
         clickhouse: ClickHouseReader, whole: pl.DataFrame, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
