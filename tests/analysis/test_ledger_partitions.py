@@ -414,6 +414,18 @@ def test_clickhouse_partitions_give_its_one_statements_rows(
     assert parted.select(order[:4]).equals(rows.select(order[:4]))
 
 
+def _statements_run(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the statements ClickHouse readers run from now on (in this test)."""
+    statements: list[str] = []
+    real = ClickHouseReader.map_batches
+
+    def counted(self: ClickHouseReader, query: Any, fn: Any, **kw: Any) -> Any:
+        statements.append(query.name)
+        return real(self, query, fn, **kw)
+    monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
+    return statements
+
+
 @pytest.mark.parametrize("path", ["chdb", "clickhouse-connect"])
 def test_a_large_clickhouse_store_is_built_in_partitions(
         path: str, request: pytest.FixtureRequest, whole: pl.DataFrame,
@@ -425,13 +437,7 @@ def test_a_large_clickhouse_store_is_built_in_partitions(
     before = _databases(clickhouse)
     monkeypatch.setattr(ledger_module, "CLICKHOUSE_PARTITION_TURNS", 50)
     assert ledger_module.partitions_for(clickhouse) > 2
-    statements: list[str] = []
-    real = ClickHouseReader.map_batches
-
-    def counted(self: ClickHouseReader, query: Any, fn: Any, **kw: Any) -> Any:
-        statements.append(query.name)
-        return real(self, query, fn, **kw)
-    monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
+    statements = _statements_run(monkeypatch)
     built = ledger(clickhouse)
     assert len(statements) > 2 and all(" partition " in s for s in statements)
     assert _databases(clickhouse) == before
@@ -445,13 +451,7 @@ def test_kvscope_ledger_on_clickhouse_writes_the_ledger_built_in_partitions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvscope ledger --clickhouse URL --partitions 3`` (:func:`rebuild_clickhouse`): built in
     three ranges of conversations, written back as the table: the DuckDB store's ledger."""
-    statements: list[str] = []
-    real = ClickHouseReader.map_batches
-
-    def counted(self: ClickHouseReader, query: Any, fn: Any, **kw: Any) -> Any:
-        statements.append(query.name)
-        return real(self, query, fn, **kw)
-    monkeypatch.setattr(ClickHouseReader, "map_batches", counted)
+    statements = _statements_run(monkeypatch)
     assert ledger_module.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
     assert statements == [f"ledger turns, partition {i} of 3" for i in (1, 2, 3)]
     stored = clickhouse.frame(ledger_module.query.Query(
