@@ -38,7 +38,7 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard, TypeVar
@@ -1011,14 +1011,25 @@ def _clickhouse_partitions(reader: ClickHouseReader, count: int,
                            fn: Callable[[pl.DataFrame], _T]) -> list[_T]:
     """:func:`partitioned_turn_rows` on ClickHouse: staged in a scratch database, dropped after
     (a failed build's too)."""
+    with _clickhouse_scratch(reader) as db:
+        return _each_partition(reader, count, db, _CLICKHOUSE_SIZE, fn)
+
+
+_CLICKHOUSE_SIZE = ("SELECT sum(bytes_on_disk) FROM system.parts "
+                    "WHERE database = $db AND active")
+
+
+@contextlib.contextmanager
+def _clickhouse_scratch(reader: ClickHouseReader) -> Iterator[str]:
+    """A database of its own on the server for a build's tables, dropped when the build ends
+    (a failed one's too); :class:`_NoScratch` when ClickHouse refuses it (a read-only user)."""
     db = f"kvscope_scratch_{uuid.uuid4().hex[:12]}"
     try:
         reader.execute(query.Query(f"CREATE DATABASE {db}", name="ledger partitions"))
     except StoreError as exc:  # a read-only user, say
         raise _NoScratch(str(exc)) from None
     try:
-        return _each_partition(reader, count, db, "SELECT sum(bytes_on_disk) FROM system.parts "
-                               "WHERE database = $db AND active", fn)
+        yield db
     finally:
         reader.execute(query.Query(f"DROP DATABASE IF EXISTS {db} SYNC",
                                    name="ledger partitions"))
@@ -1656,33 +1667,9 @@ def full_build(con: duckdb.DuckDBPyConnection, *,
 def _mark_tainted(con: duckdb.DuckDBPyConnection, table: str, inputs: str,
                   across_conversations: bool) -> None:
     """:func:`finish`'s taint pass over a written table: its inputs read back from ``inputs``
-    (``_row`` is the table's row), the marked rows updated in ``table``.
-
-    A group of runs at a time: runs that share no request id (X-Request-Id, decode's request,
-    the retention offered) cannot link (a prompt and a conversation are keyed by their run), so
-    each group with an invalid load is passed alone, from its own first invalid load on (nothing
-    before that can be dirty): exactly what one pass over them all marks, in the memory of the
-    largest group."""
-    starts = dict(con.execute(
-        f"SELECT coalesce(run_id, ''), min(arrival) FROM {table} "
-        "WHERE invalid_kind IS NOT NULL GROUP BY 1").fetchall())
-    if not starts:
-        return
-    for runs in _linked_runs(con, inputs):
-        dirty = [run for run in runs if run in starts]
-        if not dirty:
-            continue
-        rows = pl.DataFrame(con.sql(
-            f"SELECT * FROM {inputs} WHERE arrival >= $first "
-            "AND coalesce(run_id, '') IN (SELECT unnest($runs))",
-            params={"first": min(starts[run] for run in dirty), "runs": sorted(runs)},
-        ).to_arrow_table())
-        if not rows["_row"].is_sorted():  # a scan keeps the insertion order; never trusted blind
-            rows = rows.sort("_row")
-        marked = taint_marks(rows.cast({"_row": pl.UInt32}),
-                             across_conversations=across_conversations)
-        if marked is None:
-            continue
+    (``_row`` is the table's row), the marked rows updated in ``table``."""
+    for marked in _taint_passes(DuckDBReader(con, time_limit_s=None), inputs,
+                                across_conversations):
         con.register("_kvscope_marked", marked.to_arrow())
         try:
             con.execute(
@@ -1694,13 +1681,53 @@ def _mark_tainted(con: duckdb.DuckDBPyConnection, table: str, inputs: str,
             con.unregister("_kvscope_marked")
 
 
-def _linked_runs(con: duckdb.DuckDBPyConnection, inputs: str) -> list[set[str]]:
+def _taint_passes(reader: Reader, inputs: str, across_conversations: bool
+                  ) -> Iterator[pl.DataFrame]:
+    """:func:`finish`'s taint pass over the taint ``inputs`` of a ledger written a partition at
+    a time (a table of :data:`_TAINT_INPUTS` with ``_row``, the ledger's row): the rows each
+    group of runs marks (:func:`taint_marks`' frames).
+
+    A group of runs at a time: runs that share no request id (X-Request-Id, decode's request,
+    the retention offered) cannot link (a prompt and a conversation are keyed by their run), so
+    each group with an invalid load is passed alone, from its own first invalid load on (nothing
+    before that can be dirty): exactly what one pass over them all marks, in the memory of the
+    largest group."""
+    _, found = reader.rows(query.Query(
+        f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs} WHERE invalid_kind IS NOT NULL",
+        name="ledger taint: runs with an invalid load"))
+    dirty = {run for (run,) in found}
+    if not dirty:
+        return
+    for runs in _linked_runs(reader, inputs):
+        if not runs & dirty:
+            continue
+
+        def group(b: query.Binder, runs: set[str] = runs) -> str:
+            def among() -> str:
+                return f"coalesce(run_id, '') IN ({', '.join(b(run) for run in sorted(runs))})"
+            # A DuckDB scan keeps the insertion order (checked below); a ClickHouse one need not.
+            ordered = " ORDER BY _row" if b.dialect is query.CLICKHOUSE else ""
+            return (f"SELECT * FROM {inputs} WHERE {among()} AND arrival >= "
+                    f"(SELECT min(arrival) FROM {inputs} WHERE invalid_kind IS NOT NULL "
+                    f"AND {among()}){ordered}")
+
+        rows = reader.frame(query.compose([], group).named("ledger taint inputs"))
+        if not rows["_row"].is_sorted():  # never trusted blind
+            rows = rows.sort("_row")
+        marked = taint_marks(rows.cast({"_row": pl.UInt32}),
+                             across_conversations=across_conversations)
+        if marked is not None:
+            yield marked
+
+
+def _linked_runs(reader: Reader, inputs: str) -> list[set[str]]:
     """The runs of the taint ``inputs`` (a null run as ``''``), grouped so that no request id
     is in two groups (a union over the ids two runs share)."""
     ids = " UNION ALL ".join(f"SELECT coalesce(run_id, '') AS r, {column} AS i FROM {inputs}"
                              for column in ("x_request_id", "decode_request_id", "retention_id"))
-    group: dict[str, str] = {run: run for (run,) in con.execute(
-        f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs}").fetchall()}
+    _, every = reader.rows(query.Query(f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs}",
+                                       name="ledger taint: runs"))
+    group: dict[str, str] = {run: run for (run,) in every}
 
     def root(run: str) -> str:
         while group[run] != run:
@@ -1708,8 +1735,11 @@ def _linked_runs(con: duckdb.DuckDBPyConnection, inputs: str) -> list[set[str]]:
             run = group[run]
         return run
 
-    for (runs,) in con.execute(f"SELECT list(DISTINCT r) FROM ({ids}) AS e WHERE i IS NOT NULL "
-                               "GROUP BY i HAVING count(DISTINCT r) > 1").fetchall():
+    # The ids of more than one run (min <> max: a cheap aggregate on either engine), then theirs.
+    shared = reader.frame(query.Query(
+        f"SELECT DISTINCT i, r FROM ({ids}) AS e WHERE i IN (SELECT i FROM ({ids}) AS s "
+        "WHERE i IS NOT NULL GROUP BY i HAVING min(r) <> max(r))", name="ledger taint: links"))
+    for runs in shared.group_by("i").agg(pl.col("r").sort())["r"].to_list():
         for run in runs[1:]:
             group[root(run)] = root(runs[0])
     found: dict[str, set[str]] = {}
@@ -1763,20 +1793,98 @@ def rebuild(path: str | Path) -> int:
 
 
 def rebuild_clickhouse(source: ClickHouseSource, *, partitions: int | None = None) -> int:
-    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there.
+    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there;
+    return its row count.
 
-    The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back, are shaped
-    here, and the ledger is written back whole, swapped in. ``partitions``: as
-    :func:`ledger`'s (ranges of conversations the rows are built in).
+    The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back and are
+    shaped here. ``partitions``: as :func:`ledger`'s (ranges of conversations the rows are
+    built in). Built in partitions, each one's rows are written back to the server as they
+    come and the ledger is finished there (:func:`_clickhouse_table`: nothing of the whole
+    ledger held here); in one statement, it is written back whole. Either is swapped in.
     """
     from kvscope.store.clickhouse import ClickHouseReader
 
     reader = ClickHouseReader.connect(source, time_limit_s=None)
     try:
-        return reader.write_table(LEDGER_TABLE, ledger(reader, partitions=partitions),
-                                  order_by=("run_id", "conversation_id", "turn_index"))
+        count = partitions_for(reader) if partitions is None else partitions
+        if count > 1:
+            try:
+                return _clickhouse_table(reader, count)
+            except _NoScratch as exc:
+                logger.warning("the ledger cannot stage its span kinds in partitions (%s); "
+                               "building it in one statement", exc)
+        return reader.write_table(LEDGER_TABLE, ledger(reader, partitions=1),
+                                  order_by=_CLICKHOUSE_ORDER)
     finally:
         reader.close()
+
+
+# The sort key of the ledger's table on ClickHouse.
+_CLICKHOUSE_ORDER = ("run_id", "conversation_id", "turn_index")
+# What a tainted turn's row says in place of its own (the marks' columns, or a bound value).
+_MARKED = {"invalid_kind": "$kind", "invalid_tokens": "m._tokens", "reuse_validity": "$validity",
+           "outcome": "m._outcome", "evidence": "m._evidence"}
+
+
+def _clickhouse_table(reader: ClickHouseReader, count: int, *,
+                      across_conversations: bool = True) -> int:
+    """:func:`build_table` on ClickHouse; return the ledger's rows. In a scratch database:
+    the span kinds staged, each partition's shaped rows inserted as they come (numbered
+    ``_row`` in the ledger's order) with their taint inputs beside them; the taint pass reads
+    those back narrow (:func:`_taint_passes`) and writes its marks there; the ledger is then
+    written from them on the server (the marked rows' values in place of theirs) and swapped
+    in for ``kvscope_ledger``. Nothing of the whole ledger comes to this process."""
+    empty = shape(frame_turn_rows({}))  # the shaped columns, typed
+    written = 0
+
+    def create(db: str, table: str, columns: Sequence[str]) -> None:
+        from kvscope.store.clickhouse import clickhouse_type
+
+        typed = ", ".join(f"{quote(c)} {clickhouse_type(empty.schema[c])}" for c in columns)
+        reader.execute(query.Query(
+            f"CREATE TABLE {db}.{quote(table)} (_row UInt64, {typed}) "
+            "ENGINE = MergeTree ORDER BY _row", name="ledger table"))
+
+    def numbered(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.with_row_index("_row", written).cast({"_row": pl.UInt64})
+
+    with _clickhouse_scratch(reader) as db:
+        create(db, "_kvscope_rows", list(LEDGER_SCHEMA))
+        create(db, "_kvscope_taint_inputs", _TAINT_INPUTS)
+
+        def put(rows: pl.DataFrame) -> int:
+            nonlocal written
+            shaped = shape(rows)
+            reader.insert("_kvscope_rows", numbered(shaped.select(list(LEDGER_SCHEMA))), db)
+            reader.insert("_kvscope_taint_inputs", numbered(shaped.select(_TAINT_INPUTS)), db)
+            written += shaped.height
+            return shaped.height
+
+        _each_partition(reader, count, db, _CLICKHOUSE_SIZE, put)
+        start = time.perf_counter()
+        marks = [m.cast({"_row": pl.UInt64}) for m in _taint_passes(
+            reader, f"{db}._kvscope_taint_inputs", across_conversations)]
+        logger.info("ledger: %d rows written, taint pass in %.1f s", written,
+                    time.perf_counter() - start)
+        rows = f"{db}._kvscope_rows AS r"
+        if marks:
+            reader.execute(query.Query(
+                f"CREATE TABLE {db}._kvscope_marks (_row UInt64, _tokens Nullable(Int64), "
+                "_outcome Nullable(String), _evidence Nullable(String)) "
+                "ENGINE = MergeTree ORDER BY _row", name="ledger table"))
+            reader.insert("_kvscope_marks", pl.concat(marks).select(
+                "_row", "_tokens", "_outcome", "_evidence"), db)
+            rows += f" LEFT JOIN {db}._kvscope_marks AS m ON m._row = r._row"
+        listed = ", ".join(
+            f"if(m._row IS NULL, r.{quote(c)}, {_MARKED[c]}) AS {quote(c)}"
+            if marks and c in _MARKED else f"r.{quote(c)} AS {quote(c)}" for c in LEDGER_SCHEMA)
+        start = time.perf_counter()
+        reader.write_table_as(LEDGER_TABLE, LEDGER_SCHEMA, query.Query(
+            f"SELECT {listed} FROM {rows} SETTINGS join_use_nulls = 1",
+            {"kind": INVALID_TAINTED, "validity": VALIDITY_INVALID} if marks else {},
+            name="ledger table"), order_by=_CLICKHOUSE_ORDER)
+        logger.info("ledger: table written in %.1f s", time.perf_counter() - start)
+    return written
 
 
 def runs(frame: pl.DataFrame) -> Sequence[str]:

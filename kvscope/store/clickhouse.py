@@ -22,6 +22,7 @@ through :meth:`Engine.insert_arrow`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
@@ -40,7 +41,7 @@ from kvscope.store.reader import query_error
 from kvscope.store.schema import quote
 
 __all__ = ["CHDB_SCHEME", "ClickHouseReader", "ClickHouseSource", "Engine", "RUNS_DDL",
-    "clickhouse_type", "connect", "load_store", "normalise", "replace_table"]
+    "clickhouse_type", "connect", "fill_table", "load_store", "normalise", "replace_table"]
 
 CHDB_SCHEME = "chdb"
 T = TypeVar("T")
@@ -83,7 +84,7 @@ class Engine(Protocol):
 
     def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None: ...
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None: ...
+    def insert_arrow(self, table: str, data: pa.Table, database: str = "") -> None: ...
 
     def close(self) -> None: ...
 
@@ -124,13 +125,14 @@ class _Chdb:
     def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
         self._session.query(sql, params=dict(params or {}))
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
+    def insert_arrow(self, table: str, data: pa.Table, database: str = "") -> None:
         # chdb reads files in-process: the batch goes through a Parquet file (types kept).
         with tempfile.TemporaryDirectory(prefix="kvscope-chdb-") as folder:
             path = Path(folder) / "batch.parquet"
             pq.write_table(data, path)
             columns = ", ".join(quote(c) for c in data.column_names)
-            self._session.query(f"INSERT INTO {quote(table)} ({columns}) "
+            into = f"{quote(database)}.{quote(table)}" if database else quote(table)
+            self._session.query(f"INSERT INTO {into} ({columns}) "
                                 f"SELECT * FROM file('{path}', Parquet)")
 
     def close(self) -> None:
@@ -162,8 +164,8 @@ class _Server:
     def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
         self._client.command(sql, parameters=dict(params or {}))
 
-    def insert_arrow(self, table: str, data: pa.Table) -> None:
-        self._client.insert_arrow(table, data)
+    def insert_arrow(self, table: str, data: pa.Table, database: str = "") -> None:
+        self._client.insert_arrow(table, data, database=database or None)
 
     def close(self) -> None:
         self._client.close()
@@ -289,6 +291,26 @@ class ClickHouseReader:
         return _translate(self.source, self.time_limit_s,
                           lambda: replace_table(self._engine, name, frame, order_by))
 
+    def write_table_as(self, name: str, schema: Mapping[str, pl.DataType], select: Query,
+                       order_by: tuple[str, ...] = ()) -> None:
+        """Replace the table ``name`` (of ``schema``'s columns, in order) with the rows of
+        ``select``, a query run on the server (``INSERT … SELECT``: the rows never come here),
+        swapped in as :meth:`write_table`'s are."""
+        text, bound = select.text(CLICKHOUSE), dict(select.params)
+        listed = ", ".join(quote(c) for c in schema)
+
+        def fill(staging: str) -> None:
+            self._engine.command(f"INSERT INTO {quote(staging)} ({listed}) {text}", bound)
+
+        _translate(self.source, self.time_limit_s,
+                   lambda: fill_table(self._engine, name, schema, fill, order_by),
+                   query=select, sql=text)
+
+    def insert(self, table: str, frame: pl.DataFrame, database: str = "") -> None:
+        """Append ``frame``'s rows to ``table`` (of ``database``, else the reader's)."""
+        _translate(self.source, self.time_limit_s,
+                   lambda: self._engine.insert_arrow(table, frame.to_arrow(), database))
+
     @property
     def engine(self) -> Engine:
         """The connection (for writers: :func:`replace_table`, loading raw tables)."""
@@ -325,18 +347,34 @@ def replace_table(engine: Engine, name: str, frame: pl.DataFrame,
     Readers see the old table or the new one, never a half-written one (``EXCHANGE TABLES``
     where the database supports it; a drop and a rename otherwise).
     """
+    def fill(staging: str) -> None:
+        if frame.height:
+            engine.insert_arrow(staging, frame.to_arrow())
+
+    fill_table(engine, name, dict(frame.schema), fill, order_by)
+    return frame.height
+
+
+def fill_table(engine: Engine, name: str, schema: Mapping[str, pl.DataType],
+               fill: Callable[[str], None], order_by: tuple[str, ...] = ()) -> None:
+    """Replace table ``name`` with a table of ``schema`` that ``fill(staging)`` writes under a
+    new name (rows inserted, or an ``INSERT … SELECT``), then swapped in, as
+    :func:`replace_table` does."""
     staging = f"{name}__new"
-    columns = ", ".join(f"{quote(c)} {clickhouse_type(t)}" for c, t in frame.schema.items())
+    columns = ", ".join(f"{quote(c)} {clickhouse_type(t)}" for c, t in schema.items())
     key = ", ".join(quote(c) for c in order_by) if order_by else ""
     engine.command(f"DROP TABLE IF EXISTS {quote(staging)}")
     engine.command(f"CREATE TABLE {quote(staging)} ({columns}) ENGINE = MergeTree "
                    f"ORDER BY tuple({key}) SETTINGS allow_nullable_key = 1")
-    if frame.height:
-        engine.insert_arrow(staging, frame.to_arrow())
+    try:
+        fill(staging)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            engine.command(f"DROP TABLE IF EXISTS {quote(staging)}")
+        raise
     engine.command(f"CREATE TABLE IF NOT EXISTS {quote(name)} AS {quote(staging)}")
     engine.command(f"EXCHANGE TABLES {quote(staging)} AND {quote(name)}")
     engine.command(f"DROP TABLE {quote(staging)}")
-    return frame.height
 
 
 # kvscope's own run table on ClickHouse (the Collector writes none: see analysis/runs.py).

@@ -321,7 +321,7 @@ def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -
         con.register("f", frame.select(ledger_module._TAINT_INPUTS).with_row_index("_row")
                      .cast({"_row": pl.UInt64}).to_arrow())
         con.execute("CREATE TABLE i AS SELECT * FROM f")
-        groups = ledger_module._linked_runs(con, "i")
+        groups = ledger_module._linked_runs(DuckDBReader(con, time_limit_s=None), "i")
         ledger_module._mark_tainted(con, "t", "i", True)
         table = pl.DataFrame(con.sql("SELECT * FROM t").to_arrow_table())
     finally:
@@ -446,19 +446,56 @@ def test_a_large_clickhouse_store_is_built_in_partitions(
                        rel_tol=1e-12)
 
 
+def _clickhouse_table(reader: ClickHouseReader) -> pl.DataFrame:
+    """The ``kvscope_ledger`` table on ClickHouse, typed, in the ledger's order."""
+    stored = reader.frame(ledger_module.query.Query(
+        f"SELECT * FROM {ledger_module.LEDGER_TABLE}", name="ledger table"))
+    return _sorted(stored.cast(ledger_module.LEDGER_SCHEMA), _ORDER)
+
+
+@pytest.mark.parametrize("path", ["chdb", "clickhouse-connect"])
 def test_kvscope_ledger_on_clickhouse_writes_the_ledger_built_in_partitions(
-        clickhouse: ClickHouseReader, whole: pl.DataFrame,
+        path: str, request: pytest.FixtureRequest, whole: pl.DataFrame,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``kvscope ledger --clickhouse URL --partitions 3`` (:func:`rebuild_clickhouse`): built in
-    three ranges of conversations, written back as the table: the DuckDB store's ledger."""
+    three ranges of conversations, each written to the server as it comes and finished there
+    (nothing of the whole ledger held in this process: ``finish`` is never called), the tainted
+    turns marked from their inputs read back: the table is the DuckDB store's ledger, and the
+    scratch database goes with the build."""
+    clickhouse = request.getfixturevalue("clickhouse" if path == "chdb" else "http_clickhouse")
+    assert whole.filter(pl.col("invalid_kind") == "tainted").height > 0
+    before = _databases(clickhouse)
     statements = _statements_run(monkeypatch)
+    monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
     assert ledger_module.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
     assert statements == [f"ledger turns, partition {i} of 3" for i in (1, 2, 3)]
-    stored = clickhouse.frame(ledger_module.query.Query(
-        f"SELECT * FROM {ledger_module.LEDGER_TABLE}", name="ledger table"))
-    order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
-    assert_frame_equal(_sorted(stored, order), _sorted(whole, order), check_exact=False,
-                       rel_tol=1e-12)
+    assert_frame_equal(_clickhouse_table(clickhouse), _sorted(whole, _ORDER),
+                       check_exact=False, rel_tol=1e-12)
+    assert _databases(clickhouse) == before
+
+
+def test_a_clickhouse_ledger_that_fails_to_write_leaves_the_last_one(
+        clickhouse: ClickHouseReader, whole: pl.DataFrame,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that fails on the way (here the server refuses the final write) leaves the
+    ledger table as it was, and no scratch database or half-written table behind."""
+    ledger_module.rebuild_clickhouse(clickhouse.source, partitions=1)
+    before = _databases(clickhouse)
+    real = ClickHouseReader.write_table_as
+
+    def refused(self: ClickHouseReader, name: str, schema: Any, select: Any, **kw: Any) -> None:
+        bad = ledger_module.query.Query(select.sql.replace("SELECT ", "SELECT no_such_column, ",
+                                                           1), select.params, name=select.name)
+        real(self, name, schema, bad, **kw)
+    monkeypatch.setattr(ClickHouseReader, "write_table_as", refused)
+    with pytest.raises(ledger_module.StoreError, match="no_such_column"):
+        ledger_module.rebuild_clickhouse(clickhouse.source, partitions=2)
+    assert _databases(clickhouse) == before
+    assert_frame_equal(_clickhouse_table(clickhouse), _sorted(whole, _ORDER),
+                       check_exact=False, rel_tol=1e-12)
+    tables = clickhouse.frame(ledger_module.query.Query(
+        "SELECT name FROM system.tables WHERE database = currentDatabase()", name="tables"))
+    assert f"{ledger_module.LEDGER_TABLE}__new" not in tables["name"].to_list()
 
 
 def test_a_clickhouse_user_that_cannot_create_a_database_gets_the_one_statement(
