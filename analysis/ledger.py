@@ -1802,38 +1802,46 @@ def rebuild_clickhouse(source: ClickHouseSource, *, partitions: int | None = Non
     come and the ledger is finished there (:func:`_clickhouse_table`: nothing of the whole
     ledger held here); in one statement, it is written back whole. Either is swapped in.
     """
+    from kvscope.analysis import ledger_units
     from kvscope.store.clickhouse import ClickHouseReader
 
     reader = ClickHouseReader.connect(source, time_limit_s=None)
     try:
+        # What it is built from, taken first: spans stored while it builds make it stale.
+        stamp = ledger_units.clickhouse_stamp(reader)
         count = partitions_for(reader) if partitions is None else partitions
         if count > 1:
             try:
-                return _clickhouse_table(reader, count)
+                return _clickhouse_table(reader, count, comment=stamp)
             except _NoScratch as exc:
                 logger.warning("the ledger cannot stage its span kinds in partitions (%s); "
                                "building it in one statement", exc)
-        return reader.write_table(LEDGER_TABLE, ledger(reader, partitions=1),
-                                  order_by=_CLICKHOUSE_ORDER)
+        whole = ledger(reader, partitions=1)
+        return reader.write_table(
+            LEDGER_TABLE, whole.with_row_index(ROW).cast({ROW: pl.UInt64}),
+            order_by=(ROW,), comment=stamp)
     finally:
         reader.close()
 
 
-# The sort key of the ledger's table on ClickHouse.
-_CLICKHOUSE_ORDER = ("run_id", "conversation_id", "turn_index")
+# The ledger's table on ClickHouse has this column first: each row's place in the ledger's
+# order, the table's sort key (columns read apart line up by it: a ClickHouse scan's order is
+# not the table's).
+ROW = "_row"
 # What a tainted turn's row says in place of its own (the marks' columns, or a bound value).
 _MARKED = {"invalid_kind": "$kind", "invalid_tokens": "m._tokens", "reuse_validity": "$validity",
            "outcome": "m._outcome", "evidence": "m._evidence"}
 
 
-def _clickhouse_table(reader: ClickHouseReader, count: int, *,
+def _clickhouse_table(reader: ClickHouseReader, count: int, *, comment: str = "",
                       across_conversations: bool = True) -> int:
     """:func:`build_table` on ClickHouse; return the ledger's rows. In a scratch database:
     the span kinds staged, each partition's shaped rows inserted as they come (numbered
     ``_row`` in the ledger's order) with their taint inputs beside them; the taint pass reads
     those back narrow (:func:`_taint_passes`) and writes its marks there; the ledger is then
     written from them on the server (the marked rows' values in place of theirs) and swapped
-    in for ``kvscope_ledger``. Nothing of the whole ledger comes to this process."""
+    in for ``kvscope_ledger`` (with ``comment``). Nothing of the whole ledger comes to this
+    process."""
     empty = shape(frame_turn_rows({}))  # the shaped columns, typed
     written = 0
 
@@ -1879,10 +1887,10 @@ def _clickhouse_table(reader: ClickHouseReader, count: int, *,
             f"if(m._row IS NULL, r.{quote(c)}, {_MARKED[c]}) AS {quote(c)}"
             if marks and c in _MARKED else f"r.{quote(c)} AS {quote(c)}" for c in LEDGER_SCHEMA)
         start = time.perf_counter()
-        reader.write_table_as(LEDGER_TABLE, LEDGER_SCHEMA, query.Query(
-            f"SELECT {listed} FROM {rows} SETTINGS join_use_nulls = 1",
+        reader.write_table_as(LEDGER_TABLE, {ROW: pl.UInt64(), **LEDGER_SCHEMA}, query.Query(
+            f"SELECT r._row AS {ROW}, {listed} FROM {rows} SETTINGS join_use_nulls = 1",
             {"kind": INVALID_TAINTED, "validity": VALIDITY_INVALID} if marks else {},
-            name="ledger table"), order_by=_CLICKHOUSE_ORDER)
+            name="ledger table"), order_by=(ROW,), comment=comment)
         logger.info("ledger: table written in %.1f s", time.perf_counter() - start)
     return written
 
@@ -1897,7 +1905,7 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 __all__ = ["BUILDING_TABLE", "CLICKHOUSE_PARTITION_TURNS", "ENGINE_EVIDENCE_HOOKS",
     "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED", "HISTORY_FIRST",
     "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "PARTITION_SIZE",
-    "PARTITION_TURNS", "QUERIES", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
+    "PARTITION_TURNS", "QUERIES", "ROW", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
     "VALIDITY_VALID", "build", "build_table", "finish", "frame_turn_rows", "full_build",
     "hook_decided", "ledger", "load_spans", "partitioned_turn_rows", "partitions_for", "persist",
     "rebuild", "rebuild_clickhouse", "request_key", "runs", "shape", "swap_in", "taint_marks",

@@ -392,11 +392,24 @@ def rules_fingerprint() -> str:
     return digest.hexdigest()[:32]
 
 
+def clickhouse_stamp(reader: Reader) -> str:
+    """What a ClickHouse ``kvscope_ledger`` table is built from, kept as its comment: these
+    rules (:func:`rules_fingerprint`) over the span table's rows as they are now (their count,
+    and a sum of their trace and span ids' hashes: the Collector's table has no row number to
+    keep a watermark by)."""
+    _, rows = reader.rows(query.Query(
+        f'SELECT count(), sum(cityHash64("TraceId", "SpanId")) FROM {quote(TRACES_TABLE)}',
+        name="span rows' stamp"))
+    count, hashed = rows[0]
+    return f"kvscope ledger: rules {rules_fingerprint()}, spans {count}, hash {hashed}"
+
+
 def stored_ledger(reader: Reader) -> pl.DataFrame | None:
     """The store's ``kvscope_ledger`` table when it is the ledger its spans give now (``kvscope
     ledger`` built or updated it since the last span row was stored, with these rules and
-    columns), in the ledger's order; else None (the caller computes it). DuckDB stores only (the
-    watermark is a rowid)."""
+    columns), in the ledger's order; else None (the caller computes it). On ClickHouse, when
+    ``kvscope ledger --clickhouse`` built it from the span rows there now
+    (:func:`clickhouse_stamp`)."""
     stored = stored_columns(reader)
     return None if stored is None else stored.frame()
 
@@ -452,8 +465,11 @@ class StoredLedger:
     def _read(self, names: Iterable[str]) -> pl.DataFrame:
         wanted = {name: ledger_module.LEDGER_SCHEMA[name] for name in names}
         listed = ", ".join(quote(name) for name in wanted)
+        # A ClickHouse scan's order is no table's: its rows are read by their place.
+        ordered = (f" ORDER BY {ledger_module.ROW}"
+                   if self._reader.dialect is query.CLICKHOUSE else "")
         return self._reader.frame(query.Query(
-            f"SELECT {listed} FROM {quote(ledger_module.LEDGER_TABLE)}",
+            f"SELECT {listed} FROM {quote(ledger_module.LEDGER_TABLE)}{ordered}",
             name="stored ledger columns")).cast(wanted)  # type: ignore[arg-type]
 
     def _keep(self, frame: pl.DataFrame) -> None:
@@ -466,7 +482,11 @@ class StoredLedger:
 def _current(reader: Reader) -> bool:
     """Whether the store's ``kvscope_ledger`` table is the ledger its spans give now (see
     :func:`stored_ledger`)."""
-    if reader.dialect is not query.DUCKDB or not reader.has_table(ledger_module.LEDGER_TABLE):
+    if not reader.has_table(ledger_module.LEDGER_TABLE):
+        return False
+    if reader.dialect is query.CLICKHOUSE:
+        return _current_on_clickhouse(reader)
+    if reader.dialect is not query.DUCKDB:
         return False
     _, meta = reader.rows(query.Query(
         f"SELECT key, value FROM {quote(META_TABLE)} WHERE key IN ($mark, $count, $rules)",
@@ -482,6 +502,21 @@ def _current(reader: Reader) -> bool:
             and kept.get(MARK_KEY) == str(-1 if high is None else high)
             and kept.get(COUNT_KEY) == str(count)
             and [c for (c,) in columns] == list(ledger_module.LEDGER_SCHEMA))
+
+
+def _current_on_clickhouse(reader: Reader) -> bool:
+    """:func:`_current` on ClickHouse: the table's comment is the stamp of the spans there now,
+    and its columns are these (its row number first)."""
+    _, found = reader.rows(query.Query(
+        "SELECT comment FROM system.tables WHERE database = currentDatabase() "
+        "AND name = $table", {"table": ledger_module.LEDGER_TABLE}, name="ledger stamp"))
+    if not found or not str(found[0][0]).startswith("kvscope ledger: "):
+        return False
+    _, columns = reader.rows(query.Query(
+        "SELECT name FROM system.columns WHERE database = currentDatabase() AND table = $table "
+        "ORDER BY position", {"table": ledger_module.LEDGER_TABLE}, name="ledger columns"))
+    return ([c for (c,) in columns] == [ledger_module.ROW, *ledger_module.LEDGER_SCHEMA]
+            and found[0][0] == clickhouse_stamp(reader))
 
 
 def stored_columns(reader: Reader) -> StoredLedger | None:
@@ -507,8 +542,9 @@ def stored_fingerprint(queries: dict[str, query.Query]) -> str:
 
 def stored_tables(reader: Reader) -> frozenset[str]:
     """The stored queries whose tables hold what the queries give now: while the stored ledger
-    is current, those ``kvscope ledger`` built with these queries' text; else none."""
-    if not _current(reader):
+    is current, those ``kvscope ledger`` built with these queries' text; else none (always on
+    ClickHouse: its build keeps none)."""
+    if reader.dialect is not query.DUCKDB or not _current(reader):
         return frozenset()
     queries = stored_queries()
     _, meta = reader.rows(query.Query(
@@ -659,7 +695,7 @@ def update(path: str | Path, *, full: bool = False, partitions: int | None = Non
 
 
 __all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "STORED_KEY", "STORED_PREFIX", "StoredLedger",
-    "Touched", "Update", "rules_fingerprint", "stored_columns", "stored_fingerprint",
+    "Touched",
+    "Update", "clickhouse_stamp", "rules_fingerprint", "stored_columns", "stored_fingerprint",
     "stored_ledger", "stored_queries", "stored_table_query", "stored_tables", "touched",
-    "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of", "update",
-    "update_connection"]
+    "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of", "update", "update_connection"]

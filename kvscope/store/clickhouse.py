@@ -286,13 +286,14 @@ class ClickHouseReader:
                                  name="has_table"))
         return bool(found["n"][0])
 
-    def write_table(self, name: str, frame: pl.DataFrame, order_by: tuple[str, ...] = ()) -> int:
+    def write_table(self, name: str, frame: pl.DataFrame, order_by: tuple[str, ...] = (),
+                    comment: str = "") -> int:
         """Replace the table ``name`` with ``frame`` (the derived ledger); return its rows."""
         return _translate(self.source, self.time_limit_s,
-                          lambda: replace_table(self._engine, name, frame, order_by))
+                          lambda: replace_table(self._engine, name, frame, order_by, comment))
 
     def write_table_as(self, name: str, schema: Mapping[str, pl.DataType], select: Query,
-                       order_by: tuple[str, ...] = ()) -> None:
+                       order_by: tuple[str, ...] = (), comment: str = "") -> None:
         """Replace the table ``name`` (of ``schema``'s columns, in order) with the rows of
         ``select``, a query run on the server (``INSERT … SELECT``: the rows never come here),
         swapped in as :meth:`write_table`'s are."""
@@ -303,7 +304,7 @@ class ClickHouseReader:
             self._engine.command(f"INSERT INTO {quote(staging)} ({listed}) {text}", bound)
 
         _translate(self.source, self.time_limit_s,
-                   lambda: fill_table(self._engine, name, schema, fill, order_by),
+                   lambda: fill_table(self._engine, name, schema, fill, order_by, comment),
                    query=select, sql=text)
 
     def insert(self, table: str, frame: pl.DataFrame, database: str = "") -> None:
@@ -341,31 +342,35 @@ def clickhouse_type(dtype: pl.DataType) -> str:
 
 
 def replace_table(engine: Engine, name: str, frame: pl.DataFrame,
-                  order_by: tuple[str, ...] = ()) -> int:
+                  order_by: tuple[str, ...] = (), comment: str = "") -> int:
     """Replace table ``name`` with ``frame``: written under a new name, then swapped in.
 
     Readers see the old table or the new one, never a half-written one (``EXCHANGE TABLES``
-    where the database supports it; a drop and a rename otherwise).
+    where the database supports it; a drop and a rename otherwise). ``comment``: the new
+    table's (what it was built from, say), swapped in with it.
     """
     def fill(staging: str) -> None:
         if frame.height:
             engine.insert_arrow(staging, frame.to_arrow())
 
-    fill_table(engine, name, dict(frame.schema), fill, order_by)
+    fill_table(engine, name, dict(frame.schema), fill, order_by, comment)
     return frame.height
 
 
 def fill_table(engine: Engine, name: str, schema: Mapping[str, pl.DataType],
-               fill: Callable[[str], None], order_by: tuple[str, ...] = ()) -> None:
+               fill: Callable[[str], None], order_by: tuple[str, ...] = (),
+               comment: str = "") -> None:
     """Replace table ``name`` with a table of ``schema`` that ``fill(staging)`` writes under a
     new name (rows inserted, or an ``INSERT … SELECT``), then swapped in, as
     :func:`replace_table` does."""
     staging = f"{name}__new"
     columns = ", ".join(f"{quote(c)} {clickhouse_type(t)}" for c, t in schema.items())
     key = ", ".join(quote(c) for c in order_by) if order_by else ""
+    literal = comment.replace("\\", "\\\\").replace("'", "\\'")
     engine.command(f"DROP TABLE IF EXISTS {quote(staging)}")
     engine.command(f"CREATE TABLE {quote(staging)} ({columns}) ENGINE = MergeTree "
-                   f"ORDER BY tuple({key}) SETTINGS allow_nullable_key = 1")
+                   f"ORDER BY tuple({key}) SETTINGS allow_nullable_key = 1"
+                   + (f" COMMENT '{literal}'" if comment else ""))
     try:
         fill(staging)
     except BaseException:

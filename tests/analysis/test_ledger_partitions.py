@@ -447,10 +447,13 @@ def test_a_large_clickhouse_store_is_built_in_partitions(
 
 
 def _clickhouse_table(reader: ClickHouseReader) -> pl.DataFrame:
-    """The ``kvscope_ledger`` table on ClickHouse, typed, in the ledger's order."""
+    """The ``kvscope_ledger`` table on ClickHouse, typed, in its rows' order (``_row``): the
+    ledger's."""
     stored = reader.frame(ledger_module.query.Query(
-        f"SELECT * FROM {ledger_module.LEDGER_TABLE}", name="ledger table"))
-    return _sorted(stored.cast(ledger_module.LEDGER_SCHEMA), _ORDER)
+        f"SELECT * FROM {ledger_module.LEDGER_TABLE} ORDER BY {ledger_module.ROW}",
+        name="ledger table"))
+    assert stored[ledger_module.ROW].to_list() == list(range(stored.height))
+    return stored.drop(ledger_module.ROW).cast(ledger_module.LEDGER_SCHEMA)
 
 
 @pytest.mark.parametrize("path", ["chdb", "clickhouse-connect"])
@@ -469,8 +472,7 @@ def test_kvscope_ledger_on_clickhouse_writes_the_ledger_built_in_partitions(
     monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
     assert ledger_module.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
     assert statements == [f"ledger turns, partition {i} of 3" for i in (1, 2, 3)]
-    assert_frame_equal(_clickhouse_table(clickhouse), _sorted(whole, _ORDER),
-                       check_exact=False, rel_tol=1e-12)
+    assert_frame_equal(_clickhouse_table(clickhouse), whole, check_exact=False, rel_tol=1e-12)
     assert _databases(clickhouse) == before
 
 
@@ -491,8 +493,7 @@ def test_a_clickhouse_ledger_that_fails_to_write_leaves_the_last_one(
     with pytest.raises(ledger_module.StoreError, match="no_such_column"):
         ledger_module.rebuild_clickhouse(clickhouse.source, partitions=2)
     assert _databases(clickhouse) == before
-    assert_frame_equal(_clickhouse_table(clickhouse), _sorted(whole, _ORDER),
-                       check_exact=False, rel_tol=1e-12)
+    assert_frame_equal(_clickhouse_table(clickhouse), whole, check_exact=False, rel_tol=1e-12)
     tables = clickhouse.frame(ledger_module.query.Query(
         "SELECT name FROM system.tables WHERE database = currentDatabase()", name="tables"))
     assert f"{ledger_module.LEDGER_TABLE}__new" not in tables["name"].to_list()
@@ -517,3 +518,52 @@ def test_a_clickhouse_user_that_cannot_create_a_database_gets_the_one_statement(
     order = ["run_id", "conversation_id", "turn_index", "arrival", "x_request_id", "observer"]
     assert_frame_equal(_sorted(built, order), _sorted(whole, order), check_exact=False,
                        rel_tol=1e-12)
+
+
+@pytest.fixture()
+def own_clickhouse(store: Path, chdb_folder: Path) -> Iterator[ClickHouseReader]:
+    """The store's spans in a ClickHouse database of this test's own (it adds spans)."""
+    name = f"kvscope_stamp_{len(list(chdb_folder.iterdir()))}"
+    otelcol.create_database(chdb_folder, name)
+    reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}", database=name),
+                                      time_limit_s=None)
+    try:
+        reader.engine.command(otelcol.render(otelcol.TRACES_DDL, name, "otel_traces"))
+        reader.engine.command(otelcol.render(otelcol.GAUGE_DDL, name, "otel_metrics_gauge"))
+        load_store(store, reader.engine)
+        yield reader
+    finally:
+        reader.engine.command(f"DROP DATABASE {name} SYNC")
+        reader.close()
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
+        own_clickhouse: ClickHouseReader, whole: pl.DataFrame, partitions: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``kvscope ledger --clickhouse`` (one statement or partitions), analyses read its
+    table a few columns at a time (the ledger is not computed: ``ledger()`` is unavailable),
+    the ledger's rows in its order. A span stored after it, or other rules, make it stale:
+    the ledger is computed from the spans again."""
+    from kvscope.analysis.registry import LEDGER, AnalysisContext, whole_ledger
+
+    reader = own_clickhouse
+    assert ledger_units.stored_columns(reader) is None  # no table yet
+    ledger_module.rebuild_clickhouse(reader.source, partitions=partitions)
+    with monkeypatch.context() as patched:
+        patched.setattr(ledger_module, "ledger", None)
+        stored = ledger_units.stored_columns(reader)
+        assert stored is not None
+        assert_frame_equal(stored.frame(), whole, check_exact=False, rel_tol=1e-12)
+        ctx = AnalysisContext(reader)
+        assert_frame_equal(whole_ledger(ctx, ["x_request_id", "outcome", "prefill_ms"]),
+                           whole.select("x_request_id", "outcome", "prefill_ms"),
+                           check_exact=False, rel_tol=1e-12)
+    with monkeypatch.context() as patched:
+        patched.setattr(ledger_units, "rules_fingerprint", lambda: "other rules")
+        assert ledger_units.stored_columns(reader) is None
+    reader.engine.command(
+        "INSERT INTO otel_traces SELECT * REPLACE (concat(SpanId, 'x') AS SpanId) "
+        "FROM otel_traces WHERE SpanName = 'kvscope.turn' LIMIT 1")
+    assert ledger_units.stored_columns(reader) is None
+    assert isinstance(AnalysisContext(reader).get(LEDGER), pl.DataFrame)  # computed

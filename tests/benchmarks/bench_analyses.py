@@ -14,9 +14,11 @@ and the ratio of their peak RSS. With ``--rss-limit-mib`` a process past that is
 figure that does not fit is printed as such, not as a time).
 
 Run:  .venv/bin/python tests/benchmarks/bench_analyses.py STORE [--only NAME,NAME]
-      [--ways columns,spans,whole] [--rss-limit-mib 10000]
+      [--ways columns,spans,whole] [--rss-limit-mib 10000] [--clickhouse-database otel]
 STORE must hold a current ``kvscope_ledger`` table (run ``kvscope ledger STORE`` first; the
-benchmark says so otherwise). Not a test: nothing here asserts a time.
+benchmark says so otherwise). STORE ``chdb:/folder``: a chdb data folder's database (``otel``,
+bench_clickhouse.py's; ``kvscope ledger --clickhouse chdb:/folder``; there ``spans`` is as
+``columns``: ClickHouse keeps no stored queries). Not a test: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import bench_ledger  # noqa: E402
 WAYS = ("columns", "spans", "whole")
 
 
-def _one(db: str, name: str, way: str) -> dict[str, Any]:
+def _one(db: Any, name: str, way: str) -> dict[str, Any]:
     """``name`` over ``db`` in this (fresh) process; seconds, rows and peak RSS."""
     from kvscope.analysis import registry
     from kvscope.store.source import open_reader
@@ -57,7 +59,7 @@ def _one(db: str, name: str, way: str) -> dict[str, Any]:
             "peak_rss_mib": bench_ledger._peak_rss_mib()}
 
 
-def _stored(db: str) -> dict[str, Any]:
+def _stored(db: Any) -> dict[str, Any]:
     from kvscope.analysis import ledger_units
     from kvscope.store.source import open_reader
 
@@ -70,7 +72,9 @@ def _stored(db: str) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("store", type=Path)
+    parser.add_argument("store")
+    parser.add_argument("--clickhouse-database", default="otel",
+                        help="the database of a chdb:/folder STORE")
     parser.add_argument("--only", default="", help="comma-separated analysis names")
     parser.add_argument("--ways", default="columns,whole",
                         help="comma-separated: columns, spans, whole (the first is the base of "
@@ -78,14 +82,17 @@ def main() -> int:
     parser.add_argument("--rss-limit-mib", type=float, default=None)
     args = parser.parse_args()
     from kvscope.analysis import registry
+    from kvscope.store.clickhouse import CHDB_SCHEME, ClickHouseSource
 
-    db = str(args.store)
+    db: Any = args.store
+    if db.startswith(CHDB_SCHEME + ":"):
+        db = ClickHouseSource(db, database=args.clickhouse_database)
     if not bench_ledger._in_process(_stored, db)["stored"]:
-        print(f"{db}: no current kvscope_ledger table; run `kvscope ledger {db}` first")
+        print(f"{args.store}: no current kvscope_ledger table; run `kvscope ledger` on it first")
         return 2
     names = [n for n in args.only.split(",") if n] or [a.name for a in registry.iter_analyses()]
     ways = [w for w in args.ways.split(",") if w in WAYS]
-    print(f"{db}: each analysis in a fresh process ({', '.join(ways)})")
+    print(f"{args.store}: each analysis in a fresh process ({', '.join(ways)})")
     print(f"{'analysis':<20}" + "".join(f"{w + ' s':>10}{w + ' peak MiB':>18}" for w in ways)
           + "".join(f"{w + '/' + ways[0]:>16}" for w in ways[1:]))
     for name in names:

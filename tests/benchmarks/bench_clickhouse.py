@@ -16,12 +16,17 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
     analyse    per engine: ``AnalysisContext.open(source)`` -> ``ctx.ledger()`` -> every analysis
                of ``registry.iter_analyses()`` with default parameters. The process's peak RSS
                includes chdb's engine, which runs inside it.
-    table      DuckDB only: ``kvscope ledger`` (``ledger_units.update(full=True)``) on a copy of
+    table      DuckDB: ``kvscope ledger`` (``ledger_units.update(full=True)``) on a copy of
                the store (``--work-dir``), then every analysis over the table it wrote
                (``stored_ledger``), each in a fresh process; time, peak RSS and the largest
                the store's temporary folder grew (DuckDB's spill and the build's scratch
                database), and the copy's growth. A large store's build writes each partition's
                rows as they come (analysis/ledger.py ``build_table``). The copy is removed.
+               chdb: ``kvscope ledger --clickhouse`` (``rebuild_clickhouse``) on the folder
+               itself (its ``kvscope_ledger`` table replaced): time, peak RSS, the folder's
+               growth at the end; a partitioned build writes each partition's rows to the
+               server as they come (``_clickhouse_table``). Then every analysis, which reads
+               that table while its stamp matches the spans (``StoredLedger``), a fresh process.
     load       nothing more: the data made and loaded into chdb (to measure later, idle).
 
 Larger than simulation allows (``--replicate K``, issue 20 part 6's 10M turns): the store of
@@ -251,6 +256,49 @@ def _run_table(db: Path, work: Path, turns: int, limit: float | None,
               f"{max(built['peak_rss_mib'], analysed['peak_rss_mib']):.0f} MiB", flush=True)
 
 
+def _chdb_table(folder: Path, partitions: int | None = None) -> dict[str, Any]:
+    """``kvscope ledger --clickhouse chdb:<folder>`` (``partitions``: its ``--partitions``)."""
+    import logging
+
+    from kvscope.analysis import ledger
+
+    logging.basicConfig(level=logging.INFO, format="    %(asctime)s %(message)s")
+
+    def size() -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    before = size()
+    start = time.perf_counter()
+    rows = ledger.rebuild_clickhouse(_source(folder), partitions=partitions)
+    return {"table_s": time.perf_counter() - start, "rows": rows,
+            "peak_rss_mib": bench_ledger._peak_rss_mib(), "grew_mib": (size() - before) / 2**20}
+
+
+def _run_chdb_table(folder: Path, turns: int, limit: float | None,
+                    partitions: int | None) -> None:
+    """The ``table`` phase on chdb: ``kvscope ledger --clickhouse`` on the loaded folder."""
+    print(f"\n{turns} turns ({folder.name}): kvscope ledger --clickhouse", flush=True)
+    built = _in_process_capped(limit, _chdb_table, folder, partitions)
+    stopped = _stopped(built, limit)
+    if stopped:
+        print(f"  kvscope ledger --clickhouse: {stopped}")
+        return
+    print(f"  kvscope ledger --clickhouse: {built['rows']} rows in {built['table_s']:.1f} s, "
+          f"peak RSS {built['peak_rss_mib']:.0f} MiB, folder {built['grew_mib']:+.0f} MiB after",
+          flush=True)
+    analysed = _in_process_capped(limit, bench_ledger._analyse, _source(folder))
+    stopped = _stopped(analysed, limit)
+    if stopped:
+        print(f"  analyses on the table: {stopped}")
+        return
+    steps = "; ".join(f"{name} {'-' if s is None else f'{s:.1f}'}"
+                      for name, s, _ in analysed["steps"])
+    print(f"  analyses on the table: {analysed['total_s']:.1f} s, peak RSS "
+          f"{analysed['peak_rss_mib']:.0f} MiB ({steps})")
+    print(f"  together: {built['table_s'] + analysed['total_s']:.1f} s, peak RSS "
+          f"{max(built['peak_rss_mib'], analysed['peak_rss_mib']):.0f} MiB", flush=True)
+
+
 def _print_side_by_side(turns: int, results: dict[str, dict[str, Any]]) -> None:
     engines = list(results)
     print(f"\n{turns} turns requested; ledger rows: "
@@ -425,10 +473,10 @@ def main() -> None:
     growth: list[tuple[int, str, dict[str, Any] | str]] = []
     for turns in [int(t) for t in args.turns.split(",") if t.strip()]:
         db, folder = _store(args, turns)
-        if "table" in phases:
+        if "table" in phases and "duckdb" in engines:
             _run_table(db, args.work_dir or args.cache_dir, turns, args.rss_limit_mib,
                        args.ledger_partitions)
-        if "chdb" in engines and phases - {"table"} and not (folder / _COMPLETE).exists():
+        if "chdb" in engines and not (folder / _COMPLETE).exists():
             if folder.exists():
                 import shutil
 
@@ -443,6 +491,8 @@ def main() -> None:
             print(f"load into chdb: {loaded['copied']} in {loaded['load_s']:.1f} s, folder "
                   f"{loaded['folder_mib']:.0f} MiB (DuckDB file {db.stat().st_size / 2**20:.0f} "
                   f"MiB), peak RSS {loaded['peak_rss_mib']:.0f} MiB", flush=True)
+        if "table" in phases and "chdb" in engines:
+            _run_chdb_table(folder, turns, args.rss_limit_mib, args.ledger_partitions)
         if "analyse" in phases:
             results: dict[str, dict[str, Any]] = {}
             for engine in engines:
