@@ -1695,13 +1695,7 @@ def _taint_passes(reader: Reader, inputs: str, across_conversations: bool
     _, found = reader.rows(query.Query(
         f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs} WHERE invalid_kind IS NOT NULL",
         name="ledger taint: runs with an invalid load"))
-    dirty = {run for (run,) in found}
-    if not dirty:
-        return
-    for runs in _linked_runs(reader, inputs):
-        if not runs & dirty:
-            continue
-
+    for runs in _linked_runs(reader, inputs, {run for (run,) in found}):
         def group(b: query.Binder, runs: set[str] = runs) -> str:
             def among() -> str:
                 return f"coalesce(run_id, '') IN ({', '.join(b(run) for run in sorted(runs))})"
@@ -1720,32 +1714,31 @@ def _taint_passes(reader: Reader, inputs: str, across_conversations: bool
             yield marked
 
 
-def _linked_runs(reader: Reader, inputs: str) -> list[set[str]]:
-    """The runs of the taint ``inputs`` (a null run as ``''``), grouped so that no request id
-    is in two groups (a union over the ids two runs share)."""
+def _linked_runs(reader: Reader, inputs: str, dirty: set[str]) -> list[set[str]]:
+    """The runs of the taint ``inputs`` (a null run as ``''``) linked to the ``dirty`` ones, in
+    groups such that no request id is in two groups: each a dirty run's component, found by
+    adding the runs that share an id with the runs added last until none does (each step holds
+    the ids of those runs alone, not every run's)."""
     ids = " UNION ALL ".join(f"SELECT coalesce(run_id, '') AS r, {column} AS i FROM {inputs}"
                              for column in ("x_request_id", "decode_request_id", "retention_id"))
-    _, every = reader.rows(query.Query(f"SELECT DISTINCT coalesce(run_id, '') FROM {inputs}",
-                                       name="ledger taint: runs"))
-    group: dict[str, str] = {run: run for (run,) in every}
-
-    def root(run: str) -> str:
-        while group[run] != run:
-            group[run] = group[group[run]]
-            run = group[run]
-        return run
-
-    # The ids of more than one run (min <> max: a cheap aggregate on either engine), then theirs.
-    shared = reader.frame(query.Query(
-        f"SELECT DISTINCT i, r FROM ({ids}) AS e WHERE i IN (SELECT i FROM ({ids}) AS s "
-        "WHERE i IS NOT NULL GROUP BY i HAVING min(r) <> max(r))", name="ledger taint: links"))
-    for runs in shared.group_by("i").agg(pl.col("r").sort())["r"].to_list():
-        for run in runs[1:]:
-            group[root(run)] = root(runs[0])
-    found: dict[str, set[str]] = {}
-    for run in group:
-        found.setdefault(root(run), set()).add(run)
-    return sorted(found.values(), key=sorted)
+    groups: list[set[str]] = []
+    for start in sorted(dirty):
+        if any(start in group for group in groups):
+            continue
+        group, added = {start}, {start}
+        while added:
+            def sharing(b: query.Binder, group: set[str] = group,
+                        added: set[str] = added) -> str:
+                def among(runs: set[str]) -> str:
+                    return ", ".join(b(run) for run in sorted(runs))
+                return (f"SELECT DISTINCT r FROM ({ids}) AS e WHERE r NOT IN ({among(group)}) "
+                        f"AND i IN (SELECT i FROM ({ids}) AS a WHERE r IN ({among(added)}) "
+                        "AND i IS NOT NULL)")
+            _, linked = reader.rows(query.compose([], sharing).named("ledger taint: links"))
+            added = {run for (run,) in linked} - group
+            group |= added
+        groups.append(group)
+    return groups
 
 
 def swap_in(con: duckdb.DuckDBPyConnection) -> int:

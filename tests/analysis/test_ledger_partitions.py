@@ -321,13 +321,32 @@ def test_the_written_taint_pass_links_runs_that_share_request_ids(store: Path) -
         con.register("f", frame.select(ledger_module._TAINT_INPUTS).with_row_index("_row")
                      .cast({"_row": pl.UInt64}).to_arrow())
         con.execute("CREATE TABLE i AS SELECT * FROM f")
-        groups = ledger_module._linked_runs(DuckDBReader(con, time_limit_s=None), "i")
+        dirty = set(frame.filter(pl.col("invalid_kind").is_not_null())["run_id"].to_list())
+        groups = ledger_module._linked_runs(DuckDBReader(con, time_limit_s=None), "i", dirty)
         ledger_module._mark_tainted(con, "t", "i", True)
         table = pl.DataFrame(con.sql("SELECT * FROM t").to_arrow_table())
     finally:
         con.close()
-    assert any("zz-copy" in group and len(group) > 1 for group in groups)
+    assert any("zz-copy" in group and group & dirty for group in groups)
     assert table.cast(ledger_module.LEDGER_SCHEMA).equals(expected)
+
+
+def test_the_taint_pass_groups_runs_linked_through_others() -> None:
+    """A dirty run's group is every run linked to it, through runs without an invalid load too
+    (a shares an X-Request-Id with b, b a decode request with c); a run linked to none is its
+    own group, and a clean run linked to no dirty one is in none."""
+    con = duckdb.connect()
+    try:
+        con.execute("CREATE TABLE i (run_id VARCHAR, x_request_id VARCHAR, "
+                    "decode_request_id VARCHAR, retention_id VARCHAR)")
+        con.execute("INSERT INTO i VALUES ('a', '1', 'a-d', NULL), ('b', '1', '2', NULL), "
+                    "('c', 'c-x', '2', 'c-r'), ('d', 'd-x', NULL, 'd-r'), "
+                    "('e', 'e-x', NULL, NULL), (NULL, 'n-x', NULL, 'c-r')")
+        groups = ledger_module._linked_runs(DuckDBReader(con, time_limit_s=None), "i",
+                                            {"a", "e"})
+    finally:
+        con.close()
+    assert groups == [{"a", "b", "c", ""}, {"e"}]
 
 
 def test_cli_ledger_builds_in_the_partitions_asked_for(
