@@ -424,10 +424,11 @@ class StoredLedger:
 
     An analysis that needs six of the ledger's columns holds those six: at 10M turns the whole
     ledger is ~12 GiB resident in polars (its strings keep DuckDB's Arrow buffers), most of it
-    request ids and evidence text few analyses read. A
+    request ids and evidence text few analyses read. A DuckDB
     table scan returns the rows in their stored order every time, so columns read apart line
     up; rows stored out of the ledger's order (an update appends its units' rows) are put in
-    order by one permutation, taken once from the ordering columns.
+    order by one permutation, taken once from the ordering columns. ClickHouse's table is read
+    ``ORDER BY _row`` (its sort key: the ledger's order), so no ordering column is read first.
     """
 
     # The most columns one query reads.
@@ -436,6 +437,9 @@ class StoredLedger:
     def __init__(self, reader: Reader) -> None:
         self._reader = reader
         self._columns: dict[str, pl.Series] = {}
+        self._order: pl.Series | None = None
+        if reader.dialect is query.CLICKHOUSE:
+            return  # read ORDER BY _row: in the ledger's order already, no key read first
         keys = self._read(_ORDER)
         order = keys.select(pl.arg_sort_by(*_ORDER, nulls_last=False,
                                            maintain_order=True)).to_series()
@@ -446,7 +450,9 @@ class StoredLedger:
 
     @property
     def height(self) -> int:
-        return len(self._columns["run_id"])
+        if not self._columns:
+            self.frame(["run_id"])
+        return len(next(iter(self._columns.values())))
 
     def frame(self, columns: Iterable[str] | None = None) -> pl.DataFrame:
         """The ledger's ``columns`` (all, in the table's order of columns, when None), in the
