@@ -174,8 +174,8 @@ def _configure_ledger(parser: argparse.ArgumentParser) -> None:
                         help="rebuild every turn (default: only the conversations new spans "
                              "touched since the last build; DuckDB stores)")
     parser.add_argument("--partitions", type=_partitions, default=None, metavar="N",
-                        help="build a whole table in N ranges of conversations (DuckDB: each "
-                             "written as it is built): less memory, more time (default: one "
+                        help="build a whole table in N ranges of conversations, each "
+                             "written as it is built: less memory, more time (default: one "
                              "statement up to 1M turns, 250k on ClickHouse, then one range per "
                              "125k)")
 
