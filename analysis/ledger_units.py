@@ -401,7 +401,11 @@ def clickhouse_stamp(reader: Reader) -> str:
         f'SELECT count(), sum(cityHash64("TraceId", "SpanId")) FROM {quote(TRACES_TABLE)}',
         name="span rows' stamp"))
     count, hashed = rows[0]
-    return f"kvscope ledger: rules {rules_fingerprint()}, spans {count}, hash {hashed}"
+    return f"{_stamp_head(count)}, hash {hashed}"
+
+
+def _stamp_head(count: int) -> str:
+    return f"kvscope ledger: rules {rules_fingerprint()}, spans {count}"
 
 
 def stored_ledger(reader: Reader) -> pl.DataFrame | None:
@@ -516,7 +520,11 @@ def _current_on_clickhouse(reader: Reader) -> bool:
     _, found = reader.rows(query.Query(
         "SELECT comment FROM system.tables WHERE database = currentDatabase() "
         "AND name = $table", {"table": ledger_module.LEDGER_TABLE}, name="ledger stamp"))
-    if not found or not str(found[0][0]).startswith("kvscope ledger: "):
+    # The count first: ClickHouse answers it from its parts' metadata, where the stamp's hash
+    # reads every span id (a table the Collector still writes to is stale at once).
+    _, counted = reader.rows(query.Query(f"SELECT count() FROM {quote(TRACES_TABLE)}",
+                                         name="span rows"))
+    if not found or not str(found[0][0]).startswith(_stamp_head(counted[0][0]) + ", "):
         return False
     _, columns = reader.rows(query.Query(
         "SELECT name FROM system.columns WHERE database = currentDatabase() AND table = $table "

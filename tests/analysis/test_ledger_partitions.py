@@ -556,19 +556,25 @@ def own_clickhouse(store: Path, chdb_folder: Path) -> Iterator[ClickHouseReader]
         reader.close()
 
 
+def _span_rows(reader: ClickHouseReader) -> int:
+    return int(reader.rows(ledger_module.query.Query("SELECT count() FROM otel_traces"))[1][0][0])
+
+
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
         own_clickhouse: ClickHouseReader, whole: pl.DataFrame, partitions: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """After ``kvscope ledger --clickhouse`` (one statement or partitions), analyses read its
     table a few columns at a time (the ledger is not computed: ``ledger()`` is unavailable),
-    the ledger's rows in its order. A span stored after it, or other rules, make it stale:
-    the ledger is computed from the spans again."""
+    the ledger's rows in its order. A span stored after it, a span replaced by another (the
+    count the same), or other rules make it stale: the ledger is computed from the spans
+    again."""
     from kvscope.analysis.registry import LEDGER, AnalysisContext, whole_ledger
 
     reader = own_clickhouse
     assert ledger_units.stored_columns(reader) is None  # no table yet
     ledger_module.rebuild_clickhouse(reader.source, partitions=partitions)
+    spans = _span_rows(reader)
     with monkeypatch.context() as patched:
         patched.setattr(ledger_module, "ledger", None)
         stored = ledger_units.stored_columns(reader)
@@ -581,8 +587,15 @@ def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
     with monkeypatch.context() as patched:
         patched.setattr(ledger_units, "rules_fingerprint", lambda: "other rules")
         assert ledger_units.stored_columns(reader) is None
+    first = reader.rows(ledger_module.query.Query(
+        "SELECT min(SpanId) FROM otel_traces WHERE SpanName = 'kvscope.turn'"))[1][0][0]
     reader.engine.command(
         "INSERT INTO otel_traces SELECT * REPLACE (concat(SpanId, 'x') AS SpanId) "
-        "FROM otel_traces WHERE SpanName = 'kvscope.turn' LIMIT 1")
-    assert ledger_units.stored_columns(reader) is None
+        f"FROM (SELECT * FROM otel_traces WHERE SpanId = '{first}')")  # (a WHERE here: the alias)
+    assert _span_rows(reader) == spans + 1
+    assert ledger_units.stored_columns(reader) is None  # one span more
     assert isinstance(AnalysisContext(reader).get(LEDGER), pl.DataFrame)  # computed
+    reader.engine.command(f"ALTER TABLE otel_traces DELETE WHERE SpanId = '{first}' "
+                          "SETTINGS mutations_sync = 2")
+    assert _span_rows(reader) == spans  # as many span rows as it was built from, one other
+    assert ledger_units.stored_columns(reader) is None
