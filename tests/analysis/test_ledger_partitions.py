@@ -10,7 +10,9 @@ engines said hooks were missing on a few spans only (the run's value is their la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -542,7 +544,7 @@ def test_a_clickhouse_user_that_cannot_create_a_database_gets_the_one_statement(
 @pytest.fixture()
 def own_clickhouse(store: Path, chdb_folder: Path) -> Iterator[ClickHouseReader]:
     """The store's spans in a ClickHouse database of this test's own (it adds spans)."""
-    name = f"kvscope_stamp_{len(list(chdb_folder.iterdir()))}"
+    name = f"kvscope_stamp_{uuid.uuid4().hex[:8]}"
     otelcol.create_database(chdb_folder, name)
     reader = ClickHouseReader.connect(ClickHouseSource(f"chdb:{chdb_folder}", database=name),
                                       time_limit_s=None)
@@ -563,12 +565,12 @@ def _span_rows(reader: ClickHouseReader) -> int:
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
         own_clickhouse: ClickHouseReader, whole: pl.DataFrame, partitions: int,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        http_clickhouse: ClickHouseReader, monkeypatch: pytest.MonkeyPatch) -> None:
     """After ``kvscope ledger --clickhouse`` (one statement or partitions), analyses read its
     table a few columns at a time (the ledger is not computed: ``ledger()`` is unavailable),
-    the ledger's rows in its order. A span stored after it, a span replaced by another (the
-    count the same), or other rules make it stale: the ledger is computed from the spans
-    again."""
+    the ledger's rows in its order, in process and over HTTP. A span stored after it, a span
+    replaced by another (the count the same), or other rules make it stale: the ledger is
+    computed from the spans again."""
     from kvscope.analysis.registry import LEDGER, AnalysisContext, whole_ledger
 
     reader = own_clickhouse
@@ -584,6 +586,16 @@ def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
         assert_frame_equal(whole_ledger(ctx, ["x_request_id", "outcome", "prefill_ms"]),
                            whole.select("x_request_id", "outcome", "prefill_ms"),
                            check_exact=False, rel_tol=1e-12)
+        # Over HTTP (clickhouse-connect's types for the stamp, the comment and the columns).
+        over_http = ClickHouseReader.connect(dataclasses.replace(
+            http_clickhouse.source, database=reader.source.database), time_limit_s=None)
+        try:
+            stored = ledger_units.stored_columns(over_http)
+            assert stored is not None
+            assert_frame_equal(stored.frame(["x_request_id", "arrival", "outcome"]),
+                               whole.select("x_request_id", "arrival", "outcome"))
+        finally:
+            over_http.close()
     with monkeypatch.context() as patched:
         patched.setattr(ledger_units, "rules_fingerprint", lambda: "other rules")
         assert ledger_units.stored_columns(reader) is None
