@@ -192,19 +192,20 @@ def _partitions(text: str) -> int:
 
 def _run_ledger(args: argparse.Namespace) -> int:
     from kvscope.analysis.ledger import LEDGER_TABLE
+    from kvscope.progress import spinner
 
     source = store_source(args)
     if not isinstance(source, str):
         from kvscope.analysis.ledger import rebuild_clickhouse
 
-        rows = rebuild_clickhouse(source, partitions=args.partitions)
+        with spinner(f"kvscope ledger: rebuilding {LEDGER_TABLE} from the raw spans"):
+            rows = rebuild_clickhouse(source, partitions=args.partitions)
         print(f"{LEDGER_TABLE}: {rows} turns rebuilt from the raw spans in {source}")
         return 0
     if not Path(args.file).is_file():
         # Opening for writing would create an empty store and report 0 turns.
         raise SettingError(f"{args.file}: no such kvscope store")
     from kvscope.analysis.ledger_units import update
-    from kvscope.progress import spinner
 
     with spinner(f"kvscope ledger: bringing {LEDGER_TABLE} up to the raw spans"):
         done = update(args.file, full=args.full, partitions=args.partitions)
