@@ -235,26 +235,14 @@ def _run_table(db: Path, work: Path, turns: int, limit: float | None,
         print(f"\n{turns} turns ({db.name}): copied in {time.perf_counter() - start:.1f} s; "
               "kvscope ledger, then every analysis on its table (a fresh process each)",
               flush=True)
-        built = _in_process_capped(limit, _table, copy, partitions)
-        stopped = _stopped(built, limit)
-        if stopped:
-            print(f"  kvscope ledger: {stopped}")
+        built = _capped("kvscope ledger", limit, _table, copy, partitions)
+        if built is None:
             return
         print(f"  kvscope ledger: {built['rows']} rows in {built['table_s']:.1f} s, peak RSS "
               f"{built['peak_rss_mib']:.0f} MiB, temporary folder at most "
               f"{bench_ledger._spill(built)}, store +{built['grew_mib']:.0f} MiB "
               f"(store {db.stat().st_size / 2**20:.0f} MiB)", flush=True)
-        analysed = _in_process_capped(limit, bench_ledger._analyse, copy)
-        stopped = _stopped(analysed, limit)
-        if stopped:
-            print(f"  analyses on the table: {stopped}")
-            return
-        steps = "; ".join(f"{name} {'-' if s is None else f'{s:.1f}'}"
-                          for name, s, _ in analysed["steps"])
-        print(f"  analyses on the table: {analysed['total_s']:.1f} s, peak RSS "
-              f"{analysed['peak_rss_mib']:.0f} MiB ({steps})")
-        print(f"  together: {built['table_s'] + analysed['total_s']:.1f} s, peak RSS "
-              f"{max(built['peak_rss_mib'], analysed['peak_rss_mib']):.0f} MiB", flush=True)
+        _analyses_on_table(copy, built, limit)
 
 
 def _chdb_table(folder: Path, partitions: int | None = None) -> dict[str, Any]:
@@ -274,18 +262,31 @@ def _run_chdb_table(folder: Path, turns: int, limit: float | None,
                     partitions: int | None) -> None:
     """The ``table`` phase on chdb: ``kvscope ledger --clickhouse`` on the loaded folder."""
     print(f"\n{turns} turns ({folder.name}): kvscope ledger --clickhouse", flush=True)
-    built = _in_process_capped(limit, _chdb_table, folder, partitions)
-    stopped = _stopped(built, limit)
-    if stopped:
-        print(f"  kvscope ledger --clickhouse: {stopped}")
+    built = _capped("kvscope ledger --clickhouse", limit, _chdb_table, folder, partitions)
+    if built is None:
         return
     print(f"  kvscope ledger --clickhouse: {built['rows']} rows in {built['table_s']:.1f} s, "
           f"peak RSS {built['peak_rss_mib']:.0f} MiB (the scratch database's size: its log's "
           "\"staged in\" line)", flush=True)
-    analysed = _in_process_capped(limit, bench_ledger._analyse, _source(folder))
-    stopped = _stopped(analysed, limit)
+    _analyses_on_table(_source(folder), built, limit)
+
+
+def _capped(label: str, limit: float | None, fn: Any, *args: Any) -> dict[str, Any] | None:
+    """``fn(*args)`` in a fresh process under ``limit`` (:func:`_in_process_capped`); None,
+    said under ``label``, when it passed the limit."""
+    result = _in_process_capped(limit, fn, *args)
+    stopped = _stopped(result, limit)
     if stopped:
-        print(f"  analyses on the table: {stopped}")
+        print(f"  {label}: {stopped}")
+        return None
+    return result
+
+
+def _analyses_on_table(source: Any, built: dict[str, Any], limit: float | None) -> None:
+    """Every analysis over the ledger table ``kvscope ledger`` just ``built`` in ``source``
+    (a fresh process), printed with the build's figures added."""
+    analysed = _capped("analyses on the table", limit, bench_ledger._analyse, source)
+    if analysed is None:
         return
     steps = "; ".join(f"{name} {'-' if s is None else f'{s:.1f}'}"
                       for name, s, _ in analysed["steps"])
