@@ -65,7 +65,7 @@ from kvscope.store.reader import Reader
 from kvscope.store.schema import TRACES_TABLE, quote
 
 if TYPE_CHECKING:
-    from kvscope.store.clickhouse import ClickHouseReader, ClickHouseSource
+    from kvscope.store.clickhouse import ClickHouseReader
 
     # A reader the ledger can stage its span kinds on (:func:`partitioned_turn_rows`).
     _Staging = DuckDBReader | ClickHouseReader
@@ -1003,7 +1003,7 @@ def _each_partition(reader: _Staging, count: int, db: str, size: str,
     return done
 
 
-class _NoScratch(Exception):
+class NoScratch(Exception):
     """ClickHouse refused the scratch database the span kinds are staged in."""
 
 
@@ -1022,12 +1022,12 @@ _CLICKHOUSE_SIZE = ("SELECT sum(bytes_on_disk) FROM system.parts "
 @contextlib.contextmanager
 def _clickhouse_scratch(reader: ClickHouseReader) -> Iterator[str]:
     """A database of its own on the server for a build's tables, dropped when the build ends
-    (a failed one's too); :class:`_NoScratch` when ClickHouse refuses it (a read-only user)."""
+    (a failed one's too); :class:`NoScratch` when ClickHouse refuses it (a read-only user)."""
     db = f"kvscope_scratch_{uuid.uuid4().hex[:12]}"
     try:
         reader.execute(query.Query(f"CREATE DATABASE {db}", name="ledger partitions"))
     except StoreError as exc:  # a read-only user, say
-        raise _NoScratch(str(exc)) from None
+        raise NoScratch(str(exc)) from None
     try:
         yield db
     finally:
@@ -1563,7 +1563,7 @@ def _shaped(reader: Reader, count: int) -> pl.DataFrame:
     if count > 1 and _stages(reader):
         try:
             return pl.concat(partitioned_turn_rows(reader, count, shape), rechunk=False)
-        except _NoScratch as exc:
+        except NoScratch as exc:
             logger.warning("the ledger cannot stage its span kinds in partitions (%s); building "
                            "it in one statement", exc)
     return pl.concat(reader.map_batches(TURN_QUERY, shape), rechunk=False)
@@ -1785,38 +1785,6 @@ def rebuild(path: str | Path) -> int:
         con.close()
 
 
-def rebuild_clickhouse(source: ClickHouseSource, *, partitions: int | None = None) -> int:
-    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there;
-    return its row count.
-
-    The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back and are
-    shaped here. ``partitions``: as :func:`ledger`'s (ranges of conversations the rows are
-    built in). Built in partitions, each one's rows are written back to the server as they
-    come and the ledger is finished there (:func:`_clickhouse_table`: nothing of the whole
-    ledger held here); in one statement, it is written back whole. Either is swapped in.
-    """
-    from kvscope.analysis import ledger_units
-    from kvscope.store.clickhouse import ClickHouseReader
-
-    reader = ClickHouseReader.connect(source, time_limit_s=None)
-    try:
-        # What it is built from, taken first: spans stored while it builds make it stale.
-        stamp = ledger_units.clickhouse_stamp(reader)
-        count = partitions_for(reader) if partitions is None else partitions
-        if count > 1:
-            try:
-                return _clickhouse_table(reader, count, comment=stamp)
-            except _NoScratch as exc:
-                logger.warning("the ledger cannot stage its span kinds in partitions (%s); "
-                               "building it in one statement", exc)
-        whole = ledger(reader, partitions=1)
-        return reader.write_table(
-            LEDGER_TABLE, whole.with_row_index(ROW).cast({ROW: pl.UInt64}),
-            order_by=(ROW,), comment=stamp)
-    finally:
-        reader.close()
-
-
 # The ledger's table on ClickHouse has this column first: each row's place in the ledger's
 # order, the table's sort key (columns read apart line up by it: a ClickHouse scan's order is
 # not the table's).
@@ -1826,9 +1794,11 @@ _MARKED = {"invalid_kind": "$kind", "invalid_tokens": "m._tokens", "reuse_validi
            "outcome": "m._outcome", "evidence": "m._evidence"}
 
 
-def _clickhouse_table(reader: ClickHouseReader, count: int, *, comment: str = "",
-                      across_conversations: bool = True) -> int:
-    """:func:`build_table` on ClickHouse; return the ledger's rows. In a scratch database:
+def build_clickhouse_table(reader: ClickHouseReader, count: int, *, comment: str = "",
+                           across_conversations: bool = True) -> int:
+    """:func:`build_table` on ClickHouse, in ``count`` partitions: ``kvscope_ledger`` replaced;
+    return its rows; :class:`NoScratch` when ClickHouse refuses the scratch database (nothing
+    written: build it in one statement instead). In a scratch database:
     the span kinds staged, each partition's shaped rows inserted as they come (numbered
     ``_row`` in the ledger's order) with their taint inputs beside them; the taint pass reads
     those back narrow (:func:`_taint_passes`) and writes its marks there; the ledger is then
@@ -1897,9 +1867,9 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 
 __all__ = ["BUILDING_TABLE", "CLICKHOUSE_PARTITION_TURNS", "ENGINE_EVIDENCE_HOOKS",
     "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED", "HISTORY_FIRST",
-    "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "PARTITION_SIZE",
-    "PARTITION_TURNS", "QUERIES", "ROW", "TURN_QUERY", "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED",
-    "VALIDITY_VALID", "build", "build_table", "finish", "frame_turn_rows", "full_build",
-    "hook_decided", "ledger", "load_spans", "partitioned_turn_rows", "partitions_for", "persist",
-    "rebuild", "rebuild_clickhouse", "request_key", "runs", "shape", "swap_in", "taint_marks",
-    "turn_rows"]
+    "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "NoScratch",
+    "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "ROW", "TURN_QUERY", "VALIDITY_INVALID",
+    "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_clickhouse_table",
+    "build_table", "finish", "frame_turn_rows", "full_build", "hook_decided", "ledger",
+    "load_spans", "partitioned_turn_rows", "partitions_for", "persist", "rebuild",
+    "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]

@@ -29,11 +29,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import polars as pl
@@ -47,6 +49,11 @@ from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.reader import Reader
 from kvscope.store.schema import META_TABLE, TRACES_TABLE, quote
+
+if TYPE_CHECKING:
+    from kvscope.store.clickhouse import ClickHouseSource
+
+logger = logging.getLogger(__name__)
 
 # kvscope_meta keys: the highest otel_traces rowid the table has read, and the row count then.
 MARK_KEY = "ledger_span_mark"
@@ -408,6 +415,40 @@ def _stamp_head(count: int) -> str:
     return f"kvscope ledger: rules {rules_fingerprint()}, spans {count}"
 
 
+def rebuild_clickhouse(source: ClickHouseSource, *, partitions: int | None = None) -> int:
+    """Rebuild ``kvscope_ledger`` as a ClickHouse table from the Collector's raw spans there;
+    return its row count (``kvscope ledger --clickhouse``).
+
+    The per-turn query runs in ClickHouse (as in DuckDB); only its rows come back and are
+    shaped here. ``partitions``: as :func:`~kvscope.analysis.ledger.ledger`'s (ranges of
+    conversations the rows are built in). Built in partitions, each one's rows are written
+    back to the server as they come and the ledger is finished there
+    (:func:`~kvscope.analysis.ledger.build_clickhouse_table`: nothing of the whole ledger held
+    here); in one statement, it is written back whole. Either is swapped in, commented with
+    :func:`clickhouse_stamp`, taken before the build reads anything (spans stored while it
+    builds make it stale).
+    """
+    from kvscope.store.clickhouse import ClickHouseReader
+
+    reader = ClickHouseReader.connect(source, time_limit_s=None)
+    try:
+        stamp = clickhouse_stamp(reader)
+        count = ledger_module.partitions_for(reader) if partitions is None else partitions
+        if count > 1:
+            try:
+                return ledger_module.build_clickhouse_table(reader, count, comment=stamp)
+            except ledger_module.NoScratch as exc:
+                logger.warning("the ledger cannot stage its span kinds in partitions (%s); "
+                               "building it in one statement", exc)
+        whole = ledger_module.ledger(reader, partitions=1)
+        row = ledger_module.ROW
+        return reader.write_table(ledger_module.LEDGER_TABLE,
+                                  whole.with_row_index(row).cast({row: pl.UInt64}),
+                                  order_by=(row,), comment=stamp)
+    finally:
+        reader.close()
+
+
 def stored_ledger(reader: Reader) -> pl.DataFrame | None:
     """The store's ``kvscope_ledger`` table when it is the ledger its spans give now (``kvscope
     ledger`` built or updated it since the last span row was stored, with these rules and
@@ -709,7 +750,7 @@ def update(path: str | Path, *, full: bool = False, partitions: int | None = Non
 
 
 __all__ = ["COUNT_KEY", "MARK_KEY", "RULES_KEY", "STORED_KEY", "STORED_PREFIX", "StoredLedger",
-    "Touched",
-    "Update", "clickhouse_stamp", "rules_fingerprint", "stored_columns", "stored_fingerprint",
-    "stored_ledger", "stored_queries", "stored_table_query", "stored_tables", "touched",
-    "unit_expr", "unit_frames", "unit_key", "unit_rows", "units_of", "update", "update_connection"]
+    "Touched", "Update", "clickhouse_stamp", "rebuild_clickhouse", "rules_fingerprint",
+    "stored_columns", "stored_fingerprint", "stored_ledger", "stored_queries",
+    "stored_table_query", "stored_tables", "touched", "unit_expr", "unit_frames", "unit_key",
+    "unit_rows", "units_of", "update", "update_connection"]

@@ -196,7 +196,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
 
     source = store_source(args)
     if not isinstance(source, str):
-        from kvscope.analysis.ledger import rebuild_clickhouse
+        from kvscope.analysis.ledger_units import rebuild_clickhouse
 
         with spinner(f"kvscope ledger: rebuilding {LEDGER_TABLE} from the raw spans"):
             rows = rebuild_clickhouse(source, partitions=args.partitions)

@@ -491,7 +491,7 @@ def test_kvscope_ledger_on_clickhouse_writes_the_ledger_built_in_partitions(
     before = _databases(clickhouse)
     statements = _statements_run(monkeypatch)
     monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
-    assert ledger_module.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
+    assert ledger_units.rebuild_clickhouse(clickhouse.source, partitions=3) == whole.height
     assert statements == [f"ledger turns, partition {i} of 3" for i in (1, 2, 3)]
     assert_frame_equal(_clickhouse_table(clickhouse), whole, check_exact=False, rel_tol=1e-12)
     assert _databases(clickhouse) == before
@@ -502,7 +502,7 @@ def test_a_clickhouse_ledger_that_fails_to_write_leaves_the_last_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A build that fails on the way (here the server refuses the final write) leaves the
     ledger table as it was, and no scratch database or half-written table behind."""
-    ledger_module.rebuild_clickhouse(clickhouse.source, partitions=1)
+    ledger_units.rebuild_clickhouse(clickhouse.source, partitions=1)
     before = _databases(clickhouse)
     real = ClickHouseReader.write_table_as
 
@@ -512,7 +512,7 @@ def test_a_clickhouse_ledger_that_fails_to_write_leaves_the_last_one(
         real(self, name, schema, bad, **kw)
     monkeypatch.setattr(ClickHouseReader, "write_table_as", refused)
     with pytest.raises(ledger_module.StoreError, match="no_such_column"):
-        ledger_module.rebuild_clickhouse(clickhouse.source, partitions=2)
+        ledger_units.rebuild_clickhouse(clickhouse.source, partitions=2)
     assert _databases(clickhouse) == before
     assert_frame_equal(_clickhouse_table(clickhouse), whole, check_exact=False, rel_tol=1e-12)
     tables = clickhouse.frame(ledger_module.query.Query(
@@ -575,7 +575,7 @@ def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
 
     reader = own_clickhouse
     assert ledger_units.stored_columns(reader) is None  # no table yet
-    ledger_module.rebuild_clickhouse(reader.source, partitions=partitions)
+    ledger_units.rebuild_clickhouse(reader.source, partitions=partitions)
     spans = _span_rows(reader)
     with monkeypatch.context() as patched:
         patched.setattr(ledger_module, "ledger", None)

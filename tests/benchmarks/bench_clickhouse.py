@@ -26,7 +26,7 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
                itself (its ``kvscope_ledger`` table replaced): time and peak RSS (the
                folder's size moves with ClickHouse's background merges); a partitioned
                build writes each partition's rows to the server as they come
-               (``_clickhouse_table``). Then every analysis, which reads
+               (``build_clickhouse_table``). Then every analysis, which reads
                that table while its stamp matches the spans (``StoredLedger``), a fresh process.
     load       nothing more: the data made and loaded into chdb (to measure later, idle).
 
@@ -249,11 +249,11 @@ def _chdb_table(folder: Path, partitions: int | None = None) -> dict[str, Any]:
     """``kvscope ledger --clickhouse chdb:<folder>`` (``partitions``: its ``--partitions``)."""
     import logging
 
-    from kvscope.analysis import ledger
+    from kvscope.analysis import ledger_units
 
     logging.basicConfig(level=logging.INFO, format="    %(asctime)s %(message)s")
     start = time.perf_counter()
-    rows = ledger.rebuild_clickhouse(_source(folder), partitions=partitions)
+    rows = ledger_units.rebuild_clickhouse(_source(folder), partitions=partitions)
     return {"table_s": time.perf_counter() - start, "rows": rows,
             "peak_rss_mib": bench_ledger._peak_rss_mib()}
 

@@ -863,7 +863,9 @@ def test_build_app_leaves_the_processes_collector_alone(tmp_path: Path) -> None:
     threshold_before = gc.get_threshold()
     with deployment(tmp_path, spans=False) as dep:
         assert dep.chat("c").status_code == 200
-        assert gc.get_freeze_count() == frozen_before
+        # Nothing frozen (serve freezes ~100k+ objects): an object an earlier test froze may be
+        # freed meanwhile, and leaves the permanent generation smaller, not larger.
+        assert gc.get_freeze_count() <= frozen_before
         assert gc.get_threshold() == threshold_before
 
 
