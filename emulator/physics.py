@@ -48,6 +48,14 @@ GLM-5 moves 2.7x the bytes per rank. One constant per host and NIXL version, sha
 models. Without it, Qwen3-32B's 24k ON prefill (414 ms) needed ~155 ms more than its read and
 its compute, which no other term gave, and GLM-5's nothing.
 
+What the term is, though, a real NIXL does not show (``tests/benchmarks/bench_nixl_descriptors.py``,
+NIXL 1.5.1, UCX over DRAM on this project's CPU machine): ``make_prepped_xfer`` costs
+0.01-0.03 µs a descriptor (3 ms for 105k; the fit says 1.51 µs), and the post that does cost
+per descriptor (2.4-4.8 µs each here) is inside NIXL's ``xferDuration``, the published transfer
+time (``postDuration`` <= ``xferDuration``). So the term is a fitted residual per pulled
+descriptor whose cause is not known (other candidates, not measured: the slowest of the 8 ranks'
+reads where the published figure is their mean, the scheduler's step after a read completes).
+
 Every constant is fitted by least squares on relative errors; the model is linear in its
 constants (``fixed_ms``, ``1 / efficiency``, the latency, the per-block cost, the per-descriptor
 cost), so the fit is exact linear algebra. A time that comes out negative (a fitted negative
