@@ -249,7 +249,9 @@ def _whole_ledger(ctx: AnalysisContext) -> Any:
     from kvscope.analysis import ledger_units
 
     stored = ledger_units.stored_columns(ctx.reader)
-    return stored if stored is not None else ledger_module.ledger(ctx.reader)
+    if stored is not None:
+        return stored
+    return ledger_units.categorical(ledger_module.ledger(ctx.reader))
 
 
 def whole_ledger(ctx: AnalysisContext, columns: Sequence[str] | None = None) -> pl.DataFrame:

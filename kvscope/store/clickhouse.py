@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import polars as pl
+import polars.selectors as cs
 import pyarrow as pa
 
 from kvscope.errors import StoreError
@@ -307,7 +308,8 @@ class ClickHouseReader:
     def insert(self, table: str, frame: pl.DataFrame, database: str = "") -> None:
         """Append ``frame``'s rows to ``table`` (of ``database``, else the reader's)."""
         _translate(self.source, self.time_limit_s,
-                   lambda: self._engine.insert_arrow(table, frame.to_arrow(), database))
+                   lambda: self._engine.insert_arrow(table, _strings(frame).to_arrow(),
+                                                     database))
 
     @property
     def engine(self) -> Engine:
@@ -323,6 +325,12 @@ class ClickHouseReader:
         self._engine.close()
 
 
+def _strings(frame: pl.DataFrame) -> pl.DataFrame:
+    """``frame`` with its Categorical columns (an analysis's vocabularies) as the strings they
+    are stored as."""
+    return frame.with_columns(cs.categorical().cast(pl.String))
+
+
 def clickhouse_type(dtype: pl.DataType) -> str:
     """The ClickHouse column type for a polars type of a derived table (nullable)."""
     if isinstance(dtype, pl.Datetime):
@@ -330,8 +338,9 @@ def clickhouse_type(dtype: pl.DataType) -> str:
         zone = f", '{dtype.time_zone}'" if dtype.time_zone else ""
         inner = f"DateTime64({unit}{zone})"
     else:
-        names = {pl.String: "String", pl.Int64: "Int64", pl.Int32: "Int32",
-                 pl.Float64: "Float64", pl.Boolean: "Bool", pl.UInt64: "UInt64"}
+        names = {pl.String: "String", pl.Categorical: "String", pl.Int64: "Int64",
+                 pl.Int32: "Int32", pl.Float64: "Float64", pl.Boolean: "Bool",
+                 pl.UInt64: "UInt64"}
         inner = next((v for k, v in names.items() if isinstance(dtype, k)), "")
         if not inner:
             raise TypeError(f"no ClickHouse column type for {dtype}")
@@ -346,6 +355,8 @@ def replace_table(engine: Engine, name: str, frame: pl.DataFrame,
     where the database supports it; a drop and a rename otherwise). ``comment``: the new
     table's (what it was built from, say), swapped in with it.
     """
+    frame = _strings(frame)
+
     def fill(staging: str) -> None:
         if frame.height:
             engine.insert_arrow(staging, frame.to_arrow())

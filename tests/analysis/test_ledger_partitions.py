@@ -574,6 +574,7 @@ def test_analyses_on_clickhouse_read_the_ledger_table_while_it_is_current(
     from kvscope.analysis.registry import LEDGER, AnalysisContext, whole_ledger
 
     reader = own_clickhouse
+    whole = ledger_units.categorical(whole)  # what analyses read (Categorical vocabularies)
     assert ledger_units.stored_columns(reader) is None  # no table yet
     ledger_units.rebuild_clickhouse(reader.source, partitions=partitions)
     spans = _span_rows(reader)

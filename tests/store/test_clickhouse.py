@@ -127,6 +127,7 @@ def test_the_engine_sends_back_one_row_per_turn(
     same on both; the span rows themselves never leave the engine on the ledger's path."""
     d, c = both
     from kvscope.analysis import ledger as ledger_module
+    from kvscope.analysis.ledger_units import categorical
 
     def no_extraction(reader: object) -> None:
         raise AssertionError("the ledger read span rows back instead of per-turn rows")
@@ -148,7 +149,8 @@ def test_the_engine_sends_back_one_row_per_turn(
     for reader in (d.reader, c.reader):
         parts = reader.map_batches(ledger_module.TURN_QUERY, ledger_module.shape, rows=97)
         assert len(parts) > 1
-        assert_frame_equal(ledger_module.finish(pl.concat(parts)), whole, check_exact=True)
+        assert_frame_equal(categorical(ledger_module.finish(pl.concat(parts))),
+                           whole, check_exact=True)
 
 
 @pytest.mark.parametrize("name", list(registry.analyses()))
@@ -199,7 +201,10 @@ def test_the_ledger_is_written_back_as_a_clickhouse_table(
     ledger = c.ledger()
     assert c.reader.write_table(LEDGER_TABLE, ledger) == ledger.height
     c.reader.write_table(LEDGER_TABLE, ledger)  # replacing keeps one copy
-    stored = c.reader.frame(Query(f"SELECT * FROM {LEDGER_TABLE}"))
+    # Stored as strings; analyses read the vocabularies as Categoricals.
+    from kvscope.analysis.ledger_units import categorical
+
+    stored = categorical(c.reader.frame(Query(f"SELECT * FROM {LEDGER_TABLE}")))
     key = ["run_id", "conversation_id", "turn_index", "arrival"]
     assert_frame_equal(stored.sort(key, nulls_last=True), ledger.sort(key, nulls_last=True))
 
