@@ -119,7 +119,10 @@ class _Chdb:
                 # one throw-away query takes it (tests/store/test_clickhouse.py checks this).
                 self._session.query("SELECT 1")
             raise
-        return pa.ipc.open_stream(result.bytes()).read_all()
+        # Decompressed with the C library's allocator, which returns what polars' copy of the
+        # result frees at once (pyarrow's default pool kept it: +0.4 GiB at 10M turns).
+        return pa.ipc.open_stream(result.bytes(),
+                                  memory_pool=pa.system_memory_pool()).read_all()
 
     def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
         self._session.query(sql, params=dict(params or {}))
