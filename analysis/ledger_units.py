@@ -479,8 +479,9 @@ def categorical(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 class StoredLedger:
-    """The stored ``kvscope_ledger`` table (:func:`stored_columns`), read a few columns at a
-    time as analyses ask for them, each kept once read.
+    """The stored ``kvscope_ledger`` table (:func:`stored_columns`), read a column at a time
+    as analyses ask for them, each kept once read (vocabularies as Categoricals:
+    :data:`CATEGORICAL`).
 
     An analysis that needs six of the ledger's columns holds those six: at 10M turns the whole
     ledger is ~12 GiB resident in polars (its strings keep DuckDB's Arrow buffers), most of it
