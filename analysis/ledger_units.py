@@ -44,6 +44,7 @@ import kvscope
 from kvscope import semconv, settings
 from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis import stored_queries as stored_queries_module
+from kvscope.errors import QueryOutOfMemory
 from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
@@ -497,6 +498,8 @@ class StoredLedger:
     # peaked at 8.8 GiB eight at a time, 7.5 one at a time, in the same ~20 s (1M: 1.6 and 1.3
     # GiB, ~2 s).
     read_columns = 1
+    # Rows a batch of a column's read is cast in (:meth:`_read`).
+    batch_rows = 1 << 20
 
     def __init__(self, reader: Reader) -> None:
         self._reader = reader
@@ -504,12 +507,11 @@ class StoredLedger:
         self._order: pl.Series | None = None
         if reader.dialect is query.CLICKHOUSE:
             return  # read ORDER BY _row: in the ledger's order already, no key read first
-        keys = self._read(_ORDER)
-        order = keys.select(pl.arg_sort_by(*_ORDER, nulls_last=False,
-                                           maintain_order=True)).to_series()
-        # Built whole: already in order (a sorted copy of 1M rows costs ~1 GiB).
-        self._order = None if (order == pl.int_range(
-            keys.height, dtype=pl.UInt32, eager=True)).all() else order
+        keys = pl.concat([self._read([name]) for name in _ORDER], how="horizontal")
+        # Built whole: already in order, and no permutation is taken (sorting 10M rows by the
+        # four keys held ~1.7 GiB more).
+        self._order = None if _in_order(keys) else keys.select(pl.arg_sort_by(
+            *_ORDER, nulls_last=False, maintain_order=True)).to_series()
         self._keep(keys)
 
     @property
@@ -539,15 +541,43 @@ class StoredLedger:
         # A ClickHouse scan's order is no table's: its rows are read by their place.
         ordered = (f" ORDER BY {ledger_module.ROW}"
                    if self._reader.dialect is query.CLICKHOUSE else "")
-        return self._reader.frame(query.Query(
-            f"SELECT {listed} FROM {quote(ledger_module.LEDGER_TABLE)}{ordered}",
-            name="stored ledger columns")).cast(wanted)  # type: ignore[arg-type]
+        read = query.Query(f"SELECT {listed} FROM {quote(ledger_module.LEDGER_TABLE)}{ordered}",
+                           name="stored ledger columns")
+        try:
+            # A plain scan: on DuckDB through an instance that caches little of what it read.
+            return self._scan(self._reader.scanner(), read, wanted)
+        except QueryOutOfMemory:
+            return self._scan(self._reader, read, wanted)
+
+    def _scan(self, reader: Reader, read: query.Query,
+              wanted: dict[str, pl.DataType]) -> pl.DataFrame:
+        if not set(CATEGORICAL).intersection(wanted):
+            return reader.frame(read).cast(wanted)  # type: ignore[arg-type]
+        # A vocabulary is cast a batch at a time: read whole it was a String column of every
+        # row before it became a Categorical, memory the allocators kept (10M rows: 50-300 MiB
+        # a column, where its Categorical is 38). Not other strings: their batches, put in one
+        # chunk, held more than one read (request ids: +890 MiB against +690).
+        parts = reader.map_batches(read, lambda batch: batch.cast(
+            wanted), rows=self.batch_rows)  # type: ignore[arg-type]
+        return pl.concat(parts, rechunk=True)  # one chunk: analyses over many cost more
 
     def _keep(self, frame: pl.DataFrame) -> None:
         if self._order is not None:
             frame = frame[self._order]
         for series in frame.iter_columns():
             self._columns[series.name] = series
+
+
+def _in_order(keys: pl.DataFrame) -> bool:
+    """Whether ``keys``' rows are in the order a stable sort by its columns, nulls first,
+    would give them: each row compared with the one before, column by column, no sort."""
+    later = pl.lit(True)  # what decides a tie on every column (a stable sort keeps the rows)
+    for name in reversed(keys.columns):
+        before, this = pl.col(name).shift(1), pl.col(name)
+        # A null sorts before any value and ties with a null.
+        less = (before < this).fill_null(before.is_null() & this.is_not_null())
+        later = less | (before.eq_missing(this) & later)
+    return bool(keys.lazy().select(later.slice(1).all()).collect().item())
 
 
 def _current(reader: Reader) -> bool:
@@ -628,6 +658,16 @@ def stored_tables(reader: Reader) -> frozenset[str]:
     if meta != [(stored_fingerprint(queries),)]:
         return frozenset()
     return frozenset(name for name in queries if reader.has_table(STORED_PREFIX + name))
+
+
+def scan(reader: Reader, read: query.Query) -> pl.DataFrame:
+    """``read``, a plain scan of a table kvscope keeps, through the reader's
+    :meth:`~kvscope.store.reader.Reader.scanner` (on DuckDB an instance that caches little of
+    what it read), or through the reader itself where that runs out of memory."""
+    try:
+        return reader.scanner().frame(read)
+    except QueryOutOfMemory:
+        return reader.frame(read)
 
 
 def stored_table_query(name: str, sql: query.Query) -> query.Query:
@@ -771,6 +811,6 @@ def update(path: str | Path, *, full: bool = False, partitions: int | None = Non
 
 __all__ = ["CATEGORICAL", "COUNT_KEY", "MARK_KEY", "RULES_KEY", "STORED_KEY", "STORED_PREFIX",
     "StoredLedger", "Touched", "Update", "categorical", "clickhouse_stamp", "rebuild_clickhouse",
-    "rules_fingerprint", "stored_columns", "stored_fingerprint", "stored_ledger",
+    "rules_fingerprint", "scan", "stored_columns", "stored_fingerprint", "stored_ledger",
     "stored_queries", "stored_table_query", "stored_tables", "touched", "unit_expr",
     "unit_frames", "unit_key", "unit_rows", "units_of", "update", "update_connection"]

@@ -227,7 +227,7 @@ class AnalysisContext:
         name = stored_queries.name_of(sql)
         if name is not None and name in self.cached(
                 _STORED_TABLES, lambda: ledger_units.stored_tables(self.reader)):
-            sql = ledger_units.stored_table_query(name, sql)
+            return ledger_units.scan(self.reader, ledger_units.stored_table_query(name, sql))
         return self.reader.frame(sql)
 
 

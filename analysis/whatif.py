@@ -624,6 +624,8 @@ def whatif_table(
                          run_retentions.height > 0)
                 for s in grid[start:start + SETTINGS_AT_ONCE]
             ])
+        # Gone before the next run's are made (at 10M turns in two runs, a run's are ~1 GiB).
+        del turns
         rows = pl.concat(summaries).join(counts, how="cross").with_columns(
             pl.when(pl.col("reusable_tokens") > 0)
             .then(pl.col("reused_tokens") / pl.col("reusable_tokens")).alias("token_reuse_rate"),

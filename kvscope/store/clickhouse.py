@@ -258,6 +258,11 @@ class ClickHouseReader:
     def frame(self, query: Query) -> pl.DataFrame:
         return pl.DataFrame(self.arrow(query))
 
+    def scanner(self) -> ClickHouseReader:
+        """As :meth:`Reader.scanner`: this reader (ClickHouse keeps no cache of the blocks a
+        query read unless asked: ``use_uncompressed_cache`` is off by default)."""
+        return self
+
     def execute(self, query: Query) -> None:
         """Run ``query``, a statement with no result (the ledger's scratch tables)."""
         text = query.text(CLICKHOUSE)

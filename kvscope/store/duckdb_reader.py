@@ -12,7 +12,7 @@ import duckdb
 import polars as pl
 
 from kvscope.errors import QueryOutOfMemory
-from kvscope.store.database import open_readonly
+from kvscope.store.database import open_readonly, open_scanner
 from kvscope.store.query import DUCKDB, Dialect, Query
 from kvscope.store.reader import query_error
 
@@ -31,19 +31,34 @@ class DuckDBReader:
 
     dialect: Dialect = DUCKDB
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, time_limit_s: float | None = 60.0):
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, time_limit_s: float | None = 60.0,
+                 path: str | Path | None = None):
         self._con = con
         self.time_limit_s = time_limit_s
+        self._path = path  # the store file this reader opened (None: a cursor on another's)
+        self._scanner: DuckDBReader | None = None
 
     @classmethod
     def open(cls, path: str | Path, *, time_limit_s: float | None = 60.0) -> DuckDBReader:
         """The store at ``path``, read-only."""
-        return cls(open_readonly(path), time_limit_s=time_limit_s)
+        return cls(open_readonly(path), time_limit_s=time_limit_s, path=path)
 
     def cursor(self) -> DuckDBReader:
         """A reader on a connection of its own to the same database: its temporary tables are
         its own and go when it is closed."""
         return DuckDBReader(self._con.cursor(), time_limit_s=self.time_limit_s)
+
+    def scanner(self) -> DuckDBReader:
+        """As :meth:`Reader.scanner`: the same file in a DuckDB instance of its own under a
+        small memory limit (:func:`~kvscope.store.database.open_scanner`), opened once and
+        closed with this reader; this reader itself where it opened no file (a cursor on the
+        writer's connection)."""
+        if self._path is None:
+            return self
+        if self._scanner is None:
+            self._scanner = DuckDBReader(open_scanner(self._path),
+                                         time_limit_s=self.time_limit_s)
+        return self._scanner
 
     def has_table(self, name: str) -> bool:
         _, rows = self.rows(Query("SELECT count(*) FROM information_schema.tables "
@@ -118,6 +133,9 @@ class DuckDBReader:
         self._con.interrupt()
 
     def close(self) -> None:
+        if self._scanner is not None:
+            self._scanner.close()
+            self._scanner = None
         self._con.close()
 
 

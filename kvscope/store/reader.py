@@ -52,6 +52,12 @@ class Reader(Protocol):
         """Whether the store has a table (or view) called ``name``."""
         ...
 
+    def scanner(self) -> Reader:
+        """A reader of the same store for plain scans that need little of the engine's memory
+        (a stored table read a column at a time), whose cache of what it read stays small;
+        this reader where its engine keeps no such cache beside its results."""
+        ...
+
     def interrupt(self) -> None:
         """Stop the query running on this reader now, from another thread (it fails with a
         QueryError); nothing when none runs."""

@@ -27,6 +27,8 @@ from kvscope.analysis.ledger_units import (
     update_connection,
 )
 from kvscope.emulator.simulator import SimulationSettings, simulate
+from kvscope.errors import QueryError
+from kvscope.store import query
 from kvscope.store.database import open_store
 from kvscope.store.duckdb_reader import DuckDBReader
 from tests.stores import busy_workload, simulate_faults
@@ -272,3 +274,88 @@ def test_analyses_read_stored_queries_tables_only_while_they_are_current(
         _assert_stored_queries_current(con)
     finally:
         con.close()
+
+
+_KEYS = st.lists(st.tuples(st.sampled_from(["a", "b", None]), st.sampled_from(["x", "y", None]),
+                           st.integers(0, 2) | st.none(), st.integers(0, 3) | st.none()),
+                 max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=_KEYS)
+def test_rows_are_in_order_exactly_when_a_stable_sort_leaves_them(
+        rows: list[tuple[object, ...]]) -> None:
+    """The stored ledger's order check (no sort) against the sort it stands for: nulls first,
+    ties kept, every key column deciding only on a tie of those before it."""
+    from kvscope.analysis.ledger_units import _in_order
+
+    keys = pl.DataFrame(rows, schema={"run_id": pl.String, "conversation_id": pl.String,
+                                      "turn_index": pl.Int64, "arrival": pl.Int64},
+                        orient="row")
+    order = keys.select(pl.arg_sort_by(*keys.columns, nulls_last=False,
+                                       maintain_order=True)).to_series()
+    assert _in_order(keys) == (order.to_list() == list(range(keys.height)))
+
+
+def _cached_table_bytes(reader: DuckDBReader) -> int:
+    return int(reader.rows(query.Query(
+        "SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory() "
+        "WHERE tag = 'BASE_TABLE'"))[1][0][0])
+
+
+class _Exhausted:
+    """A scanner every read of which runs out of memory."""
+
+    def frame(self, *args: object, **kwargs: object) -> pl.DataFrame:
+        from kvscope.errors import QueryOutOfMemory
+
+        raise QueryOutOfMemory("out of the scanner's memory")
+
+    map_batches = frame
+
+
+def test_the_stored_ledger_is_read_through_a_scanner_that_caches_little(
+        spans: pa.Table, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Analyses read the stored ledger's columns and the stored queries' tables through the
+    reader's scanner (a DuckDB instance of the file under SCAN_MEMORY_LIMIT, sealed as readers
+    are), so the reader's own instance caches none of those tables' blocks; where the scanner
+    runs out of memory they are read through the reader, with the same result."""
+    from kvscope.analysis import registry, stored_queries
+    from kvscope.store.database import SCAN_MEMORY_LIMIT
+
+    db = tmp_path / "store.duckdb"
+    _append(db, spans)
+    assert cli.main(["ledger", str(db)]) == 0
+    limit = duckdb.connect()
+    limit.execute(f"SET memory_limit = '{SCAN_MEMORY_LIMIT}'")
+    shown = limit.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+    def analysed() -> tuple[pl.DataFrame, pl.DataFrame, int]:
+        with registry.AnalysisContext.open(db) as ctx:
+            reader = ctx.reader
+            assert isinstance(reader, DuckDBReader)
+            before = _cached_table_bytes(reader)
+            frames = ctx.ledger(), ctx.frame(stored_queries.RETENTION_SPANS)
+            return *frames, _cached_table_bytes(reader) - before
+
+    reader = DuckDBReader.open(db)
+    try:
+        scanner = reader.scanner()
+        assert scanner is not reader and scanner is reader.scanner()
+        assert scanner.rows(query.Query(
+            "SELECT current_setting('memory_limit'), current_setting('enable_external_access'), "
+            "current_setting('lock_configuration')"))[1] == [(shown, False, True)]
+        cursor = reader.cursor()
+        assert cursor.scanner() is cursor  # a cursor on another's connection has no file
+    finally:
+        reader.close()
+    with pytest.raises(QueryError, match="closed"):  # closed with its reader
+        scanner.rows(query.Query("SELECT 1"))
+
+    ledger_frame, retentions, cached = analysed()
+    assert ledger_frame.height and retentions.height
+    assert cached == 0  # fails when the reader itself reads them (DuckDB caches what it read)
+    monkeypatch.setattr(DuckDBReader, "scanner", lambda self: _Exhausted())
+    again, retentions_again, cached = analysed()
+    assert cached > 0  # read through the reader this time
+    assert again.equals(ledger_frame) and retentions_again.equals(retentions)
