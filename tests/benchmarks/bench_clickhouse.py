@@ -18,7 +18,8 @@ Phases, each in its own fresh (spawned) process so each peak RSS (``ru_maxrss``)
                includes chdb's engine, which runs inside it.
     table      DuckDB: ``kvscope ledger`` (``ledger_units.update(full=True)``) on a copy of
                the store (``--work-dir``), then every analysis over the table it wrote
-               (``stored_ledger``), each in a fresh process; time, peak RSS and the largest
+               (``stored_ledger``), all of them in one fresh process after the build's own
+               (each analysis alone: bench_analyses.py); time, peak RSS and the largest
                the store's temporary folder grew (DuckDB's spill and the build's scratch
                database), and the copy's growth. A large store's build writes each partition's
                rows as they come (analysis/ledger.py ``build_table``). The copy is removed.
