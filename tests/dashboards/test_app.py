@@ -228,3 +228,47 @@ def test_server_serves_layout_and_pages_without_cdn(
         layout = json.loads(urllib.request.urlopen(server.url + "/_dash-layout",
                                                    timeout=30).read())
         assert "filter-runs" in json.dumps(layout)
+
+
+def test_filter_options_read_a_few_ledger_columns_not_the_whole_ledger(
+        simulated: tuple[Path, list[SimulationResult]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs, engines, conversations and the time span (every page's filter options) read their
+    few columns of a stored ledger, where they read the whole ``ledger`` analysis (every
+    column: ~7.5 GiB at 10M turns), with the options the whole ledger gives."""
+    import shutil
+
+    from kvscope import cli
+    from kvscope.analysis import ledger_units
+
+    db = tmp_path / "stored.duckdb"
+    shutil.copy(simulated[0], db)
+    assert cli.main(["ledger", str(db)]) == 0
+    asked: list[str] = []
+    frame = ledger_units.StoredLedger.frame
+
+    def recorded(self: ledger_units.StoredLedger, columns: Any = None) -> pl.DataFrame:
+        asked.extend(["(every column)"] if columns is None else columns)
+        return frame(self, columns)
+
+    monkeypatch.setattr(ledger_units.StoredLedger, "frame", recorded)
+    data = open_data(db)
+    try:
+        ids = set(data.runs()["run_id"].to_list())
+        engines = data.engines()
+        conversations = data.conversations(Filters())
+        span = data.time_span_s()
+        assert set(asked) == {"run_id", "prefill_engine", "decode_engine", "conversation_id",
+                              "arrival", "end"}
+        whole = data.ledger()  # the listing: every column
+        assert "(every column)" in asked
+    finally:
+        data.close()
+    assert ids == set(whole["run_id"].to_list())
+    assert engines == sorted({v for c in ("prefill_engine", "decode_engine")
+                              for v in whole[c].unique().to_list() if v})
+    assert conversations.equals(whole.group_by("run_id", "conversation_id").agg(
+        pl.len().alias("turns")).sort("run_id", "conversation_id"))
+    assert span == whole.group_by("run_id").agg(
+        ((pl.col("end").max() - pl.col("arrival").min()).dt.total_nanoseconds() / 1e9)
+        .alias("s"))["s"].max()
