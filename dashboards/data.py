@@ -95,6 +95,9 @@ class Filters:
         return self.conversation is not None or self.start_s is not None or \
             self.end_s is not None
 
+    # The ledger columns select_ledger reads.
+    LEDGER_COLUMNS = ("run_id", "arrival", "prefill_engine", "decode_engine", "conversation_id")
+
     def select_ledger(self, ledger: pl.DataFrame) -> pl.DataFrame:
         """Ledger rows inside the time window, engine and conversation selection (pure).
 
@@ -146,11 +149,19 @@ class ScopedContext(AnalysisContext):
         return self.base.frame(sql)
 
     def ledger(self, columns: Sequence[str] | None = None) -> pl.DataFrame:
-        """The ledger rows of this selection (the whole ledger is built once, in the base)."""
-        if self._ledger is None:
-            self._ledger = self.filters.select_ledger(self.select_runs(self.base.ledger()))
-        return self._ledger if columns is None else self._ledger.select(
-            list(dict.fromkeys(columns)))
+        """The ledger rows of this selection (the ledger is built once, in the base): every
+        column, kept for the selection; or ``columns`` only, with what the filters read, from
+        the base (a stored ledger's columns are read there once; here only the rows selected
+        of the columns asked for are copied)."""
+        if columns is None:
+            if self._ledger is None:
+                self._ledger = self.filters.select_ledger(self.select_runs(self.base.ledger()))
+            return self._ledger
+        if self._ledger is not None:
+            return self._ledger.select(list(dict.fromkeys(columns)))
+        asked = list(dict.fromkeys(columns))
+        read = list(dict.fromkeys([*asked, *Filters.LEDGER_COLUMNS]))
+        return self.filters.select_ledger(self.select_runs(self.base.ledger(read))).select(asked)
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs, and of the selected engine where a frame names engines."""

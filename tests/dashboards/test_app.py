@@ -272,3 +272,52 @@ def test_filter_options_read_a_few_ledger_columns_not_the_whole_ledger(
     assert span == whole.group_by("run_id").agg(
         ((pl.col("end").max() - pl.col("arrival").min()).dt.total_nanoseconds() / 1e9)
         .alias("s"))["s"].max()
+
+
+def test_a_selection_reads_the_columns_its_analyses_name(
+        simulated: tuple[Path, list[SimulationResult]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filtered selection's analyses read their columns (and the filters') from the stored
+    ledger, not every column, and give what they give over the whole selection."""
+    import shutil
+
+    from kvscope import cli
+    from kvscope.analysis import ledger_units
+
+    db = tmp_path / "stored.duckdb"
+    shutil.copy(simulated[0], db)
+    assert cli.main(["ledger", str(db)]) == 0
+    asked: list[str] = []
+    frame = ledger_units.StoredLedger.frame
+
+    def recorded(self: ledger_units.StoredLedger, columns: Any = None) -> pl.DataFrame:
+        asked.extend(["(every column)"] if columns is None else columns)
+        return frame(self, columns)
+
+    monkeypatch.setattr(ledger_units.StoredLedger, "frame", recorded)
+    names = ("reuse_rate", "miss_causes", "task_time", "ttft_windows", "outcome_windows")
+    first = open_data(db)
+    try:
+        span = first.time_span_s()
+        assert span
+        selections = [Filters(engine=first.engines()[0], start_s=0.0, end_s=span / 2),
+                      Filters(runs=(simulated[1][0].run_id,), conversation=first.conversations(
+                          Filters())["conversation_id"][0])]
+        by_columns = {(n, f): first.result(n, None, f) for n in names for f in selections}
+    finally:
+        first.close()
+    assert asked and "(every column)" not in asked
+    second = open_data(db)
+    try:
+        for f in selections:
+            second.context(f).ledger()  # the whole selection first: analyses select from it
+        whole = {(n, f): second.result(n, None, f) for n in names for f in selections}
+    finally:
+        second.close()
+    assert "(every column)" in asked
+    for key, result in by_columns.items():
+        assert result.frame is not None and whole[key].frame is not None, key
+        assert result.frame.equals(whole[key].frame), key
+    for f in selections:  # selections with turns in them
+        frame = by_columns["reuse_rate", f].frame
+        assert frame is not None and frame["turns"].sum() > 0
