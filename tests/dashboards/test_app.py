@@ -230,19 +230,17 @@ def test_server_serves_layout_and_pages_without_cdn(
         assert "filter-runs" in json.dumps(layout)
 
 
-def test_filter_options_read_a_few_ledger_columns_not_the_whole_ledger(
-        simulated: tuple[Path, list[SimulationResult]], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs, engines, conversations and the time span (every page's filter options) read their
-    few columns of a stored ledger, where they read the whole ``ledger`` analysis (every
-    column: ~7.5 GiB at 10M turns), with the options the whole ledger gives."""
+def _stored_ledger_reads(source: Path, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[str]]:
+    """A copy of ``source`` with its ledger stored (``kvscope ledger``), and the list every
+    read of the stored ledger's columns is recorded in ("(every column)" for all)."""
     import shutil
 
     from kvscope import cli
     from kvscope.analysis import ledger_units
 
     db = tmp_path / "stored.duckdb"
-    shutil.copy(simulated[0], db)
+    shutil.copy(source, db)
     assert cli.main(["ledger", str(db)]) == 0
     asked: list[str] = []
     frame = ledger_units.StoredLedger.frame
@@ -252,6 +250,16 @@ def test_filter_options_read_a_few_ledger_columns_not_the_whole_ledger(
         return frame(self, columns)
 
     monkeypatch.setattr(ledger_units.StoredLedger, "frame", recorded)
+    return db, asked
+
+
+def test_filter_options_read_a_few_ledger_columns_not_the_whole_ledger(
+        simulated: tuple[Path, list[SimulationResult]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs, engines, conversations and the time span (every page's filter options) read their
+    few columns of a stored ledger, where they read the whole ``ledger`` analysis (every
+    column: ~7.5 GiB at 10M turns), with the options the whole ledger gives."""
+    db, asked = _stored_ledger_reads(simulated[0], tmp_path, monkeypatch)
     data = open_data(db)
     try:
         ids = set(data.runs()["run_id"].to_list())
@@ -279,22 +287,7 @@ def test_a_selection_reads_the_columns_its_analyses_name(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A filtered selection's analyses read their columns (and the filters') from the stored
     ledger, not every column, and give what they give over the whole selection."""
-    import shutil
-
-    from kvscope import cli
-    from kvscope.analysis import ledger_units
-
-    db = tmp_path / "stored.duckdb"
-    shutil.copy(simulated[0], db)
-    assert cli.main(["ledger", str(db)]) == 0
-    asked: list[str] = []
-    frame = ledger_units.StoredLedger.frame
-
-    def recorded(self: ledger_units.StoredLedger, columns: Any = None) -> pl.DataFrame:
-        asked.extend(["(every column)"] if columns is None else columns)
-        return frame(self, columns)
-
-    monkeypatch.setattr(ledger_units.StoredLedger, "frame", recorded)
+    db, asked = _stored_ledger_reads(simulated[0], tmp_path, monkeypatch)
     names = ("reuse_rate", "miss_causes", "task_time", "ttft_windows", "outcome_windows")
     first = open_data(db)
     try:
