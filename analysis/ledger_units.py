@@ -31,7 +31,7 @@ import importlib
 import inspect
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -532,7 +532,43 @@ class StoredLedger:
         # what one read adds beyond the columns kept stays small.
         for start in range(0, len(missing), self.read_columns):
             self._keep(self._read(missing[start:start + self.read_columns]))
+        for name in names:  # now the most recently used
+            self._columns[name] = self._columns.pop(name)
         return pl.DataFrame([self._columns[name] for name in names])
+
+    def head(self, rows: int, runs: Sequence[str] | None = None) -> tuple[pl.DataFrame, int]:
+        """The first ``rows`` rows of every column (of ``runs`` only, when given), as
+        :meth:`frame` would order them, and how many rows there are in all. A column not kept
+        is read, cut to those rows and let go: the whole listing is never held."""
+        if runs is None:
+            height = self.height
+            at = pl.int_range(min(rows, height), dtype=pl.UInt32, eager=True)
+        else:
+            chosen = self.frame(["run_id"]).get_column("run_id").is_in(list(runs))
+            height = int(chosen.sum())
+            at = chosen.arg_true().head(rows)
+        # Where those rows lie in the table's own order.
+        stored = at if self._order is None else self._order.gather(at)
+        columns = []
+        for name in ledger_module.LEDGER_SCHEMA:
+            kept = self._columns.get(name)
+            columns.append(kept.gather(at) if kept is not None
+                           else self._read([name]).to_series().gather(stored))
+        return pl.DataFrame(columns), height
+
+    def cached_bytes(self) -> int:
+        """What the kept columns hold, by polars' estimate."""
+        return sum(int(series.estimated_size()) for series in self._columns.values())
+
+    def release(self, wanted: int) -> int:
+        """Let go of the least recently used columns until ``wanted`` bytes are freed (or none
+        is kept); the bytes let go. A column let go is read again when asked for."""
+        freed = 0
+        for name in list(self._columns):
+            if freed >= wanted:
+                break
+            freed += int(self._columns.pop(name).estimated_size())
+        return freed
 
     def _read(self, names: Iterable[str]) -> pl.DataFrame:
         wanted = {name: pl.Categorical() if name in CATEGORICAL

@@ -13,6 +13,7 @@ unfiltered one. Modules listed in :data:`MODULES` register their analyses on imp
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import polars as pl
 
+from kvscope import settings
 from kvscope.errors import KvscopeError
 from kvscope.store.query import Query
 from kvscope.store.reader import Reader
@@ -66,15 +68,24 @@ class Param:
 Runner = Callable[["AnalysisContext", Mapping[str, Any]], pl.DataFrame]
 
 
+# (context, parsed parameters, rows) -> (the result's first rows, its height).
+HeadRunner = Callable[["AnalysisContext", Mapping[str, Any], int], tuple[pl.DataFrame, int]]
+
+
 @dataclass(frozen=True, eq=False)
 class Analysis:
-    """One registered analysis: what it is called, takes and returns, and how it runs."""
+    """One registered analysis: what it is called, takes and returns, and how it runs.
+
+    ``head``: how to get the result's first rows and height without the whole result, for an
+    analysis whose result is large (the ledger listing); :func:`head` uses it.
+    """
 
     name: str
     title: str
     run: Runner
     params: tuple[Param, ...] = ()
     columns: Mapping[str, pl.DataType] = field(default_factory=dict)
+    head: HeadRunner | None = None
 
     def parse_params(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Resolve parameters: given values parsed, the rest defaulted, unknown names refused."""
@@ -126,14 +137,14 @@ _loaded = False
 
 def register(
     name: str, title: str, *, params: Sequence[Param] = (),
-    columns: Mapping[str, pl.DataType] | None = None,
+    columns: Mapping[str, pl.DataType] | None = None, head: HeadRunner | None = None,
 ) -> Callable[[Runner], Runner]:
-    """Decorator: register ``fn`` as the analysis ``name``."""
+    """Decorator: register ``fn`` as the analysis ``name`` (``head``: see :class:`Analysis`)."""
 
     def decorate(fn: Runner) -> Runner:
         if name in REGISTRY:
             raise ValueError(f"analysis {name!r} registered twice")
-        REGISTRY[name] = Analysis(name, title, fn, tuple(params), dict(columns or {}))
+        REGISTRY[name] = Analysis(name, title, fn, tuple(params), dict(columns or {}), head)
         return fn
 
     return decorate
@@ -174,13 +185,44 @@ def get(name: str) -> Analysis:
     return known[name]
 
 
-class AnalysisContext:
-    """A store opened for analysis, with derived data cached for the context's lifetime."""
+def size_of(value: Any) -> int:
+    """Bytes ``value`` holds by polars' estimate: frames and series, and mappings, sequences and
+    dataclasses of them; an object with a ``cached_bytes()`` method says its own; anything
+    else counts 0. Buffers two values share count in both."""
+    if isinstance(value, pl.DataFrame | pl.Series):
+        return int(value.estimated_size())
+    if isinstance(value, Mapping):
+        return sum(size_of(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(size_of(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(size_of(getattr(value, f.name)) for f in dataclasses.fields(value))
+    held = getattr(value, "cached_bytes", None)
+    return int(held()) if callable(held) else 0
 
-    def __init__(self, reader: Reader, *, runs: Sequence[str] | None = None) -> None:
+
+class AnalysisContext:
+    """A store opened for analysis, with derived data cached for the context's lifetime.
+
+    What the cache keeps is bounded by ``cache_mib`` (the ``analysis_cache_mib`` setting):
+    past it the least recently used entries go (an entry with a ``release(bytes)`` method, the
+    stored ledger, lets go of its least recently used columns instead) and are built again
+    when asked. Every intermediate is a function of the store, so a rebuilt one is the same.
+    At 10M turns the report's analyses otherwise kept ~10 GiB: every ledger column read, the
+    what-if's timeline, the retention spans, ...
+    """
+
+    def __init__(self, reader: Reader, *, runs: Sequence[str] | None = None,
+                 cache_mib: float | None = None) -> None:
         self.reader = reader
         self.runs = list(runs) if runs else None
+        # Least recently used first.
         self._cache: dict[Hashable, Any] = {}
+        mib = settings.resolve("analysis_cache_mib") if cache_mib is None else cache_mib
+        self.cache_bytes = int(float(mib) * 2**20)
+        # Entries built again after they were let go (a figure for benchmarks and tests).
+        self.rebuilt = 0
+        self._released: set[Hashable] = set()
 
     @classmethod
     def open(cls, path: Source, *, runs: Sequence[str] | None = None) -> AnalysisContext:
@@ -197,10 +239,47 @@ class AnalysisContext:
         self.close()
 
     def cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """Build once per context (and per key), then reuse."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        """Build once per context (and per key, while the cache keeps it), then reuse."""
+        if key in self._cache:
+            value = self._cache[key] = self._cache.pop(key)  # now the most recently used
+            return value
+        value = build()
+        if key in self._released:
+            self.rebuilt += 1
+        self._cache[key] = value
+        self.trim(keep=key)
+        return value
+
+    def cached_bytes(self) -> int:
+        """What the cache holds, by :func:`size_of`."""
+        return sum(size_of(value) for value in self._cache.values())
+
+    def trim(self, keep: Hashable | None = None) -> None:
+        """Let the least recently used entries go until the cache holds at most
+        :attr:`cache_bytes` (``keep``, the entry just built, stays)."""
+        sizes = {key: size_of(value) for key, value in self._cache.items()}
+        excess = sum(sizes.values()) - self.cache_bytes
+        # Large entries only (a sixteenth of the bound or more: the ledger's columns, the
+        # what-if's timeline, retention spans), and the small ones too only when they hold a
+        # quarter of the bound together: a small result (most analyses' are kilobytes) costs as
+        # much to build again as a large one and frees little.
+        large = self.cache_bytes // 16
+        small = sum(size for size in sizes.values() if size < large)
+        for floor in (large, 1) if small > self.cache_bytes // 4 else (large,):
+            for key in list(self._cache):
+                if excess <= 0:
+                    return
+                if key == keep or sizes[key] < floor or key not in self._cache:
+                    continue
+                release = getattr(self._cache[key], "release", None)
+                if callable(release):
+                    freed = int(release(excess))
+                    sizes[key] -= freed
+                    excess -= freed
+                else:
+                    del self._cache[key]
+                    self._released.add(key)
+                    excess -= sizes[key]
 
     def get(self, item: Intermediate, *args: Hashable) -> Any:
         """The intermediate ``item`` for ``args``, built once per context."""
@@ -212,6 +291,17 @@ class AnalysisContext:
         if columns is None or self.runs is None or "run_id" in columns:
             return self.select_runs(whole_ledger(self, columns))
         return self.select_runs(whole_ledger(self, ["run_id", *columns])).drop("run_id")
+
+    def ledger_head(self, rows: int) -> tuple[pl.DataFrame, int]:
+        """The first ``rows`` of :meth:`ledger` (every column) and how many rows it has: of a
+        stored ledger only those rows of each column are kept, where the whole listing holds
+        every column (~5 GiB at 10M turns)."""
+        whole = self.get(LEDGER)
+        if isinstance(whole, pl.DataFrame):
+            frame = self.select_runs(whole)
+            return frame.head(rows), frame.height
+        head: tuple[pl.DataFrame, int] = whole.head(rows, self.runs)
+        return head
 
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs (all when no selection)."""
@@ -239,6 +329,23 @@ def run(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = None
     return ctx.cached(key, lambda: analysis.run(ctx, parsed))
 
 
+def head(ctx: AnalysisContext, name: str, rows: int,
+         params: Mapping[str, Any] | None = None) -> tuple[pl.DataFrame, int]:
+    """The first ``rows`` rows of an analysis's result and its height: from the result when
+    the context has it, else through the analysis's ``head`` when it has one (cached per
+    parameters and rows), else from the whole result."""
+    analysis = get(name)
+    parsed = analysis.parse_params(params)
+    key = (analysis, repr(sorted(parsed.items())))
+    if key in ctx._cache or analysis.head is None:
+        whole = run(ctx, name, params)
+        return whole.head(rows), whole.height
+    runner = analysis.head
+    out: tuple[pl.DataFrame, int] = ctx.cached(
+        ("head", *key, rows), lambda: runner(ctx, parsed, rows))
+    return out
+
+
 @intermediate("ledger", shared=True)
 def _whole_ledger(ctx: AnalysisContext) -> Any:
     """The ledger of every run in the store (contexts select their runs from it): the stored
@@ -261,6 +368,7 @@ def whole_ledger(ctx: AnalysisContext, columns: Sequence[str] | None = None) -> 
     if isinstance(whole, pl.DataFrame):
         return whole if columns is None else whole.select(list(dict.fromkeys(columns)))
     frame: pl.DataFrame = whole.frame(columns)
+    ctx.trim(keep=(LEDGER, ()))  # the columns just read are the most recently used
     return frame
 
 
@@ -274,6 +382,6 @@ def iter_analyses() -> Iterator[Analysis]:
     yield from analyses().values()
 
 
-__all__ = ["Analysis", "AnalysisContext", "AnalysisError", "INTERMEDIATES", "Intermediate",
-    "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "analyses", "get", "intermediate",
-    "iter_analyses", "register", "run", "whole_ledger"]
+__all__ = ["Analysis", "AnalysisContext", "AnalysisError", "HeadRunner", "INTERMEDIATES",
+    "Intermediate", "LEDGER", "MODULES", "Param", "REGISTRY", "Runner", "analyses", "get", "head",
+    "intermediate", "iter_analyses", "register", "run", "size_of", "whole_ledger"]

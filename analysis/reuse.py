@@ -105,7 +105,12 @@ def reuse_rate(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return reuse_table(ctx.ledger(LEDGER_COLUMNS), params["by"], params["window_s"])
 
 
-@register("ledger", "The per-turn reuse ledger")
+def _ledger_head(ctx: AnalysisContext, params: Mapping[str, Any],
+                 rows: int) -> tuple[pl.DataFrame, int]:
+    return ctx.ledger_head(rows)
+
+
+@register("ledger", "The per-turn reuse ledger", head=_ledger_head)
 def ledger_rows(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
     return ctx.ledger()
 

@@ -492,6 +492,11 @@ _OBSERVED_READS = ("turn_index", "reusable_tokens", "local_hit_tokens", "remote_
                    "ttft_ms", "errored")
 
 
+# What :func:`inputs` gives of the ledger: the observed row's, the observed settings' and the
+# ladder's decode queue.
+_INPUT_COLUMNS = ("run_id", "threshold_tokens", "decode_queue_ms", *_OBSERVED_READS)
+
+
 def _observed_row(ledger: pl.DataFrame, retentions: pl.DataFrame) -> dict[str, Any]:
     later = ledger.filter((pl.col("turn_index") >= 2) & pl.col("reusable_tokens").is_not_null())
     reusable = later["reusable_tokens"].sum()
@@ -717,7 +722,9 @@ def inputs(ctx: AnalysisContext, run: str | None = None) -> dict[str, pl.DataFra
     """Everything the what-if and the ladder read, for the selected runs (and ``run``): the
     ledger, retentions, the timeline and the observed settings."""
     frames = _frames(ctx)
-    ledger = run_ledger(ctx, run, LEDGER_COLUMNS)
+    # The few columns read beside the timeline (the timeline reads its own): the ledger's
+    # other columns are let go while the replay runs (~2 GiB at 10M turns).
+    ledger = run_ledger(ctx, run, _INPUT_COLUMNS)
     if run is not None:
         frames = {k: v.filter(pl.col("run_id") == run) for k, v in frames.items()}
     turns = ctx.get(_timeline, tuple(sorted(ledger["run_id"].unique().to_list())))

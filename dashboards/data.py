@@ -163,6 +163,11 @@ class ScopedContext(AnalysisContext):
         read = list(dict.fromkeys([*asked, *Filters.LEDGER_COLUMNS]))
         return self.filters.select_ledger(self.select_runs(self.base.ledger(read))).select(asked)
 
+    def ledger_head(self, rows: int) -> tuple[pl.DataFrame, int]:
+        """The first ``rows`` of this selection's ledger (every column) and its height."""
+        frame = self.ledger()
+        return frame.head(rows), frame.height
+
     def select_runs(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Rows of the selected runs, and of the selected engine where a frame names engines."""
         out = super().select_runs(frame)

@@ -159,9 +159,12 @@ def as_shown(frame: pl.DataFrame) -> pl.DataFrame:
     return frame
 
 
-def table_html(frame: pl.DataFrame, max_rows: int = MAX_TABLE_ROWS) -> str:
-    """An escaped HTML table of the first ``max_rows`` rows, saying when rows were left out."""
+def table_html(frame: pl.DataFrame, max_rows: int = MAX_TABLE_ROWS,
+               height: int | None = None) -> str:
+    """An escaped HTML table of the first ``max_rows`` rows, saying when rows were left out
+    (``height``: the whole result's rows, when ``frame`` is its head)."""
     frame = as_shown(frame)
+    total = frame.height if height is None else height
     head = "".join(f"<th>{_e(c)}</th>" for c in frame.columns)
     body = []
     for row in frame.head(max_rows).iter_rows():
@@ -171,8 +174,8 @@ def table_html(frame: pl.DataFrame, max_rows: int = MAX_TABLE_ROWS) -> str:
             cells.append(f'<td class="{css}">{_e(text)}</td>' if css else f"<td>{_e(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     shown = min(frame.height, max_rows)
-    caption = (f"first {shown:,} of {frame.height:,} rows" if frame.height > max_rows
-               else f"{frame.height:,} row{'s' if frame.height != 1 else ''}")
+    caption = (f"first {shown:,} of {total:,} rows" if total > shown
+               else f"{total:,} row{'s' if total != 1 else ''}")
     return (f'<p class="meta">{_e(caption)}</p><div class="table-wrap"><table><thead><tr>'
             f"{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
 
@@ -201,6 +204,19 @@ def _result(ctx: AnalysisContext, name: str, params: Mapping[str, Any] | None = 
     except Exception as exc:  # one broken analysis must not cost the rest of the report
         logger.warning("analysis %s failed", name, exc_info=True)
         return None, f"failed: {type(exc).__name__}: {exc}"
+
+
+def _head(ctx: AnalysisContext, name: str) -> tuple[pl.DataFrame | None, int, str | None]:
+    """As :func:`_result`, but only the first :data:`MAX_TABLE_ROWS` rows and the height (the
+    ledger listing's whole result is every column of every turn)."""
+    try:
+        frame, height = registry.head(ctx, name, MAX_TABLE_ROWS)
+        return frame, height, None
+    except KvscopeError as exc:
+        return None, 0, str(exc)
+    except Exception as exc:  # one broken analysis must not cost the rest of the report
+        logger.warning("analysis %s failed", name, exc_info=True)
+        return None, 0, f"failed: {type(exc).__name__}: {exc}"
 
 
 def _setting_text(value: Any) -> str:
@@ -277,12 +293,12 @@ def _figures_html(ctx: AnalysisContext, labels: Mapping[str, str]) -> str:
 def _tables_html(ctx: AnalysisContext) -> str:
     parts = []
     for analysis in registry.iter_analyses():
-        frame, why = _result(ctx, analysis.name)
+        frame, height, why = _head(ctx, analysis.name)
         defaults = ", ".join(f"{p.name}={p.default}" for p in analysis.params)
         head = (f'<h3 id="table-{_e(analysis.name)}">{_e(analysis.title)}</h3>'
                 f'<p class="meta"><code>{_e(analysis.name)}</code>'
                 + (f" ({_e(defaults)})" if defaults else "") + "</p>")
-        body = (table_html(frame) if frame is not None
+        body = (table_html(frame, height=height) if frame is not None
                 else f'<p class="error">{_e(why)}</p>')
         parts.append(head + body)
     return "".join(parts)

@@ -148,6 +148,16 @@ _DECLARED = [
         _non_negative,
     ),
     Setting(
+        "analysis_cache_mib",
+        float,
+        2048.0,
+        "MiB an analysis context (`report`, `analyze`, the dashboard's selections) keeps of what "
+        "its analyses built (the ledger's columns, intermediates, results) for the next to "
+        "reuse, by polars' estimate; past it the least recently used go and are built again "
+        "when asked (0: keep nothing between analyses).",
+        _non_negative,
+    ),
+    Setting(
         "max_request_bytes",
         int,
         64 * 1024 * 1024,

@@ -120,3 +120,67 @@ def test_a_stored_ledger_is_read_only_as_far_as_analyses_ask(stores: dict[str, P
         computed = ledger_module.ledger(ctx.reader)
         assert_frame_equal(whole.frame(), ledger_units.categorical(computed))
         assert whole.height == computed.height
+
+
+class _Unkept(registry.AnalysisContext):
+    """A context whose cache keeps nothing between builds (``analysis_cache_mib`` 0)."""
+
+    made: list[registry.AnalysisContext] = []
+
+    def __init__(self, reader: Any) -> None:
+        super().__init__(reader, cache_mib=0)
+        _Unkept.made.append(self)
+
+
+@pytest.mark.parametrize("kind", ["computed", "stored"])
+def test_analyses_answer_alike_when_the_cache_lets_go_of_what_they_built(
+        stores: dict[str, Path], kind: str) -> None:
+    """Under a cache bound of 0 every intermediate, result and stored ledger column is let go
+    as soon as something else is built, and built again when asked: the answers are the same."""
+    analyses = [(name, {}) for name in sorted(registry.analyses())] + _variants(stores[kind])
+    kept = _runs(kind, analyses, stores, registry.AnalysisContext)
+    _Unkept.made.clear()
+    unkept = _runs(kind, analyses, stores, _Unkept)
+    (ctx,) = _Unkept.made
+    assert ctx.rebuilt > 10, ctx.rebuilt  # the bound was exercised
+    assert unkept.keys() == kept.keys()
+    for key, got in unkept.items():
+        expected = kept[key]
+        if isinstance(expected, str) or isinstance(got, str):
+            assert got == expected, key
+            continue
+        assert_frame_equal(got, expected, check_exact=False, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_the_cache_lets_the_large_least_recently_used_go_first(
+        stores: dict[str, Path]) -> None:
+    """Past the bound, large entries go least recently used first (a stored ledger lets go of
+    its least recently used columns), small results stay while they hold under a quarter of
+    it, and at 0 everything goes."""
+    with registry.AnalysisContext.open(stores["stored"]) as ctx:
+        ctx.cache_bytes = 1 << 40
+        registry.run(ctx, "reuse_rate")
+        registry.run(ctx, "whatif")
+        whole = ctx.get(registry.LEDGER)
+        assert isinstance(whole, ledger_units.StoredLedger)
+        held = ctx.cached_bytes()
+        assert ctx.rebuilt == 0 and held > 0
+        sizes = {key: registry.size_of(value) for key, value in ctx._cache.items()}
+        results = {key for key in ctx._cache if isinstance(key[0], registry.Analysis)}
+        assert {key[0].name for key in results} >= {"reuse_rate", "whatif"}
+
+        ctx.cache_bytes = held - 1  # one byte over: the oldest large entry goes, no more
+        ctx.trim()
+        assert held - max(sizes.values()) <= ctx.cached_bytes() < held
+
+        small = sum(sizes[key] for key in results)
+        bound = max(16 * max(sizes[key] for key in results) + 16, 4 * small + 4)
+        assert held > bound  # the store's intermediates outweigh its results
+        ctx.cache_bytes = bound
+        ctx.trim()
+        assert ctx.cached_bytes() <= bound
+        assert results <= set(ctx._cache)
+
+        ctx.cache_bytes = 0
+        ctx.trim()
+        assert not whole._columns and ctx.cached_bytes() == 0

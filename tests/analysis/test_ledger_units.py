@@ -359,3 +359,42 @@ def test_the_stored_ledger_is_read_through_a_scanner_that_caches_little(
     again, retentions_again, cached = analysed()
     assert cached > 0  # read through the reader this time
     assert again.equals(ledger_frame) and retentions_again.equals(retentions)
+
+
+def test_the_head_of_a_stored_ledger_is_the_listings_without_holding_it(
+        spans: pa.Table, tmp_path: Path) -> None:
+    """``StoredLedger.head`` (the report's ledger table) gives the listing's first rows and
+    height, of a table in the ledger's order and of one an update left out of it, for every
+    run or some; it keeps only what finding those rows read."""
+    from kvscope.analysis import ledger_units, registry
+
+    db = tmp_path / "store.duckdb"
+    half = spans.num_rows // 2
+    _append(db, spans.slice(0, half))
+    assert cli.main(["ledger", str(db)]) == 0
+    orders = []
+    for _ in range(2):
+        with registry.AnalysisContext.open(db) as ctx:
+            reader = ctx.reader
+            whole = ledger_units.StoredLedger(reader).frame()
+            runs = sorted(set(whole["run_id"].to_list()))
+            assert len(runs) > 1
+            for chosen in (None, runs[1:], runs[:1]):
+                listing = (whole if chosen is None
+                           else whole.filter(pl.col("run_id").is_in(chosen)))
+                for rows in (0, 7, listing.height + 5):
+                    fresh = ledger_units.StoredLedger(reader)
+                    orders.append(fresh._order is None)
+                    before = set(fresh._columns)
+                    head, height = fresh.head(rows, chosen)
+                    assert height == listing.height
+                    assert head.equals(listing.head(rows)), (chosen, rows)
+                    assert set(fresh._columns) <= before | {"run_id"}
+            head, height = registry.head(ctx, "ledger", 9)
+            assert head.equals(whole.head(9)) and height == whole.height
+            stored = ctx.get(registry.LEDGER)
+            assert isinstance(stored, ledger_units.StoredLedger)
+            assert len(stored._columns) < len(whole.columns) // 4  # the listing not held
+        _append(db, spans.slice(half, spans.num_rows - half))
+        assert cli.main(["ledger", str(db)]) == 0  # an update: its units' rows appended
+    assert True in orders and False in orders  # in the ledger's order, then out of it
