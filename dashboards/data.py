@@ -330,24 +330,29 @@ class DashboardData:
             ctx = self.context(filters)
             return ctx.cached(("dashboard", key), lambda: build(ctx))
 
-    def ledger(self, filters: Filters | None = None) -> pl.DataFrame:
-        """The ledger of a selection (the registry's ``ledger`` analysis), empty when absent."""
-        result = self.result("ledger", None, filters)
-        return result.frame if result.frame is not None else pl.DataFrame()
-
-    def ledger_columns(self, columns: Sequence[str]) -> pl.DataFrame:
-        """The ledger's ``columns`` of every run, empty when there is none: the filters' options
-        read these few, where the ``ledger`` analysis reads every column (a stored ledger is
-        read a column at a time: ~7.5 GiB for all of 10M turns)."""
+    def ledger(self, filters: Filters | None = None,
+               columns: Sequence[str] | None = None) -> pl.DataFrame:
+        """The ledger of a selection (the registry's ``ledger`` analysis), empty when absent;
+        only its ``columns`` when given: a page that reads a few columns holds those, where the
+        ``ledger`` analysis reads every column (a stored ledger is read a column at a time:
+        ~7.5 GiB for all of 10M turns)."""
+        if columns is None:
+            result = self.result("ledger", None, filters)
+            return result.frame if result.frame is not None else pl.DataFrame()
         with self._lock:
             try:
-                return self.context().ledger(list(columns))
+                return self.context(filters).ledger(list(columns))
             except KvscopeError:
                 return pl.DataFrame()
-            except Exception:  # as result(): the options must not break the page
+            except Exception:  # as result(): a page must not break
                 logger.warning("the ledger's %s could not be read", ", ".join(columns),
                                exc_info=True)
                 return pl.DataFrame()
+
+    def ledger_columns(self, columns: Sequence[str]) -> pl.DataFrame:
+        """The ledger's ``columns`` of every run (the filters' options), empty when there is
+        none."""
+        return self.ledger(None, columns)
 
     def retentions(self, filters: Filters | None = None) -> Result:
         """Retention spans of a selection with ``held_s`` (the analysis layer loads them)."""

@@ -101,6 +101,8 @@ def table(frame: pl.DataFrame | None, id_: str | None = None, max_rows: int = MA
 # Time windows: about WINDOWS_PER_RUN over the longest selected run, 1 s to MAX_WINDOW_S wide.
 WINDOWS_PER_RUN = 30
 MAX_WINDOW_S = 60.0
+# The ledger columns window_s reads.
+WINDOW_COLUMNS = ("run_id", "arrival", "end")
 
 
 def window_s(ledger: pl.DataFrame) -> float:
@@ -154,6 +156,7 @@ __all__ = [
     "MODULES",
     "NOT_MEASURED",
     "VERSION",
+    "WINDOW_COLUMNS",
     "Page",
     "content_callback",
     "figure_of",

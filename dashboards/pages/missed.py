@@ -13,6 +13,7 @@ from kvscope.dashboards.data import DashboardData, Filters
 from kvscope.dashboards.pages import (
     FILTERS,
     VERSION,
+    WINDOW_COLUMNS,
     Page,
     figure_of,
     filter_note,
@@ -45,8 +46,8 @@ def content(data: DashboardData, filters: Filters) -> list[Any]:
     """Figures and the cause table (with suggestions) of one filter selection."""
     labels = data.labels()
     result = data.result("miss_causes", None, filters)
-    windows = data.result("outcome_windows", {"window_s": window_s(data.ledger(filters))},
-                          filters)
+    width = window_s(data.ledger(filters, WINDOW_COLUMNS))
+    windows = data.result("outcome_windows", {"window_s": width}, filters)
     engines = data.result("outcome_engines", None, filters)
     # With one prefill engine the by-engine chart repeats the totals: left out.
     several = (engines.frame is not None and "prefill_engine" in engines.frame.columns

@@ -20,12 +20,14 @@ from kvscope.dashboards.pages import (
 from kvscope.reuse import outcomes
 
 CONTENT = "overview-content"
+# What the page reads of the ledger itself (its turn count, freshness, alarm and window width).
+LEDGER_COLUMNS = ("run_id", "arrival", "end", "outcome", "invalid_tokens")
 
 
 def content(data: DashboardData, filters: Filters) -> list[Any]:
     """The page's figures and tables for one filter selection."""
     labels = data.labels()
-    ledger = data.ledger(filters)
+    ledger = data.ledger(filters, LEDGER_COLUMNS)
     memory = data.result("retained_memory", None, filters)
     reuse_run = data.result("reuse_rate", {"by": "run"}, filters)
     width = window_s(ledger)
@@ -87,4 +89,4 @@ def invalid_alarm(ledger: Any) -> Any:
 PAGE = filtered_page("/", "Overview", CONTENT, content)
 
 
-__all__ = ["CONTENT", "PAGE", "content", "invalid_alarm", "reconciliation_table"]
+__all__ = ["CONTENT", "LEDGER_COLUMNS", "PAGE", "content", "invalid_alarm", "reconciliation_table"]

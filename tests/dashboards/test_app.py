@@ -14,7 +14,7 @@ from dash import dcc
 
 from kvscope.analysis.sources import evidence_table
 from kvscope.dashboards.app import DashboardServer, create_app, selection
-from kvscope.dashboards.data import Filters, open_data
+from kvscope.dashboards.data import DashboardData, Filters, open_data
 from kvscope.dashboards.pages import (
     compare,
     conversations,
@@ -314,3 +314,32 @@ def test_a_selection_reads_the_columns_its_analyses_name(
     for f in selections:  # selections with turns in them
         frame = by_columns["reuse_rate", f].frame
         assert frame is not None and frame["turns"].sum() > 0
+
+
+def test_the_overview_and_missed_pages_read_their_few_ledger_columns(
+        simulated: tuple[Path, list[SimulationResult]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overview (the landing page) and missed-reuse pages read the ledger columns they show
+    (turn count, freshness, the invalid-KV alarm, the window width), not the whole listing
+    (every column: ~7.5 GiB at 10M turns), and show what the listing gives them."""
+    from kvscope.dashboards.pages import missed, overview
+
+    db, asked = _stored_ledger_reads(simulated[0], tmp_path, monkeypatch)
+    selections = [Filters(), Filters(runs=(simulated[1][0].run_id,))]
+
+    def pages() -> list[str]:
+        data = open_data(db)
+        try:
+            return [re.sub(r"data read at \S+", "", repr(page.content(data, f)))
+                    for page in (overview, missed) for f in selections]
+        finally:
+            data.close()
+
+    narrow = pages()
+    assert asked and "(every column)" not in asked
+    assert "overview-freshness" in narrow[0] and "last turn ended" in narrow[0]
+    ledger = DashboardData.ledger
+    monkeypatch.setattr(DashboardData, "ledger",
+                        lambda self, filters=None, columns=None: ledger(self, filters))
+    assert pages() == narrow
+    assert "(every column)" in asked
