@@ -101,6 +101,31 @@ def test_report_from_clickhouse(stores: tuple[Path, str], tmp_path: Path) -> Non
     assert f"store {url} (database {DATABASE})" in html and "faults ON" in html
 
 
+_HEAD = """
+import sys
+from kvscope.analysis import ledger_units, registry
+from kvscope.store.clickhouse import ClickHouseSource
+
+with registry.AnalysisContext.open(ClickHouseSource(sys.argv[1], sys.argv[2])) as ctx:
+    assert isinstance(ctx.get(registry.LEDGER), ledger_units.StoredLedger)
+    head, height = registry.head(ctx, "ledger", 7)
+    whole = registry.run(ctx, "ledger")
+    assert head.equals(whole.head(7)) and height == whole.height > 7, (height, whole.height)
+print("ok")
+"""
+
+
+def test_the_reports_ledger_table_is_the_listings_head_on_clickhouse(
+        stores: tuple[Path, str]) -> None:
+    """The report's ledger table reads its rows alone from ClickHouse's stored ledger (read
+    ``ORDER BY _row``): the listing's first rows and height."""
+    _, url = stores
+    assert run(*_click(url, "ledger")).returncode == 0
+    result = subprocess.run([sys.executable, "-c", _HEAD, url, DATABASE], capture_output=True,
+                            text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
 def test_user_and_password_come_from_the_environment(stores: tuple[Path, str]) -> None:
     """The password is an environment variable only, and never printed."""
     _, url = stores
