@@ -504,6 +504,9 @@ class StoredLedger:
     def __init__(self, reader: Reader) -> None:
         self._reader = reader
         self._columns: dict[str, pl.Series] = {}
+        # The columns the last frame() asked for: its caller holds them, so letting them go
+        # would free nothing.
+        self._asked: set[str] = set()
         self._order: pl.Series | None = None
         if reader.dialect is query.CLICKHOUSE:
             return  # read ORDER BY _row: in the ledger's order already, no key read first
@@ -534,6 +537,7 @@ class StoredLedger:
             self._keep(self._read(missing[start:start + self.read_columns]))
         for name in names:  # now the most recently used
             self._columns[name] = self._columns.pop(name)
+        self._asked = set(names)
         return pl.DataFrame([self._columns[name] for name in names])
 
     def head(self, rows: int, runs: Sequence[str] | None = None) -> tuple[pl.DataFrame, int]:
@@ -562,12 +566,14 @@ class StoredLedger:
 
     def release(self, wanted: int) -> int:
         """Let go of the least recently used columns until ``wanted`` bytes are freed (or none
-        is kept); the bytes let go. A column let go is read again when asked for."""
+        is kept but those the last :meth:`frame` asked for, which its caller holds); the bytes
+        let go. A column let go is read again when asked for."""
         freed = 0
         for name in list(self._columns):
             if freed >= wanted:
                 break
-            freed += int(self._columns.pop(name).estimated_size())
+            if name not in self._asked:
+                freed += int(self._columns.pop(name).estimated_size())
         return freed
 
     def _read(self, names: Iterable[str]) -> pl.DataFrame:

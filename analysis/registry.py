@@ -368,7 +368,7 @@ def whole_ledger(ctx: AnalysisContext, columns: Sequence[str] | None = None) -> 
     if isinstance(whole, pl.DataFrame):
         return whole if columns is None else whole.select(list(dict.fromkeys(columns)))
     frame: pl.DataFrame = whole.frame(columns)
-    ctx.trim(keep=(LEDGER, ()))  # the columns just read are the most recently used
+    ctx.trim()  # the stored ledger keeps the columns just asked for
     return frame
 
 
