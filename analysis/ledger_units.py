@@ -507,6 +507,8 @@ class StoredLedger:
         # The columns the last frame() asked for: its caller holds them, so letting them go
         # would free nothing.
         self._asked: set[str] = set()
+        self._read_s = 0.0
+        self._read_bytes = 0
         self._order: pl.Series | None = None
         if reader.dialect is query.CLICKHOUSE:
             return  # read ORDER BY _row: in the ledger's order already, no key read first
@@ -534,7 +536,11 @@ class StoredLedger:
         # A column a query: its Arrow result and the frame made of it coexist for a moment, so
         # what one read adds beyond the columns kept stays small.
         for start in range(0, len(missing), self.read_columns):
-            self._keep(self._read(missing[start:start + self.read_columns]))
+            began = time.perf_counter()
+            read = self._read(missing[start:start + self.read_columns])
+            self._read_s += time.perf_counter() - began
+            self._read_bytes += int(read.estimated_size())
+            self._keep(read)
         for name in names:  # now the most recently used
             self._columns[name] = self._columns.pop(name)
         self._asked = set(names)
@@ -559,6 +565,10 @@ class StoredLedger:
             columns.append(kept.gather(at) if kept is not None
                            else self._read([name]).to_series().gather(stored))
         return pl.DataFrame(columns), height
+
+    def seconds_per_byte(self) -> float:
+        """What reading its columns has taken, per byte read (0 before any)."""
+        return self._read_s / max(self._read_bytes, 1)
 
     def cached_bytes(self) -> int:
         """What the kept columns hold, by polars' estimate."""

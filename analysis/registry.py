@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,11 +206,11 @@ class AnalysisContext:
     """A store opened for analysis, with derived data cached for the context's lifetime.
 
     What the cache keeps is bounded by ``cache_mib`` (the ``analysis_cache_mib`` setting):
-    past it the least recently used entries go (an entry with a ``release(bytes)`` method, the
-    stored ledger, lets go of its least recently used columns instead) and are built again
-    when asked. Every intermediate is a function of the store, so a rebuilt one is the same.
-    At 10M turns the report's analyses otherwise kept ~10 GiB: every ledger column read, the
-    what-if's timeline, the retention spans, ...
+    past it entries go, those cheapest to build again per byte first (an entry with a
+    ``release(bytes)`` method, the stored ledger, lets go of its least recently used columns
+    instead), and are built again when asked. Every intermediate is a function of the store,
+    so a rebuilt one is the same. At 10M turns the report's analyses otherwise kept ~10 GiB:
+    every ledger column read, the what-if's timeline, the retention spans, ...
     """
 
     def __init__(self, reader: Reader, *, runs: Sequence[str] | None = None,
@@ -223,6 +224,8 @@ class AnalysisContext:
         # Entries built again after they were let go (a figure for benchmarks and tests).
         self.rebuilt = 0
         self._released: set[Hashable] = set()
+        # What each entry's last build took, in seconds.
+        self._seconds: dict[Hashable, float] = {}
 
     @classmethod
     def open(cls, path: Source, *, runs: Sequence[str] | None = None) -> AnalysisContext:
@@ -243,7 +246,9 @@ class AnalysisContext:
         if key in self._cache:
             value = self._cache[key] = self._cache.pop(key)  # now the most recently used
             return value
+        start = time.perf_counter()
         value = build()
+        self._seconds[key] = time.perf_counter() - start
         if key in self._released:
             self.rebuilt += 1
         self._cache[key] = value
@@ -254,19 +259,36 @@ class AnalysisContext:
         """What the cache holds, by :func:`size_of`."""
         return sum(size_of(value) for value in self._cache.values())
 
+    def _rebuild_cost(self, key: Hashable, size: int) -> float:
+        """Seconds per byte to build the entry ``key`` again: what its build took (an entry
+        with a ``seconds_per_byte()`` method, the stored ledger, says its own)."""
+        value = self._cache[key]
+        own = getattr(value, "seconds_per_byte", None)
+        if callable(own):
+            return float(own())
+        return self._seconds.get(key, 0.0) / max(size, 1)
+
     def trim(self, keep: Hashable | None = None) -> None:
-        """Let the least recently used entries go until the cache holds at most
-        :attr:`cache_bytes` (``keep``, the entry just built, stays)."""
+        """Let entries go until the cache holds at most :attr:`cache_bytes` (``keep``, the
+        entry just built, stays): those cheapest to build again per byte first, the least
+        recently used first among equals."""
         sizes = {key: size_of(value) for key, value in self._cache.items()}
         excess = sum(sizes.values()) - self.cache_bytes
+        if excess <= 0:
+            return
         # Large entries only (a sixteenth of the bound or more: the ledger's columns, the
         # what-if's timeline, retention spans), and the small ones too only when they hold a
         # quarter of the bound together: a small result (most analyses' are kilobytes) costs as
-        # much to build again as a large one and frees little.
+        # much to build again as a large one and frees little. Cheapest per byte first: the
+        # stored ledger's columns are read again at ~1 ns a byte, the retention spans are built
+        # again from their query at ~10 (10M turns).
         large = self.cache_bytes // 16
         small = sum(size for size in sizes.values() if size < large)
+        used = {key: index for index, key in enumerate(self._cache)}
+        order = sorted(self._cache, key=lambda key: (
+            self._rebuild_cost(key, sizes[key]), used[key]))
         for floor in (large, 1) if small > self.cache_bytes // 4 else (large,):
-            for key in list(self._cache):
+            for key in order:
                 if excess <= 0:
                     return
                 if key == keep or sizes[key] < floor or key not in self._cache:
