@@ -186,3 +186,22 @@ def test_the_cache_lets_the_large_least_recently_used_go_first(
         # Nothing but the columns the last read asked for (its caller holds them).
         assert whole._columns and set(whole._columns) == whole._asked
         assert ctx.cached_bytes() == whole.cached_bytes()
+
+
+def test_the_cache_lets_what_is_cheapest_to_build_again_go_first(
+        stores: dict[str, Path]) -> None:
+    """Of two entries of one size, the one whose build took less goes first, though it was used
+    more recently (least recently used first would let the slow one go)."""
+    import time
+
+    frame = pl.DataFrame({"x": pl.int_range(100_000, eager=True)})
+    with registry.AnalysisContext.open(stores["computed"]) as ctx:
+        ctx.cache_bytes = 1 << 40
+        ctx.cached("slow", lambda: (time.sleep(0.2), frame.clone())[1])
+        ctx.cached("fast", frame.clone)
+        ctx.cached("slow", frame.clone)  # a hit: built once, not again
+        ctx.cached("fast", frame.clone)  # the most recently used now
+        assert ctx.rebuilt == 0
+        ctx.cache_bytes = registry.size_of(frame) * 3 // 2  # room for one
+        ctx.trim()
+        assert "slow" in ctx._cache and "fast" not in ctx._cache
