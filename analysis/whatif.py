@@ -173,8 +173,18 @@ LEDGER_COLUMNS: tuple[str, ...] = (
 _TIMELINE_ORDER = ["run_id", "conversation_id", "turn_index", "arrival"]
 
 
+# The timeline is derived this many turns at a time: each expression of a step makes temporaries
+# as long as its input, and over every turn at once (10M) they came on top of the timeline's own
+# columns; a slice's are a tenth of that. The rules reach two rows back (a shifted value derived
+# from a shifted one: the previous turn's decision, from its offer) and one ahead, so each slice
+# is derived with two rows either side of it and cut back: the rows are the same.
+TIMELINE_SLICE_ROWS = 1 << 20
+_REACH = 2
+
+
 def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
-             time_scales: Mapping[str, float] | None = None) -> pl.DataFrame:
+             time_scales: Mapping[str, float] | None = None, *,
+             slice_rows: int = TIMELINE_SLICE_ROWS) -> pl.DataFrame:
     """Per turn, what the replay needs: gap, tokens, offer, router entry, the handles (pure).
 
     ``later``: turn k ≥ 2 whose reusable span was measured (the rows rates are over).
@@ -211,7 +221,19 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
     order = frame.select(pl.arg_sort_by(_TIMELINE_ORDER, maintain_order=True)).to_series()
     if not (order == pl.int_range(frame.height, dtype=pl.UInt32, eager=True)).all():
         frame = frame[order]
+    if frame.height <= slice_rows:
+        return _derived(frame)
+    parts = []
+    for start in range(0, frame.height, slice_rows):
+        low = max(0, start - _REACH)
+        part = _derived(frame.slice(low, slice_rows + start - low + _REACH))
+        parts.append(part.slice(start - low, slice_rows))
+    return pl.concat(parts, rechunk=False)
 
+
+def _derived(frame: pl.DataFrame) -> pl.DataFrame:
+    """:func:`timeline`'s columns of turns joined to their handles, in the ledger's order."""
+    c = pl.col
     # Sorted by conversation, so a plain shift is the previous turn when the keys match (a
     # window function per column costs ~10x more at a million turns).
     same = (c("run_id") == c("run_id").shift(1)) & (

@@ -201,6 +201,27 @@ def test_replay_at_the_observed_setting_reproduces_the_observed_run(
     _assert_same(_replayed(ledger, retentions, ttl, threshold, router_ttl), ledger, retentions)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(conversations_st, min_size=1, max_size=3), st.sampled_from(TTLS),
+       st.sampled_from(THRESHOLDS), st.sampled_from(ROUTER_TTLS))
+def test_the_timeline_derived_a_slice_at_a_time_is_the_timeline_derived_whole(
+        runs: list[list[list[tuple[float, int, int]]]], ttl: float, threshold: int,
+        router_ttl: float) -> None:
+    # Several runs, failed reads and expired handles: slices cut conversations anywhere, and a
+    # turn's previous decision is derived from the turn before it (two rows back).
+    ledgers, handles = [], []
+    for index, conversations in enumerate(runs):
+        ledger, retentions = drive(conversations, ttl, threshold, router_ttl)
+        ledgers.append(ledger.with_columns(pl.lit(f"r{index}").alias("run_id")))
+        handles.append(retentions.with_columns(pl.lit(f"r{index}").alias("run_id")))
+    ledger, retentions = pl.concat(ledgers), pl.concat(handles)
+    whole = whatif.timeline(ledger, retentions, slice_rows=ledger.height)
+    assert whole.height == ledger.height
+    for rows in (1, 2, 3, 5):
+        sliced = whatif.timeline(ledger, retentions, slice_rows=rows)
+        assert sliced.rechunk().equals(whole), rows
+
+
 def test_a_streak_of_late_turns_fails_every_other_turn() -> None:
     # Every gap is past the TTL: turn 2 fails, so turn 3 has no offer (computes), turn 4 fails…
     conversation = [(0.0, 500, 100)] + [(100.0, 200, 100)] * 5
