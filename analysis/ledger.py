@@ -931,6 +931,10 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
         "ON u.run_id = e.run_id AND u.conversation_id IS NULL"))
     for kind in ("prefill", "decode", "waits"):
         stage(kind, leg(kind))
+    # What no partition reads goes once read: the engine kinds placed next, and the taint
+    # inputs the partitions write, reuse its blocks (the scratch file grows by its high-water
+    # mark: at 10M turns it stood just above the store's size).
+    drop(at("traces"))
     stage("held", lambda b: (
         f"SELECT retention_id AS r, _p FROM {at('prefill')} WHERE retention_id IS NOT NULL "
         f"UNION DISTINCT SELECT decode_request_id, _p FROM {at('decode')} "
@@ -938,6 +942,8 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
     for kind in _ENGINE_KINDS:
         stage(kind, placed(kind))
         drop(at("all_" + kind))
+    drop(keys)
+    drop(at("held"))
 
 
 def _partition_query(index: int, count: int, db: str = "") -> query.Query:
