@@ -34,6 +34,7 @@ Definitions (DESIGN §5, with the refinements written in docs/architecture.md):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import tempfile
 import time
@@ -915,10 +916,22 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
             f"(sum(n) OVER (ORDER BY {order} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) "
             f"- n) * {count}", f"(SELECT sum(n) FROM ({weights}))") + " AS _p "
         f"FROM ({weights}) AS w"))
-    stage("turns", lambda b: (
-        f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
-        "ON u.run_id IS NOT DISTINCT FROM t.run_id "
-        "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id" + by_p(b, "u._p")))
+    def turns_of(low: int, high: int) -> Callable[[query.Binder], str]:
+        return lambda b: (
+            f"SELECT t.*, u._p FROM {every_turn} AS t JOIN {units} AS u "
+            "ON u.run_id IS NOT DISTINCT FROM t.run_id "
+            "AND u.conversation_id IS NOT DISTINCT FROM t.conversation_id "
+            f"WHERE u._p >= {low} AND u._p < {high}" + by_p(b, "u._p"))
+
+    # The turns sorted by partition a group of partitions at a time, each group's sort within
+    # DuckDB's memory: sorted whole, the 10M-turn store's turns (their boundary hashes most of
+    # it) spilled ~2.5 GB beside the staged tables, the build's largest use of temporary space.
+    # ClickHouse sorts a table by its key itself.
+    groups = _sort_groups(reader, every_turn, count)
+    stage("turns", turns_of(*groups[0]))
+    for low, high in groups[1:]:
+        reader.execute(query.compose([], _inserted(at("turns"), turns_of(low, high))).named(
+            "ledger partitions: turns"))
     stage("turn_runs", lambda b: (
         f"SELECT DISTINCT run_id FROM {every_turn} WHERE run_id IS NOT NULL"))
     drop(every_turn)
@@ -944,6 +957,27 @@ def _stage(reader: _Staging, count: int, db: str = "") -> None:
         drop(at("all_" + kind))
     drop(keys)
     drop(at("held"))
+
+
+def _inserted(table: str, select: Callable[[query.Binder], str]
+              ) -> Callable[[query.Binder], str]:
+    return lambda b: f"INSERT INTO {table} {select(b)}"
+
+
+# The most turns one sort of staged turns holds (:func:`_sort_groups`): ~1 GB of their columns.
+SORT_TURNS = 2_000_000
+
+
+def _sort_groups(reader: _Staging, turns: str, count: int) -> list[tuple[int, int]]:
+    """Ranges of the ``count`` partitions (low, high), about :data:`SORT_TURNS` turns each,
+    for the staged ``turns`` table (one range on ClickHouse)."""
+    if reader.dialect is not query.DUCKDB:
+        return [(0, count)]
+    _, rows = reader.rows(query.Query(f"SELECT count(*) FROM {turns}",
+                                      name="ledger partitions: turns"))
+    groups = min(count, max(1, -(-int(rows[0][0]) // SORT_TURNS)))
+    bounds = [count * index // groups for index in range(groups + 1)]
+    return list(itertools.pairwise(bounds))
 
 
 def _partition_query(index: int, count: int, db: str = "") -> query.Query:

@@ -150,8 +150,12 @@ def test_the_store_crosses_partitions(rows: pl.DataFrame) -> None:
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])
+@pytest.mark.parametrize("sort_turns", [ledger_module.SORT_TURNS, 7])
 def test_partitions_give_the_one_statements_rows(store: Path, rows: pl.DataFrame,
-                                                 count: int) -> None:
+                                                 count: int, sort_turns: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Turns staged one group of partitions at a time too (7: each partition its own group).
+    monkeypatch.setattr(ledger_module, "SORT_TURNS", sort_turns)
     reader = DuckDBReader.open(store, time_limit_s=None)
     try:
         parted = pl.concat(ledger_module.partitioned_turn_rows(reader, count, lambda f: f))
@@ -268,6 +272,7 @@ def test_kvscope_ledger_writes_a_large_store_as_it_builds_it(
     assert whole.filter(pl.col("invalid_kind") == "tainted").height > 0
     copy = _copy(store, tmp_path)
     monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
+    monkeypatch.setattr(ledger_module, "SORT_TURNS", 40)  # turns staged in a few groups
     monkeypatch.setattr(ledger_module, "finish", None)  # nothing may hold the whole ledger
     done = ledger_units.update(copy, full=True)
     assert done.rows == whole.height
