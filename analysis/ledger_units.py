@@ -500,6 +500,8 @@ class StoredLedger:
     read_columns = 1
     # Rows a batch of a column's read is cast in (:meth:`_read`).
     batch_rows = 1 << 20
+    # The most rows :meth:`head` reads by naming their places (the report's table: 200).
+    rows_by_place = 10_000
 
     def __init__(self, reader: Reader) -> None:
         self._reader = reader
@@ -560,7 +562,11 @@ class StoredLedger:
         # Where those rows lie in the table's own order.
         stored = at if self._order is None else self._order.gather(at)
         missing = [name for name in ledger_module.LEDGER_SCHEMA if name not in self._columns]
-        read = self._rows(missing, stored) if missing else pl.DataFrame()
+        if len(stored) > self.rows_by_place:  # too many to name: each column read whole, cut
+            read = pl.DataFrame([self._read([name]).to_series().gather(stored)
+                                 for name in missing])
+        else:
+            read = self._rows(missing, stored) if missing else pl.DataFrame()
         columns = [self._columns[name].gather(at) if name in self._columns
                    else read.get_column(name) for name in ledger_module.LEDGER_SCHEMA]
         return pl.DataFrame(columns), height

@@ -221,6 +221,7 @@ def timeline(ledger: pl.DataFrame, retentions: pl.DataFrame,
     order = frame.select(pl.arg_sort_by(_TIMELINE_ORDER, maintain_order=True)).to_series()
     if not (order == pl.int_range(frame.height, dtype=pl.UInt32, eager=True)).all():
         frame = frame[order]
+    del order
     if frame.height <= slice_rows:
         return _derived(frame)
     parts = []

@@ -9,6 +9,7 @@ the touched conversations, and compared, row for row, with the ledger rebuilt fr
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import duckdb
@@ -382,13 +383,15 @@ def test_the_head_of_a_stored_ledger_is_the_listings_without_holding_it(
             for chosen in (None, runs[1:], runs[:1]):
                 listing = (whole if chosen is None
                            else whole.filter(pl.col("run_id").is_in(chosen)))
-                for rows in (0, 7, listing.height + 5):
+                # Rows read by their places, and (past rows_by_place) whole columns cut.
+                for rows, by_place in itertools.product((0, 7, listing.height + 5), (10_000, 5)):
                     fresh = ledger_units.StoredLedger(reader)
+                    fresh.rows_by_place = by_place
                     orders.append(fresh._order is None)
                     before = set(fresh._columns)
                     head, height = fresh.head(rows, chosen)
                     assert height == listing.height
-                    assert head.equals(listing.head(rows)), (chosen, rows)
+                    assert head.equals(listing.head(rows)), (chosen, rows, by_place)
                     assert set(fresh._columns) <= before | {"run_id"}
             head, height = registry.head(ctx, "ledger", 9)
             assert head.equals(whole.head(9)) and height == whole.height
