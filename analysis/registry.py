@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from kvscope.errors import KvscopeError
 from kvscope.store.query import Query
 from kvscope.store.reader import Reader
 from kvscope.store.source import Source, open_reader
+
+logger = logging.getLogger(__name__)
 
 
 class AnalysisError(KvscopeError, ValueError):
@@ -380,6 +383,15 @@ def _whole_ledger(ctx: AnalysisContext) -> Any:
     stored = ledger_units.stored_columns(ctx.reader)
     if stored is not None:
         return stored
+    partitions = ledger_module.partitions_for(ctx.reader)
+    if partitions > 1:
+        # Computed here, the whole ledger of so large a store is held in memory (10M turns:
+        # past 15 GiB on chdb), where its table is read a few columns at a time.
+        logger.warning(
+            "kvscope_ledger is missing or not current for this store (no table, spans stored "
+            "after it was built, or rules that changed since): computing the ledger of its "
+            "%d partitions in this process holds all of it in memory; `kvscope ledger` first "
+            "writes it to the store", partitions)
     return ledger_units.categorical(ledger_module.ledger(ctx.reader))
 
 

@@ -262,6 +262,30 @@ def _copy(store: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def test_analysing_a_large_store_without_its_current_table_says_what_it_costs(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Analyses of a store above PARTITION_TURNS without a current ledger table compute the
+    ledger in the process, holding all of it: a warning says so and names `kvscope ledger`;
+    none while the table is current, nor for a store one statement builds."""
+    from kvscope.analysis.registry import AnalysisContext
+
+    copy = _copy(store, tmp_path)
+
+    def warned() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), AnalysisContext.open(copy) as ctx:
+            assert ctx.ledger(["run_id"]).height > 0
+        return [r.getMessage() for r in caplog.records if "kvscope_ledger" in r.getMessage()]
+
+    assert warned() == []  # one statement: nothing to say
+    monkeypatch.setattr(ledger_module, "PARTITION_TURNS", 50)
+    (message,) = warned()
+    assert "not current" in message and "`kvscope ledger`" in message
+    ledger_units.update(copy, full=True)
+    assert warned() == []  # read from the table
+
+
 def test_kvscope_ledger_writes_a_large_store_as_it_builds_it(
         store: Path, whole: pl.DataFrame, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
