@@ -1907,8 +1907,8 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 __all__ = ["BUILDING_TABLE", "CLICKHOUSE_PARTITION_TURNS", "ENGINE_EVIDENCE_HOOKS",
     "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED", "HISTORY_FIRST",
     "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "NoScratch",
-    "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "ROW", "TURN_QUERY", "VALIDITY_INVALID",
-    "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build", "build_clickhouse_table",
-    "build_table", "finish", "frame_turn_rows", "full_build", "hook_decided", "ledger",
-    "load_spans", "partitioned_turn_rows", "partitions_for", "persist", "rebuild",
-    "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]
+    "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "ROW", "SORT_TURNS", "TURN_QUERY",
+    "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build",
+    "build_clickhouse_table", "build_table", "finish", "frame_turn_rows", "full_build",
+    "hook_decided", "ledger", "load_spans", "partitioned_turn_rows", "partitions_for", "persist",
+    "rebuild", "request_key", "runs", "shape", "swap_in", "taint_marks", "turn_rows"]

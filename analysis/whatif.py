@@ -811,6 +811,6 @@ def whatif(ctx: AnalysisContext, params: Mapping[str, Any]) -> pl.DataFrame:
 
 __all__ = ["DEFAULT_THRESHOLDS", "DEFAULT_TTLS_S", "GIB", "LEDGER_COLUMNS", "MAX_SECONDS",
     "MAX_SETTINGS", "MAX_TOKENS", "PATH_CARRIED", "PATH_NOT_LATER", "QUERIES", "SETTINGS_AT_ONCE",
-    "SOURCE_OBSERVED", "SOURCE_REPLAY", "Setting", "TIMELINE_COLUMNS", "WHATIF_COLUMNS",
-    "handle_times", "inputs", "observed_settings", "on_run_clock", "replay", "shape_retentions",
-    "timeline", "whatif", "whatif_table"]
+    "SOURCE_OBSERVED", "SOURCE_REPLAY", "Setting", "TIMELINE_COLUMNS", "TIMELINE_SLICE_ROWS",
+    "WHATIF_COLUMNS", "handle_times", "inputs", "observed_settings", "on_run_clock", "replay",
+    "shape_retentions", "timeline", "whatif", "whatif_table"]
