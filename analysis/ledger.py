@@ -740,6 +740,11 @@ def turn_rows(reader: Reader) -> pl.DataFrame:
     return reader.frame(TURN_QUERY)
 
 
+# Frames of at most this many rows in all are few turns (a live refresh's ~1-3k), whose per-turn
+# rows DuckDBReader reads as small_results: ~20-35 ms less a refresh, a copy of few rows more.
+SMALL_FRAME_ROWS = 100_000
+
+
 def frame_turn_rows(frames: dict[str, pl.DataFrame],
                     con: duckdb.DuckDBPyConnection | None = None) -> pl.DataFrame:
     """The per-turn rows of extraction frames (:func:`load_spans`' shape), by the same SQL on
@@ -747,10 +752,11 @@ def frame_turn_rows(frames: dict[str, pl.DataFrame],
     dropped; a caller that builds often saves a connect, ~15 ms), else a fresh one. A frame may
     lack columns or be missing: they read as nulls."""
     engine = duckdb.connect() if con is None else con
+    small = sum(frame.height for frame in frames.values()) <= SMALL_FRAME_ROWS
     try:
         for name, (_, columns) in _KINDS.items():
             engine.register(name, _complete(frames.get(name), columns).to_arrow())
-        return DuckDBReader(engine, time_limit_s=None).frame(_FRAMES_QUERY)
+        return DuckDBReader(engine, time_limit_s=None, small_results=small).frame(_FRAMES_QUERY)
     finally:
         if con is None:
             engine.close()
@@ -1907,7 +1913,8 @@ def runs(frame: pl.DataFrame) -> Sequence[str]:
 __all__ = ["BUILDING_TABLE", "CLICKHOUSE_PARTITION_TURNS", "ENGINE_EVIDENCE_HOOKS",
     "ENGINE_EVIDENCE_LOG", "HISTORY_CONTINUES", "HISTORY_EDITED", "HISTORY_FIRST",
     "HISTORY_UNKNOWN", "LEDGER_SCHEMA", "LEDGER_TABLE", "MAX_PARTITIONS", "NoScratch",
-    "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "ROW", "SORT_TURNS", "TURN_QUERY",
+    "PARTITION_SIZE", "PARTITION_TURNS", "QUERIES", "ROW", "SMALL_FRAME_ROWS", "SORT_TURNS",
+    "TURN_QUERY",
     "VALIDITY_INVALID", "VALIDITY_NOT_VERIFIED", "VALIDITY_VALID", "build",
     "build_clickhouse_table", "build_table", "finish", "frame_turn_rows", "full_build",
     "hook_decided", "ledger", "load_spans", "partitioned_turn_rows", "partitions_for", "persist",

@@ -404,6 +404,8 @@ class LiveLedger:
 
     # The most span rows one step of a refresh reads (see :meth:`refresh`).
     step_rows = 250_000
+    # Up to this many new span rows, a refresh reads them as DuckDBReader's small_results.
+    small_rows = 25_000
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, idle_s: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -479,6 +481,9 @@ class LiveLedger:
                 _, top = reader.rows(query.Query("SELECT max(rowid) FROM otel_traces",
                                                  name="last span row"))
                 high = top[0][0]
+                # A scrape's few new rows: each statement bound once (DuckDBReader).
+                reader.small_results = (high is not None
+                                        and high - self._span_mark <= self.small_rows)
                 self._publish(pending=0 if high is None else max(high - self._span_mark, 0))
                 ends: dict[str, int] = {}
                 idle_ns = None if self._idle_s is None else int(self._idle_s * 1e9)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import cast
 
+import duckdb
 import pytest
 
 from kvscope.errors import StoreError
 from kvscope.store import open_store, query
+from kvscope.store.duckdb_reader import DuckDBReader
 from kvscope.store.query import Query
 from kvscope.store.reader import Reader
 from kvscope.store.source import open_reader
@@ -28,19 +32,31 @@ def _batches(reader: Reader, sql: Query) -> list[int]:
     return reader.map_batches(sql, len)
 
 
-@pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
+def _path(reader: Reader, how: str) -> Callable[[Query], object]:
+    """The reader's query path named ``how`` (small_frame: frame, its results declared small)."""
+    if how == "batches":
+        return partial(_batches, reader)
+    if how == "small_frame":
+        assert isinstance(reader, DuckDBReader)
+        reader.small_results = True
+        return reader.frame
+    return cast(Callable[[Query], object], getattr(reader, how))
+
+
+@pytest.mark.parametrize("how", ["execute", "frame", "small_frame", "rows", "batches"])
 def test_every_query_path_is_interrupted_at_the_time_limit(reader: Reader, how: str) -> None:
     """``frame`` ran its (lazy) query outside the limit before: a slow analysis query ran on."""
-    run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
+    run = _path(reader, how)
     with pytest.raises(StoreError, match="exceeded the 0.3 s time limit"):
         result = run(SLOW)
         if how == "execute":
+            assert isinstance(result, duckdb.DuckDBPyConnection)
             result.fetchall()
 
 
-@pytest.mark.parametrize("how", ["execute", "frame", "rows", "batches"])
+@pytest.mark.parametrize("how", ["execute", "frame", "small_frame", "rows", "batches"])
 def test_every_query_path_translates_duckdb_errors(reader: Reader, how: str) -> None:
-    run = partial(_batches, reader) if how == "batches" else getattr(reader, how)
+    run = _path(reader, how)
     with pytest.raises(StoreError, match="query failed: "):
         run(Query("SELECT * FROM no_such_table"))
     assert reader.frame(Query("SELECT ? AS x", positional=(7,)))["x"].to_list() == [7]
@@ -53,6 +69,32 @@ def test_batches_keep_the_order_and_an_empty_result_is_one_empty_batch(
     assert len(parts) >= 2 and [n for part in parts for n in part] == list(range(9, -1, -1))
     empty = reader.map_batches(Query("SELECT 1 AS n WHERE false"), lambda frame: frame.columns)
     assert empty == [["n"]]
+
+
+def test_a_small_result_is_the_frame_a_relation_gives(tmp_path: Path) -> None:
+    """``small_results`` runs a statement once (``execute``) where a relation binds it twice:
+    the same frame, typed the same, for rows, nulls, nested values, named and positional
+    parameters and an empty result."""
+    path = tmp_path / "s.duckdb"
+    open_store(path).close()
+    reader = open_reader(path, time_limit_s=None)
+    assert isinstance(reader, DuckDBReader)
+    queries = [
+        Query("SELECT range AS n, range::VARCHAR || $suffix AS s, [range, NULL] AS l, "
+              "{'a': range, 'b': NULL::DOUBLE} AS st, MAP {'k': range} AS m, "
+              "NULLIF(range, 2) AS maybe, TIMESTAMP '2026-01-01' + INTERVAL (range) SECOND AS t "
+              "FROM range(5) ORDER BY n", {"suffix": "-x"}),
+        Query("SELECT ? AS x, ?::HUGEINT AS big", positional=(7, 2**70)),
+        Query("SELECT 1 AS n, 'a' AS s WHERE false"),
+        Query("SELECT SpanName, count(*) AS n FROM otel_traces GROUP BY ALL"),
+    ]
+    expected = [reader.frame(sql) for sql in queries]
+    reader.small_results = True
+    got = [reader.frame(sql) for sql in queries]
+    for before, after in zip(expected, got, strict=True):
+        assert after.schema == before.schema
+        assert after.equals(before)
+    assert got[0].height == 5 and got[2].height == 0
 
 
 def test_the_store_memory_limit_setting_bounds_a_reader(tmp_path: Path,
