@@ -276,7 +276,7 @@ def touched(reader: Reader, low: int, high: int) -> Touched:
             found = reader.frame(_filtered(_rows_between(ledger_module.QUERIES[name], low, high),
                                            "TRUE", params, columns=f"DISTINCT {key} AS k"))
             engine_keys.update(found["k"].drop_nulls().to_list())
-    named = units_of(reader, traces, engine_keys)
+    named = _named_units(reader, traces, engine_keys, low)
     units.update(named["unit"].to_list())
     # An engine span no turn names makes a row of its own in a run without turn spans.
     unnamed = engine_keys - set(named["x_request_id"].drop_nulls().to_list())
@@ -309,6 +309,25 @@ def units_of(reader: Reader, traces: Iterable[str], keys: Iterable[str], *,
         "TRUE", {},
         columns=f"DISTINCT {unit} AS unit, run_id, x_request_id"))
         for condition, values in lookups])
+
+
+def _named_units(reader: Reader, traces: Iterable[str], keys: Iterable[str],
+                 low: int) -> pl.DataFrame:
+    """:func:`units_of`, the turn spans up to row ``low`` looked up in the ledger table instead
+    of the store: :func:`update_connection` has checked that the table was built from exactly
+    those rows, and each of their turn spans is a row of it with its trace id (an engine-only
+    row has none) and X-Request-Id. The spans past ``low`` are read from the store, which skips
+    the row groups before them. At 1M turns the two scans of every span this replaces took
+    1.8 s of a 6 s update."""
+    traces, keys = sorted(set(traces)), sorted(set(keys))
+    unit = _unit_sql("run_id", "conversation_id", "x_request_id")
+    known = reader.frame(query.Query(
+        f"SELECT DISTINCT {unit} AS unit, run_id, x_request_id "
+        f"FROM {quote(ledger_module.LEDGER_TABLE)} WHERE trace_id IS NOT NULL "
+        "AND (trace_id IN (SELECT unnest($traces)) OR x_request_id IN (SELECT unnest($keys)))",
+        {"traces": traces, "keys": keys}, name="units the ledger table names"))
+    return pl.concat([known, units_of(reader, traces, keys, low=low)],
+                     how="vertical_relaxed").unique()
 
 
 def _runs_with_turns(reader: Reader, runs: set[str | None]) -> set[str | None]:

@@ -19,12 +19,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvscope import cli
+from kvscope import cli, semconv
+from kvscope.analysis import ledger as ledger_module
 from kvscope.analysis.ledger import LEDGER_TABLE, ledger
 from kvscope.analysis.ledger_units import (
+    _named_units,
     stored_queries,
     stored_table_query,
     stored_tables,
+    unit_expr,
+    units_of,
     update_connection,
 )
 from kvscope.emulator.simulator import SimulationSettings, simulate
@@ -98,6 +102,40 @@ def test_incremental_equals_full_rebuild(spans: pa.Table, tmp_path_factory: pyte
     # Batches after the first were incremental, and late spans changed earlier turns' outcomes.
     assert incremental == len(bounds) - 2, reasons
     assert changed_later > 0
+
+
+def test_the_units_of_turn_spans_up_to_the_mark_are_the_ledger_tables(
+        spans: pa.Table, tmp_path: Path) -> None:
+    """An update finds the conversations new spans touch in the ledger table, for the turn
+    spans it was built from, and in the store past its mark: the same units as scanning every
+    stored span (which the update did before), for every trace and X-Request-Id there is, and
+    for ids of engine-only rows and ids no span has. Engine spans first (their rows are engine
+    rows with no trace until their turns arrive), then the rest in random order."""
+    con = open_store(tmp_path / "store.duckdb")
+    try:
+        con.register("spans", spans)
+        con.execute("INSERT INTO otel_traces SELECT * FROM spans ORDER BY "
+                    f"SpanName <> '{semconv.SPAN_REUSE_DECISION}', hash(SpanId)")
+        con.unregister("spans")
+        reader = DuckDBReader(con, time_limit_s=None)
+        every = reader.frame(ledger_module.QUERIES["turns"])
+        traces = [*every["trace_id"].drop_nulls().unique().to_list(), "no-such-trace"]
+        keys = [*every["x_request_id"].drop_nulls().unique().to_list(), "no-such-request"]
+        whole = units_of(reader, traces, keys).unique().sort(pl.all())
+        assert whole.height >= every.select(unit_expr()).n_unique()
+        total = spans.num_rows
+        for mark in (total // 50, total // 3, 2 * total // 3, total - 1):
+            con.execute(f"CREATE TEMP TABLE held AS SELECT * FROM otel_traces WHERE rowid > {mark}")
+            con.execute(f"DELETE FROM otel_traces WHERE rowid > {mark}")
+            update_connection(con, full=True)
+            con.execute("INSERT INTO otel_traces SELECT * FROM held")
+            con.execute("DROP TABLE held")
+            found = _named_units(reader, traces, keys, mark).sort(pl.all())
+            engine_rows = con.execute(f"SELECT count(*) FROM {LEDGER_TABLE} "
+                                      "WHERE trace_id IS NULL").fetchall()[0][0]
+            assert found.equals(whole), (mark, engine_rows)
+    finally:
+        con.close()
 
 
 def _assert_stored_queries_current(con: duckdb.DuckDBPyConnection) -> None:
