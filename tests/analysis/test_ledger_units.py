@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvscope import cli, semconv
-from kvscope.analysis import ledger as ledger_module
-from kvscope.analysis.ledger import LEDGER_TABLE, ledger
+from kvscope.analysis.ledger import LEDGER_TABLE, QUERIES, ledger
 from kvscope.analysis.ledger_units import (
     _named_units,
     stored_queries,
@@ -118,7 +117,7 @@ def test_the_units_of_turn_spans_up_to_the_mark_are_the_ledger_tables(
                     f"SpanName <> '{semconv.SPAN_REUSE_DECISION}', hash(SpanId)")
         con.unregister("spans")
         reader = DuckDBReader(con, time_limit_s=None)
-        every = reader.frame(ledger_module.QUERIES["turns"])
+        every = reader.frame(QUERIES["turns"])
         traces = [*every["trace_id"].drop_nulls().unique().to_list(), "no-such-trace"]
         keys = [*every["x_request_id"].drop_nulls().unique().to_list(), "no-such-request"]
         whole = units_of(reader, traces, keys).unique().sort(pl.all())
