@@ -17,8 +17,9 @@ then replays them here, alone, in four cumulative ways, each in a fresh process:
 
 and prints each way's CPU seconds (this process's, the writer thread included) and the
 difference to the way before: what each stage costs. The replay continues the run's span id
-streams, so its rows are the span process's. Deterministic work: the spread between runs is the
-machine's; ``--rounds`` repeats each way and reports the least CPU.
+streams, so its rows are the span process's. The work is the same every run, its CPU seconds are
+not (on the project's shared 2-core machine, whole runs minutes apart were up to 1.3x apart):
+``--rounds`` repeats each way and reports the least CPU; compare stages within one run.
 
 Run:  .venv/bin/python tests/benchmarks/bench_span_process.py [--turns 100000] [--rounds 2]
 Not a test: nothing here asserts a time.
